@@ -1,0 +1,2591 @@
+"""rlhf — post-training for causal language models, in one module.
+
+Supervised fine-tuning today; reward modelling, preference and RL optimisation, evaluation and
+merging build on the same sections. Runs on a laptop CPU with the embedded ``tiny`` model and the
+bundled demo task, and on GPUs through accelerate.
+
+    python rlhf.py pipeline --config configs/demo.yaml
+    python rlhf.py sft --config configs/sft.yaml learning_rate=1e-4
+
+Table of contents (each section opens with a ``# ==== N. Title ====`` banner):
+  0. Notation and registries — IGNORE_INDEX, RLHFInputError, TrainingStage
+  1. Configs — BaseConfig, SFTConfig, PipelineConfig, load_config, save_config, config_help
+  2. Infrastructure — setup_logging, DeviceManager, TrainingLogger, CheckpointManager, create_optimizer, EarlyStopping, apply_lora, apply_freeze, compile_model, select_attention_implementation
+  3. Data — load_records, ChatFormatter, CHAT_TEMPLATES, SFTDataset, StreamingSFTDataset, pack_sequences, SFTCollator, extract_answer
+  4. Models — token_log_probs, load_tokenizer, build_tiny_model, resolve_model_path, PolicyModel
+  5. Losses and advantages — causal_lm_loss_sum
+  7. Trainers — BaseTrainer, SFTTrainer, TrainResult
+  10. Orchestrator — RLHFOrchestrator
+  11. CLI — main
+
+Notation used in ``Shapes:`` lines: B sequences in a batch, T tokens per sequence, V vocabulary size.
+Sections 6, 8 and 9 (rewards, evaluation, self-improvement) arrive with later stages; numbering
+follows ../DESIGN.md so the map and the module stay in step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import difflib
+import enum
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import re
+import shutil
+import sys
+import time
+import types
+import typing
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from inference_optimizations import select_attention_implementation
+
+__version__ = "0.1.0"
+logger = logging.getLogger("rlhf")
+
+# ==== 0. Notation and registries ====
+
+IGNORE_INDEX = -100  # label value that cross-entropy skips (prompt and padding tokens)
+REPO_DIR = Path(__file__).resolve().parent
+DEMO_DATA_DIR = REPO_DIR / "data" / "demo"
+
+
+class RLHFInputError(ValueError):
+    """A user mistake (config value, data record, missing file). The CLI prints it as one line,
+    without a traceback; the message names the field or file:line and says how to fix it."""
+
+
+class TrainingStage(str, enum.Enum):
+    """Pipeline stages, in the order the pipeline runs them."""
+
+    SFT = "sft"
+
+
+def _default_cache_dir() -> Path:
+    """Where the embedded model and tokenised datasets are cached (``RLHF_CACHE`` overrides)."""
+    return Path(os.environ.get("RLHF_CACHE", Path.home() / ".cache" / "rlhf"))
+
+
+# ==== 1. Configs ====
+
+
+def _opt(default: Any, help: str, **kwargs: Any) -> Any:
+    """A dataclass field whose one-line help feeds ``--help`` and the README table."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help}, **kwargs)
+    return field(default=default, metadata={"help": help}, **kwargs)
+
+
+SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
+              "constant_with_warmup", "inverse_sqrt", "reduce_lr_on_plateau", "cosine_with_min_lr",
+              "warmup_stable_decay")
+ATTENTION_CHOICES = ("auto", "flash_attention_2", "sdpa", "eager")
+REPORT_TARGETS = ("tensorboard", "wandb")
+FINETUNING_TYPES = ("full", "lora", "freeze")
+
+
+@dataclass
+class BaseConfig:
+    """What every training stage shares. Field names follow LLaMA-Factory / Hugging Face where one exists."""
+
+    # -- model
+    model_name_or_path: str = _opt("tiny", "Hugging Face model directory or hub id; 'tiny' builds the embedded demo model")
+    trust_remote_code: bool = _opt(False, "Allow custom modelling code shipped with the model (off: it runs arbitrary Python)")
+    attn_implementation: str = _opt("auto", "auto (flash_attention_2 -> sdpa -> eager) | flash_attention_2 | sdpa | eager")
+    model_dtype: str = _opt("auto", "Weights dtype on load: auto (fp32 for full/freeze, bf16/fp16 base for lora when mixed precision is on) | float32 | bfloat16 | float16")
+    finetuning_type: str = _opt("lora", "full | lora | freeze (train only the last freeze_trainable_layers blocks)")
+    lora_rank: int = _opt(8, "LoRA rank r")
+    lora_alpha: int | None = _opt(None, "LoRA alpha (default: 2 * lora_rank, as LLaMA-Factory)")
+    lora_dropout: float = _opt(0.0, "Dropout on the LoRA branch")
+    lora_target: str = _opt("all", "Comma-separated module names for LoRA, or 'all' = every linear layer except the output head")
+    additional_target: str | None = _opt(None, "Comma-separated extra modules trained in full and saved with the adapter (e.g. embed_tokens,lm_head)")
+    freeze_trainable_layers: int = _opt(2, "With finetuning_type=freeze: train the last N blocks (negative: the first N)")
+    gradient_checkpointing: bool = _opt(False, "Recompute activations in backward to save memory")
+    compile: bool = _opt(False, "torch.compile the model (falls back to eager with a warning if compilation fails)")
+    # -- data
+    dataset: str = _opt("", "Comma-separated dataset names from dataset_dir/dataset_info.json, or paths to JSON/JSONL/Parquet files or dataset directories")
+    eval_dataset: str = _opt("", "Held-out prompts with an 'answer' (for exact-match accuracy), same syntax as dataset")
+    dataset_dir: str = _opt("data", "Folder holding dataset_info.json and the files it names")
+    template: str = _opt("auto", "Chat template: auto (the tokenizer's own, else 'default') | default | chatml | llama3 | qwen")
+    cutoff_len: int = _opt(2048, "Maximum tokens per example; longer ones are truncated (or dropped if no target token survives), and counted")
+    max_samples: int | None = _opt(None, "Use at most this many records from each dataset")
+    val_size: float = _opt(0.0, "Hold out this share (0-1) or count (>=1) of training records for eval loss / perplexity")
+    streaming: bool = _opt(False, "Stream the dataset from disk in constant memory (needs max_steps)")
+    buffer_size: int = _opt(0, "Shuffle buffer for streaming (0: file order, exactly resumable)")
+    preprocessing_num_workers: int | None = _opt(None, "Processes for tokenisation (datasets.map num_proc)")
+    dataloader_num_workers: int = _opt(0, "DataLoader worker processes")
+    skip_invalid_records: bool = _opt(False, "Skip (and count) malformed records instead of stopping at the first one")
+    cache_dir: str | None = _opt(None, "Cache for the embedded model and tokenised data (default: $RLHF_CACHE or ~/.cache/rlhf)")
+    # -- optimisation
+    output_dir: str = _opt("outputs/run", "Where checkpoints, the final model, logs and report.json go")
+    overwrite_output_dir: bool = _opt(False, "Delete existing checkpoints in output_dir and start over")
+    seed: int = _opt(42, "Seed for model init, data order and dropout")
+    learning_rate: float = _opt(5e-5, "Peak learning rate (AdamW)")
+    weight_decay: float = _opt(0.0, "AdamW weight decay (not applied to biases and norms)")
+    adam_beta1: float = _opt(0.9, "AdamW beta1")
+    adam_beta2: float = _opt(0.999, "AdamW beta2")
+    adam_epsilon: float = _opt(1e-8, "AdamW epsilon")
+    max_grad_norm: float = _opt(1.0, "Clip the global gradient norm to this (0: no clipping)")
+    per_device_train_batch_size: int = _opt(8, "Micro-batch size per device")
+    per_device_eval_batch_size: int = _opt(16, "Batch size for evaluation and generation")
+    gradient_accumulation_steps: int = _opt(1, "Micro-batches per optimizer step; the loss is normalised over all of them")
+    num_train_epochs: float = _opt(1.0, "Passes over the training data (ignored when max_steps > 0)")
+    max_steps: int = _opt(-1, "Optimizer steps to run; > 0 overrides num_train_epochs")
+    lr_scheduler_type: str = _opt("linear", "Learning-rate schedule from transformers: " + " | ".join(SCHEDULERS[:6]) + " | ...")
+    warmup_ratio: float = _opt(0.0, "Share of steps spent warming up the learning rate")
+    warmup_steps: int = _opt(0, "Warm-up steps (overrides warmup_ratio when > 0)")
+    bf16: bool = _opt(False, "bfloat16 mixed precision (GPU, or CPU autocast)")
+    fp16: bool = _opt(False, "float16 mixed precision with loss scaling (CUDA only)")
+    ddp_timeout: int = _opt(1800, "Seconds before a distributed collective times out")
+    # -- logging, evaluation, checkpoints
+    logging_steps: int = _opt(10, "Log metrics every N optimizer steps")
+    eval_steps: int = _opt(0, "Evaluate every N optimizer steps (0: only at the end)")
+    eval_max_new_tokens: int = _opt(64, "Token budget per answer when evaluating accuracy by generation")
+    eval_before_training: bool = _opt(False, "Also evaluate the model before training, for a before/after table")
+    save_steps: int = _opt(500, "Write a checkpoint every N optimizer steps (0: only at the end)")
+    save_total_limit: int = _opt(3, "Keep only the newest N checkpoints")
+    save_only_model: bool = _opt(False, "Checkpoints hold weights only (smaller; resume then restarts optimizer state)")
+    resume_from_checkpoint: str = _opt("auto", "auto (latest complete checkpoint in output_dir, if any) | none | a checkpoint directory")
+    early_stopping_patience: int | None = _opt(None, "Stop after N evaluations without improvement of metric_for_best_model")
+    metric_for_best_model: str = _opt("eval/loss", "Metric watched by early stopping; lower is better unless the name contains 'accuracy'")
+    report_to: list[str] = _opt([], "Experiment trackers: tensorboard, wandb (offline unless WANDB_API_KEY is set), all, or none")
+    run_name: str | None = _opt(None, "Run name shown in trackers")
+    plot_loss: bool = _opt(False, "Save loss and metric curves as PNG files in output_dir")
+    disable_progress_bar: bool = _opt(False, "Hide the rich progress bar (logs still print)")
+
+    stage: typing.ClassVar[str] = "base"
+
+    def __post_init__(self) -> None:
+        self._normalise()
+        self._validate()
+
+    def _normalise(self) -> None:
+        if isinstance(self.report_to, str):
+            self.report_to = [self.report_to]
+        targets = [t.strip() for item in self.report_to for t in str(item).split(",") if t.strip()]
+        if "all" in targets:
+            targets = list(REPORT_TARGETS)
+        self.report_to = [t for t in targets if t != "none"]
+        if self.lora_alpha is None:
+            self.lora_alpha = 2 * self.lora_rank
+        if isinstance(self.resume_from_checkpoint, bool):
+            self.resume_from_checkpoint = "auto" if self.resume_from_checkpoint else "none"
+
+    def _validate(self) -> None:
+        positive = ("learning_rate", "per_device_train_batch_size", "per_device_eval_batch_size",
+                    "gradient_accumulation_steps", "cutoff_len", "lora_rank", "logging_steps",
+                    "save_total_limit", "eval_max_new_tokens")
+        for name in positive:
+            _check(getattr(self, name) > 0, name, "must be > 0")
+        for name in ("weight_decay", "max_grad_norm", "warmup_steps", "save_steps", "eval_steps",
+                     "buffer_size", "dataloader_num_workers", "num_train_epochs", "val_size"):
+            _check(getattr(self, name) >= 0, name, "must be >= 0")
+        _check(0 <= self.warmup_ratio < 1, "warmup_ratio", "must be in [0, 1)")
+        _check(0 <= self.lora_dropout < 1, "lora_dropout", "must be in [0, 1)")
+        _check(0 < self.adam_beta1 < 1 and 0 < self.adam_beta2 < 1, "adam_beta1/adam_beta2", "must be in (0, 1)")
+        _check(self.max_steps > 0 or self.num_train_epochs > 0, "max_steps", "set max_steps > 0 or num_train_epochs > 0")
+        _check(self.max_samples is None or self.max_samples > 0, "max_samples", "must be > 0 (or omit it)")
+        _check(self.early_stopping_patience is None or self.early_stopping_patience > 0,
+               "early_stopping_patience", "must be > 0 (or omit it)")
+        _check_choice(self.finetuning_type, FINETUNING_TYPES, "finetuning_type")
+        _check_choice(self.attn_implementation, ATTENTION_CHOICES, "attn_implementation")
+        _check_choice(self.lr_scheduler_type, SCHEDULERS, "lr_scheduler_type")
+        _check_choice(self.model_dtype, ("auto", "float32", "bfloat16", "float16"), "model_dtype")
+        for target in self.report_to:
+            _check_choice(target, REPORT_TARGETS + ("none", "all"), "report_to")
+        _check(not (self.bf16 and self.fp16), "bf16/fp16", "choose one mixed-precision mode, not both")
+        _check(not self.fp16 or torch.cuda.is_available(), "fp16",
+               "float16 mixed precision needs a CUDA GPU; use bf16=true on CPU")
+        _check(not self.streaming or self.max_steps > 0, "max_steps",
+               "streaming datasets have no known length: set max_steps > 0")
+        _check(self.val_size < 1 or float(self.val_size).is_integer(), "val_size",
+               "use a share in [0, 1) or a whole number of records")
+
+    @property
+    def mixed_precision(self) -> str:
+        return "bf16" if self.bf16 else "fp16" if self.fp16 else "no"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class SFTConfig(BaseConfig):
+    """Supervised fine-tuning on prompt/response demonstrations."""
+
+    packing: bool = _opt(False, "Pack several examples per sequence; position ids restart so examples never see each other")
+    train_on_prompt: bool = _opt(False, "Also compute the loss on prompt tokens (default: only on responses)")
+    mask_history: bool = _opt(False, "In multi-turn records, train only on the last assistant turn")
+
+    stage: typing.ClassVar[str] = "sft"
+
+
+STAGE_CONFIGS: dict[str, type[BaseConfig]] = {"sft": SFTConfig}
+
+
+def _check(ok: bool, name: str, fix: str) -> None:
+    if not ok:
+        raise RLHFInputError(f"config field '{name}' {fix}")
+
+
+def _check_choice(value: str, choices: Iterable[str], name: str) -> None:
+    choices = tuple(choices)
+    if value not in choices:
+        hint = difflib.get_close_matches(str(value), choices, n=1)
+        suggestion = f" (did you mean '{hint[0]}'?)" if hint else ""
+        raise RLHFInputError(f"config field '{name}' is '{value}'{suggestion}; valid: {', '.join(choices)}")
+
+
+# LLaMA-Factory / HF Trainer keys that users' YAML files carry. Each either maps to one of ours
+# (value: our field name, optionally with a value translation) or is ignored with the reason given.
+LLAMAFACTORY_RENAMES: dict[str, tuple[str, dict[Any, Any] | None]] = {
+    "flash_attn": ("attn_implementation", {"fa2": "flash_attention_2", "sdpa": "sdpa", "disabled": "eager", "auto": "auto"}),
+    "neat_packing": ("packing", None),
+    "infer_dtype": ("model_dtype", {"auto": "auto", "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}),
+    "eval_dataset_dir": ("dataset_dir", None),
+    "lora_targets": ("lora_target", None),
+}
+LLAMAFACTORY_IGNORED: dict[str, str] = {
+    "do_train": "rlhf always trains the stage it is asked to run",
+    "do_eval": "evaluation runs every eval_steps (0: at the end)",
+    "do_predict": "use the evaluation of the stage or the best-of-n command instead",
+    "eval_strategy": "evaluation runs every eval_steps (0: at the end)",
+    "evaluation_strategy": "evaluation runs every eval_steps (0: at the end)",
+    "save_strategy": "checkpoints are written every save_steps",
+    "logging_strategy": "metrics are logged every logging_steps",
+    "overwrite_cache": "tokenised data is cached by a hash of the data, tokenizer and settings, so it never goes stale",
+    "deepspeed": "launch with `accelerate launch --config_file configs/accelerate_*.yaml rlhf.py ...` to use DeepSpeed",
+    "fsdp": "launch with an accelerate FSDP config file instead",
+    "quantization_bit": "quantised (QLoRA) training is not supported yet; the model loads unquantised",
+    "quantization_method": "quantised (QLoRA) training is not supported yet",
+    "upcast_layernorm": "norm layers already stay in fp32 under autocast",
+    "pure_bf16": "use bf16=true (mixed precision) or model_dtype=bfloat16",
+    "enable_liger_kernel": "Liger kernels are not used; the loss is computed in torch",
+    "use_unsloth": "Unsloth is not used",
+    "resize_vocab": "the vocabulary is never resized",
+    "tokenized_path": "tokenised data is cached automatically under cache_dir",
+    "mix_strategy": "datasets are concatenated",
+    "image_max_pixels": "multimodal training is not supported",
+    "video_max_pixels": "multimodal training is not supported",
+    "freeze_vision_tower": "multimodal training is not supported",
+    "push_to_hub": "outputs are written to output_dir only",
+    "hub_model_id": "outputs are written to output_dir only",
+    "logging_dir": "logs go to output_dir/logs",
+    "plot_only": "plots are written at the end of training when plot_loss is true",
+    "ray_run_name": "Ray is not used",
+    "include_num_input_tokens_seen": "tokens/s is always logged",
+    "dataloader_pin_memory": "pinning is decided from the device",
+    "optim": "the optimizer is AdamW",
+    "bf16_full_eval": "evaluation uses the training precision",
+    "predict_with_generate": "accuracy evaluation always generates",
+}
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _coerce(value: Any, annotation: Any, name: str, where: str) -> Any:
+    """Turn a YAML / command-line value into the field's declared type, or explain why not."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("null", "none") and type(None) in args):
+            if type(None) in args:
+                return None
+        non_none = [a for a in args if a is not type(None)]
+        return _coerce(value, non_none[0], name, where)
+    if origin is list:
+        items = value if isinstance(value, list) else [v for v in str(value).split(",") if v.strip()]
+        return [_coerce(v, args[0], name, where) for v in items]
+    try:
+        if annotation is bool:
+            if isinstance(value, bool):
+                return value
+            lowered = str(value).strip().lower()
+            if lowered in ("true", "1", "yes", "on"):
+                return True
+            if lowered in ("false", "0", "no", "off"):
+                return False
+            raise ValueError
+        if annotation is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(float(value)) if isinstance(value, str) else int(value)
+        if annotation is float:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if annotation is str:
+            if isinstance(value, (dict, list)):
+                raise ValueError
+            return str(value)
+    except (TypeError, ValueError):
+        kind = {bool: "true or false", int: "a whole number", float: "a number", str: "a string"}[annotation]
+        raise RLHFInputError(f"{where}: '{name}' must be {kind}, got {value!r}") from None
+    return value
+
+
+def _translate_keys(raw: dict[str, Any], cls: type[BaseConfig], where: str) -> dict[str, Any]:
+    """Map LLaMA-Factory names onto ours, drop ignored ones with a notice, reject unknown keys."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key == "stage":
+            if str(value) != cls.stage:
+                raise RLHFInputError(
+                    f"{where}: stage: {value} but this command trains '{cls.stage}'; "
+                    f"run `python rlhf.py {value} --config ...` (or `python rlhf.py train`, which reads stage)")
+            continue
+        if key in known:
+            out[key] = value
+        elif key in LLAMAFACTORY_RENAMES:
+            target, mapping = LLAMAFACTORY_RENAMES[key]
+            if target not in known:
+                logger.info("%s: ignoring '%s' (no '%s' in the %s stage)", where, key, target, cls.stage)
+                continue
+            if mapping is not None:
+                if value not in mapping:
+                    raise RLHFInputError(f"{where}: '{key}' is {value!r}; valid: {', '.join(map(str, mapping))}")
+                value = mapping[value]
+            out[target] = value
+        elif key in LLAMAFACTORY_IGNORED:
+            logger.info("%s: ignoring '%s': %s", where, key, LLAMAFACTORY_IGNORED[key])
+        else:
+            hint = difflib.get_close_matches(key, sorted(known | set(LLAMAFACTORY_RENAMES)), n=1)
+            suggestion = f"; did you mean '{hint[0]}'?" if hint else ""
+            raise RLHFInputError(f"{where}: unknown key '{key}' for the {cls.stage} stage{suggestion} "
+                                 f"(see `python rlhf.py {cls.stage} --help`)")
+    return out
+
+
+def parse_overrides(pairs: Iterable[str]) -> dict[str, Any]:
+    """``key=value`` strings from the command line; values are parsed as YAML scalars."""
+    import yaml
+
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise RLHFInputError(f"command line: '{pair}' is not key=value (e.g. learning_rate=1e-4)")
+        key, value = pair.split("=", 1)
+        try:
+            out[key.strip()] = yaml.safe_load(value) if value else ""
+        except yaml.YAMLError:
+            out[key.strip()] = value
+    return out
+
+
+def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    """A YAML mapping from a file, with syntax errors reported as file:line."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise RLHFInputError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark else ""
+        raise RLHFInputError(f"{path}{line}: invalid YAML ({getattr(err, 'problem', err)})") from None
+    if not isinstance(data, dict):
+        raise RLHFInputError(f"{path}: expected a mapping of key: value lines at the top level")
+    return data
+
+
+def build_config(cls: type[BaseConfig], raw: dict[str, Any], where: str = "config") -> BaseConfig:
+    """Validate and type a raw mapping into ``cls``; every error names the key."""
+    values = _translate_keys(raw, cls, where)
+    hints = _field_types(cls)
+    typed = {k: _coerce(v, hints[k], k, where) for k, v in values.items()}
+    return cls(**typed)
+
+
+def load_config(cls: type[BaseConfig], path: str | os.PathLike | None = None,
+                overrides: Iterable[str] = ()) -> BaseConfig:
+    """Read a stage config from YAML (optional) plus ``key=value`` overrides, LLaMA-Factory keys accepted."""
+    raw = read_yaml(path) if path else {}
+    raw.update(parse_overrides(overrides))
+    return build_config(cls, raw, where=str(path) if path else "command line")
+
+
+def save_config(config: BaseConfig | PipelineConfig, path: str | os.PathLike) -> None:
+    """Write a config back to YAML so a run can be repeated exactly."""
+    import yaml
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False), encoding="utf-8")
+
+
+def config_help(cls: type[BaseConfig]) -> str:
+    """One line per field: name, type, default, help — for ``--help`` and the README."""
+    hints = _field_types(cls)
+    rows = []
+    for f in dataclasses.fields(cls):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        type_name = getattr(hints[f.name], "__name__", str(hints[f.name])).replace("typing.", "")
+        rows.append(f"  {f.name:<28} {type_name:<11} default {default!r:<14} {f.metadata.get('help', '')}")
+    return "\n".join(rows)
+
+
+@dataclass
+class PipelineConfig:
+    """Several stages run in order. Top-level keys are shared by every stage; a section named after a
+    stage (``sft:``) overrides them for that stage. Each stage writes to ``output_dir/<stage>`` and
+    starts from the previous stage's model."""
+
+    stages: list[str] = _opt(["sft"], "Stages to run, in order")
+    output_dir: str = _opt("outputs/pipeline", "Root folder; stage N writes output_dir/<stage>")
+    shared: dict[str, Any] = _opt({}, "Keys applied to every stage")
+    stage_overrides: dict[str, dict[str, Any]] = _opt({}, "Per-stage keys, overriding shared ones")
+    source: str = _opt("config", "Where the config came from, for error messages")
+
+    def __post_init__(self) -> None:
+        for stage in self.stages:
+            _check_choice(stage, STAGE_CONFIGS, "stages")
+        for stage in self.stage_overrides:
+            _check_choice(stage, STAGE_CONFIGS, "stage section")
+        for stage in self.stages:  # fail before any training if a later stage's keys are wrong
+            self.stage_config(stage)
+
+    def stage_config(self, stage: str, model_name_or_path: str | None = None) -> BaseConfig:
+        """The typed config of one stage: shared keys, then the stage's own section."""
+        raw = {**self.shared, **self.stage_overrides.get(stage, {})}
+        raw["output_dir"] = str(Path(self.output_dir) / stage)
+        if model_name_or_path is not None:
+            raw["model_name_or_path"] = model_name_or_path
+        return build_config(STAGE_CONFIGS[stage], raw, where=f"{self.source} [{stage}]")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"stages": list(self.stages), "output_dir": self.output_dir, **self.shared,
+                **{stage: dict(keys) for stage, keys in self.stage_overrides.items()}}
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config") -> PipelineConfig:
+        raw = dict(raw)
+        stages = raw.pop("stages", ["sft"])
+        if isinstance(stages, str):
+            stages = [s.strip() for s in stages.split(",") if s.strip()]
+        output_dir = str(raw.pop("output_dir", "outputs/pipeline"))
+        sections = {k: raw.pop(k) for k in list(raw) if k in STAGE_CONFIGS and isinstance(raw[k], dict)}
+        for key in list(raw):  # dotted overrides: sft.learning_rate=1e-3
+            if "." in key and key.split(".", 1)[0] in STAGE_CONFIGS:
+                stage, sub = key.split(".", 1)
+                sections.setdefault(stage, {})[sub] = raw.pop(key)
+        return cls(stages=stages, output_dir=output_dir, shared=raw, stage_overrides=sections, source=source)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, overrides: Iterable[str] = ()) -> PipelineConfig:
+        raw = read_yaml(path)
+        raw.update(parse_overrides(overrides))
+        return cls.from_dict(raw, source=str(path))
+
+
+# ==== 2. Infrastructure ====
+
+
+def setup_logging(level: str | int = "INFO", log_file: str | os.PathLike | None = None) -> logging.Logger:
+    """Rich console logging for the ``rlhf`` logger, plus an optional plain-text file."""
+    from rich.logging import RichHandler
+
+    root = logging.getLogger("rlhf")
+    root.setLevel(level)
+    if not any(isinstance(h, RichHandler) for h in root.handlers):
+        handler = RichHandler(show_path=False, rich_tracebacks=False, markup=False, log_time_format="[%X]")
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        root.addHandler(handler)
+    if log_file is not None:
+        path = Path(log_file).resolve()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not any(isinstance(h, logging.FileHandler) and Path(h.baseFilename) == path for h in root.handlers):
+            file_handler = logging.FileHandler(path, encoding="utf-8")
+            file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+            root.addHandler(file_handler)
+    root.propagate = False
+    return root
+
+
+def set_seed(seed: int) -> None:
+    """Seed python, numpy and torch (all devices) so a run is repeatable."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+class DeviceManager:
+    """Device, mixed precision, gradient scaling, clipping and process layout, over ``accelerate``.
+
+    Training code talks to this class, never to CUDA or torch.distributed directly, so the same loop
+    runs on a laptop CPU, one GPU, or many GPUs under ``accelerate launch`` (DDP, FSDP, DeepSpeed).
+    """
+
+    def __init__(self, mixed_precision: str = "no", log_with: list[str] | None = None,
+                 project_dir: str | os.PathLike | None = None, ddp_timeout: int = 1800) -> None:
+        from accelerate import Accelerator
+        from accelerate.utils import InitProcessGroupKwargs
+
+        kwargs = dict(mixed_precision=mixed_precision, log_with=log_with or None,
+                      project_dir=str(project_dir) if project_dir else None,
+                      kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=ddp_timeout))])
+        try:
+            self.accelerator = Accelerator(**kwargs)
+        except ValueError:
+            # accelerate keeps one process-wide state; a second run in the same single process
+            # (tests, notebooks) may ask for a different precision, which is safe to reset.
+            if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+                raise
+            from accelerate.state import AcceleratorState, GradientState
+
+            AcceleratorState._reset_state(True)
+            GradientState._reset_state()
+            self.accelerator = Accelerator(**kwargs)
+
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.accelerator.is_main_process
+
+    @property
+    def num_processes(self) -> int:
+        return self.accelerator.num_processes
+
+    @property
+    def process_index(self) -> int:
+        return self.accelerator.process_index
+
+    def prepare(self, *objects: Any) -> Any:
+        return self.accelerator.prepare(*objects)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return self.accelerator.unwrap_model(model)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return self.accelerator.autocast()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.accelerator.backward(loss)  # applies the fp16 loss scale when active
+
+    def clip_grad_norm(self, parameters: Iterable[nn.Parameter], max_norm: float) -> float:
+        """Unscale (fp16) and clip; returns the total norm before clipping (inf/nan if overflowed)."""
+        parameters = [p for p in parameters if p.grad is not None]
+        if not parameters:
+            return 0.0
+        if max_norm <= 0:
+            return float(torch.linalg.vector_norm(torch.stack([p.grad.detach().float().norm() for p in parameters])))
+        return float(self.accelerator.clip_grad_norm_(parameters, max_norm))
+
+    def no_sync(self, model: nn.Module, skip: bool) -> contextlib.AbstractContextManager:
+        """Skip the gradient all-reduce on micro-batches that are not the last of an accumulation."""
+        return self.accelerator.no_sync(model) if skip and self.num_processes > 1 else contextlib.nullcontext()
+
+    def sum_across_processes(self, value: float | int) -> float:
+        if self.num_processes == 1:
+            return float(value)
+        tensor = torch.tensor(float(value), device=self.device)
+        return float(self.accelerator.reduce(tensor, reduction="sum"))
+
+    def wait(self) -> None:
+        self.accelerator.wait_for_everyone()
+
+
+def _configure_wandb_offline() -> None:
+    """wandb must work on machines without network or account: offline unless a key is set."""
+    if not os.environ.get("WANDB_API_KEY"):
+        os.environ.setdefault("WANDB_MODE", "offline")
+
+
+def _ema(values: list[float], weight: float = 0.9) -> list[float]:
+    smoothed, last = [], values[0] if values else 0.0
+    for v in values:
+        last = weight * last + (1 - weight) * v
+        smoothed.append(last)
+    return smoothed
+
+
+def plot_metrics(history: list[dict[str, Any]], output_dir: str | os.PathLike,
+                 keys: Iterable[str] | None = None) -> list[Path]:
+    """Save one PNG per metric (raw and smoothed against step); returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    numeric = {k for row in history for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}
+    wanted = [k for k in (keys or sorted(numeric)) if k in numeric]
+    written = []
+    for key in wanted:
+        points = [(row["step"], row[key]) for row in history if key in row and math.isfinite(row[key])]
+        if not points:
+            continue
+        steps, values = zip(*points)
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot(steps, values, color="#1f77b4", alpha=0.4 if len(points) > 1 else 1, marker="." if len(points) < 20 else None, label="raw")
+        if len(points) > 2:
+            ax.plot(steps, _ema(list(values)), color="#1f77b4", label="smoothed")
+        ax.set_xlabel("step")
+        ax.set_ylabel(key)
+        ax.set_title(key)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        path = Path(output_dir) / f"plot_{key.replace('/', '_')}.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+class TrainingLogger:
+    """Progress bar, metric history, JSONL file, trackers (tensorboard / wandb) and PNG curves.
+
+    Everything a run reports passes through ``log``; only the main process writes.
+    """
+
+    def __init__(self, output_dir: str | os.PathLike, total_steps: int, devices: DeviceManager,
+                 config: BaseConfig, description: str = "train", start_step: int = 0) -> None:
+        self.output_dir = Path(output_dir)
+        self.devices = devices
+        self.config = config
+        self.history: list[dict[str, Any]] = []
+        self.metrics_path = self.output_dir / "metrics.jsonl"
+        self.active = devices.is_main_process
+        self._progress = None
+        if not self.active:
+            return
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self._reload_history(start_step)
+        if config.report_to:
+            if "wandb" in config.report_to:
+                _configure_wandb_offline()
+            run = config.run_name or f"{config.stage}-{time.strftime('%Y%m%d-%H%M%S')}"
+            flat = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in config.to_dict().items()}
+            devices.accelerator.init_trackers(project_name=f"rlhf-{config.stage}", config=flat,
+                                              init_kwargs={"wandb": {"name": run, "dir": str(self.output_dir)}})
+        if not config.disable_progress_bar:
+            self._start_progress(total_steps, start_step, description)
+
+    def _reload_history(self, start_step: int) -> None:
+        """On resume keep the metrics logged up to the checkpoint and drop the ones after it."""
+        if not self.metrics_path.exists():
+            return
+        kept = []
+        for line in self.metrics_path.read_text(encoding="utf-8").splitlines():
+            with contextlib.suppress(json.JSONDecodeError):
+                row = json.loads(line)
+                if row.get("step", 0) <= start_step:
+                    kept.append(row)
+        self.history = kept if start_step > 0 else []
+        self.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in self.history), encoding="utf-8")
+
+    def _start_progress(self, total: int, start: int, description: str) -> None:
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                  TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[speed]}"),
+                                  TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+                                  transient=False)
+        self._task = self._progress.add_task(description, total=total, completed=start, loss="-", speed="")
+        self._progress.start()
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        if not self.active:
+            return
+        row = {"step": step, **{k: (float(v) if isinstance(v, (int, float, torch.Tensor)) else v) for k, v in metrics.items()}}
+        self.history.append(row)
+        with self.metrics_path.open("a", encoding="utf-8") as handle:
+            handle.write(json.dumps(row) + "\n")
+        if self.config.report_to:
+            numeric = {k: v for k, v in row.items() if isinstance(v, float)}
+            self.devices.accelerator.log(numeric, step=step)
+        if self._progress is not None and "loss" in row:
+            speed = f"{row['perf/tokens_per_s']:.0f} tok/s" if "perf/tokens_per_s" in row else ""
+            self._progress.update(self._task, loss=f"{row['loss']:.4f}", speed=speed)
+        elif self._progress is None:
+            shown = ", ".join(f"{k}={v:.4g}" for k, v in row.items() if isinstance(v, float))
+            logger.info("step %d: %s", step, shown)
+
+    def advance(self, steps: int = 1) -> None:
+        if self._progress is not None:
+            self._progress.advance(self._task, steps)
+
+    def close(self) -> list[Path]:
+        """Stop the bar, flush trackers, and write PNG curves when ``plot_loss`` is on."""
+        if not self.active:
+            return []
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+        if self.config.report_to:
+            self.devices.accelerator.end_training()
+        if self.config.plot_loss and self.history:
+            return plot_metrics(self.history, self.output_dir)
+        return []
+
+
+# -- checkpoint state that is not a model: optimizer, scheduler, RNG, trainer position.
+# Everything is stored as safetensors + JSON; nothing is pickled (DESIGN.md section 3).
+
+
+def optimizer_state_to_safetensors(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Split an optimizer ``state_dict`` into flat tensors and a JSON-able remainder."""
+    tensors, scalars = {}, {}
+    for param_id, param_state in state["state"].items():
+        for key, value in param_state.items():
+            name = f"{param_id}.{key}"
+            if isinstance(value, torch.Tensor):
+                tensors[name] = value.detach().cpu().contiguous()
+            else:
+                scalars[name] = value
+    return tensors, {"param_groups": state["param_groups"], "scalars": scalars}
+
+
+def optimizer_state_from_safetensors(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
+    state: dict[int, dict[str, Any]] = {}
+    for name, value in list(tensors.items()) + list(meta["scalars"].items()):
+        param_id, key = name.split(".", 1)
+        state.setdefault(int(param_id), {})[key] = value
+    return {"state": state, "param_groups": meta["param_groups"]}
+
+
+def capture_rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Every random generator a training step touches, as tensors + JSON."""
+    tensors = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, state in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"cuda.{i}"] = state
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    tensors["numpy"] = torch.from_numpy(keys.astype(np.int64))
+    version, py_state, gauss = random.getstate()
+    return tensors, {"numpy": [kind, int(pos), int(has_gauss), float(cached)],
+                     "python": [version, list(py_state), gauss]}
+
+
+def restore_rng_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    torch.set_rng_state(tensors["torch"])
+    cuda_states = [tensors[k] for k in sorted(k for k in tensors if k.startswith("cuda."))]
+    if cuda_states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda_states)
+    kind, pos, has_gauss, cached = meta["numpy"]
+    np.random.set_state((kind, tensors["numpy"].numpy().astype(np.uint32), pos, has_gauss, cached))
+    version, py_state, gauss = meta["python"]
+    random.setstate((version, tuple(py_state), gauss))
+
+
+def _fsync_tree(root: Path) -> None:
+    """Flush file contents to disk before the rename that publishes them."""
+    for path in root.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+
+
+class CheckpointManager:
+    """Atomic, rolling checkpoints under ``output_dir/checkpoints``.
+
+    A checkpoint is written into a hidden temporary directory and published with one ``rename``,
+    so a run killed at any moment leaves either the complete checkpoint or none; the newest
+    ``save_total_limit`` are kept and half-written leftovers are removed on start.
+    """
+
+    prefix = "checkpoint-"
+
+    def __init__(self, output_dir: str | os.PathLike, save_total_limit: int = 3) -> None:
+        self.root = Path(output_dir) / "checkpoints"
+        self.save_total_limit = save_total_limit
+        self.root.mkdir(parents=True, exist_ok=True)
+        for stale in self.root.glob(".tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+
+    def checkpoints(self) -> list[Path]:
+        """Complete checkpoints, oldest first."""
+        found = [p for p in self.root.glob(f"{self.prefix}*") if p.is_dir() and p.name[len(self.prefix):].isdigit()]
+        return sorted(found, key=lambda p: int(p.name[len(self.prefix):]))
+
+    def latest(self) -> Path | None:
+        found = self.checkpoints()
+        return found[-1] if found else None
+
+    def save(self, step: int, write: Callable[[Path], None]) -> Path:
+        """Call ``write(tmp_dir)`` to fill a new checkpoint, then publish it atomically and roll."""
+        final = self.root / f"{self.prefix}{step}"
+        tmp = self.root / f".tmp-{self.prefix}{step}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir(parents=True)
+        try:
+            write(tmp)
+            (tmp / "COMPLETE").write_text(str(step))
+            _fsync_tree(tmp)
+            if final.exists():
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self._roll()
+        return final
+
+    def _roll(self) -> None:
+        for old in self.checkpoints()[:-self.save_total_limit]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def clear(self) -> None:
+        for path in self.checkpoints():
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def create_optimizer(model: nn.Module, config: BaseConfig, num_training_steps: int
+                     ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """AdamW over trainable parameters (no weight decay on biases and norms) and a transformers schedule."""
+    from transformers import get_scheduler
+
+    decay, no_decay = [], []
+    for _, param in model.named_parameters():
+        if param.requires_grad:
+            (decay if param.ndim >= 2 else no_decay).append(param)
+    if not decay and not no_decay:
+        raise RLHFInputError("config field 'finetuning_type' leaves no trainable parameters; "
+                             "check lora_target or freeze_trainable_layers")
+    groups = [{"params": decay, "weight_decay": config.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=config.learning_rate,
+                                  betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon)
+    warmup = config.warmup_steps or math.ceil(config.warmup_ratio * num_training_steps)
+    scheduler = get_scheduler(config.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
+                              num_training_steps=num_training_steps)
+    return optimizer, scheduler
+
+
+class EarlyStopping:
+    """Stop when the watched metric has not improved by ``min_delta`` for ``patience`` evaluations."""
+
+    def __init__(self, patience: int, mode: str = "min", min_delta: float = 0.0) -> None:
+        if mode not in ("min", "max"):
+            raise ValueError("mode must be 'min' or 'max'")
+        self.patience, self.mode, self.min_delta = patience, mode, min_delta
+        self.best: float | None = None
+        self.bad_evaluations = 0
+
+    def step(self, value: float) -> bool:
+        """Record one evaluation; True means stop now."""
+        improved = self.best is None or (
+            value < self.best - self.min_delta if self.mode == "min" else value > self.best + self.min_delta)
+        if improved:
+            self.best, self.bad_evaluations = value, 0
+        else:
+            self.bad_evaluations += 1
+        return self.bad_evaluations >= self.patience
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best, "bad_evaluations": self.bad_evaluations}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best, self.bad_evaluations = state["best"], state["bad_evaluations"]
+
+
+def _is_linear(module: nn.Module) -> bool:
+    from transformers.pytorch_utils import Conv1D
+
+    return isinstance(module, (nn.Linear, Conv1D))
+
+
+def find_linear_module_names(model: nn.Module) -> list[str]:
+    """Short names of every linear layer (``q_proj``, ``c_attn``, ``in_proj`` ...) except output heads,
+    so ``lora_target: all`` works on any architecture without a per-model list."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    names = set()
+    for full_name, module in model.named_modules():
+        short = full_name.rsplit(".", 1)[-1]
+        if _is_linear(module) and module is not head and short not in ("lm_head", "score", "v_head", "classifier"):
+            names.add(short)
+    return sorted(names)
+
+
+def apply_lora(model: nn.Module, config: BaseConfig) -> nn.Module:
+    """Wrap the model with PEFT LoRA adapters on ``lora_target`` (``all`` = every linear layer)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers.pytorch_utils import Conv1D
+
+    available = find_linear_module_names(model)
+    if config.lora_target.strip() == "all":
+        targets = available
+    else:
+        targets = [t.strip() for t in config.lora_target.split(",") if t.strip()]
+        missing = [t for t in targets if t not in available]
+        if missing:
+            raise RLHFInputError(f"config field 'lora_target': {', '.join(missing)} not found in the model; "
+                                 f"linear layers are: {', '.join(available)} (or use 'all')")
+    conv1d = any(isinstance(m, Conv1D) and n.rsplit(".", 1)[-1] in targets for n, m in model.named_modules())
+    extra = [t.strip() for t in (config.additional_target or "").split(",") if t.strip()] or None
+    lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+                      target_modules=targets, modules_to_save=extra, task_type="CAUSAL_LM",
+                      fan_in_fan_out=conv1d)
+    return get_peft_model(model, lora)
+
+
+def _decoder_blocks(model: nn.Module) -> nn.ModuleList:
+    """The stack of transformer/state-space blocks: the largest ModuleList in the model."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    if not lists:
+        raise RLHFInputError("finetuning_type=freeze: could not find the model's stack of layers; use lora or full")
+    return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
+
+
+def apply_freeze(model: nn.Module, trainable_layers: int) -> nn.Module:
+    """Freeze everything except the last ``trainable_layers`` blocks (the first ones if negative)."""
+    blocks = _decoder_blocks(model)
+    count = min(abs(trainable_layers), len(blocks))
+    chosen = blocks[len(blocks) - count:] if trainable_layers > 0 else blocks[:count]
+    model.requires_grad_(False)
+    for block in chosen:
+        block.requires_grad_(True)
+    return model
+
+
+def compile_model(model: nn.Module, enabled: bool = True, backend: str = "inductor") -> nn.Module:
+    """Opt-in ``torch.compile``; if compilation fails the model keeps running eagerly, with a warning."""
+    if not enabled:
+        return model
+    import torch._dynamo
+
+    torch._dynamo.config.suppress_errors = True  # a graph that fails to compile runs eagerly instead
+    try:
+        compiled = torch.compile(model, backend=backend)
+    except Exception as err:  # backend missing, unsupported platform: training must go on
+        logger.warning("torch.compile failed (%s); continuing without compilation", str(err).splitlines()[0])
+        return model
+    logger.info("model compiled with torch.compile (backend=%s)", backend)
+    return compiled
+
+
+# ==== 3. Data ====
+# Files of any supported format become canonical records:
+#   {"system": str, "messages": [{"role": "user"|"assistant", "content": str}, ...]   (the prompt, ending with user)
+#    + "response" (sft, kto) | "chosen", "rejected" (preference) | "label" (kto) | "answer", "verifiable" (prompt)
+#    + "location": "file:line"}
+# Every error names the record's file:line so the user can fix it in an editor.
+
+RECORD_KINDS = ("sft", "preference", "kto", "prompt")
+READABLE_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")
+ALPACA_COLUMNS = {"prompt": "instruction", "query": "input", "response": "output", "history": "history",
+                  "system": "system", "chosen": "chosen", "rejected": "rejected", "kto_tag": "kto_tag",
+                  "answer": "answer", "verifiable": "verifiable"}
+SHAREGPT_COLUMNS = {"messages": "conversations", "system": "system", "chosen": "chosen", "rejected": "rejected",
+                    "kto_tag": "kto_tag", "answer": "answer", "verifiable": "verifiable"}
+SHAREGPT_TAGS = {"role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt",
+                 "observation_tag": "observation", "function_tag": "function_call", "system_tag": "system"}
+OPENAI_TAGS = {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant",
+               "observation_tag": "tool", "function_tag": "function_call", "system_tag": "system"}
+
+
+@dataclass
+class DatasetSpec:
+    """One dataset to read: its files and, when registered in dataset_info.json, how to read them."""
+
+    name: str
+    files: list[Path] = field(default_factory=list)
+    formatting: str = "auto"  # alpaca | sharegpt | auto (decided per record from its keys)
+    columns: dict[str, str] = field(default_factory=dict)
+    tags: dict[str, str] = field(default_factory=dict)
+    ranking: bool = False
+    hub: dict[str, Any] | None = None  # hf_hub_url entries: loaded with datasets.load_dataset
+    hf_dir: Path | None = None  # a directory written by Dataset.save_to_disk
+
+
+def _files_in(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    return sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in READABLE_SUFFIXES)
+
+
+def resolve_dataset(name: str, dataset_dir: str | os.PathLike) -> DatasetSpec:
+    """A path to a file/directory, or a name registered in ``dataset_dir/dataset_info.json``."""
+    name = name.strip()
+    as_path = Path(name)
+    for candidate in (as_path, Path(dataset_dir) / name):
+        if candidate.exists():
+            if candidate.is_dir() and (candidate / "dataset_info.json").exists() and (candidate / "state.json").exists():
+                return DatasetSpec(name=name, hf_dir=candidate)
+            files = _files_in(candidate)
+            if not files:
+                raise RLHFInputError(f"dataset '{name}': {candidate} holds no {'/'.join(READABLE_SUFFIXES)} files")
+            if candidate.is_file() and candidate.suffix not in READABLE_SUFFIXES:
+                raise RLHFInputError(f"dataset '{name}': unsupported file type '{candidate.suffix}'; "
+                                     f"use {', '.join(READABLE_SUFFIXES)}")
+            return DatasetSpec(name=name, files=files)
+    info_path = Path(dataset_dir) / "dataset_info.json"
+    if not info_path.exists():
+        raise RLHFInputError(f"dataset '{name}' is neither a file nor registered: {info_path} does not exist "
+                             f"(set dataset_dir, or pass a path to a JSON/JSONL/Parquet file)")
+    try:
+        info = json.loads(info_path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise RLHFInputError(f"{info_path}:{err.lineno}: invalid JSON ({err.msg})") from None
+    if name not in info:
+        hint = difflib.get_close_matches(name, list(info), n=1)
+        raise RLHFInputError(f"dataset '{name}' is not in {info_path}" + (f"; did you mean '{hint[0]}'?" if hint else ""))
+    entry = info[name]
+    spec = DatasetSpec(name=name, formatting=entry.get("formatting", "alpaca"), columns=entry.get("columns", {}),
+                       tags=entry.get("tags", {}), ranking=bool(entry.get("ranking", False)))
+    if "file_name" in entry:
+        target = Path(dataset_dir) / entry["file_name"]
+        if not target.exists():
+            raise RLHFInputError(f"{info_path}: dataset '{name}' names {target}, which does not exist")
+        spec.files = _files_in(target)
+    elif "hf_hub_url" in entry:
+        spec.hub = {"path": entry["hf_hub_url"], "name": entry.get("subset"), "split": entry.get("split", "train"),
+                    "data_dir": entry.get("folder")}
+    else:
+        raise RLHFInputError(f"{info_path}: dataset '{name}' has no file_name or hf_hub_url")
+    return spec
+
+
+def _line_starts(text: str) -> list[int]:
+    return [0] + [i + 1 for i, ch in enumerate(text) if ch == "\n"]
+
+
+def _iter_json_file(path: Path) -> Iterator[tuple[str, Any]]:
+    """Records of a JSON array (or a single object) with the line each starts on."""
+    import bisect
+
+    text = path.read_text(encoding="utf-8")
+    starts = _line_starts(text)
+    decoder = json.JSONDecoder()
+    pos = len(text) - len(text.lstrip())
+    if not text.strip():
+        return
+    try:
+        if text[pos] != "[":
+            obj, _ = decoder.raw_decode(text, pos)
+            yield f"{path}:{bisect.bisect_right(starts, pos)}", obj
+            return
+        pos += 1
+        while True:
+            while pos < len(text) and text[pos] in " \t\r\n,":
+                pos += 1
+            if pos >= len(text) or text[pos] == "]":
+                return
+            obj, end = decoder.raw_decode(text, pos)
+            yield f"{path}:{bisect.bisect_right(starts, pos)}", obj
+            pos = end
+    except json.JSONDecodeError as err:
+        raise RLHFInputError(f"{path}:{err.lineno}: invalid JSON ({err.msg} at column {err.colno})") from None
+
+
+def _iter_jsonl_file(path: Path) -> Iterator[tuple[str, Any]]:
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                yield f"{path}:{number}", json.loads(line)
+            except json.JSONDecodeError as err:
+                raise RLHFInputError(f"{path}:{number}: invalid JSON ({err.msg} at column {err.colno}); "
+                                     f"each line of a .jsonl file must be one JSON object") from None
+
+
+def _iter_table(path: Path) -> Iterator[tuple[str, Any]]:
+    from datasets import Dataset
+
+    table = Dataset.from_parquet(str(path)) if path.suffix == ".parquet" else Dataset.from_csv(str(path))
+    for index, row in enumerate(table):
+        yield f"{path}:row {index + 1}", row
+
+
+def iter_raw_records(spec: DatasetSpec) -> Iterator[tuple[str, Any]]:
+    """(location, raw record) pairs in file order."""
+    if spec.hf_dir is not None:
+        from datasets import load_from_disk
+
+        data = load_from_disk(str(spec.hf_dir))
+        if hasattr(data, "keys"):  # a DatasetDict: use its train split
+            data = data["train"] if "train" in data else next(iter(data.values()))
+        for index, row in enumerate(data):
+            yield f"{spec.hf_dir}:row {index + 1}", row
+        return
+    if spec.hub is not None:
+        from datasets import load_dataset
+
+        try:
+            data = load_dataset(**{k: v for k, v in spec.hub.items() if v is not None})
+        except Exception as err:
+            raise RLHFInputError(f"dataset '{spec.name}': could not load {spec.hub['path']} from the Hub "
+                                 f"({str(err).splitlines()[0]}); download it and register a file_name instead") from None
+        for index, row in enumerate(data):
+            yield f"{spec.hub['path']}:row {index + 1}", row
+        return
+    for path in spec.files:
+        reader = {".json": _iter_json_file, ".jsonl": _iter_jsonl_file}.get(path.suffix, _iter_table)
+        yield from reader(path)
+
+
+def _text(raw: dict[str, Any], key: str | None, location: str, required: bool = False) -> str | None:
+    """A string field, or a clear error naming it."""
+    if key is None or key not in raw or raw[key] is None:
+        if required:
+            raise RLHFInputError(f"{location}: record has no '{key}' field (it has: {', '.join(map(str, raw))})")
+        return None
+    value = raw[key]
+    if not isinstance(value, str):
+        raise RLHFInputError(f"{location}: field '{key}' must be a string, got {type(value).__name__} ({value!r:.40})")
+    return value
+
+
+def _parse_label(value: Any, location: str, key: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in ("true", "desirable", "good", "1", "yes"):
+        return True
+    if isinstance(value, str) and value.strip().lower() in ("false", "undesirable", "bad", "0", "no"):
+        return False
+    raise RLHFInputError(f"{location}: field '{key}' must be true/false (or desirable/undesirable), got {value!r:.40}")
+
+
+def _parse_alpaca(raw: dict[str, Any], columns: dict[str, str], location: str) -> dict[str, Any]:
+    cols = {**ALPACA_COLUMNS, **columns}
+    prompt = _text(raw, cols["prompt"], location, required=True)
+    query = _text(raw, cols["query"], location)
+    if query:
+        prompt = f"{prompt}\n{query}" if prompt else query
+    messages = []
+    history = raw.get(cols["history"]) or []
+    if not isinstance(history, list) or not all(isinstance(t, (list, tuple)) and len(t) == 2 for t in history):
+        raise RLHFInputError(f"{location}: field '{cols['history']}' must be a list of [question, answer] pairs")
+    for question, answer in history:
+        messages += [{"role": "user", "content": str(question)}, {"role": "assistant", "content": str(answer)}]
+    messages.append({"role": "user", "content": prompt})
+    parsed = {"system": _text(raw, cols["system"], location) or "", "messages": messages,
+              "response": _text(raw, cols["response"], location)}
+    for key in ("chosen", "rejected"):
+        parsed[key] = _text(raw, cols[key], location)
+    return parsed
+
+
+def _message_text(message: Any, tags: dict[str, str], location: str, what: str) -> str:
+    if isinstance(message, str):
+        return message
+    if isinstance(message, dict) and tags["content_tag"] in message:
+        content = message[tags["content_tag"]]
+        if isinstance(content, str):
+            return content
+        raise RLHFInputError(f"{location}: {what} content must be a string, got {type(content).__name__}")
+    raise RLHFInputError(f"{location}: {what} must be a message with '{tags['content_tag']}', got {message!r:.60}")
+
+
+def _parse_sharegpt(raw: dict[str, Any], columns: dict[str, str], tags: dict[str, str], location: str) -> dict[str, Any]:
+    cols = {**SHAREGPT_COLUMNS, **columns}
+    turns = raw.get(cols["messages"])
+    if not isinstance(turns, list):
+        raise RLHFInputError(f"{location}: field '{cols['messages']}' must be a list of messages")
+    if tags is None:  # not registered: tell ShareGPT ({from, value}) from OpenAI ({role, content})
+        first = turns[0] if turns and isinstance(turns[0], dict) else {}
+        tags = OPENAI_TAGS if "role" in first else SHAREGPT_TAGS
+    tags = {**SHAREGPT_TAGS, **tags}
+    roles = {tags["user_tag"]: "user", tags["observation_tag"]: "user", tags["assistant_tag"]: "assistant",
+             tags["function_tag"]: "assistant", tags["system_tag"]: "system"}
+    system = _text(raw, cols["system"], location) or ""
+    messages = []
+    for number, turn in enumerate(turns, 1):
+        if not isinstance(turn, dict) or tags["role_tag"] not in turn:
+            raise RLHFInputError(f"{location}: message {number} has no '{tags['role_tag']}' key")
+        role = roles.get(turn[tags["role_tag"]])
+        if role is None:
+            raise RLHFInputError(f"{location}: message {number} has role {turn[tags['role_tag']]!r}; "
+                                 f"expected one of {', '.join(roles)} (set 'tags' in dataset_info.json)")
+        content = _message_text(turn, tags, location, f"message {number}")
+        if role == "system":
+            system = content
+            continue
+        expected = "user" if len(messages) % 2 == 0 else "assistant"
+        if role != expected:
+            raise RLHFInputError(f"{location}: messages must alternate user/assistant; message {number} is "
+                                 f"'{role}' where '{expected}' was expected")
+        messages.append({"role": role, "content": content})
+    parsed = {"system": system, "messages": messages, "response": None}
+    if messages and messages[-1]["role"] == "assistant":
+        parsed["response"] = messages.pop()["content"]
+    for key in ("chosen", "rejected"):
+        value = raw.get(cols[key])
+        parsed[key] = None if value is None else _message_text(value, tags, location, key)
+    return parsed
+
+
+def _parse_canonical(raw: dict[str, Any], location: str) -> dict[str, Any]:
+    """Seed 003's contracts ({prompt, response|chosen/rejected|label|answer}) and seed 004's {document, target}.
+    ``prompt`` may also be a list of chat messages (TRL's conversational format)."""
+    if "document" in raw and "prompt" not in raw:
+        raw = {**raw, "prompt": raw["document"], "response": raw.get("target")}
+    prompt = raw.get("prompt")
+    if isinstance(prompt, list):
+        parsed = _parse_sharegpt({"messages": prompt}, {"messages": "messages"}, OPENAI_TAGS, location)
+        messages = parsed["messages"] + ([{"role": "assistant", "content": parsed["response"]}] if parsed["response"] else [])
+        system = parsed["system"]
+    else:
+        messages = [{"role": "user", "content": _text(raw, "prompt", location, required=True)}]
+        system = _text(raw, "system", location) or ""
+    parsed = {"system": system, "messages": messages}
+    for key in ("response", "chosen", "rejected"):
+        value = raw.get(key)
+        if isinstance(value, list):  # conversational completion: the assistant message(s)
+            value = "".join(_message_text(m, OPENAI_TAGS, location, key) for m in value)
+            raw = {**raw, key: value}
+        parsed[key] = _text(raw, key, location)
+    return parsed
+
+
+def _detect_format(raw: Any, location: str) -> str:
+    if isinstance(raw, str):
+        return "text"
+    if not isinstance(raw, dict):
+        raise RLHFInputError(f"{location}: a record must be a JSON object or a string, got {type(raw).__name__}")
+    if "messages" in raw or "conversations" in raw:
+        return "sharegpt"
+    if "instruction" in raw:
+        return "alpaca"
+    if "prompt" in raw or "document" in raw:
+        return "canonical"
+    raise RLHFInputError(
+        f"{location}: unknown record format (keys: {', '.join(map(str, raw)) or 'none'}); expected prompt/response, "
+        "prompt/chosen/rejected, prompt/response/label, instruction/input/output (alpaca), messages or "
+        "conversations (OpenAI/ShareGPT), or document/target; register other column names in dataset_info.json")
+
+
+def parse_record(raw: Any, spec: DatasetSpec, location: str) -> dict[str, Any]:
+    """One raw record of any supported format -> the shared parsed form (prompt, completions, labels)."""
+    formatting = spec.formatting if spec.formatting != "auto" else _detect_format(raw, location)
+    if formatting != "text" and not isinstance(raw, dict):
+        raise RLHFInputError(f"{location}: a record must be a JSON object, got {type(raw).__name__}")
+    if formatting == "text":
+        parsed = {"system": "", "messages": [{"role": "user", "content": raw}], "response": None,
+                  "chosen": None, "rejected": None}
+        raw = {}
+    elif formatting == "alpaca":
+        parsed = _parse_alpaca(raw, spec.columns, location)
+    elif formatting == "sharegpt":
+        parsed = _parse_sharegpt(raw, spec.columns, spec.tags or None, location)
+    elif formatting == "canonical":
+        parsed = _parse_canonical(raw, location)
+    else:
+        raise RLHFInputError(f"dataset '{spec.name}': formatting '{formatting}' is not alpaca or sharegpt")
+    label_key = spec.columns.get("kto_tag") or next((k for k in ("label", "kto_tag") if k in raw), None)
+    parsed["label"] = _parse_label(raw[label_key], location, label_key) if label_key and label_key in raw else None
+    answer_key = spec.columns.get("answer", "answer")
+    answer = raw.get(answer_key)
+    parsed["answer"] = None if answer is None else str(answer)
+    parsed["verifiable"] = bool(raw.get(spec.columns.get("verifiable", "verifiable"), answer is not None))
+    return parsed
+
+
+def to_record(parsed: dict[str, Any], kind: str, location: str) -> dict[str, Any]:
+    """Check that a parsed record has what ``kind`` needs and return the canonical record."""
+    def need(key: str, what: str) -> str:
+        value = parsed.get(key)
+        if value is None:
+            raise RLHFInputError(f"{location}: record has no {what}; a {kind} record needs it")
+        if not value.strip():
+            raise RLHFInputError(f"{location}: {what} is empty; fix or remove the record (or set skip_invalid_records=true)")
+        return value
+
+    if not parsed["messages"] or not parsed["messages"][-1]["content"].strip():
+        raise RLHFInputError(f"{location}: the prompt is empty")
+    record = {"system": parsed["system"], "messages": parsed["messages"], "location": location}
+    if kind == "sft":
+        record["response"] = need("response", "response (completion)")
+    elif kind == "preference":
+        record["chosen"] = need("chosen", "'chosen' response")
+        record["rejected"] = need("rejected", "'rejected' response")
+    elif kind == "kto":
+        record["response"] = need("response", "response (completion)")
+        if parsed["label"] is None:
+            raise RLHFInputError(f"{location}: record has no 'label' (or kto_tag); KTO needs true/false per response")
+        record["label"] = parsed["label"]
+    elif kind == "prompt":
+        record["answer"], record["verifiable"] = parsed["answer"], parsed["verifiable"]
+    else:
+        raise ValueError(f"kind must be one of {RECORD_KINDS}")
+    return record
+
+
+def load_records(dataset: str, dataset_dir: str | os.PathLike, kind: str, *, max_samples: int | None = None,
+                 skip_invalid: bool = False) -> list[dict[str, Any]]:
+    """Read every dataset named in ``dataset`` (comma-separated) into canonical records of ``kind``.
+
+    Malformed records stop the run with a file:line error, unless ``skip_invalid`` — then they are
+    skipped, counted and the first few locations reported: nothing is dropped silently.
+    """
+    if not dataset.strip():
+        raise RLHFInputError("config field 'dataset' is empty; name a dataset or a data file")
+    records: list[dict[str, Any]] = []
+    for name in [n for n in dataset.split(",") if n.strip()]:
+        spec = resolve_dataset(name, dataset_dir)
+        skipped: list[str] = []
+        taken = 0
+        for location, raw in iter_raw_records(spec):
+            if max_samples is not None and taken >= max_samples:
+                break
+            try:
+                records.append(to_record(parse_record(raw, spec, location), kind, location))
+                taken += 1
+            except RLHFInputError as err:
+                if not skip_invalid:
+                    raise
+                skipped.append(str(err))
+        if skipped:
+            logger.warning("dataset '%s': skipped %d invalid records, e.g. %s", name, len(skipped), "; ".join(skipped[:3]))
+        if taken == 0:
+            raise RLHFInputError(f"dataset '{name}' has no usable {kind} records")
+        logger.info("dataset '%s': %d %s records", name, taken, kind)
+    return records
+
+
+ANSWER_PATTERN = re.compile(r"Answer:\s*(-?\d+(?:\.\d+)?)")
+
+
+def extract_answer(text: str) -> str | None:
+    """The number after the last ``Answer:`` in a response (the demo task's verifiable format)."""
+    found = ANSWER_PATTERN.findall(text)
+    return found[-1] if found else None
+
+
+# -- chat templates: rendered by tokenizer.apply_chat_template with the Jinja source below.
+
+CHAT_TEMPLATES: dict[str, str] = {
+    "default": (  # LLaMA-Factory's "default": plain Human/Assistant turns
+        "{% for message in messages %}"
+        "{% if message['role'] == 'system' %}{{ 'System: ' + message['content'] + '\\n' }}"
+        "{% elif message['role'] == 'user' %}{{ 'Human: ' + message['content'] + '\\n' }}"
+        "{% else %}{{ 'Assistant: ' + message['content'] + (eos_token or '') + '\\n' }}{% endif %}"
+        "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"),
+    "chatml": (
+        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"),
+    "qwen": (  # ChatML with Qwen's default system prompt
+        "{% if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
+        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"),
+    "llama3": (
+        "{{ '<|begin_of_text|>' }}{% for message in messages %}"
+        "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] + '<|eot_id|>' }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"),
+}
+TEMPLATE_END_MARKERS = {"chatml": "<|im_end|>", "qwen": "<|im_end|>", "llama3": "<|eot_id|>"}
+
+
+class ChatFormatter:
+    """Turns canonical records into token ids and loss labels through a chat template.
+
+    Prompt and response segments are tokenised separately so the prompt/response boundary is exact
+    whatever the tokenizer merges; labels are IGNORE_INDEX on prompt tokens unless ``train_on_prompt``.
+    """
+
+    def __init__(self, tokenizer: Any, template: str = "auto") -> None:
+        self.tokenizer = tokenizer
+        own = getattr(tokenizer, "chat_template", None)
+        if template == "auto":
+            self.name, self.source = ("tokenizer", own) if own else ("default", CHAT_TEMPLATES["default"])
+        elif template in CHAT_TEMPLATES:
+            self.name, self.source = template, CHAT_TEMPLATES[template]
+        elif own:
+            logger.info("template '%s' is not built in; using the tokenizer's own chat template", template)
+            self.name, self.source = "tokenizer", own
+        else:
+            raise RLHFInputError(f"config field 'template' is '{template}', which is not built in and the tokenizer "
+                                 f"has no chat template; valid: auto, {', '.join(CHAT_TEMPLATES)}")
+        self.stop_token_ids = self._stop_token_ids()
+
+    def _stop_token_ids(self) -> list[int]:
+        ids = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+        for marker in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>"):
+            if marker in self.source:
+                token = self.tokenizer.convert_tokens_to_ids(marker)
+                if isinstance(token, int) and token != self.tokenizer.unk_token_id and token not in ids:
+                    ids.append(token)
+        return ids
+
+    def render(self, system: str, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        conversation = ([{"role": "system", "content": system}] if system else []) + list(messages)
+        return self.tokenizer.apply_chat_template(conversation, chat_template=self.source, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+
+    def prompt_ids(self, record: dict[str, Any]) -> list[int]:
+        """Tokens of the prompt with the assistant header appended, ready for generation."""
+        return self.encode(self.render(record["system"], record["messages"], add_generation_prompt=True))
+
+    def completion_ids(self, record: dict[str, Any], completion: str) -> list[int]:
+        """Tokens of ``completion`` as the template renders it after the prompt (end marker included)."""
+        prompt = self.render(record["system"], record["messages"], add_generation_prompt=True)
+        full = self.render(record["system"], record["messages"] + [{"role": "assistant", "content": completion}], False)
+        return self.encode(self._suffix(full, prompt, record))
+
+    def _suffix(self, full: str, prefix: str, record: dict[str, Any]) -> str:
+        if not full.startswith(prefix):
+            raise RLHFInputError(f"{record.get('location', 'record')}: chat template '{self.name}' renders a "
+                                 f"conversation that does not start with its own prompt; choose another template")
+        return full[len(prefix):]
+
+    def conversation(self, record: dict[str, Any], train_on_prompt: bool = False,
+                     mask_history: bool = False) -> tuple[list[int], list[int]]:
+        """(input_ids, labels) for a whole conversation; every assistant turn is a target
+        (only the last one with ``mask_history``)."""
+        turns = record["messages"] + [{"role": "assistant", "content": record["response"]}]
+        assistant_at = [i for i, m in enumerate(turns) if m["role"] == "assistant"]
+        ids: list[int] = []
+        labels: list[int] = []
+        done = ""
+        for i in assistant_at:
+            prefix = self.render(record["system"], turns[:i], add_generation_prompt=True)
+            full = self.render(record["system"], turns[:i + 1], add_generation_prompt=False)
+            prompt_part = self.encode(self._suffix(prefix, done, record))
+            answer_part = self.encode(self._suffix(full, prefix, record))
+            trained = not mask_history or i == assistant_at[-1]
+            ids += prompt_part + answer_part
+            labels += (prompt_part if train_on_prompt else [IGNORE_INDEX] * len(prompt_part))
+            labels += answer_part if trained else [IGNORE_INDEX] * len(answer_part)
+            done = full
+        return ids, labels
+
+
+def truncate_example(ids: list[int], labels: list[int], cutoff_len: int) -> tuple[list[int], list[int], str]:
+    """Cut to ``cutoff_len``; status is ok | truncated | dropped (no target token survives)."""
+    if len(ids) <= cutoff_len:
+        return ids, labels, "ok"
+    ids, labels = ids[:cutoff_len], labels[:cutoff_len]
+    if all(label == IGNORE_INDEX for label in labels):
+        return [], [], "dropped"
+    return ids, labels, "truncated"
+
+
+def pack_sequences(examples: Iterable[tuple[list[int], list[int]]], cutoff_len: int) -> list[dict[str, list[int]]]:
+    """Concatenate examples into rows of at most ``cutoff_len`` tokens, in order.
+
+    ``position_ids`` restart at 0 for each example, which transformers turns into a block-diagonal
+    attention mask (flash-attn varlen, sdpa and eager alike), and the first token of each example
+    gets no label, so nothing is predicted across an example boundary.
+    """
+    rows: list[dict[str, list[int]]] = []
+    current: dict[str, list[int]] = {"input_ids": [], "labels": [], "position_ids": []}
+    for ids, labels in examples:
+        if current["input_ids"] and len(current["input_ids"]) + len(ids) > cutoff_len:
+            rows.append(current)
+            current = {"input_ids": [], "labels": [], "position_ids": []}
+        current["input_ids"] += ids
+        current["labels"] += [IGNORE_INDEX] + labels[1:]
+        current["position_ids"] += list(range(len(ids)))
+    if current["input_ids"]:
+        rows.append(current)
+    return rows
+
+
+def _fingerprint(*parts: Any) -> str:
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(json.dumps(part, sort_keys=True, default=str).encode())
+        digest.update(b"\x00")
+    return digest.hexdigest()[:16]
+
+
+def _tokenizer_fingerprint(tokenizer: Any) -> str:
+    return _fingerprint(tokenizer.name_or_path, len(tokenizer), sorted(tokenizer.get_vocab().items())[:2000:7])
+
+
+class SFTDataset(torch.utils.data.Dataset):
+    """Prompt/response records tokenised once (Hugging Face ``datasets``, cached on disk by content hash).
+
+    Items are ``{"input_ids", "labels"}`` (plus ``position_ids`` when packed). ``stats`` counts what
+    truncation cut and dropped, so nothing disappears silently.
+    """
+
+    def __init__(self, records: list[dict[str, Any]], tokenizer: Any, formatter: ChatFormatter, *,
+                 cutoff_len: int, train_on_prompt: bool = False, mask_history: bool = False,
+                 packing: bool = False, cache_dir: str | os.PathLike | None = None,
+                 num_proc: int | None = None) -> None:
+        from datasets import Dataset
+
+        self.formatter, self.cutoff_len = formatter, cutoff_len
+        self.train_on_prompt, self.mask_history = train_on_prompt, mask_history
+        key = _fingerprint("sft-v1", [{k: r[k] for k in ("system", "messages", "response")} for r in records],
+                           _tokenizer_fingerprint(tokenizer), formatter.source, cutoff_len, train_on_prompt, mask_history)
+        cache = Path(cache_dir or _default_cache_dir()) / "tokenized"
+        cache.mkdir(parents=True, exist_ok=True)
+        raw = Dataset.from_list([{"system": r["system"], "messages": r["messages"], "response": r["response"]}
+                                 for r in records])
+        tokenized = raw.map(self._encode_batch, batched=True, remove_columns=raw.column_names, num_proc=num_proc,
+                            cache_file_name=str(cache / f"sft-{key}.arrow"), new_fingerprint=key,
+                            desc="tokenising")
+        status = tokenized["status"]
+        self.stats = {"records": len(records), "truncated": status.count("truncated"), "dropped": status.count("dropped")}
+        if self.stats["truncated"] or self.stats["dropped"]:
+            logger.warning("cutoff_len=%d: truncated %d and dropped %d of %d records (raise cutoff_len to keep them)",
+                           cutoff_len, self.stats["truncated"], self.stats["dropped"], len(records))
+        kept = [i for i, s in enumerate(status) if s != "dropped"]
+        if not kept:
+            raise RLHFInputError(f"config field 'cutoff_len' ({cutoff_len}) leaves no trainable record; raise it")
+        self.data = tokenized.select(kept).select_columns(["input_ids", "labels"])
+        self.rows: list[dict[str, list[int]]] | None = None
+        if packing:
+            self.rows = pack_sequences(zip(self.data["input_ids"], self.data["labels"]), cutoff_len)
+            logger.info("packed %d examples into %d sequences of <= %d tokens", len(self.data), len(self.rows), cutoff_len)
+
+    def _encode_batch(self, batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        out: dict[str, list[Any]] = {"input_ids": [], "labels": [], "status": []}
+        for system, messages, response in zip(batch["system"], batch["messages"], batch["response"]):
+            record = {"system": system, "messages": messages, "response": response}
+            ids, labels = self.formatter.conversation(record, self.train_on_prompt, self.mask_history)
+            ids, labels, status = truncate_example(ids, labels, self.cutoff_len)
+            out["input_ids"].append(ids)
+            out["labels"].append(labels)
+            out["status"].append(status)
+        return out
+
+    def __len__(self) -> int:
+        return len(self.rows) if self.rows is not None else len(self.data)
+
+    def __getitem__(self, index: int) -> dict[str, list[int]]:
+        return self.rows[index] if self.rows is not None else self.data[int(index)]
+
+
+class StreamingSFTDataset(torch.utils.data.IterableDataset):
+    """SFT records streamed from disk with Hugging Face ``datasets`` (constant memory on multi-GB JSONL).
+
+    Each process reads its own share (``split_dataset_by_node``); ``state_dict`` records the stream
+    position so a resumed run continues with the next unseen record.
+    """
+
+    BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+    def __init__(self, spec: DatasetSpec, tokenizer: Any, formatter: ChatFormatter, *, cutoff_len: int,
+                 train_on_prompt: bool = False, mask_history: bool = False, rank: int = 0, world_size: int = 1,
+                 buffer_size: int = 0, seed: int = 0, skip_invalid: bool = False) -> None:
+        from datasets import load_dataset
+        from datasets.distributed import split_dataset_by_node
+
+        if not spec.files:
+            raise RLHFInputError(f"dataset '{spec.name}': streaming reads local files only")
+        builders = {self.BUILDERS.get(p.suffix) for p in spec.files}
+        if len(builders) != 1 or None in builders:
+            raise RLHFInputError(f"dataset '{spec.name}': streaming needs files of one type (.jsonl, .json, .parquet or .csv)")
+        self.spec, self.formatter, self.cutoff_len = spec, formatter, cutoff_len
+        self.train_on_prompt, self.mask_history, self.skip_invalid = train_on_prompt, mask_history, skip_invalid
+        stream = load_dataset(builders.pop(), data_files=[str(p) for p in spec.files], split="train", streaming=True)
+        if buffer_size:
+            stream = stream.shuffle(seed=seed, buffer_size=buffer_size)
+        self.stream = split_dataset_by_node(stream, rank=rank, world_size=world_size)
+        self.stats = {"records": 0, "truncated": 0, "dropped": 0, "invalid": 0}
+        self.epoch = 0
+
+    def __iter__(self) -> Iterator[dict[str, list[int]]]:
+        source = self.spec.files[0] if len(self.spec.files) == 1 else self.spec.name
+        iterator = iter(self.stream)
+        while True:
+            try:
+                raw = next(iterator)
+            except StopIteration:
+                return
+            except Exception as err:  # the JSON reader names the problem but not our dataset
+                raise RLHFInputError(f"{source}: could not read the stream ({str(err).splitlines()[0]})") from None
+            self.stats["records"] += 1
+            location = f"{source} (record {self.stats['records']})"
+            try:
+                record = to_record(parse_record(raw, self.spec, location), "sft", location)
+            except RLHFInputError:
+                if not self.skip_invalid:
+                    raise
+                self.stats["invalid"] += 1
+                continue
+            ids, labels = self.formatter.conversation(record, self.train_on_prompt, self.mask_history)
+            ids, labels, status = truncate_example(ids, labels, self.cutoff_len)
+            if status != "ok":
+                self.stats[status] += 1
+            if status != "dropped":
+                yield {"input_ids": ids, "labels": labels}
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.stream.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"stream": self.stream.state_dict(), "epoch": self.epoch, "stats": dict(self.stats)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.set_epoch(state["epoch"])
+        self.stream.load_state_dict(state["stream"])
+        self.stats = dict(state["stats"])
+
+
+@dataclass
+class SFTCollator:
+    """Pads a list of examples into a batch. Packed rows carry ``position_ids`` and no attention mask
+    (transformers derives the per-example mask from the restarting positions)."""
+
+    pad_token_id: int
+    pad_to_multiple_of: int | None = None
+
+    def __call__(self, features: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
+        length = max(len(f["input_ids"]) for f in features)
+        if self.pad_to_multiple_of:
+            length = math.ceil(length / self.pad_to_multiple_of) * self.pad_to_multiple_of
+        packed = "position_ids" in features[0]
+        batch: dict[str, list[list[int]]] = {"input_ids": [], "labels": [], ("position_ids" if packed else "attention_mask"): []}
+        for f in features:
+            pad = length - len(f["input_ids"])
+            batch["input_ids"].append(list(f["input_ids"]) + [self.pad_token_id] * pad)
+            batch["labels"].append(list(f["labels"]) + [IGNORE_INDEX] * pad)
+            if packed:  # padding forms its own "example" so real tokens never attend to it
+                batch["position_ids"].append(list(f["position_ids"]) + list(range(pad)))
+            else:
+                batch["attention_mask"].append([1] * len(f["input_ids"]) + [0] * pad)
+        return {k: torch.tensor(v, dtype=torch.long) for k, v in batch.items()}
+
+
+# ==== 4. Models ====
+
+
+def token_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[target] per position, one sequence at a time.
+
+    A full (B, T, V) log-softmax would double peak memory on large vocabularies; selecting the
+    target logit and subtracting a per-row logsumexp needs only (T, V) scratch at a time.
+    Shapes: logits (B, T, V), targets (B, T) -> (B, T).
+    """
+    if logits.dtype in (torch.float32, torch.float64):
+        chosen = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        normaliser = torch.stack([torch.logsumexp(row, dim=-1) for row in logits])
+        return chosen - normaliser
+    rows = []  # half precision: logsumexp loses too much, so normalise each row in fp32
+    for row_logits, row_targets in zip(logits, targets):
+        row = F.log_softmax(row_logits.float(), dim=-1)
+        rows.append(row.gather(-1, row_targets.unsqueeze(-1)).squeeze(-1))
+    return torch.stack(rows)
+
+
+@dataclass
+class LogProbs:
+    """Log-probabilities of completion tokens. Shapes: per_token (B, T-1) zero outside the completion,
+    summed (B), lengths (B) = completion tokens per sequence."""
+
+    per_token: torch.Tensor
+    summed: torch.Tensor
+    lengths: torch.Tensor
+
+    @property
+    def mean(self) -> torch.Tensor:
+        return self.summed / self.lengths.clamp(min=1)
+
+
+def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False) -> Any:
+    """The model's tokenizer with a pad token (eos if it has none) and right padding for training."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token is None:
+            raise RLHFInputError(f"tokenizer at {path} has neither a pad nor an eos token; add one to its config")
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "right"
+    return tokenizer
+
+
+TINY_MODEL_SETTINGS = {"vocab_size": 384, "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4,
+                       "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512}
+TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+
+
+def _demo_corpus(corpus_dir: Path) -> Iterator[str]:
+    for path in sorted(corpus_dir.glob("*.jsonl")):
+        for _, record in _iter_jsonl_file(path):
+            for key in ("prompt", "response", "chosen", "rejected"):
+                if isinstance(record.get(key), str):
+                    yield record[key]
+
+
+def build_tiny_model(cache_dir: str | os.PathLike | None = None, corpus_dir: str | os.PathLike = DEMO_DATA_DIR,
+                     seed: int = 0) -> Path:
+    """The embedded default model: a small Llama with a byte-level BPE tokenizer trained on the demo
+    corpus (digits split one per token, ChatML template), built once and cached in Hugging Face layout.
+
+    Nothing is downloaded; the same corpus and seed give the same model on every machine.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    corpus_dir = Path(corpus_dir)
+    files = sorted(corpus_dir.glob("*.jsonl"))
+    if not files:
+        raise RLHFInputError(f"model_name_or_path 'tiny' trains its tokenizer on {corpus_dir}, which has no .jsonl "
+                             f"files; run `python scripts/make_demo_data.py` from a checkout")
+    key = _fingerprint("tiny-v1", TINY_MODEL_SETTINGS, seed, [hashlib.sha256(p.read_bytes()).hexdigest() for p in files])
+    target = Path(cache_dir or _default_cache_dir()) / f"tiny-llama-{key}"
+    if (target / "config.json").exists():
+        return target
+    tokenizer_model = Tokenizer(models.BPE())
+    tokenizer_model.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tokenizer_model.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=TINY_MODEL_SETTINGS["vocab_size"], special_tokens=TINY_SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer_model.train_from_iterator(_demo_corpus(corpus_dir), trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tokenizer_model, eos_token="<|im_end|>",
+                                        pad_token="<|pad|>", bos_token="<|endoftext|>", unk_token=None,
+                                        chat_template=CHAT_TEMPLATES["chatml"])
+    settings = {**TINY_MODEL_SETTINGS, "vocab_size": len(tokenizer)}
+    config = LlamaConfig(**settings, tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    tmp = target.with_name(f".tmp-{target.name}-{uuid.uuid4().hex[:8]}")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    try:
+        os.rename(tmp, target)  # atomic publish; a concurrent builder may have won the race
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("built the embedded tiny model (%s parameters) at %s", f"{model.num_parameters():,}", target)
+    return target
+
+
+def resolve_model_path(name_or_path: str, cache_dir: str | os.PathLike | None = None) -> str:
+    """'tiny' -> the embedded model's cached directory; anything else is passed to from_pretrained."""
+    if name_or_path == "tiny":
+        return str(build_tiny_model(cache_dir))
+    return name_or_path
+
+
+def _torch_dtype(name: str | torch.dtype) -> torch.dtype | str:
+    if isinstance(name, torch.dtype) or name == "auto":
+        return name
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def load_causal_lm(path: str, *, dtype: str | torch.dtype = "float32", attn_implementation: str = "auto",
+                   trust_remote_code: bool = False, device: torch.device | str = "cpu") -> tuple[nn.Module, str]:
+    """``AutoModelForCausalLM`` with the best attention backend this model and device support."""
+    from transformers import AutoModelForCausalLM
+
+    implementation, reason = select_attention_implementation(attn_implementation, device)
+    kwargs = dict(dtype=_torch_dtype(dtype), trust_remote_code=trust_remote_code)
+    try:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=implementation, **kwargs)
+        except (ValueError, ImportError) as err:
+            if implementation == "eager" or "attn" not in str(err).lower() and "attention" not in str(err).lower():
+                raise
+            reason = f"{implementation} unsupported by this model ({str(err).splitlines()[0][:80]})"
+            implementation = "eager"
+            model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=implementation, **kwargs)
+    except OSError as err:
+        raise RLHFInputError(f"config field 'model_name_or_path': cannot load '{path}' ({str(err).splitlines()[0][:160]}); "
+                             f"give a local Hugging Face model directory or 'tiny'") from None
+    logger.info("attention: %s (%s)", implementation, reason)
+    return model, implementation
+
+
+class PolicyModel(nn.Module):
+    """A causal LM (any ``AutoModelForCausalLM`` architecture, optionally with a PEFT adapter) plus its
+    tokenizer: what every stage trains, generates from and saves."""
+
+    def __init__(self, model: nn.Module, tokenizer: Any, attn_implementation: str = "eager") -> None:
+        super().__init__()
+        self.model = model
+        self.tokenizer = tokenizer
+        self.attn_implementation = attn_implementation
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, *, dtype: str | torch.dtype = "float32", attn_implementation: str = "auto",
+                        trust_remote_code: bool = False, device: torch.device | str = "cpu",
+                        cache_dir: str | os.PathLike | None = None, is_trainable: bool = True) -> PolicyModel:
+        """Load a model directory (or 'tiny'); a directory holding a PEFT adapter loads its base, then the adapter."""
+        path = resolve_model_path(name_or_path, cache_dir)
+        adapter_config = Path(path) / "adapter_config.json"
+        base_path = json.loads(adapter_config.read_text())["base_model_name_or_path"] if adapter_config.exists() else path
+        model, implementation = load_causal_lm(base_path, dtype=dtype, attn_implementation=attn_implementation,
+                                               trust_remote_code=trust_remote_code, device=device)
+        if adapter_config.exists():
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, path, is_trainable=is_trainable)
+        tokenizer_path = path if (Path(path) / "tokenizer_config.json").exists() or not Path(path).exists() else base_path
+        return cls(model.to(device), load_tokenizer(tokenizer_path, trust_remote_code), implementation)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def is_peft(self) -> bool:
+        from peft import PeftModel
+
+        return isinstance(self.model, PeftModel)
+
+    def num_parameters(self, trainable_only: bool = False) -> int:
+        return sum(p.numel() for p in self.model.parameters() if p.requires_grad or not trainable_only)
+
+    def prepare_for_training(self, config: BaseConfig) -> PolicyModel:
+        """Apply the finetuning type (LoRA / freeze / full) and gradient checkpointing."""
+        if config.finetuning_type == "lora" and not self.is_peft:
+            self.model = apply_lora(self.model, config)
+        elif config.finetuning_type == "freeze":
+            apply_freeze(self.model, config.freeze_trainable_layers)
+        if config.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if self.is_peft:
+                self.model.enable_input_require_grads()
+        trainable, total = self.num_parameters(trainable_only=True), self.num_parameters()
+        logger.info("trainable parameters: %s of %s (%.2f%%, %s)", f"{trainable:,}", f"{total:,}",
+                    100 * trainable / max(total, 1), config.finetuning_type)
+        return self
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> Any:
+        kwargs = {"attention_mask": attention_mask, "use_cache": False}
+        if position_ids is not None:  # packed rows; models without positions (Mamba) never get them
+            kwargs["position_ids"] = position_ids
+        return self.model(input_ids=input_ids, **kwargs)
+
+    def compute_log_probs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                          labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                          temperature: float = 1.0) -> LogProbs:
+        """Log-probs of the completion tokens: those whose ``labels`` are not IGNORE_INDEX (all real
+        tokens after the first when ``labels`` is None).
+        Shapes: input_ids, attention_mask, labels (B, T) -> LogProbs(per_token (B, T-1), summed (B), lengths (B))."""
+        logits = self(input_ids, attention_mask, position_ids).logits[:, :-1]
+        if temperature != 1.0:
+            logits = logits / temperature
+        if labels is None:
+            labels = input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX) if attention_mask is not None else input_ids
+        mask = labels[:, 1:] != IGNORE_INDEX  # (B, T-1): target t+1 is predicted at position t
+        per_token = token_log_probs(logits, input_ids[:, 1:]) * mask
+        return LogProbs(per_token=per_token, summed=per_token.sum(-1), lengths=mask.sum(-1))
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], *, max_new_tokens: int = 64, do_sample: bool = False,
+                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                 stop_token_ids: list[int] | None = None, batch_size: int = 32) -> list[list[int]]:
+        """Complete token-id prompts; returns each completion's ids, cut after the first stop token."""
+        from transformers import GenerationConfig
+
+        stop = stop_token_ids or [self.tokenizer.eos_token_id]
+        settings = dict(max_new_tokens=max_new_tokens, do_sample=do_sample, eos_token_id=stop,
+                        pad_token_id=self.tokenizer.pad_token_id)
+        if do_sample:
+            settings.update(temperature=temperature, top_p=top_p, top_k=top_k)
+        generation_config = GenerationConfig(**settings)
+        was_training = self.model.training
+        self.model.eval()
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths pad less
+        results: list[list[int]] = [[] for _ in prompts]
+        for start in range(0, len(order), batch_size):
+            chunk = order[start:start + batch_size]
+            width = max(len(prompts[i]) for i in chunk)
+            ids = torch.full((len(chunk), width), self.tokenizer.pad_token_id, dtype=torch.long)
+            mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for row, i in enumerate(chunk):  # left padding keeps every prompt's end aligned
+                ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i])
+                mask[row, width - len(prompts[i]):] = 1
+            output = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                         generation_config=generation_config)
+            for row, i in enumerate(chunk):
+                completion = output[row, width:].tolist()
+                cut = next((k + 1 for k, token in enumerate(completion) if token in stop), len(completion))
+                results[i] = completion[:cut]
+        self.model.train(was_training)
+        return results
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def save_pretrained(self, directory: str | os.PathLike) -> None:
+        """Hugging Face layout (safetensors): loads with AutoModelForCausalLM, or PEFT for adapters."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        model = self.model._orig_mod if hasattr(self.model, "_orig_mod") else self.model  # unwrap torch.compile
+        model.save_pretrained(directory)
+        self.tokenizer.save_pretrained(directory)
+
+
+def load_weights_into(model: nn.Module, directory: str | os.PathLike) -> None:
+    """Load safetensors weights saved by ``save_pretrained`` into an existing model, in place
+    (the optimizer keeps pointing at the same parameters, which exact resume needs)."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    if (directory / "adapter_model.safetensors").exists():
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(model, load_file(str(directory / "adapter_model.safetensors")))
+        return
+    index = directory / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        state.update(load_file(str(directory / name)))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded = {params[k].data_ptr() for k in state if k in params}
+    # tied weights (lm_head = embeddings) are saved once; they are "missing" but already loaded
+    truly_missing = [k for k in missing if k not in params or params[k].data_ptr() not in loaded]
+    if truly_missing or unexpected:
+        raise RLHFInputError(f"checkpoint {directory} does not match the model (missing {truly_missing[:3]}, "
+                             f"unexpected {unexpected[:3]})")
+
+
+# ==== 5. Losses and advantages ====
+
+
+def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Summed next-token cross-entropy over target tokens and how many there were.
+
+    Returning the sum (not the mean) lets the trainer divide by the target-token count of the whole
+    accumulated batch, so batch 8 x accumulation 1 and batch 1 x accumulation 8 give the same update.
+    Shapes: logits (B, T, V), labels (B, T) with IGNORE_INDEX on non-targets -> (scalar, int).
+    """
+    shifted_logits = logits[:, :-1].reshape(-1, logits.size(-1)).float()
+    shifted_labels = labels[:, 1:].reshape(-1)
+    loss = F.cross_entropy(shifted_logits, shifted_labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    return loss, int((shifted_labels != IGNORE_INDEX).sum())
+
+
+# ==== 7. Trainers ====
+
+
+class ResumableBatchSampler:
+    """Index batches for an in-memory dataset, endless across epochs, addressable by position.
+
+    Epoch e uses the permutation seeded by ``seed + e``; each process takes every world_size-th index
+    (wrapping so all processes see the same number). Batch k of the stream is a pure function of k,
+    so resuming needs only the count of micro-batches already consumed.
+    """
+
+    def __init__(self, size: int, batch_size: int, seed: int, start: int = 0, rank: int = 0, world_size: int = 1,
+                 shuffle: bool = True) -> None:
+        self.size, self.batch_size, self.seed, self.start = size, batch_size, seed, start
+        self.rank, self.world_size, self.shuffle = rank, world_size, shuffle
+        self.per_process = math.ceil(size / world_size)
+        self.batches_per_epoch = math.ceil(self.per_process / batch_size)
+
+    def epoch_indices(self, epoch: int) -> list[int]:
+        if self.shuffle:
+            order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
+        else:
+            order = list(range(self.size))
+        order += order[: self.per_process * self.world_size - self.size]
+        return order[self.rank::self.world_size]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        position, cached_epoch, indices = self.start, -1, []
+        while True:
+            epoch, index = divmod(position, self.batches_per_epoch)
+            if epoch != cached_epoch:
+                cached_epoch, indices = epoch, self.epoch_indices(epoch)
+            yield indices[index * self.batch_size:(index + 1) * self.batch_size]
+            position += 1
+
+
+@dataclass
+class TrainResult:
+    """What a stage reports: final metrics, evaluation (before and after), and where outputs went."""
+
+    stage: str
+    output_dir: Path
+    global_step: int
+    seconds: float
+    metrics: dict[str, float]
+    eval: dict[str, float]
+    eval_before: dict[str, float] | None = None
+    history: list[dict[str, Any]] = field(default_factory=list)
+    stopped_early: bool = False
+
+    def report_entry(self) -> dict[str, Any]:
+        entry = {"stage": self.stage, "seconds": round(self.seconds, 2), "global_step": self.global_step,
+                 "output_dir": str(self.output_dir), "metrics": self.metrics, "eval": self.eval}
+        if self.eval_before is not None:
+            entry["eval_before"] = self.eval_before
+        if self.stopped_early:
+            entry["stopped_early"] = True
+        return entry
+
+
+class BaseTrainer:
+    """One training loop for every stage: accumulation with the loss normalised over all accumulated
+    micro-batches, clipping, scheduling, evaluation, atomic checkpoints, exact resume, early
+    stopping and logging. Subclasses supply ``compute_loss`` and ``loss_units`` (and ``evaluate``)."""
+
+    stage = "base"
+
+    def __init__(self, config: BaseConfig, policy: PolicyModel, train_dataset: Any, *, eval_dataset: Any = None,
+                 devices: DeviceManager | None = None, collator: Callable | None = None) -> None:
+        self.config = config
+        self.policy = policy
+        self.train_dataset = train_dataset
+        self.eval_dataset = eval_dataset
+        self.output_dir = Path(config.output_dir)
+        self.collator = collator or SFTCollator(policy.tokenizer.pad_token_id)
+        self.global_step = 0
+        self.micro_batches_done = 0
+        self._setup_devices(devices)
+        self._setup_model()
+        self._setup_schedule()
+        self._setup_optimizer()
+        self.checkpoints = CheckpointManager(self.output_dir, config.save_total_limit)
+        self.early_stopping = None
+        if config.early_stopping_patience:
+            mode = "max" if "accuracy" in config.metric_for_best_model else "min"
+            self.early_stopping = EarlyStopping(config.early_stopping_patience, mode=mode)
+
+    # -- subclass interface
+    def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        """Loss SUMMED over the batch's loss units, and metrics to log."""
+        raise NotImplementedError
+
+    def loss_units(self, batch: dict[str, torch.Tensor]) -> int:
+        """What the loss is averaged over (target tokens for SFT), counted before the forward pass."""
+        raise NotImplementedError
+
+    def evaluate(self) -> dict[str, float]:
+        return {}
+
+    # -- setup
+    def _setup_devices(self, devices: DeviceManager | None) -> None:
+        self.devices = devices or DeviceManager(self.config.mixed_precision, self.config.report_to,
+                                                self.output_dir / "runs", self.config.ddp_timeout)
+
+    def _setup_model(self) -> None:
+        self.policy.prepare_for_training(self.config)
+        self.policy.model.to(self.devices.device)
+        self.policy.model = compile_model(self.policy.model, self.config.compile)
+        self.model = self.devices.prepare(self.policy.model)
+        self.model.train()
+
+    def _setup_schedule(self) -> None:
+        config = self.config
+        if isinstance(self.train_dataset, torch.utils.data.IterableDataset):
+            self.sampler = None
+            self.total_steps = config.max_steps
+            return
+        if len(self.train_dataset) == 0:
+            raise RLHFInputError("the training set is empty after preprocessing")
+        self.sampler = ResumableBatchSampler(len(self.train_dataset), config.per_device_train_batch_size, config.seed,
+                                             rank=self.devices.process_index, world_size=self.devices.num_processes)
+        micro_batches = math.ceil(config.num_train_epochs * self.sampler.batches_per_epoch)
+        self.total_steps = config.max_steps if config.max_steps > 0 else max(1, math.ceil(
+            micro_batches / config.gradient_accumulation_steps))
+
+    def _setup_optimizer(self) -> None:
+        optimizer, self.scheduler = create_optimizer(self.model, self.config, self.total_steps)
+        self.optimizer = self.devices.prepare(optimizer)
+
+    # -- data
+    def _batches(self) -> Iterator[dict[str, torch.Tensor]]:
+        """Micro-batches from the current position to forever (the loop decides when to stop)."""
+        if self.sampler is None:
+            yield from self._streaming_batches()
+            return
+        self.sampler.start = self.micro_batches_done
+        loader = torch.utils.data.DataLoader(self.train_dataset, batch_sampler=self.sampler, collate_fn=self.collator,
+                                             num_workers=self.config.dataloader_num_workers)
+        yield from loader
+
+    def _streaming_batches(self) -> Iterator[dict[str, torch.Tensor]]:
+        dataset, size = self.train_dataset, self.config.per_device_train_batch_size
+        while True:
+            pending = []
+            for item in dataset:
+                pending.append(item)
+                if len(pending) == size:
+                    yield self.collator(pending)
+                    pending = []
+            if pending:
+                yield self.collator(pending)
+            if dataset.stats["records"] == 0:
+                raise RLHFInputError("the streaming dataset yielded no records")
+            dataset.set_epoch(dataset.epoch + 1)
+
+    def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v.to(self.devices.device) for k, v in batch.items()}
+
+    # -- the loop
+    def train(self) -> TrainResult:
+        started = time.time()
+        self._resume()
+        config = self.config
+        eval_before = None
+        if config.eval_before_training and self.global_step == 0:
+            eval_before = self.evaluate()
+            logger.info("before training: %s", _format_metrics(eval_before))
+        self.training_logger = TrainingLogger(self.output_dir, self.total_steps, self.devices, config,
+                                              description=self.stage, start_step=self.global_step)
+        batches = self._batches()
+        window = {"loss": 0.0, "units": 0.0, "tokens": 0, "since": time.time(), "metrics": {}}
+        stopped_early, last_eval = False, {}
+        while self.global_step < self.total_steps:
+            group = [next(batches) for _ in range(config.gradient_accumulation_steps)]
+            step_metrics = self._optimizer_step(group, window)
+            self.global_step += 1
+            self.micro_batches_done += len(group)
+            self.training_logger.advance()
+            final = self.global_step == self.total_steps
+            if self.global_step % config.logging_steps == 0 or final:
+                self._log_window(window, step_metrics)
+            if (config.eval_steps and self.global_step % config.eval_steps == 0) or final:
+                last_eval = self.evaluate()
+                self.training_logger.log(self.global_step, last_eval)
+                stopped_early = self._should_stop(last_eval)
+            if (config.save_steps and self.global_step % config.save_steps == 0) or final or stopped_early:
+                self._save_checkpoint()
+            if stopped_early:
+                logger.info("early stopping at step %d: %s did not improve for %d evaluations", self.global_step,
+                            config.metric_for_best_model, config.early_stopping_patience)
+                break
+        self.training_logger.close()
+        self._save_final_model()
+        seconds = time.time() - started
+        history = self.training_logger.history
+        train_losses = [row["loss"] for row in history if "loss" in row]
+        metrics = {"train_loss": float(np.mean(train_losses)) if train_losses else float("nan"),
+                   "final_loss": train_losses[-1] if train_losses else float("nan"),
+                   "steps": self.global_step, **self._data_stats()}
+        return TrainResult(self.stage, self.output_dir, self.global_step, seconds, metrics, last_eval, eval_before,
+                           history, stopped_early)
+
+    def _optimizer_step(self, group: list[dict[str, torch.Tensor]], window: dict[str, Any]) -> dict[str, float]:
+        """Accumulate gradients over ``group`` and take one optimizer step.
+
+        Every micro-batch's summed loss is divided by the loss units of the whole group (across all
+        processes), so the gradient is exactly the gradient of the mean over the group.
+        """
+        units = self.devices.sum_across_processes(sum(self.loss_units(b) for b in group))
+        scale = self.devices.num_processes / max(units, 1.0)  # DDP averages gradients over processes
+        for i, batch in enumerate(group):
+            batch = self._to_device(batch)
+            with self.devices.no_sync(self.model, skip=i < len(group) - 1), self.devices.autocast():
+                loss_sum, metrics = self.compute_loss(batch)
+            self.devices.backward(loss_sum * scale)
+            window["loss"] += float(loss_sum.detach())
+            window["tokens"] += int(batch["attention_mask"].sum()) if "attention_mask" in batch else batch["input_ids"].numel()
+            for key, value in metrics.items():
+                window["metrics"].setdefault(key, []).append(value)
+        window["units"] += units / self.devices.num_processes
+        grad_norm = self.devices.clip_grad_norm(self.model.parameters(), self.config.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": grad_norm}
+
+    def _log_window(self, window: dict[str, Any], step_metrics: dict[str, float]) -> None:
+        elapsed = max(time.time() - window["since"], 1e-9)
+        row = {"loss": window["loss"] / max(window["units"], 1.0), **step_metrics,
+               "learning_rate": self.scheduler.get_last_lr()[0], "epoch": self._epoch(),
+               "perf/tokens_per_s": window["tokens"] * self.devices.num_processes / elapsed,
+               **{k: float(np.mean(v)) for k, v in window["metrics"].items()}}
+        self.training_logger.log(self.global_step, row)
+        window.update(loss=0.0, units=0.0, tokens=0, since=time.time(), metrics={})
+
+    def _epoch(self) -> float:
+        if self.sampler is None:
+            return float(getattr(self.train_dataset, "epoch", 0))
+        return self.micro_batches_done / self.sampler.batches_per_epoch
+
+    def _should_stop(self, evaluation: dict[str, float]) -> bool:
+        if self.early_stopping is None:
+            return False
+        if self.config.metric_for_best_model not in evaluation:
+            raise RLHFInputError(f"config field 'metric_for_best_model' is '{self.config.metric_for_best_model}', "
+                                 f"but evaluation reports only: {', '.join(evaluation) or 'nothing (add eval data)'}")
+        return self.early_stopping.step(evaluation[self.config.metric_for_best_model])
+
+    def _data_stats(self) -> dict[str, float]:
+        stats = getattr(self.train_dataset, "stats", {})
+        return {f"data/{k}": v for k, v in stats.items()}
+
+    # -- checkpoints
+    def _save_checkpoint(self) -> None:
+        if self.devices.is_main_process:
+            path = self.checkpoints.save(self.global_step, self._write_checkpoint)
+            logger.debug("checkpoint written: %s", path)
+        self.devices.wait()
+
+    def _write_checkpoint(self, directory: Path) -> None:
+        from safetensors.torch import save_file
+
+        PolicyModel(self.devices.unwrap(self.policy.model), self.policy.tokenizer).save_pretrained(directory)
+        state = {"global_step": self.global_step, "micro_batches_done": self.micro_batches_done,
+                 "stage": self.stage, "config": self.config.to_dict(),
+                 "early_stopping": self.early_stopping.state_dict() if self.early_stopping else None,
+                 "data": self.train_dataset.state_dict() if self.sampler is None else None,
+                 "model_only": self.config.save_only_model}
+        if not self.config.save_only_model:
+            tensors, meta = optimizer_state_to_safetensors(self.optimizer.state_dict())
+            save_file(tensors, str(directory / "optimizer.safetensors"))
+            (directory / "optimizer.json").write_text(json.dumps(meta))
+            (directory / "scheduler.json").write_text(json.dumps(self.scheduler.state_dict()))
+            rng_tensors, rng_meta = capture_rng_state()
+            save_file(rng_tensors, str(directory / "rng_state.safetensors"))
+            (directory / "rng_state.json").write_text(json.dumps(rng_meta))
+        (directory / "trainer_state.json").write_text(json.dumps(state, indent=1, default=str))
+
+    def _resume(self) -> None:
+        choice = self.config.resume_from_checkpoint
+        if self.config.overwrite_output_dir:
+            self.checkpoints.clear()
+            return
+        if choice == "none":
+            return
+        path = self.checkpoints.latest() if choice == "auto" else Path(choice)
+        if path is None:
+            return
+        if not (path / "COMPLETE").exists():
+            raise RLHFInputError(f"config field 'resume_from_checkpoint': {path} is not a complete checkpoint")
+        self._load_checkpoint(path)
+        logger.info("resumed from %s at step %d", path, self.global_step)
+
+    def _load_checkpoint(self, path: Path) -> None:
+        from safetensors.torch import load_file
+
+        state = json.loads((path / "trainer_state.json").read_text())
+        load_weights_into(self.devices.unwrap(self.policy.model), path)
+        self.global_step, self.micro_batches_done = state["global_step"], state["micro_batches_done"]
+        if self.early_stopping and state.get("early_stopping"):
+            self.early_stopping.load_state_dict(state["early_stopping"])
+        if self.sampler is None and state.get("data"):
+            self.train_dataset.load_state_dict(state["data"])
+        if state.get("model_only"):
+            logger.warning("%s holds weights only (save_only_model): optimizer and schedule restart", path)
+            for _ in range(self.global_step):
+                self.scheduler.step()
+            return
+        meta = json.loads((path / "optimizer.json").read_text())
+        self.optimizer.load_state_dict(optimizer_state_from_safetensors(load_file(str(path / "optimizer.safetensors")), meta))
+        self.scheduler.load_state_dict(json.loads((path / "scheduler.json").read_text()))
+        restore_rng_state(load_file(str(path / "rng_state.safetensors")), json.loads((path / "rng_state.json").read_text()))
+
+    def _save_final_model(self) -> None:
+        """The trained model in Hugging Face layout at output_dir, published file by file with renames."""
+        if self.devices.is_main_process:
+            tmp = self.output_dir / f".tmp-final-{uuid.uuid4().hex[:8]}"
+            PolicyModel(self.devices.unwrap(self.policy.model), self.policy.tokenizer).save_pretrained(tmp)
+            _fsync_tree(tmp)
+            for item in tmp.iterdir():
+                os.replace(item, self.output_dir / item.name)
+            tmp.rmdir()
+        self.devices.wait()
+
+
+def _format_metrics(metrics: dict[str, float]) -> str:
+    return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
+
+
+class SFTTrainer(BaseTrainer):
+    """Supervised fine-tuning: next-token cross-entropy on response tokens, averaged over every
+    target token of the accumulated batch. Evaluates loss / perplexity on held-out records and
+    exact-match accuracy by greedy generation on prompts that carry an ``answer``."""
+
+    stage = "sft"
+
+    def __init__(self, config: SFTConfig, policy: PolicyModel, train_dataset: Any, *, eval_dataset: Any = None,
+                 eval_records: list[dict[str, Any]] | None = None, formatter: ChatFormatter | None = None,
+                 devices: DeviceManager | None = None) -> None:
+        super().__init__(config, policy, train_dataset, eval_dataset=eval_dataset, devices=devices)
+        self.eval_records = eval_records or []
+        self.formatter = formatter or ChatFormatter(policy.tokenizer, config.template)
+
+    def loss_units(self, batch: dict[str, torch.Tensor]) -> int:
+        return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+    def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        logits = self.policy(batch["input_ids"], batch.get("attention_mask"), batch.get("position_ids")).logits
+        loss_sum, _ = causal_lm_loss_sum(logits, batch["labels"])
+        return loss_sum, {}
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        metrics: dict[str, float] = {}
+        self.model.eval()
+        if self.eval_dataset is not None and len(self.eval_dataset):
+            metrics.update(self._evaluate_loss())
+        if self.eval_records:
+            metrics.update(evaluate_exact_match(self.policy, self.formatter, self.eval_records,
+                                                max_new_tokens=self.config.eval_max_new_tokens,
+                                                batch_size=self.config.per_device_eval_batch_size))
+        self.model.train()
+        return metrics
+
+    def _evaluate_loss(self) -> dict[str, float]:
+        total, count = 0.0, 0
+        size = self.config.per_device_eval_batch_size
+        for start in range(0, len(self.eval_dataset), size):
+            batch = self._to_device(self.collator([self.eval_dataset[i] for i in range(start, min(start + size, len(self.eval_dataset)))]))
+            with self.devices.autocast():
+                loss_sum, units = causal_lm_loss_sum(
+                    self.policy(batch["input_ids"], batch.get("attention_mask"), batch.get("position_ids")).logits,
+                    batch["labels"])
+            total, count = total + float(loss_sum), count + units
+        mean = total / max(count, 1)
+        return {"eval/loss": mean, "eval/perplexity": math.exp(min(mean, 50.0))}
+
+
+def evaluate_exact_match(policy: PolicyModel, formatter: ChatFormatter, records: list[dict[str, Any]], *,
+                         max_new_tokens: int = 64, batch_size: int = 32) -> dict[str, float]:
+    """Greedy answers to prompts with a known ``answer``: exact-match accuracy and how often the
+    response had the ``Answer:`` line at all (format rate)."""
+    scored = [r for r in records if r.get("answer") is not None]
+    if not scored:
+        return {}
+    completions = policy.generate([formatter.prompt_ids(r) for r in scored], max_new_tokens=max_new_tokens,
+                                  stop_token_ids=formatter.stop_token_ids, batch_size=batch_size)
+    answers = [extract_answer(policy.decode(ids)) for ids in completions]
+    correct = sum(a is not None and a == r["answer"].strip() for a, r in zip(answers, scored))
+    return {"eval/accuracy": correct / len(scored), "eval/format_rate": sum(a is not None for a in answers) / len(scored),
+            "eval/mean_completion_tokens": float(np.mean([len(c) for c in completions]))}
+
+
+# ==== 10. Orchestrator ====
+
+
+def _split_validation(records: list[dict[str, Any]], val_size: float, seed: int) -> tuple[list, list]:
+    if not val_size:
+        return records, []
+    count = int(val_size) if val_size >= 1 else max(1, round(val_size * len(records)))
+    if count >= len(records):
+        raise RLHFInputError(f"config field 'val_size' ({val_size}) leaves no training records out of {len(records)}")
+    order = random.Random(seed).sample(range(len(records)), len(records))
+    held = set(order[:count])
+    return [r for i, r in enumerate(records) if i not in held], [r for i, r in enumerate(records) if i in held]
+
+
+def build_sft_data(config: SFTConfig, tokenizer: Any, formatter: ChatFormatter, devices: DeviceManager
+                   ) -> tuple[Any, SFTDataset | None, list[dict[str, Any]]]:
+    """Training set (in memory or streaming), validation set, and held-out prompts for accuracy."""
+    eval_records = load_records(config.eval_dataset, config.dataset_dir, "prompt", max_samples=config.max_samples,
+                                skip_invalid=config.skip_invalid_records) if config.eval_dataset else []
+    common = dict(cutoff_len=config.cutoff_len, train_on_prompt=config.train_on_prompt, mask_history=config.mask_history)
+    if config.streaming:
+        if config.packing:
+            raise RLHFInputError("config fields 'streaming' and 'packing' cannot be combined yet; pack in memory or stream unpacked")
+        names = [n for n in config.dataset.split(",") if n.strip()]
+        if len(names) != 1:
+            raise RLHFInputError("config field 'dataset': streaming reads exactly one dataset")
+        spec = resolve_dataset(names[0], config.dataset_dir)
+        train = StreamingSFTDataset(spec, tokenizer, formatter, rank=devices.process_index,
+                                    world_size=devices.num_processes, buffer_size=config.buffer_size,
+                                    seed=config.seed, skip_invalid=config.skip_invalid_records, **common)
+        return train, None, eval_records
+    records = load_records(config.dataset, config.dataset_dir, "sft", max_samples=config.max_samples,
+                           skip_invalid=config.skip_invalid_records)
+    train_records, val_records = _split_validation(records, config.val_size, config.seed)
+    cached = dict(cache_dir=config.cache_dir, num_proc=config.preprocessing_num_workers, **common)
+    train = SFTDataset(train_records, tokenizer, formatter, packing=config.packing, **cached)
+    validation = SFTDataset(val_records, tokenizer, formatter, **cached) if val_records else None
+    return train, validation, eval_records
+
+
+def _check_packing_supported(policy: PolicyModel, config: SFTConfig) -> None:
+    if config.packing and policy.model.config.model_type in ("mamba", "mamba2", "rwkv"):
+        raise RLHFInputError(f"config field 'packing': {policy.model.config.model_type} models carry state across "
+                             f"packed examples, so they would see each other; set packing=false")
+
+
+def _model_dtype(config: BaseConfig) -> str:
+    if config.model_dtype != "auto":
+        return config.model_dtype
+    if config.finetuning_type == "lora" and config.mixed_precision != "no":
+        return "bfloat16" if config.bf16 else "float16"  # frozen base in half precision; adapters stay fp32
+    return "float32"
+
+
+def train_sft(config: SFTConfig, devices: DeviceManager | None = None) -> TrainResult:
+    """Run the SFT stage from a config: load model and data, train, evaluate, save."""
+    output_dir = Path(config.output_dir)
+    setup_logging(log_file=output_dir / "logs" / "sft.log")
+    set_seed(config.seed)
+    devices = devices or DeviceManager(config.mixed_precision, config.report_to, output_dir / "runs", config.ddp_timeout)
+    policy = PolicyModel.from_pretrained(config.model_name_or_path, dtype=_model_dtype(config),
+                                         attn_implementation=config.attn_implementation,
+                                         trust_remote_code=config.trust_remote_code, device=devices.device,
+                                         cache_dir=config.cache_dir)
+    _check_packing_supported(policy, config)
+    formatter = ChatFormatter(policy.tokenizer, config.template)
+    train, validation, eval_records = build_sft_data(config, policy.tokenizer, formatter, devices)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    save_config(config, output_dir / "config.yaml")
+    trainer = SFTTrainer(config, policy, train, eval_dataset=validation, eval_records=eval_records,
+                         formatter=formatter, devices=devices)
+    return trainer.train()
+
+
+STAGE_RUNNERS: dict[str, Callable[[BaseConfig], TrainResult]] = {"sft": train_sft}
+
+
+def append_report(output_dir: str | os.PathLike, entry: dict[str, Any]) -> Path:
+    """Add one stage's entry to ``output_dir/report.json`` (written atomically)."""
+    path = Path(output_dir) / "report.json"
+    report = json.loads(path.read_text()) if path.exists() else {"stages": []}
+    report["stages"].append(entry)
+    tmp = path.with_name(f".report-{uuid.uuid4().hex[:8]}.json")
+    tmp.write_text(json.dumps(report, indent=2, default=float))
+    os.replace(tmp, path)
+    return path
+
+
+def summary_table(entries: list[dict[str, Any]], title: str = "rlhf run summary") -> Any:
+    """A rich table of stages: time, steps, training loss, and evaluation before -> after."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for column in ("stage", "time", "steps", "train loss", "eval loss", "accuracy (before -> after)", "output"):
+        table.add_column(column)
+    for entry in entries:
+        before = (entry.get("eval_before") or {}).get("eval/accuracy")
+        after = entry["eval"].get("eval/accuracy")
+        accuracy = "-" if after is None else (f"{before:.1%} -> {after:.1%}" if before is not None else f"{after:.1%}")
+        eval_loss = entry["eval"].get("eval/loss")
+        table.add_row(entry["stage"], f"{entry['seconds']:.0f}s", str(entry["global_step"]),
+                      f"{entry['metrics'].get('train_loss', float('nan')):.4f}",
+                      "-" if eval_loss is None else f"{eval_loss:.4f}", accuracy, entry["output_dir"])
+    return table
+
+
+class RLHFOrchestrator:
+    """Runs the configured stages in order, each starting from the previous stage's model, and keeps
+    the history in ``output_dir/report.json``. Default config: configs/demo.yaml."""
+
+    def __init__(self, config: PipelineConfig | str | os.PathLike | None = None) -> None:
+        if config is None:
+            config = REPO_DIR / "configs" / "demo.yaml"
+        self.config = config if isinstance(config, PipelineConfig) else PipelineConfig.load(config)
+        self.output_dir = Path(self.config.output_dir)
+        self.history: list[dict[str, Any]] = []
+        self.current_model: str | None = None
+
+    def run_stage(self, stage: str) -> TrainResult:
+        config = self.config.stage_config(stage, model_name_or_path=self.current_model)
+        result = STAGE_RUNNERS[stage](config)
+        entry = result.report_entry()
+        append_report(self.output_dir, entry)
+        self.history.append(entry)
+        self.current_model = str(result.output_dir)
+        return result
+
+    def run_sft(self) -> TrainResult:
+        return self.run_stage("sft")
+
+    def run_full_pipeline(self) -> list[dict[str, Any]]:
+        """Every stage in ``config.stages``; returns the report entries and prints a summary table."""
+        from rich.console import Console
+
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        save_config(self.config, self.output_dir / "pipeline_config.yaml")
+        for stage in self.config.stages:
+            logger.info("stage %s", stage)
+            self.run_stage(stage)
+        Console().print(summary_table(self.history, title=f"pipeline summary ({self.output_dir})"))
+        return self.history
+
+
+# ==== 11. CLI ====
+
+PIPELINE_HELP = """\
+The pipeline YAML holds keys shared by every stage at the top level, `stages: [sft, ...]`, and one
+section per stage (e.g. `sft:`) whose keys override the shared ones. Each stage writes to
+output_dir/<stage> and starts from the previous stage's model; report.json collects every stage.
+Overrides: key=value applies to all stages, sft.key=value to one stage.
+
+Stage options (see `python rlhf.py sft --help` for each one's meaning):
+"""
+
+
+def _build_parser() -> Any:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="rlhf", description="Post-training for causal language models: "
+                                     "SFT today; reward models, DPO/KTO, GRPO/PPO join the same pipeline.",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"rlhf {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for stage, cls in STAGE_CONFIGS.items():
+        command = sub.add_parser(stage, help=(cls.__doc__ or "").strip().splitlines()[0],
+                                 description=f"Train the {stage} stage. Options come from --config (YAML, "
+                                 "LLaMA-Factory keys accepted) and key=value overrides, in that order.",
+                                 epilog="options (YAML keys or key=value):\n" + config_help(cls),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+        command.add_argument("--config", help="YAML config file")
+        command.add_argument("overrides", nargs="*", metavar="key=value", help="override one option, e.g. learning_rate=1e-4")
+    pipeline = sub.add_parser("pipeline", help="Run several stages in order from one YAML file",
+                              description="Run the stages listed in the config, in order, then print a summary table.",
+                              epilog=PIPELINE_HELP + "\n".join(f"[{s}]\n{config_help(c)}" for s, c in STAGE_CONFIGS.items()),
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    pipeline.add_argument("--config", required=True, help="pipeline YAML (see configs/demo.yaml)")
+    pipeline.add_argument("overrides", nargs="*", metavar="key=value", help="shared or stage.key=value overrides")
+    train = sub.add_parser("train", help="LLaMA-Factory style: run the stage named by the config's `stage:` key",
+                           description="Read `stage:` from a LLaMA-Factory style YAML file and run that stage.")
+    train.add_argument("--config", required=True, help="YAML config with a `stage:` key")
+    train.add_argument("overrides", nargs="*", metavar="key=value")
+    return parser
+
+
+def _run_single_stage(stage: str, config_path: str | None, overrides: list[str]) -> list[dict[str, Any]]:
+    config = load_config(STAGE_CONFIGS[stage], config_path, overrides)
+    result = STAGE_RUNNERS[stage](config)
+    entry = result.report_entry()
+    append_report(config.output_dir, entry)
+    return [entry]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point; user mistakes print one line and exit with status 2."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    args = _build_parser().parse_args(argv)
+    console = Console()
+    setup_logging()
+    try:
+        if args.command == "pipeline":
+            RLHFOrchestrator(PipelineConfig.load(args.config, args.overrides)).run_full_pipeline()
+            return 0
+        stage = args.command
+        if stage == "train":
+            stage = str(read_yaml(args.config).get("stage", ""))
+            if stage not in STAGE_CONFIGS:
+                raise RLHFInputError(f"{args.config}: 'stage' is '{stage}'; valid: {', '.join(STAGE_CONFIGS)}")
+        entries = _run_single_stage(stage, args.config, args.overrides)
+        console.print(summary_table(entries))
+        return 0
+    except RLHFInputError as err:
+        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(err))}", markup=True, highlight=False, soft_wrap=True)
+        return 2
+    except KeyboardInterrupt:
+        Console(stderr=True).print("interrupted: run the same command again to resume from the last checkpoint")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

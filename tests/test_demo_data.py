@@ -1,0 +1,348 @@
+"""Checks for the bundled demo data in data/demo/.
+
+The answers are recomputed here from the prompt text with an evaluator that
+shares no code with the generator, so a generator bug cannot vouch for itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "data" / "demo"
+
+KEYS = {
+    "sft.jsonl": ["prompt", "response"],
+    "preference.jsonl": ["prompt", "chosen", "rejected"],
+    "kto.jsonl": ["prompt", "response", "label"],
+    "rl_prompts.jsonl": ["prompt", "answer", "verifiable"],
+    "multistep.jsonl": ["prompt", "answer", "verifiable", "steps"],
+    "eval.jsonl": ["prompt", "answer", "verifiable"],
+}
+COUNTS = {
+    "sft.jsonl": 3000,
+    "preference.jsonl": 1500,
+    "kto.jsonl": 1500,
+    "rl_prompts.jsonl": 800,
+    "multistep.jsonl": 200,
+    "eval.jsonl": 300,
+}
+ALL_FILES = sorted([*KEYS, "dataset_info.json", "README.md"])
+TRAIN_FILES = ["sft.jsonl", "preference.jsonl", "kto.jsonl", "rl_prompts.jsonl"]
+HELDOUT_FILES = ["eval.jsonl", "multistep.jsonl"]
+
+SINGLE_RE = re.compile(r"What is (\d+) ([+-]) (\d+)\?")
+MULTI_RE = re.compile(r"Compute (\d+)((?: [+-] \d+){2,3})\.")
+STEP_RE = re.compile(r"(?:Step \d+: )?(\d+) ([+-]) (\d+) = (-?\d+)")
+
+
+def _load_generator():
+    """Import scripts/make_demo_data.py, which is a script rather than a package."""
+    path = ROOT / "scripts" / "make_demo_data.py"
+    spec = importlib.util.spec_from_file_location("make_demo_data", path)
+    module = importlib.util.module_from_spec(spec)
+    # Registered first: dataclasses look their module up in sys.modules.
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+gen = _load_generator()
+
+
+@functools.cache
+def records(name: str) -> list[dict]:
+    text = (DEMO / name).read_text(encoding="utf-8")
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def parse(prompt: str) -> tuple[int, list[tuple[str, int]]]:
+    """Split a prompt into its first operand and (op, operand) pairs."""
+    if m := SINGLE_RE.fullmatch(prompt):
+        return int(m[1]), [(m[2], int(m[3]))]
+    m = MULTI_RE.fullmatch(prompt)
+    assert m, f"unparseable prompt: {prompt!r}"
+    return int(m[1]), [(op, int(b)) for op, b in re.findall(r"([+-]) (\d+)", m[2])]
+
+
+def calc(left: int, op: str, right: int) -> int:
+    return left + right if op == "+" else left - right
+
+
+def step_is_right(m: re.Match) -> bool:
+    """Whether a STEP_RE match states a true equation."""
+    return calc(int(m[1]), m[2], int(m[3])) == int(m[4])
+
+
+def reference_steps(prompt: str) -> list[tuple[int, str, int, int]]:
+    """Evaluate the prompt left to right, independently of the generator."""
+    left, ops = parse(prompt)
+    steps = []
+    for op, right in ops:
+        result = calc(left, op, right)
+        steps.append((left, op, right, result))
+        left = result
+    return steps
+
+
+def truth(prompt: str) -> int:
+    return reference_steps(prompt)[-1][3]
+
+
+def reference_response(prompt: str) -> str:
+    steps = reference_steps(prompt)
+    multi = len(steps) > 1
+    lines = [
+        (f"Step {i}: " if multi else "") + f"{a} {op} {b} = {r}"
+        for i, (a, op, b, r) in enumerate(steps, 1)
+    ]
+    return "\n".join([*lines, f"Answer: {steps[-1][3]}"])
+
+
+def single_triple(prompt: str) -> tuple[int, str, int] | None:
+    m = SINGLE_RE.fullmatch(prompt)
+    return (int(m[1]), m[2], int(m[3])) if m else None
+
+
+def heldout_triples() -> set[tuple[int, str, int]]:
+    return {
+        t
+        for name in HELDOUT_FILES
+        for r in records(name)
+        if (t := single_triple(r["prompt"]))
+    }
+
+
+def training_texts() -> list[str]:
+    """Every response-like string a training stage could learn from."""
+    return [
+        r[key]
+        for name in TRAIN_FILES
+        for r in records(name)
+        for key in ("response", "chosen", "rejected")
+        if key in r
+    ]
+
+
+def test_regeneration_is_byte_identical(tmp_path):
+    counts = gen.generate(tmp_path, seed=0)
+    assert counts == COUNTS
+    assert sorted(p.name for p in tmp_path.iterdir()) == ALL_FILES
+    for name in ALL_FILES:
+        assert (tmp_path / name).read_bytes() == (DEMO / name).read_bytes(), (
+            f"{name} is stale"
+        )
+
+
+def test_other_seed_differs(tmp_path):
+    gen.generate(tmp_path, seed=1)
+    assert (tmp_path / "sft.jsonl").read_bytes() != (DEMO / "sft.jsonl").read_bytes()
+
+
+@pytest.mark.parametrize("name", sorted(KEYS))
+def test_lines_are_json_with_exact_keys(name):
+    text = (DEMO / name).read_text(encoding="utf-8")
+    assert text.endswith("\n") and "\n\n" not in text
+    rows = records(name)
+    assert len(rows) == COUNTS[name]
+    for row in rows:
+        assert list(row) == KEYS[name]
+        for key in ("prompt", "response", "chosen", "rejected", "answer"):
+            if key in row:
+                assert isinstance(row[key], str) and row[key]
+        if "label" in row:
+            assert isinstance(row["label"], bool)
+        if "verifiable" in row:
+            assert row["verifiable"] is True
+
+
+@pytest.mark.parametrize("name", sorted(KEYS))
+def test_prompts_stay_in_the_problem_space(name):
+    for row in records(name):
+        first, ops = parse(row["prompt"])
+        assert 10 <= first <= 99
+        assert all(1 <= b <= 9 for _, b in ops)
+        assert all(0 <= r <= 199 for *_, r in reference_steps(row["prompt"]))
+
+
+@pytest.mark.parametrize("name", ["rl_prompts.jsonl", "multistep.jsonl", "eval.jsonl"])
+def test_answers_match_independent_evaluator(name):
+    for row in records(name):
+        assert row["answer"] == str(truth(row["prompt"]))
+    assert len({r["prompt"] for r in records(name)}) == COUNTS[name], (
+        "prompts must be distinct"
+    )
+
+
+def test_multistep_steps_and_shape():
+    for row in records("multistep.jsonl"):
+        expected = [
+            f"{a} {op} {b} = {r}" for a, op, b, r in reference_steps(row["prompt"])
+        ]
+        assert row["steps"] == expected
+        assert len(expected) in (2, 3)
+
+
+@pytest.mark.parametrize(
+    ("name", "lo", "hi"),
+    [
+        ("sft.jsonl", 0.15, 0.25),
+        ("eval.jsonl", 0.15, 0.25),
+        ("preference.jsonl", 0.1, 0.5),
+        ("kto.jsonl", 0.1, 0.5),
+        ("rl_prompts.jsonl", 0.1, 0.5),
+    ],
+)
+def test_single_multi_mix(name, lo, hi):
+    rows = records(name)
+    share = sum(single_triple(r["prompt"]) is None for r in rows) / len(rows)
+    assert lo <= share <= hi
+
+
+def _is_sft_imperfection(prompt: str, response: str) -> bool:
+    """Missing Answer line, or last value off by ±1/±10 and carried to the Answer."""
+    expected = reference_response(prompt).split("\n")
+    lines = response.split("\n")
+    if lines == expected[:-1]:
+        return True
+    if len(lines) != len(expected) or lines[:-2] != expected[:-2]:
+        return False
+    m = STEP_RE.fullmatch(lines[-2])
+    a, op, b, r = reference_steps(prompt)[-1]
+    return bool(
+        m
+        and (int(m[1]), m[2], int(m[3])) == (a, op, b)
+        and int(m[4]) - r in (-10, -1, 1, 10)
+        and lines[-1] == f"Answer: {m[4]}"
+    )
+
+
+def test_sft_correct_and_imperfect_responses():
+    imperfect = 0
+    for row in records("sft.jsonl"):
+        prompt, response = row["prompt"], row["response"]
+        if response == reference_response(prompt):
+            assert gen.extract_answer(response) == str(truth(prompt))
+            assert gen.is_correct(response, str(truth(prompt)))
+        else:
+            assert _is_sft_imperfection(prompt, response), response
+            assert not gen.is_correct(response, str(truth(prompt)))
+            imperfect += 1
+    share = imperfect / len(records("sft.jsonl"))
+    assert 0.12 <= share <= 0.18
+    assert gen.IMPERFECT_SHARE == 0.15
+
+
+def test_preference_pairs():
+    for row in records("preference.jsonl"):
+        answer = str(truth(row["prompt"]))
+        assert row["chosen"] == reference_response(row["prompt"])
+        assert gen.is_correct(row["chosen"], answer)
+        assert not gen.is_correct(row["rejected"], answer)
+
+
+def test_preference_rejections_cover_every_flaw_kind():
+    kinds = {"no_answer": 0, "answer_mismatch": 0, "wrong_arithmetic": 0}
+    for row in records("preference.jsonl"):
+        rejected = row["rejected"]
+        steps = [STEP_RE.fullmatch(line) for line in rejected.split("\n")]
+        if gen.extract_answer(rejected) is None:
+            kinds["no_answer"] += 1
+        elif any(m and not step_is_right(m) for m in steps):
+            kinds["wrong_arithmetic"] += 1
+        else:
+            kinds["answer_mismatch"] += 1
+    assert all(count >= 100 for count in kinds.values()), kinds
+
+
+def test_kto_labels_agree_with_correctness():
+    rows = records("kto.jsonl")
+    for row in rows:
+        correct = gen.is_correct(row["response"], str(truth(row["prompt"])))
+        assert row["label"] is correct
+        if correct:
+            assert row["response"] == reference_response(row["prompt"])
+    assert 0.45 <= sum(r["label"] for r in rows) / len(rows) <= 0.55
+
+
+def test_heldout_prompts_and_triples_are_disjoint_from_training():
+    train_prompts = {r["prompt"] for name in TRAIN_FILES for r in records(name)}
+    eval_prompts = {r["prompt"] for r in records("eval.jsonl")}
+    multistep_prompts = {r["prompt"] for r in records("multistep.jsonl")}
+    assert not (eval_prompts | multistep_prompts) & train_prompts
+    assert not eval_prompts & multistep_prompts
+    train_triples = {t for p in train_prompts if (t := single_triple(p))}
+    assert len(heldout_triples()) == 240
+    assert not heldout_triples() & train_triples
+
+
+def test_training_text_never_works_out_a_heldout_triple():
+    """A held-out fact must not appear solved inside any training solution."""
+    held = heldout_triples()
+    train_prompts = {r["prompt"] for name in TRAIN_FILES for r in records(name)}
+    for prompt in train_prompts:
+        assert not {(a, op, b) for a, op, b, _ in reference_steps(prompt)} & held, (
+            prompt
+        )
+    for text in training_texts():
+        for line in text.split("\n"):
+            if (m := STEP_RE.fullmatch(line)) and (int(m[1]), m[2], int(m[3])) in held:
+                assert not step_is_right(m), text
+
+
+def test_every_response_ends_with_answer_or_is_a_flaw():
+    for text in training_texts():
+        assert not text.endswith(("\n", ".")), text
+        for line in text.split("\n")[:-1]:
+            assert STEP_RE.fullmatch(line), text
+        last = text.split("\n")[-1]
+        assert re.fullmatch(r"Answer: \d+", last) or STEP_RE.fullmatch(last), text
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("37 + 8 = 45\nAnswer: 45", "45"),
+        ("Answer: 3\nAnswer: 4", "4"),
+        ("Answer:  12.", "12"),
+        ("Answer: -7", "-7"),
+        ("37 + 8 = 45", None),
+        ("Answer: forty", None),
+        ("Answer: 45abc", None),
+        ("", None),
+    ],
+)
+def test_extract_answer(text, expected):
+    assert gen.extract_answer(text) == expected
+
+
+def test_is_correct():
+    assert gen.is_correct("37 + 8 = 45\nAnswer: 45", "45")
+    assert gen.is_correct("Answer: 45", 45)
+    assert not gen.is_correct("Answer: 46", "45")
+    assert not gen.is_correct("37 + 8 = 45", "45")
+
+
+def test_dataset_info_registers_every_file():
+    info = json.loads((DEMO / "dataset_info.json").read_text(encoding="utf-8"))
+    expected = {
+        "demo_sft": "sft.jsonl",
+        "demo_preference": "preference.jsonl",
+        "demo_kto": "kto.jsonl",
+        "demo_rl": "rl_prompts.jsonl",
+        "demo_multistep": "multistep.jsonl",
+        "demo_eval": "eval.jsonl",
+    }
+    assert {k: v["file_name"] for k, v in info.items()} == expected
+    assert info["demo_preference"]["ranking"] is True
+    assert info["demo_kto"]["columns"]["kto_tag"] == "label"
+    for entry in info.values():
+        keys = set(KEYS[entry["file_name"]])
+        assert set(entry["columns"].values()) <= keys
