@@ -517,7 +517,18 @@ def setup_logging(level: str | int = "INFO", log_file: str | os.PathLike | None 
             file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
             root.addHandler(file_handler)
     root.propagate = False
+    _quiet_library_progress_bars()
     return root
+
+
+def _quiet_library_progress_bars() -> None:
+    """transformers and datasets print tqdm bars for every save/load/map; our rich bar and log lines
+    already say what is happening, so theirs only clutter the console."""
+    import datasets
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    datasets.utils.logging.disable_progress_bar()
 
 
 def set_seed(seed: int) -> None:

@@ -1,0 +1,83 @@
+"""Shared fixtures: a per-session model cache and tiny models of several architectures.
+
+No model is ever downloaded: every model is built from a config with the embedded tokenizer
+(trained on data/demo) and saved/reloaded through ``from_pretrained``, as users' models are.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("RLHF_CACHE", tempfile.mkdtemp(prefix="rlhf-test-cache-"))
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+import rlhf  # noqa: E402
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture(scope="session")
+def repo() -> Path:
+    return REPO
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    """The embedded default model (built once per session into RLHF_CACHE)."""
+    return rlhf.build_tiny_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_dir):
+    return rlhf.load_tokenizer(tiny_model_dir)
+
+
+def _tiny_config(arch: str, tokenizer):
+    from transformers import GPT2Config, LlamaConfig, MambaConfig, Qwen2Config
+
+    common = dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                  pad_token_id=tokenizer.pad_token_id)
+    if arch == "llama":
+        return LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, max_position_embeddings=256, **common)
+    if arch == "qwen2":
+        return Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, max_position_embeddings=256, **common)
+    if arch == "gpt2":
+        return GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=256, **common)
+    if arch == "mamba":
+        return MambaConfig(hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4, **common)
+    raise ValueError(arch)
+
+
+ARCHITECTURES = ("llama", "qwen2", "gpt2", "mamba")
+
+
+@pytest.fixture(scope="session")
+def tiny_arch_dir(tmp_path_factory, tiny_tokenizer):
+    """Factory: ``tiny_arch_dir("gpt2")`` -> a saved tiny model directory of that architecture."""
+    from transformers import AutoModelForCausalLM
+
+    built: dict[str, Path] = {}
+
+    def make(arch: str) -> Path:
+        if arch not in built:
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(_tiny_config(arch, tiny_tokenizer))
+            path = tmp_path_factory.mktemp(f"tiny-{arch}")
+            model.save_pretrained(path)
+            tiny_tokenizer.save_pretrained(path)
+            built[arch] = path
+        return built[arch]
+
+    return make

@@ -1,0 +1,190 @@
+"""The module map and DESIGN.md conventions: the table of contents in rlhf.py's docstring matches the
+section banners, listed names exist (and live in their section), and the safety conventions hold."""
+
+from __future__ import annotations
+
+import ast
+import functools
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+
+import rlhf
+
+TOC_LINE = re.compile(r"^\s+(\d+)\. (.+?) — (.+)$")
+BANNER = re.compile(r"^# ==== (\d+)\. (.+) ====$")
+MODULES = ("rlhf.py", "inference_optimizations.py", "model_merging.py")
+
+
+def table_of_contents() -> list[tuple[int, str, list[str]]]:
+    doc = rlhf.__doc__ or ""
+    start = doc.index("Table of contents")
+    entries = []
+    for line in doc[start:].splitlines()[1:]:
+        match = TOC_LINE.match(line)
+        if not match:
+            if entries:
+                break
+            continue
+        names = [name.strip() for name in match[3].split(",")]
+        entries.append((int(match[1]), match[2], names))
+    return entries
+
+
+def banners(source: str) -> list[tuple[int, str, int]]:
+    """(number, title, line index) of every section banner."""
+    return [(int(m[1]), m[2], i) for i, line in enumerate(source.splitlines()) if (m := BANNER.match(line))]
+
+
+@pytest.fixture(scope="module")
+def source(repo) -> str:
+    return (repo / "rlhf.py").read_text(encoding="utf-8")
+
+
+def test_toc_matches_banners(source):
+    toc = table_of_contents()
+    assert toc, "the module docstring has no table of contents"
+    assert [(n, t) for n, t, _ in toc] == [(n, t) for n, t, _ in banners(source)]
+
+
+def test_sections_are_in_order(source):
+    numbers = [n for n, _, _ in banners(source)]
+    assert numbers == sorted(numbers) and len(set(numbers)) == len(numbers)
+    assert numbers[0] == 0
+
+
+def test_toc_names_exist():
+    missing = [(n, name) for n, _, names in table_of_contents() for name in names if not hasattr(rlhf, name)]
+    assert not missing
+
+
+def test_toc_names_are_public():
+    assert all(not name.startswith("_") for _, _, names in table_of_contents() for name in names)
+
+
+def top_level_definitions(tree: ast.Module) -> dict[str, int]:
+    """Name -> 0-based line of its module-level def/class/assignment (imports are left out)."""
+    found: dict[str, int] = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            found.setdefault(node.name, node.lineno - 1)
+        elif isinstance(node, ast.Assign):
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    found.setdefault(target.id, node.lineno - 1)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            found.setdefault(node.target.id, node.lineno - 1)
+    return found
+
+
+def test_toc_names_live_in_their_section(source):
+    """Each listed name is defined between its section's banner and the next one (or imported)."""
+    lines = source.splitlines()
+    found = banners(source)
+    ranges = {n: (start, found[i + 1][2] if i + 1 < len(found) else len(lines)) for i, (n, _, start) in enumerate(found)}
+    definitions = top_level_definitions(_parsed(rlhf.__file__))
+    misplaced = []
+    for number, _, names in table_of_contents():
+        start, end = ranges[number]
+        for name in names:
+            line = definitions.get(name)
+            if line is None:
+                assert getattr(rlhf, name).__module__ != "rlhf", f"{name} is neither defined nor imported"
+            elif not start < line < end:
+                misplaced.append((number, name, line + 1))
+    assert not misplaced
+
+
+def test_imported_toc_names_come_from_sibling_modules():
+    import inference_optimizations
+
+    for _, _, names in table_of_contents():
+        for name in names:
+            obj = getattr(rlhf, name)
+            if (inspect.isclass(obj) or inspect.isfunction(obj)) and obj.__module__ != "rlhf":
+                assert getattr(inference_optimizations, name, None) is obj or obj.__module__ == "model_merging"
+
+
+# ---------------------------------------------------------------- DESIGN.md section 3 conventions
+
+
+@functools.cache
+def _parsed(path: str) -> ast.Module:
+    return ast.parse(Path(path).read_text(encoding="utf-8"), filename=path)
+
+
+def _tree(repo, name: str) -> ast.Module:
+    return _parsed(str(repo / name))
+
+
+def _imports(tree: ast.Module) -> set[str]:
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def _is_torch_load(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Attribute) and node.attr == "load" and isinstance(node.value, ast.Name)
+            and node.value.id == "torch")
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_torch_load_only_with_weights_only(repo, name):
+    tree = _tree(repo, name)
+    safe_calls = set()
+    offending = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and _is_torch_load(node.func):
+            value = {k.arg: k.value for k in node.keywords}.get("weights_only")
+            if isinstance(value, ast.Constant) and value.value is True:
+                safe_calls.add(id(node.func))
+            else:
+                offending.append(node.lineno)
+        elif isinstance(node, ast.ImportFrom) and node.module == "torch" and any(a.name == "load" for a in node.names):
+            offending.append(node.lineno)
+    # any other reference (``load = torch.load``, ``functools.partial(torch.load, ...)``) is suspicious too
+    offending += [n.lineno for n in ast.walk(tree) if _is_torch_load(n) and id(n) not in safe_calls
+                  and n.lineno not in offending]
+    assert not offending, f"{name}: torch.load without weights_only=True at lines {sorted(offending)}"
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_no_pickle(repo, name):
+    assert not _imports(_tree(repo, name)) & {"pickle", "cPickle", "_pickle", "dill", "cloudpickle", "joblib"}
+
+
+@pytest.mark.parametrize("name", ["inference_optimizations.py", "model_merging.py"])
+def test_sibling_modules_do_not_import_rlhf(repo, name):
+    assert "rlhf" not in _imports(_tree(repo, name))
+
+
+def test_trust_remote_code_defaults_false(repo):
+    import dataclasses
+
+    assert rlhf.BaseConfig().trust_remote_code is False
+    assert next(f for f in dataclasses.fields(rlhf.SFTConfig) if f.name == "trust_remote_code").default is False
+    # every function that takes trust_remote_code defaults it to False
+    for name in MODULES:
+        for node in ast.walk(_tree(repo, name)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                args = node.args
+                positional = args.posonlyargs + args.args
+                defaults = dict(zip([a.arg for a in positional[len(positional) - len(args.defaults):]], args.defaults))
+                defaults |= {a.arg: d for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None}
+                names = [a.arg for a in positional + args.kwonlyargs]
+                if "trust_remote_code" in names:
+                    default = defaults.get("trust_remote_code")
+                    assert isinstance(default, ast.Constant) and default.value is False, (name, node.name)
+
+
+def test_no_assert_statements(repo):
+    """DESIGN.md: raise on user input, never ``assert`` (asserts vanish under ``python -O``)."""
+    tree = _tree(repo, "rlhf.py")
+    asserts = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Assert)]
+    assert not asserts, f"assert statements in rlhf.py at lines {asserts}"
