@@ -183,8 +183,9 @@ class BaseConfig:
         self.report_to = [t for t in targets if t != "none"]
         if self.lora_alpha is None:
             self.lora_alpha = 2 * self.lora_rank
-        if isinstance(self.resume_from_checkpoint, bool):
-            self.resume_from_checkpoint = "auto" if self.resume_from_checkpoint else "none"
+        resume = str(self.resume_from_checkpoint).lower()
+        if isinstance(self.resume_from_checkpoint, bool) or resume in ("true", "false", "none", "null"):
+            self.resume_from_checkpoint = "auto" if resume == "true" else "none"
 
     def _validate(self) -> None:
         positive = ("learning_rate", "per_device_train_batch_size", "per_device_eval_batch_size",
@@ -326,7 +327,10 @@ def _coerce(value: Any, annotation: Any, name: str, where: str) -> Any:
         if annotation is int:
             if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
                 raise ValueError
-            return int(float(value)) if isinstance(value, str) else int(value)
+            number = float(value) if isinstance(value, str) else value
+            if isinstance(number, float) and not number.is_integer():
+                raise ValueError
+            return int(number)
         if annotation is float:
             if isinstance(value, bool):
                 raise ValueError
@@ -363,6 +367,8 @@ def _translate_keys(raw: dict[str, Any], cls: type[BaseConfig], where: str) -> d
                 if value not in mapping:
                     raise RLHFInputError(f"{where}: '{key}' is {value!r}; valid: {', '.join(map(str, mapping))}")
                 value = mapping[value]
+            if target in raw and raw[target] != value:
+                raise RLHFInputError(f"{where}: '{key}' ({value!r}) and '{target}' ({raw[target]!r}) are both set; keep one")
             out[target] = value
         elif key in LLAMAFACTORY_IGNORED:
             logger.info("%s: ignoring '%s': %s", where, key, LLAMAFACTORY_IGNORED[key])
@@ -1038,7 +1044,8 @@ def resolve_dataset(name: str, dataset_dir: str | os.PathLike) -> DatasetSpec:
     as_path = Path(name)
     for candidate in (as_path, Path(dataset_dir) / name):
         if candidate.exists():
-            if candidate.is_dir() and (candidate / "dataset_info.json").exists() and (candidate / "state.json").exists():
+            if candidate.is_dir() and ((candidate / "dataset_info.json").exists() and (candidate / "state.json").exists()
+                                       or (candidate / "dataset_dict.json").exists()):
                 return DatasetSpec(name=name, hf_dir=candidate)
             files = _files_in(candidate)
             if not files:
@@ -1251,6 +1258,8 @@ def _parse_canonical(raw: dict[str, Any], location: str) -> dict[str, Any]:
     ``prompt`` may also be a list of chat messages (TRL's conversational format)."""
     if "document" in raw and "prompt" not in raw:
         raw = {**raw, "prompt": raw["document"], "response": raw.get("target")}
+    if "completion" in raw and "response" not in raw:  # TRL's prompt-completion format
+        raw = {**raw, "response": raw["completion"]}
     prompt = raw.get("prompt")
     if isinstance(prompt, list):
         parsed = _parse_sharegpt({"messages": prompt}, {"messages": "messages"}, OPENAI_TAGS, location)
@@ -1298,7 +1307,10 @@ def parse_record(raw: Any, spec: DatasetSpec, location: str) -> dict[str, Any]:
     elif formatting == "alpaca":
         parsed = _parse_alpaca(raw, spec.columns, location)
     elif formatting == "sharegpt":
-        parsed = _parse_sharegpt(raw, spec.columns, spec.tags or None, location)
+        columns = spec.columns
+        if "messages" not in columns and "conversations" not in raw and "messages" in raw:
+            columns = {**columns, "messages": "messages"}  # OpenAI layout: {"messages": [{role, content}]}
+        parsed = _parse_sharegpt(raw, columns, spec.tags or None, location)
     elif formatting == "canonical":
         parsed = _parse_canonical(raw, location)
     else:
@@ -1609,6 +1621,8 @@ class StreamingSFTDataset(torch.utils.data.IterableDataset):
         if buffer_size:
             stream = stream.shuffle(seed=seed, buffer_size=buffer_size)
         self.stream = split_dataset_by_node(stream, rank=rank, world_size=world_size)
+        # single-file streams are split example by example (record i goes to rank i % world_size)
+        self._stride = (world_size, rank) if stream.num_shards % world_size and not buffer_size else (1, 0)
         self.stats = {"records": 0, "truncated": 0, "dropped": 0, "invalid": 0}
         self.epoch = 0
 
@@ -1623,7 +1637,8 @@ class StreamingSFTDataset(torch.utils.data.IterableDataset):
             except Exception as err:  # the JSON reader names the problem but not our dataset
                 raise RLHFInputError(f"{source}: could not read the stream ({str(err).splitlines()[0]})") from None
             self.stats["records"] += 1
-            location = f"{source} (record {self.stats['records']})"
+            step, offset = self._stride
+            location = f"{source} (record {(self.stats['records'] - 1) * step + offset + 1})"
             try:
                 record = to_record(parse_record(raw, self.spec, location), "sft", location)
             except RLHFInputError:

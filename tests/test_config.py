@@ -212,8 +212,6 @@ def test_override_type_errors(pair, message):
         rlhf.load_config(SFTConfig, None, [pair])
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: _coerce turns the string '2.5' into the int 2 (int(float(value))) "
-                                       "instead of rejecting it like the float 2.5")
 def test_int_field_rejects_non_integral_string():
     with raises_input_error(r"'per_device_train_batch_size' must be a whole number"):
         rlhf.build_config(SFTConfig, {"per_device_train_batch_size": "2.5"})
@@ -395,6 +393,16 @@ def test_other_llamafactory_renames():
     assert config.model_dtype == "bfloat16"
 
 
+def test_renamed_key_does_not_silently_replace_explicit_key(tmp_path):
+    path = write(tmp_path / "c.yaml", "dataset_dir: train_data\neval_dataset_dir: eval_data\n")
+    try:
+        config = rlhf.load_config(SFTConfig, path)
+    except RLHFInputError as err:  # refusing the conflict is fine too
+        assert "eval_dataset_dir" in str(err) and "dataset_dir" in str(err)
+    else:
+        assert config.dataset_dir == "train_data"
+
+
 def test_every_ignored_key_is_accepted(caplog):
     pairs = [f"{key}=1" for key in rlhf.LLAMAFACTORY_IGNORED]
     with rlhf_log(caplog):
@@ -423,9 +431,6 @@ def test_stage_sft_accepted_other_stage_tells_command(tmp_path):
     assert "python rlhf.py dpo --config" in message
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: `resume_from_checkpoint: null/false` (LLaMA-Factory's example YAMLs "
-                                       "carry `resume_from_checkpoint: null`) is coerced to the strings 'None'/'False', "
-                                       "which the trainer then treats as a checkpoint directory")
 @pytest.mark.parametrize("value", ["null", "false"])
 def test_resume_from_checkpoint_null_or_false_means_none(tmp_path, value):
     path = write(tmp_path / "c.yaml", f"resume_from_checkpoint: {value}\n")
