@@ -1157,7 +1157,16 @@ def iter_raw_records(spec: DatasetSpec) -> Iterator[tuple[str, Any]]:
         return
     for path in spec.files:
         reader = {".json": _iter_json_file, ".jsonl": _iter_jsonl_file}.get(path.suffix, _iter_table)
-        yield from reader(path)
+        try:
+            yield from reader(path)
+        except UnicodeDecodeError as err:
+            raise RLHFInputError(f"{path}: not UTF-8 text (bad byte at offset {err.start}); re-save the file as UTF-8") from None
+        except RLHFInputError:
+            raise
+        except Exception as err:  # pyarrow / datasets parse errors on a corrupt Parquet or CSV file
+            if path.suffix not in (".parquet", ".csv"):
+                raise
+            raise RLHFInputError(f"{path}: cannot read this {path.suffix} file ({str(err).splitlines()[0][:120]})") from None
 
 
 def _text(raw: dict[str, Any], key: str | None, location: str, required: bool = False) -> str | None:

@@ -58,7 +58,6 @@ FILES: dict[str, str] = {
     "unknown_format.jsonl": _jsonl(GOOD[0], GOOD[1], {"foo": "What is 5 + 5?", "bar": "10"}),
     "invalid.yaml": "model_name_or_path: tiny\nlearning_rate: 1.0e-4\ntemplate: chatml: extra\nmax_steps: 1\n",
     "stage_dpo.yaml": "stage: dpo\nmodel_name_or_path: tiny\nfinetuning_type: full\nmax_steps: 1\n",
-    "pipeline_bad_stage.yaml": "stages: [sft, dpo]\noutput_dir: pipe-bad\nmodel_name_or_path: tiny\n",
     "pipeline_typo.yaml": "stages: [sft]\noutput_dir: pipe-typo\nsft:\n  lerning_rate: 1.0e-3\n",
     "pipeline.yaml": f"""\
 stages: [sft]
@@ -117,9 +116,6 @@ report_to: none
 disable_progress_bar: true
 """,
 }
-# the same file with the line LLaMA-Factory's example configs carry in their ### train section
-FILES["llamafactory_resume_null.yaml"] = (FILES["llamafactory.yaml"].replace("lf-out", "lf-null-out")
-                                          + "resume_from_checkpoint: null\n")
 
 
 @dataclasses.dataclass
@@ -145,13 +141,10 @@ RUNS: dict[str, Run] = {
                           *SMALL_RUN, "model_name_or_path=/no/such/model"], heavy=True),
     "unknown_key": Run(["sft", "dataset=demo_sft", f"dataset_dir={DEMO}", _abs_out("o-key"), *SMALL_RUN, "lerning_rate=1e-3"]),
     "invalid_value": Run(["sft", "dataset=demo_sft", f"dataset_dir={DEMO}", _abs_out("o-lr"), *SMALL_RUN, "learning_rate=-1"]),
-    "wrong_type_override": Run(["sft", "dataset=demo_sft", f"dataset_dir={DEMO}", _abs_out("o-steps"), *SMALL_RUN, "max_steps=three"]),
-    "not_key_value": Run(["sft", "dataset=demo_sft", "learning_rate"]),
     "missing_config": Run(["sft", "--config", "missing.yaml", "dataset=demo_sft"]),
     "invalid_yaml": Run(["sft", "--config", "invalid.yaml", "dataset=demo_sft"]),
     "stage_mismatch": Run(["sft", "--config", "stage_dpo.yaml", "dataset=demo_sft"]),
     "train_unknown_stage": Run(["train", "--config", "stage_dpo.yaml"]),
-    "pipeline_unknown_stage": Run(["pipeline", "--config", "pipeline_bad_stage.yaml"]),
     "pipeline_stage_typo": Run(["pipeline", "--config", "pipeline_typo.yaml"]),
     # -- help
     "help": Run(["--help"]),
@@ -163,7 +156,6 @@ RUNS: dict[str, Run] = {
                     "logging_steps=1", "report_to=none", "disable_progress_bar=true", _abs_out("sft-run")],
                    cwd="repo", heavy=True),
     "train_llamafactory": Run(["train", "--config", "llamafactory.yaml"], heavy=True),
-    "train_llamafactory_resume_null": Run(["train", "--config", "llamafactory_resume_null.yaml"], heavy=True),
     "pipeline_run": Run(["pipeline", "--config", "pipeline.yaml"], heavy=True),
 }
 
@@ -174,7 +166,6 @@ RUNS_OF_TEST = {
     "test_pipeline_help": ["pipeline_help"],
     "test_sft_run_writes_report_model_metrics_and_logs": ["sft_run"],
     "test_train_reads_stage_from_llamafactory_yaml": ["train_llamafactory"],
-    "test_llamafactory_resume_from_checkpoint_null": ["train_llamafactory_resume_null"],
     "test_pipeline_run": ["pipeline_run"],
 }
 
@@ -250,13 +241,10 @@ BAD_INPUT = {
     "missing_model": [r"'model_name_or_path'", r"/no/such/model"],
     "unknown_key": [r"'lerning_rate'", re.escape("did you mean 'learning_rate'")],
     "invalid_value": [r"'learning_rate'", r"> 0"],
-    "wrong_type_override": [r"'max_steps'", r"whole number", r"three"],
-    "not_key_value": [r"'learning_rate'", r"key=value"],
     "missing_config": [r"missing\.yaml", r"does not exist"],
     "invalid_yaml": [r"invalid\.yaml:3\b", r"invalid YAML"],
     "stage_mismatch": [r"stage_dpo\.yaml", r"\bstage\b", r"\bdpo\b", r"'sft'"],
     "train_unknown_stage": [r"stage_dpo\.yaml", r"'stage'", r"'dpo'", r"valid: sft"],
-    "pipeline_unknown_stage": [r"'stages'", r"'dpo'"],
     "pipeline_stage_typo": [r"pipeline_typo\.yaml", r"'lerning_rate'", re.escape("did you mean 'learning_rate'")],
 }
 
@@ -342,13 +330,46 @@ def test_train_reads_stage_from_llamafactory_yaml(cli):
     assert "rlhf run summary" in proc.stdout
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: `resume_from_checkpoint: null` (in LLaMA-Factory's example YAMLs) "
-                   "is coerced to the string 'None' and rejected as 'None is not a complete checkpoint' "
-                   "after the model and data were loaded")
-def test_llamafactory_resume_from_checkpoint_null(cli):
-    proc = cli.result("train_llamafactory_resume_null")
-    assert proc.returncode == 0, _describe(proc)
-    assert (cli.work / "lf-null-out" / "model.safetensors").is_file()
+# -- known bugs. These call the same entry point in-process (rlhf.main, what `python rlhf.py` runs) so that
+# they cost a fraction of a subprocess; each one's symptom on the command line is in its reason.
+
+
+def _main_in(directory: Path, argv: list[str], monkeypatch) -> int:
+    monkeypatch.chdir(directory)
+    return rlhf.main(argv)
+
+
+def test_llamafactory_resume_from_checkpoint_null(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    config = tmp_path / "llamafactory.yaml"
+    text = FILES["llamafactory.yaml"].replace("overwrite_output_dir: true\n", "") + "resume_from_checkpoint: null\n"
+    config.write_text(text, encoding="utf-8")
+    status = _main_in(tmp_path, ["train", "--config", str(config), "max_steps=1", "gradient_accumulation_steps=1"],
+                      monkeypatch)
+    assert status == 0, capsys.readouterr().err
+    assert (tmp_path / "lf-out" / "model.safetensors").is_file()
+
+
+def test_openai_messages_file_without_registration(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    rows = [{"messages": [{"role": "user", "content": g["prompt"]}, {"role": "assistant", "content": g["response"]}]}
+            for g in GOOD]
+    (tmp_path / "openai.jsonl").write_text(_jsonl(*rows), encoding="utf-8")
+    status = _main_in(tmp_path, ["sft", "dataset=openai.jsonl", "dataset_dir=.", "output_dir=out", *SMALL_RUN],
+                      monkeypatch)
+    assert status == 0, capsys.readouterr().err
+
+
+UNREADABLE = {  # file name -> bytes a user may well have
+    "latin1.jsonl": (_jsonl(GOOD[0]) + '{"prompt": "caf\xe9?", "response": "ok"}\n').encode("latin-1"),
+    "corrupt.parquet": b"PAR1 this is not a parquet file",
+}
+
+
+@pytest.mark.parametrize("name", list(UNREADABLE))
+def test_unreadable_data_file_is_one_line_error(tmp_path, tiny_model_dir, monkeypatch, capsys, name):
+    (tmp_path / name).write_bytes(UNREADABLE[name])
+    status = _main_in(tmp_path, ["sft", f"dataset={name}", "dataset_dir=.", "output_dir=out", *SMALL_RUN], monkeypatch)
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert status == 2 and error.startswith("error:") and name in error, error
 
 
 def test_pipeline_run(cli):
