@@ -65,6 +65,15 @@ def _fresh_model(path: Path):
     return AutoModelForCausalLM.from_pretrained(str(path))
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models train fastest on one thread: on a shared 2-core machine a second one mostly waits."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 # -- token_log_probs ------------------------------------------------------------------------------
 
 
@@ -283,7 +292,7 @@ def test_tokenizer_without_pad_gets_eos(tiny_model_dir, tmp_path):
     assert loaded.pad_token_id == loaded.eos_token_id is not None
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_generate_batch_equals_each_prompt_alone(arch, policies, tiny_tokenizer):
     policy = policies(arch)
     prompts = [tiny_tokenizer(t, add_special_tokens=False)["input_ids"]
@@ -424,16 +433,22 @@ def test_load_weights_into_restores_lora_adapter(tiny_arch_dir, tmp_path):
 
 
 def test_build_tiny_model_is_deterministic_and_cached(tiny_model_dir, tmp_path):
-    other = rlhf.build_tiny_model(cache_dir=tmp_path)
-    assert other != tiny_model_dir and other.parent == tmp_path
-    _assert_state_equal(load_file(str(other / "model.safetensors")), load_file(str(tiny_model_dir / "model.safetensors")))
-    assert rlhf.load_tokenizer(other).get_vocab() == rlhf.load_tokenizer(tiny_model_dir).get_vocab()
-    assert other.name == tiny_model_dir.name  # same content key
+    other, third = rlhf.build_tiny_model(cache_dir=tmp_path), rlhf.build_tiny_model(cache_dir=tmp_path / "b")
+    assert other.parent == tmp_path and third.parent == tmp_path / "b"
+    for built in (third, tiny_model_dir):  # the session's copy was built into yet another cache
+        _assert_state_equal(load_file(str(other / "model.safetensors")), load_file(str(built / "model.safetensors")))
+        assert rlhf.load_tokenizer(other).get_vocab() == rlhf.load_tokenizer(built).get_vocab()
+        assert (other / "tokenizer.json").read_bytes() == (built / "tokenizer.json").read_bytes()
+        assert built.name == other.name  # same content key
     mtime = (other / "model.safetensors").stat().st_mtime_ns
     assert rlhf.build_tiny_model(cache_dir=tmp_path) == other  # second call: a cache hit, no rebuild
     assert (other / "model.safetensors").stat().st_mtime_ns == mtime
     assert not list(tmp_path.glob(".tmp-*"))
     assert rlhf.resolve_model_path("tiny", tmp_path) == str(other)
+    different = rlhf.build_tiny_model(cache_dir=tmp_path / "c", seed=1)
+    assert different.name != other.name
+    assert not torch.equal(load_file(str(different / "model.safetensors"))["model.embed_tokens.weight"],
+                           load_file(str(other / "model.safetensors"))["model.embed_tokens.weight"])
 
 
 def test_tiny_model_is_llama_with_chat_tokenizer(tiny_model_dir, tiny_tokenizer):
