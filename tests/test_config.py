@@ -525,7 +525,7 @@ def test_demo_pipeline_config_loads(repo):
     pipeline = PipelineConfig.load(repo / "configs" / "demo.yaml")
     sft = pipeline.stage_config("sft")
     assert sft.dataset == "demo_sft" and sft.finetuning_type == "full"
-    assert sft.learning_rate == 3e-3 and sft.cutoff_len == 128 and sft.val_size == 200
+    assert sft.learning_rate == 1e-3 and sft.cutoff_len == 128 and sft.val_size == 200
     assert sft.report_to == [] and sft.output_dir == str(rlhf.Path("outputs/demo/sft"))
 
 
