@@ -130,14 +130,28 @@ def test_causal_lm_loss_sum_normalisation_is_accumulation_invariant():
 # -- (a) batch 8 x accumulation 1 == batch 1 x accumulation 8 ---------------------------------------
 
 
-def _train_weights(tmp: Path, llama_dir: Path, dataset, batch: int, accumulation: int) -> dict[str, torch.Tensor]:
+class _NaiveMeanTrainer(rlhf.SFTTrainer):
+    """Control: the common mistake of averaging each micro-batch over its own tokens, then over micro-batches."""
+
+    def _optimizer_step(self, group, window):
+        self._group_units = sum(self.loss_units(b) for b in group)
+        return super()._optimizer_step(group, window)
+
+    def compute_loss(self, batch):
+        loss_sum, metrics = super().compute_loss(batch)
+        own_mean = loss_sum / self.loss_units(batch)
+        return own_mean * self._group_units / self.config.gradient_accumulation_steps, metrics
+
+
+def _train_weights(tmp: Path, llama_dir: Path, dataset, batch: int, accumulation: int,
+                   trainer_cls: type = rlhf.SFTTrainer) -> dict[str, torch.Tensor]:
     config = rlhf.SFTConfig(model_name_or_path=str(llama_dir), output_dir=str(tmp), finetuning_type="full",
                             per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation,
-                            max_steps=2, learning_rate=1e-4, lr_scheduler_type="constant", max_grad_norm=1.0,
-                            seed=0, save_steps=0, logging_steps=1, disable_progress_bar=True,
+                            max_steps=2, learning_rate=1e-3, adam_epsilon=1e-6, lr_scheduler_type="constant",
+                            max_grad_norm=1.0, seed=0, save_steps=0, logging_steps=1, disable_progress_bar=True,
                             resume_from_checkpoint="none")
     policy = rlhf.PolicyModel.from_pretrained(str(llama_dir))
-    result = rlhf.SFTTrainer(config, policy, dataset).train()
+    result = trainer_cls(config, policy, dataset).train()
     assert result.global_step == 2
     return {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
 
@@ -148,13 +162,17 @@ def test_gradient_accumulation_is_equivalent_to_a_large_batch(tmp_path, llama_di
     lengths = {sum(label != rlhf.IGNORE_INDEX for label in dataset[i]["labels"]) for i in range(len(dataset))}
     assert len(lengths) > 1  # micro-batches have different numbers of target tokens
     big = _train_weights(tmp_path / "8x1", llama_dir, dataset, 8, 1)
-    small = _train_weights(tmp_path / "1x8", llama_dir, dataset, 1, 8)
     base = rlhf.PolicyModel.from_pretrained(str(llama_dir)).model.state_dict()
     assert max(float((big[k] - base[k]).abs().max()) for k in big) > 1e-4  # training moved the weights
-    # Adam divides by sqrt(v): an entry whose gradient is ~0 turns float rounding into a step of up to
-    # learning_rate, so the tolerance is a small fraction of learning_rate=1e-4.
-    for key in big:
-        torch.testing.assert_close(small[key], big[key], atol=1e-6, rtol=0, msg=key)
+    # Adam divides by sqrt(v) + eps: with the default eps=1e-8 an entry whose gradient is ~0 turns float
+    # rounding (1e-11) into a visible step; eps=1e-6 keeps that noise ~1e-8, far below the tolerance, while
+    # a per-micro-batch mean (gradients off by ~10%) moves weights by ~1e-4 (the control below).
+    for batch, accumulation in ((1, 8), (2, 4)):
+        small = _train_weights(tmp_path / f"{batch}x{accumulation}", llama_dir, dataset, batch, accumulation)
+        for key in big:
+            torch.testing.assert_close(small[key], big[key], atol=1e-6, rtol=0, msg=f"{batch}x{accumulation} {key}")
+    naive = _train_weights(tmp_path / "naive", llama_dir, dataset, 2, 4, trainer_cls=_NaiveMeanTrainer)
+    assert max(float((naive[k] - big[k]).abs().max()) for k in big) > 1e-4  # measured: 2e-3
 
 
 # -- (b) resume after an interruption equals an uninterrupted run (in-process) -------------------------
