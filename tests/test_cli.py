@@ -330,8 +330,9 @@ def test_train_reads_stage_from_llamafactory_yaml(cli):
     assert "rlhf run summary" in proc.stdout
 
 
-# -- known bugs. These call the same entry point in-process (rlhf.main, what `python rlhf.py` runs) so that
-# they cost a fraction of a subprocess; each one's symptom on the command line is in its reason.
+# -- regressions for bugs these tests found (now fixed in rlhf.py): LLaMA-Factory's `resume_from_checkpoint: null`,
+# unregistered OpenAI {"messages"} files, and unreadable files escaping as tracebacks. They call the same entry
+# point in-process (rlhf.main, what `python rlhf.py` runs) so that they cost a fraction of a subprocess.
 
 
 def _main_in(directory: Path, argv: list[str], monkeypatch) -> int:
