@@ -6,6 +6,8 @@ No model is ever downloaded: every model is built from a config with the embedde
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import sys
 import tempfile
@@ -81,3 +83,47 @@ def tiny_arch_dir(tmp_path_factory, tiny_tokenizer):
         return built[arch]
 
     return make
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models train fastest on one thread: on a shared 2-core machine a second one mostly waits."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@contextlib.contextmanager
+def captured_log(logger_name: str = "rlhf"):
+    """Records of a logger, whatever ``setup_logging`` did to its propagation."""
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    target = logging.getLogger(logger_name)
+    handler, old_level = Keep(level=logging.DEBUG), target.level
+    target.addHandler(handler)
+    target.setLevel(logging.DEBUG)
+    try:
+        yield records
+    finally:
+        target.removeHandler(handler)
+        target.setLevel(old_level)
+
+
+@contextlib.contextmanager
+def rlhf_log(caplog, level=logging.INFO):
+    """Capture the 'rlhf' logger in caplog exactly once, whether or not setup_logging turned propagation off."""
+    log = logging.getLogger("rlhf")
+    caplog.set_level(level, logger="rlhf")
+    propagate = log.propagate
+    log.propagate = False
+    log.addHandler(caplog.handler)
+    try:
+        yield caplog
+    finally:
+        log.removeHandler(caplog.handler)
+        log.propagate = propagate

@@ -3,13 +3,13 @@ pipeline configs and the ``--help`` table. No model is built here; every test is
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import textwrap
 
 import pytest
 import torch
+from conftest import rlhf_log
 
 import rlhf
 from rlhf import BaseConfig, PipelineConfig, RLHFInputError, SFTConfig
@@ -20,19 +20,6 @@ def write(path, text: str):
     return path
 
 
-@contextlib.contextmanager
-def rlhf_log(caplog, level=logging.INFO):
-    """Capture records of the 'rlhf' logger even when setup_logging has turned propagation off."""
-    log = logging.getLogger("rlhf")
-    caplog.set_level(level, logger="rlhf")
-    propagate = log.propagate
-    log.propagate = False  # each record reaches caplog exactly once, whether or not setup_logging ran
-    log.addHandler(caplog.handler)
-    try:
-        yield caplog
-    finally:
-        log.removeHandler(caplog.handler)
-        log.propagate = propagate
 
 
 def raises_input_error(match: str):

@@ -4,7 +4,6 @@ a real tiny Llama), the collator, streaming (order, resume, sharding) and answer
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import hashlib
 import json
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import rlhf_log
 
 import rlhf
 from rlhf import IGNORE_INDEX, ChatFormatter, RLHFInputError
@@ -57,19 +57,6 @@ def strip_location(records: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if k != "location"} for r in records]
 
 
-@contextlib.contextmanager
-def rlhf_log(caplog, level=logging.INFO):
-    """Capture the 'rlhf' logger exactly once, whether or not setup_logging turned propagation off."""
-    log = logging.getLogger("rlhf")
-    caplog.set_level(level, logger="rlhf")
-    propagate = log.propagate
-    log.propagate = False
-    log.addHandler(caplog.handler)
-    try:
-        yield caplog
-    finally:
-        log.removeHandler(caplog.handler)
-        log.propagate = propagate
 
 
 def record(prompt: str, response: str, system: str = "", history: list[dict] | None = None) -> dict:

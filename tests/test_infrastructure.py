@@ -3,7 +3,6 @@ compilation fallback, the training logger and the attention-backend choice."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import logging
@@ -13,30 +12,11 @@ import random
 import numpy as np
 import pytest
 import torch
+from conftest import captured_log
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 import rlhf
-
-
-@contextlib.contextmanager
-def _captured(logger_name: str = "rlhf"):
-    """Records of a logger, whatever ``setup_logging`` did to its propagation."""
-    records: list[logging.LogRecord] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record)
-
-    target = logging.getLogger(logger_name)
-    handler, old_level = Keep(level=logging.DEBUG), target.level
-    target.addHandler(handler)
-    target.setLevel(logging.DEBUG)
-    try:
-        yield records
-    finally:
-        target.removeHandler(handler)
-        target.setLevel(old_level)
 
 
 def _small_net() -> nn.Module:
@@ -44,13 +24,7 @@ def _small_net() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 3))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models train fastest on one thread: on a shared 2-core machine a second one mostly waits."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.one_thread
 
 
 # -- CheckpointManager ----------------------------------------------------------------------------------
@@ -310,7 +284,7 @@ def test_compile_model_bad_backend_warns_and_keeps_working(monkeypatch):
     model = _small_net()
     x = torch.randn(2, 4)
     want = model(x)
-    with _captured() as records:
+    with captured_log() as records:
         out = rlhf.compile_model(model, enabled=True, backend="no_such_backend")
     assert any(r.levelno == logging.WARNING and "torch.compile failed" in r.getMessage() for r in records)
     torch.testing.assert_close(out(x), want)

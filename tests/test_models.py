@@ -65,13 +65,7 @@ def _fresh_model(path: Path):
     return AutoModelForCausalLM.from_pretrained(str(path))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models train fastest on one thread: on a shared 2-core machine a second one mostly waits."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.one_thread
 
 
 # -- token_log_probs ------------------------------------------------------------------------------

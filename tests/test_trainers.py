@@ -7,9 +7,7 @@ model; runs are a handful of steps on the bundled demo data.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import logging
 import os
 import signal
 import subprocess
@@ -20,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import captured_log
 from safetensors.torch import load_file
 
 import rlhf
@@ -29,32 +28,9 @@ class _Interrupted(Exception):
     """Stands in for a crash right after a checkpoint was published."""
 
 
-@contextlib.contextmanager
-def _captured(logger_name: str = "rlhf"):
-    records: list[logging.LogRecord] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record)
-
-    target = logging.getLogger(logger_name)
-    handler, old_level = Keep(level=logging.DEBUG), target.level
-    target.addHandler(handler)
-    target.setLevel(logging.DEBUG)
-    try:
-        yield records
-    finally:
-        target.removeHandler(handler)
-        target.setLevel(old_level)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models train fastest on one thread: on a shared 2-core machine a second one mostly waits."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.one_thread
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +175,7 @@ def test_resume_in_process_equals_uninterrupted_run(finetuning_type, tmp_path, l
             "rng_state.json", "trainer_state.json", "COMPLETE"} <= files
     assert not [f for f in files if f.endswith((".bin", ".pt", ".pth", ".pkl"))]  # nothing pickled
 
-    with _captured() as records:
+    with captured_log() as records:
         resumed = rlhf.train_sft(config)
     assert any("resumed from" in r.getMessage() for r in records)
     assert resumed.global_step == 6
@@ -217,13 +193,13 @@ def test_resume_from_explicit_checkpoint_and_overwrite(tmp_path, llama_dir, demo
     rlhf.train_sft(_config(out, llama_dir, demo_dir, max_steps=4, save_steps=2))
     checkpoint_2 = out / "checkpoints" / "checkpoint-2"
     assert (checkpoint_2 / "COMPLETE").exists()
-    with _captured() as records:
+    with captured_log() as records:
         again = rlhf.train_sft(_config(out, llama_dir, demo_dir, max_steps=4, save_steps=2,
                                        resume_from_checkpoint=str(checkpoint_2)))
     assert again.global_step == 4
     assert any(f"resumed from {checkpoint_2}" in r.getMessage() for r in records)
 
-    with _captured() as records:
+    with captured_log() as records:
         fresh = rlhf.train_sft(_config(out, llama_dir, demo_dir, max_steps=1, overwrite_output_dir=True))
     assert fresh.global_step == 1 and not any("resumed" in r.getMessage() for r in records)
     assert [p.name for p in rlhf.CheckpointManager(out).checkpoints()] == ["checkpoint-1"]
@@ -292,7 +268,7 @@ def test_sigkill_and_rerun_is_bit_identical_to_uninterrupted(tmp_path, repo, lla
     latest = rlhf.CheckpointManager(victim_dir).latest()  # (also removes a half-written .tmp-* checkpoint)
     assert 10 <= _step_of(latest) < 40
 
-    with _captured() as records:
+    with captured_log() as records:
         assert rlhf.main(_cli_args(repo, llama_dir, victim_dir)) == 0  # the same command, run again
     assert any(f"resumed from {latest}" in r.getMessage() for r in records)
 
