@@ -42,7 +42,7 @@ import time
 import types
 import typing
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -92,8 +92,8 @@ def _opt(default: Any, help: str, **kwargs: Any) -> Any:
 
 
 SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
-              "constant_with_warmup", "inverse_sqrt", "reduce_lr_on_plateau", "cosine_with_min_lr",
-              "warmup_stable_decay")
+              "constant_with_warmup", "inverse_sqrt", "cosine_with_min_lr", "warmup_stable_decay")
+# reduce_lr_on_plateau is left out: it steps on a metric, and the trainers step schedules per optimizer step.
 ATTENTION_CHOICES = ("auto", "flash_attention_2", "sdpa", "eager")
 REPORT_TARGETS = ("tensorboard", "wandb")
 FINETUNING_TYPES = ("full", "lora", "freeze")
@@ -129,6 +129,7 @@ class BaseConfig:
     buffer_size: int = _opt(0, "Shuffle buffer for streaming (0: file order, exactly resumable)")
     preprocessing_num_workers: int | None = _opt(None, "Processes for tokenisation (datasets.map num_proc)")
     dataloader_num_workers: int = _opt(0, "DataLoader worker processes")
+    group_by_length: bool = _opt(False, "Batch examples of similar length together (less padding; order stays seeded and resumable)")
     skip_invalid_records: bool = _opt(False, "Skip (and count) malformed records instead of stopping at the first one")
     cache_dir: str | None = _opt(None, "Cache for the embedded model and tokenised data (default: $RLHF_CACHE or ~/.cache/rlhf)")
     # -- optimisation
@@ -518,6 +519,9 @@ def setup_logging(level: str | int = "INFO", log_file: str | os.PathLike | None 
     if log_file is not None:
         path = Path(log_file).resolve()
         path.parent.mkdir(parents=True, exist_ok=True)
+        for old in [h for h in root.handlers if isinstance(h, logging.FileHandler) and Path(h.baseFilename) != path]:
+            root.removeHandler(old)  # one run, one log file: an earlier run's file must not receive this run
+            old.close()
         if not any(isinstance(h, logging.FileHandler) and Path(h.baseFilename) == path for h in root.handlers):
             file_handler = logging.FileHandler(path, encoding="utf-8")
             file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
@@ -821,6 +825,16 @@ def _fsync_tree(root: Path) -> None:
                 os.fsync(handle.fileno())
 
 
+def _fsync_directory(path: Path) -> None:
+    if os.name == "nt":  # Windows cannot open a directory for fsync
+        return
+    handle = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(handle)
+    finally:
+        os.close(handle)
+
+
 class CheckpointManager:
     """Atomic, rolling checkpoints under ``output_dir/checkpoints``.
 
@@ -859,6 +873,7 @@ class CheckpointManager:
             if final.exists():
                 shutil.rmtree(final)
             os.rename(tmp, final)
+            _fsync_directory(self.root)  # make the rename itself durable, not just the files
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -872,6 +887,16 @@ class CheckpointManager:
     def clear(self) -> None:
         for path in self.checkpoints():
             shutil.rmtree(path, ignore_errors=True)
+
+
+def _scheduler_kwargs(name: str, warmup: int, num_training_steps: int) -> dict[str, Any]:
+    """The extra arguments two transformers schedules require, with the usual defaults: cosine decays
+    to 10% of the peak rate; warmup-stable-decay spends its last 10% of steps decaying."""
+    if name == "cosine_with_min_lr":
+        return {"min_lr_rate": 0.1}
+    if name == "warmup_stable_decay":
+        return {"num_decay_steps": max(1, (num_training_steps - warmup) // 10)}
+    return {}
 
 
 def create_optimizer(model: nn.Module, config: BaseConfig, num_training_steps: int
@@ -892,7 +917,9 @@ def create_optimizer(model: nn.Module, config: BaseConfig, num_training_steps: i
                                   betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon)
     warmup = config.warmup_steps or math.ceil(config.warmup_ratio * num_training_steps)
     scheduler = get_scheduler(config.lr_scheduler_type, optimizer, num_warmup_steps=warmup,
-                              num_training_steps=num_training_steps)
+                              num_training_steps=num_training_steps,
+                              scheduler_specific_kwargs=_scheduler_kwargs(config.lr_scheduler_type, warmup,
+                                                                          num_training_steps))
     return optimizer, scheduler
 
 
@@ -941,6 +968,14 @@ def find_linear_module_names(model: nn.Module) -> list[str]:
     return sorted(names)
 
 
+# PEFT refuses LoRA on Mamba's out_proj (its fused kernel reads the weight directly) and on conv1d.
+_PEFT_REFUSED_TARGETS = {"mamba": ("out_proj", "conv1d"), "mamba2": ("out_proj", "conv1d")}
+
+
+def _model_type(model: nn.Module) -> str:
+    return getattr(getattr(model, "config", None), "model_type", "")
+
+
 def apply_lora(model: nn.Module, config: BaseConfig) -> nn.Module:
     """Wrap the model with PEFT LoRA adapters on ``lora_target`` (``all`` = every linear layer)."""
     from peft import LoraConfig, get_peft_model
@@ -948,7 +983,7 @@ def apply_lora(model: nn.Module, config: BaseConfig) -> nn.Module:
 
     available = find_linear_module_names(model)
     if config.lora_target.strip() == "all":
-        targets = available
+        targets = [t for t in available if t not in _PEFT_REFUSED_TARGETS.get(_model_type(model), ())]
     else:
         targets = [t.strip() for t in config.lora_target.split(",") if t.strip()]
         missing = [t for t in targets if t not in available]
@@ -960,7 +995,10 @@ def apply_lora(model: nn.Module, config: BaseConfig) -> nn.Module:
     lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
                       target_modules=targets, modules_to_save=extra, task_type="CAUSAL_LM",
                       fan_in_fan_out=conv1d)
-    return get_peft_model(model, lora)
+    try:
+        return get_peft_model(model, lora)
+    except ValueError as err:  # e.g. a module type PEFT cannot adapt on this architecture
+        raise RLHFInputError(f"config field 'lora_target' ({', '.join(targets)}): {err}") from None
 
 
 def _decoder_blocks(model: nn.Module) -> nn.ModuleList:
@@ -1089,7 +1127,7 @@ def _iter_json_file(path: Path) -> Iterator[tuple[str, Any]]:
     """Records of a JSON array (or a single object) with the line each starts on."""
     import bisect
 
-    text = path.read_text(encoding="utf-8")
+    text = _decode_utf8(path.read_bytes(), path)
     starts = _line_starts(text)
     decoder = json.JSONDecoder()
     pos = len(text) - len(text.lstrip())
@@ -1113,9 +1151,20 @@ def _iter_json_file(path: Path) -> Iterator[tuple[str, Any]]:
         raise RLHFInputError(f"{path}:{err.lineno}: invalid JSON ({err.msg} at column {err.colno})") from None
 
 
+def _decode_utf8(data: bytes, path: Path, first_line: int = 1) -> str:
+    """UTF-8 text (a leading byte-order mark is dropped), or an error naming the line of the bad byte."""
+    try:
+        return data.decode("utf-8-sig" if first_line == 1 else "utf-8")
+    except UnicodeDecodeError as err:
+        line = first_line + data[:err.start].count(b"\n")
+        raise RLHFInputError(f"{path}:{line}: not UTF-8 text (byte 0x{data[err.start]:02x}); "
+                             f"re-save the file as UTF-8") from None
+
+
 def _iter_jsonl_file(path: Path) -> Iterator[tuple[str, Any]]:
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, 1):
+    with path.open("rb") as handle:
+        for number, raw_line in enumerate(handle, 1):
+            line = _decode_utf8(raw_line, path, number)
             if not line.strip():
                 continue
             try:
@@ -1159,7 +1208,7 @@ def iter_raw_records(spec: DatasetSpec) -> Iterator[tuple[str, Any]]:
         reader = {".json": _iter_json_file, ".jsonl": _iter_jsonl_file}.get(path.suffix, _iter_table)
         try:
             yield from reader(path)
-        except UnicodeDecodeError as err:
+        except UnicodeDecodeError as err:  # CSV read by datasets
             raise RLHFInputError(f"{path}: not UTF-8 text (bad byte at offset {err.start}); re-save the file as UTF-8") from None
         except RLHFInputError:
             raise
@@ -1600,6 +1649,12 @@ class SFTDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.rows) if self.rows is not None else len(self.data)
 
+    def lengths(self) -> list[int]:
+        """Tokens per item, for length-grouped batching."""
+        if self.rows is not None:
+            return [len(row["input_ids"]) for row in self.rows]
+        return [len(ids) for ids in self.data["input_ids"]]
+
     def __getitem__(self, index: int) -> dict[str, list[int]]:
         return self.rows[index] if self.rows is not None else self.data[int(index)]
 
@@ -1615,7 +1670,10 @@ class StreamingSFTDataset(torch.utils.data.IterableDataset):
 
     def __init__(self, spec: DatasetSpec, tokenizer: Any, formatter: ChatFormatter, *, cutoff_len: int,
                  train_on_prompt: bool = False, mask_history: bool = False, rank: int = 0, world_size: int = 1,
-                 buffer_size: int = 0, seed: int = 0, skip_invalid: bool = False) -> None:
+                 buffer_size: int = 0, seed: int = 0, skip_invalid: bool = False, max_samples: int | None = None,
+                 skip: int = 0) -> None:
+        """``max_samples`` caps the stream (counted before ``skip``); the first ``skip`` records are left
+        out (they are the validation set when ``val_size`` is used with streaming)."""
         from datasets import load_dataset
         from datasets.distributed import split_dataset_by_node
 
@@ -1627,6 +1685,11 @@ class StreamingSFTDataset(torch.utils.data.IterableDataset):
         self.spec, self.formatter, self.cutoff_len = spec, formatter, cutoff_len
         self.train_on_prompt, self.mask_history, self.skip_invalid = train_on_prompt, mask_history, skip_invalid
         stream = load_dataset(builders.pop(), data_files=[str(p) for p in spec.files], split="train", streaming=True)
+        if max_samples:
+            stream = stream.take(max_samples)
+        if skip:
+            stream = stream.skip(skip)
+        self._skipped = skip
         if buffer_size:
             stream = stream.shuffle(seed=seed, buffer_size=buffer_size)
         self.stream = split_dataset_by_node(stream, rank=rank, world_size=world_size)
@@ -1647,7 +1710,7 @@ class StreamingSFTDataset(torch.utils.data.IterableDataset):
                 raise RLHFInputError(f"{source}: could not read the stream ({str(err).splitlines()[0]})") from None
             self.stats["records"] += 1
             step, offset = self._stride
-            location = f"{source} (record {(self.stats['records'] - 1) * step + offset + 1})"
+            location = f"{source} (record {self._skipped + (self.stats['records'] - 1) * step + offset + 1})"
             try:
                 record = to_record(parse_record(raw, self.spec, location), "sft", location)
             except RLHFInputError:
@@ -1706,17 +1769,13 @@ class SFTCollator:
 def token_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """log softmax(logits)[target] per position, one sequence at a time.
 
-    A full (B, T, V) log-softmax would double peak memory on large vocabularies; selecting the
-    target logit and subtracting a per-row logsumexp needs only (T, V) scratch at a time.
+    A full (B, T, V) log-softmax would double peak memory on large vocabularies; one row at a
+    time needs only (T, V) scratch. Half-precision logits are normalised in fp32.
     Shapes: logits (B, T, V), targets (B, T) -> (B, T).
     """
-    if logits.dtype in (torch.float32, torch.float64):
-        chosen = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-        normaliser = torch.stack([torch.logsumexp(row, dim=-1) for row in logits])
-        return chosen - normaliser
-    rows = []  # half precision: logsumexp loses too much, so normalise each row in fp32
+    rows = []  # log_softmax subtracts the row max first, so it stays exact at any logit scale
     for row_logits, row_targets in zip(logits, targets):
-        row = F.log_softmax(row_logits.float(), dim=-1)
+        row = F.log_softmax(row_logits if row_logits.dtype == torch.float64 else row_logits.float(), dim=-1)
         rows.append(row.gather(-1, row_targets.unsqueeze(-1)).squeeze(-1))
     return torch.stack(rows)
 
@@ -1756,6 +1815,7 @@ TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 def _demo_corpus(corpus_dir: Path) -> Iterator[str]:
     for path in sorted(corpus_dir.glob("*.jsonl")):
         for _, record in _iter_jsonl_file(path):
+            yield "system\nuser\nassistant\n"  # the chat template's role names, so each is one token
             for key in ("prompt", "response", "chosen", "rejected"):
                 if isinstance(record.get(key), str):
                     yield record[key]
@@ -1776,7 +1836,7 @@ def build_tiny_model(cache_dir: str | os.PathLike | None = None, corpus_dir: str
     if not files:
         raise RLHFInputError(f"model_name_or_path 'tiny' trains its tokenizer on {corpus_dir}, which has no .jsonl "
                              f"files; run `python scripts/make_demo_data.py` from a checkout")
-    key = _fingerprint("tiny-v1", TINY_MODEL_SETTINGS, seed, [hashlib.sha256(p.read_bytes()).hexdigest() for p in files])
+    key = _fingerprint("tiny-v2", TINY_MODEL_SETTINGS, seed, [hashlib.sha256(p.read_bytes()).hexdigest() for p in files])
     target = Path(cache_dir or _default_cache_dir()) / f"tiny-llama-{key}"
     if (target / "config.json").exists():
         return target
@@ -1826,6 +1886,9 @@ def load_causal_lm(path: str, *, dtype: str | torch.dtype = "float32", attn_impl
     """``AutoModelForCausalLM`` with the best attention backend this model and device support."""
     from transformers import AutoModelForCausalLM
 
+    if Path(path).is_dir() and not (Path(path) / "config.json").exists():
+        raise RLHFInputError(f"config field 'model_name_or_path': directory '{path}' has no config.json, so it is not "
+                             f"a Hugging Face model; point it at a saved model (or an adapter) or use 'tiny'")
     implementation, reason = select_attention_implementation(attn_implementation, device)
     kwargs = dict(dtype=_torch_dtype(dtype), trust_remote_code=trust_remote_code)
     try:
@@ -2012,6 +2075,15 @@ def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torc
 # ==== 7. Trainers ====
 
 
+def group_by_length(indices: list[int], lengths: Sequence[int], batch_size: int, megabatch: int = 50) -> list[int]:
+    """Reorder a shuffled index list so each batch holds similar lengths: split it into chunks of
+    ``megabatch`` batches and sort each chunk longest first (Hugging Face's LengthGroupedSampler).
+    The order stays random at the chunk scale, and is a pure function of the input."""
+    size = batch_size * megabatch
+    chunks = [sorted(indices[i:i + size], key=lambda j: -lengths[j]) for i in range(0, len(indices), size)]
+    return [index for chunk in chunks for index in chunk]
+
+
 class ResumableBatchSampler:
     """Index batches for an in-memory dataset, endless across epochs, addressable by position.
 
@@ -2021,9 +2093,9 @@ class ResumableBatchSampler:
     """
 
     def __init__(self, size: int, batch_size: int, seed: int, start: int = 0, rank: int = 0, world_size: int = 1,
-                 shuffle: bool = True) -> None:
+                 shuffle: bool = True, lengths: Sequence[int] | None = None) -> None:
         self.size, self.batch_size, self.seed, self.start = size, batch_size, seed, start
-        self.rank, self.world_size, self.shuffle = rank, world_size, shuffle
+        self.rank, self.world_size, self.shuffle, self.lengths = rank, world_size, shuffle, lengths
         self.per_process = math.ceil(size / world_size)
         self.batches_per_epoch = math.ceil(self.per_process / batch_size)
 
@@ -2033,7 +2105,10 @@ class ResumableBatchSampler:
         else:
             order = list(range(self.size))
         order += order[: self.per_process * self.world_size - self.size]
-        return order[self.rank::self.world_size]
+        mine = order[self.rank::self.world_size]
+        if self.lengths is not None:
+            mine = group_by_length(mine, self.lengths, self.batch_size)
+        return mine
 
     def __iter__(self) -> Iterator[list[int]]:
         position, cached_epoch, indices = self.start, -1, []
@@ -2128,8 +2203,10 @@ class BaseTrainer:
             return
         if len(self.train_dataset) == 0:
             raise RLHFInputError("the training set is empty after preprocessing")
+        lengths = self.train_dataset.lengths() if config.group_by_length and hasattr(self.train_dataset, "lengths") else None
         self.sampler = ResumableBatchSampler(len(self.train_dataset), config.per_device_train_batch_size, config.seed,
-                                             rank=self.devices.process_index, world_size=self.devices.num_processes)
+                                             rank=self.devices.process_index, world_size=self.devices.num_processes,
+                                             lengths=lengths)
         micro_batches = math.ceil(config.num_train_epochs * self.sampler.batches_per_epoch)
         self.total_steps = config.max_steps if config.max_steps > 0 else max(1, math.ceil(
             micro_batches / config.gradient_accumulation_steps))
@@ -2179,6 +2256,7 @@ class BaseTrainer:
         self.training_logger = TrainingLogger(self.output_dir, self.total_steps, self.devices, config,
                                               description=self.stage, start_step=self.global_step)
         batches = self._batches()
+        resumed_at = self.global_step
         window = {"loss": 0.0, "units": 0.0, "tokens": 0, "since": time.time(), "metrics": {}}
         stopped_early, last_eval = False, {}
         while self.global_step < self.total_steps:
@@ -2192,7 +2270,8 @@ class BaseTrainer:
                 self._log_window(window, step_metrics)
             if (config.eval_steps and self.global_step % config.eval_steps == 0) or final:
                 last_eval = self.evaluate()
-                self.training_logger.log(self.global_step, last_eval)
+                if last_eval:
+                    self.training_logger.log(self.global_step, last_eval)
                 stopped_early = self._should_stop(last_eval)
             if (config.save_steps and self.global_step % config.save_steps == 0) or final or stopped_early:
                 self._save_checkpoint()
@@ -2200,6 +2279,9 @@ class BaseTrainer:
                 logger.info("early stopping at step %d: %s did not improve for %d evaluations", self.global_step,
                             config.metric_for_best_model, config.early_stopping_patience)
                 break
+        if self.global_step == resumed_at and self.global_step > 0:  # finished earlier: report its evaluation
+            logger.info("already trained to step %d (checkpoint); evaluating only", self.global_step)
+            last_eval = self.evaluate()
         self.training_logger.close()
         self._save_final_model()
         seconds = time.time() - started
@@ -2293,6 +2375,10 @@ class BaseTrainer:
             self.checkpoints.clear()
             return
         if choice == "none":
+            if self.checkpoints.checkpoints():  # a fresh start must not roll or later resume into old steps
+                logger.warning("resume_from_checkpoint=none: removing the earlier run's checkpoints in %s",
+                               self.checkpoints.root)
+                self.checkpoints.clear()
             return
         path = self.checkpoints.latest() if choice == "auto" else Path(choice)
         if path is None:
@@ -2416,29 +2502,50 @@ def _split_validation(records: list[dict[str, Any]], val_size: float, seed: int)
     return [r for i, r in enumerate(records) if i not in held], [r for i, r in enumerate(records) if i in held]
 
 
-def build_sft_data(config: SFTConfig, tokenizer: Any, formatter: ChatFormatter, devices: DeviceManager
-                   ) -> tuple[Any, SFTDataset | None, list[dict[str, Any]]]:
-    """Training set (in memory or streaming), validation set, and held-out prompts for accuracy."""
+def read_sft_records(config: SFTConfig) -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]], list[dict[str, Any]]]:
+    """Parse and validate the training, validation and held-out records. Runs before the model loads,
+    so a bad record fails in seconds. Streaming reads its training records lazily (returned as None)."""
     eval_records = load_records(config.eval_dataset, config.dataset_dir, "prompt", max_samples=config.max_samples,
                                 skip_invalid=config.skip_invalid_records) if config.eval_dataset else []
-    common = dict(cutoff_len=config.cutoff_len, train_on_prompt=config.train_on_prompt, mask_history=config.mask_history)
     if config.streaming:
         if config.packing:
             raise RLHFInputError("config fields 'streaming' and 'packing' cannot be combined yet; pack in memory or stream unpacked")
         names = [n for n in config.dataset.split(",") if n.strip()]
         if len(names) != 1:
             raise RLHFInputError("config field 'dataset': streaming reads exactly one dataset")
-        spec = resolve_dataset(names[0], config.dataset_dir)
-        train = StreamingSFTDataset(spec, tokenizer, formatter, rank=devices.process_index,
-                                    world_size=devices.num_processes, buffer_size=config.buffer_size,
-                                    seed=config.seed, skip_invalid=config.skip_invalid_records, **common)
-        return train, None, eval_records
+        resolve_dataset(names[0], config.dataset_dir)  # fail now on a missing file or unknown name
+        if not config.val_size:
+            return None, [], eval_records
+        if config.val_size < 1 or config.val_size != int(config.val_size):
+            raise RLHFInputError(f"config field 'val_size' ({config.val_size}): a stream has no known length, so "
+                                 f"give a record count (e.g. val_size=200), not a fraction")
+        # as in LLaMA-Factory: the stream's first val_size records are the validation set, training skips them
+        val_records = load_records(names[0], config.dataset_dir, "sft", max_samples=int(config.val_size),
+                                   skip_invalid=config.skip_invalid_records)
+        return None, val_records, eval_records
     records = load_records(config.dataset, config.dataset_dir, "sft", max_samples=config.max_samples,
                            skip_invalid=config.skip_invalid_records)
     train_records, val_records = _split_validation(records, config.val_size, config.seed)
+    return train_records, val_records, eval_records
+
+
+def build_sft_data(config: SFTConfig, tokenizer: Any, formatter: ChatFormatter, devices: DeviceManager,
+                   records: tuple[list | None, list, list] | None = None
+                   ) -> tuple[Any, SFTDataset | None, list[dict[str, Any]]]:
+    """Training set (in memory or streaming), validation set, and held-out prompts for accuracy.
+    ``records`` is what :func:`read_sft_records` returned, if it already ran."""
+    train_records, val_records, eval_records = records or read_sft_records(config)
+    common = dict(cutoff_len=config.cutoff_len, train_on_prompt=config.train_on_prompt, mask_history=config.mask_history)
     cached = dict(cache_dir=config.cache_dir, num_proc=config.preprocessing_num_workers, **common)
-    train = SFTDataset(train_records, tokenizer, formatter, packing=config.packing, **cached)
     validation = SFTDataset(val_records, tokenizer, formatter, **cached) if val_records else None
+    if train_records is None:
+        spec = resolve_dataset(config.dataset.split(",")[0].strip(), config.dataset_dir)
+        train = StreamingSFTDataset(spec, tokenizer, formatter, rank=devices.process_index,
+                                    world_size=devices.num_processes, buffer_size=config.buffer_size,
+                                    seed=config.seed, skip_invalid=config.skip_invalid_records,
+                                    max_samples=config.max_samples, skip=int(config.val_size or 0), **common)
+        return train, validation, eval_records
+    train = SFTDataset(train_records, tokenizer, formatter, packing=config.packing, **cached)
     return train, validation, eval_records
 
 
@@ -2461,6 +2568,7 @@ def train_sft(config: SFTConfig, devices: DeviceManager | None = None) -> TrainR
     output_dir = Path(config.output_dir)
     setup_logging(log_file=output_dir / "logs" / "sft.log")
     set_seed(config.seed)
+    records = read_sft_records(config)
     devices = devices or DeviceManager(config.mixed_precision, config.report_to, output_dir / "runs", config.ddp_timeout)
     policy = PolicyModel.from_pretrained(config.model_name_or_path, dtype=_model_dtype(config),
                                          attn_implementation=config.attn_implementation,
@@ -2468,7 +2576,7 @@ def train_sft(config: SFTConfig, devices: DeviceManager | None = None) -> TrainR
                                          cache_dir=config.cache_dir)
     _check_packing_supported(policy, config)
     formatter = ChatFormatter(policy.tokenizer, config.template)
-    train, validation, eval_records = build_sft_data(config, policy.tokenizer, formatter, devices)
+    train, validation, eval_records = build_sft_data(config, policy.tokenizer, formatter, devices, records)
     output_dir.mkdir(parents=True, exist_ok=True)
     save_config(config, output_dir / "config.yaml")
     trainer = SFTTrainer(config, policy, train, eval_dataset=validation, eval_records=eval_records,

@@ -152,6 +152,12 @@ def test_bad_choice_without_close_match_lists_choices():
     assert "cosine" in str(info.value) and "linear" in str(info.value)
 
 
+def test_reduce_lr_on_plateau_is_refused_at_config_time():
+    # it steps on a metric, not per optimizer step; accepting it would crash on the first step
+    with pytest.raises(RLHFInputError, match="lr_scheduler_type"):
+        SFTConfig(lr_scheduler_type="reduce_lr_on_plateau")
+
+
 # ---------------------------------------------------------------- key=value overrides and YAML
 
 

@@ -207,6 +207,27 @@ def test_document_target(tmp_path):
 ROWS = [{"prompt": f"What is {i} + 1?", "response": f"{i} + 1 = {i + 1}\nAnswer: {i + 1}"} for i in range(5)]
 
 
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_byte_order_mark_is_accepted(tmp_path, suffix):
+    rows = [{"prompt": "What is 1 + 2?", "response": "3"}, {"prompt": "What is 2 + 2?", "response": "4"}]
+    text = "".join(json.dumps(r) + "\n" for r in rows) if suffix == ".jsonl" else json.dumps(rows, indent=1)
+    path = tmp_path / f"bom{suffix}"
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode("utf-8"))
+    assert [r["response"] for r in load(path, "sft")] == ["3", "4"]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_non_utf8_byte_names_its_line(tmp_path, suffix):
+    rows = [{"prompt": "What is 1 + 2?", "response": "3"}, {"prompt": "caf\u00e9?", "response": "ok"}]
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows) if suffix == ".jsonl" else \
+        json.dumps(rows, indent=1, ensure_ascii=False)
+    path = tmp_path / f"latin1{suffix}"
+    path.write_bytes(text.encode("latin-1"))
+    line = 2 if suffix == ".jsonl" else 7  # json.dumps(indent=1) puts the second record's prompt on line 7
+    with pytest.raises(rlhf.RLHFInputError, match=rf"latin1{suffix}:{line}: not UTF-8 text \(byte 0xe9\)"):
+        load(path, "sft")
+
+
 def test_json_jsonl_parquet_and_hf_directory_agree(tmp_path):
     from datasets import Dataset
 
@@ -847,6 +868,28 @@ def test_streaming_error_location_on_second_rank(tmp_path, tiny_tokenizer, chatm
         list(streaming(path, tiny_tokenizer, chatml, rank=1, world_size=2))
     message = str(info.value)
     assert "(record 4)" in message or f"{path}:4" in message, message
+
+
+def test_streaming_max_samples_and_skip(stream_file, streamed_items, tiny_tokenizer, chatml):
+    dataset = streaming(stream_file, tiny_tokenizer, chatml, max_samples=50, skip=10)
+    assert list(dataset) == streamed_items[10:50]
+    assert dataset.stats["records"] == 40
+
+
+def test_streaming_val_size_takes_the_first_records(stream_file, tiny_tokenizer, chatml):
+    config = rlhf.SFTConfig(dataset=str(stream_file), dataset_dir=str(stream_file.parent), streaming=True,
+                            max_steps=5, val_size=7, max_samples=30, output_dir="unused")
+    train_records, val_records, _ = rlhf.read_sft_records(config)
+    assert train_records is None and [r["response"].split(" ")[0] for r in val_records] == [str(i) for i in range(7)]
+    train, validation, _ = rlhf.build_sft_data(config, tiny_tokenizer, chatml, rlhf.DeviceManager())
+    assert len(validation) == 7 and len(list(train)) == 23
+
+
+def test_streaming_val_size_fraction_is_an_input_error(stream_file):
+    config = rlhf.SFTConfig(dataset=str(stream_file), dataset_dir=str(stream_file.parent), streaming=True,
+                            max_steps=5, val_size=0.1, output_dir="unused")
+    with pytest.raises(RLHFInputError, match="val_size.*record count"):
+        rlhf.read_sft_records(config)
 
 
 def test_streaming_needs_local_files(tiny_tokenizer, chatml):

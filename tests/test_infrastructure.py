@@ -240,19 +240,7 @@ def test_create_optimizer_warmup_ratio_and_constant(tmp_path):
     assert lrs == pytest.approx([0.0, 1e-3, 2e-3, 2e-3, 2e-3, 2e-3])
 
 
-BROKEN_SCHEDULERS = {
-    "reduce_lr_on_plateau": "ReduceLROnPlateau.step() needs a metric; the trainer calls scheduler.step()",
-    "cosine_with_min_lr": "transformers needs min_lr or min_lr_rate in scheduler_specific_kwargs",
-    "warmup_stable_decay": "transformers needs num_decay_steps in scheduler_specific_kwargs",
-}
-
-
-@pytest.mark.parametrize("name", [
-    pytest.param(name, marks=pytest.mark.xfail(strict=True, raises=(TypeError, ValueError),
-                                               reason=f"BUG: lr_scheduler_type={name} passes validation but crashes: "
-                                                      f"{BROKEN_SCHEDULERS[name]}"))
-    if name in BROKEN_SCHEDULERS else name
-    for name in rlhf.SCHEDULERS])
+@pytest.mark.parametrize("name", rlhf.SCHEDULERS)
 def test_every_accepted_scheduler_runs_like_the_trainer_steps_it(name, tmp_path):
     config = rlhf.SFTConfig(output_dir=str(tmp_path), lr_scheduler_type=name, warmup_steps=2, learning_rate=1e-3)
     optimizer, scheduler = rlhf.create_optimizer(_small_net(), config, num_training_steps=10)

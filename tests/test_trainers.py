@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -209,6 +210,55 @@ def test_resume_from_explicit_checkpoint_and_overwrite(tmp_path, llama_dir, demo
         rlhf.train_sft(_config(out, llama_dir, demo_dir, resume_from_checkpoint=str(out / "checkpoints" / "checkpoint-1")))
 
 
+def test_resume_none_starts_fresh_without_the_old_checkpoints(tmp_path, llama_dir, demo_dir):
+    out = tmp_path / "run"
+    rlhf.train_sft(_config(out, llama_dir, demo_dir, max_steps=4, save_steps=2))
+    assert [p.name for p in rlhf.CheckpointManager(out).checkpoints()] == ["checkpoint-2", "checkpoint-4"]
+    fresh = rlhf.train_sft(_config(out, llama_dir, demo_dir, max_steps=1, resume_from_checkpoint="none"))
+    assert fresh.global_step == 1
+    assert [p.name for p in rlhf.CheckpointManager(out).checkpoints()] == ["checkpoint-1"]
+
+
+def test_run_without_eval_data_logs_no_empty_rows(tmp_path, llama_dir, demo_dir):
+    rlhf.train_sft(_config(tmp_path, llama_dir, demo_dir, max_steps=2))
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows and all(set(row) - {"step"} for row in rows), rows
+
+
+def test_batch_sampler_is_a_pure_function_of_position():
+    sampler = rlhf.ResumableBatchSampler(10, 3, seed=1)
+    first = [batch for batch, _ in zip(sampler, range(9))]
+    assert sorted(i for batch in first[:4] for i in batch) == list(range(10))  # one epoch = every index once
+    resumed = rlhf.ResumableBatchSampler(10, 3, seed=1, start=5)
+    assert [batch for batch, _ in zip(resumed, range(4))] == first[5:9]
+
+
+def test_group_by_length_keeps_every_index_and_cuts_padding():
+    lengths = [int(n) for n in torch.randint(10, 100, (400,), generator=torch.Generator().manual_seed(0))]
+    plain = rlhf.ResumableBatchSampler(400, 8, seed=0)
+    grouped = rlhf.ResumableBatchSampler(400, 8, seed=0, lengths=lengths)
+    assert sorted(grouped.epoch_indices(0)) == sorted(plain.epoch_indices(0)) == list(range(400))
+
+    def padded_tokens(sampler):
+        batches = [batch for batch, _ in zip(sampler, range(sampler.batches_per_epoch))]
+        return sum(len(b) * max(lengths[i] for i in b) for b in batches)
+
+    assert padded_tokens(grouped) < 0.8 * padded_tokens(plain)
+    assert grouped.epoch_indices(1) != grouped.epoch_indices(0)  # still reshuffled every epoch
+    assert rlhf.group_by_length([0, 3, 2, 1], [5, 9, 1, 7], batch_size=2, megabatch=1) == [3, 0, 1, 2]
+
+
+def test_group_by_length_run_learns_and_resumes(tmp_path, llama_dir, demo_dir):
+    uninterrupted = rlhf.train_sft(_config(tmp_path / "a", llama_dir, demo_dir, max_steps=4, group_by_length=True))
+    assert uninterrupted.global_step == 4
+    rlhf.train_sft(_config(tmp_path / "b", llama_dir, demo_dir, max_steps=4, save_steps=2, group_by_length=True))
+    checkpoints = tmp_path / "b" / "checkpoints"
+    shutil.rmtree(checkpoints / "checkpoint-4")
+    rlhf.train_sft(_config(tmp_path / "b", llama_dir, demo_dir, max_steps=4, save_steps=2, group_by_length=True))
+    a, b = _weights(tmp_path / "a"), _weights(tmp_path / "b")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 # -- (c) SIGKILL mid-run, rerun the same command: bit-identical to an uninterrupted run -----------------
 
 
@@ -398,8 +448,6 @@ def test_early_stopping_on_missing_metric_is_an_input_error(tmp_path, llama_dir,
                                metric_for_best_model="eval/accuracy"))
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: setup_logging adds a FileHandler per run and never removes the old "
-                                       "ones, so every later run in the process also writes into earlier runs' sft.log")
 def test_each_run_log_file_holds_only_its_own_run(tmp_path, llama_dir, demo_dir):
     rlhf.train_sft(_config(tmp_path / "first", llama_dir, demo_dir, max_steps=1))
     rlhf.train_sft(_config(tmp_path / "second", llama_dir, demo_dir, max_steps=1))
@@ -430,8 +478,10 @@ def test_cli_writes_report_and_second_run_appends(tmp_path, llama_dir, demo_dir,
     assert isinstance(entry["seconds"], float) and entry["seconds"] > 0
     assert entry["metrics"]["steps"] == 2 and entry["metrics"]["train_loss"] > 0
     assert set(entry["eval"]) >= {"eval/loss", "eval/perplexity"}
-    assert rlhf.main(argv) == 0  # the same command again: resumes at the end and appends
-    assert [e["stage"] for e in json.loads((tmp_path / "report.json").read_text())["stages"]] == ["sft", "sft"]
+    assert rlhf.main(argv) == 0  # the same command again: resumes at the end, evaluates and appends
+    stages = json.loads((tmp_path / "report.json").read_text())["stages"]
+    assert [e["stage"] for e in stages] == ["sft", "sft"]
+    assert stages[1]["eval"]["eval/loss"] == pytest.approx(entry["eval"]["eval/loss"], rel=1e-5)
 
     capsys.readouterr()
     assert rlhf.main(["sft", "learning_rate=-1", f"output_dir={tmp_path}"]) == 2
