@@ -298,10 +298,7 @@ LLAMAFACTORY_EXPECTED = {"identity": ("sft", 91), "alpaca_en_demo": ("sft", 999)
 
 @pytest.fixture(scope="module")
 def llamafactory_dir(repo) -> Path:
-    path = repo.parent / "shared" / "data" / "llamafactory"
-    if not (path / "dataset_info.json").exists():
-        pytest.skip(f"LLaMA-Factory demo data not found at {path}")
-    return path
+    return repo / "tests" / "data" / "llamafactory"  # bundled copies of LLaMA-Factory's demo files
 
 
 def test_every_llamafactory_file_is_covered(llamafactory_dir):
