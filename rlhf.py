@@ -13,7 +13,7 @@ Table of contents (each section opens with a ``# ==== N. Title ====`` banner):
   2. Infrastructure — setup_logging, DeviceManager, TrainingLogger, CheckpointManager, create_optimizer, EarlyStopping, apply_lora, apply_freeze, compile_model, select_attention_implementation
   3. Data — load_records, ChatFormatter, CHAT_TEMPLATES, SFTDataset, StreamingSFTDataset, pack_sequences, SFTCollator, extract_answer
   4. Models — token_log_probs, load_tokenizer, build_tiny_model, resolve_model_path, PolicyModel
-  5. Losses and advantages — causal_lm_loss_sum
+  5. Losses and advantages — causal_lm_loss_sum, sequence_log_probs, dpo_loss, PREFERENCE_LOSSES, simpo_loss, orpo_loss, kto_loss, reward_model_loss
   7. Trainers — BaseTrainer, SFTTrainer, TrainResult
   10. Orchestrator — RLHFOrchestrator
   11. CLI — main
@@ -26,9 +26,11 @@ follows ../DESIGN.md so the map and the module stay in step.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import difflib
 import enum
+import gc
 import hashlib
 import json
 import logging
@@ -74,6 +76,11 @@ class TrainingStage(str, enum.Enum):
     """Pipeline stages, in the order the pipeline runs them."""
 
     SFT = "sft"
+    RM = "rm"
+    DPO = "dpo"
+    SIMPO = "simpo"
+    ORPO = "orpo"
+    KTO = "kto"
 
 
 def _default_cache_dir() -> Path:
@@ -96,7 +103,11 @@ SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constan
 # reduce_lr_on_plateau is left out: it steps on a metric, and the trainers step schedules per optimizer step.
 ATTENTION_CHOICES = ("auto", "flash_attention_2", "sdpa", "eager")
 REPORT_TARGETS = ("tensorboard", "wandb")
-FINETUNING_TYPES = ("full", "lora", "freeze")
+FINETUNING_TYPES = ("full", "lora", "oft", "freeze")
+# Section 5's PREFERENCE_LOSSES implements exactly these (a test keeps the two in step).
+DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "kto_pair", "robust", "bco_pair", "exo_pair", "nca_pair", "sppo_hard",
+                  "apo_zero", "apo_down")
+PREF_LOSSES = DPO_LOSS_TYPES + ("orpo", "simpo")  # LLaMA-Factory's pref_loss: the DPO family plus two reference-free
 
 
 @dataclass
@@ -237,7 +248,95 @@ class SFTConfig(BaseConfig):
     stage: typing.ClassVar[str] = "sft"
 
 
-STAGE_CONFIGS: dict[str, type[BaseConfig]] = {"sft": SFTConfig}
+@dataclass
+class RewardModelConfig(BaseConfig):
+    """Reward model: a scalar head on a transformer, trained on chosen/rejected pairs."""
+
+    reward_head_hidden: int | None = _opt(None, "Hidden width of the 2-layer reward head (default: the backbone's hidden size)")
+    center_rewards_coefficient: float = _opt(0.0, "Weight of the reward-centring term mean((r_c + r_r)^2) (Eisenstein et al. 2023)")
+    ensemble_size: int = _opt(1, "Train this many reward models (seeds seed, seed+1, ...) and save them as an ensemble")
+
+    stage: typing.ClassVar[str] = "rm"
+
+    def _validate(self) -> None:
+        super()._validate()
+        _check(self.center_rewards_coefficient >= 0, "center_rewards_coefficient", "must be >= 0")
+        _check(self.ensemble_size >= 1, "ensemble_size", "must be >= 1")
+        _check(self.reward_head_hidden is None or self.reward_head_hidden > 0, "reward_head_hidden", "must be > 0")
+
+
+@dataclass
+class DPOConfig(BaseConfig):
+    """Direct preference optimisation and its family (pref_loss), on chosen/rejected pairs."""
+
+    pref_beta: float = _opt(0.1, "beta: strength of the implicit KL regulariser (SimPO: reward scale, e.g. 2.0)")
+    pref_loss: str = _opt("sigmoid", "Loss: " + " | ".join(PREF_LOSSES))
+    pref_ftx: float = _opt(0.0, "Weight of the SFT (NLL) loss on chosen responses mixed into the preference loss")
+    pref_bco_weight: float = _opt(0.0, "Blend in the BCO pair loss with this weight: (loss + w * bco) / (1 + w)")
+    dpo_label_smoothing: float = _opt(0.0, "Label-flip rate for cDPO / robust / exo (0 to 0.5)")
+    ld_alpha: float | None = _opt(None, "LD-DPO: weight of response tokens beyond the chosen/rejected shared length (0-1)")
+    simpo_gamma: float = _opt(0.5, "SimPO target reward margin gamma")
+    ref_model: str | None = _opt(None, "Reference model directory (default: the starting model; LoRA uses the adapter-disabled base)")
+    precompute_ref_log_probs: bool = _opt(False, "Compute reference log-probs once before training and free the reference model")
+
+    stage: typing.ClassVar[str] = "dpo"
+
+    def _validate(self) -> None:
+        super()._validate()
+        _check_choice(self.pref_loss, PREF_LOSSES, "pref_loss")
+        _check(self.pref_beta > 0, "pref_beta", "must be > 0")
+        _check(self.pref_ftx >= 0 and self.pref_bco_weight >= 0, "pref_ftx/pref_bco_weight", "must be >= 0")
+        _check(0 <= self.dpo_label_smoothing < 0.5, "dpo_label_smoothing", "must be in [0, 0.5)")
+        _check(self.ld_alpha is None or 0 <= self.ld_alpha <= 1, "ld_alpha", "must be in [0, 1] (or omit it)")
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.pref_loss not in ("orpo", "simpo")
+
+
+@dataclass
+class SimPOConfig(DPOConfig):
+    """SimPO: reference-free preference optimisation on length-averaged log-probs with a target margin."""
+
+    pref_loss: str = _opt("simpo", "Loss: simpo (the default here) or any of " + " | ".join(PREF_LOSSES))
+    pref_beta: float = _opt(2.0, "SimPO reward scale beta")
+
+    stage: typing.ClassVar[str] = "simpo"
+
+
+@dataclass
+class ORPOConfig(DPOConfig):
+    """ORPO: reference-free odds-ratio preference optimisation plus the SFT loss on chosen responses."""
+
+    pref_loss: str = _opt("orpo", "Loss: orpo (the default here) or any of " + " | ".join(PREF_LOSSES))
+
+    stage: typing.ClassVar[str] = "orpo"
+
+
+@dataclass
+class KTOConfig(BaseConfig):
+    """KTO: preference optimisation from single responses labelled desirable or undesirable."""
+
+    pref_beta: float = _opt(0.1, "beta: strength of the implicit KL regulariser")
+    kto_chosen_weight: float = _opt(1.0, "Weight of desirable examples (lambda_D)")
+    kto_rejected_weight: float = _opt(1.0, "Weight of undesirable examples (lambda_U)")
+    ref_model: str | None = _opt(None, "Reference model directory (default: the starting model; LoRA uses the adapter-disabled base)")
+    precompute_ref_log_probs: bool = _opt(False, "Compute reference log-probs once before training and free the reference model")
+
+    stage: typing.ClassVar[str] = "kto"
+    uses_reference: typing.ClassVar[bool] = True
+
+    def _validate(self) -> None:
+        super()._validate()
+        _check(self.pref_beta > 0, "pref_beta", "must be > 0")
+        _check(self.kto_chosen_weight > 0 and self.kto_rejected_weight > 0, "kto_chosen_weight/kto_rejected_weight",
+               "must be > 0")
+        _check(self.per_device_train_batch_size >= 2, "per_device_train_batch_size",
+               "must be >= 2: KTO estimates its KL reference point from mismatched pairs within a batch")
+
+
+STAGE_CONFIGS: dict[str, type[BaseConfig]] = {"sft": SFTConfig, "rm": RewardModelConfig, "dpo": DPOConfig,
+                                              "simpo": SimPOConfig, "orpo": ORPOConfig, "kto": KTOConfig}
 
 
 def _check(ok: bool, name: str, fix: str) -> None:
@@ -992,11 +1091,17 @@ def apply_lora(model: nn.Module, config: BaseConfig) -> nn.Module:
                                  f"linear layers are: {', '.join(available)} (or use 'all')")
     conv1d = any(isinstance(m, Conv1D) and n.rsplit(".", 1)[-1] in targets for n, m in model.named_modules())
     extra = [t.strip() for t in (config.additional_target or "").split(",") if t.strip()] or None
-    lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
-                      target_modules=targets, modules_to_save=extra, task_type="CAUSAL_LM",
-                      fan_in_fan_out=conv1d)
+    if config.finetuning_type == "oft":  # orthogonal fine-tuning (Qiu et al. 2023): same targets, OFT blocks
+        from peft import OFTConfig
+
+        adapter = OFTConfig(r=config.lora_rank, oft_block_size=0, target_modules=targets, modules_to_save=extra,
+                            module_dropout=config.lora_dropout, task_type="CAUSAL_LM", fan_in_fan_out=conv1d)
+    else:
+        adapter = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+                             target_modules=targets, modules_to_save=extra, task_type="CAUSAL_LM",
+                             fan_in_fan_out=conv1d)
     try:
-        return get_peft_model(model, lora)
+        return get_peft_model(model, adapter)
     except ValueError as err:  # e.g. a module type PEFT cannot adapt on this architecture
         raise RLHFInputError(f"config field 'lora_target' ({', '.join(targets)}): {err}") from None
 
@@ -1379,6 +1484,8 @@ def parse_record(raw: Any, spec: DatasetSpec, location: str) -> dict[str, Any]:
     answer = raw.get(answer_key)
     parsed["answer"] = None if answer is None else str(answer)
     parsed["verifiable"] = bool(raw.get(spec.columns.get("verifiable", "verifiable"), answer is not None))
+    margin = raw.get(spec.columns.get("margin", "margin"))
+    parsed["margin"] = margin if isinstance(margin, (int, float)) and not isinstance(margin, bool) else None
     return parsed
 
 
@@ -1400,6 +1507,8 @@ def to_record(parsed: dict[str, Any], kind: str, location: str) -> dict[str, Any
     elif kind == "preference":
         record["chosen"] = need("chosen", "'chosen' response")
         record["rejected"] = need("rejected", "'rejected' response")
+        if parsed.get("margin") is not None:  # TRL's optional per-pair margin for the reward-model loss
+            record["margin"] = float(parsed["margin"])
     elif kind == "kto":
         record["response"] = need("response", "response (completion)")
         if parsed["label"] is None:
@@ -1659,12 +1768,15 @@ class SFTDataset(torch.utils.data.Dataset):
         return self.rows[index] if self.rows is not None else self.data[int(index)]
 
 
-class StreamingSFTDataset(torch.utils.data.IterableDataset):
-    """SFT records streamed from disk with Hugging Face ``datasets`` (constant memory on multi-GB JSONL).
+class StreamingRecordDataset(torch.utils.data.IterableDataset):
+    """Records streamed from disk with Hugging Face ``datasets`` (constant memory on multi-GB JSONL),
+    parsed into canonical records of ``kind`` and encoded by ``_encode``.
 
     Each process reads its own share (``split_dataset_by_node``); ``state_dict`` records the stream
     position so a resumed run continues with the next unseen record.
     """
+
+    kind = "sft"
 
     BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -1712,18 +1824,22 @@ class StreamingSFTDataset(torch.utils.data.IterableDataset):
             step, offset = self._stride
             location = f"{source} (record {self._skipped + (self.stats['records'] - 1) * step + offset + 1})"
             try:
-                record = to_record(parse_record(raw, self.spec, location), "sft", location)
+                record = to_record(parse_record(raw, self.spec, location), self.kind, location)
             except RLHFInputError:
                 if not self.skip_invalid:
                     raise
                 self.stats["invalid"] += 1
                 continue
-            ids, labels = self.formatter.conversation(record, self.train_on_prompt, self.mask_history)
-            ids, labels, status = truncate_example(ids, labels, self.cutoff_len)
+            item, status = self._encode(record)
             if status != "ok":
                 self.stats[status] += 1
             if status != "dropped":
-                yield {"input_ids": ids, "labels": labels}
+                yield item
+
+    def _encode(self, record: dict[str, Any]) -> tuple[dict[str, Any], str]:
+        ids, labels = self.formatter.conversation(record, self.train_on_prompt, self.mask_history)
+        ids, labels, status = truncate_example(ids, labels, self.cutoff_len)
+        return {"input_ids": ids, "labels": labels}, status
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -1736,6 +1852,12 @@ class StreamingSFTDataset(torch.utils.data.IterableDataset):
         self.set_epoch(state["epoch"])
         self.stream.load_state_dict(state["stream"])
         self.stats = dict(state["stats"])
+
+
+class StreamingSFTDataset(StreamingRecordDataset):
+    """SFT records streamed from disk: items ``{"input_ids", "labels"}``."""
+
+    kind = "sft"
 
 
 @dataclass
@@ -1761,6 +1883,210 @@ class SFTCollator:
             else:
                 batch["attention_mask"].append([1] * len(f["input_ids"]) + [0] * pad)
         return {k: torch.tensor(v, dtype=torch.long) for k, v in batch.items()}
+
+
+def split_budget(prompt_len: int, response_len: int, cutoff_len: int) -> tuple[int, int]:
+    """Tokens to keep of a prompt and its (longest) response so both fit ``cutoff_len``: a short
+    response is kept whole, a short prompt is kept whole, otherwise the budget is shared in
+    proportion to their lengths (LLaMA-Factory's ``infer_seqlen``)."""
+    if prompt_len + response_len <= cutoff_len:
+        return prompt_len, response_len
+    if response_len * 2 < cutoff_len:
+        response_keep = response_len
+    elif prompt_len * 2 < cutoff_len:
+        response_keep = cutoff_len - prompt_len
+    else:
+        response_keep = int(cutoff_len * response_len / (prompt_len + response_len))
+    response_keep = min(response_keep, response_len)
+    return min(cutoff_len - response_keep, prompt_len), response_keep
+
+
+def truncate_prompt_and_responses(prompt_ids: list[int], responses: list[list[int]], cutoff_len: int
+                                  ) -> tuple[list[int], list[list[int]], str]:
+    """Fit prompt + each response into ``cutoff_len``: the prompt keeps its end (next to the
+    response), each response its start, so the prompt/response boundary stays where it was.
+    Status: ok | truncated | dropped (nothing of the prompt or of a response would survive)."""
+    longest = max(len(r) for r in responses)
+    prompt_keep, response_keep = split_budget(len(prompt_ids), longest, cutoff_len)
+    if prompt_keep == len(prompt_ids) and response_keep == longest:
+        return prompt_ids, responses, "ok"
+    if prompt_keep <= 0 or response_keep <= 0:
+        return [], [], "dropped"
+    return prompt_ids[len(prompt_ids) - prompt_keep:], [r[:response_keep] for r in responses], "truncated"
+
+
+def _encode_preference(formatter: ChatFormatter, record: dict[str, Any], cutoff_len: int) -> tuple[dict[str, Any], str]:
+    prompt = formatter.prompt_ids(record)
+    chosen, rejected = formatter.completion_ids(record, record["chosen"]), formatter.completion_ids(record, record["rejected"])
+    prompt, (chosen, rejected), status = truncate_prompt_and_responses(prompt, [chosen, rejected], cutoff_len)
+    item = {"prompt_ids": prompt, "chosen_ids": chosen, "rejected_ids": rejected}
+    if record.get("margin") is not None:
+        item["margin"] = float(record["margin"])
+    return item, status
+
+
+def _encode_kto(formatter: ChatFormatter, record: dict[str, Any], cutoff_len: int) -> tuple[dict[str, Any], str]:
+    prompt, completion = formatter.prompt_ids(record), formatter.completion_ids(record, record["response"])
+    prompt, (completion,), status = truncate_prompt_and_responses(prompt, [completion], cutoff_len)
+    return {"prompt_ids": prompt, "completion_ids": completion, "label": bool(record["label"])}, status
+
+
+class _EncodedRecords(torch.utils.data.Dataset):
+    """Records encoded once into token-id items, with truncation counted in ``stats``; reference
+    log-probs can be attached per item (``precompute_ref_log_probs``)."""
+
+    kind = ""
+
+    def __init__(self, records: list[dict[str, Any]], tokenizer: Any, formatter: ChatFormatter, *, cutoff_len: int) -> None:
+        self.formatter, self.cutoff_len = formatter, cutoff_len
+        items, statuses = [], []
+        for record in records:
+            item, status = self._encode(record)
+            statuses.append(status)
+            if status != "dropped":
+                items.append(item)
+        self.items = items
+        self.stats = {"records": len(records), "truncated": statuses.count("truncated"),
+                      "dropped": statuses.count("dropped")}
+        if self.stats["truncated"] or self.stats["dropped"]:
+            logger.warning("cutoff_len=%d: truncated %d and dropped %d of %d %s records (raise cutoff_len to keep them)",
+                           cutoff_len, self.stats["truncated"], self.stats["dropped"], len(records), self.kind)
+        if records and not items:
+            raise RLHFInputError(f"config field 'cutoff_len' ({cutoff_len}) leaves no trainable record; raise it")
+
+    def _encode(self, record: dict[str, Any]) -> tuple[dict[str, Any], str]:
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.items[int(index)]
+
+    def lengths(self) -> list[int]:
+        return [len(item["prompt_ids"]) + max(len(v) for k, v in item.items() if k.endswith("_ids") and k != "prompt_ids")
+                for item in self.items]
+
+    def attach(self, key: str, values: list[float]) -> None:
+        """Store one float per item (e.g. reference log-probs computed before training)."""
+        for item, value in zip(self.items, values, strict=True):
+            item[key] = float(value)
+
+
+class PreferenceDataset(_EncodedRecords):
+    """Prompt + chosen/rejected pairs: items ``{"prompt_ids", "chosen_ids", "rejected_ids"}`` (and
+    ``margin`` when the record has one). Truncation keeps the prompt's end and the responses' start."""
+
+    kind = "preference"
+
+    def _encode(self, record: dict[str, Any]) -> tuple[dict[str, Any], str]:
+        return _encode_preference(self.formatter, record, self.cutoff_len)
+
+
+class KTODataset(_EncodedRecords):
+    """Single responses labelled desirable/undesirable, each paired with a mismatched completion.
+
+    KTO's reference point z0 is estimated from (prompt, completion) pairs that do not belong
+    together (Ethayarajh et al. 2024, sec. 4.1). Item i's KL pair is its prompt with the completion
+    of the item after it in a seeded shuffle, fixed here so that batches, resume and precomputed
+    reference log-probs all see the same pairs. Items: ``{"prompt_ids", "completion_ids", "label",
+    "kl_completion_ids"}``.
+    """
+
+    kind = "kto"
+
+    def __init__(self, records: list[dict[str, Any]], tokenizer: Any, formatter: ChatFormatter, *, cutoff_len: int,
+                 seed: int = 0) -> None:
+        super().__init__(records, tokenizer, formatter, cutoff_len=cutoff_len)
+        order = list(range(len(self.items)))
+        random.Random(seed).shuffle(order)
+        for position, index in enumerate(order):
+            partner = self.items[order[(position + 1) % len(order)]]
+            budget = max(1, cutoff_len - len(self.items[index]["prompt_ids"]))
+            self.items[index]["kl_completion_ids"] = partner["completion_ids"][:budget]
+        desirable = sum(item["label"] for item in self.items)
+        self.stats.update(desirable=desirable, undesirable=len(self.items) - desirable)
+        if len(self.items) and (desirable == 0 or desirable == len(self.items)):
+            logger.warning("KTO data has only %s examples; KTO learns from both kinds",
+                           "desirable" if desirable else "undesirable")
+
+    def _encode(self, record: dict[str, Any]) -> tuple[dict[str, Any], str]:
+        return _encode_kto(self.formatter, record, self.cutoff_len)
+
+
+class StreamingPreferenceDataset(StreamingRecordDataset):
+    """Preference pairs streamed from disk (items as in :class:`PreferenceDataset`)."""
+
+    kind = "preference"
+
+    def _encode(self, record: dict[str, Any]) -> tuple[dict[str, Any], str]:
+        return _encode_preference(self.formatter, record, self.cutoff_len)
+
+
+class StreamingKTODataset(StreamingRecordDataset):
+    """KTO examples streamed from disk. A stream cannot be shuffled ahead, so each item's KL pair is
+    the previous streamed item's completion (the first item pairs with its own, once)."""
+
+    kind = "kto"
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        previous = None
+        for item in super().__iter__():
+            partner = previous if previous is not None else item
+            budget = max(1, self.cutoff_len - len(item["prompt_ids"]))
+            item = {**item, "kl_completion_ids": partner["completion_ids"][:budget]}
+            previous = item
+            yield item
+
+    def _encode(self, record: dict[str, Any]) -> tuple[dict[str, Any], str]:
+        return _encode_kto(self.formatter, record, self.cutoff_len)
+
+
+def _pad_rows(rows: list[list[int]], labels: list[list[int]], pad_token_id: int) -> dict[str, torch.Tensor]:
+    length = max(len(r) for r in rows)
+    return {"input_ids": torch.tensor([r + [pad_token_id] * (length - len(r)) for r in rows], dtype=torch.long),
+            "attention_mask": torch.tensor([[1] * len(r) + [0] * (length - len(r)) for r in rows], dtype=torch.long),
+            "labels": torch.tensor([lab + [IGNORE_INDEX] * (length - len(lab)) for lab in labels], dtype=torch.long)}
+
+
+def _prompt_completion(prompt: list[int], completion: list[int]) -> tuple[list[int], list[int]]:
+    return prompt + completion, [IGNORE_INDEX] * len(prompt) + completion
+
+
+@dataclass
+class PreferenceCollator:
+    """Pairs -> one right-padded batch of 2B sequences, chosen rows first, so chosen and rejected go
+    through the model in a single forward. Shapes: input_ids, attention_mask, labels (2B, T);
+    margin and precomputed reference log-probs (B)."""
+
+    pad_token_id: int
+
+    def __call__(self, items: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        pairs = [_prompt_completion(i["prompt_ids"], i["chosen_ids"]) for i in items]
+        pairs += [_prompt_completion(i["prompt_ids"], i["rejected_ids"]) for i in items]
+        batch = _pad_rows([p[0] for p in pairs], [p[1] for p in pairs], self.pad_token_id)
+        for key in ("margin", "ref_chosen_logps", "ref_rejected_logps"):
+            if key in items[0]:
+                batch[key] = torch.tensor([i[key] for i in items], dtype=torch.float32)
+        return batch
+
+
+@dataclass
+class KTOCollator:
+    """Examples -> B (prompt, completion) rows followed by their B mismatched KL rows.
+    Shapes: input_ids, attention_mask, labels (2B, T); desirable (B) bool; reference log-probs (B)."""
+
+    pad_token_id: int
+
+    def __call__(self, items: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        rows = [_prompt_completion(i["prompt_ids"], i["completion_ids"]) for i in items]
+        rows += [_prompt_completion(i["prompt_ids"], i["kl_completion_ids"]) for i in items]
+        batch = _pad_rows([r[0] for r in rows], [r[1] for r in rows], self.pad_token_id)
+        batch["desirable"] = torch.tensor([i["label"] for i in items], dtype=torch.bool)
+        for key in ("ref_logps", "ref_kl_logps"):
+            if key in items[0]:
+                batch[key] = torch.tensor([i[key] for i in items], dtype=torch.float32)
+        return batch
 
 
 # ==== 4. Models ====
@@ -1948,18 +2274,9 @@ class PolicyModel(nn.Module):
         return sum(p.numel() for p in self.model.parameters() if p.requires_grad or not trainable_only)
 
     def prepare_for_training(self, config: BaseConfig) -> PolicyModel:
-        """Apply the finetuning type (LoRA / freeze / full) and gradient checkpointing."""
-        if config.finetuning_type == "lora" and not self.is_peft:
-            self.model = apply_lora(self.model, config)
-        elif config.finetuning_type == "freeze":
-            apply_freeze(self.model, config.freeze_trainable_layers)
-        if config.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            if self.is_peft:
-                self.model.enable_input_require_grads()
-        trainable, total = self.num_parameters(trainable_only=True), self.num_parameters()
-        logger.info("trainable parameters: %s of %s (%.2f%%, %s)", f"{trainable:,}", f"{total:,}",
-                    100 * trainable / max(total, 1), config.finetuning_type)
+        """Apply the finetuning type (LoRA / OFT / freeze / full) and gradient checkpointing."""
+        self.model = _prepare_backbone(self.model, config)
+        _log_trainable(self.num_parameters(trainable_only=True), self.num_parameters(), config.finetuning_type)
         return self
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -2056,6 +2373,222 @@ def load_weights_into(model: nn.Module, directory: str | os.PathLike) -> None:
                              f"unexpected {unexpected[:3]})")
 
 
+def decoder_of(model: nn.Module) -> nn.Module:
+    """The transformer body of a causal LM (``model.model`` for Llama, ``transformer`` for GPT-2,
+    ``backbone`` for Mamba), through a PEFT wrapper, so hidden states come without the LM head."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(base, base.base_model_prefix)
+
+
+def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Index of each row's last real token, for right or left padding. Shapes: (B, T) -> (B)."""
+    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    return (attention_mask * positions).argmax(-1)
+
+
+class RewardScorer(nn.Module):
+    """A causal LM's transformer body plus a 2-layer head reading the last non-padding token."""
+
+    def __init__(self, backbone: nn.Module, head_hidden: int | None = None, seed: int = 0) -> None:
+        super().__init__()
+        self.backbone = backbone
+        hidden = backbone.config.hidden_size
+        self.head_hidden = head_hidden or hidden
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            self.head = nn.Sequential(nn.Linear(hidden, self.head_hidden), nn.GELU(), nn.Linear(self.head_hidden, 1))
+            # small output init (Ziegler et al. 2019): initial rewards near 0, so early gradients are informative
+            nn.init.normal_(self.head[2].weight, std=1 / math.sqrt(self.head_hidden + 1))
+            nn.init.zeros_(self.head[2].bias)
+        self.head.to(next(backbone.parameters()).device)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Shapes: (B, T) -> scores (B)."""
+        hidden = decoder_of(self.backbone)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        last = hidden[torch.arange(hidden.shape[0], device=hidden.device), last_token_index(attention_mask)]
+        return self.head(last.to(self.head[0].weight.dtype)).squeeze(-1)
+
+
+def _adapter_type(model: nn.Module) -> str:
+    if not hasattr(model, "peft_config"):
+        return "full"
+    return str(next(iter(model.peft_config.values())).peft_type.value).lower()
+
+
+class RewardModel(nn.Module):
+    """Scalar reward for a (prompt, response) sequence: ``RewardScorer`` plus its tokenizer.
+
+    Saved in Hugging Face layout: the backbone as a causal LM (``full``) or a PEFT adapter over its
+    base (``lora`` / ``oft``), the head in ``reward_head.safetensors`` and ``reward_config.json``.
+    Loading a plain causal LM (e.g. the SFT model) starts a fresh, seeded head.
+    """
+
+    HEAD_FILE, CONFIG_FILE = "reward_head.safetensors", "reward_config.json"
+
+    def __init__(self, model: RewardScorer, tokenizer: Any) -> None:
+        super().__init__()
+        self.model = model
+        self.tokenizer = tokenizer
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, *, dtype: str | torch.dtype = "float32", attn_implementation: str = "auto",
+                        trust_remote_code: bool = False, device: torch.device | str = "cpu",
+                        cache_dir: str | os.PathLike | None = None, head_hidden: int | None = None, seed: int = 0,
+                        is_trainable: bool = True) -> RewardModel:
+        backbone = PolicyModel.from_pretrained(name_or_path, dtype=dtype, attn_implementation=attn_implementation,
+                                               trust_remote_code=trust_remote_code, device=device,
+                                               cache_dir=cache_dir, is_trainable=is_trainable)
+        path = Path(resolve_model_path(name_or_path, cache_dir))
+        saved = json.loads((path / cls.CONFIG_FILE).read_text()) if (path / cls.CONFIG_FILE).exists() else {}
+        scorer = RewardScorer(backbone.model, head_hidden=saved.get("head_hidden", head_hidden), seed=seed)
+        if saved:
+            from safetensors.torch import load_file
+
+            scorer.head.load_state_dict(load_file(str(path / cls.HEAD_FILE)))
+        scorer.to(device)
+        return cls(scorer, backbone.tokenizer)
+
+    @property
+    def is_peft(self) -> bool:
+        return hasattr(self.model.backbone, "peft_config")
+
+    def num_parameters(self, trainable_only: bool = False) -> int:
+        return sum(p.numel() for p in self.model.parameters() if p.requires_grad or not trainable_only)
+
+    def prepare_for_training(self, config: BaseConfig) -> RewardModel:
+        self.model.backbone = _prepare_backbone(self.model.backbone, config)
+        self.model.head.requires_grad_(True)
+        _log_trainable(self.num_parameters(True), self.num_parameters(), config.finetuning_type)
+        return self
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, attention_mask)
+
+    def save_pretrained(self, directory: str | os.PathLike) -> None:
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        PolicyModel(self.model.backbone, self.tokenizer).save_pretrained(directory)
+        save_file({k: v.detach().contiguous() for k, v in self.model.head.state_dict().items()}, str(directory / self.HEAD_FILE))
+        (directory / self.CONFIG_FILE).write_text(json.dumps(
+            {"reward_model_type": _adapter_type(self.model.backbone), "head_hidden": self.model.head_hidden,
+             "hidden_size": self.model.backbone.config.hidden_size, "score": "last non-padding token"}, indent=1))
+
+    def load_weights(self, directory: str | os.PathLike) -> None:
+        from safetensors.torch import load_file
+
+        load_weights_into(self.model.backbone, directory)
+        self.model.head.load_state_dict(load_file(str(Path(directory) / self.HEAD_FILE)))
+
+    @torch.no_grad()
+    def score(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.model(batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device))
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+
+class RewardEnsemble(nn.Module):
+    """K reward models scoring the same sequences: mean reward and the members' standard deviation
+    (population, correction=0) as an uncertainty estimate. Saved as ``ensemble.json`` listing the
+    member directories (each a RewardModel) relative to the ensemble directory."""
+
+    MANIFEST = "ensemble.json"
+
+    def __init__(self, members: list[RewardModel]) -> None:
+        super().__init__()
+        if not members:
+            raise RLHFInputError("a reward-model ensemble needs at least one member")
+        self.members = nn.ModuleList(members)
+        self.tokenizer = members[0].tokenizer
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Shapes: (B, T) -> mean (B), std (B)."""
+        scores = torch.stack([member(input_ids, attention_mask) for member in self.members])  # (K, B)
+        return scores.mean(0), scores.std(0, correction=0)
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike, **kwargs: Any) -> RewardEnsemble:
+        directory = Path(directory)
+        manifest = directory / cls.MANIFEST
+        if not manifest.exists():  # a single reward model is an ensemble of one
+            return cls([RewardModel.from_pretrained(str(directory), **kwargs)])
+        names = json.loads(manifest.read_text())["members"]
+        return cls([RewardModel.from_pretrained(str(directory / name), **kwargs) for name in names])
+
+    @staticmethod
+    def write_manifest(directory: str | os.PathLike, member_dirs: list[str]) -> None:
+        (Path(directory) / RewardEnsemble.MANIFEST).write_text(json.dumps({"members": member_dirs}, indent=1))
+
+
+def _model_dtype(config: BaseConfig) -> str:
+    if config.model_dtype != "auto":
+        return config.model_dtype
+    if config.finetuning_type == "lora" and config.mixed_precision != "no":
+        return "bfloat16" if config.bf16 else "float16"  # frozen base in half precision; adapters stay fp32
+    return "float32"
+
+
+class ReferenceModel:
+    """The frozen reference policy of DPO/KTO: log-probs only, never trained.
+
+    Either a separate frozen model, or the training policy itself with its LoRA adapter switched
+    off (no second copy of the weights in memory).
+    """
+
+    def __init__(self, model: PolicyModel, disable_adapter: bool = False) -> None:
+        self.model, self.disable_adapter = model, disable_adapter
+
+    @torch.no_grad()
+    def compute_log_probs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> LogProbs:
+        module = self.model.model
+        was_training = module.training
+        module.eval()
+        try:
+            with module.disable_adapter() if self.disable_adapter else contextlib.nullcontext():
+                return self.model.compute_log_probs(input_ids, attention_mask, labels)
+        finally:
+            module.train(was_training)
+
+
+def create_reference_model(config: BaseConfig, policy: PolicyModel) -> ReferenceModel | None:
+    """LLaMA-Factory's rules: no reference for reference-free losses (ORPO, SimPO); an explicit
+    ``ref_model``; for adapter training the policy with its adapter disabled; otherwise a frozen
+    copy of the starting policy. Call before training starts (the copy must be of the start)."""
+    if not getattr(config, "uses_reference", True):
+        return None
+    if getattr(config, "ref_model", None):
+        reference = PolicyModel.from_pretrained(config.ref_model, dtype=_model_dtype(config), device=policy.device,
+                                                attn_implementation=config.attn_implementation, is_trainable=False,
+                                                trust_remote_code=config.trust_remote_code, cache_dir=config.cache_dir)
+        reference.model.requires_grad_(False).eval()
+        return ReferenceModel(reference)
+    if config.finetuning_type in ("lora", "oft") and not policy.is_peft:
+        return ReferenceModel(policy, disable_adapter=True)  # the adapter is added by prepare_for_training
+    # full / freeze training, or continuing an existing adapter: the start must be kept as it is
+    frozen = PolicyModel(copy.deepcopy(policy.model).requires_grad_(False).eval(), policy.tokenizer)
+    return ReferenceModel(frozen)
+
+
+def _prepare_backbone(model: nn.Module, config: BaseConfig) -> nn.Module:
+    """Apply the finetuning type (LoRA / OFT / freeze / full) and gradient checkpointing."""
+    if config.finetuning_type in ("lora", "oft") and not hasattr(model, "peft_config"):
+        model = apply_lora(model, config)
+    elif config.finetuning_type == "freeze":
+        apply_freeze(model, config.freeze_trainable_layers)
+    if config.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "peft_config"):
+            model.enable_input_require_grads()
+    return model
+
+
+def _log_trainable(trainable: int, total: int, finetuning_type: str) -> None:
+    logger.info("trainable parameters: %s of %s (%.2f%%, %s)", f"{trainable:,}", f"{total:,}",
+                100 * trainable / max(total, 1), finetuning_type)
+
+
 # ==== 5. Losses and advantages ====
 
 
@@ -2070,6 +2603,190 @@ def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torc
     shifted_labels = labels[:, 1:].reshape(-1)
     loss = F.cross_entropy(shifted_logits, shifted_labels, ignore_index=IGNORE_INDEX, reduction="sum")
     return loss, int((shifted_labels != IGNORE_INDEX).sum())
+
+
+# -- preference losses (DESIGN section 4). Each returns per-example losses [B]; the caller reduces.
+# Rewards are the implicit DPO rewards beta * (policy - reference) log-probs, detached, as TRL logs them.
+
+
+def sequence_log_probs(per_token: torch.Tensor, mask: torch.Tensor, ld_alpha: float | None = None) -> torch.Tensor:
+    """Summed completion log-probs of a concatenated [chosen; rejected] batch. With ``ld_alpha``
+    (LD-DPO, Liu et al. 2024 eq. 9) tokens beyond the pair's shared length count alpha times, so
+    the longer response's extra tokens stop dominating the margin.
+    Shapes: per_token, mask (2B, T-1) -> (2B)."""
+    if ld_alpha is None:
+        return per_token.sum(-1)
+    lengths = mask.sum(-1)
+    half = per_token.shape[0] // 2
+    shared = torch.minimum(lengths[:half], lengths[half:]).repeat(2)  # (2B)
+    position = mask.cumsum(-1)  # 1-based index among completion tokens
+    weights = torch.where(position <= shared[:, None], 1.0, ld_alpha) * mask
+    return (per_token * weights).sum(-1)
+
+
+def _smoothed_logsigmoid_loss(logits: torch.Tensor, label_smoothing: float) -> torch.Tensor:
+    return -F.logsigmoid(logits) * (1 - label_smoothing) - F.logsigmoid(-logits) * label_smoothing
+
+
+def _dpo_sigmoid(c, r, beta, label_smoothing, delta):
+    """DPO, Rafailov et al. 2023 eq. 7; with label_smoothing > 0 the conservative cDPO of Mitchell 2023."""
+    return _smoothed_logsigmoid_loss(beta * (c - r), label_smoothing)
+
+
+def _dpo_robust(c, r, beta, label_smoothing, delta):
+    """Robust DPO, Chowdhury et al. 2024 eq. 6: unbiased under label-flip rate ``label_smoothing``."""
+    logits = beta * (c - r)
+    return (-F.logsigmoid(logits) * (1 - label_smoothing) + F.logsigmoid(-logits) * label_smoothing) / (
+        1 - 2 * label_smoothing)
+
+
+def _dpo_hinge(c, r, beta, label_smoothing, delta):
+    """SLiC-HF hinge, Zhao et al. 2023 eq. 2 with margin 1/beta (scaled by beta)."""
+    return torch.relu(1 - beta * (c - r))
+
+
+def _dpo_ipo(c, r, beta, label_smoothing, delta):
+    """IPO, Azar et al. 2023 eq. 17: squared distance of the (length-normalised) log-ratio margin
+    from 1/(2 beta); the caller passes per-token averaged log-ratios."""
+    return (c - r - 1 / (2 * beta)) ** 2
+
+
+def _dpo_kto_pair(c, r, beta, label_smoothing, delta):
+    """KTO on paired data, Ethayarajh et al. 2024 eq. 8 with the batch's mean log-ratios as the KL
+    reference points; the two halves are averaged so the batch mean matches TRL's 2B-term mean."""
+    chosen_kl = c.mean().clamp(min=0).detach()
+    rejected_kl = r.mean().clamp(min=0).detach()
+    return 0.5 * ((1 - torch.sigmoid(beta * (c - rejected_kl))) + (1 - torch.sigmoid(beta * (chosen_kl - r))))
+
+
+def _dpo_bco_pair(c, r, beta, label_smoothing, delta):
+    """BCO on pairs, Jung et al. 2024 eq. 7: binary classification of chosen vs rejected implicit
+    rewards around a reward shift delta (a running mean in the trainer; the batch mean by default)."""
+    chosen_rewards, rejected_rewards = beta * c, beta * r
+    if delta is None:
+        delta = torch.cat([chosen_rewards, rejected_rewards]).mean().detach()
+    return -F.logsigmoid(chosen_rewards - delta) - F.logsigmoid(-(rejected_rewards - delta))
+
+
+def _dpo_exo_pair(c, r, beta, label_smoothing, delta):
+    """EXO, Ji et al. 2024 eq. 15 with K=2: reverse KL between the policy's pairwise preference and
+    the smoothed label distribution (label_smoothing 1e-3 when 0 is given)."""
+    eps = label_smoothing or 1e-3
+    logits = beta * (c - r)
+    return (torch.sigmoid(logits) * (F.logsigmoid(logits) - math.log(1 - eps))
+            + torch.sigmoid(-logits) * (F.logsigmoid(-logits) - math.log(eps)))
+
+
+def _dpo_nca_pair(c, r, beta, label_smoothing, delta):
+    """NCA, Chen et al. 2024 eq. 11: absolute likelihood of the chosen response, not just the margin."""
+    chosen_rewards, rejected_rewards = beta * c, beta * r
+    return -F.logsigmoid(chosen_rewards) - 0.5 * F.logsigmoid(-chosen_rewards) - 0.5 * F.logsigmoid(-rejected_rewards)
+
+
+def _dpo_sppo_hard(c, r, beta, label_smoothing, delta):
+    """SPPO with hard labels, Wu et al. 2024 eq. 4.7: push chosen log-ratio to +1/(2 beta), rejected to -1/(2 beta)."""
+    return (c - 0.5 / beta) ** 2 + (r + 0.5 / beta) ** 2
+
+
+def _dpo_apo_zero(c, r, beta, label_smoothing, delta):
+    """APO-zero, D'Oosterlinck et al. 2024 eq. 5: raise chosen likelihood, lower rejected (for
+    chosen outputs better than the model's own)."""
+    return (1 - torch.sigmoid(beta * c)) + torch.sigmoid(beta * r)
+
+
+def _dpo_apo_down(c, r, beta, label_smoothing, delta):
+    """APO-down, D'Oosterlinck et al. 2024 eq. 6: lower both likelihoods, the rejected more (for
+    chosen outputs worse than the model's own)."""
+    return torch.sigmoid(beta * c) + (1 - torch.sigmoid(beta * (c - r)))
+
+
+PREFERENCE_LOSSES: dict[str, Callable[..., torch.Tensor]] = {
+    "sigmoid": _dpo_sigmoid, "hinge": _dpo_hinge, "ipo": _dpo_ipo, "kto_pair": _dpo_kto_pair,
+    "robust": _dpo_robust, "bco_pair": _dpo_bco_pair, "exo_pair": _dpo_exo_pair, "nca_pair": _dpo_nca_pair,
+    "sppo_hard": _dpo_sppo_hard, "apo_zero": _dpo_apo_zero, "apo_down": _dpo_apo_down,
+}
+
+
+def dpo_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Tensor,
+             reference_chosen_logps: torch.Tensor, reference_rejected_logps: torch.Tensor, *, beta: float = 0.1,
+             loss_type: str = "sigmoid", label_smoothing: float = 0.0, chosen_lengths: torch.Tensor | None = None,
+             rejected_lengths: torch.Tensor | None = None, bco_delta: torch.Tensor | float | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The DPO family on summed sequence log-probs (``loss_type`` names in ``PREFERENCE_LOSSES``).
+
+    c = policy_chosen - reference_chosen and r = policy_rejected - reference_rejected are the
+    log-ratios; ``ipo`` divides them by the completion lengths (Azar et al. define the loss on
+    per-token averages). ``bco_delta`` is BCO's reward shift (default: this batch's mean reward).
+    Shapes: every input (B) -> losses (B), chosen_rewards (B), rejected_rewards (B).
+    """
+    if loss_type not in PREFERENCE_LOSSES:
+        raise RLHFInputError(f"unknown DPO loss_type '{loss_type}'; valid: {', '.join(PREFERENCE_LOSSES)}")
+    chosen_logratios = policy_chosen_logps - reference_chosen_logps
+    rejected_logratios = policy_rejected_logps - reference_rejected_logps
+    if loss_type == "ipo":
+        if chosen_lengths is None or rejected_lengths is None:
+            raise RLHFInputError("dpo_loss(loss_type='ipo') needs chosen_lengths and rejected_lengths "
+                                 "(IPO is defined on per-token averaged log-ratios)")
+        chosen_logratios = chosen_logratios / chosen_lengths.clamp(min=1)
+        rejected_logratios = rejected_logratios / rejected_lengths.clamp(min=1)
+    losses = PREFERENCE_LOSSES[loss_type](chosen_logratios, rejected_logratios, beta, label_smoothing, bco_delta)
+    return losses, (beta * chosen_logratios).detach(), (beta * rejected_logratios).detach()
+
+
+def simpo_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Tensor, *, beta: float = 2.0,
+               gamma: float = 0.5, label_smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SimPO, Meng et al. 2024 eq. 6: reference-free margin of length-averaged log-probs with a
+    target reward margin gamma: logits = beta * (c - r) - gamma.
+    Shapes: averaged log-probs (B) -> losses (B), chosen_rewards (B), rejected_rewards (B).
+    """
+    logits = beta * (policy_chosen_logps - policy_rejected_logps) - gamma
+    losses = _smoothed_logsigmoid_loss(logits, label_smoothing)
+    return losses, (beta * policy_chosen_logps).detach(), (beta * policy_rejected_logps).detach()
+
+
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, accurate on both sides of -log 2 (Maechler 2012)."""
+    return torch.where(x > -math.log(2), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def orpo_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Tensor, *, beta: float = 0.1
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ORPO's odds-ratio term, Hong et al. 2024 eq. 6-7: -beta * log sigmoid(log odds(chosen) -
+    log odds(rejected)) with odds(y) = P(y) / (1 - P(y)) on length-averaged log-probs. The trainer
+    adds the chosen responses' NLL. Averages are clamped just below 0 so P = 1 stays finite.
+    Shapes: averaged log-probs (B) -> losses (B), chosen_rewards (B), rejected_rewards (B), log_odds (B).
+    """
+    chosen = policy_chosen_logps.clamp(max=-1e-6)
+    rejected = policy_rejected_logps.clamp(max=-1e-6)
+    log_odds = (chosen - rejected) - (_log1mexp(chosen) - _log1mexp(rejected))
+    losses = -beta * F.logsigmoid(log_odds)
+    return losses, (beta * policy_chosen_logps).detach(), (beta * policy_rejected_logps).detach(), log_odds.detach()
+
+
+def kto_loss(policy_logps: torch.Tensor, reference_logps: torch.Tensor, desirable: torch.Tensor,
+             kl: torch.Tensor | float, *, beta: float = 0.1, desirable_weight: float = 1.0,
+             undesirable_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """KTO, Ethayarajh et al. 2024 eq. 8: a desirable output's value is sigmoid(beta * (logratio -
+    z0)), an undesirable one's sigmoid(beta * (z0 - logratio)), with the reference point z0 the batch
+    KL estimate (detached, clamped at 0); loss = weight * (1 - value).
+    Shapes: policy_logps, reference_logps (B), desirable bool (B), kl scalar -> losses (B), rewards (B).
+    """
+    logratios = policy_logps - reference_logps
+    z0 = torch.as_tensor(kl, dtype=logratios.dtype, device=logratios.device).detach().clamp(min=0)
+    desirable = desirable.to(torch.bool)
+    losses = torch.where(desirable, desirable_weight * (1 - torch.sigmoid(beta * (logratios - z0))),
+                         undesirable_weight * (1 - torch.sigmoid(beta * (z0 - logratios))))
+    return losses, (beta * logratios).detach()
+
+
+def reward_model_loss(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor,
+                      margin: torch.Tensor | float | None = None) -> torch.Tensor:
+    """Pairwise Bradley-Terry loss, Ouyang et al. 2022 eq. 1; the optional margin is Llama 2's
+    (Touvron et al. 2023 eq. 2): -log sigmoid(chosen - rejected - margin).
+    Shapes: scores (B), margin (B) or scalar -> losses (B).
+    """
+    margin = 0.0 if margin is None else margin
+    return -F.logsigmoid(chosen_scores - rejected_scores - margin)
 
 
 # ==== 7. Trainers ====
@@ -2344,6 +3061,20 @@ class BaseTrainer:
         return {f"data/{k}": v for k, v in stats.items()}
 
     # -- checkpoints
+    def _save_model(self, directory: Path) -> None:
+        """The trained model in Hugging Face layout (subclasses with other models override)."""
+        PolicyModel(self.devices.unwrap(self.policy.model), self.policy.tokenizer).save_pretrained(directory)
+
+    def _load_model(self, directory: Path) -> None:
+        load_weights_into(self.devices.unwrap(self.policy.model), directory)
+
+    def _extra_state(self) -> dict[str, Any]:
+        """Trainer state beyond model/optimizer/schedule/RNG that exact resume needs (JSON)."""
+        return {}
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        pass
+
     def _save_checkpoint(self) -> None:
         if self.devices.is_main_process:
             path = self.checkpoints.save(self.global_step, self._write_checkpoint)
@@ -2353,9 +3084,9 @@ class BaseTrainer:
     def _write_checkpoint(self, directory: Path) -> None:
         from safetensors.torch import save_file
 
-        PolicyModel(self.devices.unwrap(self.policy.model), self.policy.tokenizer).save_pretrained(directory)
+        self._save_model(directory)
         state = {"global_step": self.global_step, "micro_batches_done": self.micro_batches_done,
-                 "stage": self.stage, "config": self.config.to_dict(),
+                 "stage": self.stage, "config": self.config.to_dict(), "trainer": self._extra_state(),
                  "early_stopping": self.early_stopping.state_dict() if self.early_stopping else None,
                  "data": self.train_dataset.state_dict() if self.sampler is None else None,
                  "model_only": self.config.save_only_model}
@@ -2392,7 +3123,8 @@ class BaseTrainer:
         from safetensors.torch import load_file
 
         state = json.loads((path / "trainer_state.json").read_text())
-        load_weights_into(self.devices.unwrap(self.policy.model), path)
+        self._load_model(path)
+        self._load_extra_state(state.get("trainer") or {})
         self.global_step, self.micro_batches_done = state["global_step"], state["micro_batches_done"]
         if self.early_stopping and state.get("early_stopping"):
             self.early_stopping.load_state_dict(state["early_stopping"])
@@ -2412,7 +3144,7 @@ class BaseTrainer:
         """The trained model in Hugging Face layout at output_dir, published file by file with renames."""
         if self.devices.is_main_process:
             tmp = self.output_dir / f".tmp-final-{uuid.uuid4().hex[:8]}"
-            PolicyModel(self.devices.unwrap(self.policy.model), self.policy.tokenizer).save_pretrained(tmp)
+            self._save_model(tmp)
             _fsync_tree(tmp)
             for item in tmp.iterdir():
                 os.replace(item, self.output_dir / item.name)
@@ -2488,6 +3220,317 @@ def evaluate_exact_match(policy: PolicyModel, formatter: ChatFormatter, records:
             "eval/mean_completion_tokens": float(np.mean([len(c) for c in completions]))}
 
 
+class RewardModelTrainer(BaseTrainer):
+    """Pairwise reward modelling: -log sigmoid(r_chosen - r_rejected - margin), optionally plus the
+    reward-centring term; the loss is a mean over pairs. Evaluates pairwise accuracy on held-out pairs."""
+
+    stage = "rm"
+
+    def __init__(self, config: RewardModelConfig, reward_model: RewardModel, train_dataset: Any, *,
+                 eval_dataset: Any = None, devices: DeviceManager | None = None) -> None:
+        super().__init__(config, reward_model, train_dataset, eval_dataset=eval_dataset, devices=devices,
+                         collator=PreferenceCollator(reward_model.tokenizer.pad_token_id))
+
+    def loss_units(self, batch: dict[str, torch.Tensor]) -> int:
+        return batch["input_ids"].shape[0] // 2
+
+    def _pair_losses(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        scores = self.policy(batch["input_ids"], batch["attention_mask"])  # (2B)
+        chosen, rejected = scores.float().chunk(2)
+        losses = reward_model_loss(chosen, rejected, batch.get("margin"))
+        if self.config.center_rewards_coefficient:
+            losses = losses + self.config.center_rewards_coefficient * (chosen + rejected) ** 2
+        return losses, chosen.detach(), rejected.detach()
+
+    def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        losses, chosen, rejected = self._pair_losses(batch)
+        return losses.sum(), {"rewards/accuracies": float((chosen > rejected).float().mean()),
+                              "rewards/margins": float((chosen - rejected).mean()),
+                              "rewards/chosen": float(chosen.mean()), "rewards/rejected": float(rejected.mean())}
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        if self.eval_dataset is None or not len(self.eval_dataset):
+            return {}
+        self.model.eval()
+        losses, margins = [], []
+        size = self.config.per_device_eval_batch_size
+        for start in range(0, len(self.eval_dataset), size):
+            items = [self.eval_dataset[i] for i in range(start, min(start + size, len(self.eval_dataset)))]
+            with self.devices.autocast():
+                loss, chosen, rejected = self._pair_losses(self._to_device(self.collator(items)))
+            losses.append(loss)
+            margins.append(chosen - rejected)
+        self.model.train()
+        margin = torch.cat(margins)
+        return {"eval/loss": float(torch.cat(losses).mean()), "eval/accuracy": float((margin > 0).float().mean()),
+                "eval/margin": float(margin.mean())}
+
+    def _save_model(self, directory: Path) -> None:
+        RewardModel(self.devices.unwrap(self.policy.model), self.policy.tokenizer).save_pretrained(directory)
+
+    def _load_model(self, directory: Path) -> None:
+        RewardModel(self.devices.unwrap(self.policy.model), self.policy.tokenizer).load_weights(directory)
+
+
+@dataclass
+class PolicyLogProbs:
+    """One forward of a concatenated batch: summed (LD-weighted) and per-token-averaged completion
+    log-probs, completion lengths and mean logits over completion tokens. Shapes: all (2B)."""
+
+    summed: torch.Tensor
+    averaged: torch.Tensor
+    lengths: torch.Tensor
+    mean_logits: torch.Tensor
+
+
+def _completion_forward(policy: PolicyModel, batch: dict[str, torch.Tensor], ld_alpha: float | None = None
+                        ) -> PolicyLogProbs:
+    logits = policy(batch["input_ids"], batch["attention_mask"]).logits[:, :-1]
+    mask = batch["labels"][:, 1:] != IGNORE_INDEX  # (2B, T-1)
+    per_token = token_log_probs(logits, batch["input_ids"][:, 1:]) * mask
+    lengths = mask.sum(-1).clamp(min=1)
+    mean_logits = (logits.detach().float().mean(-1) * mask).sum(-1) / lengths
+    return PolicyLogProbs(sequence_log_probs(per_token, mask, ld_alpha), per_token.sum(-1) / lengths, lengths, mean_logits)
+
+
+def _reference_logps(reference: ReferenceModel, batch: dict[str, torch.Tensor], ld_alpha: float | None = None) -> torch.Tensor:
+    """Summed reference log-probs of every row of a concatenated batch, with the policy's weighting."""
+    out = reference.compute_log_probs(batch["input_ids"], batch["attention_mask"], batch["labels"])
+    mask = batch["labels"][:, 1:] != IGNORE_INDEX
+    return sequence_log_probs(out.per_token, mask, ld_alpha).detach()
+
+
+@torch.no_grad()
+def precompute_ref_log_probs(reference: ReferenceModel, dataset: _EncodedRecords, collator: Callable, *,
+                             batch_size: int, device: torch.device | str, ld_alpha: float | None = None,
+                             keys: tuple[str, str] = ("ref_chosen_logps", "ref_rejected_logps")) -> None:
+    """Reference log-probs for every item, computed once before training and stored on the
+    dataset (``keys`` name the first and second half of each concatenated row pair), so that no
+    reference model has to stay in memory while training."""
+    first, second = [], []
+    for start in range(0, len(dataset), batch_size):
+        items = [dataset[i] for i in range(start, min(start + batch_size, len(dataset)))]
+        batch = {k: v.to(device) for k, v in collator(items).items()}
+        logps = _reference_logps(reference, batch, ld_alpha).float().cpu()
+        first += logps[:len(items)].tolist()
+        second += logps[len(items):].tolist()
+    dataset.attach(keys[0], first)
+    dataset.attach(keys[1], second)
+
+
+class _ReferenceTrainer(BaseTrainer):
+    """Shared by DPO and KTO: the reference model (live, or precomputed and freed) and the
+    held-out exact-match evaluation of the policy."""
+
+    reference_keys = ("ref_chosen_logps", "ref_rejected_logps")
+
+    def _setup_reference(self, reference: ReferenceModel | None, datasets: list[Any]) -> None:
+        self.reference = reference
+        if reference is None or not self.config.precompute_ref_log_probs:
+            return
+        started = time.time()
+        for dataset in datasets:
+            if dataset is not None and len(dataset):
+                precompute_ref_log_probs(reference, dataset, self.collator, device=self.devices.device,
+                                         batch_size=self.config.per_device_eval_batch_size,
+                                         ld_alpha=getattr(self.config, "ld_alpha", None), keys=self.reference_keys)
+        self.reference = None  # nothing of the reference stays referenced by the trainer
+        gc.collect()
+        logger.info("reference log-probs precomputed in %.1fs; reference model released", time.time() - started)
+
+    def _reference_pair(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        first, second = self.reference_keys
+        if first in batch:
+            return batch[first], batch[second]
+        if self.reference is None:
+            raise RLHFInputError("reference log-probs are neither precomputed nor computable: no reference model")
+        return _reference_logps(self.reference, batch, getattr(self.config, "ld_alpha", None)).float().chunk(2)
+
+    def _generation_eval(self) -> dict[str, float]:
+        if not self.eval_records:
+            return {}
+        self.model.eval()
+        try:
+            return evaluate_exact_match(self.policy, self.formatter, self.eval_records,
+                                        max_new_tokens=self.config.eval_max_new_tokens,
+                                        batch_size=self.config.per_device_eval_batch_size)
+        finally:
+            self.model.train()
+
+    @torch.no_grad()
+    def _mean_over(self, dataset: Any, metric_fn: Callable[[dict[str, torch.Tensor]], dict[str, float]]) -> dict[str, float]:
+        if dataset is None or not len(dataset):
+            return {}
+        self.model.eval()
+        rows, size = [], self.config.per_device_eval_batch_size
+        for start in range(0, len(dataset), size):
+            items = [dataset[i] for i in range(start, min(start + size, len(dataset)))]
+            with self.devices.autocast():
+                rows.append((len(items), metric_fn(self._to_device(self.collator(items)))))
+        self.model.train()
+        keys = dict.fromkeys(k for _, r in rows for k in r)  # some batches lack a metric (e.g. no undesirable row)
+        return {f"eval/{k}": sum(n * r[k] for n, r in rows if k in r) / sum(n for n, r in rows if k in r)
+                for k in keys}
+
+
+class DPOTrainer(_ReferenceTrainer):
+    """The DPO family, ORPO and SimPO (``pref_loss``), with chosen and rejected in one forward.
+
+    The loss is a mean over pairs. ``pref_ftx`` mixes in the chosen responses' NLL (per-token
+    average), ``pref_bco_weight`` blends in BCO with a running reward shift, ``ld_alpha`` applies
+    LD-DPO's length desensitisation to policy and reference log-probs alike.
+    """
+
+    stage = "dpo"
+
+    def __init__(self, config: DPOConfig, policy: PolicyModel, train_dataset: Any, *, eval_dataset: Any = None,
+                 reference: ReferenceModel | None = None, eval_records: list[dict[str, Any]] | None = None,
+                 formatter: ChatFormatter | None = None, devices: DeviceManager | None = None) -> None:
+        self.stage = config.stage
+        self.eval_records = eval_records or []
+        self.formatter = formatter or ChatFormatter(policy.tokenizer, config.template)
+        self.bco_delta = 0.0  # BCO's running mean reward (Jung et al. 2024 sec. 3.2)
+        self.bco_count = 0
+        if config.uses_reference and reference is None:
+            raise RLHFInputError(f"pref_loss={config.pref_loss} needs a reference model; pass one "
+                                 f"(see create_reference_model) or use orpo / simpo")
+        super().__init__(config, policy, train_dataset, eval_dataset=eval_dataset, devices=devices,
+                         collator=PreferenceCollator(policy.tokenizer.pad_token_id))
+        self._setup_reference(reference if config.uses_reference else None, [train_dataset, eval_dataset])
+
+    def loss_units(self, batch: dict[str, torch.Tensor]) -> int:
+        return batch["input_ids"].shape[0] // 2
+
+    def pair_losses(self, batch: dict[str, torch.Tensor], update_running: bool = True
+                    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Per-pair losses (B) and TRL-named metrics for one concatenated batch."""
+        config = self.config
+        out = _completion_forward(self.policy, batch, config.ld_alpha)
+        chosen_avg, rejected_avg = out.averaged.chunk(2)
+        metrics: dict[str, float] = {}
+        if config.pref_loss == "orpo":
+            odds_losses, chosen_rewards, rejected_rewards, log_odds = orpo_loss(chosen_avg, rejected_avg, beta=config.pref_beta)
+            losses = -chosen_avg + odds_losses  # Hong et al. eq. 6: NLL of chosen + beta * odds-ratio loss
+            metrics.update(odds_ratio=float(log_odds.mean()), sft_loss=float(-chosen_avg.detach().mean()))
+        elif config.pref_loss == "simpo":
+            losses, chosen_rewards, rejected_rewards = simpo_loss(chosen_avg, rejected_avg, beta=config.pref_beta,
+                                                                  gamma=config.simpo_gamma,
+                                                                  label_smoothing=config.dpo_label_smoothing)
+        else:
+            policy_chosen, policy_rejected = out.summed.chunk(2)
+            ref_chosen, ref_rejected = self._reference_pair(batch)
+            chosen_lengths, rejected_lengths = out.lengths.chunk(2)
+            common = dict(beta=config.pref_beta, label_smoothing=config.dpo_label_smoothing,
+                          chosen_lengths=chosen_lengths, rejected_lengths=rejected_lengths)
+            if update_running and (config.pref_loss == "bco_pair" or config.pref_bco_weight):
+                # BCO's shift includes this batch, as in TRL: update the running mean, then use it
+                self._update_bco_delta(config.pref_beta * torch.cat([policy_chosen - ref_chosen,
+                                                                     policy_rejected - ref_rejected]).detach())
+            losses, chosen_rewards, rejected_rewards = dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected,
+                                                                loss_type=config.pref_loss, bco_delta=self.bco_delta,
+                                                                **common)
+            if config.pref_bco_weight:
+                bco, _, _ = dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, loss_type="bco_pair",
+                                     bco_delta=self.bco_delta, **common)
+                losses = (losses + config.pref_bco_weight * bco) / (1 + config.pref_bco_weight)
+        if config.pref_ftx and config.pref_loss != "orpo":
+            losses = losses + config.pref_ftx * -chosen_avg
+            metrics["sft_loss"] = float(-chosen_avg.detach().mean())
+        logps_chosen, logps_rejected = out.summed.detach().chunk(2)
+        logits_chosen, logits_rejected = out.mean_logits.chunk(2)
+        metrics.update({"rewards/chosen": float(chosen_rewards.mean()), "rewards/rejected": float(rejected_rewards.mean()),
+                        "rewards/accuracies": float((chosen_rewards > rejected_rewards).float().mean()),
+                        "rewards/margins": float((chosen_rewards - rejected_rewards).mean()),
+                        "logps/chosen": float(logps_chosen.mean()), "logps/rejected": float(logps_rejected.mean()),
+                        "logits/chosen": float(logits_chosen.mean()), "logits/rejected": float(logits_rejected.mean())})
+        return losses, metrics
+
+    def _update_bco_delta(self, rewards: torch.Tensor) -> None:
+        """Running mean of every implicit reward seen so far (TRL's RunningMoments, mean part)."""
+        count = rewards.numel()
+        self.bco_delta = (self.bco_delta * self.bco_count + float(rewards.sum())) / (self.bco_count + count)
+        self.bco_count += count
+
+    def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        losses, metrics = self.pair_losses(batch)
+        return losses.sum(), metrics
+
+    def evaluate(self) -> dict[str, float]:
+        def metric_fn(batch: dict[str, torch.Tensor]) -> dict[str, float]:
+            losses, metrics = self.pair_losses(batch, update_running=False)
+            return {"loss": float(losses.mean()), **metrics}
+
+        return {**self._mean_over(self.eval_dataset, metric_fn), **self._generation_eval()}
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {"bco_delta": self.bco_delta, "bco_count": self.bco_count}
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        self.bco_delta, self.bco_count = state.get("bco_delta", 0.0), state.get("bco_count", 0)
+
+
+class SimPOTrainer(DPOTrainer):
+    """SimPO (Meng et al. 2024): DPOTrainer with pref_loss=simpo, no reference model."""
+
+    stage = "simpo"
+
+
+class KTOTrainer(_ReferenceTrainer):
+    """KTO (Ethayarajh et al. 2024) on desirable/undesirable examples. Each batch also runs its
+    mismatched (prompt, completion) pairs, whose policy/reference log-ratio gives the KL reference
+    point z0 (detached, clamped at 0)."""
+
+    stage = "kto"
+    reference_keys = ("ref_logps", "ref_kl_logps")
+
+    def __init__(self, config: KTOConfig, policy: PolicyModel, train_dataset: Any, *, eval_dataset: Any = None,
+                 reference: ReferenceModel | None = None, eval_records: list[dict[str, Any]] | None = None,
+                 formatter: ChatFormatter | None = None, devices: DeviceManager | None = None) -> None:
+        if reference is None:
+            raise RLHFInputError("KTO needs a reference model (see create_reference_model)")
+        self.eval_records = eval_records or []
+        self.formatter = formatter or ChatFormatter(policy.tokenizer, config.template)
+        super().__init__(config, policy, train_dataset, eval_dataset=eval_dataset, devices=devices,
+                         collator=KTOCollator(policy.tokenizer.pad_token_id))
+        self._setup_reference(reference, [train_dataset, eval_dataset])
+
+    def loss_units(self, batch: dict[str, torch.Tensor]) -> int:
+        return int(batch["desirable"].numel())
+
+    def example_losses(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        config = self.config
+        out = _completion_forward(self.policy, batch)
+        policy_logps, policy_kl_logps = out.summed.chunk(2)
+        ref_logps, ref_kl_logps = self._reference_pair(batch)
+        kl = (policy_kl_logps.detach() - ref_kl_logps).mean().clamp(min=0)
+        desirable = batch["desirable"]
+        losses, rewards = kto_loss(policy_logps, ref_logps, desirable, kl, beta=config.pref_beta,
+                                   desirable_weight=config.kto_chosen_weight,
+                                   undesirable_weight=config.kto_rejected_weight)
+        metrics = {"kl": float(kl)}
+        logps = policy_logps.detach()
+        for name, rows in (("chosen", desirable), ("rejected", ~desirable)):
+            if rows.any():
+                metrics[f"rewards/{name}"] = float(rewards[rows].mean())
+                metrics[f"logps/{name}"] = float(logps[rows].mean())
+                metrics[f"logits/{name}"] = float(out.mean_logits[: len(desirable)][rows].mean())
+        if desirable.any() and (~desirable).any():
+            metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
+        return losses, metrics
+
+    def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        losses, metrics = self.example_losses(batch)
+        return losses.sum(), metrics
+
+    def evaluate(self) -> dict[str, float]:
+        def metric_fn(batch: dict[str, torch.Tensor]) -> dict[str, float]:
+            losses, metrics = self.example_losses(batch)
+            return {"loss": float(losses.mean()), **metrics}
+
+        return {**self._mean_over(self.eval_dataset, metric_fn), **self._generation_eval()}
+
+
 # ==== 10. Orchestrator ====
 
 
@@ -2505,10 +3548,16 @@ def _split_validation(records: list[dict[str, Any]], val_size: float, seed: int)
 def read_sft_records(config: SFTConfig) -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]], list[dict[str, Any]]]:
     """Parse and validate the training, validation and held-out records. Runs before the model loads,
     so a bad record fails in seconds. Streaming reads its training records lazily (returned as None)."""
+    return read_stage_records(config, "sft")
+
+
+def read_stage_records(config: BaseConfig, kind: str
+                       ) -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]], list[dict[str, Any]]]:
+    """(training, validation, held-out prompt) records of ``kind`` for one stage; see read_sft_records."""
     eval_records = load_records(config.eval_dataset, config.dataset_dir, "prompt", max_samples=config.max_samples,
                                 skip_invalid=config.skip_invalid_records) if config.eval_dataset else []
     if config.streaming:
-        if config.packing:
+        if getattr(config, "packing", False):
             raise RLHFInputError("config fields 'streaming' and 'packing' cannot be combined yet; pack in memory or stream unpacked")
         names = [n for n in config.dataset.split(",") if n.strip()]
         if len(names) != 1:
@@ -2520,10 +3569,10 @@ def read_sft_records(config: SFTConfig) -> tuple[list[dict[str, Any]] | None, li
             raise RLHFInputError(f"config field 'val_size' ({config.val_size}): a stream has no known length, so "
                                  f"give a record count (e.g. val_size=200), not a fraction")
         # as in LLaMA-Factory: the stream's first val_size records are the validation set, training skips them
-        val_records = load_records(names[0], config.dataset_dir, "sft", max_samples=int(config.val_size),
+        val_records = load_records(names[0], config.dataset_dir, kind, max_samples=int(config.val_size),
                                    skip_invalid=config.skip_invalid_records)
         return None, val_records, eval_records
-    records = load_records(config.dataset, config.dataset_dir, "sft", max_samples=config.max_samples,
+    records = load_records(config.dataset, config.dataset_dir, kind, max_samples=config.max_samples,
                            skip_invalid=config.skip_invalid_records)
     train_records, val_records = _split_validation(records, config.val_size, config.seed)
     return train_records, val_records, eval_records
@@ -2555,14 +3604,6 @@ def _check_packing_supported(policy: PolicyModel, config: SFTConfig) -> None:
                              f"packed examples, so they would see each other; set packing=false")
 
 
-def _model_dtype(config: BaseConfig) -> str:
-    if config.model_dtype != "auto":
-        return config.model_dtype
-    if config.finetuning_type == "lora" and config.mixed_precision != "no":
-        return "bfloat16" if config.bf16 else "float16"  # frozen base in half precision; adapters stay fp32
-    return "float32"
-
-
 def train_sft(config: SFTConfig, devices: DeviceManager | None = None) -> TrainResult:
     """Run the SFT stage from a config: load model and data, train, evaluate, save."""
     output_dir = Path(config.output_dir)
@@ -2584,7 +3625,111 @@ def train_sft(config: SFTConfig, devices: DeviceManager | None = None) -> TrainR
     return trainer.train()
 
 
-STAGE_RUNNERS: dict[str, Callable[[BaseConfig], TrainResult]] = {"sft": train_sft}
+STAGE_RECORD_KINDS = {"sft": "sft", "rm": "preference", "dpo": "preference", "simpo": "preference",
+                      "orpo": "preference", "kto": "kto"}
+
+
+def _in_memory_datasets(config: BaseConfig, records: tuple, tokenizer: Any, formatter: ChatFormatter,
+                        devices: DeviceManager) -> tuple[Any, Any, list[dict[str, Any]]]:
+    """Preference / KTO training and validation sets (streaming twins when ``streaming``)."""
+    train_records, val_records, eval_records = records
+    kind = STAGE_RECORD_KINDS[config.stage]
+    dataset_class = {"preference": PreferenceDataset, "kto": KTODataset}[kind]
+    extra = {"seed": config.seed} if kind == "kto" else {}
+    validation = dataset_class(val_records, tokenizer, formatter, cutoff_len=config.cutoff_len, **extra) if val_records else None
+    if train_records is None:
+        stream_class = {"preference": StreamingPreferenceDataset, "kto": StreamingKTODataset}[kind]
+        spec = resolve_dataset(config.dataset.split(",")[0].strip(), config.dataset_dir)
+        train = stream_class(spec, tokenizer, formatter, cutoff_len=config.cutoff_len, rank=devices.process_index,
+                             world_size=devices.num_processes, buffer_size=config.buffer_size, seed=config.seed,
+                             skip_invalid=config.skip_invalid_records, max_samples=config.max_samples,
+                             skip=int(config.val_size or 0))
+    else:
+        train = dataset_class(train_records, tokenizer, formatter, cutoff_len=config.cutoff_len, **extra)
+    return train, validation, eval_records
+
+
+def _load_policy(config: BaseConfig, devices: DeviceManager) -> PolicyModel:
+    return PolicyModel.from_pretrained(config.model_name_or_path, dtype=_model_dtype(config),
+                                       attn_implementation=config.attn_implementation,
+                                       trust_remote_code=config.trust_remote_code, device=devices.device,
+                                       cache_dir=config.cache_dir)
+
+
+def _start_stage(config: BaseConfig, devices: DeviceManager | None) -> tuple[tuple, DeviceManager]:
+    """Logging, seed, records (validated before any model loads) and devices for one stage."""
+    setup_logging(log_file=Path(config.output_dir) / "logs" / f"{config.stage}.log")
+    set_seed(config.seed)
+    if getattr(config, "precompute_ref_log_probs", False) and config.streaming:
+        raise RLHFInputError("config field 'precompute_ref_log_probs' needs an in-memory dataset; set streaming=false "
+                             "or precompute_ref_log_probs=false")
+    records = read_stage_records(config, STAGE_RECORD_KINDS[config.stage])
+    devices = devices or DeviceManager(config.mixed_precision, config.report_to, Path(config.output_dir) / "runs",
+                                       config.ddp_timeout)
+    Path(config.output_dir).mkdir(parents=True, exist_ok=True)
+    save_config(config, Path(config.output_dir) / "config.yaml")
+    return records, devices
+
+
+def train_rm(config: RewardModelConfig, devices: DeviceManager | None = None) -> TrainResult:
+    """Run the reward-model stage: one model, or ``ensemble_size`` members (seeds seed, seed+1, ...)
+    saved under output_dir/member-k with an ensemble.json manifest."""
+    if config.ensemble_size > 1:
+        return _train_rm_ensemble(config, devices)
+    records, devices = _start_stage(config, devices)
+    reward_model = RewardModel.from_pretrained(config.model_name_or_path, dtype=_model_dtype(config),
+                                               attn_implementation=config.attn_implementation,
+                                               trust_remote_code=config.trust_remote_code, device=devices.device,
+                                               cache_dir=config.cache_dir, head_hidden=config.reward_head_hidden,
+                                               seed=config.seed)
+    formatter = ChatFormatter(reward_model.tokenizer, config.template)
+    train, validation, _ = _in_memory_datasets(config, records, reward_model.tokenizer, formatter, devices)
+    return RewardModelTrainer(config, reward_model, train, eval_dataset=validation, devices=devices).train()
+
+
+def _train_rm_ensemble(config: RewardModelConfig, devices: DeviceManager | None) -> TrainResult:
+    started, members = time.time(), []
+    for k in range(config.ensemble_size):
+        member = dataclasses.replace(config, ensemble_size=1, seed=config.seed + k,
+                                     output_dir=str(Path(config.output_dir) / f"member-{k}"))
+        logger.info("reward-model ensemble: member %d of %d (seed %d)", k + 1, config.ensemble_size, member.seed)
+        members.append(train_rm(member, devices))
+    RewardEnsemble.write_manifest(config.output_dir, [f"member-{k}" for k in range(config.ensemble_size)])
+    mean = {key: float(np.mean([m.eval[key] for m in members])) for key in members[0].eval}
+    metrics = {"steps": sum(m.global_step for m in members),
+               "train_loss": float(np.mean([m.metrics["train_loss"] for m in members])),
+               **{f"member_{k}/eval_accuracy": m.eval.get("eval/accuracy", float("nan")) for k, m in enumerate(members)}}
+    return TrainResult("rm", Path(config.output_dir), members[-1].global_step, time.time() - started, metrics, mean,
+                       None, [], False)
+
+
+def train_dpo(config: DPOConfig, devices: DeviceManager | None = None) -> TrainResult:
+    """Run a DPO-family stage (dpo / simpo / orpo; pref_loss picks the loss)."""
+    records, devices = _start_stage(config, devices)
+    policy = _load_policy(config, devices)
+    formatter = ChatFormatter(policy.tokenizer, config.template)
+    train, validation, eval_records = _in_memory_datasets(config, records, policy.tokenizer, formatter, devices)
+    reference = create_reference_model(config, policy)
+    trainer_class = SimPOTrainer if config.pref_loss == "simpo" else DPOTrainer
+    return trainer_class(config, policy, train, eval_dataset=validation, reference=reference, eval_records=eval_records,
+                         formatter=formatter, devices=devices).train()
+
+
+def train_kto(config: KTOConfig, devices: DeviceManager | None = None) -> TrainResult:
+    """Run the KTO stage."""
+    records, devices = _start_stage(config, devices)
+    policy = _load_policy(config, devices)
+    formatter = ChatFormatter(policy.tokenizer, config.template)
+    train, validation, eval_records = _in_memory_datasets(config, records, policy.tokenizer, formatter, devices)
+    reference = create_reference_model(config, policy)
+    return KTOTrainer(config, policy, train, eval_dataset=validation, reference=reference, eval_records=eval_records,
+                      formatter=formatter, devices=devices).train()
+
+
+STAGE_RUNNERS: dict[str, Callable[[BaseConfig], TrainResult]] = {
+    "sft": train_sft, "rm": train_rm, "dpo": train_dpo, "simpo": train_dpo, "orpo": train_dpo, "kto": train_kto}
+# stages whose output is a policy the next stage starts from (rm produces a scorer instead)
+POLICY_STAGES = ("sft", "dpo", "simpo", "orpo", "kto")
 
 
 def append_report(output_dir: str | os.PathLike, entry: dict[str, Any]) -> Path:
@@ -2627,6 +3772,7 @@ class RLHFOrchestrator:
         self.output_dir = Path(self.config.output_dir)
         self.history: list[dict[str, Any]] = []
         self.current_model: str | None = None
+        self.reward_model: str | None = None
 
     def run_stage(self, stage: str) -> TrainResult:
         config = self.config.stage_config(stage, model_name_or_path=self.current_model)
@@ -2634,8 +3780,18 @@ class RLHFOrchestrator:
         entry = result.report_entry()
         append_report(self.output_dir, entry)
         self.history.append(entry)
-        self.current_model = str(result.output_dir)
+        if stage in POLICY_STAGES:
+            self.current_model = str(result.output_dir)
+        else:
+            self.reward_model = str(result.output_dir)
         return result
+
+    def run_reward_model_training(self) -> TrainResult:
+        return self.run_stage("rm")
+
+    def run_policy_optimization(self, stage: str = "dpo") -> TrainResult:
+        """One preference stage (dpo, simpo, orpo or kto) from the current policy."""
+        return self.run_stage(stage)
 
     def run_sft(self) -> TrainResult:
         return self.run_stage("sft")
@@ -2702,12 +3858,22 @@ def _run_single_stage(stage: str, config_path: str | None, overrides: list[str])
     return [entry]
 
 
+def _llamafactory_argv(argv: list[str]) -> list[str]:
+    """Accept the way LLaMA-Factory users type it: ``rlhf.py --config FILE`` and ``rlhf.py train FILE``
+    both mean ``rlhf.py train --config FILE`` (the file's ``stage:`` key picks the trainer)."""
+    if argv and (argv[0] == "--config" or argv[0].startswith("--config=")):
+        return ["train", *argv]
+    if len(argv) >= 2 and argv[0] == "train" and not argv[1].startswith("-") and "=" not in argv[1]:
+        return ["train", "--config", *argv[1:]]
+    return argv
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; user mistakes print one line and exit with status 2."""
     from rich.console import Console
     from rich.markup import escape
 
-    args = _build_parser().parse_args(argv)
+    args = _build_parser().parse_args(_llamafactory_argv(sys.argv[1:] if argv is None else list(argv)))
     console = Console()
     setup_logging()
     try:
