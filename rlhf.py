@@ -2646,8 +2646,9 @@ def _dpo_hinge(c, r, beta, label_smoothing, delta):
 
 
 def _dpo_ipo(c, r, beta, label_smoothing, delta):
-    """IPO, Azar et al. 2023 eq. 17: squared distance of the (length-normalised) log-ratio margin
-    from 1/(2 beta); the caller passes per-token averaged log-ratios."""
+    """IPO, Azar et al. 2023 eq. 17: squared distance of the log-ratio margin from 1/(2 beta). As in
+    TRL, the log-ratios are per-token averages (dpo_loss divides by the lengths), which keeps the
+    1/(2 beta) target on the same scale for short and long responses."""
     return (c - r - 1 / (2 * beta)) ** 2
 
 
@@ -2715,8 +2716,7 @@ def dpo_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Ten
     """The DPO family on summed sequence log-probs (``loss_type`` names in ``PREFERENCE_LOSSES``).
 
     c = policy_chosen - reference_chosen and r = policy_rejected - reference_rejected are the
-    log-ratios; ``ipo`` divides them by the completion lengths (Azar et al. define the loss on
-    per-token averages). ``bco_delta`` is BCO's reward shift (default: this batch's mean reward).
+    log-ratios; ``ipo`` divides them by the completion lengths (as TRL does). ``bco_delta`` is BCO's reward shift (default: this batch's mean reward).
     Shapes: every input (B) -> losses (B), chosen_rewards (B), rejected_rewards (B).
     """
     if loss_type not in PREFERENCE_LOSSES:
