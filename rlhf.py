@@ -1,7 +1,7 @@
 """rlhf — post-training for causal language models, in one module.
 
-Supervised fine-tuning today; reward modelling, preference and RL optimisation, evaluation and
-merging build on the same sections. Runs on a laptop CPU with the embedded ``tiny`` model and the
+Supervised fine-tuning, reward modelling and preference optimisation (DPO family, SimPO, ORPO, KTO)
+today; RL optimisation, evaluation and merging build on the same sections. Runs on a laptop CPU with the embedded ``tiny`` model and the
 bundled demo task, and on GPUs through accelerate.
 
     python rlhf.py pipeline --config configs/demo.yaml
@@ -9,13 +9,13 @@ bundled demo task, and on GPUs through accelerate.
 
 Table of contents (each section opens with a ``# ==== N. Title ====`` banner):
   0. Notation and registries — IGNORE_INDEX, RLHFInputError, TrainingStage
-  1. Configs — BaseConfig, SFTConfig, PipelineConfig, load_config, save_config, config_help
+  1. Configs — BaseConfig, SFTConfig, RewardModelConfig, DPOConfig, SimPOConfig, ORPOConfig, KTOConfig, PipelineConfig, load_config, save_config, config_help
   2. Infrastructure — setup_logging, DeviceManager, TrainingLogger, CheckpointManager, create_optimizer, EarlyStopping, apply_lora, apply_freeze, compile_model, select_attention_implementation
-  3. Data — load_records, ChatFormatter, CHAT_TEMPLATES, SFTDataset, StreamingSFTDataset, pack_sequences, SFTCollator, extract_answer
-  4. Models — token_log_probs, load_tokenizer, build_tiny_model, resolve_model_path, PolicyModel
+  3. Data — load_records, ChatFormatter, CHAT_TEMPLATES, SFTDataset, StreamingSFTDataset, pack_sequences, SFTCollator, PreferenceDataset, StreamingPreferenceDataset, KTODataset, StreamingKTODataset, PreferenceCollator, KTOCollator, extract_answer
+  4. Models — token_log_probs, load_tokenizer, build_tiny_model, resolve_model_path, PolicyModel, RewardModel, RewardEnsemble, ReferenceModel, create_reference_model
   5. Losses and advantages — causal_lm_loss_sum, sequence_log_probs, dpo_loss, PREFERENCE_LOSSES, simpo_loss, orpo_loss, kto_loss, reward_model_loss
-  7. Trainers — BaseTrainer, SFTTrainer, TrainResult
-  10. Orchestrator — RLHFOrchestrator
+  7. Trainers — BaseTrainer, SFTTrainer, RewardModelTrainer, DPOTrainer, SimPOTrainer, KTOTrainer, precompute_ref_log_probs, TrainResult
+  10. Orchestrator — train_sft, train_rm, train_dpo, train_kto, RLHFOrchestrator
   11. CLI — main
 
 Notation used in ``Shapes:`` lines: B sequences in a batch, T tokens per sequence, V vocabulary size.
