@@ -331,8 +331,10 @@ class KTOConfig(BaseConfig):
         _check(self.pref_beta > 0, "pref_beta", "must be > 0")
         _check(self.kto_chosen_weight > 0 and self.kto_rejected_weight > 0, "kto_chosen_weight/kto_rejected_weight",
                "must be > 0")
-        _check(self.per_device_train_batch_size >= 2, "per_device_train_batch_size",
-               "must be >= 2: KTO estimates its KL reference point from mismatched pairs within a batch")
+        if self.per_device_train_batch_size * self.gradient_accumulation_steps < 4:
+            logger.warning("KTO with %d examples per step: the KL reference point is estimated from that many "
+                           "mismatched pairs, so it will be noisy; LLaMA-Factory's examples use 8",
+                           self.per_device_train_batch_size * self.gradient_accumulation_steps)
 
 
 STAGE_CONFIGS: dict[str, type[BaseConfig]] = {"sft": SFTConfig, "rm": RewardModelConfig, "dpo": DPOConfig,
@@ -1911,7 +1913,7 @@ def truncate_prompt_and_responses(prompt_ids: list[int], responses: list[list[in
     if prompt_keep == len(prompt_ids) and response_keep == longest:
         return prompt_ids, responses, "ok"
     if prompt_keep <= 0 or response_keep <= 0:
-        return [], [], "dropped"
+        return [], [[] for _ in responses], "dropped"
     return prompt_ids[len(prompt_ids) - prompt_keep:], [r[:response_keep] for r in responses], "truncated"
 
 
