@@ -3756,6 +3756,8 @@ def summary_table(entries: list[dict[str, Any]], title: str = "rlhf run summary"
         before = (entry.get("eval_before") or {}).get("eval/accuracy")
         after = entry["eval"].get("eval/accuracy")
         accuracy = "-" if after is None else (f"{before:.1%} -> {after:.1%}" if before is not None else f"{after:.1%}")
+        if entry["stage"] == "rm" and after is not None:
+            accuracy += " (pairwise)"  # a reward model's accuracy ranks held-out pairs; it does not answer prompts
         eval_loss = entry["eval"].get("eval/loss")
         table.add_row(entry["stage"], f"{entry['seconds']:.0f}s", str(entry["global_step"]),
                       f"{entry['metrics'].get('train_loss', float('nan')):.4f}",
