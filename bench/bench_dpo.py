@@ -1,0 +1,455 @@
+"""DPO speed and memory: ``rlhf.DPOTrainer`` against TRL's ``DPOTrainer`` on the same work.
+
+    python bench/bench_dpo.py                      # 256 pairs, batch 8, cutoff 128, 20 steps (2 warm-up), 2 threads
+    python bench/bench_dpo.py --variants precompute --steps 40 --repeats 3
+
+Two variants, each run by both trainers:
+  * live: a frozen reference model is kept in memory and run on every batch;
+  * precompute: the reference log-probs of the whole training set are computed once before training
+    (TRL: ``DPOConfig(precompute_ref_log_probs=True)``; ours: ``rlhf.DPOConfig(precompute_ref_log_probs=True)``)
+    and the reference model is not run during the steps.
+
+Both trainers get the same work: the embedded tiny Llama (``rlhf.resolve_model_path("tiny")``), full fine-tuning,
+fp32, the same attention implementation, no gradient checkpointing (TRL turns it on by default; ours does not); the
+first ``--records`` pairs of ``data/demo/preference.jsonl`` rendered with the tokenizer's ChatML template (TRL gets
+them in its conversational format so it applies the same template); cutoff / max_length ``--seq-len``; batch
+``--batch-size`` pairs per optimizer step, no gradient accumulation; ``torch.optim.AdamW`` with the same lr / betas /
+eps (TRL: ``optim="adamw_torch"``; transformers 5 defaults to the fused variant), no weight decay, a constant learning rate without warm-up, gradient clipping at 1.0; the sigmoid loss with beta ``--beta``;
+CPU, ``--threads`` torch threads, seed 0; no evaluation, no checkpoints.
+
+Every measurement runs in its own subprocess (``--worker ours|trl --variant live|precompute``, one JSON line on
+stdout), so the peak resident memory (``getrusage(RUSAGE_SELF).ru_maxrss``: Python, the imported libraries, models,
+optimizer state, data) belongs to that run alone. Workers run one at a time.
+
+Time per optimizer step. TRL: a ``TrainerCallback`` stamps ``on_step_begin`` and ``on_step_end`` (forward and backward
+of policy and live reference, clipping, optimizer and scheduler step). Ours: the ``perf/step_seconds`` of each
+``result.history`` row (``logging_steps=1``); where that key is missing, ``DPOTrainer._optimizer_step`` is timed.
+The first ``--warmup`` steps are dropped. The "cycle" column is the time from the end of one step to the end of the
+next, measured the same way for both (it adds the trainer's own work between steps: fetching and collating the
+batch, logging); when the step and cycle ratios disagree, the two step timers cover different work. Precomputing the
+reference log-probs is timed separately (its own column) and is not part of any step. Model loading, tokenisation
+and the final save are not timed.
+
+The verdict compares the median seconds per step (``--metric cycle`` to use the cycle instead) against
+``--target-time`` (default: ours <= 0.6x TRL) and the peak memory against ``--target-memory`` (default: ours <= 1.0x
+TRL). With ``--repeats`` > 1 the order of the trainers alternates and each row shows the best median time and the
+highest peak memory over the repeats. On 2 cores another busy process slows a run many times over, so the driver
+measures the CPU the rest of the machine used during each run ("bg cores": /proc/stat minus the worker's own CPU time)
+and warns above ``--max-background``. The exit status is 0 whatever the timing (non-zero only if a run breaks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO / "data" / "demo" / "preference.jsonl"
+MARK = "BENCH_DPO_RESULT "
+IMPLS = ("ours", "trl")
+VARIANTS = ("live", "precompute")
+LABELS = {"ours": "ours (rlhf)", "trl": "TRL"}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps per run, warm-up included")
+    parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the timing")
+    parser.add_argument("--batch-size", type=int, default=8, help="preference pairs per optimizer step")
+    parser.add_argument("--seq-len", type=int, default=128, help="cutoff_len / max_length: tokens per sequence at most")
+    parser.add_argument("--records", type=int, default=256, help="use the first N pairs of data/demo/preference.jsonl")
+    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    parser.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (constant, no warm-up)")
+    parser.add_argument("--beta", type=float, default=0.1, help="DPO beta (sigmoid loss)")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated: live, precompute")
+    parser.add_argument("--impls", default=",".join(IMPLS), help="comma-separated: ours, trl")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per trainer and variant (order alternates)")
+    parser.add_argument("--metric", choices=("step", "cycle"), default="step",
+                        help="time the verdict uses: the step timers or the end-to-end cycle")
+    parser.add_argument("--target-time", type=float, default=0.6, help="target: ours / TRL seconds per step at most")
+    parser.add_argument("--target-memory", type=float, default=1.0, help="target: ours / TRL peak memory at most")
+    parser.add_argument("--max-background", type=float, default=0.25,
+                        help="warn when other processes used more CPU cores than this during a run")
+    parser.add_argument("--json", type=Path, default=None, help="also write every run's raw results to this file")
+    # internal: one measurement in this process
+    parser.add_argument("--worker", choices=IMPLS, help=argparse.SUPPRESS)
+    parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--attn", default="sdpa", help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if min(args.batch_size, args.seq_len, args.records, args.threads, args.repeats) < 1 or args.warmup < 0:
+        parser.error("--batch-size, --seq-len, --records, --threads and --repeats must be >= 1, --warmup >= 0")
+    if args.steps <= args.warmup:
+        parser.error("--steps must be larger than --warmup")
+    args.variants = _choices(parser, args.variants, VARIANTS, "--variants")
+    args.impls = _choices(parser, args.impls, IMPLS, "--impls")
+    return args
+
+
+def _choices(parser: argparse.ArgumentParser, value: str, allowed: tuple[str, ...], flag: str) -> list[str]:
+    picked = [v.strip() for v in value.split(",") if v.strip()]
+    if not picked or any(v not in allowed for v in picked):
+        parser.error(f"{flag}: comma-separated values from {', '.join(allowed)}")
+    return picked
+
+
+# -- worker side: one trainer, one variant, in this process ---------------------------------------------------------
+
+
+def rss_mib() -> float:
+    """Current resident set size."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def read_pairs(n: int) -> list[dict[str, str]]:
+    pairs = []
+    with open(DATA) as f:
+        for line in f:
+            if line.strip():
+                pairs.append(json.loads(line))
+            if len(pairs) == n:
+                break
+    return pairs
+
+
+def step_times(begins: list[float], ends: list[float], warmup: int) -> dict:
+    """Per-step seconds (begin -> end) and cycle seconds (previous end -> end) of the timed steps."""
+    cycles = [b - a for a, b in zip(ends, ends[1:])]  # cycles[k - 1] ends at step k
+    return {"step": [e - b for b, e in zip(begins, ends)][warmup:], "cycle": cycles[max(warmup - 1, 0):]}
+
+
+def run_trl(args: argparse.Namespace, precompute: bool) -> dict:
+    import datasets
+    import torch
+    import transformers
+    import trl
+    from transformers import AutoTokenizer, TrainerCallback
+
+    torch.set_num_threads(args.threads)
+    datasets.disable_progress_bars()
+    transformers.logging.set_verbosity_error()
+    base = rss_mib()
+
+    class StepTimer(TrainerCallback):
+        def __init__(self) -> None:
+            self.begins: list[float] = []
+            self.ends: list[float] = []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.begins.append(time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.ends.append(time.perf_counter())
+
+    precompute_seconds: list[float] = []
+    inner = trl.DPOTrainer._precompute_ref_logps
+
+    def timed_precompute(self, *a, **kw):
+        started = time.perf_counter()
+        try:
+            return inner(self, *a, **kw)
+        finally:
+            precompute_seconds.append(time.perf_counter() - started)
+
+    trl.DPOTrainer._precompute_ref_logps = timed_precompute
+
+    # conversational format, so that TRL renders prompt and answers with the model's chat template, as ours does
+    rows = [{"prompt": [{"role": "user", "content": p["prompt"]}],
+             "chosen": [{"role": "assistant", "content": p["chosen"]}],
+             "rejected": [{"role": "assistant", "content": p["rejected"]}]} for p in read_pairs(args.records)]
+    dataset = datasets.Dataset.from_list(rows)
+    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    # no activation checkpointing (TRL's default is on, ours off); transformers 5 renamed the option and warns when
+    # only the old name is set
+    checkpointing = {"gradient_checkpointing": False}
+    if "activation_checkpointing" in {f.name for f in dataclasses.fields(trl.DPOConfig)}:
+        checkpointing["activation_checkpointing"] = False
+    config = trl.DPOConfig(
+        **checkpointing, output_dir=str(Path(args.workdir) / "trl"), seed=0, use_cpu=True, bf16=False, fp16=False,
+        model_init_kwargs={"dtype": torch.float32, "attn_implementation": args.attn},
+        max_length=args.seq_len, per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=1, max_steps=args.steps, learning_rate=args.lr, lr_scheduler_type="constant",
+        warmup_steps=0, optim="adamw_torch", weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
+        max_grad_norm=1.0, beta=args.beta, loss_type=["sigmoid"], precompute_ref_log_probs=precompute,
+        report_to=[], logging_strategy="no", save_strategy="no", eval_strategy="no", disable_tqdm=True,
+        dataloader_num_workers=0, dataloader_pin_memory=False)
+    timer = StepTimer()
+    started = time.perf_counter()
+    trainer = trl.DPOTrainer(model=args.model_dir, args=config, train_dataset=dataset, processing_class=tokenizer,
+                             callbacks=[timer])
+    setup = time.perf_counter() - started
+    loaded = rss_mib()
+    started = time.perf_counter()
+    output = trainer.train()
+    wall = time.perf_counter() - started
+    if output.global_step != args.steps or len(timer.ends) != args.steps:
+        raise RuntimeError(f"TRL ran {output.global_step} steps ({len(timer.ends)} timed), expected {args.steps}")
+    return {**step_times(timer.begins, timer.ends, args.warmup), "step_source": "on_step_begin/on_step_end",
+            "precompute": sum(precompute_seconds) if precompute else None, "setup": setup, "wall": wall,
+            "mean_loss": output.training_loss, "reference_in_memory": trainer.ref_model is not None,
+            "rss_base": base, "rss_loaded": loaded, "version": f"trl {trl.__version__}"}
+
+
+def run_ours(args: argparse.Namespace, precompute: bool) -> dict:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    sys.path.insert(0, str(REPO))
+    import rlhf
+
+    base = rss_mib()
+    missing = [name for name in ("DPOConfig", "train_dpo") if not hasattr(rlhf, name)]
+    if missing:
+        raise SystemExit(f"rlhf has no {' / '.join(missing)} yet: our DPO side cannot run (rlhf.py at {rlhf.__file__})")
+
+    # time every optimizer step (the fallback timer and the cycle); the real method runs
+    begins: list[float] = []
+    ends: list[float] = []
+    trainer_cls = rlhf.DPOTrainer
+    inner_step = trainer_cls._optimizer_step
+
+    def timed_step(self, group, window):
+        begins.append(time.perf_counter())
+        try:
+            return inner_step(self, group, window)
+        finally:
+            ends.append(time.perf_counter())
+
+    trainer_cls._optimizer_step = timed_step
+    precompute_seconds: list[float] = []
+    if hasattr(rlhf, "precompute_ref_log_probs"):
+        inner_pre = rlhf.precompute_ref_log_probs
+
+        def timed_precompute(*a, **kw):
+            started = time.perf_counter()
+            try:
+                return inner_pre(*a, **kw)
+            finally:
+                precompute_seconds.append(time.perf_counter() - started)
+
+        rlhf.precompute_ref_log_probs = timed_precompute
+
+    data = Path(args.workdir) / "preference.jsonl"
+    with open(data, "w") as f:
+        for pair in read_pairs(args.records):
+            f.write(json.dumps({k: pair[k] for k in ("prompt", "chosen", "rejected")}) + "\n")
+    config = rlhf.DPOConfig(
+        model_name_or_path=args.model_dir, dataset=str(data), dataset_dir=str(data.parent), cutoff_len=args.seq_len,
+        per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=1, max_steps=args.steps,
+        learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
+        pref_beta=args.beta, pref_loss="sigmoid", precompute_ref_log_probs=precompute, finetuning_type="full",
+        attn_implementation=args.attn, gradient_checkpointing=False, output_dir=str(Path(args.workdir) / "ours"),
+        save_steps=0, logging_steps=1, disable_progress_bar=True, report_to="none", seed=0,
+        resume_from_checkpoint="none")
+    started = time.perf_counter()
+    result = rlhf.train_dpo(config)
+    wall = time.perf_counter() - started
+    if len(ends) != args.steps:
+        raise RuntimeError(f"ours ran {len(ends)} optimizer steps, expected {args.steps}")
+    times = step_times(begins, ends, args.warmup)
+    source = "_optimizer_step"
+    history = sorted((row for row in result.history if "step" in row), key=lambda row: row["step"])
+    timed_rows = [row for row in history if "perf/step_seconds" in row]
+    if len(timed_rows) == args.steps:
+        times["step"] = [float(row["perf/step_seconds"]) for row in timed_rows][args.warmup:]
+        source = "history perf/step_seconds"
+    losses = [float(row["loss"]) for row in history if "loss" in row]
+    return {**times, "step_source": source, "precompute": sum(precompute_seconds) if precompute else None,
+            "setup": None, "wall": wall, "mean_loss": statistics.fmean(losses) if losses else None,
+            "reference_in_memory": None, "rss_base": base, "rss_loaded": None,
+            "version": f"rlhf {getattr(rlhf, '__version__', '')}".strip()}
+
+
+def worker(args: argparse.Namespace) -> int:
+    if not (args.variant and args.model_dir and args.workdir):
+        raise SystemExit("--worker needs --variant, --model-dir and --workdir")
+    run = run_ours if args.worker == "ours" else run_trl
+    result = run(args, args.variant == "precompute")
+    result.update(impl=args.worker, variant=args.variant, peak_rss=peak_rss_mib())
+    sys.stdout.flush()
+    print(MARK + json.dumps(result), flush=True)
+    return 0
+
+
+# -- driver side: run the workers one by one and print the table -----------------------------------------------------
+
+
+def busy_cpu_seconds() -> float:
+    """CPU seconds the whole machine has spent busy since boot (all processes, all cores)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run_worker(args: argparse.Namespace, impl: str, variant: str, model_dir: str, attn: str) -> dict:
+    with tempfile.TemporaryDirectory(prefix=f"bench-dpo-{impl}-{variant}-") as tmp:
+        command = [sys.executable, str(Path(__file__).resolve()), "--worker", impl, "--variant", variant,
+                   "--model-dir", model_dir, "--attn", attn, "--workdir", tmp, "--steps", str(args.steps),
+                   "--warmup", str(args.warmup), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
+                   "--records", str(args.records), "--threads", str(args.threads), "--lr", repr(args.lr),
+                   "--beta", repr(args.beta)]
+        threads = str(args.threads)
+        env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false",
+               "TQDM_DISABLE": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "PYTHONWARNINGS": "ignore",
+               "WANDB_DISABLED": "true", "HF_HUB_OFFLINE": "1"}
+        busy, own, started = busy_cpu_seconds(), children_cpu_seconds(), time.perf_counter()
+        proc = subprocess.run(command, env=env, capture_output=True, text=True)
+        elapsed = time.perf_counter() - started
+        # other processes' CPU use while the worker ran, in cores: what the machine did minus what the worker did
+        background = max(0.0, (busy_cpu_seconds() - busy) - (children_cpu_seconds() - own)) / elapsed
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(MARK)]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-12:]
+        return {"impl": impl, "variant": variant, "error": "\n".join(tail) or f"exit status {proc.returncode}"}
+    result = json.loads(lines[-1][len(MARK):])
+    result["process"] = elapsed
+    result["background"] = background
+    return result
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
+def summarise(runs: list[dict]) -> dict:
+    """One row from the repeats of one trainer and variant: best median time, highest peak memory."""
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return {"error": runs[-1]["error"]}
+    best = min(ok, key=lambda r: statistics.median(r["step"]))
+    precomputes = [r["precompute"] for r in ok if r["precompute"] is not None]
+    return {"step": min(statistics.median(r["step"]) for r in ok),
+            "mean": min(statistics.fmean(r["step"]) for r in ok),
+            "cycle": min(statistics.median(r["cycle"]) for r in ok),
+            "precompute": min(precomputes) if precomputes else None,
+            "peak": max(r["peak_rss"] for r in ok), "base": max(r["rss_base"] for r in ok),
+            "background": max(r["background"] for r in ok),
+            "timed": len(best["step"]), "runs": len(ok), "source": best["step_source"],
+            "mean_loss": best["mean_loss"], "version": best["version"]}
+
+
+HEADERS = ["variant", "trainer", "timed steps", "s/step median", "s/step mean", "cycle s median", "precompute s",
+           "base MiB", "peak MiB", "time ours/TRL", "memory ours/TRL", "bg cores"]
+
+
+def print_table(rows: list[list[str]], title: str) -> None:
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:  # plain text
+        print(title)
+        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(HEADERS)]
+        for row in [HEADERS, *rows]:
+            print("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
+        return
+    table = Table(title=title)
+    for i, header in enumerate(HEADERS):
+        table.add_column(header, justify="left" if i < 2 else "right", no_wrap=i < 2)
+    for row in rows:
+        table.add_row(*row)
+    Console(width=max(150, Console().width)).print(table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return worker(args)
+    sys.path.insert(0, str(REPO))
+    import torch
+
+    import rlhf
+
+    model_dir = rlhf.resolve_model_path("tiny")
+    attn = rlhf.select_attention_implementation("auto", "cpu")[0]  # what our trainer picks on CPU; TRL gets the same
+    try:
+        from importlib.metadata import version
+
+        trl_version = version("trl")
+    except Exception:  # only for the header line
+        trl_version = "not installed"
+    print(f"model {Path(model_dir).name} ({attn}): full fine-tuning, fp32, CPU, threads {args.threads}; first "
+          f"{args.records} pairs of {DATA.relative_to(REPO)}, cutoff {args.seq_len}, batch {args.batch_size} pairs, "
+          f"lr {args.lr:g} constant, beta {args.beta:g} sigmoid; {args.steps} steps, first {args.warmup} untimed; "
+          f"torch {torch.__version__}, trl {trl_version}")
+
+    runs: dict[tuple[str, str], list[dict]] = {}
+    for variant in args.variants:
+        for repeat in range(args.repeats):
+            order = args.impls if repeat % 2 == 0 else args.impls[::-1]
+            for impl in order:
+                result = run_worker(args, impl, variant, model_dir, attn)
+                runs.setdefault((variant, impl), []).append(result)
+                if "error" in result:
+                    print(f"{variant} / {LABELS[impl]} (repeat {repeat + 1}) FAILED:\n  "
+                          + result["error"].replace("\n", "\n  "))
+                else:
+                    pre = "" if result["precompute"] is None else f", precompute {result['precompute']:.2f}s"
+                    print(f"{variant} / {LABELS[impl]} (repeat {repeat + 1}): median step "
+                          f"{statistics.median(result['step']):.4f}s ({result['step_source']}){pre}, peak "
+                          f"{result['peak_rss']:.0f} MiB, mean training loss {_fmt(result['mean_loss'])}, "
+                          f"process {result['process']:.1f}s, background load {result['background']:.2f} cores")
+                    if result["background"] > args.max_background:
+                        print(f"  warning: other processes used {result['background']:.2f} CPU cores during this run "
+                              f"(> {args.max_background:g}); its times are not trustworthy, rerun on a quiet machine")
+    if args.json:
+        args.json.write_text(json.dumps({f"{v}/{i}": r for (v, i), r in runs.items()}, indent=1))
+
+    rows, verdicts = [], []
+    summary = {key: summarise(value) for key, value in runs.items()}
+    for variant in args.variants:
+        ours, theirs = summary.get((variant, "ours")), summary.get((variant, "trl"))
+        both = ours and theirs and "error" not in ours and "error" not in theirs
+        for impl in args.impls:
+            s = summary[(variant, impl)]
+            if "error" in s:
+                rows.append([variant, LABELS[impl], "failed"] + ["-"] * (len(HEADERS) - 3))
+                continue
+            time_ratio = mem_ratio = "-"
+            if both and impl == "ours":
+                time_ratio = f"{s[args.metric] / theirs[args.metric]:.2f}x"
+                mem_ratio = f"{s['peak'] / theirs['peak']:.2f}x"
+            rows.append([variant, LABELS[impl], f"{s['timed']}x{s['runs']}", f"{s['step']:.4f}", f"{s['mean']:.4f}",
+                         f"{s['cycle']:.4f}", "-" if s["precompute"] is None else f"{s['precompute']:.2f}",
+                         f"{s['base']:.0f}", f"{s['peak']:.0f}", time_ratio, mem_ratio, f"{s['background']:.2f}"])
+        if both:
+            t, m = ours[args.metric] / theirs[args.metric], ours["peak"] / theirs["peak"]
+            ok_t, ok_m = t <= args.target_time, m <= args.target_memory
+            verdicts.append(f"{'PASS' if ok_t and ok_m else 'FAIL'} {variant}: time {t:.2f}x TRL "
+                            f"(target <= {args.target_time:g}x, {'met' if ok_t else 'missed'}; {args.metric}), "
+                            f"peak memory {m:.2f}x TRL (target <= {args.target_memory:g}x, "
+                            f"{'met' if ok_m else 'missed'}); cycle ratio {ours['cycle'] / theirs['cycle']:.2f}x"
+                            + ("; MACHINE BUSY, times unreliable"
+                               if max(ours["background"], theirs["background"]) > args.max_background else ""))
+        elif len(args.impls) < 2:
+            verdicts.append(f"n/a {variant}: no ratio, only {LABELS[args.impls[0]]} was run (--impls)")
+        else:
+            verdicts.append(f"n/a {variant}: no ratio, a trainer's run broke")
+    print_table(rows, f"DPO: batch {args.batch_size} pairs, cutoff {args.seq_len}, threads {args.threads}, fp32 CPU "
+                      f"(seconds per optimizer step; peak = max RSS of the run's process)")
+    for line in verdicts:
+        print(line)
+    return 1 if any("error" in r for value in runs.values() for r in value) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
