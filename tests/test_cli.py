@@ -58,6 +58,7 @@ FILES: dict[str, str] = {
     "unknown_format.jsonl": _jsonl(GOOD[0], GOOD[1], {"foo": "What is 5 + 5?", "bar": "10"}),
     "invalid.yaml": "model_name_or_path: tiny\nlearning_rate: 1.0e-4\ntemplate: chatml: extra\nmax_steps: 1\n",
     "stage_dpo.yaml": "stage: dpo\nmodel_name_or_path: tiny\nfinetuning_type: full\nmax_steps: 1\n",
+    "stage_unknown.yaml": "stage: rlhf_magic\nmodel_name_or_path: tiny\nmax_steps: 1\n",
     "pipeline_typo.yaml": "stages: [sft]\noutput_dir: pipe-typo\nsft:\n  lerning_rate: 1.0e-3\n",
     "pipeline.yaml": f"""\
 stages: [sft]
@@ -144,7 +145,7 @@ RUNS: dict[str, Run] = {
     "missing_config": Run(["sft", "--config", "missing.yaml", "dataset=demo_sft"]),
     "invalid_yaml": Run(["sft", "--config", "invalid.yaml", "dataset=demo_sft"]),
     "stage_mismatch": Run(["sft", "--config", "stage_dpo.yaml", "dataset=demo_sft"]),
-    "train_unknown_stage": Run(["train", "--config", "stage_dpo.yaml"]),
+    "train_unknown_stage": Run(["train", "--config", "stage_unknown.yaml"]),
     "pipeline_stage_typo": Run(["pipeline", "--config", "pipeline_typo.yaml"]),
     # -- help
     "help": Run(["--help"]),
@@ -244,7 +245,7 @@ BAD_INPUT = {
     "missing_config": [r"missing\.yaml", r"does not exist"],
     "invalid_yaml": [r"invalid\.yaml:3\b", r"invalid YAML"],
     "stage_mismatch": [r"stage_dpo\.yaml", r"\bstage\b", r"\bdpo\b", r"'sft'"],
-    "train_unknown_stage": [r"stage_dpo\.yaml", r"'stage'", r"'dpo'", r"valid: sft"],
+    "train_unknown_stage": [r"stage_unknown\.yaml", r"'stage'", r"'rlhf_magic'", r"valid: sft, rm, dpo"],
     "pipeline_stage_typo": [r"pipeline_typo\.yaml", r"'lerning_rate'", re.escape("did you mean 'learning_rate'")],
 }
 
