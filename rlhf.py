@@ -278,6 +278,7 @@ class DPOConfig(BaseConfig):
     simpo_gamma: float = _opt(0.5, "SimPO target reward margin gamma")
     ref_model: str | None = _opt(None, "Reference model directory (default: the starting model; LoRA uses the adapter-disabled base)")
     precompute_ref_log_probs: bool = _opt(False, "Compute reference log-probs once before training and free the reference model")
+    share_prompt: bool = _opt(True, "Run each pair's prompt once and share its KV cache between chosen and rejected (off for Mamba and gradient checkpointing)")
 
     stage: typing.ClassVar[str] = "dpo"
 
@@ -2062,11 +2063,21 @@ class PreferenceCollator:
     margin and precomputed reference log-probs (B)."""
 
     pad_token_id: int
+    share_prompt: bool = False  # also emit the prompt (left-padded) and completions apart, for shared_prefix_log_probs
 
     def __call__(self, items: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         pairs = [_prompt_completion(i["prompt_ids"], i["chosen_ids"]) for i in items]
         pairs += [_prompt_completion(i["prompt_ids"], i["rejected_ids"]) for i in items]
         batch = _pad_rows([p[0] for p in pairs], [p[1] for p in pairs], self.pad_token_id)
+        if self.share_prompt:
+            prompts = [i["prompt_ids"] for i in items]
+            width = max(len(p) for p in prompts)
+            batch["prompt_input_ids"] = torch.tensor([[self.pad_token_id] * (width - len(p)) + p for p in prompts])
+            batch["prompt_attention_mask"] = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+            completions = [i["chosen_ids"] for i in items] + [i["rejected_ids"] for i in items]
+            padded = _pad_rows(completions, completions, self.pad_token_id)
+            batch["completion_input_ids"] = padded["input_ids"]
+            batch["completion_attention_mask"] = padded["attention_mask"]
         for key in ("margin", "ref_chosen_logps", "ref_rejected_logps"):
             if key in items[0]:
                 batch[key] = torch.tensor([i[key] for i in items], dtype=torch.float32)
@@ -2544,14 +2555,60 @@ class ReferenceModel:
 
     @torch.no_grad()
     def compute_log_probs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> LogProbs:
+        with self._frozen():
+            return self.model.compute_log_probs(input_ids, attention_mask, labels)
+
+    @torch.no_grad()
+    def shared_prefix_log_probs(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(per_token, mask) of a pair batch with the prompt run once (see shared_prefix_log_probs)."""
+        with self._frozen():
+            per_token, mask, _ = shared_prefix_log_probs(self.model.model, batch)
+            return per_token, mask
+
+    @contextlib.contextmanager
+    def _frozen(self) -> Iterator[None]:
         module = self.model.model
         was_training = module.training
         module.eval()
         try:
             with module.disable_adapter() if self.disable_adapter else contextlib.nullcontext():
-                return self.model.compute_log_probs(input_ids, attention_mask, labels)
+                yield
         finally:
             module.train(was_training)
+
+
+PREFIX_SHARING_EXCLUDED = ("mamba", "mamba2", "rwkv")  # recurrent state, no per-position KV cache to share
+
+
+def shared_prefix_log_probs(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Completion log-probs of chosen and rejected with their shared prompt run once.
+
+    The prompt (left-padded, so every prompt ends in the last column) goes through the model once;
+    its KV cache is repeated for the two completions, which attend to it like a concatenated row
+    would. Prompt compute is halved, in forward and backward, for the policy and the reference.
+    Batch keys from PreferenceCollator(share_prompt=True): prompt_input_ids / prompt_attention_mask
+    (B, P), completion_input_ids / completion_attention_mask (2B, C), rows ordered chosen then rejected.
+    Returns per_token (2B, C), mask (2B, C) and mean logits over completion tokens (2B).
+    """
+    prompt_ids, prompt_mask = batch["prompt_input_ids"], batch["prompt_attention_mask"]
+    completion_ids, completion_mask = batch["completion_input_ids"], batch["completion_attention_mask"]
+    pairs = prompt_ids.shape[0]
+    prompt_positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+    prompt_out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=prompt_positions, use_cache=True)
+    cache = prompt_out.past_key_values
+    cache.batch_repeat_interleave(2)  # rows p1, p1, p2, p2 ...: chosen and rejected of pair i follow each other
+    order = torch.stack([torch.arange(pairs), torch.arange(pairs) + pairs], 1).reshape(-1).to(completion_ids.device)
+    ids, mask = completion_ids[order], completion_mask[order]  # (2B, C) interleaved
+    prompt_lengths = prompt_mask.sum(-1).repeat_interleave(2)
+    positions = prompt_lengths[:, None] + torch.arange(ids.shape[1], device=ids.device)
+    attention = torch.cat([prompt_mask.repeat_interleave(2, 0), mask], 1)
+    logits = model(input_ids=ids, attention_mask=attention, position_ids=positions, past_key_values=cache,
+                   use_cache=True).logits  # (2B, C, V): position t predicts completion token t+1
+    logits = torch.cat([prompt_out.logits[:, -1:].repeat_interleave(2, 0), logits[:, :-1]], 1)  # predicts token t
+    per_token = token_log_probs(logits, ids) * mask
+    mean_logits = (logits.detach().float().mean(-1) * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    back = torch.argsort(order)  # interleaved -> chosen rows, then rejected rows
+    return per_token[back], mask[back].bool(), mean_logits[back]
 
 
 def create_reference_model(config: BaseConfig, policy: PolicyModel) -> ReferenceModel | None:
@@ -3288,6 +3345,11 @@ class PolicyLogProbs:
 
 def _completion_forward(policy: PolicyModel, batch: dict[str, torch.Tensor], ld_alpha: float | None = None
                         ) -> PolicyLogProbs:
+    if "prompt_input_ids" in batch:
+        per_token, mask, mean_logits = shared_prefix_log_probs(policy.model, batch)
+        lengths = mask.sum(-1).clamp(min=1)
+        return PolicyLogProbs(sequence_log_probs(per_token, mask, ld_alpha), per_token.sum(-1) / lengths, lengths,
+                              mean_logits)
     logits = policy(batch["input_ids"], batch["attention_mask"]).logits[:, :-1]
     mask = batch["labels"][:, 1:] != IGNORE_INDEX  # (2B, T-1)
     per_token = token_log_probs(logits, batch["input_ids"][:, 1:]) * mask
@@ -3298,6 +3360,9 @@ def _completion_forward(policy: PolicyModel, batch: dict[str, torch.Tensor], ld_
 
 def _reference_logps(reference: ReferenceModel, batch: dict[str, torch.Tensor], ld_alpha: float | None = None) -> torch.Tensor:
     """Summed reference log-probs of every row of a concatenated batch, with the policy's weighting."""
+    if "prompt_input_ids" in batch:
+        per_token, mask = reference.shared_prefix_log_probs(batch)
+        return sequence_log_probs(per_token, mask, ld_alpha).detach()
     out = reference.compute_log_probs(batch["input_ids"], batch["attention_mask"], batch["labels"])
     mask = batch["labels"][:, 1:] != IGNORE_INDEX
     return sequence_log_probs(out.per_token, mask, ld_alpha).detach()
@@ -3397,8 +3462,10 @@ class DPOTrainer(_ReferenceTrainer):
         if config.uses_reference and reference is None:
             raise RLHFInputError(f"pref_loss={config.pref_loss} needs a reference model; pass one "
                                  f"(see create_reference_model) or use orpo / simpo")
+        share = (config.share_prompt and not config.gradient_checkpointing
+                 and policy.model.config.model_type not in PREFIX_SHARING_EXCLUDED)
         super().__init__(config, policy, train_dataset, eval_dataset=eval_dataset, devices=devices,
-                         collator=PreferenceCollator(policy.tokenizer.pad_token_id))
+                         collator=PreferenceCollator(policy.tokenizer.pad_token_id, share_prompt=share))
         self._setup_reference(reference if config.uses_reference else None, [train_dataset, eval_dataset])
 
     def loss_units(self, batch: dict[str, torch.Tensor]) -> int:

@@ -733,3 +733,41 @@ def test_kto_batch_size_one_is_accepted_with_a_warning(tmp_path):
     with captured_log() as records:
         rlhf.KTOConfig(per_device_train_batch_size=1, gradient_accumulation_steps=8, output_dir=str(tmp_path))
     assert not any("KL reference point" in r.getMessage() for r in records)
+
+
+# -- shared-prompt forward ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch,attn", [("llama", "sdpa"), ("llama", "eager"), ("qwen2", "sdpa"), ("gpt2", "sdpa")])
+def test_shared_prompt_forward_equals_concatenated_rows(arch, attn, tiny_arch_dir, tiny_tokenizer, pref_records):
+    """Running the prompt once and sharing its KV cache must give the log-probs and gradients of
+    running every [prompt; completion] row in full (prompts of different lengths, left-padded)."""
+    policy = rlhf.PolicyModel.from_pretrained(str(tiny_arch_dir(arch)), attn_implementation=attn)
+    dataset = _pref_dataset(pref_records[:6], tiny_tokenizer, cutoff_len=128)
+    items = [dataset[i] for i in range(len(dataset))]
+    assert len({len(i["prompt_ids"]) for i in items}) > 1  # the left padding is exercised
+    pad = tiny_tokenizer.pad_token_id
+    rows = rlhf.PreferenceCollator(pad)(items)
+    shared = rlhf.PreferenceCollator(pad, share_prompt=True)(items)
+    results = []
+    for batch in (rows, shared):
+        policy.model.zero_grad()
+        out = rlhf._completion_forward(policy, batch, ld_alpha=0.5)
+        out.summed.sum().backward()
+        results.append((out, [p.grad.clone() for p in policy.model.parameters() if p.grad is not None]))
+    (a, grads_a), (b, grads_b) = results
+    torch.testing.assert_close(a.summed, b.summed, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(a.averaged, b.averaged, atol=1e-5, rtol=1e-5)
+    assert torch.equal(a.lengths, b.lengths)
+    for ga, gb in zip(grads_a, grads_b, strict=True):
+        torch.testing.assert_close(ga, gb, atol=1e-4, rtol=1e-4)
+
+
+def test_shared_prompt_reference_equals_concatenated(tiny_arch_dir, tiny_tokenizer, pref_records):
+    policy = rlhf.PolicyModel.from_pretrained(str(tiny_arch_dir("llama")))
+    reference = rlhf.ReferenceModel(policy)
+    items = [_pref_dataset(pref_records[:5], tiny_tokenizer, cutoff_len=128)[i] for i in range(5)]
+    pad = tiny_tokenizer.pad_token_id
+    full = rlhf._reference_logps(reference, rlhf.PreferenceCollator(pad)(items))
+    shared = rlhf._reference_logps(reference, rlhf.PreferenceCollator(pad, share_prompt=True)(items))
+    torch.testing.assert_close(full, shared, atol=1e-4, rtol=1e-5)
