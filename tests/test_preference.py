@@ -771,3 +771,43 @@ def test_shared_prompt_reference_equals_concatenated(tiny_arch_dir, tiny_tokeniz
     full = rlhf._reference_logps(reference, rlhf.PreferenceCollator(pad)(items))
     shared = rlhf._reference_logps(reference, rlhf.PreferenceCollator(pad, share_prompt=True)(items))
     torch.testing.assert_close(full, shared, atol=1e-4, rtol=1e-5)
+
+
+# -- streaming twins -----------------------------------------------------------------------------------
+
+
+def test_streaming_preference_items_equal_in_memory_and_resume(tmp_path, tiny_tokenizer, pref_records, demo_dir):
+    formatter = rlhf.ChatFormatter(tiny_tokenizer)
+    spec = rlhf.resolve_dataset("demo_preference", demo_dir)
+    stream = rlhf.StreamingPreferenceDataset(spec, tiny_tokenizer, formatter, cutoff_len=64, max_samples=20)
+    streamed = list(stream)
+    in_memory = rlhf.PreferenceDataset(rlhf.load_records("demo_preference", demo_dir, "preference", max_samples=20),
+                                       tiny_tokenizer, formatter, cutoff_len=64)
+    assert streamed == [in_memory[i] for i in range(len(in_memory))]
+    first = rlhf.StreamingPreferenceDataset(spec, tiny_tokenizer, formatter, cutoff_len=64, max_samples=20)
+    iterator = iter(first)
+    [next(iterator) for _ in range(7)]
+    resumed = rlhf.StreamingPreferenceDataset(spec, tiny_tokenizer, formatter, cutoff_len=64, max_samples=20)
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    assert list(resumed) == streamed[7:]
+
+
+def test_streaming_kto_pairs_each_item_with_the_previous_completion(tmp_path, tiny_tokenizer):
+    _kto_records(tmp_path, n=6)
+    formatter = rlhf.ChatFormatter(tiny_tokenizer)
+    spec = rlhf.resolve_dataset("kto.jsonl", tmp_path)
+    items = list(rlhf.StreamingKTODataset(spec, tiny_tokenizer, formatter, cutoff_len=128))
+    assert len(items) == 6 and [i["label"] for i in items] == [i % 3 != 0 for i in range(10, 16)]
+    assert items[0]["kl_completion_ids"] == items[0]["completion_ids"]  # nothing earlier to pair with
+    assert all(items[k]["kl_completion_ids"] == items[k - 1]["completion_ids"] for k in range(1, 6))
+
+
+def test_streaming_dpo_run_trains_and_refuses_precompute(tmp_path, llama_dir, demo_dir):
+    config = _config(rlhf.DPOConfig, tmp_path / "s", llama_dir, demo_dir, streaming=True, max_steps=3,
+                     val_size=8, max_samples=40)
+    result = rlhf.train_dpo(config)
+    assert result.global_step == 3 and "eval/rewards/accuracies" in result.eval
+    bad = _config(rlhf.DPOConfig, tmp_path / "p", llama_dir, demo_dir, streaming=True, max_steps=3,
+                  precompute_ref_log_probs=True)
+    with pytest.raises(rlhf.RLHFInputError, match="precompute_ref_log_probs"):
+        rlhf.train_dpo(bad)
