@@ -2567,7 +2567,7 @@ class ReferenceModel:
 
     @contextlib.contextmanager
     def _frozen(self) -> Iterator[None]:
-        module = self.model.model
+        module = getattr(self.model.model, "_orig_mod", self.model.model)  # through torch.compile's wrapper
         was_training = module.training
         module.eval()
         try:
