@@ -146,37 +146,43 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], params: SamplingP
         if params.n > 1:
             cache.batch_repeat_interleave(params.n)
         logits = out.logits[:, -1].repeat_interleave(params.n, 0)
-    tokens: list[list[int]] = [[] for _ in range(rows)]
-    logprobs: list[list[float]] = [[] for _ in range(rows)]
-    finished = [None] * rows
+    stop_ids = torch.tensor(sorted(stops), device=device, dtype=torch.long)
+    tokens = torch.full((rows, params.max_new_tokens), pad_token_id, device=device, dtype=torch.long)
+    logprobs = torch.zeros(rows, params.max_new_tokens, device=device)
+    done = torch.zeros(rows, dtype=torch.bool, device=device)
+    stopped = torch.zeros(rows, dtype=torch.bool, device=device)
+    lengths = torch.zeros(rows, dtype=torch.long, device=device)
     next_position = positions[:, -1] + 1
-    for _ in range(params.max_new_tokens):
+    for step in range(params.max_new_tokens):
         scaled = logits.float() / (params.temperature if not params.greedy else 1.0)
-        log_distribution = torch.log_softmax(scaled, -1)
         if params.greedy:
             chosen = scaled.argmax(-1)
         else:
             filtered = _filter_logits(scaled, params.top_k, params.top_p)
             chosen = torch.multinomial(filtered.softmax(-1), 1, generator=generator).squeeze(-1)
-        chosen_logprobs = log_distribution.gather(-1, chosen[:, None]).squeeze(-1)
-        for row in range(rows):
-            if finished[row] is None:
-                token = int(chosen[row])
-                tokens[row].append(token)
-                logprobs[row].append(float(chosen_logprobs[row]))
-                if token in stops or (params.stop_strings and _has_stop_string(tokenizer, tokens[row], params.stop_strings)):
-                    finished[row] = "stop"
-        if all(f is not None for f in finished):
+        chosen = chosen.masked_fill(done, pad_token_id)
+        tokens[:, step] = chosen
+        logprobs[:, step] = torch.log_softmax(scaled, -1).gather(-1, chosen[:, None]).squeeze(-1)
+        lengths += (~done).long()
+        hit = torch.isin(chosen, stop_ids) & ~done
+        if params.stop_strings:  # only the rows still running need decoding
+            for row in (~done & ~hit).nonzero().flatten().tolist():
+                if _has_stop_string(tokenizer, tokens[row, :step + 1].tolist(), params.stop_strings):
+                    hit[row] = True
+        stopped |= hit
+        done |= hit
+        if bool(done.all()):
             break
-        step_tokens = torch.tensor([t[-1] if finished[r] is None else pad_token_id for r, t in enumerate(tokens)],
-                                   device=device)
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
         if recurrent:
-            ids = torch.cat([ids, step_tokens[:, None]], 1)
+            ids = torch.cat([ids, chosen[:, None]], 1)
             logits = model(input_ids=ids, attention_mask=mask).logits[:, -1]
         else:
-            logits = model(input_ids=step_tokens[:, None], attention_mask=mask, position_ids=next_position[:, None],
+            logits = model(input_ids=chosen[:, None], attention_mask=mask, position_ids=next_position[:, None],
                            past_key_values=cache, use_cache=True).logits[:, -1]
         next_position = next_position + 1
-    reasons = [f or "length" for f in finished]
-    return GenerationOutput(tokens, logprobs, reasons, [r // params.n for r in range(rows)])
+    counts = lengths.tolist()
+    token_lists = [row[:count] for row, count in zip(tokens.tolist(), counts)]
+    logprob_lists = [row[:count] for row, count in zip(logprobs.tolist(), counts)]
+    reasons = ["stop" if s else "length" for s in stopped.tolist()]
+    return GenerationOutput(token_lists, logprob_lists, reasons, [r // params.n for r in range(rows)])
