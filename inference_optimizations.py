@@ -113,7 +113,7 @@ def _has_stop_string(tokenizer, tokens: list[int], stop_strings: tuple[str, ...]
     return any(stop in tail for stop in stop_strings)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def generate(model: torch.nn.Module, prompts: list[list[int]], params: SamplingParams | None = None, *,
              pad_token_id: int, eos_token_id: int | None = None, tokenizer=None) -> GenerationOutput:
     """Batched sampling for any Hugging Face causal LM over its KV cache.
@@ -129,7 +129,8 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], params: SamplingP
     device = next(model.parameters()).device
     stops = set(params.stop_token_ids) | ({eos_token_id} if eos_token_id is not None else set())
     generator = torch.Generator(device=device)
-    generator.manual_seed(params.seed if params.seed is not None else torch.seed() % 2**63)
+    # no seed: draw one from torch's global generator, so set_seed still makes the run reproducible
+    generator.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,))))
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad_token_id] * (width - len(p)) + list(p) for p in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)

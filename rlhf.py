@@ -2318,33 +2318,24 @@ class PolicyModel(nn.Module):
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int = 64, do_sample: bool = False,
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                  stop_token_ids: list[int] | None = None, batch_size: int = 32) -> list[list[int]]:
-        """Complete token-id prompts; returns each completion's ids, cut after the first stop token."""
-        from transformers import GenerationConfig
+        """Complete token-id prompts with the generation engine (inference_optimizations.generate);
+        returns each completion's ids, ending with its stop token if it produced one."""
+        from inference_optimizations import SamplingParams
+        from inference_optimizations import generate as generate_tokens
 
-        stop = stop_token_ids or [self.tokenizer.eos_token_id]
-        settings = dict(max_new_tokens=max_new_tokens, do_sample=do_sample, eos_token_id=stop,
-                        pad_token_id=self.tokenizer.pad_token_id)
-        if do_sample:
-            settings.update(temperature=temperature, top_p=top_p, top_k=top_k)
-        generation_config = GenerationConfig(**settings)
+        stop = tuple(stop_token_ids or [self.tokenizer.eos_token_id])
+        params = SamplingParams(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
+                                top_p=top_p, top_k=top_k, stop_token_ids=stop)
         was_training = self.model.training
         self.model.eval()
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths pad less
         results: list[list[int]] = [[] for _ in prompts]
         for start in range(0, len(order), batch_size):
             chunk = order[start:start + batch_size]
-            width = max(len(prompts[i]) for i in chunk)
-            ids = torch.full((len(chunk), width), self.tokenizer.pad_token_id, dtype=torch.long)
-            mask = torch.zeros((len(chunk), width), dtype=torch.long)
-            for row, i in enumerate(chunk):  # left padding keeps every prompt's end aligned
-                ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i])
-                mask[row, width - len(prompts[i]):] = 1
-            output = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                         generation_config=generation_config)
-            for row, i in enumerate(chunk):
-                completion = output[row, width:].tolist()
-                cut = next((k + 1 for k, token in enumerate(completion) if token in stop), len(completion))
-                results[i] = completion[:cut]
+            output = generate_tokens(self.model, [prompts[i] for i in chunk], params,
+                                     pad_token_id=self.tokenizer.pad_token_id)
+            for i, tokens in zip(chunk, output.token_ids):
+                results[i] = tokens
         self.model.train(was_training)
         return results
 
