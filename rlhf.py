@@ -13,7 +13,7 @@ Table of contents (each section opens with a ``# ==== N. Title ====`` banner):
   2. Infrastructure — setup_logging, DeviceManager, TrainingLogger, CheckpointManager, create_optimizer, EarlyStopping, apply_lora, apply_freeze, compile_model, select_attention_implementation
   3. Data — load_records, ChatFormatter, CHAT_TEMPLATES, SFTDataset, StreamingSFTDataset, pack_sequences, SFTCollator, PreferenceDataset, StreamingPreferenceDataset, KTODataset, StreamingKTODataset, PreferenceCollator, KTOCollator, extract_answer
   4. Models — token_log_probs, load_tokenizer, build_tiny_model, resolve_model_path, PolicyModel, RewardModel, RewardEnsemble, ReferenceModel, create_reference_model
-  5. Losses and advantages — causal_lm_loss_sum, sequence_log_probs, dpo_loss, PREFERENCE_LOSSES, simpo_loss, orpo_loss, kto_loss, reward_model_loss
+  5. Losses and advantages — causal_lm_loss_sum, sequence_log_probs, dpo_loss, PREFERENCE_LOSSES, simpo_loss, orpo_loss, kto_loss, reward_model_loss, whiten, grpo_advantages, grpo_loss, compute_gae, ppo_policy_loss, ppo_value_loss, AdaptiveKLController, FixedKLController
   7. Trainers — BaseTrainer, SFTTrainer, RewardModelTrainer, DPOTrainer, SimPOTrainer, KTOTrainer, precompute_ref_log_probs, TrainResult
   10. Orchestrator — train_sft, train_rm, train_dpo, train_kto, RLHFOrchestrator
   11. CLI — main
@@ -2837,6 +2837,146 @@ def reward_model_loss(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor
     """
     margin = 0.0 if margin is None else margin
     return -F.logsigmoid(chosen_scores - rejected_scores - margin)
+
+
+# -- online RL: advantages, policy and value losses (DESIGN section 4) ---------------------------------
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor | None = None, shift_mean: bool = True) -> torch.Tensor:
+    """(x - mean) / sqrt(var + 1e-8) over the masked elements, with the unbiased variance (as TRL's
+    masked_whiten); ``shift_mean=False`` keeps the original mean (used for rewards)."""
+    mask = torch.ones_like(x) if mask is None else mask.to(x.dtype)
+    count = mask.sum()
+    mean = (x * mask).sum() / count.clamp(min=1)
+    var = (((x - mean) ** 2) * mask).sum() / (count - 1).clamp(min=1)
+    whitened = (x - mean) * torch.rsqrt(var + 1e-8)
+    return whitened if shift_mean else whitened + mean
+
+
+def grpo_advantages(rewards: torch.Tensor, group_size: int, *, scale: str = "group") -> torch.Tensor:
+    """GRPO's group-relative advantages, Shao et al. 2024 eq. 3 (sec. 4.1.2): each reward minus its
+    group's mean, divided by the group's std (``group``), the whole batch's std (``batch``, Liu et
+    al. 2025's fix for difficulty bias) or not at all (``none``); std is torch's (unbiased), + 1e-4.
+    Shapes: rewards (B*G) with each prompt's G completions contiguous -> (B*G)."""
+    if scale not in ("group", "batch", "none"):
+        raise RLHFInputError(f"grpo_advantages scale '{scale}'; valid: group, batch, none")
+    if rewards.numel() % group_size:
+        raise RLHFInputError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    grouped = rewards.view(-1, group_size)  # (B, G)
+    centred = (grouped - grouped.mean(-1, keepdim=True)).view(-1)
+    if scale == "none":
+        return centred
+    std = grouped.std(-1, keepdim=True).expand_as(grouped).reshape(-1) if scale == "group" else rewards.std()
+    return centred / (std + 1e-4)
+
+
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
+
+
+def grpo_loss(per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor | None,
+              ref_per_token_logps: torch.Tensor | None, advantages: torch.Tensor, completion_mask: torch.Tensor, *,
+              epsilon_low: float = 0.2, epsilon_high: float = 0.2, beta: float = 0.04, loss_type: str = "grpo",
+              max_completion_length: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """The clipped GRPO objective, Shao et al. 2024 eq. 3, per token: -min(rho A, clip(rho, 1 -
+    eps_low, 1 + eps_high) A) + beta * KL, with the k3 estimator KL = exp(ref - logp) - (ref - logp) - 1
+    (Schulman 2020). Aggregation: ``grpo`` averages each sequence then the batch; ``bnpo`` / ``dapo``
+    (Yu et al. 2025 eq. 8) average over all tokens; ``dr_grpo`` (Liu et al. 2025) divides the sum by
+    B * max_completion_length. ``old_per_token_logps`` None means on-policy (rho = 1 with gradient).
+    Shapes: log-probs and mask (B, T), advantages (B) -> scalar loss, metrics."""
+    if loss_type not in GRPO_LOSS_TYPES:
+        raise RLHFInputError(f"unknown GRPO loss_type '{loss_type}'; valid: {', '.join(GRPO_LOSS_TYPES)}")
+    mask = completion_mask.to(per_token_logps.dtype)
+    old = per_token_logps.detach() if old_per_token_logps is None else old_per_token_logps
+    ratio = torch.exp(per_token_logps - old)
+    advantage = advantages[:, None]
+    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+    per_token_loss = -torch.min(ratio * advantage, clipped * advantage)
+    metrics: dict[str, float] = {}
+    if beta and ref_per_token_logps is not None:
+        log_ratio = ref_per_token_logps - per_token_logps
+        kl = torch.exp(log_ratio) - log_ratio - 1
+        per_token_loss = per_token_loss + beta * kl
+        metrics["kl"] = float(_masked_mean(kl.detach(), mask))
+    if loss_type == "grpo":
+        loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+    elif loss_type in ("bnpo", "dapo"):
+        loss = _masked_mean(per_token_loss, mask)
+    else:
+        length = max_completion_length or per_token_logps.shape[1]
+        loss = (per_token_loss * mask).sum() / (per_token_logps.shape[0] * length)
+    low = ((ratio < 1 - epsilon_low) & (advantage < 0)).to(mask.dtype)
+    high = ((ratio > 1 + epsilon_high) & (advantage > 0)).to(mask.dtype)
+    metrics.update({"clip_ratio/low_mean": float(_masked_mean(low, mask)),
+                    "clip_ratio/high_mean": float(_masked_mean(high, mask)),
+                    "clip_ratio/region_mean": float(_masked_mean(low + high, mask))})
+    return loss, metrics
+
+
+def compute_gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamma: float = 1.0,
+                lam: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation, Schulman et al. 2016 eq. 16: delta_t = r_t + gamma V_{t+1} -
+    V_t, A_t = sum_l (gamma lam)^l delta_{t+l}; positions outside ``mask`` count as terminal.
+    Returns (advantages, returns = advantages + values), both zero outside the mask.
+    Shapes: rewards, values, mask (B, T) -> (B, T), (B, T)."""
+    mask = mask.to(values.dtype)
+    values, rewards = values * mask, rewards * mask
+    advantages = torch.zeros_like(values)
+    running = torch.zeros_like(values[:, 0])
+    for t in reversed(range(values.shape[1])):
+        next_value = values[:, t + 1] if t + 1 < values.shape[1] else torch.zeros_like(running)
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        running = (delta + gamma * lam * running) * mask[:, t]
+        advantages[:, t] = running
+    return advantages, (advantages + values) * mask
+
+
+def ppo_policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
+                    clip_range: float = 0.2) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO's clipped surrogate, Schulman et al. 2017 eq. 7, per token: max(-A rho, -A clip(rho, 1 - c,
+    1 + c)) averaged over the mask. Metrics: clip fraction and approximate KL 0.5 (logp - old)^2.
+    Shapes: (B, T) each -> scalar loss, metrics."""
+    mask = mask.to(logps.dtype)
+    ratio = torch.exp(logps - old_logps)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1 - clip_range, 1 + clip_range)
+    loss = _masked_mean(torch.max(unclipped, clipped), mask)
+    return loss, {"policy/clipfrac": float(_masked_mean((clipped > unclipped).to(mask.dtype), mask)),
+                  "policy/approxkl": float(0.5 * _masked_mean((logps - old_logps).detach() ** 2, mask))}
+
+
+def ppo_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, *,
+                   clip_range_value: float = 0.2) -> torch.Tensor:
+    """Clipped value loss (PPO2 / TRL): 0.5 * mean over the mask of max((V - R)^2, (V_clip - R)^2),
+    V_clip = V_old + clip(V - V_old, -c, c). Shapes: (B, T) each -> scalar."""
+    clipped = old_values + torch.clamp(values - old_values, -clip_range_value, clip_range_value)
+    return 0.5 * _masked_mean(torch.max((values - returns) ** 2, (clipped - returns) ** 2), mask.to(values.dtype))
+
+
+class AdaptiveKLController:
+    """Ziegler et al. 2019 sec. 2.2: beta_{t+1} = beta_t (1 + K_beta e_t n / horizon) with the
+    proportional error e_t = clip(KL_t / target - 1, -0.2, 0.2) and K_beta = 1."""
+
+    def __init__(self, init_kl_coef: float, target: float, horizon: int) -> None:
+        self.value, self.target, self.horizon = init_kl_coef, target, horizon
+
+    def update(self, current_kl: float, n_steps: int) -> float:
+        error = min(max(current_kl / self.target - 1, -0.2), 0.2)
+        self.value *= 1 + error * n_steps / self.horizon
+        return self.value
+
+
+class FixedKLController:
+    """A constant KL coefficient (``update`` changes nothing)."""
+
+    def __init__(self, kl_coef: float) -> None:
+        self.value = kl_coef
+
+    def update(self, current_kl: float, n_steps: int) -> float:
+        return self.value
 
 
 # ==== 7. Trainers ====

@@ -1,0 +1,134 @@
+"""Online-RL math of section 5 (groundwork for the GRPO/PPO trainers): GRPO advantages and loss
+aggregations, GAE, whitening, PPO policy/value losses and the KL controllers, each against an
+independent plain-Python formula or a hand-computed value."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import pytest
+import torch
+
+import rlhf
+
+
+def test_grpo_advantages_group_batch_none():
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0])  # two groups of 3
+    group_std = statistics.stdev([1.0, 0.0, 1.0])  # 0.57735, unbiased as torch.std
+    want_group = [(1 - 2 / 3) / (group_std + 1e-4), (0 - 2 / 3) / (group_std + 1e-4), (1 - 2 / 3) / (group_std + 1e-4),
+                  (1 - 1 / 3) / (group_std + 1e-4), (0 - 1 / 3) / (group_std + 1e-4), (0 - 1 / 3) / (group_std + 1e-4)]
+    torch.testing.assert_close(rlhf.grpo_advantages(rewards, 3), torch.tensor(want_group))
+    batch_std = statistics.stdev(rewards.tolist())
+    centred = [1 / 3, -2 / 3, 1 / 3, 2 / 3, -1 / 3, -1 / 3]
+    torch.testing.assert_close(rlhf.grpo_advantages(rewards, 3, scale="batch"),
+                               torch.tensor([c / (batch_std + 1e-4) for c in centred]))
+    torch.testing.assert_close(rlhf.grpo_advantages(rewards, 3, scale="none"), torch.tensor(centred))
+    # a group whose rewards are all equal carries no signal
+    assert rlhf.grpo_advantages(torch.tensor([0.5, 0.5]), 2).abs().max() == 0
+    with pytest.raises(rlhf.RLHFInputError, match="groups of 4"):
+        rlhf.grpo_advantages(rewards, 4)
+    with pytest.raises(rlhf.RLHFInputError, match="valid: group, batch, none"):
+        rlhf.grpo_advantages(rewards, 3, scale="sequence")
+
+
+def _grpo_reference(logp, old, ref, adv, mask, eps_low, eps_high, beta, loss_type, max_len):
+    rows = []
+    for b in range(len(logp)):
+        row = []
+        for t in range(len(logp[b])):
+            ratio = math.exp(logp[b][t] - old[b][t])
+            clipped = min(max(ratio, 1 - eps_low), 1 + eps_high)
+            loss = -min(ratio * adv[b], clipped * adv[b])
+            kl = math.exp(ref[b][t] - logp[b][t]) - (ref[b][t] - logp[b][t]) - 1
+            row.append(loss + beta * kl)
+        rows.append(row)
+    masked = [[rows[b][t] for t in range(len(rows[b])) if mask[b][t]] for b in range(len(rows))]
+    if loss_type == "grpo":
+        return sum(sum(r) / max(len(r), 1) for r in masked) / len(masked)
+    if loss_type in ("bnpo", "dapo"):
+        return sum(sum(r) for r in masked) / sum(len(r) for r in masked)
+    return sum(sum(r) for r in masked) / (len(masked) * max_len)
+
+
+@pytest.mark.parametrize("loss_type", rlhf.GRPO_LOSS_TYPES)
+def test_grpo_loss_matches_plain_formula(loss_type):
+    gen = torch.Generator().manual_seed(0)
+    logp = -torch.rand(3, 5, generator=gen, dtype=torch.float64) * 3
+    old = logp + torch.randn(3, 5, generator=gen, dtype=torch.float64) * 0.3  # ratios clip on both sides
+    ref = logp + torch.randn(3, 5, generator=gen, dtype=torch.float64) * 0.5
+    adv = torch.tensor([1.5, -0.7, 0.2], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
+    loss, metrics = rlhf.grpo_loss(logp, old, ref, adv, mask, epsilon_low=0.2, epsilon_high=0.28, beta=0.04,
+                                   loss_type=loss_type, max_completion_length=8)
+    want = _grpo_reference(logp.tolist(), old.tolist(), ref.tolist(), adv.tolist(), mask.tolist(), 0.2, 0.28, 0.04,
+                           loss_type, 8)
+    assert float(loss) == pytest.approx(want, rel=1e-10)
+    assert 0 < metrics["clip_ratio/region_mean"] < 1 and metrics["kl"] > 0
+
+
+def test_grpo_loss_on_policy_hand_value_and_gradient():
+    # on-policy (ratio 1), beta 0: loss = -mean(A) per token; d loss / d logp = -A / tokens
+    logp = torch.tensor([[-1.0, -2.0], [-0.5, -0.5]], requires_grad=True)
+    adv = torch.tensor([2.0, -1.0])
+    loss, _ = rlhf.grpo_loss(logp, None, None, adv, torch.ones(2, 2), beta=0.0)
+    assert float(loss.detach()) == pytest.approx(-(2.0 - 1.0) / 2)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-0.5, -0.5], [0.25, 0.25]]))
+    with pytest.raises(rlhf.RLHFInputError, match="dr_grpo"):
+        rlhf.grpo_loss(logp, None, None, adv, torch.ones(2, 2), loss_type="ppo")
+
+
+def test_compute_gae_matches_recursion_and_hand_value():
+    # one sequence, gamma 1, lam 1: advantages are reward-to-go minus value
+    rewards = torch.tensor([[0.0, 0.0, 1.0]])
+    values = torch.tensor([[0.5, 0.25, 0.75]])
+    adv, ret = rlhf.compute_gae(rewards, values, torch.ones(1, 3), gamma=1.0, lam=1.0)
+    torch.testing.assert_close(adv, torch.tensor([[0.5, 0.75, 0.25]]))
+    torch.testing.assert_close(ret, torch.tensor([[1.0, 1.0, 1.0]]))
+    gen = torch.Generator().manual_seed(1)
+    rewards, values = torch.randn(2, 6, generator=gen, dtype=torch.float64), torch.randn(2, 6, generator=gen, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]])
+    adv, ret = rlhf.compute_gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    for b in range(2):
+        n = int(mask[b].sum())
+        r, v = rewards[b, :n].tolist(), values[b, :n].tolist() + [0.0]
+        for t in range(n):
+            want = sum((0.9 * 0.8) ** k * (r[t + k] + 0.9 * v[t + k + 1] - v[t + k]) for k in range(n - t))
+            assert float(adv[b, t]) == pytest.approx(want, rel=1e-9)
+        assert adv[b, n:].abs().sum() == 0 and ret[b, n:].abs().sum() == 0
+    torch.testing.assert_close(ret, (adv + values) * mask)
+
+
+def test_whiten():
+    x = torch.tensor([1.0, 2.0, 3.0, 100.0])
+    mask = torch.tensor([1, 1, 1, 0])
+    out = rlhf.whiten(x, mask)
+    torch.testing.assert_close(out[:3], torch.tensor([-1.0, 0.0, 1.0]), atol=1e-6, rtol=0)  # mean 2, unbiased var 1
+    kept = rlhf.whiten(x, mask, shift_mean=False)
+    torch.testing.assert_close(kept[:3], torch.tensor([1.0, 2.0, 3.0]), atol=1e-6, rtol=0)
+
+
+def test_ppo_policy_loss_clips_and_hand_value():
+    old = torch.zeros(1, 3)
+    logps = torch.log(torch.tensor([[1.5, 0.5, 1.1]]))  # ratios 1.5, 0.5, 1.1
+    adv = torch.tensor([[1.0, 1.0, -1.0]])
+    loss, metrics = rlhf.ppo_policy_loss(logps, old, adv, torch.ones(1, 3), clip_range=0.2)
+    # per token max(-A r, -A clip(r)): max(-1.5, -1.2) = -1.2; max(-0.5, -0.8) = -0.5; max(1.1, 1.1) = 1.1
+    assert float(loss) == pytest.approx((-1.2 - 0.5 + 1.1) / 3)
+    assert metrics["policy/clipfrac"] == pytest.approx(1 / 3)
+
+
+def test_ppo_value_loss_hand_value():
+    values, old, returns = torch.tensor([[1.0, 0.0]]), torch.tensor([[0.5, 0.0]]), torch.tensor([[0.0, 1.0]])
+    # token 1: V 1.0 vs clipped 0.7 -> max(1.0, 0.49) = 1.0; token 2: max(1, 1) = 1; 0.5 * mean = 0.5
+    assert float(rlhf.ppo_value_loss(values, old, returns, torch.ones(1, 2), clip_range_value=0.2)) == pytest.approx(0.5)
+
+
+def test_kl_controllers():
+    controller = rlhf.AdaptiveKLController(0.1, target=6.0, horizon=10000)
+    # KL 12 is twice the target: error clipped to +0.2; 256 steps: 0.1 * (1 + 0.2 * 256 / 10000)
+    assert controller.update(12.0, 256) == pytest.approx(0.1 * (1 + 0.2 * 256 / 10000))
+    before = controller.value
+    assert controller.update(3.0, 256) == pytest.approx(before * (1 - 0.2 * 256 / 10000))  # -0.5 clipped to -0.2
+    assert rlhf.FixedKLController(0.05).update(100.0, 256) == 0.05
