@@ -11,7 +11,7 @@ Table of contents (each section opens with a ``# ==== N. Title ====`` banner):
   0. Notation and registries — IGNORE_INDEX, RLHFInputError, TrainingStage
   1. Configs — BaseConfig, SFTConfig, RewardModelConfig, DPOConfig, SimPOConfig, ORPOConfig, KTOConfig, PipelineConfig, load_config, save_config, config_help
   2. Infrastructure — setup_logging, DeviceManager, TrainingLogger, CheckpointManager, create_optimizer, EarlyStopping, apply_lora, apply_freeze, compile_model, select_attention_implementation
-  3. Data — load_records, ChatFormatter, CHAT_TEMPLATES, SFTDataset, StreamingSFTDataset, pack_sequences, SFTCollator, PreferenceDataset, StreamingPreferenceDataset, KTODataset, StreamingKTODataset, PreferenceCollator, KTOCollator, extract_answer
+  3. Data — load_records, ChatFormatter, CHAT_TEMPLATES, SFTDataset, StreamingSFTDataset, pack_sequences, SFTCollator, PreferenceDataset, StreamingPreferenceDataset, KTODataset, StreamingKTODataset, PreferenceCollator, KTOCollator, GRPODataset, StreamingGRPODataset, extract_answer
   4. Models — token_log_probs, load_tokenizer, build_tiny_model, resolve_model_path, PolicyModel, RewardModel, RewardEnsemble, ReferenceModel, create_reference_model
   5. Losses and advantages — causal_lm_loss_sum, sequence_log_probs, dpo_loss, PREFERENCE_LOSSES, simpo_loss, orpo_loss, kto_loss, reward_model_loss, whiten, grpo_advantages, grpo_loss, compute_gae, ppo_policy_loss, ppo_value_loss, AdaptiveKLController, FixedKLController
   7. Trainers — BaseTrainer, SFTTrainer, RewardModelTrainer, DPOTrainer, SimPOTrainer, KTOTrainer, precompute_ref_log_probs, TrainResult
@@ -2043,6 +2043,40 @@ class StreamingKTODataset(StreamingRecordDataset):
 
     def _encode(self, record: dict[str, Any]) -> tuple[dict[str, Any], str]:
         return _encode_kto(self.formatter, record, self.cutoff_len)
+
+
+def _encode_prompt(formatter: ChatFormatter, record: dict[str, Any], cutoff_len: int) -> tuple[dict[str, Any], str]:
+    """A prompt for online RL: its tokens (the end kept if too long, next to where generation starts)
+    and the answer that travels with it to the reward functions."""
+    prompt = formatter.prompt_ids(record)
+    status = "ok"
+    if len(prompt) > cutoff_len:
+        prompt, status = prompt[len(prompt) - cutoff_len:], "truncated"
+    return {"prompt_ids": prompt, "answer": record.get("answer"), "verifiable": bool(record.get("verifiable")),
+            "messages": record["messages"], "system": record["system"]}, status
+
+
+class GRPODataset(_EncodedRecords):
+    """Prompts for online RL (GRPO and PPO): prompt-only records, lists of prompt strings, or
+    ``{"prompt", "answer", "verifiable"}``. Items: ``{"prompt_ids", "answer", "verifiable",
+    "messages", "system"}``; prompts longer than ``cutoff_len`` keep their end and are counted."""
+
+    kind = "prompt"
+
+    def _encode(self, record: dict[str, Any]) -> tuple[dict[str, Any], str]:
+        return _encode_prompt(self.formatter, record, self.cutoff_len)
+
+    def lengths(self) -> list[int]:
+        return [len(item["prompt_ids"]) for item in self.items]
+
+
+class StreamingGRPODataset(StreamingRecordDataset):
+    """Online-RL prompts streamed from disk (items as in :class:`GRPODataset`); resumable."""
+
+    kind = "prompt"
+
+    def _encode(self, record: dict[str, Any]) -> tuple[dict[str, Any], str]:
+        return _encode_prompt(self.formatter, record, self.cutoff_len)
 
 
 def _pad_rows(rows: list[list[int]], labels: list[list[int]], pad_token_id: int) -> dict[str, torch.Tensor]:
