@@ -14,12 +14,13 @@ Table of contents (each section opens with a ``# ==== N. Title ====`` banner):
   3. Data — load_records, ChatFormatter, CHAT_TEMPLATES, SFTDataset, StreamingSFTDataset, pack_sequences, SFTCollator, PreferenceDataset, StreamingPreferenceDataset, KTODataset, StreamingKTODataset, PreferenceCollator, KTOCollator, GRPODataset, StreamingGRPODataset, extract_answer
   4. Models — token_log_probs, load_tokenizer, build_tiny_model, resolve_model_path, PolicyModel, RewardModel, RewardEnsemble, ReferenceModel, create_reference_model
   5. Losses and advantages — causal_lm_loss_sum, sequence_log_probs, dpo_loss, PREFERENCE_LOSSES, simpo_loss, orpo_loss, kto_loss, reward_model_loss, whiten, grpo_advantages, grpo_loss, compute_gae, ppo_policy_loss, ppo_value_loss, AdaptiveKLController, FixedKLController
+  6. Rewards — exact_answer_reward, format_reward, length_penalty, CompositeReward, RunningRewardNormalizer
   7. Trainers — BaseTrainer, SFTTrainer, RewardModelTrainer, DPOTrainer, SimPOTrainer, KTOTrainer, precompute_ref_log_probs, TrainResult
   10. Orchestrator — train_sft, train_rm, train_dpo, train_kto, RLHFOrchestrator
   11. CLI — main
 
 Notation used in ``Shapes:`` lines: B sequences in a batch, T tokens per sequence, V vocabulary size.
-Sections 6, 8 and 9 (rewards, evaluation, self-improvement) arrive with later stages; numbering
+Sections 8 and 9 (evaluation, self-improvement) arrive with later stages; numbering
 follows ../DESIGN.md so the map and the module stay in step.
 """
 
@@ -3011,6 +3012,89 @@ class FixedKLController:
 
     def update(self, current_kl: float, n_steps: int) -> float:
         return self.value
+
+
+# ==== 6. Rewards ====
+# A reward function maps (prompts, completions, answers) to one float per completion. Learned,
+# HTTP and constitutional rewards join these rule-based ones with the online-RL stages.
+
+RewardFn = Callable[[list[str], list[str], list[str | None]], torch.Tensor]
+
+
+def exact_answer_reward(prompts: list[str], completions: list[str], answers: list[str | None]) -> torch.Tensor:
+    """1.0 when the number after the completion's last ``Answer:`` equals the known answer, else 0.0
+    (prompts without an answer score 0)."""
+    return torch.tensor([float(a is not None and extract_answer(c) == str(a).strip())
+                         for c, a in zip(completions, answers, strict=True)])
+
+
+def format_reward(prompts: list[str], completions: list[str], answers: list[str | None]) -> torch.Tensor:
+    """1.0 when the completion ends its reasoning with an ``Answer: <number>`` line (seed 002's format check)."""
+    return torch.tensor([float(extract_answer(c) is not None) for c in completions])
+
+
+def length_penalty(target_chars: int, scale: float = 1.0) -> RewardFn:
+    """-scale * |len - target| / target: penalises completions longer or shorter than ``target_chars``."""
+    if target_chars <= 0:
+        raise RLHFInputError("length_penalty target_chars must be > 0")
+
+    def reward(prompts: list[str], completions: list[str], answers: list[str | None]) -> torch.Tensor:
+        return torch.tensor([-scale * abs(len(c) - target_chars) / target_chars for c in completions])
+
+    return reward
+
+
+class CompositeReward:
+    """A weighted sum of reward functions; ``last_components`` keeps each one's scores for logging."""
+
+    def __init__(self, parts: list[tuple[str, RewardFn, float]]) -> None:
+        if not parts:
+            raise RLHFInputError("a composite reward needs at least one reward function")
+        self.parts = parts
+        self.last_components: dict[str, torch.Tensor] = {}
+
+    def __call__(self, prompts: list[str], completions: list[str], answers: list[str | None]) -> torch.Tensor:
+        total = torch.zeros(len(completions))
+        for name, function, weight in self.parts:
+            scores = function(prompts, completions, answers).float()
+            self.last_components[name] = scores
+            total = total + weight * scores
+        return total
+
+
+class RunningRewardNormalizer:
+    """Running mean/std of every reward seen (Chan et al.'s parallel update); ``normalize`` returns
+    (r - mean) / (std + eps), optionally clipped to [-clip, clip]. Its state is JSON for checkpoints."""
+
+    def __init__(self, clip: float | None = None, eps: float = 1e-8) -> None:
+        self.count, self.mean, self.m2, self.clip, self.eps = 0, 0.0, 0.0, clip, eps
+
+    def update(self, rewards: torch.Tensor) -> None:
+        values = rewards.detach().double().flatten()
+        n = values.numel()
+        if n == 0:
+            return
+        batch_mean, batch_m2 = float(values.mean()), float(((values - values.mean()) ** 2).sum())
+        total = self.count + n
+        delta = batch_mean - self.mean
+        self.mean += delta * n / total
+        self.m2 += batch_m2 + delta ** 2 * self.count * n / total
+        self.count = total
+
+    @property
+    def std(self) -> float:
+        return math.sqrt(self.m2 / (self.count - 1)) if self.count > 1 else 1.0
+
+    def normalize(self, rewards: torch.Tensor) -> torch.Tensor:
+        out = (rewards - self.mean) / (self.std + self.eps)
+        return out.clamp(-self.clip, self.clip) if self.clip else out
+
+    def state_dict(self) -> dict[str, float]:
+        return {"count": self.count, "mean": self.mean, "m2": self.m2}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.count, self.mean, self.m2 = int(state["count"]), float(state["mean"]), float(state["m2"])
+
 
 
 # ==== 7. Trainers ====
