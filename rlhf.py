@@ -3922,49 +3922,8 @@ def _check_packing_supported(policy: PolicyModel, config: SFTConfig) -> None:
                              f"packed examples, so they would see each other; set packing=false")
 
 
-def train_sft(config: SFTConfig, devices: DeviceManager | None = None) -> TrainResult:
-    """Run the SFT stage from a config: load model and data, train, evaluate, save."""
-    output_dir = Path(config.output_dir)
-    setup_logging(log_file=output_dir / "logs" / "sft.log")
-    set_seed(config.seed)
-    records = read_sft_records(config)
-    devices = devices or DeviceManager(config.mixed_precision, config.report_to, output_dir / "runs", config.ddp_timeout)
-    policy = PolicyModel.from_pretrained(config.model_name_or_path, dtype=_model_dtype(config),
-                                         attn_implementation=config.attn_implementation,
-                                         trust_remote_code=config.trust_remote_code, device=devices.device,
-                                         cache_dir=config.cache_dir)
-    _check_packing_supported(policy, config)
-    formatter = ChatFormatter(policy.tokenizer, config.template)
-    train, validation, eval_records = build_sft_data(config, policy.tokenizer, formatter, devices, records)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    save_config(config, output_dir / "config.yaml")
-    trainer = SFTTrainer(config, policy, train, eval_dataset=validation, eval_records=eval_records,
-                         formatter=formatter, devices=devices)
-    return trainer.train()
-
-
 STAGE_RECORD_KINDS = {"sft": "sft", "rm": "preference", "dpo": "preference", "simpo": "preference",
                       "orpo": "preference", "kto": "kto"}
-
-
-def _in_memory_datasets(config: BaseConfig, records: tuple, tokenizer: Any, formatter: ChatFormatter,
-                        devices: DeviceManager) -> tuple[Any, Any, list[dict[str, Any]]]:
-    """Preference / KTO training and validation sets (streaming twins when ``streaming``)."""
-    train_records, val_records, eval_records = records
-    kind = STAGE_RECORD_KINDS[config.stage]
-    dataset_class = {"preference": PreferenceDataset, "kto": KTODataset}[kind]
-    extra = {"seed": config.seed} if kind == "kto" else {}
-    validation = dataset_class(val_records, tokenizer, formatter, cutoff_len=config.cutoff_len, **extra) if val_records else None
-    if train_records is None:
-        stream_class = {"preference": StreamingPreferenceDataset, "kto": StreamingKTODataset}[kind]
-        spec = resolve_dataset(config.dataset.split(",")[0].strip(), config.dataset_dir)
-        train = stream_class(spec, tokenizer, formatter, cutoff_len=config.cutoff_len, rank=devices.process_index,
-                             world_size=devices.num_processes, buffer_size=config.buffer_size, seed=config.seed,
-                             skip_invalid=config.skip_invalid_records, max_samples=config.max_samples,
-                             skip=int(config.val_size or 0))
-    else:
-        train = dataset_class(train_records, tokenizer, formatter, cutoff_len=config.cutoff_len, **extra)
-    return train, validation, eval_records
 
 
 def _load_policy(config: BaseConfig, devices: DeviceManager) -> PolicyModel:
@@ -3989,6 +3948,38 @@ def _start_stage(config: BaseConfig, devices: DeviceManager | None) -> tuple[tup
     return records, devices
 
 
+def train_sft(config: SFTConfig, devices: DeviceManager | None = None) -> TrainResult:
+    """Run the SFT stage from a config: load model and data, train, evaluate, save."""
+    records, devices = _start_stage(config, devices)
+    policy = _load_policy(config, devices)
+    _check_packing_supported(policy, config)
+    formatter = ChatFormatter(policy.tokenizer, config.template)
+    train, validation, eval_records = build_sft_data(config, policy.tokenizer, formatter, devices, records)
+    trainer = SFTTrainer(config, policy, train, eval_dataset=validation, eval_records=eval_records,
+                         formatter=formatter, devices=devices)
+    return trainer.train()
+
+
+def _preference_datasets(config: BaseConfig, records: tuple, tokenizer: Any, formatter: ChatFormatter,
+                        devices: DeviceManager) -> tuple[Any, Any, list[dict[str, Any]]]:
+    """Preference / KTO training and validation sets (streaming twins when ``streaming``)."""
+    train_records, val_records, eval_records = records
+    kind = STAGE_RECORD_KINDS[config.stage]
+    dataset_class = {"preference": PreferenceDataset, "kto": KTODataset}[kind]
+    extra = {"seed": config.seed} if kind == "kto" else {}
+    validation = dataset_class(val_records, tokenizer, formatter, cutoff_len=config.cutoff_len, **extra) if val_records else None
+    if train_records is None:
+        stream_class = {"preference": StreamingPreferenceDataset, "kto": StreamingKTODataset}[kind]
+        spec = resolve_dataset(config.dataset.split(",")[0].strip(), config.dataset_dir)
+        train = stream_class(spec, tokenizer, formatter, cutoff_len=config.cutoff_len, rank=devices.process_index,
+                             world_size=devices.num_processes, buffer_size=config.buffer_size, seed=config.seed,
+                             skip_invalid=config.skip_invalid_records, max_samples=config.max_samples,
+                             skip=int(config.val_size or 0))
+    else:
+        train = dataset_class(train_records, tokenizer, formatter, cutoff_len=config.cutoff_len, **extra)
+    return train, validation, eval_records
+
+
 def train_rm(config: RewardModelConfig, devices: DeviceManager | None = None) -> TrainResult:
     """Run the reward-model stage: one model, or ``ensemble_size`` members (seeds seed, seed+1, ...)
     saved under output_dir/member-k with an ensemble.json manifest."""
@@ -4001,7 +3992,7 @@ def train_rm(config: RewardModelConfig, devices: DeviceManager | None = None) ->
                                                cache_dir=config.cache_dir, head_hidden=config.reward_head_hidden,
                                                seed=config.seed)
     formatter = ChatFormatter(reward_model.tokenizer, config.template)
-    train, validation, _ = _in_memory_datasets(config, records, reward_model.tokenizer, formatter, devices)
+    train, validation, _ = _preference_datasets(config, records, reward_model.tokenizer, formatter, devices)
     return RewardModelTrainer(config, reward_model, train, eval_dataset=validation, devices=devices).train()
 
 
@@ -4021,27 +4012,25 @@ def _train_rm_ensemble(config: RewardModelConfig, devices: DeviceManager | None)
                        None, [], False)
 
 
-def train_dpo(config: DPOConfig, devices: DeviceManager | None = None) -> TrainResult:
-    """Run a DPO-family stage (dpo / simpo / orpo; pref_loss picks the loss)."""
+def _train_policy_stage(config: BaseConfig, devices: DeviceManager | None, trainer_class: type[BaseTrainer]
+                        ) -> TrainResult:
     records, devices = _start_stage(config, devices)
     policy = _load_policy(config, devices)
     formatter = ChatFormatter(policy.tokenizer, config.template)
-    train, validation, eval_records = _in_memory_datasets(config, records, policy.tokenizer, formatter, devices)
+    train, validation, eval_records = _preference_datasets(config, records, policy.tokenizer, formatter, devices)
     reference = create_reference_model(config, policy)
-    trainer_class = SimPOTrainer if config.pref_loss == "simpo" else DPOTrainer
     return trainer_class(config, policy, train, eval_dataset=validation, reference=reference, eval_records=eval_records,
                          formatter=formatter, devices=devices).train()
 
 
+def train_dpo(config: DPOConfig, devices: DeviceManager | None = None) -> TrainResult:
+    """Run a DPO-family stage (dpo / simpo / orpo; pref_loss picks the loss)."""
+    return _train_policy_stage(config, devices, SimPOTrainer if config.pref_loss == "simpo" else DPOTrainer)
+
+
 def train_kto(config: KTOConfig, devices: DeviceManager | None = None) -> TrainResult:
     """Run the KTO stage."""
-    records, devices = _start_stage(config, devices)
-    policy = _load_policy(config, devices)
-    formatter = ChatFormatter(policy.tokenizer, config.template)
-    train, validation, eval_records = _in_memory_datasets(config, records, policy.tokenizer, formatter, devices)
-    reference = create_reference_model(config, policy)
-    return KTOTrainer(config, policy, train, eval_dataset=validation, reference=reference, eval_records=eval_records,
-                      formatter=formatter, devices=devices).train()
+    return _train_policy_stage(config, devices, KTOTrainer)
 
 
 STAGE_RUNNERS: dict[str, Callable[[BaseConfig], TrainResult]] = {

@@ -52,6 +52,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from tables import print_table  # bench/tables.py (the script's folder is on sys.path)
+
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "data" / "demo" / "preference.jsonl"
 MARK = "BENCH_DPO_RESULT "
@@ -352,24 +354,6 @@ HEADERS = ["variant", "trainer", "timed steps", "s/step median", "s/step mean", 
            "base MiB", "peak MiB", "time ours/TRL", "memory ours/TRL", "bg cores"]
 
 
-def print_table(rows: list[list[str]], title: str) -> None:
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:  # plain text
-        print(title)
-        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(HEADERS)]
-        for row in [HEADERS, *rows]:
-            print("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
-        return
-    table = Table(title=title)
-    for i, header in enumerate(HEADERS):
-        table.add_column(header, justify="left" if i < 2 else "right", no_wrap=i < 2)
-    for row in rows:
-        table.add_row(*row)
-    Console(width=max(150, Console().width)).print(table)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
@@ -444,8 +428,9 @@ def main(argv: list[str] | None = None) -> int:
             verdicts.append(f"n/a {variant}: no ratio, only {LABELS[args.impls[0]]} was run (--impls)")
         else:
             verdicts.append(f"n/a {variant}: no ratio, a trainer's run broke")
-    print_table(rows, f"DPO: batch {args.batch_size} pairs, cutoff {args.seq_len}, threads {args.threads}, fp32 CPU "
-                      f"(seconds per optimizer step; peak = max RSS of the run's process)")
+    print_table(HEADERS, rows, f"DPO: batch {args.batch_size} pairs, cutoff {args.seq_len}, threads {args.threads}, fp32 CPU "
+                f"(seconds per optimizer step; peak = max RSS of the run's process)", label_columns=2,
+                wrap_values=True, min_width=150)
     for line in verdicts:
         print(line)
     return 1 if any("error" in r for value in runs.values() for r in value) else 0

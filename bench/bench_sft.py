@@ -49,6 +49,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from tables import print_table  # bench/tables.py (the script's folder is on sys.path)
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -173,24 +174,6 @@ def run_lockstep(model_dir: Path, dataset, collator, args: argparse.Namespace, s
 HEADERS = ["loop", "steps", "tokens", "best (s)", "tok/s best", "all (s)", "tok/s all", "median step (ms)"]
 
 
-def print_table(rows: list[list[str]], title: str) -> None:
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:  # plain text
-        print(title)
-        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(HEADERS)]
-        for row in [HEADERS, *rows]:
-            print("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
-        return
-    table = Table(title=title)
-    for i, header in enumerate(HEADERS):
-        table.add_column(header, justify="left" if i == 0 else "right", no_wrap=True)
-    for row in rows:
-        table.add_row(*row)
-    Console(width=max(120, Console().width)).print(table)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -227,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"{tokens / best[which]:,.0f}", f"{totals[which]:.2f}", f"{tokens * len(runs) / totals[which]:,.0f}",
                      f"{1000 * statistics.median(every):.1f}"])
     title = f"SFT throughput: batch {args.batch_size}, cutoff {args.seq_len}, threads {args.threads} (non-padding tokens)"
-    print_table(rows, title)
+    print_table(HEADERS, rows, title)
     ratios = [t / b for run in runs for t, b in zip(run["trainer"], run["bare"])]
     ratio = best["trainer"] / best["bare"]
     overhead = 100 * (ratio - 1)

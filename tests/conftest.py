@@ -85,6 +85,17 @@ def tiny_arch_dir(tmp_path_factory, tiny_tokenizer):
     return make
 
 
+@pytest.fixture(scope="session")
+def llama_dir(tiny_arch_dir) -> Path:
+    """The tiny Llama most trainer tests start from."""
+    return tiny_arch_dir("llama")
+
+
+@pytest.fixture(scope="session")
+def demo_dir(repo) -> Path:
+    return repo / "data" / "demo"
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny models train fastest on one thread: on a shared 2-core machine a second one mostly waits."""

@@ -24,16 +24,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.one_thread
 
 
 @pytest.fixture(scope="module")
-def llama_dir(tiny_arch_dir) -> Path:
-    return tiny_arch_dir("llama")
-
-
-@pytest.fixture(scope="module")
-def demo_dir(repo) -> Path:
-    return repo / "data" / "demo"
-
-
-@pytest.fixture(scope="module")
 def lf_dir(repo) -> Path:
     return repo / "tests" / "data" / "llamafactory"
 

@@ -29,19 +29,7 @@ class _Interrupted(Exception):
     """Stands in for a crash right after a checkpoint was published."""
 
 
-
-
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.one_thread
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tiny_arch_dir) -> Path:
-    return tiny_arch_dir("llama")
-
-
-@pytest.fixture(scope="module")
-def demo_dir(repo) -> Path:
-    return repo / "data" / "demo"
 
 
 def _config(tmp: Path, model: Path | str, demo_dir: Path, **overrides) -> rlhf.SFTConfig:
