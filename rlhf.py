@@ -2519,14 +2519,6 @@ class RewardModel(nn.Module):
         load_weights_into(self.model.backbone, directory)
         self.model.head.load_state_dict(load_file(str(Path(directory) / self.HEAD_FILE)))
 
-    @torch.no_grad()
-    def score(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.model(batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device))
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
 
 class RewardEnsemble(nn.Module):
     """K reward models scoring the same sequences: mean reward and the members' standard deviation
