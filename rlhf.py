@@ -82,6 +82,7 @@ class TrainingStage(str, enum.Enum):
     SIMPO = "simpo"
     ORPO = "orpo"
     KTO = "kto"
+    GRPO = "grpo"
 
 
 def _default_cache_dir() -> Path:
@@ -108,6 +109,8 @@ FINETUNING_TYPES = ("full", "lora", "oft", "freeze")
 # Section 5's PREFERENCE_LOSSES implements exactly these (a test keeps the two in step).
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "kto_pair", "robust", "bco_pair", "exo_pair", "nca_pair", "sppo_hard",
                   "apo_zero", "apo_down")
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")  # section 5's grpo_loss aggregations
+REWARD_SCALES = ("group", "batch", "none")
 PREF_LOSSES = DPO_LOSS_TYPES + ("orpo", "simpo")  # LLaMA-Factory's pref_loss: the DPO family plus two reference-free
 
 
@@ -180,6 +183,7 @@ class BaseConfig:
     run_name: str | None = _opt(None, "Run name shown in trackers")
     plot_loss: bool = _opt(False, "Save loss and metric curves as PNG files in output_dir")
     disable_progress_bar: bool = _opt(False, "Hide the rich progress bar (logs still print)")
+    max_nonfinite_steps: int = _opt(5, "Steps in a row with a non-finite loss, reward or gradient (each skipped) before the run stops after a checkpoint")
 
     stage: typing.ClassVar[str] = "base"
 
@@ -203,7 +207,7 @@ class BaseConfig:
     def _validate(self) -> None:
         positive = ("learning_rate", "per_device_train_batch_size", "per_device_eval_batch_size",
                     "gradient_accumulation_steps", "cutoff_len", "lora_rank", "logging_steps",
-                    "save_total_limit", "eval_max_new_tokens")
+                    "save_total_limit", "eval_max_new_tokens", "max_nonfinite_steps")
         for name in positive:
             _check(getattr(self, name) > 0, name, "must be > 0")
         for name in ("weight_decay", "max_grad_norm", "warmup_steps", "save_steps", "eval_steps",
@@ -339,8 +343,83 @@ class KTOConfig(BaseConfig):
                            self.per_device_train_batch_size * self.gradient_accumulation_steps)
 
 
+@dataclass
+class GRPOConfig(BaseConfig):
+    """GRPO: online RL from groups of sampled completions scored by reward functions (Shao et al. 2024)."""
+
+    num_generations: int = _opt(8, "Completions sampled per prompt (the group G)")
+    max_completion_length: int = _opt(64, "Token budget per sampled completion")
+    temperature: float = _opt(1.0, "Sampling temperature for rollouts (the loss uses the same scaled log-probs)")
+    top_p: float = _opt(1.0, "Nucleus sampling mass for rollouts")
+    top_k: int = _opt(0, "Sample among the k most likely tokens (0: all)")
+    beta: float = _opt(0.04, "Weight of the k3 KL penalty to the reference model (0: no reference model is loaded)")
+    epsilon_low: float = _opt(0.2, "Lower clip range of the probability ratio")
+    epsilon_high: float | None = _opt(None, "Upper clip range (DAPO's clip-higher; default: epsilon_low)")
+    loss_type: str = _opt("grpo", "Aggregation: grpo (per-sequence mean) | bnpo (per-micro-batch token mean) | dapo (token mean over the step) | dr_grpo (sum / (B * max_completion_length))")
+    scale_rewards: str = _opt("group", "Divide centred rewards by the group's std (group), the batch's (batch) or nothing (none, Dr. GRPO)")
+    num_iterations: int = _opt(1, "Optimizer steps per rollout (mu); > 1 reuses it with stored old log-probs and clipping")
+    mask_truncated_completions: bool = _opt(False, "Leave completions that hit max_completion_length out of the loss (DAPO)")
+    reward_funcs: list[str] = _opt([], "Reward functions: exact_answer, format, length, reward_model, api, or module:function")
+    reward_weights: list[float] = _opt([], "One weight per reward function, in order (default: all 1.0)")
+    reward_model: str | None = _opt(None, "Reward model (or ensemble) directory saved by the rm stage, for reward_funcs 'reward_model'")
+    reward_model_type: str = _opt("full", "How reward_model is stored: full | lora (an adapter over its base) | api (use reward_api_url)")
+    reward_uncertainty_penalty: float = _opt(0.0, "Subtract this times the ensemble's std from the learned reward (pessimism under uncertainty)")
+    reward_api_url: str | None = _opt(None, "HTTP endpoint for reward_funcs 'api': POST {prompts, responses} -> {rewards}")
+    reward_api_timeout: float = _opt(30.0, "Seconds before one reward API request times out")
+    reward_api_retries: int = _opt(3, "Attempts per reward API request (exponential backoff between them)")
+    length_target_chars: int = _opt(200, "Target completion length in characters for the 'length' reward")
+    constitution: list[str] = _opt([], "Principles checked on every completion, as check[=arg][@weight]: answer_line, max_chars=N, no_repetition, regex=PATTERN, critique=TEXT (scored by the reward model)")
+    reward_normalize: bool = _opt(False, "Normalise rewards by a running mean/std before computing advantages")
+    reward_clip: float | None = _opt(None, "Clip (normalised) rewards to [-reward_clip, reward_clip]")
+    ref_model: str | None = _opt(None, "Reference model directory (default: the starting model; LoRA uses the adapter-disabled base)")
+
+    stage: typing.ClassVar[str] = "grpo"
+
+    def _normalise(self) -> None:
+        super()._normalise()
+        if self.epsilon_high is None:
+            self.epsilon_high = self.epsilon_low
+
+    def _validate(self) -> None:
+        super()._validate()
+        _check(self.num_generations >= 2, "num_generations", "must be >= 2 (advantages compare completions of one prompt)")
+        _check(self.max_completion_length > 0, "max_completion_length", "must be > 0")
+        _check(self.temperature > 0 and 0 < self.top_p <= 1 and self.top_k >= 0, "temperature/top_p/top_k",
+               "need temperature > 0, 0 < top_p <= 1 and top_k >= 0")
+        _check(self.beta >= 0 and self.epsilon_low > 0 and self.epsilon_high > 0, "beta/epsilon_low/epsilon_high",
+               "need beta >= 0 and positive clip ranges")
+        _check_choice(self.loss_type, GRPO_LOSS_TYPES, "loss_type")
+        _check_choice(self.scale_rewards, REWARD_SCALES, "scale_rewards")
+        _check_choice(self.reward_model_type, ("full", "lora", "api"), "reward_model_type")
+        _check(self.num_iterations >= 1, "num_iterations", "must be >= 1")
+        rollout = self.per_device_train_batch_size * self.gradient_accumulation_steps
+        _check(rollout % self.num_generations == 0, "per_device_train_batch_size",
+               f"times gradient_accumulation_steps ({rollout}) must be a multiple of num_generations "
+               f"({self.num_generations}): each step trains on whole groups of completions")
+        _check(bool(self.reward_funcs) or bool(self.reward_model), "reward_funcs",
+               "is empty: name at least one, e.g. reward_funcs=exact_answer,format (or set reward_model)")
+        _check(not self.reward_weights or len(self.reward_weights) == len(self.reward_names()), "reward_weights",
+               f"needs one weight per reward function ({', '.join(self.reward_names())})")
+        _check(self.reward_api_timeout > 0 and self.reward_api_retries >= 1, "reward_api_timeout/reward_api_retries",
+               "need a positive timeout and at least one attempt")
+        _check(self.reward_clip is None or self.reward_clip > 0, "reward_clip", "must be > 0 (or omit it)")
+        _check(self.reward_uncertainty_penalty >= 0, "reward_uncertainty_penalty", "must be >= 0")
+
+    def reward_names(self) -> list[str]:
+        """The reward functions in order; a reward_model without 'reward_model' in reward_funcs is appended."""
+        names = list(self.reward_funcs)
+        if self.reward_model and "reward_model" not in names:
+            names.append("reward_model")
+        return names
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.beta > 0
+
+
 STAGE_CONFIGS: dict[str, type[BaseConfig]] = {"sft": SFTConfig, "rm": RewardModelConfig, "dpo": DPOConfig,
-                                              "simpo": SimPOConfig, "orpo": ORPOConfig, "kto": KTOConfig}
+                                              "simpo": SimPOConfig, "orpo": ORPOConfig, "kto": KTOConfig,
+                                              "grpo": GRPOConfig}
 
 
 def _check(ok: bool, name: str, fix: str) -> None:
@@ -579,6 +658,8 @@ class PipelineConfig:
         raw["output_dir"] = str(Path(self.output_dir) / stage)
         if model_name_or_path is not None:
             raw["model_name_or_path"] = model_name_or_path
+        if raw.get("reward_model") == "rm":  # the reward model trained by this pipeline's rm stage
+            raw["reward_model"] = str(Path(self.output_dir) / "rm")
         return build_config(STAGE_CONFIGS[stage], raw, where=f"{self.source} [{stage}]")
 
     def to_dict(self) -> dict[str, Any]:
@@ -2873,6 +2954,14 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
+LOG_RATIO_LIMIT = 20.0  # exp(20) ~ 5e8: far outside any clip range, far inside float32
+
+
+def _clamped_log_ratio(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a - b clamped before it is exponentiated, so one stale or corrupt token cannot overflow to inf."""
+    return (a - b).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+
+
 def whiten(x: torch.Tensor, mask: torch.Tensor | None = None, shift_mean: bool = True) -> torch.Tensor:
     """(x - mean) / sqrt(var + 1e-8) over the masked elements, with the unbiased variance (as TRL's
     masked_whiten); ``shift_mean=False`` keeps the original mean (used for rewards)."""
@@ -2889,8 +2978,8 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, *, scale: str = "gro
     group's mean, divided by the group's std (``group``), the whole batch's std (``batch``, Liu et
     al. 2025's fix for difficulty bias) or not at all (``none``); std is torch's (unbiased), + 1e-4.
     Shapes: rewards (B*G) with each prompt's G completions contiguous -> (B*G)."""
-    if scale not in ("group", "batch", "none"):
-        raise RLHFInputError(f"grpo_advantages scale '{scale}'; valid: group, batch, none")
+    if scale not in REWARD_SCALES:
+        raise RLHFInputError(f"grpo_advantages scale '{scale}'; valid: {', '.join(REWARD_SCALES)}")
     if rewards.numel() % group_size:
         raise RLHFInputError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
     grouped = rewards.view(-1, group_size)  # (B, G)
@@ -2899,9 +2988,6 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, *, scale: str = "gro
         return centred
     std = grouped.std(-1, keepdim=True).expand_as(grouped).reshape(-1) if scale == "group" else rewards.std()
     return centred / (std + 1e-4)
-
-
-GRPO_LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")
 
 
 def grpo_loss(per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor | None,
@@ -2918,13 +3004,13 @@ def grpo_loss(per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor |
         raise RLHFInputError(f"unknown GRPO loss_type '{loss_type}'; valid: {', '.join(GRPO_LOSS_TYPES)}")
     mask = completion_mask.to(per_token_logps.dtype)
     old = per_token_logps.detach() if old_per_token_logps is None else old_per_token_logps
-    ratio = torch.exp(per_token_logps - old)
+    ratio = torch.exp(_clamped_log_ratio(per_token_logps, old))
     advantage = advantages[:, None]
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
     per_token_loss = -torch.min(ratio * advantage, clipped * advantage)
     metrics: dict[str, float] = {}
     if beta and ref_per_token_logps is not None:
-        log_ratio = ref_per_token_logps - per_token_logps
+        log_ratio = _clamped_log_ratio(ref_per_token_logps, per_token_logps)
         kl = torch.exp(log_ratio) - log_ratio - 1
         per_token_loss = per_token_loss + beta * kl
         metrics["kl"] = float(_masked_mean(kl.detach(), mask))
@@ -2967,7 +3053,7 @@ def ppo_policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: to
     1 + c)) averaged over the mask. Metrics: clip fraction and approximate KL 0.5 (logp - old)^2.
     Shapes: (B, T) each -> scalar loss, metrics."""
     mask = mask.to(logps.dtype)
-    ratio = torch.exp(logps - old_logps)
+    ratio = torch.exp(_clamped_log_ratio(logps, old_logps))
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1 - clip_range, 1 + clip_range)
     loss = _masked_mean(torch.max(unclipped, clipped), mask)
@@ -3036,8 +3122,25 @@ def length_penalty(target_chars: int, scale: float = 1.0) -> RewardFn:
     return reward
 
 
+def _call_reward(function: RewardFn, prompts: list[str], completions: list[str], answers: list[str | None],
+                 records: list[dict[str, Any]] | None) -> torch.Tensor:
+    """Reward functions that declare ``wants_records`` also get the prompt records (system prompt and
+    full conversation), which learned rewards need to render the chat template as in training."""
+    if getattr(function, "wants_records", False):
+        scores = function(prompts, completions, answers, records=records)
+    else:
+        scores = function(prompts, completions, answers)
+    scores = torch.as_tensor(scores, dtype=torch.float32).flatten().cpu()
+    if scores.numel() != len(completions):
+        raise RLHFInputError(f"reward function {getattr(function, '__name__', function)!r} returned {scores.numel()} "
+                             f"scores for {len(completions)} completions; return one float per completion")
+    return scores
+
+
 class CompositeReward:
     """A weighted sum of reward functions; ``last_components`` keeps each one's scores for logging."""
+
+    wants_records = True
 
     def __init__(self, parts: list[tuple[str, RewardFn, float]]) -> None:
         if not parts:
@@ -3045,13 +3148,271 @@ class CompositeReward:
         self.parts = parts
         self.last_components: dict[str, torch.Tensor] = {}
 
-    def __call__(self, prompts: list[str], completions: list[str], answers: list[str | None]) -> torch.Tensor:
+    def __call__(self, prompts: list[str], completions: list[str], answers: list[str | None],
+                 records: list[dict[str, Any]] | None = None) -> torch.Tensor:
         total = torch.zeros(len(completions))
         for name, function, weight in self.parts:
-            scores = function(prompts, completions, answers).float()
+            scores = _call_reward(function, prompts, completions, answers, records)
             self.last_components[name] = scores
             total = total + weight * scores
         return total
+
+
+def _prompt_records(prompts: list[str], records: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    return records if records is not None else [{"system": "", "messages": [{"role": "user", "content": p}]}
+                                                for p in prompts]
+
+
+class LearnedReward:
+    """A reward model (or ensemble) as a reward function: each (prompt, completion) is rendered with
+    the chat template the reward model was trained with and scored at its last token. For an
+    ensemble the reward is mean - ``uncertainty_penalty`` * std (pessimism where the members
+    disagree, which is where a policy can exploit a reward model); ``last_uncertainty`` keeps the std."""
+
+    wants_records = True
+
+    def __init__(self, model: RewardModel | RewardEnsemble, *, template: str = "auto", uncertainty_penalty: float = 0.0,
+                 batch_size: int = 32, cutoff_len: int | None = None) -> None:
+        self.model = model if isinstance(model, RewardEnsemble) else RewardEnsemble([model])
+        self.model.requires_grad_(False).eval()
+        self.formatter = ChatFormatter(self.model.tokenizer, template)
+        self.uncertainty_penalty, self.batch_size, self.cutoff_len = uncertainty_penalty, batch_size, cutoff_len
+        self.last_uncertainty = torch.zeros(0)
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike, *, device: torch.device | str = "cpu", **kwargs: Any) -> LearnedReward:
+        directory = Path(directory)
+        if not (directory / RewardModel.CONFIG_FILE).exists() and not (directory / RewardEnsemble.MANIFEST).exists():
+            raise RLHFInputError(f"config field 'reward_model': {directory} holds no reward model (no "
+                                 f"{RewardModel.CONFIG_FILE} or {RewardEnsemble.MANIFEST}); train one with the rm stage")
+        return cls(RewardEnsemble.from_pretrained(directory, device=device, is_trainable=False), **kwargs)
+
+    def encode(self, record: dict[str, Any], completion: str) -> list[int]:
+        ids = self.formatter.prompt_ids(record) + self.formatter.completion_ids(record, completion)
+        return ids[-self.cutoff_len:] if self.cutoff_len else ids
+
+    @torch.no_grad()
+    def __call__(self, prompts: list[str], completions: list[str], answers: list[str | None],
+                 records: list[dict[str, Any]] | None = None) -> torch.Tensor:
+        rows = [self.encode(r, c) for r, c in zip(_prompt_records(prompts, records), completions, strict=True)]
+        device = next(self.model.parameters()).device
+        means, stds = [], []
+        for start in range(0, len(rows), self.batch_size):
+            batch = _pad_rows(rows[start:start + self.batch_size], rows[start:start + self.batch_size],
+                              self.model.tokenizer.pad_token_id)
+            mean, std = self.model(batch["input_ids"].to(device), batch["attention_mask"].to(device))
+            means.append(mean.float().cpu())
+            stds.append(std.float().cpu())
+        self.last_uncertainty = torch.cat(stds)
+        return torch.cat(means) - self.uncertainty_penalty * self.last_uncertainty
+
+
+class RewardAPIError(RLHFInputError):
+    """The reward service stayed down or answered something that is not one reward per response."""
+
+
+class HTTPReward:
+    """Rewards from an HTTP service: POST ``{"prompts": [...], "responses": [...], "answers": [...]}``
+    as JSON, receive ``{"rewards": [float, ...]}``. Timeouts, connection errors, 429 and 5xx are
+    retried with exponential backoff; the bearer token, if any, comes from ``RLHF_REWARD_API_KEY``
+    (never from config files, never logged)."""
+
+    def __init__(self, url: str, *, timeout: float = 30.0, retries: int = 3, backoff: float = 0.5) -> None:
+        if not url or not url.startswith(("http://", "https://")):
+            raise RLHFInputError(f"config field 'reward_api_url' is {url!r}; give an http:// or https:// URL")
+        self.url, self.timeout, self.retries, self.backoff = url, timeout, retries, backoff
+
+    def _request(self, payload: bytes) -> Any:
+        import urllib.request
+
+        headers = {"Content-Type": "application/json"}
+        if os.environ.get("RLHF_REWARD_API_KEY"):
+            headers["Authorization"] = f"Bearer {os.environ['RLHF_REWARD_API_KEY']}"
+        request = urllib.request.Request(self.url, data=payload, headers=headers, method="POST")
+        with urllib.request.urlopen(request, timeout=self.timeout) as response:
+            return json.loads(response.read().decode("utf-8"))
+
+    def __call__(self, prompts: list[str], completions: list[str], answers: list[str | None]) -> torch.Tensor:
+        import urllib.error
+
+        payload = json.dumps({"prompts": prompts, "responses": completions, "answers": answers}).encode("utf-8")
+        last_error: Exception | None = None
+        for attempt in range(self.retries):
+            if attempt:
+                time.sleep(self.backoff * 2 ** (attempt - 1))
+            try:
+                body = self._request(payload)
+            except urllib.error.HTTPError as err:
+                if err.code != 429 and err.code < 500:  # the request itself is wrong: retrying cannot help
+                    raise RewardAPIError(f"reward API {self.url} refused the request: HTTP {err.code} {err.reason}") from None
+                last_error = err
+            except (OSError, TimeoutError) as err:  # URLError, refused connections and timeouts are OSErrors
+                last_error = err
+            except ValueError as err:
+                raise RewardAPIError(f"reward API {self.url} did not return JSON ({err})") from None
+            else:
+                return self._rewards(body, len(completions))
+            logger.warning("reward API %s: attempt %d of %d failed (%s)", self.url, attempt + 1, self.retries,
+                           getattr(last_error, "reason", last_error))
+        raise RewardAPIError(f"reward API {self.url} did not answer after {self.retries} attempts (last error: "
+                             f"{getattr(last_error, 'reason', last_error)}); start the service or raise "
+                             f"reward_api_retries / reward_api_timeout")
+
+    def _rewards(self, body: Any, expected: int) -> torch.Tensor:
+        rewards = body.get("rewards") if isinstance(body, dict) else None
+        if not isinstance(rewards, list) or len(rewards) != expected or not all(
+                isinstance(r, (int, float)) and not isinstance(r, bool) for r in rewards):
+            raise RewardAPIError(f"reward API {self.url} must answer {{\"rewards\": [{expected} numbers]}}; "
+                                 f"got {str(body)[:200]}")
+        return torch.tensor(rewards, dtype=torch.float32)
+
+
+def _distinct_ratio(text: str, n: int = 3) -> float:
+    words = text.split()
+    grams = [tuple(words[i:i + n]) for i in range(len(words) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else 1.0
+
+
+# Constitution checks: (argument) -> (prompt, completion) -> satisfaction in [0, 1]
+PRINCIPLE_CHECKS: dict[str, Callable[[str | None], Callable[[str, str], float]]] = {
+    "answer_line": lambda arg: lambda prompt, completion: float(extract_answer(completion) is not None),
+    "max_chars": lambda arg: lambda prompt, completion: min(1.0, int(arg) / max(len(completion), 1)),
+    "no_repetition": lambda arg: lambda prompt, completion: _distinct_ratio(completion),
+    "regex": lambda arg: lambda prompt, completion: float(re.search(arg, completion) is not None),
+}
+
+
+@dataclass
+class Principle:
+    """One rule of a constitution: a ``check`` returning satisfaction in [0, 1] (a violation costs
+    ``weight`` * (1 - satisfaction)), or a ``critique`` text that the reward model reads as a system
+    prompt before scoring the response (adds ``weight`` * that score)."""
+
+    name: str
+    weight: float = 1.0
+    check: Callable[[str, str], float] | None = None
+    critique: str | None = None
+
+    @classmethod
+    def parse(cls, spec: str) -> Principle:
+        """``check[=arg][@weight]``, e.g. ``max_chars=200@0.5`` or ``critique=Be concise.@0.2``."""
+        body, _, weight = spec.rpartition("@") if "@" in spec else (spec, "", "1")
+        name, _, arg = body.partition("=")
+        try:
+            weight_value = float(weight)
+        except ValueError:
+            raise RLHFInputError(f"config field 'constitution': weight in {spec!r} is not a number") from None
+        if name == "critique":
+            if not arg:
+                raise RLHFInputError("config field 'constitution': critique needs its text, e.g. critique=Be concise.@0.5")
+            return cls(f"critique:{arg[:24]}", weight_value, critique=arg)
+        if name not in PRINCIPLE_CHECKS:
+            raise RLHFInputError(f"config field 'constitution': unknown check '{name}' in {spec!r}; valid: "
+                                 f"{', '.join(PRINCIPLE_CHECKS)}, critique")
+        if name in ("max_chars", "regex") and not arg:
+            raise RLHFInputError(f"config field 'constitution': {name} needs an argument, e.g. {name}=...")
+        if name == "max_chars" and not arg.isdigit():
+            raise RLHFInputError(f"config field 'constitution': max_chars={arg} is not a whole number")
+        if name == "regex":
+            try:
+                re.compile(arg)
+            except re.error as err:
+                raise RLHFInputError(f"config field 'constitution': regex {arg!r} does not compile ({err})") from None
+        return cls(name if not arg else f"{name}={arg}", weight_value, check=PRINCIPLE_CHECKS[name](arg or None))
+
+
+class ConstitutionalRewardWrapper:
+    """A base reward shaped by a constitution: reward = base + sum over checks of weight *
+    (satisfaction - 1) + sum over critiques of weight * critic score (the critic, a reward model,
+    reads the principle as the system prompt). Each principle's scores go to ``last_components``."""
+
+    wants_records = True
+
+    def __init__(self, base: RewardFn | None, principles: list[Principle], critic: LearnedReward | None = None) -> None:
+        if any(p.critique for p in principles) and critic is None:
+            raise RLHFInputError("config field 'constitution': critique principles need a reward model (set reward_model)")
+        self.base, self.principles, self.critic = base, principles, critic
+        self.last_components: dict[str, torch.Tensor] = {}
+
+    def __call__(self, prompts: list[str], completions: list[str], answers: list[str | None],
+                 records: list[dict[str, Any]] | None = None) -> torch.Tensor:
+        total = (_call_reward(self.base, prompts, completions, answers, records) if self.base is not None
+                 else torch.zeros(len(completions)))
+        self.last_components = dict(getattr(self.base, "last_components", {}))
+        for principle in self.principles:
+            if principle.check is not None:
+                scores = torch.tensor([principle.check(p, c) for p, c in zip(prompts, completions, strict=True)])
+                total = total + principle.weight * (scores - 1)
+            else:
+                critiqued = [{**r, "system": principle.critique} for r in _prompt_records(prompts, records)]
+                scores = self.critic(prompts, completions, answers, records=critiqued)
+                total = total + principle.weight * scores
+            self.last_components[f"principle/{principle.name}"] = scores
+        return total
+
+
+class RewardFunctionFactory:
+    """Builds the reward of an online-RL stage from its config: the named ``reward_funcs`` with
+    ``reward_weights`` as one :class:`CompositeReward`, wrapped in a constitution if one is given.
+    Names: exact_answer, format, length, reward_model (learned: full, lora adapter, or ensemble;
+    api when reward_model_type=api), api, or ``module:function`` for your own function."""
+
+    RULES: dict[str, RewardFn] = {"exact_answer": exact_answer_reward, "format": format_reward}
+
+    def __init__(self, config: BaseConfig, device: torch.device | str = "cpu") -> None:
+        self.config, self.device = config, device
+        self._learned: LearnedReward | None = None
+
+    def build(self) -> RewardFn:
+        names = self.config.reward_names()
+        weights = self.config.reward_weights or [1.0] * len(names)
+        reward: RewardFn = CompositeReward([(name, self.build_one(name), float(w)) for name, w in zip(names, weights)])
+        if self.config.constitution:
+            principles = [Principle.parse(spec) for spec in self.config.constitution]
+            critic = self.learned() if any(p.critique for p in principles) else None
+            reward = ConstitutionalRewardWrapper(reward, principles, critic)
+        return reward
+
+    def build_one(self, name: str) -> RewardFn:
+        config = self.config
+        if name in self.RULES:
+            return self.RULES[name]
+        if name == "length":
+            return length_penalty(config.length_target_chars)
+        if name == "api" or (name == "reward_model" and config.reward_model_type == "api"):
+            if not config.reward_api_url:
+                raise RLHFInputError(f"config field 'reward_api_url' is not set but reward '{name}' calls the API")
+            return HTTPReward(config.reward_api_url, timeout=config.reward_api_timeout, retries=config.reward_api_retries)
+        if name == "reward_model":
+            return self.learned()
+        if ":" in name:
+            return self._import(name)
+        raise RLHFInputError(f"config field 'reward_funcs': unknown reward '{name}'; valid: "
+                             f"{', '.join([*self.RULES, 'length', 'reward_model', 'api'])}, or module:function")
+
+    def learned(self) -> LearnedReward:
+        if self._learned is None:
+            if not self.config.reward_model:
+                raise RLHFInputError("config field 'reward_model' is not set; give the rm stage's output directory")
+            self._learned = LearnedReward.from_pretrained(
+                self.config.reward_model, device=self.device, template=self.config.template,
+                uncertainty_penalty=self.config.reward_uncertainty_penalty,
+                batch_size=self.config.per_device_eval_batch_size, cutoff_len=self.config.cutoff_len)
+        return self._learned
+
+    @staticmethod
+    def _import(spec: str) -> RewardFn:
+        import importlib
+
+        module_name, _, attribute = spec.partition(":")
+        try:
+            function = getattr(importlib.import_module(module_name), attribute)
+        except (ImportError, AttributeError) as err:
+            raise RLHFInputError(f"config field 'reward_funcs': cannot import {spec} ({err}); use module:function "
+                                 f"with the module on PYTHONPATH") from None
+        if not callable(function):
+            raise RLHFInputError(f"config field 'reward_funcs': {spec} is not callable")
+        return function
 
 
 class RunningRewardNormalizer:
@@ -3087,6 +3448,15 @@ class RunningRewardNormalizer:
     def load_state_dict(self, state: dict[str, float]) -> None:
         self.count, self.mean, self.m2 = int(state["count"]), float(state["mean"]), float(state["m2"])
 
+
+def process_rewards(rewards: torch.Tensor, *, normalizer: RunningRewardNormalizer | None = None,
+                    clip: float | None = None) -> torch.Tensor:
+    """Optional reward shaping before advantages: running mean/std normalisation (the normaliser
+    first sees this batch), then clipping to [-clip, clip]."""
+    if normalizer is not None:
+        normalizer.update(rewards)
+        rewards = normalizer.normalize(rewards)
+    return rewards.clamp(-clip, clip) if clip else rewards
 
 
 # ==== 7. Trainers ====
@@ -3137,6 +3507,10 @@ class ResumableBatchSampler:
             position += 1
 
 
+class TrainingDivergedError(RLHFInputError):
+    """Too many steps in a row produced a non-finite loss, reward or gradient; a checkpoint was saved."""
+
+
 @dataclass
 class TrainResult:
     """What a stage reports: final metrics, evaluation (before and after), and where outputs went."""
@@ -3178,6 +3552,9 @@ class BaseTrainer:
         self.collator = collator or SFTCollator(policy.tokenizer.pad_token_id)
         self.global_step = 0
         self.micro_batches_done = 0
+        self.nonfinite_in_a_row, self.skipped_steps = 0, 0
+        self.pending_problem = ""  # set by a subclass (e.g. non-finite rewards) to skip the next update
+        self.last_problem = ""
         self._setup_devices(devices)
         self._setup_model()
         self._setup_schedule()
@@ -3281,6 +3658,7 @@ class BaseTrainer:
             step_metrics = self._optimizer_step(group, window)
             self.global_step += 1
             self.micro_batches_done += len(group)
+            self._stop_if_diverged()
             self.training_logger.advance()
             final = self.global_step == self.total_steps
             if self.global_step % config.logging_steps == 0 or final:
@@ -3307,6 +3685,8 @@ class BaseTrainer:
         metrics = {"train_loss": float(np.mean(train_losses)) if train_losses else float("nan"),
                    "final_loss": train_losses[-1] if train_losses else float("nan"),
                    "steps": self.global_step, **self._data_stats()}
+        if self.skipped_steps:
+            metrics["stability/skipped_steps"] = self.skipped_steps
         return TrainResult(self.stage, self.output_dir, self.global_step, seconds, metrics, last_eval, eval_before,
                            history, stopped_early)
 
@@ -3318,21 +3698,62 @@ class BaseTrainer:
         """
         units = self.devices.sum_across_processes(sum(self.loss_units(b) for b in group))
         scale = self.devices.num_processes / max(units, 1.0)  # DDP averages gradients over processes
+        losses = []
         for i, batch in enumerate(group):
             batch = self._to_device(batch)
             with self.devices.no_sync(self.model, skip=i < len(group) - 1), self.devices.autocast():
                 loss_sum, metrics = self.compute_loss(batch)
-            self.devices.backward(loss_sum * scale)
-            window["loss"] += float(loss_sum.detach())
+            self.devices.backward(loss_sum * scale)  # every process runs backward, so collectives stay in step
+            losses.append(float(loss_sum.detach()))
             window["tokens"] += int(batch["attention_mask"].sum()) if "attention_mask" in batch else batch["input_ids"].numel()
             for key, value in metrics.items():
                 window["metrics"].setdefault(key, []).append(value)
-        window["units"] += units / self.devices.num_processes
         grad_norm = self.devices.clip_grad_norm(self.model.parameters(), self.config.max_grad_norm)
+        problem = self._nonfinite_problem(losses, grad_norm)
+        if problem:
+            self._skip_update(problem)
+            return {"grad_norm": grad_norm, "stability/skipped_steps": 1.0}
+        self.nonfinite_in_a_row = 0
+        window["loss"] += sum(losses)
+        window["units"] += units / self.devices.num_processes
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return {"grad_norm": grad_norm}
+
+    # -- stability
+    def _nonfinite_problem(self, losses: list[float], grad_norm: float) -> str:
+        """Why this step must not update the weights ('' if it may), agreed by every process."""
+        reasons = []
+        if not all(math.isfinite(value) for value in losses):
+            reasons.append("loss")
+        # fp16 overflow is the loss scaler's business (it skips the step and lowers the scale)
+        if not math.isfinite(grad_norm) and self.config.mixed_precision != "fp16":
+            reasons.append("gradient norm")
+        if self.pending_problem:
+            reasons.append(self.pending_problem)
+        self.pending_problem = ""
+        if self.devices.sum_across_processes(float(bool(reasons))) > 0 and not reasons:
+            reasons.append("another process")
+        return " and ".join(reasons)
+
+    def _skip_update(self, problem: str) -> None:
+        """Drop this step's gradients; after max_nonfinite_steps in a row, checkpoint and stop."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.nonfinite_in_a_row += 1
+        self.skipped_steps += 1
+        logger.warning("step %d: non-finite %s; update skipped (%d in a row)", self.global_step + 1, problem,
+                       self.nonfinite_in_a_row)
+        self.last_problem = problem
+
+    def _stop_if_diverged(self) -> None:
+        if self.nonfinite_in_a_row < self.config.max_nonfinite_steps:
+            return
+        self._save_checkpoint()  # the weights are the last good ones: every bad update was skipped
+        raise TrainingDivergedError(
+            f"{self.nonfinite_in_a_row} steps in a row had a non-finite {self.last_problem} (last at step "
+            f"{self.global_step}); stopped after saving {self.checkpoints.latest()}. Lower learning_rate, set "
+            f"max_grad_norm, or check the reward functions, then run again to resume")
 
     def _log_window(self, window: dict[str, Any], step_metrics: dict[str, float]) -> None:
         elapsed = max(time.time() - window["since"], 1e-9)
@@ -3841,6 +4262,211 @@ class KTOTrainer(_ReferenceTrainer):
         return {**self._mean_over(self.eval_dataset, metric_fn), **self._generation_eval()}
 
 
+@dataclass
+class Rollout:
+    """One generation round of online RL, ready to train on: prompt + completion rows (right-padded,
+    labels IGNORE_INDEX on prompts), one advantage per row, and the per-token log-probs the loss
+    compares against. Shapes: input_ids, attention_mask, labels (N, T); advantages (N);
+    old_logps, ref_logps (N, T-1) or None."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    labels: torch.Tensor
+    advantages: torch.Tensor
+    old_logps: torch.Tensor | None = None
+    ref_logps: torch.Tensor | None = None
+
+    def micro_batches(self, size: int) -> list[dict[str, torch.Tensor]]:
+        fields = {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "labels": self.labels,
+                  "advantages": self.advantages, "old_logps": self.old_logps, "ref_logps": self.ref_logps}
+        return [{k: v[i:i + size] for k, v in fields.items() if v is not None}
+                for i in range(0, self.input_ids.shape[0], size)]
+
+
+def _trim_columns(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop padding columns every row of a micro-batch shares (rows were padded to the whole rollout)."""
+    width = int(batch["attention_mask"].sum(-1).max())
+    return {k: (v[:, :width] if k in ("input_ids", "attention_mask", "labels") else
+                v[:, :width - 1] if k in ("old_logps", "ref_logps") else v) for k, v in batch.items()}
+
+
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of each position's next-token distribution. Shapes: (B, T, V) -> (B, T)."""
+    logits = logits.float()
+    return torch.logsumexp(logits, -1) - (logits.softmax(-1) * logits).sum(-1)
+
+
+class GRPOTrainer(_ReferenceTrainer):
+    """GRPO (Shao et al. 2024) with the later refinements TRL users know: each step samples
+    ``num_generations`` completions per prompt, scores them with the reward functions, turns rewards
+    into group-relative advantages, and minimises the clipped objective plus beta * k3 KL.
+    ``num_iterations`` > 1 reuses a rollout for several steps against its stored log-probs.
+    per_device_train_batch_size counts completions; one step covers batch * accumulation / G prompts."""
+
+    stage = "grpo"
+
+    def __init__(self, config: GRPOConfig, policy: PolicyModel, train_dataset: Any, *, reward_fn: RewardFn,
+                 reference: ReferenceModel | None = None, eval_records: list[dict[str, Any]] | None = None,
+                 formatter: ChatFormatter | None = None, devices: DeviceManager | None = None) -> None:
+        if config.beta > 0 and reference is None:
+            raise RLHFInputError("GRPO with beta > 0 needs a reference model (see create_reference_model), or set beta=0")
+        self.eval_records = eval_records or []
+        self.formatter = formatter or ChatFormatter(policy.tokenizer, config.template)
+        self.reward_fn = reward_fn
+        self.normalizer = RunningRewardNormalizer() if config.reward_normalize else None
+        self.rollout_metrics: dict[str, float] = {}
+        super().__init__(config, policy, train_dataset, devices=devices, collator=list)
+        self.reference = reference if config.beta > 0 else None
+
+    # -- schedule: one rollout of prompts_per_step prompts feeds num_iterations optimizer steps
+    def _setup_schedule(self) -> None:
+        config = self.config
+        self.prompts_per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps // config.num_generations
+        if isinstance(self.train_dataset, torch.utils.data.IterableDataset):
+            self.sampler, self.total_steps = None, config.max_steps
+            return
+        if len(self.train_dataset) == 0:
+            raise RLHFInputError("the prompt set is empty after preprocessing")
+        self.sampler = ResumableBatchSampler(len(self.train_dataset), self.prompts_per_step, config.seed,
+                                             rank=self.devices.process_index, world_size=self.devices.num_processes)
+        rollouts = math.ceil(config.num_train_epochs * self.sampler.batches_per_epoch)
+        self.total_steps = config.max_steps if config.max_steps > 0 else max(1, rollouts * config.num_iterations)
+
+    def _epoch(self) -> float:
+        if self.sampler is None:
+            return float(getattr(self.train_dataset, "epoch", 0))
+        return self.global_step / self.config.num_iterations / self.sampler.batches_per_epoch
+
+    def _prompt_batches(self, first: int) -> Iterator[list[dict[str, Any]]]:
+        if self.sampler is None:
+            items = iter(self._streaming_prompts())
+            while True:
+                yield [next(items) for _ in range(self.prompts_per_step)]
+        self.sampler.start = first
+        yield from torch.utils.data.DataLoader(self.train_dataset, batch_sampler=self.sampler, collate_fn=list)
+
+    def _streaming_prompts(self) -> Iterator[dict[str, Any]]:
+        while True:
+            yield from self.train_dataset
+            if self.train_dataset.stats["records"] == 0:
+                raise RLHFInputError("the streaming prompt set yielded no records")
+            self.train_dataset.set_epoch(self.train_dataset.epoch + 1)
+
+    def _batches(self) -> Iterator[dict[str, torch.Tensor]]:
+        # a run resumed in the middle of a rollout's iterations samples that rollout again from its prompts
+        first_rollout, first_iteration = divmod(self.global_step, self.config.num_iterations)
+        for prompts in self._prompt_batches(first_rollout):
+            rollout = self.make_rollout(prompts)
+            for _ in range(first_iteration, self.config.num_iterations):
+                yield from rollout.micro_batches(self.config.per_device_train_batch_size)
+            first_iteration = 0
+
+    # -- rollouts
+    @torch.no_grad()
+    def make_rollout(self, prompts: list[dict[str, Any]]) -> Rollout:
+        """Sample, score and prepare one rollout (see :class:`Rollout`) for these prompt items."""
+        from inference_optimizations import SamplingParams
+        from inference_optimizations import generate as generate_tokens
+
+        config, group = self.config, self.config.num_generations
+        started = time.time()
+        params = SamplingParams(max_new_tokens=config.max_completion_length, temperature=config.temperature,
+                                top_p=config.top_p, top_k=config.top_k, n=group,
+                                stop_token_ids=tuple(self.formatter.stop_token_ids))
+        self.model.eval()
+        output = generate_tokens(self.devices.unwrap(self.model), [p["prompt_ids"] for p in prompts], params,
+                                 pad_token_id=self.policy.tokenizer.pad_token_id)
+        self.model.train()
+        generation_seconds = time.time() - started
+        records = [prompts[i // group] for i in range(len(output.token_ids))]
+        rewards = self._score(records, output.token_ids)
+        truncated = torch.tensor([reason == "length" for reason in output.finish_reasons])
+        advantages = grpo_advantages(rewards, group, scale=config.scale_rewards)
+        rows = [_prompt_completion(r["prompt_ids"], c) for r, c in zip(records, output.token_ids)]
+        if config.mask_truncated_completions:  # DAPO: a cut-off completion says nothing about its reward
+            rows = [(ids, [IGNORE_INDEX] * len(ids)) if cut else (ids, labels) for (ids, labels), cut in zip(rows, truncated.tolist())]
+        batch = _pad_rows([r[0] for r in rows], [r[1] for r in rows], self.policy.tokenizer.pad_token_id)
+        rollout = Rollout(batch["input_ids"], batch["attention_mask"], batch["labels"], advantages)
+        rollout.old_logps = self._rollout_logps(rollout, self.model) if config.num_iterations > 1 else None
+        rollout.ref_logps = self._rollout_logps(rollout, None) if self.reference is not None else None
+        lengths = torch.tensor([len(c) for c in output.token_ids], dtype=torch.float32)
+        self.rollout_metrics.update({
+            "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
+            "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float(truncated.float().mean()),
+            "perf/generation_s": generation_seconds})
+        return rollout
+
+    def _score(self, records: list[dict[str, Any]], completions: list[list[int]]) -> torch.Tensor:
+        """Rewards for the completions (logged per function); non-finite ones make the step skip."""
+        config, group = self.config, self.config.num_generations
+        texts = [self.policy.decode(ids) for ids in completions]
+        prompts = [r["messages"][-1]["content"] if r.get("messages") else "" for r in records]
+        rewards = _call_reward(self.reward_fn, prompts, texts, [r.get("answer") for r in records], records)
+        metrics = {}
+        for name, scores in getattr(self.reward_fn, "last_components", {}).items():
+            metrics[f"rewards/{name}/mean"] = float(scores.mean())
+            metrics[f"rewards/{name}/std"] = float(scores.std()) if scores.numel() > 1 else 0.0
+        bad = ~torch.isfinite(rewards)
+        if bad.any():
+            self.pending_problem = f"reward ({int(bad.sum())} of {bad.numel()} completions)"
+            rewards = torch.where(bad, torch.zeros_like(rewards), rewards)
+        grouped_std = rewards.view(-1, group).std(-1)
+        metrics.update({"reward": float(rewards.mean()), "reward_std": float(grouped_std.mean()),
+                        "frac_reward_zero_std": float((grouped_std < 1e-6).float().mean())})
+        self.rollout_metrics = metrics
+        return process_rewards(rewards, normalizer=self.normalizer, clip=config.reward_clip)
+
+    def _rollout_logps(self, rollout: Rollout, model: nn.Module | None) -> torch.Tensor:
+        """Per-token log-probs of the rollout under the policy as it is now (old log-probs) or under
+        the reference (model None), micro-batch by micro-batch. Shapes: (N, T-1)."""
+        parts = []
+        for batch in rollout.micro_batches(self.config.per_device_train_batch_size):
+            batch = self._to_device(batch)
+            with self.devices.autocast():
+                if model is None:
+                    with self.reference._frozen():
+                        logits = self.reference.model(batch["input_ids"], batch["attention_mask"]).logits[:, :-1]
+                else:
+                    logits = self.policy(batch["input_ids"], batch["attention_mask"]).logits[:, :-1]
+            parts.append(token_log_probs(logits.float() / self.config.temperature, batch["input_ids"][:, 1:]).cpu())
+        return torch.cat(parts)
+
+    # -- the loss
+    def loss_units(self, batch: dict[str, torch.Tensor]) -> int:
+        loss_type = self.config.loss_type
+        if loss_type == "grpo":
+            return batch["input_ids"].shape[0]
+        if loss_type == "dapo":  # normalised by the completion tokens of the whole step
+            return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+        if loss_type == "dr_grpo":
+            return batch["input_ids"].shape[0] * self.config.max_completion_length
+        return 1  # bnpo: each micro-batch's token mean, averaged over micro-batches
+
+    def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        config = self.config
+        batch = _trim_columns(batch)
+        logits = self.policy(batch["input_ids"], batch["attention_mask"]).logits[:, :-1].float() / config.temperature
+        mask = batch["labels"][:, 1:] != IGNORE_INDEX  # (N, T-1)
+        per_token = token_log_probs(logits, batch["input_ids"][:, 1:])
+        loss, metrics = grpo_loss(per_token, batch.get("old_logps"), batch.get("ref_logps"), batch["advantages"], mask,
+                                  epsilon_low=config.epsilon_low, epsilon_high=config.epsilon_high, beta=config.beta,
+                                  loss_type=config.loss_type, max_completion_length=config.max_completion_length)
+        metrics["entropy"] = float(_masked_mean(token_entropy(logits.detach()), mask.float()))
+        metrics.update(self.rollout_metrics)
+        self.rollout_metrics = {}  # rollout statistics count once per rollout
+        return loss * self.loss_units(batch), metrics
+
+    def evaluate(self) -> dict[str, float]:
+        return self._generation_eval()
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {"reward_normalizer": self.normalizer.state_dict() if self.normalizer else None}
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        if self.normalizer is not None and state.get("reward_normalizer"):
+            self.normalizer.load_state_dict(state["reward_normalizer"])
+
+
 # ==== 10. Orchestrator ====
 
 
@@ -3915,7 +4541,7 @@ def _check_packing_supported(policy: PolicyModel, config: SFTConfig) -> None:
 
 
 STAGE_RECORD_KINDS = {"sft": "sft", "rm": "preference", "dpo": "preference", "simpo": "preference",
-                      "orpo": "preference", "kto": "kto"}
+                      "orpo": "preference", "kto": "kto", "grpo": "prompt"}
 
 
 def _load_policy(config: BaseConfig, devices: DeviceManager) -> PolicyModel:
@@ -4025,10 +4651,36 @@ def train_kto(config: KTOConfig, devices: DeviceManager | None = None) -> TrainR
     return _train_policy_stage(config, devices, KTOTrainer)
 
 
+def _prompt_datasets(config: BaseConfig, records: tuple, tokenizer: Any, formatter: ChatFormatter,
+                     devices: DeviceManager) -> tuple[Any, list[dict[str, Any]]]:
+    """Online-RL prompts (streaming twin when ``streaming``) and the held-out prompts for accuracy."""
+    train_records, _, eval_records = records
+    if train_records is not None:
+        return GRPODataset(train_records, tokenizer, formatter, cutoff_len=config.cutoff_len), eval_records
+    spec = resolve_dataset(config.dataset.split(",")[0].strip(), config.dataset_dir)
+    return StreamingGRPODataset(spec, tokenizer, formatter, cutoff_len=config.cutoff_len, rank=devices.process_index,
+                                world_size=devices.num_processes, buffer_size=config.buffer_size, seed=config.seed,
+                                skip_invalid=config.skip_invalid_records, max_samples=config.max_samples,
+                                skip=int(config.val_size or 0)), eval_records
+
+
+def train_grpo(config: GRPOConfig, devices: DeviceManager | None = None) -> TrainResult:
+    """Run the GRPO stage: reward functions from the config (RewardFunctionFactory), prompts, rollouts."""
+    records, devices = _start_stage(config, devices)
+    reward_fn = RewardFunctionFactory(config, devices.device).build()  # a bad reward spec fails before the policy loads
+    policy = _load_policy(config, devices)
+    formatter = ChatFormatter(policy.tokenizer, config.template)
+    train, eval_records = _prompt_datasets(config, records, policy.tokenizer, formatter, devices)
+    reference = create_reference_model(config, policy)
+    return GRPOTrainer(config, policy, train, reward_fn=reward_fn, reference=reference, eval_records=eval_records,
+                       formatter=formatter, devices=devices).train()
+
+
 STAGE_RUNNERS: dict[str, Callable[[BaseConfig], TrainResult]] = {
-    "sft": train_sft, "rm": train_rm, "dpo": train_dpo, "simpo": train_dpo, "orpo": train_dpo, "kto": train_kto}
+    "sft": train_sft, "rm": train_rm, "dpo": train_dpo, "simpo": train_dpo, "orpo": train_dpo, "kto": train_kto,
+    "grpo": train_grpo}
 # stages whose output is a policy the next stage starts from (rm produces a scorer instead)
-POLICY_STAGES = ("sft", "dpo", "simpo", "orpo", "kto")
+POLICY_STAGES = ("sft", "dpo", "simpo", "orpo", "kto", "grpo")
 
 
 def append_report(output_dir: str | os.PathLike, entry: dict[str, Any]) -> Path:
