@@ -83,6 +83,7 @@ class TrainingStage(str, enum.Enum):
     ORPO = "orpo"
     KTO = "kto"
     GRPO = "grpo"
+    PPO = "ppo"
 
 
 def _default_cache_dir() -> Path:
@@ -344,25 +345,17 @@ class KTOConfig(BaseConfig):
 
 
 @dataclass
-class GRPOConfig(BaseConfig):
-    """GRPO: online RL from groups of sampled completions scored by reward functions (Shao et al. 2024)."""
+class OnlineRLConfig(BaseConfig):
+    """What GRPO and PPO share: sampling of rollouts and the reward functions that score them."""
 
-    num_generations: int = _opt(8, "Completions sampled per prompt (the group G)")
     max_completion_length: int = _opt(64, "Token budget per sampled completion")
     temperature: float = _opt(1.0, "Sampling temperature for rollouts (the loss uses the same scaled log-probs)")
     top_p: float = _opt(1.0, "Nucleus sampling mass for rollouts")
     top_k: int = _opt(0, "Sample among the k most likely tokens (0: all)")
-    beta: float = _opt(0.04, "Weight of the k3 KL penalty to the reference model (0: no reference model is loaded)")
-    epsilon_low: float = _opt(0.2, "Lower clip range of the probability ratio")
-    epsilon_high: float | None = _opt(None, "Upper clip range (DAPO's clip-higher; default: epsilon_low)")
-    loss_type: str = _opt("grpo", "Aggregation: grpo (per-sequence mean) | bnpo (per-micro-batch token mean) | dapo (token mean over the step) | dr_grpo (sum / (B * max_completion_length))")
-    scale_rewards: str = _opt("group", "Divide centred rewards by the group's std (group), the batch's (batch) or nothing (none, Dr. GRPO)")
-    num_iterations: int = _opt(1, "Optimizer steps per rollout (mu); > 1 reuses it with stored old log-probs and clipping")
-    mask_truncated_completions: bool = _opt(False, "Leave completions that hit max_completion_length out of the loss (DAPO)")
     reward_funcs: list[str] = _opt([], "Reward functions: exact_answer, format, length, reward_model, api, or module:function")
     reward_weights: list[float] = _opt([], "One weight per reward function, in order (default: all 1.0)")
-    reward_model: str | None = _opt(None, "Reward model (or ensemble) directory saved by the rm stage, for reward_funcs 'reward_model'")
-    reward_model_type: str = _opt("full", "How reward_model is stored: full | lora (an adapter over its base) | api (use reward_api_url)")
+    reward_model: str | None = _opt(None, "Reward model (or ensemble) directory saved by the rm stage ('rm' in a pipeline: its rm stage)")
+    reward_model_type: str = _opt("full", "How reward_model is used: full | lora (an adapter over its base; both load from the directory) | api (reward_api_url)")
     reward_uncertainty_penalty: float = _opt(0.0, "Subtract this times the ensemble's std from the learned reward (pessimism under uncertainty)")
     reward_api_url: str | None = _opt(None, "HTTP endpoint for reward_funcs 'api': POST {prompts, responses} -> {rewards}")
     reward_api_timeout: float = _opt(30.0, "Seconds before one reward API request times out")
@@ -372,6 +365,44 @@ class GRPOConfig(BaseConfig):
     reward_normalize: bool = _opt(False, "Normalise rewards by a running mean/std before computing advantages")
     reward_clip: float | None = _opt(None, "Clip (normalised) rewards to [-reward_clip, reward_clip]")
     ref_model: str | None = _opt(None, "Reference model directory (default: the starting model; LoRA uses the adapter-disabled base)")
+
+    stage: typing.ClassVar[str] = "online"
+
+    def _validate(self) -> None:
+        super()._validate()
+        _check(self.max_completion_length > 0, "max_completion_length", "must be > 0")
+        _check(self.temperature > 0 and 0 < self.top_p <= 1 and self.top_k >= 0, "temperature/top_p/top_k",
+               "need temperature > 0, 0 < top_p <= 1 and top_k >= 0")
+        _check_choice(self.reward_model_type, ("full", "lora", "api"), "reward_model_type")
+        _check(bool(self.reward_funcs) or bool(self.reward_model) or self.reward_model_type == "api", "reward_funcs",
+               "is empty: name at least one, e.g. reward_funcs=exact_answer,format (or set reward_model)")
+        _check(not self.reward_weights or len(self.reward_weights) == len(self.reward_names()), "reward_weights",
+               f"needs one weight per reward function ({', '.join(self.reward_names())})")
+        _check(self.reward_api_timeout > 0 and self.reward_api_retries >= 1, "reward_api_timeout/reward_api_retries",
+               "need a positive timeout and at least one attempt")
+        _check(self.reward_clip is None or self.reward_clip > 0, "reward_clip", "must be > 0 (or omit it)")
+        _check(self.reward_uncertainty_penalty >= 0, "reward_uncertainty_penalty", "must be >= 0")
+
+    def reward_names(self) -> list[str]:
+        """The reward functions in order; a reward model (or reward API) not named in reward_funcs is appended."""
+        names = list(self.reward_funcs)
+        if (self.reward_model or self.reward_model_type == "api") and "reward_model" not in names:
+            names.append("reward_model")
+        return names
+
+
+@dataclass
+class GRPOConfig(OnlineRLConfig):
+    """GRPO: online RL from groups of sampled completions scored by reward functions (Shao et al. 2024)."""
+
+    num_generations: int = _opt(8, "Completions sampled per prompt (the group G)")
+    beta: float = _opt(0.04, "Weight of the k3 KL penalty to the reference model (0: no reference model is loaded)")
+    epsilon_low: float = _opt(0.2, "Lower clip range of the probability ratio")
+    epsilon_high: float | None = _opt(None, "Upper clip range (DAPO's clip-higher; default: epsilon_low)")
+    loss_type: str = _opt("grpo", "Aggregation: grpo (per-sequence mean) | bnpo (per-micro-batch token mean) | dapo (token mean over the step) | dr_grpo (sum / (B * max_completion_length))")
+    scale_rewards: str = _opt("group", "Divide centred rewards by the group's std (group), the batch's (batch) or nothing (none, Dr. GRPO)")
+    num_iterations: int = _opt(1, "Optimizer steps per rollout (mu); > 1 reuses it with stored old log-probs and clipping")
+    mask_truncated_completions: bool = _opt(False, "Leave completions that hit max_completion_length out of the loss (DAPO)")
 
     stage: typing.ClassVar[str] = "grpo"
 
@@ -383,43 +414,57 @@ class GRPOConfig(BaseConfig):
     def _validate(self) -> None:
         super()._validate()
         _check(self.num_generations >= 2, "num_generations", "must be >= 2 (advantages compare completions of one prompt)")
-        _check(self.max_completion_length > 0, "max_completion_length", "must be > 0")
-        _check(self.temperature > 0 and 0 < self.top_p <= 1 and self.top_k >= 0, "temperature/top_p/top_k",
-               "need temperature > 0, 0 < top_p <= 1 and top_k >= 0")
         _check(self.beta >= 0 and self.epsilon_low > 0 and self.epsilon_high > 0, "beta/epsilon_low/epsilon_high",
                "need beta >= 0 and positive clip ranges")
         _check_choice(self.loss_type, GRPO_LOSS_TYPES, "loss_type")
         _check_choice(self.scale_rewards, REWARD_SCALES, "scale_rewards")
-        _check_choice(self.reward_model_type, ("full", "lora", "api"), "reward_model_type")
         _check(self.num_iterations >= 1, "num_iterations", "must be >= 1")
         rollout = self.per_device_train_batch_size * self.gradient_accumulation_steps
         _check(rollout % self.num_generations == 0, "per_device_train_batch_size",
                f"times gradient_accumulation_steps ({rollout}) must be a multiple of num_generations "
                f"({self.num_generations}): each step trains on whole groups of completions")
-        _check(bool(self.reward_funcs) or bool(self.reward_model), "reward_funcs",
-               "is empty: name at least one, e.g. reward_funcs=exact_answer,format (or set reward_model)")
-        _check(not self.reward_weights or len(self.reward_weights) == len(self.reward_names()), "reward_weights",
-               f"needs one weight per reward function ({', '.join(self.reward_names())})")
-        _check(self.reward_api_timeout > 0 and self.reward_api_retries >= 1, "reward_api_timeout/reward_api_retries",
-               "need a positive timeout and at least one attempt")
-        _check(self.reward_clip is None or self.reward_clip > 0, "reward_clip", "must be > 0 (or omit it)")
-        _check(self.reward_uncertainty_penalty >= 0, "reward_uncertainty_penalty", "must be >= 0")
-
-    def reward_names(self) -> list[str]:
-        """The reward functions in order; a reward_model without 'reward_model' in reward_funcs is appended."""
-        names = list(self.reward_funcs)
-        if self.reward_model and "reward_model" not in names:
-            names.append("reward_model")
-        return names
 
     @property
     def uses_reference(self) -> bool:
         return self.beta > 0
 
 
+@dataclass
+class PPOConfig(OnlineRLConfig):
+    """PPO with a learned critic (Ziegler et al. 2019, Ouyang et al. 2022): per-token KL penalty in the
+    reward, GAE advantages, clipped policy and value losses; LLaMA-Factory's ppo_* options."""
+
+    ppo_epochs: int = _opt(4, "Passes over each experience buffer")
+    ppo_buffer_size: int = _opt(1, "Mini-batches (per_device_train_batch_size x gradient_accumulation_steps completions each) per experience buffer")
+    ppo_target: float = _opt(6.0, "Target KL (nats per sequence) of the adaptive KL controller")
+    ppo_score_norm: bool = _opt(False, "Normalise scores by their running mean/std")
+    ppo_whiten_rewards: bool = _opt(False, "Whiten the per-token rewards (keeping their mean) before GAE")
+    init_kl_coef: float = _opt(0.2, "Initial coefficient of the per-token KL penalty")
+    adap_kl_ctrl: bool = _opt(True, "Adapt the KL coefficient towards ppo_target (false: a fixed coefficient)")
+    kl_horizon: int = _opt(10000, "Horizon (in sequences) of the adaptive KL controller")
+    gamma: float = _opt(1.0, "Discount factor of GAE")
+    lam: float = _opt(0.95, "GAE lambda")
+    cliprange: float = _opt(0.2, "Clip range of the policy probability ratio")
+    cliprange_value: float = _opt(0.2, "Clip range of the value prediction around its rollout value")
+    vf_coef: float = _opt(0.1, "Weight of the value loss")
+    entropy_coef: float = _opt(0.0, "Weight of the entropy bonus")
+    whiten_advantages: bool = _opt(True, "Whiten advantages over each experience buffer")
+    value_model: str | None = _opt(None, "Separate critic: a model directory (e.g. the reward model). Default: a value head on the policy's backbone")
+
+    stage: typing.ClassVar[str] = "ppo"
+    uses_reference: typing.ClassVar[bool] = True
+
+    def _validate(self) -> None:
+        super()._validate()
+        for name in ("ppo_epochs", "ppo_buffer_size", "ppo_target", "kl_horizon", "cliprange", "cliprange_value"):
+            _check(getattr(self, name) > 0, name, "must be > 0")
+        for name in ("init_kl_coef", "vf_coef", "entropy_coef"):
+            _check(getattr(self, name) >= 0, name, "must be >= 0")
+        _check(0 < self.gamma <= 1 and 0 <= self.lam <= 1, "gamma/lam", "need 0 < gamma <= 1 and 0 <= lam <= 1")
+
 STAGE_CONFIGS: dict[str, type[BaseConfig]] = {"sft": SFTConfig, "rm": RewardModelConfig, "dpo": DPOConfig,
                                               "simpo": SimPOConfig, "orpo": ORPOConfig, "kto": KTOConfig,
-                                              "grpo": GRPOConfig}
+                                              "grpo": GRPOConfig, "ppo": PPOConfig}
 
 
 def _check(ok: bool, name: str, fix: str) -> None:
@@ -2634,6 +2679,79 @@ class RewardEnsemble(nn.Module):
         (Path(directory) / RewardEnsemble.MANIFEST).write_text(json.dumps({"members": member_dirs}, indent=1))
 
 
+class ValueModel(nn.Module):
+    """The PPO critic: a scalar value at every position. Either a head on the policy's own backbone
+    (LLaMA-Factory's value head; no second model in memory) or a separate transformer (as in TRL,
+    typically started from the reward model). Saved as ``value_head.safetensors``, plus the
+    backbone in Hugging Face layout when it is separate."""
+
+    HEAD_FILE = "value_head.safetensors"
+
+    def __init__(self, hidden_size: int, backbone: nn.Module | None = None, seed: int = 0) -> None:
+        super().__init__()
+        self.backbone = backbone
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            self.head = nn.Linear(hidden_size, 1)
+            nn.init.normal_(self.head.weight, std=1 / math.sqrt(hidden_size + 1))
+            nn.init.zeros_(self.head.bias)
+
+    @property
+    def shares_policy_backbone(self) -> bool:
+        return self.backbone is None
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, *, device: torch.device | str = "cpu", seed: int = 0,
+                        **kwargs: Any) -> tuple[ValueModel, Any]:
+        """A separate critic from any causal-LM or reward-model directory; a saved value head is reloaded."""
+        backbone = PolicyModel.from_pretrained(name_or_path, device=device, **kwargs)
+        critic = cls(backbone.model.config.hidden_size, backbone.model, seed).to(device)
+        head = Path(resolve_model_path(name_or_path, kwargs.get("cache_dir"))) / cls.HEAD_FILE
+        if head.exists():
+            critic.load_head(head.parent)
+        return critic, backbone.tokenizer
+
+    def forward(self, hidden_states: torch.Tensor | None = None, input_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Values from the policy's final hidden states (shared backbone) or from token ids (separate).
+        Shapes: hidden (B, T, H) or ids (B, T) -> values (B, T)."""
+        if self.backbone is not None:
+            hidden_states = decoder_of(self.backbone)(input_ids=input_ids, attention_mask=attention_mask,
+                                                      use_cache=False).last_hidden_state
+        return self.head(hidden_states.to(self.head.weight.dtype)).squeeze(-1)
+
+    def save_pretrained(self, directory: str | os.PathLike, tokenizer: Any = None) -> None:
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        if self.backbone is not None:
+            PolicyModel(self.backbone, tokenizer).save_pretrained(directory) if tokenizer is not None \
+                else self.backbone.save_pretrained(directory)
+        save_file({k: v.detach().contiguous() for k, v in self.head.state_dict().items()}, str(directory / self.HEAD_FILE))
+
+    def load_head(self, directory: str | os.PathLike) -> None:
+        from safetensors.torch import load_file
+
+        self.head.load_state_dict(load_file(str(Path(directory) / self.HEAD_FILE)))
+
+
+class ActorCritic(nn.Module):
+    """Policy and critic as one module, so one optimizer, one clipping and one checkpoint cover both.
+    A critic sharing the backbone reads the policy's final hidden states from the same forward."""
+
+    def __init__(self, policy_model: nn.Module, critic: ValueModel) -> None:
+        super().__init__()
+        self.policy, self.critic = policy_model, critic
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Shapes: (B, T) -> logits (B, T, V), values (B, T)."""
+        shared = self.critic.shares_policy_backbone
+        out = self.policy(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, output_hidden_states=shared)
+        values = (self.critic(hidden_states=out.hidden_states[-1]) if shared
+                  else self.critic(input_ids=input_ids, attention_mask=attention_mask))
+        return out.logits, values
+
 def _model_dtype(config: BaseConfig) -> str:
     if config.model_dtype != "auto":
         return config.model_dtype
@@ -4265,29 +4383,37 @@ class KTOTrainer(_ReferenceTrainer):
 @dataclass
 class Rollout:
     """One generation round of online RL, ready to train on: prompt + completion rows (right-padded,
-    labels IGNORE_INDEX on prompts), one advantage per row, and the per-token log-probs the loss
-    compares against. Shapes: input_ids, attention_mask, labels (N, T); advantages (N);
-    old_logps, ref_logps (N, T-1) or None."""
+    labels IGNORE_INDEX on prompts) and what the loss compares against. Shapes: input_ids,
+    attention_mask, labels (N, T); per-token fields (N, T-1) aligned with the shifted labels;
+    GRPO's advantages are per sequence (N), PPO's per token."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     labels: torch.Tensor
-    advantages: torch.Tensor
+    advantages: torch.Tensor | None = None
     old_logps: torch.Tensor | None = None
     ref_logps: torch.Tensor | None = None
+    old_values: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
 
-    def micro_batches(self, size: int) -> list[dict[str, torch.Tensor]]:
-        fields = {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "labels": self.labels,
-                  "advantages": self.advantages, "old_logps": self.old_logps, "ref_logps": self.ref_logps}
-        return [{k: v[i:i + size] for k, v in fields.items() if v is not None}
-                for i in range(0, self.input_ids.shape[0], size)]
+    @property
+    def completion_mask(self) -> torch.Tensor:
+        return self.labels[:, 1:] != IGNORE_INDEX
+
+    def micro_batches(self, size: int, order: torch.Tensor | None = None) -> list[dict[str, torch.Tensor]]:
+        """Consecutive micro-batches of ``size`` rows, in ``order`` (a permutation) if given."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+        rows = order if order is not None else torch.arange(self.input_ids.shape[0])
+        return [{k: v[rows[i:i + size]] for k, v in fields.items()} for i in range(0, len(rows), size)]
+
+
+SEQUENCE_KEYS = ("input_ids", "attention_mask", "labels")
 
 
 def _trim_columns(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Drop padding columns every row of a micro-batch shares (rows were padded to the whole rollout)."""
     width = int(batch["attention_mask"].sum(-1).max())
-    return {k: (v[:, :width] if k in ("input_ids", "attention_mask", "labels") else
-                v[:, :width - 1] if k in ("old_logps", "ref_logps") else v) for k, v in batch.items()}
+    return {k: v if v.dim() < 2 else v[:, :width] if k in SEQUENCE_KEYS else v[:, :width - 1] for k, v in batch.items()}
 
 
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:
@@ -4296,52 +4422,63 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, -1) - (logits.softmax(-1) * logits).sum(-1)
 
 
-class GRPOTrainer(_ReferenceTrainer):
-    """GRPO (Shao et al. 2024) with the later refinements TRL users know: each step samples
-    ``num_generations`` completions per prompt, scores them with the reward functions, turns rewards
-    into group-relative advantages, and minimises the clipped objective plus beta * k3 KL.
-    ``num_iterations`` > 1 reuses a rollout for several steps against its stored log-probs.
-    per_device_train_batch_size counts completions; one step covers batch * accumulation / G prompts."""
+class _OnlineRLTrainer(_ReferenceTrainer):
+    """Shared by GRPO and PPO: prompts -> sampled completions -> rewards -> a :class:`Rollout` that
+    feeds ``steps_per_rollout`` optimizer steps. A resumed run samples the interrupted rollout again
+    from its prompts (with the restored RNG) and skips the steps it had already taken."""
 
-    stage = "grpo"
-
-    def __init__(self, config: GRPOConfig, policy: PolicyModel, train_dataset: Any, *, reward_fn: RewardFn,
+    def __init__(self, config: OnlineRLConfig, policy: PolicyModel, train_dataset: Any, *, reward_fn: RewardFn,
                  reference: ReferenceModel | None = None, eval_records: list[dict[str, Any]] | None = None,
                  formatter: ChatFormatter | None = None, devices: DeviceManager | None = None) -> None:
-        if config.beta > 0 and reference is None:
-            raise RLHFInputError("GRPO with beta > 0 needs a reference model (see create_reference_model), or set beta=0")
+        if getattr(config, "uses_reference", True) and reference is None:
+            raise RLHFInputError(f"{config.stage} needs a reference model here (see create_reference_model)"
+                                 + (", or set beta=0" if config.stage == "grpo" else ""))
         self.eval_records = eval_records or []
         self.formatter = formatter or ChatFormatter(policy.tokenizer, config.template)
         self.reward_fn = reward_fn
-        self.normalizer = RunningRewardNormalizer() if config.reward_normalize else None
+        self.normalizer = RunningRewardNormalizer() if self._normalise_rewards(config) else None
         self.rollout_metrics: dict[str, float] = {}
+        self.rollout_index = 0
         super().__init__(config, policy, train_dataset, devices=devices, collator=list)
-        self.reference = reference if config.beta > 0 else None
+        self.reference = reference if getattr(config, "uses_reference", True) else None
 
-    # -- schedule: one rollout of prompts_per_step prompts feeds num_iterations optimizer steps
+    # -- subclass interface
+    prompts_per_rollout: int
+    steps_per_rollout: int
+
+    def _normalise_rewards(self, config: OnlineRLConfig) -> bool:
+        return config.reward_normalize
+
+    def make_rollout(self, prompts: list[dict[str, Any]]) -> Rollout:
+        raise NotImplementedError
+
+    def rollout_schedule(self, rollout: Rollout) -> list[dict[str, torch.Tensor]]:
+        """Every micro-batch the rollout's steps_per_rollout optimizer steps train on, in order."""
+        raise NotImplementedError
+
+    # -- schedule
     def _setup_schedule(self) -> None:
         config = self.config
-        self.prompts_per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps // config.num_generations
         if isinstance(self.train_dataset, torch.utils.data.IterableDataset):
             self.sampler, self.total_steps = None, config.max_steps
             return
         if len(self.train_dataset) == 0:
             raise RLHFInputError("the prompt set is empty after preprocessing")
-        self.sampler = ResumableBatchSampler(len(self.train_dataset), self.prompts_per_step, config.seed,
+        self.sampler = ResumableBatchSampler(len(self.train_dataset), self.prompts_per_rollout, config.seed,
                                              rank=self.devices.process_index, world_size=self.devices.num_processes)
         rollouts = math.ceil(config.num_train_epochs * self.sampler.batches_per_epoch)
-        self.total_steps = config.max_steps if config.max_steps > 0 else max(1, rollouts * config.num_iterations)
+        self.total_steps = config.max_steps if config.max_steps > 0 else max(1, rollouts * self.steps_per_rollout)
 
     def _epoch(self) -> float:
         if self.sampler is None:
             return float(getattr(self.train_dataset, "epoch", 0))
-        return self.global_step / self.config.num_iterations / self.sampler.batches_per_epoch
+        return self.global_step / self.steps_per_rollout / self.sampler.batches_per_epoch
 
     def _prompt_batches(self, first: int) -> Iterator[list[dict[str, Any]]]:
         if self.sampler is None:
-            items = iter(self._streaming_prompts())
+            items = self._streaming_prompts()
             while True:
-                yield [next(items) for _ in range(self.prompts_per_step)]
+                yield [next(items) for _ in range(self.prompts_per_rollout)]
         self.sampler.start = first
         yield from torch.utils.data.DataLoader(self.train_dataset, batch_sampler=self.sampler, collate_fn=list)
 
@@ -4353,85 +4490,128 @@ class GRPOTrainer(_ReferenceTrainer):
             self.train_dataset.set_epoch(self.train_dataset.epoch + 1)
 
     def _batches(self) -> Iterator[dict[str, torch.Tensor]]:
-        # a run resumed in the middle of a rollout's iterations samples that rollout again from its prompts
-        first_rollout, first_iteration = divmod(self.global_step, self.config.num_iterations)
-        for prompts in self._prompt_batches(first_rollout):
-            rollout = self.make_rollout(prompts)
-            for _ in range(first_iteration, self.config.num_iterations):
-                yield from rollout.micro_batches(self.config.per_device_train_batch_size)
-            first_iteration = 0
+        first, steps_done = divmod(self.global_step, self.steps_per_rollout)
+        for index, prompts in enumerate(self._prompt_batches(first), start=first):
+            self.rollout_index = index  # seeds the rollout's mini-batch order (PPO)
+            schedule = self.rollout_schedule(self.make_rollout(prompts))
+            yield from schedule[steps_done * self.config.gradient_accumulation_steps:]
+            steps_done = 0
 
-    # -- rollouts
-    @torch.no_grad()
-    def make_rollout(self, prompts: list[dict[str, Any]]) -> Rollout:
-        """Sample, score and prepare one rollout (see :class:`Rollout`) for these prompt items."""
+    # -- sampling and scoring
+    def _sample(self, prompts: list[dict[str, Any]], n: int) -> Any:
         from inference_optimizations import SamplingParams
         from inference_optimizations import generate as generate_tokens
 
-        config, group = self.config, self.config.num_generations
-        started = time.time()
+        config = self.config
         params = SamplingParams(max_new_tokens=config.max_completion_length, temperature=config.temperature,
-                                top_p=config.top_p, top_k=config.top_k, n=group,
+                                top_p=config.top_p, top_k=config.top_k, n=n,
                                 stop_token_ids=tuple(self.formatter.stop_token_ids))
+        started = time.time()
         self.model.eval()
-        output = generate_tokens(self.devices.unwrap(self.model), [p["prompt_ids"] for p in prompts], params,
+        output = generate_tokens(self.devices.unwrap(self.policy.model), [p["prompt_ids"] for p in prompts], params,
                                  pad_token_id=self.policy.tokenizer.pad_token_id)
         self.model.train()
-        generation_seconds = time.time() - started
-        records = [prompts[i // group] for i in range(len(output.token_ids))]
-        rewards = self._score(records, output.token_ids)
-        truncated = torch.tensor([reason == "length" for reason in output.finish_reasons])
-        advantages = grpo_advantages(rewards, group, scale=config.scale_rewards)
-        rows = [_prompt_completion(r["prompt_ids"], c) for r, c in zip(records, output.token_ids)]
-        if config.mask_truncated_completions:  # DAPO: a cut-off completion says nothing about its reward
-            rows = [(ids, [IGNORE_INDEX] * len(ids)) if cut else (ids, labels) for (ids, labels), cut in zip(rows, truncated.tolist())]
-        batch = _pad_rows([r[0] for r in rows], [r[1] for r in rows], self.policy.tokenizer.pad_token_id)
-        rollout = Rollout(batch["input_ids"], batch["attention_mask"], batch["labels"], advantages)
-        rollout.old_logps = self._rollout_logps(rollout, self.model) if config.num_iterations > 1 else None
-        rollout.ref_logps = self._rollout_logps(rollout, None) if self.reference is not None else None
         lengths = torch.tensor([len(c) for c in output.token_ids], dtype=torch.float32)
+        truncated = torch.tensor([reason == "length" for reason in output.finish_reasons])
         self.rollout_metrics.update({
             "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
             "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float(truncated.float().mean()),
-            "perf/generation_s": generation_seconds})
-        return rollout
+            "perf/generation_s": time.time() - started})
+        return output
 
     def _score(self, records: list[dict[str, Any]], completions: list[list[int]]) -> torch.Tensor:
-        """Rewards for the completions (logged per function); non-finite ones make the step skip."""
-        config, group = self.config, self.config.num_generations
+        """Raw rewards of the completions, logged per reward function; a non-finite reward is zeroed
+        and makes the step skip its update."""
         texts = [self.policy.decode(ids) for ids in completions]
         prompts = [r["messages"][-1]["content"] if r.get("messages") else "" for r in records]
         rewards = _call_reward(self.reward_fn, prompts, texts, [r.get("answer") for r in records], records)
-        metrics = {}
         for name, scores in getattr(self.reward_fn, "last_components", {}).items():
-            metrics[f"rewards/{name}/mean"] = float(scores.mean())
-            metrics[f"rewards/{name}/std"] = float(scores.std()) if scores.numel() > 1 else 0.0
+            self.rollout_metrics[f"rewards/{name}/mean"] = float(scores.mean())
+            self.rollout_metrics[f"rewards/{name}/std"] = float(scores.std()) if scores.numel() > 1 else 0.0
         bad = ~torch.isfinite(rewards)
         if bad.any():
             self.pending_problem = f"reward ({int(bad.sum())} of {bad.numel()} completions)"
             rewards = torch.where(bad, torch.zeros_like(rewards), rewards)
+        self.rollout_metrics["reward"] = float(rewards.mean())
+        return rewards
+
+    def _rows(self, records: list[dict[str, Any]], completions: list[list[int]], masked: list[bool] | None = None) -> Rollout:
+        rows = [_prompt_completion(r["prompt_ids"], c) for r, c in zip(records, completions)]
+        if masked is not None:
+            rows = [(ids, [IGNORE_INDEX] * len(ids)) if drop else (ids, labels) for (ids, labels), drop in zip(rows, masked)]
+        batch = _pad_rows([r[0] for r in rows], [r[1] for r in rows], self.policy.tokenizer.pad_token_id)
+        return Rollout(batch["input_ids"], batch["attention_mask"], batch["labels"])
+
+    def _reference_logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        with self.reference._frozen():
+            logits = self.reference.model(batch["input_ids"], batch["attention_mask"]).logits[:, :-1]
+        return token_log_probs(logits.float() / self.config.temperature, batch["input_ids"][:, 1:])
+
+    def _pop_rollout_metrics(self) -> dict[str, float]:
+        metrics, self.rollout_metrics = self.rollout_metrics, {}  # rollout statistics count once per rollout
+        return metrics
+
+    def evaluate(self) -> dict[str, float]:
+        return self._generation_eval()
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {"reward_normalizer": self.normalizer.state_dict() if self.normalizer else None}
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        if self.normalizer is not None and state.get("reward_normalizer"):
+            self.normalizer.load_state_dict(state["reward_normalizer"])
+
+
+class GRPOTrainer(_OnlineRLTrainer):
+    """GRPO (Shao et al. 2024) with the later refinements TRL users know: each rollout samples
+    ``num_generations`` completions per prompt, scores them with the reward functions, turns rewards
+    into group-relative advantages, and minimises the clipped objective plus beta * k3 KL.
+    ``num_iterations`` > 1 reuses a rollout for several steps against its stored log-probs.
+    per_device_train_batch_size counts completions; one step covers batch * accumulation / G prompts."""
+
+    stage = "grpo"
+
+    @property
+    def prompts_per_rollout(self) -> int:
+        config = self.config
+        return config.per_device_train_batch_size * config.gradient_accumulation_steps // config.num_generations
+
+    @property
+    def steps_per_rollout(self) -> int:
+        return self.config.num_iterations
+
+    @torch.no_grad()
+    def make_rollout(self, prompts: list[dict[str, Any]]) -> Rollout:
+        """Sample G completions per prompt, score them, and attach advantages and log-probs."""
+        config, group = self.config, self.config.num_generations
+        output = self._sample(prompts, group)
+        records = [prompts[i // group] for i in range(len(output.token_ids))]
+        rewards = self._score(records, output.token_ids)
         grouped_std = rewards.view(-1, group).std(-1)
-        metrics.update({"reward": float(rewards.mean()), "reward_std": float(grouped_std.mean()),
-                        "frac_reward_zero_std": float((grouped_std < 1e-6).float().mean())})
-        self.rollout_metrics = metrics
-        return process_rewards(rewards, normalizer=self.normalizer, clip=config.reward_clip)
+        self.rollout_metrics.update({"reward_std": float(grouped_std.mean()),
+                                     "frac_reward_zero_std": float((grouped_std < 1e-6).float().mean())})
+        rewards = process_rewards(rewards, normalizer=self.normalizer, clip=config.reward_clip)
+        # DAPO: a completion cut off at the length limit says nothing reliable about its reward
+        masked = [r == "length" for r in output.finish_reasons] if config.mask_truncated_completions else None
+        rollout = self._rows(records, output.token_ids, masked)
+        rollout.advantages = grpo_advantages(rewards, group, scale=config.scale_rewards)
+        parts = [self._to_device(b) for b in rollout.micro_batches(config.per_device_train_batch_size)]
+        with self.devices.autocast():
+            if config.num_iterations > 1:
+                rollout.old_logps = torch.cat([self._policy_logps(b).cpu() for b in parts])
+            if self.reference is not None:
+                rollout.ref_logps = torch.cat([self._reference_logps(b).cpu() for b in parts])
+        return rollout
 
-    def _rollout_logps(self, rollout: Rollout, model: nn.Module | None) -> torch.Tensor:
-        """Per-token log-probs of the rollout under the policy as it is now (old log-probs) or under
-        the reference (model None), micro-batch by micro-batch. Shapes: (N, T-1)."""
-        parts = []
-        for batch in rollout.micro_batches(self.config.per_device_train_batch_size):
-            batch = self._to_device(batch)
-            with self.devices.autocast():
-                if model is None:
-                    with self.reference._frozen():
-                        logits = self.reference.model(batch["input_ids"], batch["attention_mask"]).logits[:, :-1]
-                else:
-                    logits = self.policy(batch["input_ids"], batch["attention_mask"]).logits[:, :-1]
-            parts.append(token_log_probs(logits.float() / self.config.temperature, batch["input_ids"][:, 1:]).cpu())
-        return torch.cat(parts)
+    def rollout_schedule(self, rollout: Rollout) -> list[dict[str, torch.Tensor]]:
+        return rollout.micro_batches(self.config.per_device_train_batch_size) * self.config.num_iterations
 
-    # -- the loss
+    def _policy_logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.policy(batch["input_ids"], batch["attention_mask"]).logits[:, :-1].float() / self.config.temperature
+
+    def _policy_logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return token_log_probs(self._policy_logits(batch), batch["input_ids"][:, 1:])
+
     def loss_units(self, batch: dict[str, torch.Tensor]) -> int:
         loss_type = self.config.loss_type
         if loss_type == "grpo":
@@ -4445,27 +4625,152 @@ class GRPOTrainer(_ReferenceTrainer):
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
         config = self.config
         batch = _trim_columns(batch)
-        logits = self.policy(batch["input_ids"], batch["attention_mask"]).logits[:, :-1].float() / config.temperature
+        logits = self._policy_logits(batch)
         mask = batch["labels"][:, 1:] != IGNORE_INDEX  # (N, T-1)
         per_token = token_log_probs(logits, batch["input_ids"][:, 1:])
         loss, metrics = grpo_loss(per_token, batch.get("old_logps"), batch.get("ref_logps"), batch["advantages"], mask,
                                   epsilon_low=config.epsilon_low, epsilon_high=config.epsilon_high, beta=config.beta,
                                   loss_type=config.loss_type, max_completion_length=config.max_completion_length)
         metrics["entropy"] = float(_masked_mean(token_entropy(logits.detach()), mask.float()))
-        metrics.update(self.rollout_metrics)
-        self.rollout_metrics = {}  # rollout statistics count once per rollout
-        return loss * self.loss_units(batch), metrics
+        return loss * self.loss_units(batch), {**metrics, **self._pop_rollout_metrics()}
 
-    def evaluate(self) -> dict[str, float]:
-        return self._generation_eval()
+
+class PPOTrainer(_OnlineRLTrainer):
+    """PPO for language models (Ziegler et al. 2019; Ouyang et al. 2022), as TRL and LLaMA-Factory run it:
+    one completion per prompt; the score from the reward functions lands on the last completion
+    token, every token pays -kl_coef * (logp - ref_logp); GAE over the critic's values gives
+    advantages; ``ppo_epochs`` passes over shuffled mini-batches minimise the clipped policy loss
+    plus vf_coef * the clipped value loss minus entropy_coef * entropy. The KL coefficient adapts
+    towards ``ppo_target`` (or stays fixed). An experience buffer holds ppo_buffer_size mini-batches."""
+
+    stage = "ppo"
+
+    def __init__(self, config: PPOConfig, policy: PolicyModel, train_dataset: Any, *, reward_fn: RewardFn,
+                 reference: ReferenceModel | None = None, critic: ValueModel | None = None,
+                 eval_records: list[dict[str, Any]] | None = None, formatter: ChatFormatter | None = None,
+                 devices: DeviceManager | None = None) -> None:
+        self.critic = critic or ValueModel(policy.model.config.hidden_size, seed=config.seed)
+        self.kl_controller = (AdaptiveKLController(config.init_kl_coef, config.ppo_target, config.kl_horizon)
+                              if config.adap_kl_ctrl else FixedKLController(config.init_kl_coef))
+        super().__init__(config, policy, train_dataset, reward_fn=reward_fn, reference=reference,
+                         eval_records=eval_records, formatter=formatter, devices=devices)
+
+    def _normalise_rewards(self, config: PPOConfig) -> bool:
+        return config.reward_normalize or config.ppo_score_norm
+
+    @property
+    def prompts_per_rollout(self) -> int:
+        config = self.config
+        return config.per_device_train_batch_size * config.gradient_accumulation_steps * config.ppo_buffer_size
+
+    @property
+    def steps_per_rollout(self) -> int:
+        return self.config.ppo_epochs * self.config.ppo_buffer_size
+
+    def _setup_model(self) -> None:
+        self.policy.prepare_for_training(self.config)
+        self.critic.requires_grad_(True)
+        if self.critic.backbone is not None and self.config.finetuning_type in ("lora", "oft"):
+            self.critic.backbone = _prepare_backbone(self.critic.backbone, self.config)
+            self.critic.head.requires_grad_(True)
+        self.actor_critic = ActorCritic(self.policy.model, self.critic).to(self.devices.device)
+        self.model = self.devices.prepare(self.actor_critic)
+        self.model.train()
+
+    def _forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Temperature-scaled logits and values for positions that predict the next token. Shapes: (N, T-1, V), (N, T-1)."""
+        logits, values = self.model(batch["input_ids"], batch["attention_mask"])
+        return logits[:, :-1].float() / self.config.temperature, values[:, :-1].float()
+
+    @torch.no_grad()
+    def make_rollout(self, prompts: list[dict[str, Any]]) -> Rollout:
+        config = self.config
+        output = self._sample(prompts, 1)
+        scores = self._score(prompts, output.token_ids)
+        scores = process_rewards(scores, normalizer=self.normalizer, clip=config.reward_clip)
+        rollout = self._rows(prompts, output.token_ids)
+        logps, values, ref_logps = [], [], []
+        for batch in rollout.micro_batches(config.per_device_train_batch_size):
+            batch = self._to_device(batch)
+            with self.devices.autocast():
+                logits, value = self._forward(batch)
+                logps.append(token_log_probs(logits, batch["input_ids"][:, 1:]).cpu())
+                values.append(value.cpu())
+                ref_logps.append(self._reference_logps(batch).cpu())
+        rollout.old_logps, rollout.old_values, rollout.ref_logps = torch.cat(logps), torch.cat(values), torch.cat(ref_logps)
+        mask = rollout.completion_mask.float()
+        kl = (rollout.old_logps - rollout.ref_logps) * mask  # k1 estimate per token (Ziegler et al. 2019 eq. 2)
+        kl_coef = self.kl_controller.value
+        rewards = -kl_coef * kl
+        last = mask.shape[1] - 1 - mask.flip(1).argmax(1)  # each row's last completion token
+        rewards[torch.arange(len(scores)), last] += scores
+        if config.ppo_whiten_rewards:
+            rewards = whiten(rewards, mask, shift_mean=False) * mask
+        advantages, rollout.returns = compute_gae(rewards, rollout.old_values, mask, gamma=config.gamma, lam=config.lam)
+        rollout.advantages = whiten(advantages, mask) * mask if config.whiten_advantages else advantages
+        sequence_kl = kl.sum(-1)
+        self.rollout_metrics.update({
+            "objective/kl": float(sequence_kl.mean()), "objective/kl_coef": kl_coef,
+            "objective/scores": float(scores.mean()), "objective/rlhf_reward": float((scores - kl_coef * sequence_kl).mean()),
+            "returns/mean": float(_masked_mean(rollout.returns, mask)), "values/mean": float(_masked_mean(rollout.old_values, mask))})
+        self.kl_controller.update(float(sequence_kl.mean()), len(scores))
+        return rollout
+
+    def rollout_schedule(self, rollout: Rollout) -> list[dict[str, torch.Tensor]]:
+        """ppo_epochs passes, each over the rows in a fresh seeded order, cut into micro-batches."""
+        schedule = []
+        for epoch in range(self.config.ppo_epochs):
+            generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + self.rollout_index * 101 + epoch)
+            order = torch.randperm(rollout.input_ids.shape[0], generator=generator)
+            schedule += rollout.micro_batches(self.config.per_device_train_batch_size, order)
+        return schedule
+
+    def loss_units(self, batch: dict[str, torch.Tensor]) -> int:
+        return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+    def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        config = self.config
+        batch = _trim_columns(batch)
+        logits, values = self._forward(batch)
+        mask = batch["labels"][:, 1:] != IGNORE_INDEX
+        logps = token_log_probs(logits, batch["input_ids"][:, 1:])
+        policy_loss, metrics = ppo_policy_loss(logps, batch["old_logps"], batch["advantages"], mask,
+                                               clip_range=config.cliprange)
+        value_loss = ppo_value_loss(values, batch["old_values"], batch["returns"], mask,
+                                    clip_range_value=config.cliprange_value)
+        entropy = _masked_mean(token_entropy(logits), mask.float())
+        loss = policy_loss + config.vf_coef * value_loss - config.entropy_coef * entropy
+        value_clipped = (values - batch["old_values"]).abs() > config.cliprange_value
+        metrics.update({"loss/policy": float(policy_loss.detach()), "loss/value": float(value_loss.detach()),
+                        "entropy": float(entropy.detach()),
+                        "value/clipfrac": float(_masked_mean(value_clipped.float(), mask.float()))})
+        return loss * self.loss_units(batch), {**metrics, **self._pop_rollout_metrics()}
+
+    # -- checkpoints: the critic is saved beside the policy
+    def _save_model(self, directory: Path) -> None:
+        super()._save_model(directory)
+        critic = self.devices.unwrap(self.model).critic
+        if critic.shares_policy_backbone:
+            critic.save_pretrained(directory)
+        else:
+            critic.save_pretrained(directory / "critic", self.policy.tokenizer)
+
+    def _load_model(self, directory: Path) -> None:
+        super()._load_model(directory)
+        critic = self.devices.unwrap(self.model).critic
+        if critic.shares_policy_backbone:
+            critic.load_head(directory)
+        else:
+            load_weights_into(critic.backbone, directory / "critic")
+            critic.load_head(directory / "critic")
 
     def _extra_state(self) -> dict[str, Any]:
-        return {"reward_normalizer": self.normalizer.state_dict() if self.normalizer else None}
+        return {**super()._extra_state(), "kl_coef": self.kl_controller.value}
 
     def _load_extra_state(self, state: dict[str, Any]) -> None:
-        if self.normalizer is not None and state.get("reward_normalizer"):
-            self.normalizer.load_state_dict(state["reward_normalizer"])
-
+        super()._load_extra_state(state)
+        if "kl_coef" in state:
+            self.kl_controller.value = state["kl_coef"]
 
 # ==== 10. Orchestrator ====
 
@@ -4541,7 +4846,7 @@ def _check_packing_supported(policy: PolicyModel, config: SFTConfig) -> None:
 
 
 STAGE_RECORD_KINDS = {"sft": "sft", "rm": "preference", "dpo": "preference", "simpo": "preference",
-                      "orpo": "preference", "kto": "kto", "grpo": "prompt"}
+                      "orpo": "preference", "kto": "kto", "grpo": "prompt", "ppo": "prompt"}
 
 
 def _load_policy(config: BaseConfig, devices: DeviceManager) -> PolicyModel:
@@ -4676,11 +4981,28 @@ def train_grpo(config: GRPOConfig, devices: DeviceManager | None = None) -> Trai
                        formatter=formatter, devices=devices).train()
 
 
+def train_ppo(config: PPOConfig, devices: DeviceManager | None = None) -> TrainResult:
+    """Run the PPO stage: reward functions, a critic (value head on the policy, or value_model), a reference."""
+    records, devices = _start_stage(config, devices)
+    reward_fn = RewardFunctionFactory(config, devices.device).build()
+    policy = _load_policy(config, devices)
+    critic = None
+    if config.value_model:
+        critic, _ = ValueModel.from_pretrained(config.value_model, device=devices.device, seed=config.seed,
+                                               dtype=_model_dtype(config), attn_implementation=config.attn_implementation,
+                                               trust_remote_code=config.trust_remote_code, cache_dir=config.cache_dir)
+    formatter = ChatFormatter(policy.tokenizer, config.template)
+    train, eval_records = _prompt_datasets(config, records, policy.tokenizer, formatter, devices)
+    reference = create_reference_model(config, policy)
+    return PPOTrainer(config, policy, train, reward_fn=reward_fn, reference=reference, critic=critic,
+                      eval_records=eval_records, formatter=formatter, devices=devices).train()
+
+
 STAGE_RUNNERS: dict[str, Callable[[BaseConfig], TrainResult]] = {
     "sft": train_sft, "rm": train_rm, "dpo": train_dpo, "simpo": train_dpo, "orpo": train_dpo, "kto": train_kto,
-    "grpo": train_grpo}
+    "grpo": train_grpo, "ppo": train_ppo}
 # stages whose output is a policy the next stage starts from (rm produces a scorer instead)
-POLICY_STAGES = ("sft", "dpo", "simpo", "orpo", "kto", "grpo")
+POLICY_STAGES = ("sft", "dpo", "simpo", "orpo", "kto", "grpo", "ppo")
 
 
 def append_report(output_dir: str | os.PathLike, entry: dict[str, Any]) -> Path:
