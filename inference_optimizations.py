@@ -4,14 +4,18 @@ This module never imports ``rlhf``: rewards, process rewards and values come in 
 so it is usable on its own. Today it holds the attention-backend choice shared with training and
 the generation engine (batched sampling over a KV cache); the paged KV cache, Best-of-N, speculative decoding and MCTS build on it.
 
-Public names: select_attention_implementation, SamplingParams, GenerationOutput, generate
+Public names: select_attention_implementation, SamplingParams, GenerationOutput, generate, GENERATION_ENGINES
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import inspect
 import logging
-from dataclasses import dataclass
+import time
+import weakref
+from dataclasses import dataclass, field
 
 import torch
 
@@ -113,24 +117,11 @@ def _has_stop_string(tokenizer, tokens: list[int], stop_strings: tuple[str, ...]
     return any(stop in tail for stop in stop_strings)
 
 
-@torch.inference_mode()
-def generate(model: torch.nn.Module, prompts: list[list[int]], params: SamplingParams | None = None, *,
-             pad_token_id: int, eos_token_id: int | None = None, tokenizer=None) -> GenerationOutput:
-    """Batched sampling for any Hugging Face causal LM over its KV cache.
-
-    Prompts are left-padded and prefilled once; with ``n > 1`` the cache is repeated so the samples
-    share that prefill. Each step feeds only the new tokens. Greedy output equals
-    ``model.generate(do_sample=False)`` token for token. ``stop_strings`` need ``tokenizer``.
-    Shapes: prompts are token-id lists; every output list has len(prompts) * n rows.
-    """
-    params = params or SamplingParams()
-    if params.stop_strings and tokenizer is None:
-        raise ValueError("stop_strings need a tokenizer to decode the completions")
+def _generate_eager(model: torch.nn.Module, prompts: list[list[int]], params: SamplingParams, *, pad_token_id: int,
+                    stops: set[int], tokenizer, generator: torch.Generator) -> GenerationOutput:
+    """The general loop: the model's own (dynamic) cache, one forward per step, multinomial sampling,
+    checks every step. Works for any causal LM, recurrent ones included (they recompute the sequence)."""
     device = next(model.parameters()).device
-    stops = set(params.stop_token_ids) | ({eos_token_id} if eos_token_id is not None else set())
-    generator = torch.Generator(device=device)
-    # no seed: draw one from torch's global generator, so set_seed still makes the run reproducible
-    generator.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,))))
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad_token_id] * (width - len(p)) + list(p) for p in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
@@ -187,3 +178,331 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], params: SamplingP
     logprob_lists = [row[:count] for row, count in zip(logprobs.tolist(), counts)]
     reasons = ["stop" if s else "length" for s in stopped.tolist()]
     return GenerationOutput(token_lists, logprob_lists, reasons, [r // params.n for r in range(rows)])
+
+
+# -- fast path: static KV cache + one fused decode step, optionally torch.compile'd --------------------------
+
+GENERATION_ENGINES = ("auto", "compiled", "static", "eager")
+AUTO_COMPILE_AFTER_TOKENS = 200_000  # engine="auto" compiles a shape once this many tokens were decoded in it uncompiled
+CHECK_DONE_EVERY = 8  # decode steps between host syncs (all-done check, stop strings)
+_DECODE_ATTENTION = "rlhf_decode"  # registered with transformers' attention interfaces on first use
+_NOISE_FLOOR = 1e-20
+
+
+@dataclass
+class _FastState:
+    """Per-model bookkeeping of the fast path (held weakly: it dies with the model)."""
+
+    compiled_step: object = None
+    compile_failed: str = ""
+    tokens_by_key: dict = field(default_factory=dict)  # uncompiled tokens decoded per compile key
+    compile_seconds: dict = field(default_factory=dict)  # first compiled call per key (compile + one step)
+
+
+_FAST_STATE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_LOGGED: set[tuple[str, str]] = set()
+
+
+def _log_once(kind: str, message: str, *args) -> None:
+    text = message % args
+    if (kind, text) not in _LOGGED:
+        _LOGGED.add((kind, text))
+        logger.info(text)
+
+
+def compile_seconds(model: torch.nn.Module) -> dict:
+    """Seconds the first compiled decode step took for each compiled shape of ``model`` (compilation
+    included): ``{(rows, cache_len, greedy, top_k, top_p): seconds}``; empty when nothing was compiled."""
+    state = _FAST_STATE.get(model)
+    return dict(state.compile_seconds) if state else {}
+
+
+def _cache_length(needed: int) -> int:
+    """Static cache length for ``needed`` positions, bucketed so prompt widths that differ a little
+    (online RL) share one compiled shape: multiples of 64 below 512, then of 1/8..1/4 of the size."""
+    step = max(64, 1 << max(0, needed.bit_length() - 3))
+    return -(-needed // step) * step
+
+
+def _decode_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """Decode attention for a static cache: grouped query heads attend their shared KV head without
+    materialising repeated keys/values (SDPA's CPU kernel and repeat_kv dominate a small model's step).
+    Same maths as eager attention (scores in the model dtype, softmax in float32). Anything unusual
+    (soft-capping, sinks, dropout) goes to the SDPA implementation."""
+    if dropout or kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None \
+            or getattr(module, "sinks", None) is not None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    batch, heads, q_len, head_dim = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    scale = scaling if scaling is not None else head_dim ** -0.5
+    scores = torch.matmul(query.reshape(batch, kv_heads, groups * q_len, head_dim), key.transpose(-1, -2)) * scale
+    scores = scores.float().view(batch, kv_heads, groups, q_len, kv_len)
+    if attention_mask is not None:
+        mask = attention_mask[..., :kv_len]
+        mask = mask[:, :, None] if mask.shape[1] == 1 else mask.view(batch, kv_heads, groups, q_len, kv_len)
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    probs = scores.softmax(-1).to(value.dtype).view(batch, kv_heads, groups * q_len, kv_len)
+    out = torch.matmul(probs, value).view(batch, heads, q_len, value.shape[-1])
+    return out.transpose(1, 2), None
+
+
+def _register_decode_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    if _DECODE_ATTENTION not in AttentionInterface._global_mapping:
+        AttentionInterface.register(_DECODE_ATTENTION, _decode_attention)
+        AttentionMaskInterface.register(_DECODE_ATTENTION, sdpa_mask)  # boolean masks, True = attend
+
+
+def _static_path_unsupported(model: torch.nn.Module) -> str:
+    """Why ``model`` cannot use the static-cache path ('' when it can)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return "the model has no Hugging Face config"
+    if getattr(config, "model_type", "") in RECURRENT_MODEL_TYPES:
+        return f"{config.model_type} is recurrent (no per-position KV cache)"
+    if getattr(config, "is_encoder_decoder", False):
+        return "encoder-decoder models are not supported"
+    if not getattr(model, "_can_compile_fullgraph", False):
+        return f"{type(model).__name__} does not declare static-cache/compile support (_can_compile_fullgraph)"
+    try:
+        from transformers import StaticCache
+        from transformers.cache_utils import StaticLayer
+
+        layers = StaticCache(config=config, max_cache_len=8).layers
+    except Exception as error:  # noqa: BLE001 - any failure means: use the general loop
+        return f"transformers cannot build a StaticCache for it ({error})"
+    if not layers or any(type(layer) is not StaticLayer for layer in layers):
+        return "its cache has sliding-window, linear-attention or other non-full-attention layers"
+    return ""
+
+
+def _sample(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor | None, done: torch.Tensor,
+            stop_ids: torch.Tensor, pad_token_id: int, top_k: int, top_p: float):
+    """One token per row: greedy (``uniform is None``) or Gumbel-max sampling over the top-k/top-p
+    filtered distribution (argmax(logits - log(-log U)) draws from softmax(logits)); finished rows get
+    the pad token. Returns (tokens, log-prob of each under the temperature before filtering, done)."""
+    scaled = logits.float() / temperature
+    if uniform is None:
+        chosen = scaled.argmax(-1)
+    else:
+        filtered = _filter_logits(scaled, top_k, top_p)
+        gumbel = -torch.log(-torch.log(uniform.clamp_min(_NOISE_FLOOR)))
+        chosen = (filtered + gumbel).argmax(-1)
+    chosen = chosen.masked_fill(done, pad_token_id)
+    logprob = torch.log_softmax(scaled, -1).gather(-1, chosen[:, None]).squeeze(-1)
+    return chosen, logprob, done | torch.isin(chosen, stop_ids)
+
+
+def _decode_step(model, token, position, mask, cache, temperature, uniform, done, stop_ids, pad_token_id: int,
+                 top_k: int, top_p: float):
+    """Feed one token per row through the static cache and sample the next: fixed shapes, no host sync."""
+    logits = model(input_ids=token[:, None], attention_mask=mask, position_ids=position[:, None],
+                   past_key_values=cache, use_cache=True).logits[:, -1]
+    chosen, logprob, done = _sample(logits, temperature, uniform, done, stop_ids, pad_token_id, top_k, top_p)
+    return chosen, logprob, done, position + 1
+
+
+def _compiled_step(state: _FastState):
+    if state.compiled_step is None:
+        state.compiled_step = torch.compile(_decode_step, dynamic=False)  # one graph per (rows, cache length)
+    return state.compiled_step
+
+
+class _FallBack(Exception):
+    """The static path cannot serve this model after all; the general loop takes over."""
+
+
+def _generate_static(model: torch.nn.Module, prompts: list[list[int]], params: SamplingParams, *, pad_token_id: int,
+                     stops: set[int], tokenizer, generator: torch.Generator, compiled: bool,
+                     state: _FastState, key: tuple) -> GenerationOutput:
+    """Prefill the distinct prompts (the model's dynamic cache, its own attention), copy the KV into a
+    preallocated StaticCache (repeated for the n samples), then decode with one fused step per token
+    (forward + sampling + log-prob + stop check) over fixed shapes, compiled or not. Host syncs only
+    every CHECK_DONE_EVERY steps."""
+    from transformers import StaticCache
+
+    device = next(model.parameters()).device
+    n, steps = params.n, params.max_new_tokens
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_token_id] * (width - len(p)) + list(p) for p in prompts], device=device)
+    prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+    extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    out = model(input_ids=ids, attention_mask=prompt_mask, position_ids=positions, use_cache=True, **extra)
+    prefilled = getattr(out.past_key_values, "layers", None)
+    cache_len = key[1]
+    cache = StaticCache(config=model.config, max_cache_len=cache_len)
+    if not prefilled or len(prefilled) != len(cache.layers) \
+            or any(getattr(layer, "keys", None) is None or layer.keys.dim() != 4 for layer in prefilled):
+        raise _FallBack(f"{type(out.past_key_values).__name__} layers do not map onto a StaticCache")
+    for static, dynamic in zip(cache.layers, prefilled):  # share the prefill among the n samples
+        keys, values = dynamic.keys.repeat_interleave(n, 0), dynamic.values.repeat_interleave(n, 0)
+        static.lazy_initialization(keys, values)
+        static.keys[:, :, :width].copy_(keys)
+        static.values[:, :, :width].copy_(values)
+        static.cumulative_length.fill_(width)
+    logits = out.logits[:, -1].repeat_interleave(n, 0)
+    del out, prefilled
+    rows = logits.shape[0]
+    mask = torch.ones(rows, cache_len, dtype=prompt_mask.dtype, device=device)  # generated positions are all real
+    mask[:, :width] = prompt_mask.repeat_interleave(n, 0)
+    position = positions[:, -1].repeat_interleave(n, 0) + 1
+    stop_ids = torch.tensor(sorted(stops), device=device, dtype=torch.long)
+    temperature = torch.tensor(1.0 if params.greedy else params.temperature, device=device)
+    vocab = logits.shape[-1]
+
+    def noise():
+        return None if params.greedy else torch.rand(rows, vocab, device=device, generator=generator)
+
+    tokens = torch.full((rows, steps), pad_token_id, device=device, dtype=torch.long)
+    logprobs = torch.zeros(rows, steps, device=device)
+    done = torch.zeros(rows, dtype=torch.bool, device=device)
+    string_end: dict[int, int] = {}  # row -> step whose token completed a stop string
+    checked, finished = 0, [False] * rows  # steps scanned for stop strings; rows done before them
+    token, logprob, done = _sample(logits, temperature, noise(), done, stop_ids, pad_token_id, params.top_k,
+                                   params.top_p)
+    tokens[:, 0], logprobs[:, 0] = token, logprob
+    step_fn, saved_attention = _decode_step, model.config._attn_implementation
+    if compiled:
+        step_fn = _compiled_step(state)
+    if compiled and saved_attention in ("sdpa", "eager"):  # uncompiled, the fused SDPA kernel is fewer ops
+        _register_decode_attention()
+        model.config._attn_implementation = _DECODE_ATTENTION
+    ran, guards = 1, contextlib.ExitStack()
+    try:
+        for step in range(1, steps + 1):
+            if step % CHECK_DONE_EVERY == 0 or step == steps:
+                if params.stop_strings:  # scan the new tokens of the rows still running before them
+                    host_tokens, host_done = tokens[:, :step].tolist(), done.tolist()
+                    for row in range(rows):
+                        if row in string_end or finished[row]:
+                            continue
+                        for t in range(checked, step):
+                            if host_tokens[row][t] in stops:
+                                break
+                            if _has_stop_string(tokenizer, host_tokens[row][:t + 1], params.stop_strings):
+                                string_end[row] = t
+                                break
+                    checked, finished = step, host_done
+                    if string_end:
+                        done[list(string_end)] = True
+                if step == steps or bool(done.all()):
+                    break
+            args = (model, token, position, mask, cache, temperature, noise(), done, stop_ids, pad_token_id,
+                    params.top_k, params.top_p)
+            if step_fn is _decode_step or step > 1:
+                token, logprob, done, position = step_fn(*args)
+            else:  # the first compiled call of this generate: full guard checks, maybe a compilation
+                started = time.perf_counter()
+                try:
+                    with torch._dynamo.config.patch(recompile_limit=max(64, torch._dynamo.config.recompile_limit)):
+                        token, logprob, done, position = step_fn(*args)
+                except Exception as error:  # noqa: BLE001 - e.g. no C++ compiler: run the same step uncompiled
+                    state.compile_failed = f"{type(error).__name__}: {error}"
+                    logger.warning("torch.compile of the decode step failed (%s); decoding uncompiled",
+                                   state.compile_failed[:300])
+                    for layer in cache.layers:  # undo a partial step
+                        layer.cumulative_length.fill_(width)
+                    step_fn = _decode_step
+                    model.config._attn_implementation = saved_attention
+                    token, logprob, done, position = step_fn(*args)
+                else:
+                    if key not in state.compile_seconds:
+                        state.compile_seconds[key] = time.perf_counter() - started
+                        logger.info("compiled the decode step for rows=%d cache_len=%d in %.1f s", key[0], key[1],
+                                    state.compile_seconds[key])
+                    # the remaining steps have the same shapes, types and flags as this one, so the graph
+                    # dynamo just selected stays valid: skip re-evaluating its guards every token
+                    guards.enter_context(torch.compiler.set_stance("default", skip_guard_eval_unsafe=True))
+            tokens[:, step], logprobs[:, step] = token, logprob
+            ran = step + 1
+    finally:
+        guards.close()
+        model.config._attn_implementation = saved_attention
+    if step_fn is _decode_step:
+        state.tokens_by_key[key] = state.tokens_by_key.get(key, 0) + rows * ran
+    tokens, logprobs = tokens[:, :ran], logprobs[:, :ran]
+    hit = torch.isin(tokens, stop_ids)  # the first stop token ends a row (later ones are pads)
+    first_stop = torch.where(hit.any(-1), hit.float().argmax(-1), ran).tolist()
+    lengths, reasons = [], []
+    for row in range(rows):
+        end = min(first_stop[row], string_end.get(row, ran))
+        lengths.append(min(end + 1, ran))
+        reasons.append("stop" if end < ran else "length")
+    token_lists = [row[:count] for row, count in zip(tokens.tolist(), lengths)]
+    logprob_lists = [row[:count] for row, count in zip(logprobs.tolist(), lengths)]
+    return GenerationOutput(token_lists, logprob_lists, reasons, [r // n for r in range(rows)])
+
+
+def _choose_engine(model: torch.nn.Module, engine: str, params: SamplingParams, rows: int,
+                   cache_len: int) -> tuple[str, tuple]:
+    key = (rows, cache_len, params.greedy, params.top_k, params.top_p)
+    if engine == "eager":
+        return "eager", key
+    why_not = _static_path_unsupported(model)
+    if why_not:
+        _log_once(type(model).__name__, "generation: general decode loop for %s: %s", type(model).__name__, why_not)
+        return "eager", key
+    state = _FAST_STATE.setdefault(model, _FastState())
+    if engine == "static" or (engine == "compiled" and state.compile_failed):
+        return "static", key
+    if engine == "compiled":
+        return "compiled", key
+    # auto: compiling costs tens of seconds, so pay it only for a shape that has already decoded
+    # AUTO_COMPILE_AFTER_TOKENS tokens uncompiled (at most ~2x the best cost in hindsight)
+    if state.compile_failed:
+        return "static", key
+    if key in state.compile_seconds or state.tokens_by_key.get(key, 0) >= AUTO_COMPILE_AFTER_TOKENS:
+        return "compiled", key
+    return "static", key
+
+
+@torch.inference_mode()
+def generate(model: torch.nn.Module, prompts: list[list[int]], params: SamplingParams | None = None, *,
+             pad_token_id: int, eos_token_id: int | None = None, tokenizer=None,
+             engine: str = "auto") -> GenerationOutput:
+    """Batched sampling for any Hugging Face causal LM over its KV cache.
+
+    Prompts are left-padded and prefilled once; with ``n > 1`` the cache is repeated so the samples
+    share that prefill. Each step feeds only the new tokens. Greedy output equals
+    ``model.generate(do_sample=False)`` token for token. ``stop_strings`` need ``tokenizer``.
+    Shapes: prompts are token-id lists; every output list has len(prompts) * n rows.
+
+    ``engine``: ``static`` decodes over a preallocated StaticCache with one fused step per token
+    (forward, Gumbel-max sampling, log-prob, stop check; host syncs every CHECK_DONE_EVERY steps);
+    ``compiled`` is the same step under ``torch.compile`` (one graph per (rows, bucketed cache length,
+    sampling mode); widths are bucketed by ``_cache_length`` so changing prompt widths reuse it; the
+    first call of a shape pays the compilation, see ``compile_seconds``); ``eager`` is the general loop
+    over the model's own cache (multinomial sampling). ``auto`` (default) runs ``static``, switches a
+    shape to ``compiled`` once it has decoded AUTO_COMPILE_AFTER_TOKENS tokens, and uses ``eager`` for
+    models the static path cannot serve (recurrent, sliding-window or other caches; logged once).
+    A seed reproduces samples within one engine; engines draw differently (same distribution).
+    """
+    params = params or SamplingParams()
+    if engine not in GENERATION_ENGINES:
+        raise ValueError(f"engine '{engine}' is not one of {', '.join(GENERATION_ENGINES)}")
+    if params.stop_strings and tokenizer is None:
+        raise ValueError("stop_strings need a tokenizer to decode the completions")
+    device = next(model.parameters()).device
+    stops = set(params.stop_token_ids) | ({eos_token_id} if eos_token_id is not None else set())
+    generator = torch.Generator(device=device)
+    # no seed: draw one from torch's global generator, so set_seed still makes the run reproducible
+    generator.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,))))
+    rows = len(prompts) * params.n
+    width = max(len(p) for p in prompts)
+    chosen, key = _choose_engine(model, engine, params, rows, _cache_length(width + params.max_new_tokens))
+    if chosen != "eager":
+        try:
+            return _generate_static(model, prompts, params, pad_token_id=pad_token_id, stops=stops,
+                                    tokenizer=tokenizer, generator=generator, compiled=chosen == "compiled",
+                                    state=_FAST_STATE[model], key=key)
+        except _FallBack as why:
+            _log_once(type(model).__name__, "generation: general decode loop for %s: %s", type(model).__name__, why)
+    return _generate_eager(model, prompts, params, pad_token_id=pad_token_id, stops=stops, tokenizer=tokenizer,
+                           generator=generator)
