@@ -1,6 +1,8 @@
 """The generation engine of inference_optimizations.py: greedy output equals Hugging Face's
 ``generate`` token for token, n samples share one prefill, seeds reproduce, log-probs are the
-model's own, and stop tokens / stop strings / length limits end completions with their reason."""
+model's own, and stop tokens / stop strings / length limits end completions with their reason.
+Both decode loops are covered: ``static`` (StaticCache + fused step, what ``auto`` runs) and
+``eager`` (the model's own cache); one smoke test compiles the static step."""
 
 from __future__ import annotations
 
@@ -36,13 +38,16 @@ def _hf_greedy(model, prompts, pad, eos, max_new_tokens):
     return out
 
 
-@pytest.mark.parametrize("arch,attn", [("llama", "sdpa"), ("llama", "eager"), ("qwen2", "sdpa"), ("gpt2", "sdpa"),
-                                       ("mamba", "eager")])
-def test_greedy_equals_hf_generate(arch, attn, tiny_arch_dir, tiny_tokenizer, prompts):
+@pytest.mark.parametrize("arch,attn,engine", [("llama", "sdpa", "auto"), ("llama", "eager", "auto"),
+                                              ("llama", "sdpa", "eager"), ("qwen2", "sdpa", "auto"),
+                                              ("gpt2", "sdpa", "auto"), ("gpt2", "sdpa", "eager"),
+                                              ("mamba", "eager", "auto")])
+def test_greedy_equals_hf_generate(arch, attn, engine, tiny_arch_dir, tiny_tokenizer, prompts):
     model = _model(tiny_arch_dir, arch, attn)
     pad, eos = tiny_tokenizer.pad_token_id, tiny_tokenizer.eos_token_id
+    assert bool(io._static_path_unsupported(model)) == (arch == "mamba")  # auto: static path, mamba: eager loop
     ours = io.generate(model, prompts, io.SamplingParams(max_new_tokens=12, do_sample=False),
-                       pad_token_id=pad, eos_token_id=eos)
+                       pad_token_id=pad, eos_token_id=eos, engine=engine)
     want = _hf_greedy(model, prompts, pad, eos, 12)
     for got, expected, reason in zip(ours.token_ids, want, ours.finish_reasons, strict=True):
         expected = expected[:expected.index(eos) + 1] if eos in expected else expected
@@ -50,10 +55,11 @@ def test_greedy_equals_hf_generate(arch, attn, tiny_arch_dir, tiny_tokenizer, pr
         assert reason == ("stop" if got[-1] == eos else "length")
 
 
-def test_logprobs_are_the_models_own(tiny_arch_dir, tiny_tokenizer, prompts):
+@pytest.mark.parametrize("engine", ["static", "eager"])
+def test_logprobs_are_the_models_own(engine, tiny_arch_dir, tiny_tokenizer, prompts):
     model = _model(tiny_arch_dir, "llama")
     out = io.generate(model, prompts[:2], io.SamplingParams(max_new_tokens=6, temperature=0.7, seed=1),
-                      pad_token_id=tiny_tokenizer.pad_token_id)
+                      pad_token_id=tiny_tokenizer.pad_token_id, engine=engine)
     for prompt, tokens, logprobs in zip(prompts, out.token_ids, out.logprobs):
         ids = torch.tensor([prompt + tokens])
         logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1] / 0.7
@@ -61,16 +67,17 @@ def test_logprobs_are_the_models_own(tiny_arch_dir, tiny_tokenizer, prompts):
         torch.testing.assert_close(torch.tensor(logprobs), want, atol=1e-4, rtol=1e-4)
 
 
-def test_n_samples_share_the_prefill_and_seed_reproduces(tiny_arch_dir, tiny_tokenizer, prompts):
+@pytest.mark.parametrize("engine", ["static", "eager"])
+def test_n_samples_share_the_prefill_and_seed_reproduces(engine, tiny_arch_dir, tiny_tokenizer, prompts):
     model = _model(tiny_arch_dir, "llama")
     params = io.SamplingParams(max_new_tokens=8, n=4, temperature=1.5, seed=7)
-    first = io.generate(model, prompts[:2], params, pad_token_id=tiny_tokenizer.pad_token_id)
-    again = io.generate(model, prompts[:2], params, pad_token_id=tiny_tokenizer.pad_token_id)
+    first = io.generate(model, prompts[:2], params, pad_token_id=tiny_tokenizer.pad_token_id, engine=engine)
+    again = io.generate(model, prompts[:2], params, pad_token_id=tiny_tokenizer.pad_token_id, engine=engine)
     assert first.token_ids == again.token_ids and first.prompt_index == [0, 0, 0, 0, 1, 1, 1, 1]
     assert len({tuple(t) for t in first.token_ids[:4]}) > 1  # samples differ
     calls = []
     hook = model.model.embed_tokens.register_forward_hook(lambda m, i, o: calls.append(tuple(i[0].shape)))
-    io.generate(model, prompts[:2], params, pad_token_id=tiny_tokenizer.pad_token_id)
+    io.generate(model, prompts[:2], params, pad_token_id=tiny_tokenizer.pad_token_id, engine=engine)
     hook.remove()
     assert calls[0][0] == 2  # the prompts were prefilled once each, not once per sample
     assert all(shape == (8, 1) for shape in calls[1:])  # then one new token per row per step
@@ -102,3 +109,89 @@ def test_stop_strings_and_lengths(tiny_arch_dir, tiny_tokenizer, prompts):
         io.generate(model, prompts[:1], io.SamplingParams(stop_strings=("x",)), pad_token_id=pad)
     with pytest.raises(ValueError):
         io.SamplingParams(top_p=0)
+
+
+def test_static_path_matches_eager_across_lengths_and_stops(tiny_arch_dir, tiny_tokenizer, prompts):
+    """Different prompt widths (one crossing a cache-length bucket), rows stopping at different steps,
+    before and after the periodic done check, by stop id and by stop string: the fused static loop
+    ends every row exactly where the step-by-step loop does."""
+    model = _model(tiny_arch_dir, "llama")
+    pad = tiny_tokenizer.pad_token_id
+    batch = [prompts[0], prompts[3][:3], prompts[1] + prompts[2]]  # widths differ a lot
+    free = io.generate(model, batch, io.SamplingParams(max_new_tokens=30, do_sample=False), pad_token_id=pad,
+                       engine="eager")
+    want = _hf_greedy(model, batch, pad, None, 30)
+    assert free.token_ids == want
+    long_prompt = [batch[2] * 3]  # width + max_new_tokens beyond the first 64-position bucket
+    assert io._cache_length(len(long_prompt[0]) + 30) > 64
+    assert io.generate(model, long_prompt, io.SamplingParams(max_new_tokens=30, do_sample=False), pad_token_id=pad,
+                       engine="static").token_ids == _hf_greedy(model, long_prompt, pad, None, 30)
+    stop_ids = (free.token_ids[0][2], free.token_ids[1][11])  # rows end near the start / after a done check
+    stop_text = tiny_tokenizer.decode(free.token_ids[2][17:19])
+    for params in (io.SamplingParams(max_new_tokens=30, do_sample=False, stop_token_ids=stop_ids),
+                   io.SamplingParams(max_new_tokens=30, do_sample=False, stop_token_ids=stop_ids,
+                                     stop_strings=(stop_text,)),
+                   io.SamplingParams(max_new_tokens=30, temperature=0.9, top_p=0.9, seed=3, stop_token_ids=stop_ids,
+                                     stop_strings=(stop_text,))):
+        eager = io.generate(model, batch, params, pad_token_id=pad, tokenizer=tiny_tokenizer, engine="eager")
+        static = io.generate(model, batch, params, pad_token_id=pad, tokenizer=tiny_tokenizer, engine="static")
+        if params.greedy:
+            assert static.token_ids == eager.token_ids
+            assert static.finish_reasons == eager.finish_reasons == ["stop", "stop", "stop" if params.stop_strings
+                                                                     else static.finish_reasons[2]]
+            assert len(static.token_ids[0]) <= 3 and len(static.token_ids[1]) <= 12
+        for tokens, reason, logprobs in zip(static.token_ids, static.finish_reasons, static.logprobs):
+            ends_on_stop = tokens[-1] in stop_ids or stop_text in tiny_tokenizer.decode(tokens)
+            assert reason == ("stop" if ends_on_stop else "length") and len(logprobs) == len(tokens)
+            assert not any(t in stop_ids for t in tokens[:-1])  # nothing after the first stop token
+
+
+def test_cache_length_buckets_and_auto_engine(tiny_arch_dir):
+    assert [io._cache_length(n) for n in (1, 64, 65, 81, 500, 513, 700, 2000)] == [64, 64, 128, 128, 512, 640, 768,
+                                                                                 2048]
+    model = _model(tiny_arch_dir, "llama")
+    params = io.SamplingParams(max_new_tokens=8)
+    assert io._choose_engine(model, "auto", params, 16, 64)[0] == "static"
+    key = (16, 64, False, 0, 1.0)
+    io._FAST_STATE[model].tokens_by_key[key] = io.AUTO_COMPILE_AFTER_TOKENS  # enough uncompiled work in this shape
+    assert io._choose_engine(model, "auto", params, 16, 64) == ("compiled", key)
+    assert io._choose_engine(model, "auto", params, 16, 128)[0] == "static"  # another shape: not yet
+    assert io._choose_engine(model, "eager", params, 16, 64)[0] == "eager"
+    with pytest.raises(ValueError, match="engine"):
+        io.generate(model, [[1, 2]], params, pad_token_id=0, engine="fast")
+
+
+def test_compile_failure_falls_back_to_the_same_step_uncompiled(tiny_arch_dir, tiny_tokenizer, prompts, monkeypatch):
+    model = _model(tiny_arch_dir, "llama")
+    pad = tiny_tokenizer.pad_token_id
+    params = io.SamplingParams(max_new_tokens=9, n=2, seed=4)
+    want = io.generate(model, prompts, params, pad_token_id=pad, engine="static")
+
+    def broken(*args):
+        for layer in args[4].layers:  # a failure after the cache already advanced
+            layer.cumulative_length.add_(1)
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(io, "_compiled_step", lambda state: broken)
+    got = io.generate(model, prompts, params, pad_token_id=pad, engine="compiled")
+    assert got.token_ids == want.token_ids and "no compiler" in io._FAST_STATE[model].compile_failed
+    assert io._choose_engine(model, "compiled", params, 8, 64)[0] == "static"
+
+
+def test_compiled_step_matches_static_and_survives_weight_updates(tiny_arch_dir, tiny_tokenizer, prompts):
+    """One compilation (the slow part of this file): the compiled fused step samples the same tokens as
+    the uncompiled one from the same seed; then, as in online RL, the weights change in place and the
+    prompts change width within the cache-length bucket: no recompilation, the new weights are used."""
+    model = _model(tiny_arch_dir, "llama")
+    pad, eos = tiny_tokenizer.pad_token_id, tiny_tokenizer.eos_token_id
+    params = io.SamplingParams(max_new_tokens=10, n=2, temperature=1.0, seed=5)
+    for batch in (prompts, [p[1:] for p in prompts]):
+        static = io.generate(model, batch, params, pad_token_id=pad, eos_token_id=eos, engine="static")
+        compiled = io.generate(model, batch, params, pad_token_id=pad, eos_token_id=eos, engine="compiled")
+        assert compiled.token_ids == static.token_ids and compiled.finish_reasons == static.finish_reasons
+        for got, want in zip(compiled.logprobs, static.logprobs):
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-4, rtol=1e-4)
+        with torch.no_grad():
+            model.lm_head.weight.mul_(4.0)  # a sharper policy: different samples next round
+    assert list(io.compile_seconds(model)) == [(8, 64, False, 0, 1.0)]  # compiled once, reused
+    assert not io._FAST_STATE[model].compile_failed
