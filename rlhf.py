@@ -78,6 +78,7 @@ class TrainingStage(str, enum.Enum):
 
     SFT = "sft"
     RM = "rm"
+    PRM = "prm"
     DPO = "dpo"
     SIMPO = "simpo"
     ORPO = "orpo"
@@ -112,6 +113,7 @@ DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "kto_pair", "robust", "bco_pair", "
                   "apo_zero", "apo_down")
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")  # section 5's grpo_loss aggregations
 REWARD_SCALES = ("group", "batch", "none")
+PRM_AGGREGATIONS = ("min", "product", "last")  # how a process reward model combines its step scores
 PREF_LOSSES = DPO_LOSS_TYPES + ("orpo", "simpo")  # LLaMA-Factory's pref_loss: the DPO family plus two reference-free
 
 
@@ -272,6 +274,32 @@ class RewardModelConfig(BaseConfig):
 
 
 @dataclass
+class ProcessRewardModelConfig(RewardModelConfig):
+    """Process reward model: a score per reasoning step, trained on chosen/rejected pairs (outcome
+    ranking of the aggregated step scores) plus per-step labels where the data has them."""
+
+    step_delimiter: str = _opt("\n", "Text that ends a reasoning step (escape sequences like \\n are understood)")
+    prm_aggregation: str = _opt("min", "How step scores make a response's score: min | product | last")
+    step_label_weight: float = _opt(1.0, "Weight of the per-step cross-entropy on labelled steps (0: outcome ranking only)")
+    prm_step_labeler: str = _opt("none", "Label steps without labels in the data: none | arithmetic (the demo's verifier)")
+
+    stage: typing.ClassVar[str] = "prm"
+
+    def _normalise(self) -> None:
+        super()._normalise()
+        if "\\" in self.step_delimiter:  # YAML/CLI users write \n for a newline
+            self.step_delimiter = self.step_delimiter.encode().decode("unicode_escape")
+
+    def _validate(self) -> None:
+        super()._validate()
+        _check(bool(self.step_delimiter), "step_delimiter", "must not be empty")
+        _check_choice(self.prm_aggregation, PRM_AGGREGATIONS, "prm_aggregation")
+        _check_choice(self.prm_step_labeler, ("none", "arithmetic"), "prm_step_labeler")
+        _check(self.step_label_weight >= 0, "step_label_weight", "must be >= 0")
+        _check(self.ensemble_size == 1, "ensemble_size", "must be 1 for a process reward model")
+
+
+@dataclass
 class DPOConfig(BaseConfig):
     """Direct preference optimisation and its family (pref_loss), on chosen/rejected pairs."""
 
@@ -355,6 +383,7 @@ class OnlineRLConfig(BaseConfig):
     reward_funcs: list[str] = _opt([], "Reward functions: exact_answer, format, length, reward_model, api, or module:function")
     reward_weights: list[float] = _opt([], "One weight per reward function, in order (default: all 1.0)")
     reward_model: str | None = _opt(None, "Reward model (or ensemble) directory saved by the rm stage ('rm' in a pipeline: its rm stage)")
+    process_reward_model: str | None = _opt(None, "Process reward model directory (prm stage; 'prm' in a pipeline), for reward_funcs 'process_reward_model'")
     reward_model_type: str = _opt("full", "How reward_model is used: full | lora (an adapter over its base; both load from the directory) | api (reward_api_url)")
     reward_uncertainty_penalty: float = _opt(0.0, "Subtract this times the ensemble's std from the learned reward (pessimism under uncertainty)")
     reward_api_url: str | None = _opt(None, "HTTP endpoint for reward_funcs 'api': POST {prompts, responses} -> {rewards}")
@@ -374,7 +403,7 @@ class OnlineRLConfig(BaseConfig):
         _check(self.temperature > 0 and 0 < self.top_p <= 1 and self.top_k >= 0, "temperature/top_p/top_k",
                "need temperature > 0, 0 < top_p <= 1 and top_k >= 0")
         _check_choice(self.reward_model_type, ("full", "lora", "api"), "reward_model_type")
-        _check(bool(self.reward_funcs) or bool(self.reward_model) or self.reward_model_type == "api", "reward_funcs",
+        _check(bool(self.reward_names()), "reward_funcs",
                "is empty: name at least one, e.g. reward_funcs=exact_answer,format (or set reward_model)")
         _check(not self.reward_weights or len(self.reward_weights) == len(self.reward_names()), "reward_weights",
                f"needs one weight per reward function ({', '.join(self.reward_names())})")
@@ -388,6 +417,8 @@ class OnlineRLConfig(BaseConfig):
         names = list(self.reward_funcs)
         if (self.reward_model or self.reward_model_type == "api") and "reward_model" not in names:
             names.append("reward_model")
+        if self.process_reward_model and "process_reward_model" not in names:
+            names.append("process_reward_model")
         return names
 
 
@@ -462,7 +493,8 @@ class PPOConfig(OnlineRLConfig):
             _check(getattr(self, name) >= 0, name, "must be >= 0")
         _check(0 < self.gamma <= 1 and 0 <= self.lam <= 1, "gamma/lam", "need 0 < gamma <= 1 and 0 <= lam <= 1")
 
-STAGE_CONFIGS: dict[str, type[BaseConfig]] = {"sft": SFTConfig, "rm": RewardModelConfig, "dpo": DPOConfig,
+STAGE_CONFIGS: dict[str, type[BaseConfig]] = {"sft": SFTConfig, "rm": RewardModelConfig,
+                                              "prm": ProcessRewardModelConfig, "dpo": DPOConfig,
                                               "simpo": SimPOConfig, "orpo": ORPOConfig, "kto": KTOConfig,
                                               "grpo": GRPOConfig, "ppo": PPOConfig}
 
@@ -703,8 +735,9 @@ class PipelineConfig:
         raw["output_dir"] = str(Path(self.output_dir) / stage)
         if model_name_or_path is not None:
             raw["model_name_or_path"] = model_name_or_path
-        if raw.get("reward_model") == "rm":  # the reward model trained by this pipeline's rm stage
-            raw["reward_model"] = str(Path(self.output_dir) / "rm")
+        for key, stage_name in (("reward_model", "rm"), ("process_reward_model", "prm"), ("value_model", "rm")):
+            if raw.get(key) == stage_name:  # the model trained by this pipeline's rm / prm stage
+                raw[key] = str(Path(self.output_dir) / stage_name)
         return build_config(STAGE_CONFIGS[stage], raw, where=f"{self.source} [{stage}]")
 
     def to_dict(self) -> dict[str, Any]:
@@ -1562,6 +1595,9 @@ def _parse_canonical(raw: dict[str, Any], location: str) -> dict[str, Any]:
         messages = [{"role": "user", "content": _text(raw, "prompt", location, required=True)}]
         system = _text(raw, "system", location) or ""
     parsed = {"system": system, "messages": messages}
+    for key in STEP_LABEL_KEYS:
+        if raw.get(key) is not None:
+            parsed[key] = raw[key]
     for key in ("response", "chosen", "rejected"):
         value = raw.get(key)
         if isinstance(value, list):  # conversational completion: the assistant message(s)
@@ -1569,6 +1605,15 @@ def _parse_canonical(raw: dict[str, Any], location: str) -> dict[str, Any]:
             raw = {**raw, key: value}
         parsed[key] = _text(raw, key, location)
     return parsed
+
+
+STEP_LABEL_KEYS = ("chosen_step_labels", "rejected_step_labels")  # optional per-step correctness (process rewards)
+
+
+def _step_labels(value: Any, location: str, key: str) -> list[bool | None]:
+    if not isinstance(value, list) or not all(v is None or isinstance(v, (bool, int)) for v in value):
+        raise RLHFInputError(f"{location}: '{key}' must be a list of true/false/null, one per reasoning step")
+    return [None if v is None else bool(v) for v in value]
 
 
 def _detect_format(raw: Any, location: str) -> str:
@@ -1639,6 +1684,9 @@ def to_record(parsed: dict[str, Any], kind: str, location: str) -> dict[str, Any
         record["rejected"] = need("rejected", "'rejected' response")
         if parsed.get("margin") is not None:  # TRL's optional per-pair margin for the reward-model loss
             record["margin"] = float(parsed["margin"])
+        for key in STEP_LABEL_KEYS:
+            if parsed.get(key) is not None:
+                record[key] = _step_labels(parsed[key], location, key)
     elif kind == "kto":
         record["response"] = need("response", "response (completion)")
         if parsed["label"] is None:
@@ -1761,9 +1809,13 @@ class ChatFormatter:
 
     def completion_ids(self, record: dict[str, Any], completion: str) -> list[int]:
         """Tokens of ``completion`` as the template renders it after the prompt (end marker included)."""
+        return self.encode(self.completion_text(record, completion))
+
+    def completion_text(self, record: dict[str, Any], completion: str) -> str:
+        """What the template renders after the prompt for this assistant turn (end marker included)."""
         prompt = self.render(record["system"], record["messages"], add_generation_prompt=True)
         full = self.render(record["system"], record["messages"] + [{"role": "assistant", "content": completion}], False)
-        return self.encode(self._suffix(full, prompt, record))
+        return self._suffix(full, prompt, record)
 
     def _suffix(self, full: str, prefix: str, record: dict[str, Any]) -> str:
         if not full.startswith(prefix):
@@ -2263,6 +2315,125 @@ class KTOCollator:
         return batch
 
 
+EQUATION_PATTERN = re.compile(r"(-?\d+)\s*([-+*])\s*(-?\d+)\s*=\s*(-?\d+)")
+
+
+def split_steps(response: str, delimiter: str = "\n") -> list[str]:
+    """Reasoning steps: the response cut after each ``delimiter``; blank pieces join the step before
+    them, so concatenating the steps gives the response back exactly."""
+    steps: list[str] = []
+    parts = response.split(delimiter)
+    for i, part in enumerate(parts):
+        piece = part + (delimiter if i < len(parts) - 1 else "")
+        if steps and not part.strip():
+            steps[-1] += piece
+        elif piece:
+            steps.append(piece)
+    return steps
+
+
+def arithmetic_step_labels(steps: list[str]) -> list[bool | None]:
+    """The demo's step verifier (Math-Shepherd-style automatic labels): a step ``a op b = c`` is
+    correct when the arithmetic holds; an ``Answer: N`` step when N is the last computed value;
+    other steps are unlabelled (None)."""
+    labels: list[bool | None] = []
+    last = None
+    for step in steps:
+        equation, answer = EQUATION_PATTERN.search(step), ANSWER_PATTERN.search(step)
+        if equation:
+            a, op, b, c = int(equation[1]), equation[2], int(equation[3]), int(equation[4])
+            labels.append({"+": a + b, "-": a - b, "*": a * b}[op] == c)
+            last = c
+        elif answer:
+            labels.append(last is None or answer[1] == str(last))
+        else:
+            labels.append(None)
+    return labels
+
+
+STEP_LABELERS: dict[str, Callable[[list[str]], list[bool | None]] | None] = {"none": None, "arithmetic": arithmetic_step_labels}
+
+
+def encode_steps(formatter: ChatFormatter, record: dict[str, Any], response: str, delimiter: str
+                 ) -> tuple[list[int], list[int]]:
+    """Completion tokens as the template renders them, with each step tokenised on its own so that
+    its last token is known. Returns (completion ids, index of each step's last token)."""
+    text = formatter.completion_text(record, response)
+    start = text.find(response) if response else -1
+    pieces = [text] if start < 0 else [text[:start], *split_steps(response, delimiter), text[start + len(response):]]
+    ids: list[int] = []
+    ends: list[int] = []
+    for i, piece in enumerate(pieces):
+        ids += formatter.encode(piece)
+        if 0 < i < len(pieces) - 1 and ids:
+            ends.append(len(ids) - 1)
+    return ids, ends if start >= 0 else [len(ids) - 1]
+
+
+def _encode_process_pair(formatter: ChatFormatter, record: dict[str, Any], cutoff_len: int, delimiter: str,
+                         labeler: Callable[[list[str]], list[bool | None]] | None) -> tuple[dict[str, Any], str]:
+    prompt = formatter.prompt_ids(record)
+    item: dict[str, Any] = {}
+    encoded = {}
+    for side in ("chosen", "rejected"):
+        ids, ends = encode_steps(formatter, record, record[side], delimiter)
+        steps = split_steps(record[side], delimiter)
+        labels = record.get(f"{side}_step_labels") or (labeler(steps) if labeler else [None] * len(steps))
+        if len(labels) != len(ends):
+            raise RLHFInputError(f"{record.get('location', 'record')}: {len(labels)} step labels for {len(ends)} "
+                                 f"'{side}' steps (steps are split at {delimiter!r})")
+        encoded[side] = (ids, ends, labels)
+    prompt, (chosen, rejected), status = truncate_prompt_and_responses(
+        prompt, [encoded["chosen"][0], encoded["rejected"][0]], cutoff_len)
+    for side, kept in (("chosen", chosen), ("rejected", rejected)):
+        _, ends, labels = encoded[side]
+        pairs = [(end, label) for end, label in zip(ends, labels) if end < len(kept)]  # steps cut off are dropped
+        if not pairs:
+            return {}, "dropped"
+        item[f"{side}_ids"] = kept
+        item[f"{side}_steps"] = [end for end, _ in pairs]
+        item[f"{side}_labels"] = [-1.0 if label is None else float(label) for _, label in pairs]
+    item["prompt_ids"] = prompt
+    return item, status
+
+
+class ProcessPreferenceDataset(_EncodedRecords):
+    """Preference pairs for a process reward model: items as in :class:`PreferenceDataset` plus,
+    per side, the position of each step's last token (``chosen_steps``) and its label
+    (``chosen_labels``: 1 correct, 0 wrong, -1 unknown) from the record or from ``labeler``."""
+
+    kind = "preference"
+
+    def __init__(self, records: list[dict[str, Any]], tokenizer: Any, formatter: ChatFormatter, *, cutoff_len: int,
+                 delimiter: str = "\n", labeler: str = "none") -> None:
+        if labeler not in STEP_LABELERS:
+            raise RLHFInputError(f"config field 'prm_step_labeler' is '{labeler}'; valid: {', '.join(STEP_LABELERS)}")
+        self.delimiter, self.labeler = delimiter, STEP_LABELERS[labeler]
+        super().__init__(records, tokenizer, formatter, cutoff_len=cutoff_len)
+
+    def _encode(self, record: dict[str, Any]) -> tuple[dict[str, Any], str]:
+        return _encode_process_pair(self.formatter, record, self.cutoff_len, self.delimiter, self.labeler)
+
+
+@dataclass
+class ProcessPreferenceCollator:
+    """Pairs -> 2B right-padded rows (chosen first) plus step positions into those rows.
+    Shapes: input_ids, attention_mask, labels (2B, T); step_positions, step_mask, step_labels (2B, S)."""
+
+    pad_token_id: int
+
+    def __call__(self, items: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        batch = PreferenceCollator(self.pad_token_id)(items)
+        rows = [(i, side) for side in ("chosen", "rejected") for i in items]
+        width = max(len(item[f"{side}_steps"]) for item, side in rows)
+        positions = [[len(item["prompt_ids"]) + end for end in item[f"{side}_steps"]] for item, side in rows]
+        labels = [item[f"{side}_labels"] for item, side in rows]
+        batch["step_positions"] = torch.tensor([p + [0] * (width - len(p)) for p in positions], dtype=torch.long)
+        batch["step_mask"] = torch.tensor([[True] * len(p) + [False] * (width - len(p)) for p in positions])
+        batch["step_labels"] = torch.tensor([lab + [-1.0] * (width - len(lab)) for lab in labels], dtype=torch.float32)
+        return batch
+
+
 # ==== 4. Models ====
 
 
@@ -2677,6 +2848,76 @@ class RewardEnsemble(nn.Module):
     @staticmethod
     def write_manifest(directory: str | os.PathLike, member_dirs: list[str]) -> None:
         (Path(directory) / RewardEnsemble.MANIFEST).write_text(json.dumps({"members": member_dirs}, indent=1))
+
+
+def aggregate_step_scores(step_logits: torch.Tensor, step_mask: torch.Tensor, how: str = "min") -> torch.Tensor:
+    """A response's process reward from its step logits, in log space: log p_k = logsigmoid(logit_k);
+    ``min`` takes the weakest step, ``product`` sums the log-probs (all steps right, independently),
+    ``last`` the final step (Lightman et al. 2023 sec. 2.6 compare min and product). A response
+    without steps scores 0 (= log 1). Shapes: (B, S) logits and bool mask -> (B)."""
+    if how not in PRM_AGGREGATIONS:
+        raise RLHFInputError(f"unknown step aggregation '{how}'; valid: {', '.join(PRM_AGGREGATIONS)}")
+    log_p = F.logsigmoid(step_logits.float())
+    mask = step_mask.bool()
+    if how == "min":
+        return log_p.masked_fill(~mask, float("inf")).min(-1).values.masked_fill(~mask.any(-1), 0.0)
+    if how == "product":
+        return (log_p * mask).sum(-1)
+    last = (mask.shape[1] - 1 - mask.flip(1).int().argmax(1)).clamp(min=0)
+    return log_p.gather(1, last[:, None]).squeeze(1) * mask.any(-1)
+
+
+class ProcessRewardModel(nn.Module):
+    """A score for every reasoning step (Lightman et al. 2023; Wang et al. 2024, Math-Shepherd): the
+    reward model's backbone and 2-layer head, read at the last token of each step instead of the
+    last token of the sequence. Step logits -> probabilities of "this step is right"; a response's
+    score aggregates them (min | product | last). Saved like a RewardModel plus ``prm_config.json``."""
+
+    CONFIG_FILE = "prm_config.json"
+
+    def __init__(self, model: RewardScorer, tokenizer: Any, step_delimiter: str = "\n", aggregation: str = "min") -> None:
+        super().__init__()
+        _check_choice(aggregation, PRM_AGGREGATIONS, "prm_aggregation")
+        self.model, self.tokenizer = model, tokenizer
+        self.step_delimiter, self.aggregation = step_delimiter, aggregation
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, *, step_delimiter: str | None = None, aggregation: str | None = None,
+                        **kwargs: Any) -> ProcessRewardModel:
+        reward = RewardModel.from_pretrained(name_or_path, **kwargs)
+        path = Path(resolve_model_path(name_or_path, kwargs.get("cache_dir"))) / cls.CONFIG_FILE
+        saved = json.loads(path.read_text()) if path.exists() else {}
+        return cls(reward.model, reward.tokenizer, step_delimiter or saved.get("step_delimiter", "\n"),
+                   aggregation or saved.get("aggregation", "min"))
+
+    def prepare_for_training(self, config: BaseConfig) -> ProcessRewardModel:
+        RewardModel(self.model, self.tokenizer).prepare_for_training(config)
+        return self
+
+    def num_parameters(self, trainable_only: bool = False) -> int:
+        return sum(p.numel() for p in self.model.parameters() if p.requires_grad or not trainable_only)
+
+    def step_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, step_positions: torch.Tensor) -> torch.Tensor:
+        """Shapes: ids, mask (B, T), step_positions (B, S) -> logits (B, S)."""
+        hidden = decoder_of(self.model.backbone)(input_ids=input_ids, attention_mask=attention_mask,
+                                                 use_cache=False).last_hidden_state
+        at_steps = hidden.gather(1, step_positions[..., None].expand(-1, -1, hidden.shape[-1]))  # (B, S, H)
+        return self.model.head(at_steps.to(self.model.head[0].weight.dtype)).squeeze(-1)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, step_positions: torch.Tensor,
+                step_mask: torch.Tensor) -> torch.Tensor:
+        """Aggregated log-probability that every step is right. Shapes: -> (B)."""
+        return aggregate_step_scores(self.step_logits(input_ids, attention_mask, step_positions), step_mask,
+                                     self.aggregation)
+
+    def save_pretrained(self, directory: str | os.PathLike) -> None:
+        RewardModel(self.model, self.tokenizer).save_pretrained(directory)
+        (Path(directory) / self.CONFIG_FILE).write_text(json.dumps(
+            {"step_delimiter": self.step_delimiter, "aggregation": self.aggregation,
+             "score": "last token of each step"}, indent=1))
+
+    def load_weights(self, directory: str | os.PathLike) -> None:
+        RewardModel(self.model, self.tokenizer).load_weights(directory)
 
 
 class ValueModel(nn.Module):
@@ -3325,6 +3566,39 @@ class LearnedReward:
         return torch.cat(means) - self.uncertainty_penalty * self.last_uncertainty
 
 
+class ProcessReward:
+    """A process reward model as a reward function: each completion's steps are scored and
+    aggregated; the reward is the aggregated probability that every step is right, in [0, 1]."""
+
+    wants_records = True
+
+    def __init__(self, model: ProcessRewardModel, *, template: str = "auto", batch_size: int = 32) -> None:
+        self.model = model.requires_grad_(False).eval()
+        self.formatter = ChatFormatter(model.tokenizer, template)
+        self.batch_size = batch_size
+
+    @torch.no_grad()
+    def __call__(self, prompts: list[str], completions: list[str], answers: list[str | None],
+                 records: list[dict[str, Any]] | None = None) -> torch.Tensor:
+        records = _prompt_records(prompts, records)
+        collator = ProcessPreferenceCollator(self.model.tokenizer.pad_token_id)
+        device = next(self.model.parameters()).device
+        scores = []
+        for start in range(0, len(completions), self.batch_size):
+            items = []
+            for record, completion in zip(records[start:start + self.batch_size], completions[start:start + self.batch_size]):
+                ids, ends = encode_steps(self.formatter, record, completion, self.model.step_delimiter)
+                items.append({"prompt_ids": self.formatter.prompt_ids(record), "chosen_ids": ids, "rejected_ids": ids,
+                              "chosen_steps": ends, "rejected_steps": ends, "chosen_labels": [-1.0] * len(ends),
+                              "rejected_labels": [-1.0] * len(ends)})
+            batch = {k: v.to(device) for k, v in collator(items).items()}
+            rows = len(items)  # the collator doubles rows (chosen, rejected); both halves are the same completion
+            log_p = self.model(batch["input_ids"][:rows], batch["attention_mask"][:rows], batch["step_positions"][:rows],
+                               batch["step_mask"][:rows])
+            scores.append(log_p.exp().float().cpu())
+        return torch.cat(scores)
+
+
 class RewardAPIError(RLHFInputError):
     """The reward service stayed down or answered something that is not one reward per response."""
 
@@ -3503,10 +3777,16 @@ class RewardFunctionFactory:
             return HTTPReward(config.reward_api_url, timeout=config.reward_api_timeout, retries=config.reward_api_retries)
         if name == "reward_model":
             return self.learned()
+        if name == "process_reward_model":
+            if not config.process_reward_model:
+                raise RLHFInputError("config field 'process_reward_model' is not set; give the prm stage's output directory")
+            model = ProcessRewardModel.from_pretrained(config.process_reward_model, device=self.device, is_trainable=False)
+            return ProcessReward(model, template=config.template, batch_size=config.per_device_eval_batch_size)
         if ":" in name:
             return self._import(name)
         raise RLHFInputError(f"config field 'reward_funcs': unknown reward '{name}'; valid: "
-                             f"{', '.join([*self.RULES, 'length', 'reward_model', 'api'])}, or module:function")
+                             f"{', '.join([*self.RULES, 'length', 'reward_model', 'process_reward_model', 'api'])}, "
+                             f"or module:function")
 
     def learned(self) -> LearnedReward:
         if self._learned is None:
@@ -4107,6 +4387,77 @@ class RewardModelTrainer(BaseTrainer):
 
     def _save_model(self, directory: Path) -> None:
         RewardModel(self.devices.unwrap(self.policy.model), self.policy.tokenizer).save_pretrained(directory)
+
+    def _load_model(self, directory: Path) -> None:
+        RewardModel(self.devices.unwrap(self.policy.model), self.policy.tokenizer).load_weights(directory)
+
+
+class ProcessRewardModelTrainer(RewardModelTrainer):
+    """Process reward model training: the aggregated step scores of chosen and rejected are ranked
+    pairwise (an outcome signal every preference pair has), and labelled steps add a binary
+    cross-entropy weighted by ``step_label_weight`` (the PRM800K / Math-Shepherd signal).
+    Evaluates pairwise accuracy of the aggregated scores and accuracy on labelled steps."""
+
+    stage = "prm"
+
+    def __init__(self, config: ProcessRewardModelConfig, model: ProcessRewardModel, train_dataset: Any, *,
+                 eval_dataset: Any = None, devices: DeviceManager | None = None) -> None:
+        BaseTrainer.__init__(self, config, model, train_dataset, eval_dataset=eval_dataset, devices=devices,
+                             collator=ProcessPreferenceCollator(model.tokenizer.pad_token_id))
+
+    def _pair_losses(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        losses, chosen, rejected, _ = self._losses_and_steps(batch)
+        return losses, chosen, rejected
+
+    def _losses_and_steps(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+        model = self.policy
+        logits = model.step_logits(batch["input_ids"], batch["attention_mask"], batch["step_positions"]).float()  # (2B, S)
+        scores = aggregate_step_scores(logits, batch["step_mask"], model.aggregation)
+        chosen, rejected = scores.chunk(2)
+        losses = reward_model_loss(chosen, rejected, batch.get("margin"))
+        labelled = (batch["step_labels"] >= 0) & batch["step_mask"]
+        steps = {"correct": 0, "count": int(labelled.sum())}
+        if self.config.step_label_weight and labelled.any():
+            bce = F.binary_cross_entropy_with_logits(logits, batch["step_labels"].clamp(min=0), reduction="none") * labelled
+            per_row = bce.sum(-1) / labelled.sum(-1).clamp(min=1)  # mean over each response's labelled steps
+            losses = losses + self.config.step_label_weight * sum(per_row.chunk(2))
+            steps["correct"] = int((((logits > 0).float() == batch["step_labels"]) & labelled).sum())
+        return losses, chosen.detach(), rejected.detach(), steps
+
+    def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        losses, chosen, rejected, steps = self._losses_and_steps(batch)
+        metrics = {"rewards/accuracies": float((chosen > rejected).float().mean()),
+                   "rewards/margins": float((chosen - rejected).mean())}
+        if steps["count"]:
+            metrics["steps/accuracy"] = steps["correct"] / steps["count"]
+        return losses.sum(), metrics
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        if self.eval_dataset is None or not len(self.eval_dataset):
+            return {}
+        self.model.eval()
+        losses, margins, correct, count = [], [], 0, 0
+        size = self.config.per_device_eval_batch_size
+        for start in range(0, len(self.eval_dataset), size):
+            items = [self.eval_dataset[i] for i in range(start, min(start + size, len(self.eval_dataset)))]
+            with self.devices.autocast():
+                loss, chosen, rejected, steps = self._losses_and_steps(self._to_device(self.collator(items)))
+            losses.append(loss)
+            margins.append(chosen - rejected)
+            correct, count = correct + steps["correct"], count + steps["count"]
+        self.model.train()
+        margin = torch.cat(margins)
+        metrics = {"eval/loss": float(torch.cat(losses).mean()), "eval/accuracy": float((margin > 0).float().mean()),
+                   "eval/margin": float(margin.mean())}
+        if count:
+            metrics["eval/step_accuracy"] = correct / count
+        return metrics
+
+    def _save_model(self, directory: Path) -> None:
+        model = self.policy
+        ProcessRewardModel(self.devices.unwrap(model.model), model.tokenizer, model.step_delimiter,
+                           model.aggregation).save_pretrained(directory)
 
     def _load_model(self, directory: Path) -> None:
         RewardModel(self.devices.unwrap(self.policy.model), self.policy.tokenizer).load_weights(directory)
@@ -4845,7 +5196,7 @@ def _check_packing_supported(policy: PolicyModel, config: SFTConfig) -> None:
                              f"packed examples, so they would see each other; set packing=false")
 
 
-STAGE_RECORD_KINDS = {"sft": "sft", "rm": "preference", "dpo": "preference", "simpo": "preference",
+STAGE_RECORD_KINDS = {"sft": "sft", "rm": "preference", "prm": "preference", "dpo": "preference", "simpo": "preference",
                       "orpo": "preference", "kto": "kto", "grpo": "prompt", "ppo": "prompt"}
 
 
@@ -4917,6 +5268,25 @@ def train_rm(config: RewardModelConfig, devices: DeviceManager | None = None) ->
     formatter = ChatFormatter(reward_model.tokenizer, config.template)
     train, validation, _ = _preference_datasets(config, records, reward_model.tokenizer, formatter, devices)
     return RewardModelTrainer(config, reward_model, train, eval_dataset=validation, devices=devices).train()
+
+
+def train_prm(config: ProcessRewardModelConfig, devices: DeviceManager | None = None) -> TrainResult:
+    """Run the process-reward-model stage on preference pairs (step labels from the data or a labeler)."""
+    records, devices = _start_stage(config, devices)
+    model = ProcessRewardModel.from_pretrained(config.model_name_or_path, dtype=_model_dtype(config),
+                                               attn_implementation=config.attn_implementation,
+                                               trust_remote_code=config.trust_remote_code, device=devices.device,
+                                               cache_dir=config.cache_dir, head_hidden=config.reward_head_hidden,
+                                               seed=config.seed, step_delimiter=config.step_delimiter,
+                                               aggregation=config.prm_aggregation)
+    formatter = ChatFormatter(model.tokenizer, config.template)
+    train_records, val_records, _ = records
+    if train_records is None:
+        raise RLHFInputError("config field 'streaming': the prm stage reads its pairs in memory; set streaming=false")
+    common = dict(cutoff_len=config.cutoff_len, delimiter=config.step_delimiter, labeler=config.prm_step_labeler)
+    train = ProcessPreferenceDataset(train_records, model.tokenizer, formatter, **common)
+    validation = ProcessPreferenceDataset(val_records, model.tokenizer, formatter, **common) if val_records else None
+    return ProcessRewardModelTrainer(config, model, train, eval_dataset=validation, devices=devices).train()
 
 
 def _train_rm_ensemble(config: RewardModelConfig, devices: DeviceManager | None) -> TrainResult:
@@ -4999,7 +5369,7 @@ def train_ppo(config: PPOConfig, devices: DeviceManager | None = None) -> TrainR
 
 
 STAGE_RUNNERS: dict[str, Callable[[BaseConfig], TrainResult]] = {
-    "sft": train_sft, "rm": train_rm, "dpo": train_dpo, "simpo": train_dpo, "orpo": train_dpo, "kto": train_kto,
+    "sft": train_sft, "rm": train_rm, "prm": train_prm, "dpo": train_dpo, "simpo": train_dpo, "orpo": train_dpo, "kto": train_kto,
     "grpo": train_grpo, "ppo": train_ppo}
 # stages whose output is a policy the next stage starts from (rm produces a scorer instead)
 POLICY_STAGES = ("sft", "dpo", "simpo", "orpo", "kto", "grpo", "ppo")
@@ -5048,6 +5418,7 @@ class RLHFOrchestrator:
         self.history: list[dict[str, Any]] = []
         self.current_model: str | None = None
         self.reward_model: str | None = None
+        self.process_reward_model: str | None = None
 
     def run_stage(self, stage: str) -> TrainResult:
         config = self.config.stage_config(stage, model_name_or_path=self.current_model)
@@ -5057,6 +5428,8 @@ class RLHFOrchestrator:
         self.history.append(entry)
         if stage in POLICY_STAGES:
             self.current_model = str(result.output_dir)
+        elif stage == "prm":
+            self.process_reward_model = str(result.output_dir)
         else:
             self.reward_model = str(result.output_dir)
         return result
@@ -5064,8 +5437,11 @@ class RLHFOrchestrator:
     def run_reward_model_training(self) -> TrainResult:
         return self.run_stage("rm")
 
+    def run_process_reward_model_training(self) -> TrainResult:
+        return self.run_stage("prm")
+
     def run_policy_optimization(self, stage: str = "dpo") -> TrainResult:
-        """One preference stage (dpo, simpo, orpo or kto) from the current policy."""
+        """One policy-optimisation stage (dpo, simpo, orpo, kto, grpo or ppo) from the current policy."""
         return self.run_stage(stage)
 
     def run_sft(self) -> TrainResult:
