@@ -1,7 +1,7 @@
 """rlhf — post-training for causal language models, in one module.
 
-Supervised fine-tuning, reward modelling and preference optimisation (DPO family, SimPO, ORPO, KTO)
-today; RL optimisation, evaluation and merging build on the same sections. Runs on a laptop CPU with the embedded ``tiny`` model and the
+Supervised fine-tuning, reward and process-reward modelling, preference optimisation (DPO family,
+SimPO, ORPO, KTO) and online RL (GRPO, PPO); evaluation and merging build on the same sections. Runs on a laptop CPU with the embedded ``tiny`` model and the
 bundled demo task, and on GPUs through accelerate.
 
     python rlhf.py pipeline --config configs/demo.yaml
@@ -9,14 +9,14 @@ bundled demo task, and on GPUs through accelerate.
 
 Table of contents (each section opens with a ``# ==== N. Title ====`` banner):
   0. Notation and registries — IGNORE_INDEX, RLHFInputError, TrainingStage
-  1. Configs — BaseConfig, SFTConfig, RewardModelConfig, DPOConfig, SimPOConfig, ORPOConfig, KTOConfig, PipelineConfig, load_config, save_config, config_help
+  1. Configs — BaseConfig, SFTConfig, RewardModelConfig, ProcessRewardModelConfig, DPOConfig, SimPOConfig, ORPOConfig, KTOConfig, OnlineRLConfig, GRPOConfig, PPOConfig, PipelineConfig, load_config, save_config, config_help
   2. Infrastructure — setup_logging, DeviceManager, TrainingLogger, CheckpointManager, create_optimizer, EarlyStopping, apply_lora, apply_freeze, compile_model, select_attention_implementation
-  3. Data — load_records, ChatFormatter, CHAT_TEMPLATES, SFTDataset, StreamingSFTDataset, pack_sequences, SFTCollator, PreferenceDataset, StreamingPreferenceDataset, KTODataset, StreamingKTODataset, PreferenceCollator, KTOCollator, GRPODataset, StreamingGRPODataset, extract_answer
-  4. Models — token_log_probs, load_tokenizer, build_tiny_model, resolve_model_path, PolicyModel, RewardModel, RewardEnsemble, ReferenceModel, create_reference_model
+  3. Data — load_records, ChatFormatter, CHAT_TEMPLATES, SFTDataset, StreamingSFTDataset, pack_sequences, SFTCollator, PreferenceDataset, StreamingPreferenceDataset, KTODataset, StreamingKTODataset, PreferenceCollator, KTOCollator, GRPODataset, StreamingGRPODataset, extract_answer, split_steps, arithmetic_step_labels, encode_steps, ProcessPreferenceDataset, ProcessPreferenceCollator
+  4. Models — token_log_probs, load_tokenizer, build_tiny_model, resolve_model_path, PolicyModel, RewardModel, RewardEnsemble, aggregate_step_scores, ProcessRewardModel, ValueModel, ActorCritic, ReferenceModel, create_reference_model
   5. Losses and advantages — causal_lm_loss_sum, sequence_log_probs, dpo_loss, PREFERENCE_LOSSES, simpo_loss, orpo_loss, kto_loss, reward_model_loss, whiten, grpo_advantages, grpo_loss, compute_gae, ppo_policy_loss, ppo_value_loss, AdaptiveKLController, FixedKLController
-  6. Rewards — exact_answer_reward, format_reward, length_penalty, CompositeReward, RunningRewardNormalizer
-  7. Trainers — BaseTrainer, SFTTrainer, RewardModelTrainer, DPOTrainer, SimPOTrainer, KTOTrainer, precompute_ref_log_probs, TrainResult
-  10. Orchestrator — train_sft, train_rm, train_dpo, train_kto, RLHFOrchestrator
+  6. Rewards — exact_answer_reward, format_reward, length_penalty, CompositeReward, LearnedReward, ProcessReward, HTTPReward, RewardAPIError, Principle, ConstitutionalRewardWrapper, RewardFunctionFactory, RunningRewardNormalizer, process_rewards
+  7. Trainers — BaseTrainer, TrainingDivergedError, SFTTrainer, RewardModelTrainer, ProcessRewardModelTrainer, DPOTrainer, SimPOTrainer, KTOTrainer, precompute_ref_log_probs, Rollout, token_entropy, GRPOTrainer, PPOTrainer, TrainResult
+  10. Orchestrator — train_sft, train_rm, train_prm, train_dpo, train_kto, train_grpo, train_ppo, RLHFOrchestrator
   11. CLI — main
 
 Notation used in ``Shapes:`` lines: B sequences in a batch, T tokens per sequence, V vocabulary size.
@@ -5476,7 +5476,7 @@ def _build_parser() -> Any:
     import argparse
 
     parser = argparse.ArgumentParser(prog="rlhf", description="Post-training for causal language models: "
-                                     "SFT today; reward models, DPO/KTO, GRPO/PPO join the same pipeline.",
+                                     "SFT, reward and process-reward models, DPO/SimPO/ORPO/KTO, GRPO and PPO.",
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"rlhf {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
