@@ -1,0 +1,573 @@
+"""GRPO end to end on the embedded tiny model: zero-advantage steps change nothing, the accumulated gradient
+equals an independent whole-rollout formula for every split (dapo / grpo / dr_grpo), num_iterations reuses a
+rollout against stored old log-probs, the beta > 0 reference starts at KL 0, a learnable reward is learned,
+non-finite rewards skip steps and stop a diverging run after a checkpoint, exact resume, config validation
+and the CLI.
+
+Every run is a handful of steps of 8 completions of at most 8-12 tokens (about 0.1 s a step on one thread).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import rlhf
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.one_thread
+
+
+# -- helpers ------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_tokenizer, demo_dir) -> rlhf.GRPODataset:
+    records = rlhf.load_records("demo_rl", demo_dir, "prompt", max_samples=32)
+    return rlhf.GRPODataset(records, tiny_tokenizer, rlhf.ChatFormatter(tiny_tokenizer), cutoff_len=64)
+
+
+def _config(tmp_path: Path, model_dir: Path, **overrides) -> rlhf.GRPOConfig:
+    settings = dict(model_name_or_path=str(model_dir), output_dir=str(tmp_path / "out"), finetuning_type="full",
+                    num_generations=4, per_device_train_batch_size=8, max_completion_length=8, cutoff_len=64,
+                    max_steps=2, beta=0.0, learning_rate=1e-3, lr_scheduler_type="constant", save_steps=0,
+                    logging_steps=1, disable_progress_bar=True, report_to="none", reward_funcs=["format"], seed=0,
+                    resume_from_checkpoint="none")
+    settings.update(overrides)
+    return rlhf.GRPOConfig(**settings)
+
+
+def _trainer(config: rlhf.GRPOConfig, dataset, reward_fn) -> rlhf.GRPOTrainer:
+    rlhf.set_seed(config.seed)
+    policy = rlhf.PolicyModel.from_pretrained(config.model_name_or_path)
+    reference = rlhf.create_reference_model(config, policy) if config.beta > 0 else None  # before training starts
+    return rlhf.GRPOTrainer(config, policy, dataset, reward_fn=reward_fn, reference=reference,
+                            formatter=rlhf.ChatFormatter(policy.tokenizer))
+
+
+def _state(trainer: rlhf.GRPOTrainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.policy.model.state_dict().items()}
+
+
+def _changed(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    assert a.keys() == b.keys()
+    return [k for k in a if not torch.equal(a[k], b[k])]
+
+
+def _rows(result: rlhf.TrainResult) -> list[dict]:
+    return [row for row in result.history if "loss" in row]
+
+
+class DigitShare:
+    """Share of digit characters in the completion: about 0.05 for the untrained tiny model, learnable."""
+
+    __name__ = "digit_share"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, prompts, completions, answers):
+        self.calls += 1
+        return torch.tensor([sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions])
+
+
+class Length(DigitShare):
+    """Characters in the completion: varies a lot within every group of the untrained model."""
+
+    def __call__(self, prompts, completions, answers):
+        self.calls += 1
+        return torch.tensor([float(len(c)) for c in completions])
+
+
+class PerPrompt(DigitShare):
+    """Depends on the prompt only: constant within each group, different across groups."""
+
+    def __call__(self, prompts, completions, answers):
+        self.calls += 1
+        return torch.tensor([float(len(p)) for p in prompts])
+
+
+class NaNOn(DigitShare):
+    """DigitShare, but completion 0 scores NaN on the calls listed (1-based; None: every call)."""
+
+    def __init__(self, calls: set[int] | None = None) -> None:
+        super().__init__()
+        self.bad_calls = calls
+
+    def __call__(self, prompts, completions, answers):
+        scores = super().__call__(prompts, completions, answers)
+        if self.bad_calls is None or self.calls in self.bad_calls:
+            scores[0] = float("nan")
+        return scores
+
+
+def _hand_logps(policy: rlhf.PolicyModel, input_ids, attention_mask, temperature: float) -> torch.Tensor:
+    """Per-token log-probs (N, T-1) by a plain log_softmax over the whole padded rollout."""
+    logits = policy.model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+
+
+def _window() -> dict:
+    return {"loss": 0.0, "units": 0.0, "tokens": 0, "since": time.time(), "metrics": {}}
+
+
+# -- a. no signal, no change ---------------------------------------------------------------------------------------
+
+
+def test_constant_reward_within_groups_changes_nothing(tmp_path, tiny_model_dir, prompts):
+    reward = PerPrompt()
+    trainer = _trainer(_config(tmp_path, tiny_model_dir, max_steps=3), prompts, reward)
+    before = _state(trainer)
+    result = trainer.train()
+    assert reward.calls == 3 and result.global_step == 3
+    assert _changed(before, _state(trainer)) == []  # zero advantages: zero gradient, Adam moves nothing
+    rows = _rows(result)
+    assert len(rows) == 3
+    for row in rows:
+        assert row["frac_reward_zero_std"] == 1.0 and row["reward_std"] == 0.0
+        assert row["loss"] == 0.0 and row["grad_norm"] == 0.0
+        assert row["reward"] > 5  # prompts are tens of characters long: the rewards themselves are not zero
+    assert "stability/skipped_steps" not in result.metrics
+
+
+# -- b. accumulation invariance against an independent formula ---------------------------------------------------------
+
+
+def _reference_loss(policy, rollout, loss_type: str, max_completion_length: int) -> torch.Tensor:
+    """The GRPO loss over the whole rollout at once, on-policy (ratio exp(logp - sg(logp)) = 1, beta 0)."""
+    logps = _hand_logps(policy, rollout.input_ids, rollout.attention_mask, 1.0)
+    mask = (rollout.labels[:, 1:] != rlhf.IGNORE_INDEX).float()
+    per_token = -torch.exp(logps - logps.detach()) * rollout.advantages[:, None]
+    if loss_type == "dapo":  # token mean over every completion token of the step
+        return (per_token * mask).sum() / mask.sum()
+    if loss_type == "grpo":  # mean over sequences of each sequence's token mean
+        return ((per_token * mask).sum(-1) / mask.sum(-1)).mean()
+    return (per_token * mask).sum() / (rollout.input_ids.shape[0] * max_completion_length)  # dr_grpo
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+def test_accumulation_invariance_on_one_rollout(loss_type, tmp_path, tiny_model_dir, prompts):
+    common = dict(loss_type=loss_type, max_grad_norm=0.0, max_completion_length=10)
+    whole = _trainer(_config(tmp_path / "a", tiny_model_dir, **common), prompts, Length())
+    split = _trainer(_config(tmp_path / "b", tiny_model_dir, per_device_train_batch_size=4,
+                             gradient_accumulation_steps=2, **common), prompts, Length())
+    assert whole.prompts_per_rollout == split.prompts_per_rollout == 2
+    torch.manual_seed(1)
+    rollout = whole.make_rollout([prompts[0], prompts[5]])
+    mask = rollout.labels[:, 1:] != rlhf.IGNORE_INDEX
+    lengths = mask.sum(-1)
+    assert rollout.input_ids.shape[0] == 8 and rollout.old_logps is None and rollout.ref_logps is None
+    assert rollout.advantages.abs().min() > 0 and len(set(lengths.tolist())) > 1  # unequal lengths: the split matters
+    assert int(lengths[:4].sum()) != int(lengths[4:].sum())  # so a per-micro-batch token mean would differ
+
+    reference = _reference_loss(whole.policy, rollout, loss_type, 10)
+    reference.backward()
+    want = {n: p.grad.detach().clone() for n, p in whole.policy.model.named_parameters()}
+    whole.policy.model.zero_grad(set_to_none=True)
+
+    def gradient(trainer: rlhf.GRPOTrainer, size: int) -> dict[str, torch.Tensor]:
+        seen = {}
+        original = trainer.optimizer.step
+
+        def step(*args, **kwargs):  # the gradient the optimizer is about to apply
+            seen.update({n: p.grad.detach().clone() for n, p in trainer.policy.model.named_parameters()})
+            return original(*args, **kwargs)
+
+        trainer.optimizer.step = step
+        batches = rollout.micro_batches(size)
+        assert len(batches) == trainer.config.gradient_accumulation_steps
+        trainer._optimizer_step(batches, _window())
+        assert seen, "the optimizer did not step"
+        return seen
+
+    got_whole, got_split = gradient(whole, 8), gradient(split, 4)
+    scale = max(float(g.abs().max()) for g in want.values())
+    assert scale > 1e-4
+    for name, expected in want.items():
+        torch.testing.assert_close(got_whole[name], expected, atol=1e-5 * scale, rtol=1e-4, msg=name)
+        torch.testing.assert_close(got_split[name], expected, atol=1e-5 * scale, rtol=1e-4, msg=name)
+
+
+def test_bnpo_averages_micro_batch_token_means(tmp_path, tiny_model_dir, prompts):
+    """bnpo is the one aggregation that depends on the split: the mean of each micro-batch's token mean."""
+    trainer = _trainer(_config(tmp_path, tiny_model_dir, loss_type="bnpo", per_device_train_batch_size=4,
+                               gradient_accumulation_steps=2, max_completion_length=10), prompts, Length())
+    torch.manual_seed(1)
+    rollout = trainer.make_rollout([prompts[0], prompts[5]])
+    batches = rollout.micro_batches(4)
+    assert [trainer.loss_units(b) for b in batches] == [1, 1]
+    with torch.no_grad():
+        total = sum(trainer.compute_loss(b)[0] for b in batches) / 2
+    mask = (rollout.labels[:, 1:] != rlhf.IGNORE_INDEX).float()
+    per_row = -rollout.advantages[:, None] * mask  # on-policy every token's loss value is -A (ratio 1)
+    want = sum(float(per_row[i:i + 4].sum() / mask[i:i + 4].sum()) for i in (0, 4)) / 2
+    assert float(total) == pytest.approx(want, abs=1e-5)
+
+
+# -- c. num_iterations: old log-probs --------------------------------------------------------------------------------
+
+
+def test_num_iterations_reuses_the_rollout_with_old_logps(tmp_path, tiny_model_dir, prompts):
+    config = _config(tmp_path, tiny_model_dir, num_iterations=2, max_steps=4, temperature=0.7, learning_rate=1e-2,
+                     epsilon_low=0.05)
+    reward = Length()
+    trainer = _trainer(config, prompts, reward)
+    torch.manual_seed(3)
+    rollout = trainer.make_rollout([prompts[1], prompts[2]])
+    assert rollout.old_logps is not None and rollout.old_logps.shape == (8, rollout.input_ids.shape[1] - 1)
+    with torch.no_grad():
+        hand = _hand_logps(trainer.policy, rollout.input_ids, rollout.attention_mask, 0.7)
+    mask = rollout.labels[:, 1:] != rlhf.IGNORE_INDEX
+    torch.testing.assert_close(rollout.old_logps[mask], hand[mask], atol=1e-5, rtol=0)
+    assert all("old_logps" in b for b in rollout.micro_batches(8))
+
+    seen = []
+    original = trainer.compute_loss
+
+    def compute_loss(batch):
+        seen.append(batch)
+        return original(batch)
+
+    trainer.compute_loss = compute_loss
+    result = trainer.train()
+    assert reward.calls == 1 + 2  # the rollout above, then one per two steps
+    assert len(seen) == 4 and all("old_logps" in b for b in seen)
+    assert torch.equal(seen[0]["input_ids"], seen[1]["input_ids"])  # iteration 2 of the same rollout
+    assert torch.equal(seen[0]["old_logps"], seen[1]["old_logps"])  # against the same old log-probs
+    assert torch.equal(seen[2]["input_ids"], seen[3]["input_ids"])
+    assert not torch.equal(seen[1]["input_ids"], seen[2]["input_ids"])  # a new rollout every num_iterations steps
+    rows = _rows(result)
+    assert rows[0]["clip_ratio/region_mean"] == 0.0  # first iteration: the policy is the old policy, ratio 1
+    assert rows[0]["clip_ratio/low_mean"] == 0.0 and rows[0]["clip_ratio/high_mean"] == 0.0
+    assert rows[1]["clip_ratio/region_mean"] > 0  # after one update at lr 1e-2 some ratios leave [0.95, 1.05]
+    assert "reward" in rows[0] and "reward" not in rows[1] and "reward" in rows[2]  # rollout metrics once per rollout
+
+
+# -- d. the reference model --------------------------------------------------------------------------------------------
+
+
+def test_beta_reference_starts_at_zero_kl(tmp_path, tiny_model_dir, prompts):
+    trainer = _trainer(_config(tmp_path, tiny_model_dir, beta=0.1, max_steps=3, learning_rate=1e-2), prompts,
+                       Length())
+    assert trainer.reference is not None and trainer.reference.model is not trainer.policy
+    torch.manual_seed(0)
+    rollout = trainer.make_rollout([prompts[0], prompts[1]])
+    assert rollout.ref_logps is not None and rollout.old_logps is None
+    with torch.no_grad():
+        hand = _hand_logps(trainer.policy, rollout.input_ids, rollout.attention_mask, 1.0)
+    mask = rollout.labels[:, 1:] != rlhf.IGNORE_INDEX
+    torch.testing.assert_close(rollout.ref_logps[mask], hand[mask], atol=1e-5, rtol=0)  # reference == start
+    reference_before = {k: v.clone() for k, v in trainer.reference.model.model.state_dict().items()}
+    rows = _rows(trainer.train())
+    assert abs(rows[0]["kl"]) < 1e-6
+    assert rows[-1]["kl"] > 1e-4  # the policy moved away from the frozen reference
+    assert all(torch.equal(v, trainer.reference.model.model.state_dict()[k]) for k, v in reference_before.items())
+
+
+def test_beta_needs_a_reference(tmp_path, tiny_model_dir, prompts):
+    config = _config(tmp_path, tiny_model_dir, beta=0.1)
+    policy = rlhf.PolicyModel.from_pretrained(str(tiny_model_dir))
+    with pytest.raises(rlhf.RLHFInputError, match="reference model"):
+        rlhf.GRPOTrainer(config, policy, prompts, reward_fn=Length())
+
+
+# -- e. real learning -------------------------------------------------------------------------------------------------
+
+
+def test_grpo_learns_a_simple_reward(tmp_path, tiny_model_dir, prompts):
+    reward = DigitShare()
+    config = _config(tmp_path, tiny_model_dir, max_steps=30, learning_rate=3e-3)
+    result = _trainer(config, prompts, reward).train()
+    rewards = [row["reward"] for row in _rows(result)]
+    assert len(rewards) == 30 and reward.calls == 30
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert first < 0.25, rewards  # the untrained model writes few digits
+    assert last > first + 0.3, rewards
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+# -- f. non-finite rewards ----------------------------------------------------------------------------------------------
+
+
+def test_nan_reward_skips_the_step(tmp_path, tiny_model_dir, prompts):
+    trainer = _trainer(_config(tmp_path, tiny_model_dir, max_steps=1), prompts, NaNOn({1}))
+    before = _state(trainer)
+    result = trainer.train()
+    assert _changed(before, _state(trainer)) == []
+    assert result.metrics["stability/skipped_steps"] == 1
+    assert _rows(result)[0]["stability/skipped_steps"] == 1.0
+    assert trainer.nonfinite_in_a_row == 1 and "reward" in trainer.last_problem
+
+
+def test_nan_rewards_now_and_then_do_not_stop_the_run(tmp_path, tiny_model_dir, prompts):
+    trainer = _trainer(_config(tmp_path, tiny_model_dir, max_steps=4, max_nonfinite_steps=2), prompts,
+                       NaNOn({1, 3}))
+    before = _state(trainer)
+    result = trainer.train()  # never two bad steps in a row
+    assert result.global_step == 4 and result.metrics["stability/skipped_steps"] == 2
+    assert [row.get("stability/skipped_steps", 0.0) for row in _rows(result)] == [1.0, 0.0, 1.0, 0.0]
+    assert _changed(before, _state(trainer))  # the good steps trained
+    assert trainer.nonfinite_in_a_row == 0
+
+
+def test_always_nan_reward_stops_after_a_checkpoint(tmp_path, tiny_model_dir, prompts):
+    from safetensors.torch import load_file
+
+    trainer = _trainer(_config(tmp_path, tiny_model_dir, max_steps=10, max_nonfinite_steps=2), prompts, NaNOn(None))
+    before = _state(trainer)
+    with pytest.raises(rlhf.TrainingDivergedError, match="2 steps in a row had a non-finite reward") as info:
+        trainer.train()
+    assert isinstance(info.value, rlhf.RLHFInputError)  # the CLI prints it as one line, exit status 2
+    checkpoint = tmp_path / "out" / "checkpoints" / "checkpoint-2"
+    assert str(checkpoint) in str(info.value)
+    assert (checkpoint / "COMPLETE").read_text() == "2"
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["global_step"] == 2
+    for name in ("model.safetensors", "optimizer.safetensors", "scheduler.json", "rng_state.safetensors"):
+        assert (checkpoint / name).is_file(), name
+    saved = load_file(str(checkpoint / "model.safetensors"))
+    assert saved and all(torch.equal(saved[k], before[k]) for k in saved)  # the last good weights: the start
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: with num_iterations > 1 only the first step of a rollout with "
+                   "non-finite rewards is skipped; its later iterations train on it with the NaNs replaced by 0")
+def test_nan_reward_skips_every_iteration_of_its_rollout(tmp_path, tiny_model_dir, prompts):
+    trainer = _trainer(_config(tmp_path, tiny_model_dir, max_steps=2, num_iterations=2), prompts, NaNOn({1}))
+    before = _state(trainer)
+    result = trainer.train()
+    assert result.metrics["stability/skipped_steps"] == 2
+    assert _changed(before, _state(trainer)) == []
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: with num_iterations > 1 an always-NaN reward never stops the run: "
+                   "every rollout's second iteration trains and resets the count of non-finite steps in a row")
+def test_always_nan_reward_stops_with_num_iterations(tmp_path, tiny_model_dir, prompts):
+    trainer = _trainer(_config(tmp_path, tiny_model_dir, max_steps=6, num_iterations=2, max_nonfinite_steps=2),
+                       prompts, NaNOn(None))
+    with pytest.raises(rlhf.TrainingDivergedError):
+        trainer.train()
+
+
+# -- g. resume ---------------------------------------------------------------------------------------------------------
+
+
+def _killed_after_checkpoint(trainer: rlhf.GRPOTrainer, step: int) -> None:
+    """Run ``trainer`` and stop it as a kill would, right after it has written the checkpoint of ``step``."""
+    original = trainer._save_checkpoint
+
+    def save() -> None:
+        original()
+        if trainer.global_step == step:
+            raise KeyboardInterrupt
+
+    trainer._save_checkpoint = save
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert (trainer.output_dir / "checkpoints" / f"checkpoint-{step}" / "COMPLETE").is_file()
+
+
+def _recording(trainer: rlhf.GRPOTrainer) -> list[tuple[list, rlhf.Rollout]]:
+    """Every rollout the trainer makes from now on: (its prompts' ids, the rollout)."""
+    seen, original = [], trainer.make_rollout
+
+    def make_rollout(items):
+        rollout = original(items)
+        seen.append(([item["prompt_ids"] for item in items], rollout))
+        return rollout
+
+    trainer.make_rollout = make_rollout
+    return seen
+
+
+def _same_rows(a: rlhf.Rollout, b: rlhf.Rollout) -> bool:
+    return a.input_ids.shape == b.input_ids.shape and torch.equal(a.input_ids, b.input_ids)
+
+
+def _streaming_prompts(tokenizer, demo_dir) -> rlhf.StreamingGRPODataset:
+    return rlhf.StreamingGRPODataset(rlhf.resolve_dataset("demo_rl", demo_dir), tokenizer,
+                                     rlhf.ChatFormatter(tokenizer), cutoff_len=64, max_samples=32)
+
+
+def _resume_pair(tmp_path, model_dir, make_dataset, kill_at: int, **settings):
+    """(straight run's rollouts, trainer), (resumed run's rollouts, trainer) for the same config."""
+    settings = dict(max_steps=4, save_steps=1, lr_scheduler_type="linear", resume_from_checkpoint="auto",
+                    learning_rate=1e-2, **settings)
+    straight = _trainer(_config(tmp_path / "straight", model_dir, **settings), make_dataset(), DigitShare())
+    straight_rollouts = _recording(straight)
+    straight.train()
+    _killed_after_checkpoint(_trainer(_config(tmp_path / "resumed", model_dir, **settings), make_dataset(),
+                                      DigitShare()), kill_at)
+    resumed = _trainer(_config(tmp_path / "resumed", model_dir, **settings), make_dataset(), DigitShare())
+    resumed_rollouts = _recording(resumed)
+    assert resumed.train().global_step == 4
+    return (straight_rollouts, straight), (resumed_rollouts, resumed)
+
+
+def test_resume_at_a_rollout_boundary_is_exact_when_streaming(tmp_path, tiny_model_dir, tiny_tokenizer, demo_dir):
+    """Streaming prompts take no DataLoader, so this isolates the loop itself: it resumes exactly."""
+    (straight_rollouts, straight), (resumed_rollouts, resumed) = _resume_pair(
+        tmp_path, tiny_model_dir, lambda: _streaming_prompts(tiny_tokenizer, demo_dir), 2, streaming=True,
+        reward_normalize=True)
+    assert len(straight_rollouts) == 4 and len(resumed_rollouts) == 2
+    for (prompt_a, rows_a), (prompt_b, rows_b) in zip(straight_rollouts[2:], resumed_rollouts):
+        assert prompt_a == prompt_b and _same_rows(rows_a, rows_b)
+    assert _changed(_state(straight), _state(resumed)) == []
+    assert resumed.normalizer.state_dict() == straight.normalizer.state_dict()
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: GRPO resume is not exact with in-memory prompts: the prompt DataLoader's "
+                   "new iterator draws a base seed from torch's global RNG after the checkpoint's RNG state is restored, "
+                   "shifting the sampling seed of every later rollout")
+def test_resume_at_a_rollout_boundary_is_exact(tmp_path, tiny_model_dir, prompts):
+    (straight_rollouts, straight), (resumed_rollouts, resumed) = _resume_pair(
+        tmp_path, tiny_model_dir, lambda: prompts, 2)
+    assert [p for p, _ in resumed_rollouts] == [p for p, _ in straight_rollouts[2:]]  # this much is right
+    assert all(_same_rows(a, b) for (_, a), (_, b) in zip(straight_rollouts[2:], resumed_rollouts))
+    assert _changed(_state(straight), _state(resumed)) == []
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: resuming in the middle of a rollout (num_iterations > 1) re-makes it "
+                   "with old_logps from the policy as updated by the steps already taken (ratio 1 again) and samples "
+                   "it from the RNG state saved after the original sampling")
+def test_resume_in_the_middle_of_a_rollout_is_exact(tmp_path, tiny_model_dir, prompts):
+    (straight_rollouts, straight), (resumed_rollouts, resumed) = _resume_pair(tmp_path, tiny_model_dir, lambda: prompts,
+                                                                              1, num_iterations=2)
+    assert len(straight_rollouts) == 2 and len(resumed_rollouts) == 2  # the interrupted rollout, then the next
+    # whatever was sampled, its old log-probs must be the policy's BEFORE the rollout's first step: the start
+    rollout = resumed_rollouts[0][1]
+    start = rlhf.PolicyModel.from_pretrained(str(tiny_model_dir))
+    with torch.no_grad():
+        hand = _hand_logps(start, rollout.input_ids, rollout.attention_mask, 1.0)
+    mask = rollout.completion_mask
+    torch.testing.assert_close(rollout.old_logps[mask], hand[mask], atol=1e-5, rtol=0)
+    assert _same_rows(straight_rollouts[0][1], rollout)
+    assert _changed(_state(straight), _state(resumed)) == []
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: a streaming run resumed in the middle of a rollout (num_iterations > 1) "
+                   "samples the 'interrupted' rollout from the NEXT prompts: the dataset position saved in the "
+                   "checkpoint is already past the interrupted rollout's prompts")
+def test_resume_in_the_middle_of_a_rollout_keeps_its_prompts_when_streaming(tmp_path, tiny_model_dir, tiny_tokenizer,
+                                                                            demo_dir):
+    (straight_rollouts, _), (resumed_rollouts, _) = _resume_pair(
+        tmp_path, tiny_model_dir, lambda: _streaming_prompts(tiny_tokenizer, demo_dir), 1, streaming=True,
+        num_iterations=2)
+    assert [p for p, _ in resumed_rollouts] == [p for p, _ in straight_rollouts]
+
+
+def test_resume_in_the_middle_of_a_rollout_keeps_its_prompts(tmp_path, tiny_model_dir, prompts):
+    (straight_rollouts, _), (resumed_rollouts, resumed) = _resume_pair(tmp_path, tiny_model_dir, lambda: prompts, 1,
+                                                                       num_iterations=2)
+    assert [p for p, _ in resumed_rollouts] == [p for p, _ in straight_rollouts]  # in memory: the sampler is exact
+
+
+def test_resume_restores_the_reward_normaliser(tmp_path, tiny_model_dir, prompts):
+    (_, straight), (_, resumed) = _resume_pair(tmp_path, tiny_model_dir, lambda: prompts, 2, reward_normalize=True)
+    state = json.loads((tmp_path / "resumed" / "out" / "checkpoints" / "checkpoint-2" / "trainer_state.json").read_text())
+    assert state["trainer"]["reward_normalizer"]["count"] == 16  # two rollouts of 8 completions seen
+    assert resumed.normalizer.count == straight.normalizer.count == 32
+
+
+# -- rollout details ---------------------------------------------------------------------------------------------------
+
+
+def test_rollout_layout_and_masked_truncation(tmp_path, tiny_model_dir, prompts):
+    trainer = _trainer(_config(tmp_path, tiny_model_dir, max_completion_length=3, mask_truncated_completions=True,
+                               per_device_train_batch_size=4, gradient_accumulation_steps=2), prompts, Length())
+    torch.manual_seed(0)
+    items = [prompts[3], prompts[4]]
+    rollout = trainer.make_rollout(items)
+    assert rollout.input_ids.shape[0] == 8 and rollout.advantages.shape == (8,)
+    group = trainer.config.num_generations
+    for row in range(8):
+        prompt = items[row // group]["prompt_ids"]
+        assert rollout.input_ids[row, :len(prompt)].tolist() == prompt  # each prompt's G completions are contiguous
+        real = int(rollout.attention_mask[row].sum())
+        completion = rollout.input_ids[row, len(prompt):real].tolist()
+        assert 1 <= len(completion) <= 3
+        labels = rollout.labels[row, :real].tolist()
+        ended = completion[-1] in trainer.formatter.stop_token_ids
+        if len(completion) == 3 and not ended:  # cut off: out of the loss (DAPO's overlong masking)
+            assert all(label == rlhf.IGNORE_INDEX for label in labels)
+        else:
+            assert labels == [rlhf.IGNORE_INDEX] * len(prompt) + completion
+    torch.testing.assert_close(rollout.advantages.view(-1, group).mean(-1), torch.zeros(2), atol=1e-6, rtol=0)
+    assert [trainer.loss_units(b) for b in rollout.micro_batches(4)] == [4, 4]  # grpo: completions
+
+
+# -- h. config validation -----------------------------------------------------------------------------------------------
+
+
+def test_grpo_config_validation(tmp_path):
+    def make(**overrides):
+        settings = dict(output_dir=str(tmp_path), reward_funcs=["format"], num_generations=4,
+                        per_device_train_batch_size=8)
+        settings.update(overrides)
+        return rlhf.GRPOConfig(**settings)
+
+    assert make().epsilon_high == 0.2 and make(epsilon_high=0.28).epsilon_high == 0.28
+    assert make(per_device_train_batch_size=2, gradient_accumulation_steps=2).per_device_train_batch_size == 2
+    with pytest.raises(rlhf.RLHFInputError, match="'per_device_train_batch_size'.*multiple of num_generations") as info:
+        make(per_device_train_batch_size=6)
+    assert "(6)" in str(info.value) and "(4)" in str(info.value)
+    with pytest.raises(rlhf.RLHFInputError, match="'per_device_train_batch_size'.*\\(6\\)"):
+        make(per_device_train_batch_size=3, gradient_accumulation_steps=2)
+    with pytest.raises(rlhf.RLHFInputError, match="'reward_weights'.*exact_answer, format"):
+        make(reward_funcs=["exact_answer", "format"], reward_weights=[1.0])
+    with pytest.raises(rlhf.RLHFInputError, match="'reward_weights'.*format, reward_model"):  # reward_model counts
+        make(reward_model="some/dir", reward_weights=[1.0])
+    assert make(reward_model="some/dir", reward_weights=[1.0, 2.0]).reward_names() == ["format", "reward_model"]
+    with pytest.raises(rlhf.RLHFInputError, match="'reward_funcs' is empty"):
+        make(reward_funcs=[])
+    assert make(reward_funcs=[], reward_model="some/dir").reward_names() == ["reward_model"]
+    for field, value in (("num_generations", 1), ("max_completion_length", 0), ("temperature", 0.0), ("top_p", 0.0),
+                         ("num_iterations", 0), ("reward_clip", 0.0), ("reward_uncertainty_penalty", -1.0),
+                         ("reward_api_retries", 0), ("epsilon_low", 0.0), ("beta", -0.1)):
+        with pytest.raises(rlhf.RLHFInputError, match="config field"):
+            make(**{field: value, **({"per_device_train_batch_size": 8} if field != "num_generations" else
+                                     {"per_device_train_batch_size": 2})})
+    for field, value, valid in (("loss_type", "ppo", "dr_grpo"), ("scale_rewards", "groups", "batch"),
+                                ("reward_model_type", "remote", "lora")):
+        with pytest.raises(rlhf.RLHFInputError, match=f"'{field}'.*valid:.*{valid}"):
+            make(**{field: value})
+
+
+# -- i. the CLI ----------------------------------------------------------------------------------------------------------
+
+
+def _cli_args(tmp_path: Path, model: Path, demo_dir: Path, *extra: str) -> list[str]:
+    return ["grpo", f"model_name_or_path={model}", "dataset=demo_rl", f"dataset_dir={demo_dir}", "max_samples=16",
+            "num_generations=4", "per_device_train_batch_size=8", "max_completion_length=8", "cutoff_len=64",
+            "max_steps=2", f"output_dir={tmp_path / 'cli'}", "save_steps=0", "logging_steps=1",
+            "disable_progress_bar=true", "report_to=none", *extra]
+
+
+def test_cli_grpo_run_appends_report(tmp_path, tiny_model_dir, demo_dir, capsys):
+    # default beta 0.04 with LoRA: the reference is the adapter-disabled policy
+    status = rlhf.main(_cli_args(tmp_path, tiny_model_dir, demo_dir, "reward_funcs=exact_answer,format",
+                                 "reward_weights=1,0.5", "finetuning_type=lora"))
+    assert status == 0, capsys.readouterr().err
+    report = json.loads((tmp_path / "cli" / "report.json").read_text())
+    entry = report["stages"][-1]
+    assert entry["stage"] == "grpo" and entry["global_step"] == 2
+    assert (tmp_path / "cli" / "adapter_model.safetensors").is_file()
+    status = rlhf.main(_cli_args(tmp_path, tiny_model_dir, demo_dir, "reward_funcs=format", "max_steps=1",
+                                 "overwrite_output_dir=true", "finetuning_type=full", "beta=0"))
+    assert status == 0, capsys.readouterr().err
+    assert len(json.loads((tmp_path / "cli" / "report.json").read_text())["stages"]) == 2  # appended
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (("reward_funcs=exact_answr",), "unknown reward 'exact_answr'"),
+    (("reward_funcs=format", "per_device_train_batch_size=6"), "multiple of num_generations"),
+    (("reward_funcs=api",), "reward_api_url"),
+])
+def test_cli_grpo_bad_reward_is_one_line(extra, message, tmp_path, tiny_model_dir, demo_dir, capsys):
+    status = rlhf.main(_cli_args(tmp_path, tiny_model_dir, demo_dir, *extra))
+    err = capsys.readouterr().err
+    assert status == 2
+    assert message in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "cli" / "model.safetensors").exists()
