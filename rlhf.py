@@ -4014,8 +4014,11 @@ class BaseTrainer:
             yield from self._streaming_batches()
             return
         self.sampler.start = self.micro_batches_done
+        # its own generator: a DataLoader iterator otherwise draws a seed from torch's global RNG, which a
+        # resumed run restores only after that draw would have happened
         loader = torch.utils.data.DataLoader(self.train_dataset, batch_sampler=self.sampler, collate_fn=self.collator,
-                                             num_workers=self.config.dataloader_num_workers)
+                                             num_workers=self.config.dataloader_num_workers,
+                                             generator=torch.Generator().manual_seed(self.config.seed))
         yield from loader
 
     def _streaming_batches(self) -> Iterator[dict[str, torch.Tensor]]:
@@ -4746,14 +4749,19 @@ class Rollout:
     ref_logps: torch.Tensor | None = None
     old_values: torch.Tensor | None = None
     returns: torch.Tensor | None = None
+    problem: str = ""  # non-finite rewards: every step trained on this rollout skips its update
 
     @property
     def completion_mask(self) -> torch.Tensor:
         return self.labels[:, 1:] != IGNORE_INDEX
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if isinstance(getattr(self, f.name), torch.Tensor)}
+
     def micro_batches(self, size: int, order: torch.Tensor | None = None) -> list[dict[str, torch.Tensor]]:
         """Consecutive micro-batches of ``size`` rows, in ``order`` (a permutation) if given."""
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+        fields = self.tensors()
         rows = order if order is not None else torch.arange(self.input_ids.shape[0])
         return [{k: v[rows[i:i + size]] for k, v in fields.items()} for i in range(0, len(rows), size)]
 
@@ -4790,6 +4798,8 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         self.normalizer = RunningRewardNormalizer() if self._normalise_rewards(config) else None
         self.rollout_metrics: dict[str, float] = {}
         self.rollout_index = 0
+        self.current_rollout: Rollout | None = None
+        self.resumed_rollout: Rollout | None = None  # the interrupted rollout, read back from a checkpoint
         super().__init__(config, policy, train_dataset, devices=devices, collator=list)
         self.reference = reference if getattr(config, "uses_reference", True) else None
 
@@ -4831,7 +4841,8 @@ class _OnlineRLTrainer(_ReferenceTrainer):
             while True:
                 yield [next(items) for _ in range(self.prompts_per_rollout)]
         self.sampler.start = first
-        yield from torch.utils.data.DataLoader(self.train_dataset, batch_sampler=self.sampler, collate_fn=list)
+        for indices in self.sampler:
+            yield [self.train_dataset[i] for i in indices]
 
     def _streaming_prompts(self) -> Iterator[dict[str, Any]]:
         while True:
@@ -4841,12 +4852,46 @@ class _OnlineRLTrainer(_ReferenceTrainer):
             self.train_dataset.set_epoch(self.train_dataset.epoch + 1)
 
     def _batches(self) -> Iterator[dict[str, torch.Tensor]]:
-        first, steps_done = divmod(self.global_step, self.steps_per_rollout)
-        for index, prompts in enumerate(self._prompt_batches(first), start=first):
+        accumulation = self.config.gradient_accumulation_steps
+        index, steps_done = divmod(self.global_step, self.steps_per_rollout)
+        resumed = self.resumed_rollout if steps_done else None  # a checkpoint taken inside a rollout kept it
+        self.resumed_rollout = None
+        prompt_batches = self._prompt_batches(index + (resumed is not None))
+        while True:
             self.rollout_index = index  # seeds the rollout's mini-batch order (PPO)
-            schedule = self.rollout_schedule(self.make_rollout(prompts))
-            yield from schedule[steps_done * self.config.gradient_accumulation_steps:]
-            steps_done = 0
+            rollout = resumed or self._next_rollout(next(prompt_batches))
+            resumed, self.current_rollout = None, rollout
+            schedule = self.rollout_schedule(rollout)
+            for position in range(steps_done * accumulation, len(schedule)):
+                if position % accumulation == 0:
+                    self.pending_problem = rollout.problem  # each step on a bad rollout skips its update
+                yield schedule[position]
+            index, steps_done = index + 1, 0
+
+    def _next_rollout(self, prompts: list[dict[str, Any]]) -> Rollout:
+        self.pending_problem = ""
+        rollout = self.make_rollout(prompts)
+        rollout.problem = self.pending_problem
+        return rollout
+
+    def _write_checkpoint(self, directory: Path) -> None:
+        super()._write_checkpoint(directory)
+        if self.global_step % self.steps_per_rollout and self.current_rollout is not None:
+            from safetensors.torch import save_file  # resuming inside a rollout must train on the same rollout
+
+            save_file({k: v.contiguous() for k, v in self.current_rollout.tensors().items()},
+                      str(directory / "rollout.safetensors"), metadata={"problem": self.current_rollout.problem})
+
+    def _load_checkpoint(self, path: Path) -> None:
+        super()._load_checkpoint(path)
+        saved = path / "rollout.safetensors"
+        if self.global_step % self.steps_per_rollout and saved.exists():
+            from safetensors import safe_open
+
+            with safe_open(str(saved), framework="pt") as handle:
+                tensors = {k: handle.get_tensor(k) for k in handle.keys()}
+                problem = (handle.metadata() or {}).get("problem", "")
+            self.resumed_rollout = Rollout(**tensors, problem=problem)
 
     # -- sampling and scoring
     def _sample(self, prompts: list[dict[str, Any]], n: int) -> Any:
