@@ -380,6 +380,7 @@ class OnlineRLConfig(BaseConfig):
     temperature: float = _opt(1.0, "Sampling temperature for rollouts (the loss uses the same scaled log-probs)")
     top_p: float = _opt(1.0, "Nucleus sampling mass for rollouts")
     top_k: int = _opt(0, "Sample among the k most likely tokens (0: all)")
+    generation_engine: str = _opt("auto", "Rollout decoding: auto (static cache, compiled once a shape has generated enough tokens) | compiled | static | eager")
     reward_funcs: list[str] = _opt([], "Reward functions: exact_answer, format, length, reward_model, api, or module:function")
     reward_weights: list[float] = _opt([], "One weight per reward function, in order (default: all 1.0)")
     reward_model: str | None = _opt(None, "Reward model (or ensemble) directory saved by the rm stage ('rm' in a pipeline: its rm stage)")
@@ -403,6 +404,7 @@ class OnlineRLConfig(BaseConfig):
         _check(self.temperature > 0 and 0 < self.top_p <= 1 and self.top_k >= 0, "temperature/top_p/top_k",
                "need temperature > 0, 0 < top_p <= 1 and top_k >= 0")
         _check_choice(self.reward_model_type, ("full", "lora", "api"), "reward_model_type")
+        _check_choice(self.generation_engine, ("auto", "compiled", "static", "eager"), "generation_engine")
         _check(bool(self.reward_names()), "reward_funcs",
                "is empty: name at least one, e.g. reward_funcs=exact_answer,format (or set reward_model)")
         _check(not self.reward_weights or len(self.reward_weights) == len(self.reward_names()), "reward_weights",
@@ -4905,7 +4907,7 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         started = time.time()
         self.model.eval()
         output = generate_tokens(self.devices.unwrap(self.policy.model), [p["prompt_ids"] for p in prompts], params,
-                                 pad_token_id=self.policy.tokenizer.pad_token_id)
+                                 pad_token_id=self.policy.tokenizer.pad_token_id, engine=config.generation_engine)
         self.model.train()
         lengths = torch.tensor([len(c) for c in output.token_ids], dtype=torch.float32)
         truncated = torch.tensor([reason == "length" for reason in output.finish_reasons])
