@@ -2359,17 +2359,28 @@ STEP_LABELERS: dict[str, Callable[[list[str]], list[bool | None]] | None] = {"no
 def encode_steps(formatter: ChatFormatter, record: dict[str, Any], response: str, delimiter: str
                  ) -> tuple[list[int], list[int]]:
     """Completion tokens as the template renders them, with each step tokenised on its own so that
-    its last token is known. Returns (completion ids, index of each step's last token)."""
+    its last token is known. Each step is found in the rendered text in turn (stripped, so templates
+    that trim the content still line up); the text between steps joins the step before it.
+    Returns (completion ids, index of each step's last token)."""
     text = formatter.completion_text(record, response)
-    start = text.find(response) if response else -1
-    pieces = [text] if start < 0 else [text[:start], *split_steps(response, delimiter), text[start + len(response):]]
-    ids: list[int] = []
+    starts, cursor = [], 0
+    for step in split_steps(response, delimiter):
+        found = text.find(step.strip(), cursor)
+        if found < 0:
+            raise RLHFInputError(f"{record.get('location', 'record')}: chat template '{formatter.name}' does not "
+                                 f"render the response's steps verbatim; cannot place step {step.strip()[:40]!r}")
+        starts.append(found)
+        cursor = found + len(step.strip())
+    if not starts:
+        ids = formatter.encode(text)
+        return ids, [len(ids) - 1]
+    bounds = [0, *starts[1:], cursor]  # step k runs from its start to the next step's start (delimiter included)
+    ids = formatter.encode(text[:starts[0]])
     ends: list[int] = []
-    for i, piece in enumerate(pieces):
-        ids += formatter.encode(piece)
-        if 0 < i < len(pieces) - 1 and ids:
-            ends.append(len(ids) - 1)
-    return ids, ends if start >= 0 else [len(ids) - 1]
+    for start, end in zip([starts[0], *starts[1:]], bounds[1:]):
+        ids += formatter.encode(text[start:end])
+        ends.append(len(ids) - 1)
+    return ids + formatter.encode(text[cursor:]), ends
 
 
 def _encode_process_pair(formatter: ChatFormatter, record: dict[str, Any], cutoff_len: int, delimiter: str,
@@ -4421,12 +4432,12 @@ class ProcessRewardModelTrainer(RewardModelTrainer):
         chosen, rejected = scores.chunk(2)
         losses = reward_model_loss(chosen, rejected, batch.get("margin"))
         labelled = (batch["step_labels"] >= 0) & batch["step_mask"]
-        steps = {"correct": 0, "count": int(labelled.sum())}
+        steps = {"correct": int((((logits > 0).float() == batch["step_labels"]) & labelled).sum()),
+                 "count": int(labelled.sum())}
         if self.config.step_label_weight and labelled.any():
             bce = F.binary_cross_entropy_with_logits(logits, batch["step_labels"].clamp(min=0), reduction="none") * labelled
             per_row = bce.sum(-1) / labelled.sum(-1).clamp(min=1)  # mean over each response's labelled steps
             losses = losses + self.config.step_label_weight * sum(per_row.chunk(2))
-            steps["correct"] = int((((logits > 0).float() == batch["step_labels"]) & labelled).sum())
         return losses, chosen.detach(), rejected.detach(), steps
 
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
