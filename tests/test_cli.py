@@ -394,3 +394,20 @@ def test_console_script(tmp_path):
     proc = subprocess.run([exe, "sft", "lerning_rate=1e-3"], capture_output=True, text=True, env=cli_env(),
                           cwd=tmp_path, timeout=TIMEOUT_S)
     assert "did you mean 'learning_rate'" in assert_one_line_error(proc)
+
+
+@pytest.mark.parametrize("stage", sorted(rlhf.STAGE_CONFIGS))
+def test_every_stage_help_lists_its_fields(stage, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        rlhf.main([stage, "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    listed = set(re.findall(r"^\s{2}(\w+)\s", out, re.M))
+    fields = {f.name for f in dataclasses.fields(rlhf.STAGE_CONFIGS[stage])}
+    assert fields <= listed, f"missing from `{stage} --help`: {sorted(fields - listed)}"
+
+
+@pytest.mark.parametrize("name", ["grpo", "ppo", "prm"])
+def test_example_stage_configs_load(repo, name):
+    config = rlhf.load_config(rlhf.STAGE_CONFIGS[name], repo / "configs" / f"{name}.yaml")
+    assert config.stage == name
