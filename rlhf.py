@@ -4917,9 +4917,11 @@ class _OnlineRLTrainer(_ReferenceTrainer):
                                 stop_token_ids=tuple(self.formatter.stop_token_ids))
         started = time.time()
         self.model.eval()
-        output = generate_tokens(self.devices.unwrap(self.policy.model), [p["prompt_ids"] for p in prompts], params,
-                                 pad_token_id=self.policy.tokenizer.pad_token_id, engine=config.generation_engine)
-        self.model.train()
+        try:
+            output = generate_tokens(self.devices.unwrap(self.policy.model), [p["prompt_ids"] for p in prompts], params,
+                                     pad_token_id=self.policy.tokenizer.pad_token_id, engine=config.generation_engine)
+        finally:
+            self.model.train()
         lengths = torch.tensor([len(c) for c in output.token_ids], dtype=torch.float32)
         truncated = torch.tensor([reason == "length" for reason in output.finish_reasons])
         self.rollout_metrics.update({
@@ -5004,6 +5006,8 @@ class GRPOTrainer(_OnlineRLTrainer):
         masked = [r == "length" for r in output.finish_reasons] if config.mask_truncated_completions else None
         rollout = self._rows(records, output.token_ids, masked)
         rollout.advantages = grpo_advantages(rewards, group, scale=config.scale_rewards)
+        if config.num_iterations == 1 and self.reference is None:
+            return rollout  # on-policy without KL: the loss needs no stored log-probs
         parts = [self._to_device(b) for b in rollout.micro_batches(config.per_device_train_batch_size)]
         with self.devices.autocast():
             if config.num_iterations > 1:
