@@ -91,6 +91,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     parser.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate (constant, no warm-up)")
     parser.add_argument("--impls", default=",".join(IMPLS), help="comma-separated: ours, trl")
+    parser.add_argument("--engine", default="auto", choices=("auto", "compiled", "static", "eager"),
+                        help="our rollout decoding (GRPOConfig.generation_engine); compiled pays its compile time in "
+                             "the untimed warm-up steps")
     parser.add_argument("--repeats", type=int, default=1, help="runs per trainer (order alternates)")
     parser.add_argument("--target", type=float, default=0.5, help="target: ours / TRL seconds per step at most")
     parser.add_argument("--max-background", type=float, default=0.25,
@@ -254,7 +257,7 @@ def run_ours(args: argparse.Namespace) -> dict:
         mask_truncated_completions=False, cutoff_len=PROMPT_CUTOFF, max_steps=args.steps, learning_rate=args.lr,
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999,
         adam_epsilon=1e-8, max_grad_norm=1.0, logging_steps=1, save_steps=0, output_dir=str(Path(args.workdir) / "ours"),
-        disable_progress_bar=True, report_to=[], seed=0, resume_from_checkpoint="none")
+        disable_progress_bar=True, report_to=[], seed=0, resume_from_checkpoint="none", generation_engine=args.engine)
     trainer = rlhf.GRPOTrainer(config, policy, dataset, reward_fn=rlhf.exact_answer_reward, reference=None,
                                formatter=formatter)
     setup = time.perf_counter() - started
@@ -312,7 +315,7 @@ def run_worker(args: argparse.Namespace, impl: str, model_dir: str, attn: str) -
                    "--attn", attn, "--workdir", tmp, "--steps", str(args.steps), "--warmup", str(args.warmup),
                    "--batch-size", str(args.batch_size), "--num-generations", str(args.num_generations),
                    "--completion-len", str(args.completion_len), "--records", str(args.records),
-                   "--threads", str(args.threads), "--lr", repr(args.lr)]
+                   "--threads", str(args.threads), "--lr", repr(args.lr), "--engine", args.engine]
         threads = str(args.threads)
         env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false",
                "TQDM_DISABLE": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "PYTHONWARNINGS": "ignore",
