@@ -520,10 +520,13 @@ def test_demo_pipeline_config_loads(repo):
     assert sft.dataset == "demo_sft" and sft.finetuning_type == "full"
     assert sft.learning_rate == 1e-3 and sft.cutoff_len == 128 and sft.val_size == 200
     assert sft.report_to == [] and sft.output_dir == str(rlhf.Path("outputs/demo/sft"))
-    assert pipeline.stages == ["sft", "rm", "dpo"]
+    assert pipeline.stages == ["sft", "rm", "dpo", "grpo"]
     rm, dpo = pipeline.stage_config("rm"), pipeline.stage_config("dpo")
     assert isinstance(rm, rlhf.RewardModelConfig) and rm.dataset == "demo_preference" and rm.val_size == 200
     assert isinstance(dpo, rlhf.DPOConfig) and dpo.pref_loss == "sigmoid" and dpo.precompute_ref_log_probs
+    grpo = pipeline.stage_config("grpo")
+    assert isinstance(grpo, rlhf.GRPOConfig) and grpo.reward_names() == ["exact_answer"] and grpo.beta == 0
+    assert grpo.per_device_train_batch_size % grpo.num_generations == 0 and grpo.eval_dataset == "demo_eval"
 
 
 # ---------------------------------------------------------------- --help
