@@ -15,7 +15,7 @@ Table of contents (each section opens with a ``# ==== N. Title ====`` banner):
   4. Models — token_log_probs, load_tokenizer, build_tiny_model, resolve_model_path, PolicyModel, RewardModel, RewardEnsemble, aggregate_step_scores, ProcessRewardModel, ValueModel, ActorCritic, ReferenceModel, create_reference_model
   5. Losses and advantages — causal_lm_loss_sum, sequence_log_probs, dpo_loss, PREFERENCE_LOSSES, simpo_loss, orpo_loss, kto_loss, reward_model_loss, whiten, grpo_advantages, grpo_loss, compute_gae, ppo_policy_loss, ppo_value_loss, AdaptiveKLController, FixedKLController
   6. Rewards — exact_answer_reward, format_reward, length_penalty, CompositeReward, LearnedReward, ProcessReward, HTTPReward, RewardAPIError, Principle, ConstitutionalRewardWrapper, RewardFunctionFactory, RunningRewardNormalizer, process_rewards
-  7. Trainers — BaseTrainer, TrainingDivergedError, SFTTrainer, RewardModelTrainer, ProcessRewardModelTrainer, DPOTrainer, SimPOTrainer, KTOTrainer, precompute_ref_log_probs, Rollout, token_entropy, GRPOTrainer, PPOTrainer, TrainResult
+  7. Trainers — BaseTrainer, TrainingDivergedError, SFTTrainer, RewardModelTrainer, ProcessRewardModelTrainer, DPOTrainer, SimPOTrainer, KTOTrainer, precompute_ref_log_probs, Rollout, RolloutBuffer, token_entropy, GRPOTrainer, PPOTrainer, TrainResult
   10. Orchestrator — train_sft, train_rm, train_prm, train_dpo, train_kto, train_grpo, train_ppo, RLHFOrchestrator
   11. CLI — main
 
@@ -4779,6 +4779,25 @@ class Rollout:
         return [{k: v[rows[i:i + size]] for k, v in fields.items()} for i in range(0, len(rows), size)]
 
 
+class RolloutBuffer:
+    """PPO's experience buffer: one rollout of ``ppo_buffer_size`` mini-batches, replayed for
+    ``epochs`` passes, each pass in a fresh order drawn from ``seed`` and cut into micro-batches;
+    consecutive micro-batches of one mini-batch are accumulated into one optimizer step."""
+
+    def __init__(self, rollout: Rollout, *, micro_batch_size: int, epochs: int, seed: int) -> None:
+        self.rollout, self.micro_batch_size, self.epochs, self.seed = rollout, micro_batch_size, epochs, seed
+
+    def __len__(self) -> int:
+        return self.epochs * math.ceil(self.rollout.input_ids.shape[0] / self.micro_batch_size)
+
+    def micro_batches(self) -> list[dict[str, torch.Tensor]]:
+        out = []
+        for epoch in range(self.epochs):
+            order = torch.randperm(self.rollout.input_ids.shape[0], generator=torch.Generator().manual_seed(self.seed + epoch))
+            out += self.rollout.micro_batches(self.micro_batch_size, order)
+        return out
+
+
 SEQUENCE_KEYS = ("input_ids", "attention_mask", "labels")
 
 
@@ -5130,13 +5149,10 @@ class PPOTrainer(_OnlineRLTrainer):
         return rollout
 
     def rollout_schedule(self, rollout: Rollout) -> list[dict[str, torch.Tensor]]:
-        """ppo_epochs passes, each over the rows in a fresh seeded order, cut into micro-batches."""
-        schedule = []
-        for epoch in range(self.config.ppo_epochs):
-            generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + self.rollout_index * 101 + epoch)
-            order = torch.randperm(rollout.input_ids.shape[0], generator=generator)
-            schedule += rollout.micro_batches(self.config.per_device_train_batch_size, order)
-        return schedule
+        """ppo_epochs passes over the experience buffer, each in a fresh order seeded by the rollout's index."""
+        config = self.config
+        return RolloutBuffer(rollout, micro_batch_size=config.per_device_train_batch_size, epochs=config.ppo_epochs,
+                             seed=config.seed * 1_000_003 + self.rollout_index * 101).micro_batches()
 
     def loss_units(self, batch: dict[str, torch.Tensor]) -> int:
         return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())

@@ -424,3 +424,20 @@ def test_cli_ppo_run_writes_the_value_head_and_report(tmp_path, tiny_model_dir, 
     assert status == 0, capsys.readouterr().err
     assert (out / "critic" / rlhf.ValueModel.HEAD_FILE).is_file() and (out / "critic" / "model.safetensors").is_file()
     assert len(json.loads((out / "report.json").read_text())["stages"]) == 2
+
+
+def test_rollout_buffer_replays_every_row_once_per_epoch():
+    rows = 10
+    rollout = rlhf.Rollout(input_ids=torch.arange(rows)[:, None].repeat(1, 3), attention_mask=torch.ones(rows, 3, dtype=torch.long),
+                           labels=torch.arange(rows)[:, None].repeat(1, 3), advantages=torch.arange(rows, dtype=torch.float32))
+    buffer = rlhf.RolloutBuffer(rollout, micro_batch_size=4, epochs=3, seed=7)
+    batches = buffer.micro_batches()
+    assert len(buffer) == len(batches) == 9  # 3 epochs x ceil(10 / 4)
+    for epoch in range(3):
+        seen = torch.cat([b["input_ids"][:, 0] for b in batches[epoch * 3:(epoch + 1) * 3]])
+        assert sorted(seen.tolist()) == list(range(rows))
+        assert all(torch.equal(b["advantages"], b["input_ids"][:, 0].float()) for b in batches[epoch * 3:(epoch + 1) * 3])
+    again = rlhf.RolloutBuffer(rollout, micro_batch_size=4, epochs=3, seed=7).micro_batches()
+    assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(batches, again))
+    orders = [torch.cat([b["input_ids"][:, 0] for b in batches[e * 3:(e + 1) * 3]]).tolist() for e in range(3)]
+    assert len({tuple(o) for o in orders}) > 1  # each pass draws a new order
