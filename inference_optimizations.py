@@ -4,7 +4,10 @@ This module never imports ``rlhf``: rewards, process rewards and values come in 
 so it is usable on its own. Today it holds the attention-backend choice shared with training and
 the generation engine (batched sampling over a KV cache); the paged KV cache, Best-of-N, speculative decoding and MCTS build on it.
 
-Public names: select_attention_implementation, SamplingParams, GenerationOutput, generate, GENERATION_ENGINES
+Public names: select_attention_implementation, SamplingParams, GenerationOutput, generate, GENERATION_ENGINES,
+chat_prompt_ids, chat_completion_ids, stop_token_ids, RewardModelScorer, BestOfNResult, BestOfNSampler, main
+
+Command line: ``python inference_optimizations.py best-of-n --policy DIR --reward DIR --prompts FILE -n 8``.
 """
 
 from __future__ import annotations
@@ -12,10 +15,13 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import inspect
+import json
 import logging
+import sys
 import time
 import weakref
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -506,3 +512,273 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], params: SamplingP
             _log_once(type(model).__name__, "generation: general decode loop for %s: %s", type(model).__name__, why)
     return _generate_eager(model, prompts, params, pad_token_id=pad_token_id, stops=stops, tokenizer=tokenizer,
                            generator=generator)
+
+
+# -- chat rendering (standalone: the tokenizer's own chat template) -----------------------------------------------
+
+END_MARKERS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>")
+
+
+def _conversation(prompt: str, system: str | None) -> list[dict[str, str]]:
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+
+
+def chat_prompt_ids(tokenizer, prompt: str, system: str | None = None) -> list[int]:
+    """Token ids of ``prompt`` as a user turn plus the assistant header, ready for generation (plain
+    text when the tokenizer has no chat template)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    text = tokenizer.apply_chat_template(_conversation(prompt, system), tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def chat_completion_ids(tokenizer, prompt: str, response: str, system: str | None = None) -> list[int]:
+    """Token ids of ``response`` as the template renders it after the prompt (end marker included),
+    tokenised apart from the prompt, as rlhf's trainers tokenise completions."""
+    if not getattr(tokenizer, "chat_template", None):
+        return tokenizer(response, add_special_tokens=False)["input_ids"]
+    conversation = _conversation(prompt, system)
+    head = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    full = tokenizer.apply_chat_template(conversation + [{"role": "assistant", "content": response}], tokenize=False)
+    suffix = full[len(head):] if full.startswith(head) else response
+    return tokenizer(suffix, add_special_tokens=False)["input_ids"]
+
+
+def stop_token_ids(tokenizer) -> tuple[int, ...]:
+    """EOS plus the end-of-turn marker of the chat template, when the vocabulary has one."""
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    template = getattr(tokenizer, "chat_template", None) or ""
+    for marker in END_MARKERS:
+        if marker in template:
+            token = tokenizer.convert_tokens_to_ids(marker)
+            if isinstance(token, int) and token != tokenizer.unk_token_id and token not in ids:
+                ids.append(token)
+    return tuple(ids)
+
+
+# -- reward models saved by rlhf, loaded with transformers alone ------------------------------------------------
+
+class RewardModelScorer:
+    """``reward_fn(prompts, responses) -> Tensor[B]`` from a reward-model directory written by rlhf
+    (``RewardModel.save_pretrained``: a causal LM in Hugging Face layout, ``reward_head.safetensors``
+    and ``reward_config.json``) or any single-label ``AutoModelForSequenceClassification``. The
+    (prompt, response) pair is rendered with the tokenizer's chat template and scored at its last
+    token, exactly as rlhf trained it. A LoRA reward model needs ``peft`` installed."""
+
+    HEAD_FILE, CONFIG_FILE = "reward_head.safetensors", "reward_config.json"
+
+    def __init__(self, directory: str | Path, *, device: torch.device | str = "cpu", batch_size: int = 32,
+                 system: str | None = None) -> None:
+        from transformers import AutoTokenizer
+
+        directory = Path(directory)
+        self.device, self.batch_size, self.system = torch.device(device), batch_size, system
+        self.tokenizer = AutoTokenizer.from_pretrained(directory)
+        if (directory / self.CONFIG_FILE).exists():
+            self.body, self.head = self._load_rlhf(directory)
+            self.classifier = None
+        else:
+            from transformers import AutoModelForSequenceClassification
+
+            self.classifier = AutoModelForSequenceClassification.from_pretrained(directory).to(self.device).eval()
+            if self.classifier.config.num_labels != 1:
+                raise ValueError(f"{directory}: a reward model needs one output label, found {self.classifier.config.num_labels}")
+
+    def _load_rlhf(self, directory: Path) -> tuple[torch.nn.Module, torch.nn.Module]:
+        from safetensors.torch import load_file
+        from transformers import AutoModelForCausalLM
+
+        adapter = directory / "adapter_config.json"
+        if adapter.exists():
+            from peft import PeftModel
+
+            base = json.loads(adapter.read_text())["base_model_name_or_path"]
+            model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(directory)).merge_and_unload()
+        else:
+            model = AutoModelForCausalLM.from_pretrained(directory)
+        body = getattr(model, model.base_model_prefix)
+        hidden = json.loads((directory / self.CONFIG_FILE).read_text())["head_hidden"]
+        head = torch.nn.Sequential(torch.nn.Linear(model.config.hidden_size, hidden), torch.nn.GELU(),
+                                   torch.nn.Linear(hidden, 1))
+        head.load_state_dict(load_file(str(directory / self.HEAD_FILE)))
+        return body.to(self.device).eval(), head.to(self.device).eval()
+
+    @torch.no_grad()
+    def __call__(self, prompts: list[str], responses: list[str]) -> torch.Tensor:
+        rows = [chat_prompt_ids(self.tokenizer, p, self.system) + chat_completion_ids(self.tokenizer, p, r, self.system)
+                for p, r in zip(prompts, responses, strict=True)]
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        scores = []
+        for start in range(0, len(rows), self.batch_size):
+            chunk = rows[start:start + self.batch_size]
+            width = max(len(r) for r in chunk)
+            ids = torch.tensor([r + [pad] * (width - len(r)) for r in chunk], device=self.device)
+            mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in chunk], device=self.device)
+            if self.classifier is not None:
+                scores.append(self.classifier(input_ids=ids, attention_mask=mask).logits[:, 0].float().cpu())
+                continue
+            hidden = self.body(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+            last = hidden[torch.arange(len(chunk), device=self.device), mask.sum(-1) - 1]
+            scores.append(self.head(last.to(self.head[0].weight.dtype)).squeeze(-1).float().cpu())
+        return torch.cat(scores)
+
+
+# -- Best-of-N ----------------------------------------------------------------------------------------------------
+
+@dataclass
+class BestOfNResult:
+    """Per prompt: the highest-scoring response, its index, all N candidates and their scores (P, N)."""
+
+    best: list[str]
+    best_index: list[int]
+    candidates: list[list[str]]
+    scores: torch.Tensor
+
+
+class BestOfNSampler:
+    """Best-of-N: N candidates per prompt from one batched ``generate`` call (the N samples share the
+    prompt's prefill), reranked by ``reward_fn(prompts, responses) -> Tensor[B]``."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer, reward_fn, *, n: int = 8, params: SamplingParams | None = None,
+                 engine: str = "auto", prompts_per_batch: int = 16, system: str | None = None) -> None:
+        if n < 1:
+            raise ValueError("n must be >= 1")
+        self.model, self.tokenizer, self.reward_fn, self.n = model, tokenizer, reward_fn, n
+        base = params or SamplingParams()
+        stops = tuple(dict.fromkeys(base.stop_token_ids + stop_token_ids(tokenizer)))
+        self.params = SamplingParams(max_new_tokens=base.max_new_tokens, temperature=base.temperature, top_p=base.top_p,
+                                     top_k=base.top_k, n=n, do_sample=base.do_sample, seed=base.seed,
+                                     stop_token_ids=stops, stop_strings=base.stop_strings)
+        self.engine, self.prompts_per_batch, self.system = engine, prompts_per_batch, system
+
+    def candidates(self, prompts: list[str]) -> list[list[str]]:
+        """N decoded responses per prompt (special tokens removed)."""
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        out: list[list[str]] = []
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for start in range(0, len(prompts), self.prompts_per_batch):
+                chunk = prompts[start:start + self.prompts_per_batch]
+                ids = [chat_prompt_ids(self.tokenizer, p, self.system) for p in chunk]
+                result = generate(self.model, ids, self.params, pad_token_id=pad, tokenizer=self.tokenizer,
+                                  engine=self.engine)
+                texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in result.token_ids]
+                out += [texts[i * self.n:(i + 1) * self.n] for i in range(len(chunk))]
+        finally:
+            self.model.train(was_training)
+        return out
+
+    def __call__(self, prompts: list[str]) -> BestOfNResult:
+        candidates = self.candidates(prompts)
+        flat_prompts = [p for p in prompts for _ in range(self.n)]
+        scores = torch.as_tensor(self.reward_fn(flat_prompts, [c for row in candidates for c in row]),
+                                 dtype=torch.float32).view(len(prompts), self.n)
+        best = scores.argmax(-1).tolist()
+        return BestOfNResult([row[i] for row, i in zip(candidates, best)], best, candidates, scores)
+
+
+# -- command line -------------------------------------------------------------------------------------------------
+
+def _read_prompts(path: Path) -> list[dict]:
+    """JSONL records with a ``prompt`` (and optionally ``answer``), or one prompt per line of text."""
+    if not path.is_file():
+        raise SystemExit(f"error: prompts file {path} does not exist")
+    records = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        if path.suffix in (".jsonl", ".json"):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise SystemExit(f"error: {path}:{number}: invalid JSON ({err.msg}); each line must be one object") from None
+            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+                raise SystemExit(f"error: {path}:{number}: each record needs a 'prompt' string")
+            records.append(record)
+        else:
+            records.append({"prompt": line})
+    if not records:
+        raise SystemExit(f"error: {path} holds no prompts")
+    return records
+
+
+def _last_answer(text: str) -> str | None:
+    import re
+
+    found = re.findall(r"Answer:\s*(-?\d+(?:\.\d+)?)", text)
+    return found[-1] if found else None
+
+
+def _best_of_n_command(args) -> int:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(args.seed)
+    records = _read_prompts(Path(args.prompts))
+    for directory, what in ((args.policy, "--policy"), (args.reward, "--reward")):
+        if not (Path(directory) / "config.json").exists() and not (Path(directory) / "adapter_config.json").exists():
+            raise SystemExit(f"error: {what} {directory} is not a Hugging Face model directory (no config.json)")
+    tokenizer = AutoTokenizer.from_pretrained(args.policy)
+    model = AutoModelForCausalLM.from_pretrained(args.policy).to(args.device).eval()
+    scorer = RewardModelScorer(args.reward, device=args.device, batch_size=args.batch_size * args.n)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed)
+    sampler = BestOfNSampler(model, tokenizer, scorer, n=args.n, params=params, prompts_per_batch=args.batch_size)
+    prompts = [r["prompt"] for r in records]
+    started = time.time()
+    result = sampler(prompts)
+    seconds = time.time() - started
+    lines = [json.dumps({"prompt": p, "best": b, "best_index": i, "scores": s.tolist(), "candidates": c})
+             for p, b, i, s, c in zip(prompts, result.best, result.best_index, result.scores, result.candidates)]
+    if args.output:
+        Path(args.output).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    else:
+        print("\n".join(lines))
+    summary = [("prompts", str(len(prompts))), ("samples per prompt", str(args.n)), ("seconds", f"{seconds:.1f}"),
+               ("mean best score", f"{float(result.scores.max(-1).values.mean()):.4f}"),
+               ("mean score", f"{float(result.scores.mean()):.4f}")]
+    answered = [r for r in records if r.get("answer") is not None]
+    if answered:  # prompts with a known answer (the demo's format): how often each choice is right
+        truth = [str(r["answer"]).strip() for r in records]
+        def rate(texts: list[str]) -> float:
+            return sum(_last_answer(t) == a for t, a, r in zip(texts, truth, records) if r.get("answer") is not None) / len(answered)
+        summary += [("accuracy of the best", f"{rate(result.best):.1%}"),
+                    ("accuracy of the first sample", f"{rate([c[0] for c in result.candidates]):.1%}"),
+                    ("accuracy of any candidate (oracle)",
+                     f"{sum(any(_last_answer(c) == a for c in cs) for cs, a, r in zip(result.candidates, truth, records) if r.get('answer') is not None) / len(answered):.1%}")]
+    width = max(len(k) for k, _ in summary)
+    print("\n".join(f"{k.ljust(width)}  {v}" for k, v in summary), file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``best-of-n``: sample N responses per prompt from a policy and keep the one a reward model likes best."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="inference_optimizations.py", description="Inference-time compute for any "
+                                     "Hugging Face causal LM.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    best = sub.add_parser("best-of-n", help="Sample N responses per prompt and keep the reward model's favourite",
+                          description="Best-of-N: N samples per prompt (sharing one prefill), scored by a reward "
+                          "model saved by rlhf (or any single-label sequence classifier); writes one JSON line per "
+                          "prompt with the best response, its index, all scores and candidates.")
+    best.add_argument("--policy", required=True, help="policy model directory (Hugging Face layout)")
+    best.add_argument("--reward", required=True, help="reward model directory saved by rlhf's rm stage")
+    best.add_argument("--prompts", required=True, help="JSONL with 'prompt' (and optional 'answer'), or one prompt per line")
+    best.add_argument("-n", type=int, default=8, help="samples per prompt (default 8)")
+    best.add_argument("--max-new-tokens", type=int, default=64, help="token budget per sample (default 64)")
+    best.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
+    best.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (default 1.0: off)")
+    best.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: off)")
+    best.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    best.add_argument("--batch-size", type=int, default=16, help="prompts per generate call (default 16)")
+    best.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
+    best.add_argument("--output", help="write the JSON lines here instead of stdout")
+    args = parser.parse_args(argv)
+    if args.n < 1 or args.max_new_tokens < 1:
+        raise SystemExit("error: -n and --max-new-tokens must be >= 1")
+    return _best_of_n_command(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
