@@ -5,7 +5,8 @@ so it is usable on its own. Today it holds the attention-backend choice shared w
 the generation engine (batched sampling over a KV cache); the paged KV cache, Best-of-N, speculative decoding and MCTS build on it.
 
 Public names: select_attention_implementation, SamplingParams, GenerationOutput, generate, GENERATION_ENGINES,
-chat_prompt_ids, chat_completion_ids, stop_token_ids, RewardModelScorer, BestOfNResult, BestOfNSampler, main
+chat_prompt_ids, chat_completion_ids, stop_token_ids, RewardModelScorer, BestOfNResult, BestOfNSampler,
+SpeculativeOutput, SpeculativeDecoder, main
 
 Command line: ``python inference_optimizations.py best-of-n --policy DIR --reward DIR --prompts FILE -n 8``.
 """
@@ -676,6 +677,142 @@ class BestOfNSampler:
                                  dtype=torch.float32).view(len(prompts), self.n)
         best = scores.argmax(-1).tolist()
         return BestOfNResult([row[i] for row, i in zip(candidates, best)], best, candidates, scores)
+
+
+# -- speculative decoding -----------------------------------------------------------------------------------------
+
+@dataclass
+class SpeculativeOutput:
+    """Generated token ids (stop token included), how many drafted tokens the target accepted out of
+    how many were proposed, the target forwards spent, and the draft length k used in each round."""
+
+    token_ids: list[int]
+    accepted: int
+    proposed: int
+    target_forwards: int
+    k_history: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+
+def _crop(cache, length: int) -> None:
+    """Keep the first ``length`` positions of a DynamicCache (a negative crop removes that many, in
+    every transformers version that has ``crop``)."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
+class SpeculativeDecoder:
+    """Speculative decoding (Leviathan et al. 2023; Chen et al. 2023) for one sequence: a small draft
+    model proposes k tokens, the target scores all of them in one forward, and the longest acceptable
+    prefix is kept plus one token from the target. Greedy mode (temperature 0) reproduces the target's
+    greedy output exactly. Sampling mode accepts a drafted token x with probability min(1, q(x)/p(x))
+    and on rejection samples from norm(max(0, q - p)), so outputs follow the target's distribution.
+    With ``adaptive``, k grows while nearly all drafts are accepted and shrinks when few are."""
+
+    def __init__(self, target: torch.nn.Module, draft: torch.nn.Module, *, k: int = 4, adaptive: bool = True,
+                 k_min: int = 1, k_max: int = 8) -> None:
+        if not 1 <= k_min <= k <= k_max:
+            raise ValueError("need 1 <= k_min <= k <= k_max")
+        self.target, self.draft = target, draft
+        self.k, self.adaptive, self.k_min, self.k_max = k, adaptive, k_min, k_max
+
+    @staticmethod
+    def _feed(model: torch.nn.Module, cache, tokens: list[int]) -> torch.Tensor:
+        """Run ``tokens`` through ``model`` on top of ``cache``; logits of every fed position, float32 (T, V)."""
+        ids = torch.tensor([tokens], device=next(model.parameters()).device)
+        return model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0].float()
+
+    def _adapt(self, accepted: int, proposed: int) -> None:
+        if not self.adaptive:
+            return
+        if accepted == proposed:
+            self.k = min(self.k + 1, self.k_max)
+        elif accepted < proposed / 2:
+            self.k = max(self.k - 1, self.k_min)
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[int], max_new_tokens: int = 64, *, temperature: float = 0.0,
+                 seed: int | None = None, stop_token_ids: tuple[int, ...] = ()) -> SpeculativeOutput:
+        from transformers import DynamicCache
+
+        if not prompt_ids:
+            raise ValueError("the prompt needs at least one token")
+        greedy = temperature == 0
+        generator = torch.Generator(device=next(self.target.parameters()).device)
+        generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,))))
+        target_cache, draft_cache = DynamicCache(), DynamicCache()
+        sequence = list(prompt_ids)
+        target_len = draft_len = 0  # tokens of ``sequence`` each cache holds
+        if len(sequence) > 1:  # both caches hold everything but the last committed token
+            self._feed(self.target, target_cache, sequence[:-1])
+            self._feed(self.draft, draft_cache, sequence[:-1])
+            target_len = draft_len = len(sequence) - 1
+        out = SpeculativeOutput([], 0, 0, 0)
+        stops = set(stop_token_ids)
+
+        def distribution(logits: torch.Tensor) -> torch.Tensor:
+            return torch.softmax(logits / temperature, -1)
+
+        while len(out.token_ids) < max_new_tokens:
+            k = min(self.k, max_new_tokens - len(out.token_ids))
+            out.k_history.append(k)
+            # draft: k proposals, each from the draft's next-token distribution
+            logits = self._feed(self.draft, draft_cache, sequence[draft_len:])[-1]
+            draft_len = len(sequence)
+            drafted, draft_probs = [], []
+            for i in range(k):
+                if greedy:
+                    token = int(logits.argmax())
+                else:
+                    probs = distribution(logits)
+                    token = int(torch.multinomial(probs, 1, generator=generator))
+                    draft_probs.append(probs)
+                drafted.append(token)
+                if i < k - 1:
+                    logits = self._feed(self.draft, draft_cache, [token])[-1]
+                    draft_len += 1
+            # target: the last committed token and all k drafts in one forward -> k + 1 next-token logits
+            target_logits = self._feed(self.target, target_cache, sequence[target_len:] + drafted)[-(k + 1):]
+            out.target_forwards += 1
+            accepted, correction = 0, None
+            for i, token in enumerate(drafted):
+                if greedy:
+                    best = int(target_logits[i].argmax())
+                    if best != token:
+                        correction = best
+                        break
+                else:
+                    q = distribution(target_logits[i])
+                    p = draft_probs[i]
+                    if float(torch.rand((), generator=generator, device=q.device)) >= min(1.0, float(q[token] / p[token])):
+                        residual = (q - p).clamp(min=0)
+                        residual = residual / residual.sum() if float(residual.sum()) > 0 else q
+                        correction = int(torch.multinomial(residual, 1, generator=generator))
+                        break
+                accepted += 1
+            if correction is None:  # every draft accepted: the target's next token comes free
+                last = target_logits[k]
+                correction = int(last.argmax()) if greedy else int(torch.multinomial(distribution(last), 1, generator=generator))
+            new = drafted[:accepted] + [correction]
+            out.accepted += accepted
+            out.proposed += k
+            self._adapt(accepted, k)
+            base = len(sequence)
+            sequence += new
+            # keep in each cache only tokens that are now committed (all but the newest)
+            target_len = base + accepted
+            draft_len = min(draft_len, base + accepted)
+            _crop(target_cache, target_len)
+            _crop(draft_cache, draft_len)
+            for token in new:
+                out.token_ids.append(token)
+                if token in stops or len(out.token_ids) == max_new_tokens:
+                    return out
+        return out
 
 
 # -- command line -------------------------------------------------------------------------------------------------
