@@ -6,7 +6,8 @@ the generation engine (batched sampling over a KV cache); the paged KV cache, Be
 
 Public names: select_attention_implementation, SamplingParams, GenerationOutput, generate, GENERATION_ENGINES,
 chat_prompt_ids, chat_completion_ids, stop_token_ids, RewardModelScorer, BestOfNResult, BestOfNSampler,
-SpeculativeOutput, SpeculativeDecoder, main
+SpeculativeOutput, SpeculativeDecoder, answer_agreement, ConfidenceBasedStopping,
+AdaptiveComputeAllocator, main
 
 Command line: ``python inference_optimizations.py best-of-n --policy DIR --reward DIR --prompts FILE -n 8``.
 """
@@ -813,6 +814,75 @@ class SpeculativeDecoder:
                 if token in stops or len(out.token_ids) == max_new_tokens:
                     return out
         return out
+
+
+# -- adaptive compute ---------------------------------------------------------------------------------------------
+
+def answer_agreement(answers: list) -> tuple[object, float]:
+    """The most frequent non-None answer and its share of all answers (0 when none has an answer)."""
+    counts: dict = {}
+    for answer in answers:
+        if answer is not None:
+            counts[answer] = counts.get(answer, 0) + 1
+    if not counts:
+        return None, 0.0
+    best = max(counts, key=counts.get)
+    return best, counts[best] / len(answers)
+
+
+class ConfidenceBasedStopping:
+    """When to stop sampling (or searching) for one prompt: once at least ``min_samples`` are in and
+    the leading answer holds ``agreement`` of them (self-consistency, Wang et al. 2023, with early
+    stopping), or, given scores, once the best score leads the runner-up by ``margin``."""
+
+    def __init__(self, agreement: float = 0.7, min_samples: int = 3, margin: float | None = None) -> None:
+        if not 0 < agreement <= 1 or min_samples < 1:
+            raise ValueError("need 0 < agreement <= 1 and min_samples >= 1")
+        self.agreement, self.min_samples, self.margin = agreement, min_samples, margin
+
+    def should_stop(self, answers: list, scores: list[float] | None = None) -> bool:
+        if len(answers) < self.min_samples:
+            return False
+        if self.margin is not None and scores is not None and len(scores) >= 2:
+            top = sorted(scores, reverse=True)
+            if top[0] - top[1] >= self.margin:
+                return True
+        return answer_agreement(answers)[1] >= self.agreement
+
+
+class AdaptiveComputeAllocator:
+    """Splits a fixed total sample budget across prompts by an estimate of difficulty (answer
+    disagreement, reward-model uncertainty, policy entropy...): every prompt gets ``min_per_prompt``,
+    the rest goes in proportion to difficulty (largest remainders, capped at ``max_per_prompt``), so
+    the total is exactly ``total_budget``."""
+
+    def __init__(self, total_budget: int, min_per_prompt: int = 1, max_per_prompt: int | None = None) -> None:
+        if total_budget < 0 or min_per_prompt < 0:
+            raise ValueError("budgets must be >= 0")
+        self.total_budget, self.min_per_prompt, self.max_per_prompt = total_budget, min_per_prompt, max_per_prompt
+
+    def allocate(self, difficulty: list[float]) -> list[int]:
+        count = len(difficulty)
+        if count * self.min_per_prompt > self.total_budget:
+            raise ValueError(f"a budget of {self.total_budget} cannot give {count} prompts {self.min_per_prompt} each")
+        cap = self.max_per_prompt if self.max_per_prompt is not None else self.total_budget
+        shares = [self.min_per_prompt] * count
+        left = self.total_budget - sum(shares)
+        weights = [max(float(d), 0.0) for d in difficulty]
+        while left > 0:
+            open_rows = [i for i in range(count) if shares[i] < cap]
+            if not open_rows:
+                break
+            total = sum(weights[i] for i in open_rows) or float(len(open_rows))
+            ideal = {i: left * (weights[i] if sum(weights[j] for j in open_rows) else 1.0) / total for i in open_rows}
+            given = {i: min(int(ideal[i]), cap - shares[i]) for i in open_rows}
+            if not any(given.values()):  # hand out the remainders one by one, largest first
+                for i in sorted(open_rows, key=lambda i: ideal[i] - int(ideal[i]), reverse=True)[:left]:
+                    given[i] = 1
+            for i, extra in given.items():
+                shares[i] += extra
+            left = self.total_budget - sum(shares)
+        return shares
 
 
 # -- command line -------------------------------------------------------------------------------------------------
