@@ -577,6 +577,9 @@ class RewardModelScorer:
         self.device, self.batch_size, self.system = torch.device(device), batch_size, system
         self.tokenizer = AutoTokenizer.from_pretrained(directory)
         if (directory / self.CONFIG_FILE).exists():
+            trained_with = json.loads((directory / self.CONFIG_FILE).read_text()).get("chat_template")
+            if trained_with:  # the template rlhf trained the reward model with (may differ from the tokenizer's)
+                self.tokenizer.chat_template = trained_with
             self.body, self.head = self._load_rlhf(directory)
             self.classifier = None
         else:

@@ -15,7 +15,7 @@ Table of contents (each section opens with a ``# ==== N. Title ====`` banner):
   4. Models — token_log_probs, load_tokenizer, build_tiny_model, resolve_model_path, PolicyModel, RewardModel, RewardEnsemble, aggregate_step_scores, ProcessRewardModel, ValueModel, ActorCritic, ReferenceModel, create_reference_model
   5. Losses and advantages — causal_lm_loss_sum, sequence_log_probs, dpo_loss, PREFERENCE_LOSSES, simpo_loss, orpo_loss, kto_loss, reward_model_loss, whiten, grpo_advantages, grpo_loss, compute_gae, ppo_policy_loss, ppo_value_loss, AdaptiveKLController, FixedKLController
   6. Rewards — exact_answer_reward, format_reward, length_penalty, CompositeReward, LearnedReward, ProcessReward, HTTPReward, RewardAPIError, Principle, ConstitutionalRewardWrapper, RewardFunctionFactory, RunningRewardNormalizer, process_rewards
-  7. Trainers — BaseTrainer, TrainingDivergedError, SFTTrainer, RewardModelTrainer, ProcessRewardModelTrainer, DPOTrainer, SimPOTrainer, KTOTrainer, precompute_ref_log_probs, Rollout, RolloutBuffer, token_entropy, GRPOTrainer, PPOTrainer, TrainResult
+  7. Trainers — BaseTrainer, TrainingDivergedError, SFTTrainer, RewardModelTrainer, ProcessRewardModelTrainer, DPOTrainer, SimPOTrainer, KTOTrainer, precompute_ref_log_probs, Rollout, RolloutBuffer, token_entropy, disable_dropout, GRPOTrainer, PPOTrainer, TrainResult, close_loss_scaler_step
   10. Orchestrator — train_sft, train_rm, train_prm, train_dpo, train_kto, train_grpo, train_ppo, RLHFOrchestrator
   11. CLI — main
 
@@ -417,7 +417,8 @@ class OnlineRLConfig(BaseConfig):
     def reward_names(self) -> list[str]:
         """The reward functions in order; a reward model (or reward API) not named in reward_funcs is appended."""
         names = list(self.reward_funcs)
-        if (self.reward_model or self.reward_model_type == "api") and "reward_model" not in names:
+        api_already = self.reward_model_type == "api" and "api" in names
+        if (self.reward_model or self.reward_model_type == "api") and "reward_model" not in names and not api_already:
             names.append("reward_model")
         if self.process_reward_model and "process_reward_model" not in names:
             names.append("process_reward_model")
@@ -2813,15 +2814,19 @@ class RewardModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, attention_mask)
 
-    def save_pretrained(self, directory: str | os.PathLike) -> None:
+    def save_pretrained(self, directory: str | os.PathLike, chat_template: str | None = None) -> None:
+        """``chat_template``: the template the model was trained with, recorded so that scorers outside
+        rlhf (inference_optimizations.RewardModelScorer) render inputs the same way."""
         from safetensors.torch import save_file
 
         directory = Path(directory)
         PolicyModel(self.model.backbone, self.tokenizer).save_pretrained(directory)
         save_file({k: v.detach().contiguous() for k, v in self.model.head.state_dict().items()}, str(directory / self.HEAD_FILE))
-        (directory / self.CONFIG_FILE).write_text(json.dumps(
-            {"reward_model_type": _adapter_type(self.model.backbone), "head_hidden": self.model.head_hidden,
-             "hidden_size": self.model.backbone.config.hidden_size, "score": "last non-padding token"}, indent=1))
+        config = {"reward_model_type": _adapter_type(self.model.backbone), "head_hidden": self.model.head_hidden,
+                  "hidden_size": self.model.backbone.config.hidden_size, "score": "last non-padding token"}
+        if chat_template:
+            config["chat_template"] = chat_template
+        (directory / self.CONFIG_FILE).write_text(json.dumps(config, indent=1))
 
     def load_weights(self, directory: str | os.PathLike) -> None:
         from safetensors.torch import load_file
@@ -3918,6 +3923,16 @@ class ResumableBatchSampler:
             position += 1
 
 
+def close_loss_scaler_step(scaler: Any) -> None:
+    """An fp16 step whose gradients were unscaled for clipping but whose update is skipped must still
+    close the loss scaler's step; otherwise the next ``unscale_`` fails ("already been called on this
+    optimizer since the last update")."""
+    try:
+        scaler.update()
+    except AssertionError:  # nothing was unscaled this step (no clipping), so there is nothing to close
+        pass
+
+
 class TrainingDivergedError(RLHFInputError):
     """Too many steps in a row produced a non-finite loss, reward or gradient; a checkpoint was saved."""
 
@@ -4154,6 +4169,9 @@ class BaseTrainer:
     def _skip_update(self, problem: str) -> None:
         """Drop this step's gradients; after max_nonfinite_steps in a row, checkpoint and stop."""
         self.optimizer.zero_grad(set_to_none=True)
+        scaler = getattr(getattr(self.devices, "accelerator", None), "scaler", None)
+        if scaler is not None:
+            close_loss_scaler_step(scaler)
         self.nonfinite_in_a_row += 1
         self.skipped_steps += 1
         logger.warning("step %d: non-finite %s; update skipped (%d in a row)", self.global_step + 1, problem,
@@ -4282,7 +4300,10 @@ class BaseTrainer:
             self._save_model(tmp)
             _fsync_tree(tmp)
             for item in tmp.iterdir():
-                os.replace(item, self.output_dir / item.name)
+                target = self.output_dir / item.name
+                if item.is_dir() and target.is_dir():  # os.replace cannot overwrite a non-empty directory
+                    shutil.rmtree(target)
+                os.replace(item, target)
             tmp.rmdir()
         self.devices.wait()
 
@@ -4402,7 +4423,8 @@ class RewardModelTrainer(BaseTrainer):
                 "eval/margin": float(margin.mean())}
 
     def _save_model(self, directory: Path) -> None:
-        RewardModel(self.devices.unwrap(self.policy.model), self.policy.tokenizer).save_pretrained(directory)
+        RewardModel(self.devices.unwrap(self.policy.model), self.policy.tokenizer).save_pretrained(
+            directory, chat_template=ChatFormatter(self.policy.tokenizer, self.config.template).source)
 
     def _load_model(self, directory: Path) -> None:
         RewardModel(self.devices.unwrap(self.policy.model), self.policy.tokenizer).load_weights(directory)
@@ -4813,6 +4835,14 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, -1) - (logits.softmax(-1) * logits).sum(-1)
 
 
+def disable_dropout(model: nn.Module) -> None:
+    """Set every dropout probability to 0 (as TRL does for online RL): stored rollout log-probs,
+    values and reference log-probs must come from the same deterministic function as the loss."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+
+
 class _OnlineRLTrainer(_ReferenceTrainer):
     """Shared by GRPO and PPO: prompts -> sampled completions -> rewards -> a :class:`Rollout` that
     feeds ``steps_per_rollout`` optimizer steps. A resumed run samples the interrupted rollout again
@@ -4838,6 +4868,10 @@ class _OnlineRLTrainer(_ReferenceTrainer):
     # -- subclass interface
     prompts_per_rollout: int
     steps_per_rollout: int
+
+    def _setup_model(self) -> None:
+        super()._setup_model()
+        disable_dropout(self.policy.model)  # rollout log-probs and the loss must see the same function
 
     def _normalise_rewards(self, config: OnlineRLConfig) -> bool:
         return config.reward_normalize
@@ -4874,6 +4908,8 @@ class _OnlineRLTrainer(_ReferenceTrainer):
                 yield [next(items) for _ in range(self.prompts_per_rollout)]
         self.sampler.start = first
         for indices in self.sampler:
+            if len(indices) < self.prompts_per_rollout:  # an epoch's short last batch: repeat its prompts to
+                indices = (indices * self.prompts_per_rollout)[:self.prompts_per_rollout]  # keep steps whole
             yield [self.train_dataset[i] for i in indices]
 
     def _streaming_prompts(self) -> Iterator[dict[str, Any]]:
@@ -5101,10 +5137,13 @@ class PPOTrainer(_OnlineRLTrainer):
 
     def _setup_model(self) -> None:
         self.policy.prepare_for_training(self.config)
-        self.critic.requires_grad_(True)
-        if self.critic.backbone is not None and self.config.finetuning_type in ("lora", "oft"):
+        if self.critic.backbone is not None:  # a separate critic is fine-tuned the way the policy is
+            if self.config.finetuning_type == "full":
+                self.critic.backbone.requires_grad_(True)
             self.critic.backbone = _prepare_backbone(self.critic.backbone, self.config)
-            self.critic.head.requires_grad_(True)
+        self.critic.head.requires_grad_(True)
+        disable_dropout(self.policy.model)
+        disable_dropout(self.critic)
         self.actor_critic = ActorCritic(self.policy.model, self.critic).to(self.devices.device)
         self.model = self.devices.prepare(self.actor_critic)
         self.model.train()
