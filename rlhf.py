@@ -3643,6 +3643,7 @@ class HTTPReward:
             return json.loads(response.read().decode("utf-8"))
 
     def __call__(self, prompts: list[str], completions: list[str], answers: list[str | None]) -> torch.Tensor:
+        import http.client
         import urllib.error
 
         payload = json.dumps({"prompts": prompts, "responses": completions, "answers": answers}).encode("utf-8")
@@ -3656,8 +3657,8 @@ class HTTPReward:
                 if err.code != 429 and err.code < 500:  # the request itself is wrong: retrying cannot help
                     raise RewardAPIError(f"reward API {self.url} refused the request: HTTP {err.code} {err.reason}") from None
                 last_error = err
-            except (OSError, TimeoutError) as err:  # URLError, refused connections and timeouts are OSErrors
-                last_error = err
+            except (OSError, TimeoutError, http.client.HTTPException) as err:  # URLError, refused connections,
+                last_error = err  # timeouts (OSErrors) and a response cut short (IncompleteRead) are retried
             except ValueError as err:
                 raise RewardAPIError(f"reward API {self.url} did not return JSON ({err})") from None
             else:
