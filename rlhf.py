@@ -2963,6 +2963,10 @@ class ValueModel(nn.Module):
     def from_pretrained(cls, name_or_path: str, *, device: torch.device | str = "cpu", seed: int = 0,
                         **kwargs: Any) -> tuple[ValueModel, Any]:
         """A separate critic from any causal-LM or reward-model directory; a saved value head is reloaded."""
+        directory = Path(resolve_model_path(name_or_path, kwargs.get("cache_dir")))
+        if (directory / RewardEnsemble.MANIFEST).exists() and not (directory / "config.json").exists():
+            raise RLHFInputError(f"config field 'value_model': {directory} is a reward-model ensemble; a critic "
+                                 f"starts from one model, e.g. {directory / 'member-0'}")
         backbone = PolicyModel.from_pretrained(name_or_path, device=device, **kwargs)
         critic = cls(backbone.model.config.hidden_size, backbone.model, seed).to(device)
         head = Path(resolve_model_path(name_or_path, kwargs.get("cache_dir"))) / cls.HEAD_FILE

@@ -126,3 +126,9 @@ def test_scorer_uses_the_template_the_reward_model_was_trained_with(tmp_path, ti
     prompts, responses = ["What is 2 + 3?"], ["2 + 3 = 5\nAnswer: 5"]
     expected = rlhf.LearnedReward(reward, template="default")(prompts, responses, [None])
     torch.testing.assert_close(io.RewardModelScorer(directory)(prompts, responses), expected, atol=1e-5, rtol=0)
+
+
+def test_value_model_from_an_ensemble_is_a_clear_error(tmp_path):
+    rlhf.RewardEnsemble.write_manifest(tmp_path, ["member-0", "member-1"])
+    with pytest.raises(rlhf.RLHFInputError, match="ensemble.*member-0"):
+        rlhf.ValueModel.from_pretrained(str(tmp_path))
