@@ -4448,10 +4448,6 @@ class ProcessRewardModelTrainer(RewardModelTrainer):
         BaseTrainer.__init__(self, config, model, train_dataset, eval_dataset=eval_dataset, devices=devices,
                              collator=ProcessPreferenceCollator(model.tokenizer.pad_token_id))
 
-    def _pair_losses(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        losses, chosen, rejected, _ = self._losses_and_steps(batch)
-        return losses, chosen, rejected
-
     def _losses_and_steps(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
         model = self.policy
         logits = model.step_logits(batch["input_ids"], batch["attention_mask"], batch["step_positions"]).float()  # (2B, S)
@@ -5292,6 +5288,16 @@ def read_stage_records(config: BaseConfig, kind: str
     return train_records, val_records, eval_records
 
 
+def _streaming_dataset(cls: type[StreamingRecordDataset], config: BaseConfig, tokenizer: Any, formatter: ChatFormatter,
+                       devices: DeviceManager, **kwargs: Any) -> StreamingRecordDataset:
+    """The streaming twin of a stage's training set: the first dataset, sharded by rank, skipping the
+    first val_size records (they are the validation set, as in LLaMA-Factory)."""
+    spec = resolve_dataset(config.dataset.split(",")[0].strip(), config.dataset_dir)
+    return cls(spec, tokenizer, formatter, rank=devices.process_index, world_size=devices.num_processes,
+               buffer_size=config.buffer_size, seed=config.seed, skip_invalid=config.skip_invalid_records,
+               max_samples=config.max_samples, skip=int(config.val_size or 0), **kwargs)
+
+
 def build_sft_data(config: SFTConfig, tokenizer: Any, formatter: ChatFormatter, devices: DeviceManager,
                    records: tuple[list | None, list, list] | None = None
                    ) -> tuple[Any, SFTDataset | None, list[dict[str, Any]]]:
@@ -5302,12 +5308,7 @@ def build_sft_data(config: SFTConfig, tokenizer: Any, formatter: ChatFormatter, 
     cached = dict(cache_dir=config.cache_dir, num_proc=config.preprocessing_num_workers, **common)
     validation = SFTDataset(val_records, tokenizer, formatter, **cached) if val_records else None
     if train_records is None:
-        spec = resolve_dataset(config.dataset.split(",")[0].strip(), config.dataset_dir)
-        train = StreamingSFTDataset(spec, tokenizer, formatter, rank=devices.process_index,
-                                    world_size=devices.num_processes, buffer_size=config.buffer_size,
-                                    seed=config.seed, skip_invalid=config.skip_invalid_records,
-                                    max_samples=config.max_samples, skip=int(config.val_size or 0), **common)
-        return train, validation, eval_records
+        return _streaming_dataset(StreamingSFTDataset, config, tokenizer, formatter, devices, **common), validation, eval_records
     train = SFTDataset(train_records, tokenizer, formatter, packing=config.packing, **cached)
     return train, validation, eval_records
 
@@ -5366,11 +5367,7 @@ def _preference_datasets(config: BaseConfig, records: tuple, tokenizer: Any, for
     validation = dataset_class(val_records, tokenizer, formatter, cutoff_len=config.cutoff_len, **extra) if val_records else None
     if train_records is None:
         stream_class = {"preference": StreamingPreferenceDataset, "kto": StreamingKTODataset}[kind]
-        spec = resolve_dataset(config.dataset.split(",")[0].strip(), config.dataset_dir)
-        train = stream_class(spec, tokenizer, formatter, cutoff_len=config.cutoff_len, rank=devices.process_index,
-                             world_size=devices.num_processes, buffer_size=config.buffer_size, seed=config.seed,
-                             skip_invalid=config.skip_invalid_records, max_samples=config.max_samples,
-                             skip=int(config.val_size or 0))
+        train = _streaming_dataset(stream_class, config, tokenizer, formatter, devices, cutoff_len=config.cutoff_len)
     else:
         train = dataset_class(train_records, tokenizer, formatter, cutoff_len=config.cutoff_len, **extra)
     return train, validation, eval_records
@@ -5454,11 +5451,8 @@ def _prompt_datasets(config: BaseConfig, records: tuple, tokenizer: Any, formatt
     train_records, _, eval_records = records
     if train_records is not None:
         return GRPODataset(train_records, tokenizer, formatter, cutoff_len=config.cutoff_len), eval_records
-    spec = resolve_dataset(config.dataset.split(",")[0].strip(), config.dataset_dir)
-    return StreamingGRPODataset(spec, tokenizer, formatter, cutoff_len=config.cutoff_len, rank=devices.process_index,
-                                world_size=devices.num_processes, buffer_size=config.buffer_size, seed=config.seed,
-                                skip_invalid=config.skip_invalid_records, max_samples=config.max_samples,
-                                skip=int(config.val_size or 0)), eval_records
+    return _streaming_dataset(StreamingGRPODataset, config, tokenizer, formatter, devices,
+                              cutoff_len=config.cutoff_len), eval_records
 
 
 def train_grpo(config: GRPOConfig, devices: DeviceManager | None = None) -> TrainResult:

@@ -303,6 +303,25 @@ def children_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def run_measured(command: list[str], threads: int, mark: str) -> dict:
+    """Run one worker process quietly on ``threads`` threads and return the JSON it printed after ``mark``,
+    plus its wall time ("process") and the CPU other processes used meanwhile ("background", in cores);
+    on failure ``{"error": the last lines of its output}``. Shared by the benches that compare with TRL."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+           "TOKENIZERS_PARALLELISM": "false", "TQDM_DISABLE": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+           "PYTHONWARNINGS": "ignore", "WANDB_DISABLED": "true", "HF_HUB_OFFLINE": "1"}
+    busy, own, started = busy_cpu_seconds(), children_cpu_seconds(), time.perf_counter()
+    proc = subprocess.run(command, env=env, capture_output=True, text=True)
+    elapsed = time.perf_counter() - started
+    # other processes' CPU use while the worker ran, in cores: what the machine did minus what the worker did
+    background = max(0.0, (busy_cpu_seconds() - busy) - (children_cpu_seconds() - own)) / elapsed
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(mark)]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-12:]
+        return {"error": "\n".join(tail) or f"exit status {proc.returncode}"}
+    return {**json.loads(lines[-1][len(mark):]), "process": elapsed, "background": background}
+
+
 def run_worker(args: argparse.Namespace, impl: str, variant: str, model_dir: str, attn: str) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"bench-dpo-{impl}-{variant}-") as tmp:
         command = [sys.executable, str(Path(__file__).resolve()), "--worker", impl, "--variant", variant,
@@ -310,23 +329,25 @@ def run_worker(args: argparse.Namespace, impl: str, variant: str, model_dir: str
                    "--warmup", str(args.warmup), "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
                    "--records", str(args.records), "--threads", str(args.threads), "--lr", repr(args.lr),
                    "--beta", repr(args.beta)]
-        threads = str(args.threads)
-        env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false",
-               "TQDM_DISABLE": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "PYTHONWARNINGS": "ignore",
-               "WANDB_DISABLED": "true", "HF_HUB_OFFLINE": "1"}
-        busy, own, started = busy_cpu_seconds(), children_cpu_seconds(), time.perf_counter()
-        proc = subprocess.run(command, env=env, capture_output=True, text=True)
-        elapsed = time.perf_counter() - started
-        # other processes' CPU use while the worker ran, in cores: what the machine did minus what the worker did
-        background = max(0.0, (busy_cpu_seconds() - busy) - (children_cpu_seconds() - own)) / elapsed
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(MARK)]
-    if proc.returncode != 0 or not lines:
-        tail = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-12:]
-        return {"impl": impl, "variant": variant, "error": "\n".join(tail) or f"exit status {proc.returncode}"}
-    result = json.loads(lines[-1][len(MARK):])
-    result["process"] = elapsed
-    result["background"] = background
-    return result
+        result = run_measured(command, args.threads, MARK)
+    return {"impl": impl, "variant": variant, **result} if "error" in result else result
+
+
+def bench_setup() -> tuple:
+    """(torch, the tiny model's directory, the attention our trainer picks on CPU, TRL's version) for the header."""
+    sys.path.insert(0, str(REPO))
+    import torch
+
+    import rlhf
+
+    try:
+        from importlib.metadata import version
+
+        trl_version = version("trl")
+    except Exception:  # only for the header line
+        trl_version = "not installed"
+    # TRL gets the same attention implementation as ours
+    return torch, rlhf.resolve_model_path("tiny"), rlhf.select_attention_implementation("auto", "cpu")[0], trl_version
 
 
 def _fmt(value: float | None) -> str:
@@ -358,19 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
         return worker(args)
-    sys.path.insert(0, str(REPO))
-    import torch
-
-    import rlhf
-
-    model_dir = rlhf.resolve_model_path("tiny")
-    attn = rlhf.select_attention_implementation("auto", "cpu")[0]  # what our trainer picks on CPU; TRL gets the same
-    try:
-        from importlib.metadata import version
-
-        trl_version = version("trl")
-    except Exception:  # only for the header line
-        trl_version = "not installed"
+    torch, model_dir, attn, trl_version = bench_setup()
     print(f"model {Path(model_dir).name} ({attn}): full fine-tuning, fp32, CPU, threads {args.threads}; first "
           f"{args.records} pairs of {DATA.relative_to(REPO)}, cutoff {args.seq_len}, batch {args.batch_size} pairs, "
           f"lr {args.lr:g} constant, beta {args.beta:g} sigmoid; {args.steps} steps, first {args.warmup} untimed; "

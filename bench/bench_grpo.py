@@ -59,16 +59,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 # bench/ (the script's folder) is on sys.path; bench_dpo has no side effects on import
-from bench_dpo import busy_cpu_seconds, children_cpu_seconds, peak_rss_mib, rss_mib
+from bench_dpo import bench_setup, peak_rss_mib, rss_mib, run_measured
 from tables import print_table
 
 REPO = Path(__file__).resolve().parents[1]
@@ -316,23 +314,8 @@ def run_worker(args: argparse.Namespace, impl: str, model_dir: str, attn: str) -
                    "--batch-size", str(args.batch_size), "--num-generations", str(args.num_generations),
                    "--completion-len", str(args.completion_len), "--records", str(args.records),
                    "--threads", str(args.threads), "--lr", repr(args.lr), "--engine", args.engine]
-        threads = str(args.threads)
-        env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false",
-               "TQDM_DISABLE": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "PYTHONWARNINGS": "ignore",
-               "WANDB_DISABLED": "true", "HF_HUB_OFFLINE": "1"}
-        busy, own, started = busy_cpu_seconds(), children_cpu_seconds(), time.perf_counter()
-        proc = subprocess.run(command, env=env, capture_output=True, text=True)
-        elapsed = time.perf_counter() - started
-        # other processes' CPU use while the worker ran, in cores: what the machine did minus what the worker did
-        background = max(0.0, (busy_cpu_seconds() - busy) - (children_cpu_seconds() - own)) / elapsed
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(MARK)]
-    if proc.returncode != 0 or not lines:
-        tail = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-12:]
-        return {"impl": impl, "error": "\n".join(tail) or f"exit status {proc.returncode}"}
-    result = json.loads(lines[-1][len(MARK):])
-    result["process"] = elapsed
-    result["background"] = background
-    return result
+        result = run_measured(command, args.threads, MARK)
+    return {"impl": impl, **result} if "error" in result else result
 
 
 def _fmt(value: float | None, spec: str = ".4f") -> str:
@@ -366,19 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
         return worker(args)
-    sys.path.insert(0, str(REPO))
-    import torch
-
-    import rlhf
-
-    model_dir = rlhf.resolve_model_path("tiny")
-    attn = rlhf.select_attention_implementation("auto", "cpu")[0]  # what our trainer picks on CPU; TRL gets the same
-    try:
-        from importlib.metadata import version
-
-        trl_version = version("trl")
-    except Exception:  # only for the header line
-        trl_version = "not installed"
+    torch, model_dir, attn, trl_version = bench_setup()
     prompts = args.batch_size // args.num_generations
     print(f"model {Path(model_dir).name} ({attn}): full fine-tuning, fp32, CPU, threads {args.threads}; first "
           f"{args.records} prompts of {DATA_DIR.relative_to(REPO)}/rl_prompts.jsonl; per step {prompts} prompts x G "

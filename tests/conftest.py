@@ -105,6 +105,24 @@ def one_thread():
     torch.set_num_threads(previous)
 
 
+def killed_after_checkpoint(trainer: rlhf.BaseTrainer, step: int) -> list[str]:
+    """Run ``trainer`` and stop it as a kill would, right after it has written the checkpoint of ``step``;
+    returns the names of the checkpoint's files."""
+    original = trainer._save_checkpoint
+
+    def save() -> None:
+        original()
+        if trainer.global_step == step:
+            raise KeyboardInterrupt
+
+    trainer._save_checkpoint = save
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    checkpoint = trainer.output_dir / "checkpoints" / f"checkpoint-{step}"
+    assert (checkpoint / "COMPLETE").is_file()
+    return sorted(p.name for p in checkpoint.iterdir())
+
+
 @contextlib.contextmanager
 def captured_log(logger_name: str = "rlhf"):
     """Records of a logger, whatever ``setup_logging`` did to its propagation."""

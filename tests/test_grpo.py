@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import killed_after_checkpoint
 
 import rlhf
 
@@ -349,21 +350,6 @@ def test_always_nan_reward_stops_with_num_iterations(tmp_path, tiny_model_dir, p
 # -- g. resume ---------------------------------------------------------------------------------------------------------
 
 
-def _killed_after_checkpoint(trainer: rlhf.GRPOTrainer, step: int) -> None:
-    """Run ``trainer`` and stop it as a kill would, right after it has written the checkpoint of ``step``."""
-    original = trainer._save_checkpoint
-
-    def save() -> None:
-        original()
-        if trainer.global_step == step:
-            raise KeyboardInterrupt
-
-    trainer._save_checkpoint = save
-    with pytest.raises(KeyboardInterrupt):
-        trainer.train()
-    assert (trainer.output_dir / "checkpoints" / f"checkpoint-{step}" / "COMPLETE").is_file()
-
-
 def _recording(trainer: rlhf.GRPOTrainer) -> list[tuple[list, rlhf.Rollout]]:
     """Every rollout the trainer makes from now on: (its prompts' ids, the rollout)."""
     seen, original = [], trainer.make_rollout
@@ -393,7 +379,7 @@ def _resume_pair(tmp_path, model_dir, make_dataset, kill_at: int, **settings):
     straight = _trainer(_config(tmp_path / "straight", model_dir, **settings), make_dataset(), DigitShare())
     straight_rollouts = _recording(straight)
     straight.train()
-    _killed_after_checkpoint(_trainer(_config(tmp_path / "resumed", model_dir, **settings), make_dataset(),
+    killed_after_checkpoint(_trainer(_config(tmp_path / "resumed", model_dir, **settings), make_dataset(),
                                       DigitShare()), kill_at)
     resumed = _trainer(_config(tmp_path / "resumed", model_dir, **settings), make_dataset(), DigitShare())
     resumed_rollouts = _recording(resumed)

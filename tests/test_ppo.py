@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import killed_after_checkpoint
 
 import rlhf
 
@@ -103,24 +104,6 @@ def _hand_gae(rewards, values, mask, gamma: float, lam: float) -> tuple[torch.Te
             advantages[i, t] = running
             returns[i, t] = running + float(values[i, t])
     return advantages, returns
-
-
-def _killed_after_checkpoint(trainer: rlhf.PPOTrainer, step: int) -> list[str]:
-    """Run ``trainer`` and stop it as a kill would, right after it has written the checkpoint of ``step``;
-    returns the names of the checkpoint's files."""
-    original = trainer._save_checkpoint
-
-    def save() -> None:
-        original()
-        if trainer.global_step == step:
-            raise KeyboardInterrupt
-
-    trainer._save_checkpoint = save
-    with pytest.raises(KeyboardInterrupt):
-        trainer.train()
-    checkpoint = trainer.output_dir / "checkpoints" / f"checkpoint-{step}"
-    assert (checkpoint / "COMPLETE").is_file()
-    return sorted(p.name for p in checkpoint.iterdir())
 
 
 # -- 1. the rollout --------------------------------------------------------------------------------------------------
@@ -359,7 +342,7 @@ def _resume_pair(tmp_path, model_dir, dataset, kill_at: int, **settings):
     settings = dict(max_steps=4, save_steps=kill_at, resume_from_checkpoint="auto", learning_rate=1e-2, **settings)
     straight = _trainer(_config(tmp_path / "straight", model_dir, **settings), dataset, DigitShare())
     straight.train()
-    files = _killed_after_checkpoint(_trainer(_config(tmp_path / "resumed", model_dir, **settings), dataset,
+    files = killed_after_checkpoint(_trainer(_config(tmp_path / "resumed", model_dir, **settings), dataset,
                                               DigitShare()), kill_at)
     resumed = _trainer(_config(tmp_path / "resumed", model_dir, **settings), dataset, DigitShare())
     assert resumed.train().global_step == 4
