@@ -1,10 +1,13 @@
 """Inference-time machinery for any Hugging Face causal LM; imports torch and transformers only.
 
 This module never imports ``rlhf``: rewards, process rewards and values come in as plain callables,
-so it is usable on its own. Today it holds the attention-backend choice shared with training and
-the generation engine (batched sampling over a KV cache); the paged KV cache, Best-of-N, speculative decoding and MCTS build on it.
+so it is usable on its own. It holds the attention-backend choice shared with training, the
+generation engine (batched sampling over a static, dynamic or paged KV cache), and the inference-time
+compute built on it: Best-of-N, speculative decoding, MCTS over reasoning steps, adaptive allocation
+and confidence-based stopping.
 
-Public names: select_attention_implementation, SamplingParams, GenerationOutput, generate, GENERATION_ENGINES,
+Public names: select_attention_implementation, OptimizedAttention, SamplingParams, GenerationOutput, generate,
+GENERATION_ENGINES, PagedKVCache,
 chat_prompt_ids, chat_completion_ids, stop_token_ids, RewardModelScorer, BestOfNResult, BestOfNSampler,
 SpeculativeOutput, SpeculativeDecoder, answer_agreement, ConfidenceBasedStopping,
 AdaptiveComputeAllocator, main
@@ -64,6 +67,57 @@ def select_attention_implementation(requested: str = "auto", device: torch.devic
     return "eager", f"this torch has no scaled_dot_product_attention{why_not_flash}"
 
 
+class OptimizedAttention(torch.nn.Module):
+    """Scaled dot-product attention on the best backend here (``select_attention_implementation``):
+    flash-attn 2 (CUDA, fp16/bf16, no arbitrary mask), PyTorch SDPA, or eager matmul + softmax in
+    float32. The choice and its reason are logged once. Shapes: query (B, H, T, D), key and value
+    (B, H_kv, S, D) with H a multiple of H_kv (grouped-query attention); ``attention_mask`` is a
+    boolean (True = attend) or additive float mask broadcastable to (B, H, T, S); ``is_causal``
+    aligns the last query with the last key (decoding with a cache). Returns (B, H, T, D)."""
+
+    def __init__(self, implementation: str = "auto", device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.implementation, self.reason = select_attention_implementation(implementation, device)
+        _log_once("attention", "attention backend: %s (%s)", self.implementation, self.reason)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None = None, is_causal: bool = False,
+                scale: float | None = None) -> torch.Tensor:
+        heads, kv_heads = query.shape[1], key.shape[1]
+        if heads % kv_heads:
+            raise ValueError(f"{heads} query heads cannot share {kv_heads} key/value heads")
+        if self.implementation == "flash_attention_2" and attention_mask is None \
+                and query.dtype in (torch.float16, torch.bfloat16):
+            from flash_attn import flash_attn_func
+
+            out = flash_attn_func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                                  softmax_scale=scale, causal=is_causal)  # GQA and bottom-right causal built in
+            return out.transpose(1, 2)
+        mask = _combined_mask(attention_mask, is_causal, query.shape[2], key.shape[2], query.device)
+        key = key.repeat_interleave(heads // kv_heads, 1)
+        value = value.repeat_interleave(heads // kv_heads, 1)
+        if self.implementation != "eager":
+            return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
+        scores = torch.matmul(query, key.transpose(-1, -2)).float() * (scale if scale is not None else query.shape[-1] ** -0.5)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+        return torch.matmul(scores.softmax(-1).to(value.dtype), value)
+
+
+def _combined_mask(attention_mask: torch.Tensor | None, is_causal: bool, q_len: int, kv_len: int,
+                   device) -> torch.Tensor | None:
+    """The user's mask and, with ``is_causal``, a bottom-right aligned causal mask (query i sees keys
+    up to kv_len - q_len + i)."""
+    if not is_causal:
+        return attention_mask
+    causal = torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(kv_len - q_len)
+    if attention_mask is None:
+        return causal
+    if attention_mask.dtype == torch.bool:
+        return attention_mask & causal
+    return attention_mask.masked_fill(~causal, float("-inf"))
+
+
 # -- generation engine -----------------------------------------------------------------------------------
 
 RECURRENT_MODEL_TYPES = ("mamba", "mamba2", "rwkv")  # no per-position KV cache: recompute the sequence each step
@@ -105,6 +159,7 @@ class GenerationOutput:
     logprobs: list[list[float]]
     finish_reasons: list[str]
     prompt_index: list[int]
+    cache_stats: dict = field(default_factory=dict)  # engine="paged": PagedKVCache.memory_stats() at its peak
 
 
 def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -190,7 +245,7 @@ def _generate_eager(model: torch.nn.Module, prompts: list[list[int]], params: Sa
 
 # -- fast path: static KV cache + one fused decode step, optionally torch.compile'd --------------------------
 
-GENERATION_ENGINES = ("auto", "compiled", "static", "eager")
+GENERATION_ENGINES = ("auto", "compiled", "static", "eager", "paged")
 AUTO_COMPILE_AFTER_TOKENS = 200_000  # engine="auto" compiles a shape once this many tokens were decoded in it uncompiled
 CHECK_DONE_EVERY = 8  # decode steps between host syncs (all-done check, stop strings)
 _DECODE_ATTENTION = "rlhf_decode"  # registered with transformers' attention interfaces on first use
@@ -448,6 +503,281 @@ def _generate_static(model: torch.nn.Module, prompts: list[list[int]], params: S
     return GenerationOutput(token_lists, logprob_lists, reasons, [r // n for r in range(rows)])
 
 
+# -- paged KV cache: fixed-size blocks, per-sequence block tables, copy-on-write forks ----------------------------
+
+class PagedKVCache:
+    """A pool of fixed-size KV blocks shared by many sequences (the vLLM layout, Kwon et al. 2023).
+
+    Each sequence owns a block table (logical block i -> physical block); blocks are reference
+    counted, so ``fork`` gives a new sequence the parent's blocks without copying them, and the first
+    write into a block that is still shared copies it (copy-on-write). This is how the ``n`` samples
+    of one prompt share the prompt's KV: only each sample's own tokens (plus at most one partly filled
+    block) take new memory. ``free`` returns a sequence's blocks once no other sequence holds them.
+
+    The pool, per layer (L, blocks, kv_heads, block_size, head_dim) for keys and for values, is
+    created on the first ``append`` with that tensor's shapes and grows by doubling (up to
+    ``max_blocks``, then a clear error). ``memory_stats`` reports what is stored versus allocated.
+    """
+
+    def __init__(self, block_size: int = 16, num_blocks: int = 64, max_blocks: int | None = None) -> None:
+        if block_size < 1 or num_blocks < 1 or (max_blocks is not None and max_blocks < num_blocks):
+            raise ValueError("need block_size >= 1, num_blocks >= 1 and max_blocks >= num_blocks")
+        self.block_size, self.capacity, self.max_blocks = block_size, num_blocks, max_blocks
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.ref_counts: list[int] = []
+        self.free_blocks: list[int] = []
+        self.tables: dict[int, list[int]] = {}
+        self.lengths: dict[int, int] = {}
+        self.copied_blocks = 0  # copy-on-write copies so far
+        self.peak: dict = {}
+        self._next_id = 0
+
+    # -- pool ----------------------------------------------------------------------------------------
+    def _create_pool(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device) -> None:
+        shape = (layers, self.capacity, kv_heads, self.block_size, head_dim)
+        # zeros, not empty: masked-out slots still enter the attention matmul, and 0 * NaN would be NaN
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.ref_counts = [0] * self.capacity
+        self.free_blocks = list(range(self.capacity - 1, -1, -1))  # pop() hands out block 0 first
+
+    def _grow(self) -> None:
+        limit = self.max_blocks if self.max_blocks is not None else 2 * self.capacity
+        if self.capacity >= limit:
+            raise RuntimeError(f"PagedKVCache is out of blocks: all {self.capacity} blocks of {self.block_size} "
+                               f"tokens are in use; raise max_blocks or free finished sequences")
+        extra = min(self.capacity, limit - self.capacity)
+        pad = torch.zeros((self.keys.shape[0], extra) + tuple(self.keys.shape[2:]), dtype=self.keys.dtype,
+                          device=self.keys.device)
+        self.keys, self.values = torch.cat([self.keys, pad], 1), torch.cat([self.values, pad], 1)
+        self.free_blocks = list(range(self.capacity + extra - 1, self.capacity - 1, -1)) + self.free_blocks
+        self.ref_counts += [0] * extra
+        self.capacity += extra
+
+    def _take_block(self) -> int:
+        if not self.free_blocks:
+            self._grow()
+        block = self.free_blocks.pop()
+        self.ref_counts[block] = 1
+        return block
+
+    def _release(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            self.free_blocks.append(block)
+
+    # -- sequences -----------------------------------------------------------------------------------
+    def new_sequence(self) -> int:
+        """An empty sequence; returns its id."""
+        seq, self._next_id = self._next_id, self._next_id + 1
+        self.tables[seq], self.lengths[seq] = [], 0
+        return seq
+
+    def fork(self, seq: int) -> int:
+        """A new sequence that shares every block of ``seq`` (no copy until one of them writes)."""
+        child = self.new_sequence()
+        self.tables[child], self.lengths[child] = list(self.tables[seq]), self.lengths[seq]
+        for block in self.tables[seq]:
+            self.ref_counts[block] += 1
+        return child
+
+    def free(self, seq: int) -> None:
+        """Drop ``seq``; its blocks return to the pool once no other sequence holds them."""
+        for block in self.tables.pop(seq):
+            self._release(block)
+        del self.lengths[seq]
+
+    def length(self, seq: int) -> int:
+        return self.lengths[seq]
+
+    def reserve(self, seq: int, count: int = 1) -> list[tuple[int, int]]:
+        """(block, offset) slots for the next ``count`` tokens of ``seq``: fresh blocks where the last one
+        is full, and a private copy of the last block when it is shared and partly filled."""
+        table, length, size = self.tables[seq], self.lengths[seq], self.block_size
+        if length % size and self.ref_counts[table[-1]] > 1:  # copy-on-write
+            shared, own = table[-1], self._take_block()
+            self.keys[:, own].copy_(self.keys[:, shared])
+            self.values[:, own].copy_(self.values[:, shared])
+            self._release(shared)
+            table[-1] = own
+            self.copied_blocks += 1
+        while len(table) * size < length + count:
+            table.append(self._take_block())
+        return [(table[p // size], p % size) for p in range(length, length + count)]
+
+    def commit(self, seq: int, count: int = 1) -> None:
+        """Mark ``count`` reserved slots of ``seq`` as written."""
+        self.lengths[seq] += count
+
+    def append(self, seq: int, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Write T new tokens of ``seq``: one (kv_heads, T, head_dim) key and value tensor per layer."""
+        if self.keys is None:
+            self._create_pool(len(keys), keys[0].shape[0], keys[0].shape[-1], keys[0].dtype, keys[0].device)
+        slots = self.reserve(seq, keys[0].shape[1])
+        blocks = torch.tensor([b for b, _ in slots], device=self.keys.device)
+        offsets = torch.tensor([o for _, o in slots], device=self.keys.device)
+        for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
+            self.keys[layer, blocks, :, offsets] = k.transpose(0, 1).to(self.keys.dtype)  # (T, kv_heads, head_dim)
+            self.values[layer, blocks, :, offsets] = v.transpose(0, 1).to(self.values.dtype)
+        self.commit(seq, len(slots))
+        self._note_peak()
+
+    def block_table(self, seqs: list[int]) -> torch.Tensor:
+        """(B, max blocks) physical block ids, short tables padded with their own first block (masked)."""
+        width = max(len(self.tables[s]) for s in seqs)
+        return torch.tensor([self.tables[s] + [self.tables[s][0]] * (width - len(self.tables[s])) for s in seqs],
+                            device=self.keys.device)
+
+    def gather(self, layer: int, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the sequences in ``table`` laid out contiguously: (B, kv_heads, blocks * block_size, D)."""
+        def contiguous(pool: torch.Tensor) -> torch.Tensor:
+            blocks = pool[layer][table]  # (B, nb, H, bs, D)
+            batch, nb, heads, size, dim = blocks.shape
+            return blocks.transpose(1, 2).reshape(batch, heads, nb * size, dim)
+
+        return contiguous(self.keys), contiguous(self.values)
+
+    def read(self, seq: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The stored (kv_heads, length, D) keys and values of ``seq``, one per layer (for tests and debugging)."""
+        table, length = self.block_table([seq]), self.lengths[seq]
+        pairs = [self.gather(layer, table) for layer in range(self.keys.shape[0])]
+        return [k[0, :, :length] for k, _ in pairs], [v[0, :, :length] for _, v in pairs]
+
+    # -- accounting ----------------------------------------------------------------------------------
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes one token takes in every layer (keys and values)."""
+        if self.keys is None:
+            return 0
+        layers, _, heads, _, dim = self.keys.shape
+        return 2 * layers * heads * dim * self.keys.element_size()
+
+    def memory_stats(self) -> dict:
+        """Now: ``sequences``; ``logical_tokens`` (sum of sequence lengths: what per-sequence caches
+        would hold with no padding and no sharing); ``stored_tokens`` (distinct KV entries, a shared
+        block counted once); ``blocks_in_use`` and ``allocated_slots`` (blocks x block_size);
+        ``utilisation`` (stored / allocated); ``kv_bytes`` (blocks in use); ``pool_bytes`` (the whole
+        pool, free blocks included); ``copied_blocks`` (copy-on-write copies so far)."""
+        filled: dict[int, int] = {}
+        for seq, table in self.tables.items():
+            for index, block in enumerate(table):
+                filled[block] = max(filled.get(block, 0), min(self.block_size, self.lengths[seq] - index * self.block_size))
+        stored, in_use = sum(filled.values()), len(filled)
+        slots = in_use * self.block_size
+        per_token = self.bytes_per_token
+        return {"sequences": len(self.tables), "logical_tokens": sum(self.lengths.values()), "stored_tokens": stored,
+                "blocks_in_use": in_use, "allocated_slots": slots, "utilisation": stored / slots if slots else 1.0,
+                "kv_bytes": slots * per_token, "pool_bytes": self.capacity * self.block_size * per_token,
+                "copied_blocks": self.copied_blocks}
+
+    def _note_peak(self) -> None:
+        """Keep the stats of the fullest moment so far (most blocks; the latest such moment, which stores
+        the most tokens in them)."""
+        if self.capacity - len(self.free_blocks) >= self.peak.get("blocks_in_use", -1):
+            self.peak = self.memory_stats()
+
+
+def _paged_view(paged: PagedKVCache, table: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor):
+    """A transformers ``Cache`` for one decode forward over ``paged``: each layer's ``update`` writes
+    the new token of every row into its reserved slot and returns the rows' KV laid out contiguously
+    (the 4-D mask the engine passes hides the unfilled slots)."""
+    from transformers.cache_utils import Cache
+
+    class PagedStepCache(Cache):
+        is_compileable = False
+
+        def __init__(self) -> None:
+            super().__init__(layers=[])
+
+        def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+            paged.keys[layer_idx, blocks, :, offsets] = key_states[:, :, 0].to(paged.keys.dtype)
+            paged.values[layer_idx, blocks, :, offsets] = value_states[:, :, 0].to(paged.values.dtype)
+            return paged.gather(layer_idx, table)
+
+        def get_seq_length(self, layer_idx: int = 0) -> int:
+            return table.shape[1] * paged.block_size
+
+    return PagedStepCache()
+
+
+def _generate_paged(model: torch.nn.Module, prompts: list[list[int]], params: SamplingParams, *, pad_token_id: int,
+                    stops: set[int], tokenizer, generator: torch.Generator,
+                    paged: PagedKVCache) -> GenerationOutput:
+    """Decode over a PagedKVCache: each prompt is prefilled once and written into blocks; its ``n``
+    samples are forks that share those blocks (copy-on-write on the partly filled last one). Every
+    step runs only the unfinished rows, and a row that stops frees its blocks at once."""
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    n, steps = params.n, params.max_new_tokens
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_token_id] * (width - len(p)) + list(p) for p in prompts], device=device)
+    prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+    extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    out = model(input_ids=ids, attention_mask=prompt_mask, position_ids=positions, use_cache=True,
+                past_key_values=DynamicCache(config=model.config), **extra)
+    layers = out.past_key_values.layers
+    row_seq: list[int] = []
+    for i, prompt in enumerate(prompts):  # the prompt's real (unpadded) positions go into blocks once
+        seq = paged.new_sequence()
+        paged.append(seq, [layer.keys[i, :, width - len(prompt):] for layer in layers],
+                     [layer.values[i, :, width - len(prompt):] for layer in layers])
+        row_seq += [seq] + [paged.fork(seq) for _ in range(n - 1)]
+    logits = out.logits[:, -1].repeat_interleave(n, 0)
+    del out, layers
+    rows, vocab = len(row_seq), logits.shape[-1]
+    stop_ids = torch.tensor(sorted(stops), device=device, dtype=torch.long)
+    temperature = torch.tensor(1.0 if params.greedy else params.temperature, device=device)
+    tokens: list[list[int]] = [[] for _ in range(rows)]
+    logprobs: list[list[float]] = [[] for _ in range(rows)]
+    reasons = ["length"] * rows
+    active = list(range(rows))
+    mask_value = torch.finfo(next(model.parameters()).dtype).min
+    try:
+        for step in range(steps):
+            noise = None if params.greedy else torch.rand(len(active), vocab, device=device, generator=generator)
+            idle = torch.zeros(len(active), dtype=torch.bool, device=device)
+            chosen, logprob, hit = _sample(logits, temperature, noise, idle, stop_ids, pad_token_id, params.top_k,
+                                           params.top_p)
+            still = []
+            for slot, (row, token, lp, stop) in enumerate(zip(active, chosen.tolist(), logprob.tolist(), hit.tolist())):
+                tokens[row].append(token)
+                logprobs[row].append(lp)
+                if not stop and params.stop_strings:
+                    stop = _has_stop_string(tokenizer, tokens[row], params.stop_strings)
+                if stop:
+                    reasons[row] = "stop"
+                    paged.free(row_seq[row])
+                else:
+                    still.append(slot)
+            if step == steps - 1 or not still:
+                break
+            keep = torch.tensor(still, device=device)
+            active, chosen = [active[s] for s in still], chosen[keep]
+            seqs = [row_seq[r] for r in active]
+            slots = [paged.reserve(s)[0] for s in seqs]
+            lengths = torch.tensor([paged.length(s) for s in seqs], device=device)
+            table = paged.block_table(seqs)
+            span = table.shape[1] * paged.block_size
+            visible = torch.arange(span, device=device)[None, :] <= lengths[:, None]  # the prefix and the new token
+            mask = torch.zeros(len(seqs), 1, 1, span, dtype=next(model.parameters()).dtype, device=device)
+            mask.masked_fill_(~visible[:, None, None], mask_value)
+            view = _paged_view(paged, table, torch.tensor([b for b, _ in slots], device=device),
+                               torch.tensor([o for _, o in slots], device=device))
+            logits = model(input_ids=chosen[:, None], attention_mask=mask, position_ids=lengths[:, None],
+                           past_key_values=view, use_cache=True).logits[:, -1]
+            for seq in seqs:
+                paged.commit(seq)
+            paged._note_peak()
+    finally:
+        for row in range(rows):  # rows that ran out of budget (or an error): give their blocks back
+            if row_seq[row] in paged.tables:
+                paged.free(row_seq[row])
+    return GenerationOutput(tokens, logprobs, reasons, [r // n for r in range(rows)], cache_stats=dict(paged.peak))
+
+
 def _choose_engine(model: torch.nn.Module, engine: str, params: SamplingParams, rows: int,
                    cache_len: int) -> tuple[str, tuple]:
     key = (rows, cache_len, params.greedy, params.top_k, params.top_p)
@@ -474,7 +804,7 @@ def _choose_engine(model: torch.nn.Module, engine: str, params: SamplingParams, 
 @torch.inference_mode()
 def generate(model: torch.nn.Module, prompts: list[list[int]], params: SamplingParams | None = None, *,
              pad_token_id: int, eos_token_id: int | None = None, tokenizer=None,
-             engine: str = "auto") -> GenerationOutput:
+             engine: str = "auto", paged_cache: PagedKVCache | None = None) -> GenerationOutput:
     """Batched sampling for any Hugging Face causal LM over its KV cache.
 
     Prompts are left-padded and prefilled once; with ``n > 1`` the cache is repeated so the samples
@@ -490,6 +820,10 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], params: SamplingP
     over the model's own cache (multinomial sampling). ``auto`` (default) runs ``static``, switches a
     shape to ``compiled`` once it has decoded AUTO_COMPILE_AFTER_TOKENS tokens, and uses ``eager`` for
     models the static path cannot serve (recurrent, sliding-window or other caches; logged once).
+    ``paged`` decodes over a ``PagedKVCache`` (``paged_cache``, or a fresh one with 16-token blocks):
+    the n samples of a prompt share its blocks copy-on-write, finished rows free theirs at once, and
+    ``GenerationOutput.cache_stats`` reports the peak memory; it trades speed (a block gather per
+    layer and step) for memory, so ``auto`` never picks it.
     A seed reproduces samples within one engine; engines draw differently (same distribution).
     """
     params = params or SamplingParams()
@@ -502,6 +836,17 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], params: SamplingP
     generator = torch.Generator(device=device)
     # no seed: draw one from torch's global generator, so set_seed still makes the run reproducible
     generator.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,))))
+    if paged_cache is not None and engine != "paged":
+        raise ValueError("paged_cache is used by engine='paged' only")
+    if engine == "paged":
+        why_not = _static_path_unsupported(model)
+        if not why_not:
+            paged = paged_cache if paged_cache is not None else PagedKVCache()
+            paged.peak = {}
+            return _generate_paged(model, prompts, params, pad_token_id=pad_token_id, stops=stops,
+                                   tokenizer=tokenizer, generator=generator, paged=paged)
+        _log_once(type(model).__name__, "generation: general decode loop for %s: %s", type(model).__name__, why_not)
+        engine = "eager"
     rows = len(prompts) * params.n
     width = max(len(p) for p in prompts)
     chosen, key = _choose_engine(model, engine, params, rows, _cache_length(width + params.max_new_tokens))
