@@ -9,7 +9,7 @@ and confidence-based stopping.
 Public names: select_attention_implementation, OptimizedAttention, SamplingParams, GenerationOutput, generate,
 GENERATION_ENGINES, PagedKVCache,
 chat_prompt_ids, chat_completion_ids, stop_token_ids, RewardModelScorer, BestOfNResult, BestOfNSampler,
-SpeculativeOutput, SpeculativeDecoder, answer_agreement, ConfidenceBasedStopping,
+SpeculativeOutput, SpeculativeDecoder, MCTSNode, MCTSResult, puct_score, MCTSGenerator, answer_agreement, ConfidenceBasedStopping,
 AdaptiveComputeAllocator, main
 
 Command line: ``python inference_optimizations.py best-of-n --policy DIR --reward DIR --prompts FILE -n 8``.
@@ -1162,6 +1162,217 @@ class SpeculativeDecoder:
                 if token in stops or len(out.token_ids) == max_new_tokens:
                     return out
         return out
+
+
+# -- MCTS over reasoning steps --------------------------------------------------------------------------------
+
+@dataclass
+class MCTSNode:
+    """One partial solution: the response token ids so far (the parent's plus one step), the policy's
+    prior for the step that led here (among its siblings), and the backed-up value statistics."""
+
+    token_ids: list[int]
+    prior: float = 1.0
+    value: float | None = None  # the evaluator's score of this partial (or complete) solution
+    visits: int = 0
+    value_sum: float = 0.0
+    terminal: bool = False  # nothing to expand: the turn ended, or the depth or token budget is spent
+    finished: bool = False  # the policy ended the turn (a complete solution)
+    depth: int = 0
+    children: list[MCTSNode] = field(default_factory=list)
+
+    @property
+    def mean_value(self) -> float:
+        return self.value_sum / self.visits if self.visits else 0.0
+
+
+@dataclass
+class MCTSResult:
+    """The chosen response and its steps, its evaluated value, whether it finished, and the tree's
+    statistics: nodes created, simulations run, deepest node, complete solutions found, policy
+    calls, evaluator calls, seconds, and why the search stopped (``nodes``, ``time``,
+    ``simulations``, ``confident`` or ``exhausted``)."""
+
+    response: str
+    steps: list[str]
+    value: float
+    complete: bool
+    nodes: int
+    simulations: int
+    max_depth: int
+    solutions: int
+    policy_calls: int
+    evaluations: int
+    seconds: float
+    stopped_by: str
+    root: MCTSNode = field(repr=False, default=None)
+
+
+def puct_score(parent_visits: int, child: MCTSNode, c_puct: float) -> float:
+    """AlphaZero's PUCT (Silver et al. 2017): Q(child) + c * P(child) * sqrt(N(parent)) / (1 + N(child))."""
+    return child.mean_value + c_puct * child.prior * (parent_visits ** 0.5) / (1 + child.visits)
+
+
+class MCTSGenerator:
+    """Monte Carlo tree search over reasoning steps (in the spirit of rStar / ReST-MCTS*, with
+    AlphaZero's PUCT): a node is a partial solution; **selection** descends by PUCT; **expansion**
+    samples ``expansions`` next steps from the policy in one batched call that shares the prefix
+    (each step ends at ``step_delimiter`` or the end of the turn; duplicates merge, and priors are the
+    siblings' normalised sequence probabilities); **evaluation** scores every new partial solution with
+    ``value_fn(prompts, responses) -> Tensor[B]`` (a process reward model or a value model; higher is
+    better); **backup** adds each new child's value to every node on the path. The search stops at
+    ``max_nodes`` nodes, ``time_budget`` seconds, ``max_simulations``, or when ``stopping`` (a
+    ``ConfidenceBasedStopping`` over ``answer_fn`` of the complete solutions found) is confident.
+    The answer is the finished solution with the highest value; if none finished, the most visited
+    path is completed greedily."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer, value_fn, *, expansions: int = 4,
+                 step_delimiter: str = "\n", c_puct: float = 1.0, max_nodes: int = 48,
+                 max_simulations: int | None = None, time_budget: float | None = None, max_depth: int = 8,
+                 max_step_tokens: int = 32, max_new_tokens: int = 128, temperature: float = 1.0,
+                 top_p: float = 1.0, stopping=None, answer_fn=None, system: str | None = None,
+                 engine: str = "auto", seed: int | None = None) -> None:
+        if expansions < 1 or max_nodes < 2 or max_depth < 1 or max_step_tokens < 1:
+            raise ValueError("need expansions >= 1, max_nodes >= 2, max_depth >= 1 and max_step_tokens >= 1")
+        if stopping is not None and answer_fn is None:
+            raise ValueError("stopping needs answer_fn to read the answer of a complete solution")
+        self.model, self.tokenizer, self.value_fn = model, tokenizer, value_fn
+        self.expansions, self.step_delimiter, self.c_puct = expansions, step_delimiter, c_puct
+        self.max_nodes, self.time_budget, self.max_depth = max_nodes, time_budget, max_depth
+        self.max_simulations = max_simulations if max_simulations is not None else 4 * max_nodes
+        self.max_step_tokens, self.max_new_tokens = max_step_tokens, max_new_tokens
+        self.temperature, self.top_p, self.stopping, self.answer_fn = temperature, top_p, stopping, answer_fn
+        self.system, self.engine = system, engine
+        self.stops = stop_token_ids(tokenizer)
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.generator = torch.Generator().manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,))))
+
+    def __call__(self, prompts: list[str]) -> list[MCTSResult]:
+        return [self.search(prompt) for prompt in prompts]
+
+    def _text(self, node: MCTSNode) -> str:
+        return self.tokenizer.decode(node.token_ids, skip_special_tokens=True)
+
+    def _expand(self, prompt_ids: list[int], node: MCTSNode, counters: dict) -> list[MCTSNode]:
+        """Sample the next steps of ``node``, merge duplicates and attach them as children."""
+        budget = min(self.max_step_tokens, self.max_new_tokens - len(node.token_ids))
+        params = SamplingParams(max_new_tokens=budget, temperature=self.temperature, top_p=self.top_p,
+                                n=self.expansions, seed=int(torch.randint(0, 2**62, (1,), generator=self.generator)),
+                                stop_token_ids=self.stops, stop_strings=(self.step_delimiter,))
+        out = generate(self.model, [prompt_ids + node.token_ids], params, pad_token_id=self.pad,
+                       tokenizer=self.tokenizer, engine=self.engine)
+        counters["policy_calls"] += 1
+        seen: dict[tuple[int, ...], MCTSNode] = {}
+        weights: dict[tuple[int, ...], float] = {}
+        for tokens, logprobs in zip(out.token_ids, out.logprobs):
+            step = tuple(tokens)
+            if step in seen:  # the same step sampled again: one child, more prior mass
+                weights[step] += float(torch.tensor(logprobs).sum().exp())
+                continue
+            full = node.token_ids + list(tokens)
+            ended = bool(tokens) and tokens[-1] in self.stops
+            terminal = ended or node.depth + 1 >= self.max_depth or len(full) >= self.max_new_tokens
+            seen[step] = MCTSNode(full, terminal=terminal, finished=ended, depth=node.depth + 1)
+            weights[step] = float(torch.tensor(logprobs).sum().exp())
+        total = sum(weights.values())
+        for step, child in seen.items():  # (all-underflowed probabilities: uniform priors)
+            child.prior = weights[step] / total if total > 0 else 1.0 / len(seen)
+        node.children = list(seen.values())
+        return node.children
+
+    def _evaluate(self, prompt: str, nodes: list[MCTSNode], counters: dict) -> None:
+        values = torch.as_tensor(self.value_fn([prompt] * len(nodes), [self._text(n) for n in nodes]),
+                                 dtype=torch.float32).flatten().tolist()
+        counters["evaluations"] += len(nodes)
+        for node, value in zip(nodes, values, strict=True):
+            node.value = value
+
+    @torch.inference_mode()
+    def search(self, prompt: str) -> MCTSResult:
+        started = time.perf_counter()
+        was_training = self.model.training
+        self.model.eval()
+        prompt_ids = chat_prompt_ids(self.tokenizer, prompt, self.system)
+        root = MCTSNode([])
+        counters = {"policy_calls": 0, "evaluations": 0}
+        nodes, simulations, stopped_by = 1, 0, "exhausted"
+        solutions: list[MCTSNode] = []
+        try:
+            while True:
+                if nodes >= self.max_nodes:
+                    stopped_by = "nodes"
+                    break
+                if self.time_budget is not None and time.perf_counter() - started >= self.time_budget:
+                    stopped_by = "time"
+                    break
+                if simulations >= self.max_simulations:
+                    stopped_by = "simulations"
+                    break
+                path = [root]  # selection
+                while path[-1].children and not path[-1].terminal:
+                    parent = path[-1]
+                    path.append(max(parent.children, key=lambda c: puct_score(parent.visits, c, self.c_puct)))
+                leaf = path[-1]
+                if leaf.terminal:  # a finished solution: back its value up again
+                    new = [leaf]
+                else:
+                    new = self._expand(prompt_ids, leaf, counters)  # expansion
+                    nodes += len(new)
+                    self._evaluate(prompt, new, counters)  # evaluation
+                    solutions += [child for child in new if child.terminal]
+                for node in path:  # backup: every new child is one rollout through this path
+                    node.visits += len(new)
+                    node.value_sum += sum(child.value for child in new)
+                for child in new:
+                    if child is not leaf:
+                        child.visits, child.value_sum = 1, child.value
+                simulations += 1
+                done = [s for s in solutions if s.finished]
+                if self.stopping is not None and done:
+                    answers = [self.answer_fn(self._text(s)) for s in done]
+                    if self.stopping.should_stop(answers, [s.value for s in done]):
+                        stopped_by = "confident"
+                        break
+                if all(self._exhausted(child) for child in root.children) and root.children:
+                    break
+            finished = [s for s in solutions if s.finished]
+            best = max(finished, key=lambda s: (s.value, s.visits)) if finished \
+                else self._complete(prompt_ids, root, prompt, counters)
+        finally:
+            self.model.train(was_training)
+        text = self._text(best)
+        steps = [s for s in text.split(self.step_delimiter) if s.strip()] if self.step_delimiter else [text]
+        depth = max((n.depth for n in self._walk(root)), default=0)
+        return MCTSResult(text, steps, float(best.value), best.finished, nodes, simulations, depth, len(finished),
+                          counters["policy_calls"], counters["evaluations"], time.perf_counter() - started, stopped_by,
+                          root)
+
+    def _exhausted(self, node: MCTSNode) -> bool:
+        """Nothing left to expand below ``node`` (every leaf is a finished solution)."""
+        return node.terminal or (bool(node.children) and all(self._exhausted(c) for c in node.children))
+
+    @staticmethod
+    def _walk(node: MCTSNode):
+        yield node
+        for child in node.children:
+            yield from MCTSGenerator._walk(child)
+
+    def _complete(self, prompt_ids: list[int], root: MCTSNode, prompt: str, counters: dict) -> MCTSNode:
+        """No solution finished within the budget: follow the most visited children, then decode greedily."""
+        node = root
+        while node.children:
+            node = max(node.children, key=lambda c: (c.visits, c.mean_value))
+        budget = self.max_new_tokens - len(node.token_ids)
+        if budget > 0 and not node.terminal:
+            params = SamplingParams(max_new_tokens=budget, do_sample=False, stop_token_ids=self.stops)
+            out = generate(self.model, [prompt_ids + node.token_ids], params, pad_token_id=self.pad, engine=self.engine)
+            counters["policy_calls"] += 1
+            node = MCTSNode(node.token_ids + out.token_ids[0], terminal=True, finished=out.finish_reasons[0] == "stop",
+                            depth=node.depth + 1)
+            self._evaluate(prompt, [node], counters)
+        elif node.value is None:
+            self._evaluate(prompt, [node], counters)
+        return node
 
 
 # -- adaptive compute ---------------------------------------------------------------------------------------------
