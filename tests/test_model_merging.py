@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -77,20 +78,29 @@ def test_module_imports_only_torch_and_stdlib():
             roots.update(alias.name.split(".")[0] for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             roots.add((node.module or "").split(".")[0])
-    assert roots <= {"__future__", "collections", "math", "torch", "typing"}, roots
-    assert not roots & {"rlhf", "transformers", "peft"}
+    third_party = roots - set(sys.stdlib_module_names)
+    # yaml (config files) and rich (progress bar) are imported lazily, inside functions
+    assert third_party <= {"torch", "yaml", "rich"}, third_party
+    assert not roots & {"rlhf", "transformers", "peft", "inference_optimizations", "pickle"}
+    top_level = {alias.name.split(".")[0] for node in tree.body if isinstance(node, ast.Import) for alias in node.names}
+    top_level |= {(node.module or "").split(".")[0] for node in tree.body if isinstance(node, ast.ImportFrom)}
+    assert top_level - set(sys.stdlib_module_names) == {"torch"}
 
 
 def test_docstrings_name_public_functions_and_shapes():
     doc = mm.__doc__ or ""
     for name in mm.__all__:
         assert f"``{name}``" in doc, f"module docstring does not list {name}"
-        func = getattr(mm, name)
-        assert func.__doc__ and "Shapes:" in func.__doc__, name
+        assert getattr(mm, name).__doc__ or name == "MERGE_METHODS", name
+    for name in mm.TENSOR_FUNCTIONS:
+        assert name in mm.__all__ and "Shapes:" in getattr(mm, name).__doc__, name
     assert "Ilharco" in mm.task_arithmetic.__doc__
     assert "Yadav" in mm.ties.__doc__
     assert "Super Mario" in mm.dare_linear.__doc__
     assert "Shoemake" in mm.slerp.__doc__
+    assert "Jang" in mm.model_stock.__doc__
+    assert "Wortsman" in mm.linear.__doc__ and "Wortsman" in mm.ModelSoup.__doc__
+    assert "mergekit" in mm.layer_wise_interpolation.__doc__
 
 
 # ---------------------------------------------------------------------------
@@ -102,10 +112,10 @@ def test_docstrings_name_public_functions_and_shapes():
 @ignore_peft_density_warning
 @pytest.mark.parametrize("density", [0.05, 0.29, 0.5, 0.7, 1.0])
 @pytest.mark.parametrize("shape", [(100,), (7, 13), (3, 4, 5)])
-def test_magnitude_prune_matches_peft(density, shape):
+def test_magnitude_based_pruning_matches_peft(density, shape):
     (x,) = _task_tensors(1, shape, seed=0)
     expected = peft_merge.prune(x, density, method="magnitude")
-    torch.testing.assert_close(mm.magnitude_prune(x, density), expected)
+    torch.testing.assert_close(mm.magnitude_based_pruning(x, density), expected)
 
 
 @requires_peft
@@ -210,21 +220,21 @@ def test_dare_ties_matches_peft(density, method):
 # ---------------------------------------------------------------------------
 
 
-def test_magnitude_prune_small_example():
+def test_magnitude_based_pruning_small_example():
     x = torch.tensor([0.1, -3.0, 2.0, -0.5, 0.0, 1.0])
     # density 0.5 -> k = 3: keep |-3|, |2|, |1|.
     expected = torch.tensor([0.0, -3.0, 2.0, 0.0, 0.0, 1.0])
-    torch.testing.assert_close(mm.magnitude_prune(x, 0.5), expected)
+    torch.testing.assert_close(mm.magnitude_based_pruning(x, 0.5), expected)
 
 
 @pytest.mark.parametrize(
     ("density", "numel"), [(0.1, 50), (0.25, 40), (0.5, 7), (0.29, 100), (0.999, 10)]
 )
-def test_magnitude_prune_keeps_exact_count(density, numel):
+def test_magnitude_based_pruning_keeps_exact_count(density, numel):
     # The kept count is int(density * numel), truncated exactly as PEFT does
     # (note 0.29 * 100 == 28.999999999999996 -> 28 kept, and 0.5 * 7 -> 3).
     (x,) = _task_tensors(1, (numel,), seed=8)
-    out = mm.magnitude_prune(x, density)
+    out = mm.magnitude_based_pruning(x, density)
     k = int(density * numel)
     assert int((out != 0).sum()) == k
     kept = out != 0
@@ -427,7 +437,8 @@ def test_bad_density_raises(density):
     tasks = _task_tensors(2, (4,), seed=15)
     w = [1.0, 1.0]
     calls = [
-        lambda: mm.magnitude_prune(tasks[0], density),
+        lambda: mm.magnitude_based_pruning(tasks[0], density),
+        lambda: mm.magnitude_prune(tasks, w, density),
         lambda: mm.random_prune(tasks[0], density, True),
         lambda: mm.ties(tasks, w, density),
         lambda: mm.dare_linear(tasks, w, density),
@@ -439,11 +450,11 @@ def test_bad_density_raises(density):
 
 
 @pytest.mark.parametrize(
-    "func", ["task_arithmetic", "ties", "dare_linear", "dare_ties"]
+    "func", ["task_arithmetic", "ties", "dare_linear", "dare_ties", "magnitude_prune", "linear"]
 )
 def test_bad_lengths_and_shapes_raise(func):
     merge = getattr(mm, func)
-    extra = {} if func == "task_arithmetic" else {"density": 0.5}
+    extra = {} if func in ("task_arithmetic", "linear") else {"density": 0.5}
     tasks = _task_tensors(2, (4,), seed=16)
     with pytest.raises(ValueError, match="weights must have one entry per task tensor"):
         merge(tasks, [1.0, 1.0, 1.0], **extra)
@@ -451,7 +462,7 @@ def test_bad_lengths_and_shapes_raise(func):
         merge(tasks, torch.tensor([1.0]), **extra)
     with pytest.raises(ValueError, match="weights must be 1-D"):
         merge(tasks, torch.ones(2, 1), **extra)
-    with pytest.raises(ValueError, match="task_tensors must all have the same shape"):
+    with pytest.raises(ValueError, match="(task_)?tensors must all have the same shape"):
         merge([tasks[0], torch.zeros(5)], [1.0, 1.0], **extra)
     with pytest.raises(ValueError, match="at least one tensor"):
         merge([], [], **extra)
@@ -558,3 +569,187 @@ def test_ties_single_task_density_one_is_scaled_task(values, weight):
     # One task always agrees with its own sign, so TIES reduces to w * tau.
     tau = torch.tensor(values, dtype=torch.float64)
     torch.testing.assert_close(mm.ties([tau], [weight], 1.0), weight * tau)
+
+
+# ---------------------------------------------------------------------------
+# magnitude_prune (PEFT's combination), linear, model_stock
+# ---------------------------------------------------------------------------
+
+
+@requires_peft
+@ignore_peft_density_warning
+@pytest.mark.parametrize("density", [0.1, 0.5, 1.0])
+def test_magnitude_prune_merge_matches_peft(density):
+    tasks = _task_tensors(3, (9, 7), seed=19)
+    weights = torch.tensor([0.3, -1.0, 2.0])
+    expected = peft_merge.magnitude_prune(tasks, weights, density)
+    torch.testing.assert_close(mm.magnitude_prune(tasks, weights, density), expected)
+
+
+def test_magnitude_prune_merge_by_hand():
+    tau1 = torch.tensor([3.0, -1.0, 0.5, -4.0])
+    tau2 = torch.tensor([-2.0, 5.0, -1.0, -0.5])
+    # density 0.5 keeps 2 entries each: [3, 0, 0, -4] and [-2, 5, 0, 0]; no sign election:
+    # 1 * [3, 0, 0, -4] + 0.5 * [-2, 5, 0, 0] = [2, 2.5, 0, -4]
+    expected = torch.tensor([2.0, 2.5, 0.0, -4.0])
+    torch.testing.assert_close(mm.magnitude_prune([tau1, tau2], [1.0, 0.5], 0.5), expected)
+
+
+def test_linear_by_hand():
+    a, b = torch.tensor([1.0, 2.0]), torch.tensor([3.0, -2.0])
+    # normalised: (1 * a + 3 * b) / 4 = [(1 + 9) / 4, (2 - 6) / 4]
+    torch.testing.assert_close(mm.linear([a, b], [1.0, 3.0]), torch.tensor([2.5, -1.0]))
+    torch.testing.assert_close(mm.linear([a, b], [1.0, 3.0], normalize=False), torch.tensor([10.0, -4.0]))
+    with pytest.raises(ValueError, match="weights sum to 0"):
+        mm.linear([a, b], [1.0, -1.0])
+
+
+def _model_stock_by_formula(base, tensors):
+    # Jang et al. 2024 eq. 6 with mergekit's mean of pairwise cosines, written out independently
+    deltas = [(t - base).double().flatten() for t in tensors]
+    cosines = [
+        float(deltas[i] @ deltas[j] / (deltas[i].norm() * deltas[j].norm()))
+        for i in range(len(deltas))
+        for j in range(i + 1, len(deltas))
+    ]
+    cos = sum(cosines) / len(cosines)
+    k = len(tensors)
+    t = k * cos / (1 + (k - 1) * cos)
+    return t * torch.stack(tensors).mean(0) + (1 - t) * base
+
+
+def test_model_stock_by_hand():
+    base = torch.tensor([1.0, 1.0, 1.0])
+    e1, e2 = torch.tensor([1.0, 0.0, 0.0]), torch.tensor([0.0, 1.0, 0.0])
+    # orthogonal task vectors: cos 0 -> t 0 -> the base itself
+    torch.testing.assert_close(mm.model_stock(base, [base + e1, base + e2]), base)
+    # identical task vectors: cos 1 -> t = 2 / (1 + 1) = 1 -> the fine-tuned mean
+    torch.testing.assert_close(mm.model_stock(base, [base + e1, base + e1]), base + e1)
+    # 60 degrees: cos 0.5, k = 2 -> t = 1 / 1.5 = 2/3 of the way to the mean (e1 + v) / 2
+    v = torch.tensor([0.5, math.sqrt(3) / 2, 0.0])
+    expected = base + (2 / 3) * (e1 + v) / 2
+    torch.testing.assert_close(mm.model_stock(base, [base + e1, base + v]), expected)
+
+
+def test_model_stock_matches_formula_for_three_models():
+    base, *tensors = _task_tensors(4, (6, 5), seed=20)
+    tensors = [base + 0.3 * t + 0.5 for t in tensors]  # correlated task vectors (common shift)
+    torch.testing.assert_close(mm.model_stock(base, tensors), _model_stock_by_formula(base, tensors).float())
+
+
+def test_model_stock_needs_two_models():
+    (x,) = _task_tensors(1, (3,), seed=21)
+    with pytest.raises(ValueError, match="at least 2 fine-tuned tensors"):
+        mm.model_stock(x, [x + 1])
+
+
+# ---------------------------------------------------------------------------
+# SLERP norms, DARE with one generator per task
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("t", [0.0, 0.2, 0.5, 0.9, 1.0])
+def test_slerp_keeps_unit_norm(t):
+    v0, v1 = _task_tensors(2, (16,), seed=22)
+    v0, v1 = v0 / v0.norm(), v1 / v1.norm()
+    out = mm.slerp(t, v0, v1)
+    assert math.isclose(float(out.norm()), 1.0, rel_tol=1e-5)
+    # a linear interpolation of the same vectors is shorter (the chord, not the arc), except at the ends
+    chord = float(((1 - t) * v0 + t * v1).norm())
+    assert chord <= 1.0 + 1e-6 and (chord < 0.999 or t in (0.0, 1.0))
+
+
+def test_dare_with_one_generator_per_task_equals_per_task_drops():
+    tasks = _task_tensors(3, (40,), seed=23)
+    weights = [0.5, 1.0, -0.7]
+    got = mm.dare_ties(tasks, weights, 0.4, generator=[torch.Generator().manual_seed(s) for s in (1, 2, 3)])
+    dropped = [
+        mm.random_prune(t, 0.4, True, generator=torch.Generator().manual_seed(s))
+        for t, s in zip(tasks, (1, 2, 3))
+    ]
+    stacked = torch.stack(dropped)
+    mask = mm.calculate_majority_sign_mask(stacked)
+    expected = mm.disjoint_merge(stacked * torch.tensor(weights)[:, None], mask)
+    torch.testing.assert_close(got, expected)
+    with pytest.raises(ValueError, match="one per task tensor"):
+        mm.dare_linear(tasks, weights, 0.4, generator=[torch.Generator()])
+
+
+def test_bernoulli_draws_chunk_by_chunk_equal_one_draw():
+    # The streaming merger relies on this: a generator's draws over consecutive chunks of a tensor
+    # equal one draw over the whole tensor (torch.bernoulli fills entries in order on CPU).
+    x = torch.randn(300_001)
+    whole = mm.random_prune(x, 0.3, True, generator=torch.Generator().manual_seed(5))
+    gen = torch.Generator().manual_seed(5)
+    bounds = [0, 7, 100_000, 250_003, 300_001]
+    parts = [mm.random_prune(x[a:b], 0.3, True, generator=gen) for a, b in zip(bounds, bounds[1:])]
+    assert torch.equal(torch.cat(parts), whole)
+
+
+# ---------------------------------------------------------------------------
+# Per-layer schedules
+# ---------------------------------------------------------------------------
+
+
+def test_layer_index_parses_common_names():
+    assert mm.layer_index("model.layers.3.mlp.up_proj.weight") == 3
+    assert mm.layer_index("transformer.h.11.attn.c_attn.weight") == 11
+    assert mm.layer_index("backbone.layers.0.mixer.A_log") == 0
+    assert mm.layer_index("encoder.layer.2.output.dense.bias") == 2
+    assert mm.layer_index("model.embed_tokens.weight") is None
+    assert mm.layer_index("lm_head.weight") is None
+
+
+def test_layer_wise_interpolation_by_hand():
+    assert mm.layer_wise_interpolation([0.0, 1.0], 5) == [0.0, 0.25, 0.5, 0.75, 1.0]
+    # three anchors over five layers sit at positions 0, 0.5, 1: layer 3 is halfway between 0.5 and 0.3
+    assert mm.layer_wise_interpolation([0.0, 0.5, 0.3], 5) == pytest.approx([0.0, 0.25, 0.5, 0.4, 0.3])
+    assert mm.layer_wise_interpolation([0.7], 3) == [0.7, 0.7, 0.7]
+    assert mm.layer_wise_interpolation([0.2, 0.9], 1) == [0.9]  # mergekit: t = 1 for a single layer
+    with pytest.raises(ValueError):
+        mm.layer_wise_interpolation([], 3)
+
+
+def test_setting_for_tensor_layers_and_outside():
+    anchors = [0.0, 1.0]
+    assert mm.setting_for_tensor(anchors, "model.layers.2.mlp.up_proj.weight", 5) == 0.5
+    assert mm.setting_for_tensor(anchors, "model.embed_tokens.weight", 5) == 0.0  # before the layers
+    assert mm.setting_for_tensor(anchors, "model.norm.weight", 5) == 1.0  # after them
+    assert mm.setting_for_tensor(anchors, "lm_head.weight", 5) == 1.0
+    assert mm.setting_for_tensor(0.3, "anything", 5) == 0.3
+    conditional = [{"filter": "self_attn", "value": [0.0, 1.0]}, {"filter": "mlp", "value": 0.9}, {"value": 0.5}]
+    assert mm.setting_for_tensor(conditional, "model.layers.1.self_attn.q_proj.weight", 3) == 0.5
+    assert mm.setting_for_tensor(conditional, "model.layers.2.self_attn.q_proj.weight", 3) == 1.0
+    assert mm.setting_for_tensor(conditional, "model.layers.0.mlp.up_proj.weight", 3) == 0.9
+    assert mm.setting_for_tensor(conditional, "model.norm.weight", 3) == 0.5
+    with pytest.raises(ValueError, match="no entry"):
+        mm.setting_for_tensor([{"filter": "mlp", "value": 1.0}], "model.norm.weight", 3)
+
+
+# ---------------------------------------------------------------------------
+# The streaming trim (used by ModelMerger for TIES and magnitude_prune)
+# ---------------------------------------------------------------------------
+
+
+def _trim_in_chunks(x, density, chunk):
+    trim = mm._MagnitudeTrim.from_magnitudes(x.abs().flatten(), density)
+    flat = x.flatten()
+    return torch.cat([trim.apply(flat[i:i + chunk]) for i in range(0, flat.numel(), chunk)]).view(x.shape)
+
+
+@pytest.mark.parametrize("density", [0.01, 0.3, 0.5, 0.99, 1.0])
+@pytest.mark.parametrize("chunk", [1, 7, 1000])
+def test_streaming_trim_equals_topk_without_ties(density, chunk):
+    (x,) = _task_tensors(1, (20, 13), seed=24)  # continuous values: no two magnitudes tie
+    torch.testing.assert_close(_trim_in_chunks(x, density, chunk), mm.magnitude_based_pruning(x, density))
+
+
+def test_streaming_trim_breaks_ties_by_position():
+    x = torch.tensor([1.0, -2.0, 2.0, 2.0, 0.5, -2.0])
+    # density 0.5 -> k = 3 of the four entries with |x| = 2: the first three in flat order
+    torch.testing.assert_close(_trim_in_chunks(x, 0.5, 2), torch.tensor([0.0, -2.0, 2.0, 2.0, 0.0, 0.0]))
+    # k = 4 keeps every tie; k = 1 only the first
+    torch.testing.assert_close(_trim_in_chunks(x, 0.67, 4), torch.tensor([0.0, -2.0, 2.0, 2.0, 0.0, -2.0]))
+    torch.testing.assert_close(_trim_in_chunks(x, 0.2, 1), torch.tensor([0.0, -2.0, 0.0, 0.0, 0.0, 0.0]))
+    # k = 0 keeps nothing
+    torch.testing.assert_close(_trim_in_chunks(x, 0.1, 3), torch.zeros(6))
