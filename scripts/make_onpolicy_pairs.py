@@ -1,0 +1,78 @@
+"""On-policy preference pairs for a verifier (Math-Shepherd-style automatic supervision).
+
+    python scripts/make_onpolicy_pairs.py --policy outputs/demo/sft --out outputs/onpolicy_pairs
+
+Samples ``--samples`` responses per prompt of data/demo/rl_prompts.jsonl (not held out) from the
+policy, keeps prompts where some samples are right and some wrong (by the final ``Answer:`` line),
+and pairs a right one (chosen) with a wrong one (rejected), up to ``--pairs-per-prompt`` distinct
+pairs. A reward model or process reward model trained on these sees the mistakes the policy itself
+makes, which the demo's synthetic slips (preference.jsonl) do not cover; step labels come from the
+arithmetic checker at training time (``prm_step_labeler: arithmetic``). Writes pairs.jsonl and a
+dataset_info.json registering it as ``onpolicy_pairs``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import inference_optimizations as io  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--policy", default="outputs/demo/sft", help="policy directory")
+    parser.add_argument("--prompts", default="data/demo/rl_prompts.jsonl", help="JSONL with prompt and answer")
+    parser.add_argument("--out", default="outputs/onpolicy_pairs", help="output directory")
+    parser.add_argument("--samples", type=int, default=8, help="samples per prompt")
+    parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature")
+    parser.add_argument("--pairs-per-prompt", type=int, default=2, help="at most this many pairs per prompt")
+    parser.add_argument("--batch-size", type=int, default=32, help="prompts per generate call")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+    tokenizer = AutoTokenizer.from_pretrained(args.policy)
+    model = AutoModelForCausalLM.from_pretrained(args.policy).eval()
+    records = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+    params = io.SamplingParams(max_new_tokens=64, temperature=args.temperature, n=args.samples, seed=args.seed,
+                               stop_token_ids=io.stop_token_ids(tokenizer))
+    pairs, mixed = [], 0
+    for start in range(0, len(records), args.batch_size):
+        chunk = records[start:start + args.batch_size]
+        out = io.generate(model, [io.chat_prompt_ids(tokenizer, r["prompt"]) for r in chunk], params,
+                          pad_token_id=tokenizer.pad_token_id)
+        texts = [tokenizer.decode(t, skip_special_tokens=True).strip() for t in out.token_ids]
+        for i, record in enumerate(chunk):
+            samples = list(dict.fromkeys(texts[i * args.samples:(i + 1) * args.samples]))
+            right = [s for s in samples if io._last_answer(s) == str(record["answer"])]
+            wrong = [s for s in samples if io._last_answer(s) != str(record["answer"])]
+            if not right or not wrong:
+                continue
+            mixed += 1
+            combos = [(c, r) for c in right for r in wrong]
+            for chosen, rejected in rng.sample(combos, min(args.pairs_per_prompt, len(combos))):
+                pairs.append({"prompt": record["prompt"], "chosen": chosen, "rejected": rejected})
+        print(f"{min(start + args.batch_size, len(records))}/{len(records)} prompts, {len(pairs)} pairs", flush=True)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    info = {"onpolicy_pairs": {"file_name": "pairs.jsonl", "ranking": True,
+                               "columns": {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected"}}}
+    (out_dir / "dataset_info.json").write_text(json.dumps(info, indent=2) + "\n")
+    print(f"{len(pairs)} pairs from {mixed} of {len(records)} prompts with both right and wrong samples -> {out_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
