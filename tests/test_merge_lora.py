@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 import model_merging as mm
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
-              pytest.mark.filterwarnings("ignore::UserWarning")]  # peft's notes on embedding layers and init
+              pytest.mark.filterwarnings("ignore::UserWarning"),  # peft's notes on embedding layers and init
+              pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")]  # peft 0.21
 
 
 def read_state(directory: Path) -> dict[str, torch.Tensor]:

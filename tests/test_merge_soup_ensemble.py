@@ -22,7 +22,7 @@ def scalar_model(value: float) -> torch.nn.Module:
 
 
 def weight_of(model: torch.nn.Module) -> float:
-    return float(model.weight)
+    return float(model.weight.detach())
 
 
 def test_average_state_dicts_by_hand():
