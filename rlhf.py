@@ -5614,6 +5614,13 @@ def _build_parser() -> Any:
                            description="Read `stage:` from a LLaMA-Factory style YAML file and run that stage.")
     train.add_argument("--config", required=True, help="YAML config with a `stage:` key")
     train.add_argument("overrides", nargs="*", metavar="key=value")
+    merge = sub.add_parser("merge", help="Merge fine-tuned checkpoints (TIES, DARE, SLERP, ...) with model_merging.py",
+                           description="Merge checkpoint directories tensor by tensor into a new Hugging Face "
+                           "directory; the same as `python model_merging.py --config FILE`. Example configs: "
+                           "configs/merge_*.yaml.")
+    merge.add_argument("--config", required=True, help="merge YAML (method, base_model, models, output_dir, ...)")
+    merge.add_argument("overrides", nargs="*", metavar="key=value", help="override a top-level key, e.g. density=0.3")
+    merge.add_argument("--dry-run", action="store_true", help="check the config and inputs, write nothing")
     return parser
 
 
@@ -5643,6 +5650,10 @@ def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(_llamafactory_argv(sys.argv[1:] if argv is None else list(argv)))
     console = Console()
     setup_logging()
+    if args.command == "merge":  # model_merging has its own one-line errors and exit status
+        import model_merging
+
+        return model_merging.main(["--config", args.config, *args.overrides, *(["--dry-run"] if args.dry_run else [])])
     try:
         if args.command == "pipeline":
             RLHFOrchestrator(PipelineConfig.load(args.config, args.overrides)).run_full_pipeline()

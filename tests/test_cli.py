@@ -411,3 +411,24 @@ def test_every_stage_help_lists_its_fields(stage, capsys):
 def test_example_stage_configs_load(repo, name):
     config = rlhf.load_config(rlhf.STAGE_CONFIGS[name], repo / "configs" / f"{name}.yaml")
     assert config.stage == name
+
+
+def test_merge_command_runs_model_merging(tmp_path, capsys):
+    """``rlhf.py merge --config FILE`` is model_merging's command: same merge, same one-line errors."""
+    import torch
+    import yaml
+    from safetensors.torch import load_file, save_file
+
+    for name, value in {"base": [0.0, 0.0], "a": [1.0, -2.0], "b": [3.0, 2.0]}.items():
+        (tmp_path / name).mkdir()
+        save_file({"w": torch.tensor(value)}, str(tmp_path / name / "model.safetensors"))
+    config = tmp_path / "merge.yaml"
+    config.write_text(yaml.safe_dump({"method": "task_arithmetic", "base_model": str(tmp_path / "base"),
+                                      "models": [str(tmp_path / "a"), str(tmp_path / "b")],
+                                      "output_dir": str(tmp_path / "out")}))
+    assert rlhf.main(["merge", "--config", str(config), "lambda=0.5", "--dry-run"]) == 0
+    assert not (tmp_path / "out").exists()
+    assert rlhf.main(["merge", "--config", str(config), "lambda=0.5"]) == 0
+    torch.testing.assert_close(load_file(str(tmp_path / "out" / "model.safetensors"))["w"], torch.tensor([2.0, 0.0]))
+    assert rlhf.main(["merge", "--config", str(config), "desnity=0.5"]) == 2
+    assert "did you mean 'density'" in capsys.readouterr().err
