@@ -1060,14 +1060,24 @@ class SpeculativeDecoder:
     prefix is kept plus one token from the target. Greedy mode (temperature 0) reproduces the target's
     greedy output exactly. Sampling mode accepts a drafted token x with probability min(1, q(x)/p(x))
     and on rejection samples from norm(max(0, q - p)), so outputs follow the target's distribution.
-    With ``adaptive``, k grows while nearly all drafts are accepted and shrinks when few are."""
+    With ``adaptive``, k grows while nearly all drafts are accepted and shrinks when few are.
+
+    ``engine="static"`` or ``"compiled"`` serves greedy decoding from preallocated StaticCaches
+    (rejected drafts are dropped by rewinding the cache length) with the k draft steps fused into one
+    function and one host sync per round; ``compiled`` puts the draft round, the draft catch-up step
+    and the target verify under ``torch.compile`` (three graphs per cache length). k stays fixed on
+    this path (each k is a graph). Sampling, and models the static path cannot serve, use the general
+    loop (``eager``)."""
 
     def __init__(self, target: torch.nn.Module, draft: torch.nn.Module, *, k: int = 4, adaptive: bool = True,
-                 k_min: int = 1, k_max: int = 8) -> None:
+                 k_min: int = 1, k_max: int = 8, engine: str = "eager") -> None:
         if not 1 <= k_min <= k <= k_max:
             raise ValueError("need 1 <= k_min <= k <= k_max")
+        if engine not in ("eager", "static", "compiled"):
+            raise ValueError(f"engine '{engine}' is not one of eager, static, compiled")
         self.target, self.draft = target, draft
-        self.k, self.adaptive, self.k_min, self.k_max = k, adaptive, k_min, k_max
+        self.k, self.adaptive, self.k_min, self.k_max, self.engine = k, adaptive, k_min, k_max, engine
+        self._steps: dict[str, object] = {}  # compiled draft/verify functions, built on first use
 
     @staticmethod
     def _feed(model: torch.nn.Module, cache, tokens: list[int]) -> torch.Tensor:
@@ -1091,6 +1101,9 @@ class SpeculativeDecoder:
         if not prompt_ids:
             raise ValueError("the prompt needs at least one token")
         greedy = temperature == 0
+        if greedy and self.engine != "eager" and not _static_path_unsupported(self.target) \
+                and not _static_path_unsupported(self.draft):
+            return self._generate_static_greedy(list(prompt_ids), max_new_tokens, set(stop_token_ids))
         generator = torch.Generator(device=next(self.target.parameters()).device)
         generator.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,))))
         target_cache, draft_cache = DynamicCache(), DynamicCache()
@@ -1162,6 +1175,90 @@ class SpeculativeDecoder:
                 if token in stops or len(out.token_ids) == max_new_tokens:
                     return out
         return out
+
+
+    def _step(self, name: str):
+        """The draft round, draft catch-up and verify functions, compiled once for ``engine="compiled"``."""
+        plain = {"draft_round": _draft_round, "feed": _feed_static, "verify": _verify_static}[name]
+        if self.engine != "compiled":
+            return plain
+        if name not in self._steps:
+            self._steps[name] = torch.compile(plain, dynamic=False)
+        return self._steps[name]
+
+    def _generate_static_greedy(self, prompt: list[int], max_new_tokens: int, stops: set[int]) -> SpeculativeOutput:
+        from transformers import StaticCache
+
+        device = next(self.target.parameters()).device
+        k = self.k
+        cache_len = _cache_length(len(prompt) + max_new_tokens + k + 1)
+        target_cache = StaticCache(config=self.target.config, max_cache_len=cache_len)
+        draft_cache = StaticCache(config=self.draft.config, max_cache_len=cache_len)
+        sequence = list(prompt)
+        if len(sequence) > 1:  # both caches hold everything but the last committed token
+            ids = torch.tensor([sequence[:-1]], device=device)
+            positions = torch.arange(len(sequence) - 1, device=device)[None]
+            _feed_static(self.target, ids, positions, target_cache)
+            _feed_static(self.draft, ids, positions, draft_cache)
+        target_len = draft_len = len(sequence) - 1
+        out = SpeculativeOutput([], 0, 0, 0)
+        while len(out.token_ids) < max_new_tokens:
+            out.k_history.append(k)
+            if len(sequence) - draft_len == 2:  # a fully accepted round: the draft never fed its last proposal
+                self._step("feed")(self.draft, torch.tensor([[sequence[draft_len]]], device=device),
+                                   torch.tensor([[draft_len]], device=device), draft_cache)
+                draft_len += 1
+            drafted = self._step("draft_round")(self.draft, torch.tensor([sequence[-1]], device=device),
+                                                torch.tensor([draft_len], device=device), draft_cache, k).tolist()
+            draft_len = len(sequence) + k - 1
+            feed = torch.tensor([sequence[target_len:] + drafted], device=device)  # always k + 1 tokens
+            best = self._step("verify")(self.target, feed, torch.arange(target_len, target_len + feed.shape[1],
+                                                                         device=device)[None], target_cache).tolist()
+            out.target_forwards += 1
+            accepted = 0
+            while accepted < k and best[accepted] == drafted[accepted]:
+                accepted += 1
+            new = drafted[:accepted] + [best[accepted]]
+            out.accepted += accepted
+            out.proposed += k
+            base = len(sequence)
+            sequence += new
+            target_len, draft_len = base + accepted, min(draft_len, base + accepted)
+            _rewind(target_cache, target_len)
+            _rewind(draft_cache, draft_len)
+            for token in new:
+                out.token_ids.append(token)
+                if token in stops or len(out.token_ids) == max_new_tokens:
+                    return out
+        return out
+
+
+def _rewind(cache, length: int) -> None:
+    """Forget a StaticCache's positions from ``length`` on (later writes overwrite them; the causal mask
+    never lets a query see a position beyond its own)."""
+    for layer in cache.layers:
+        if getattr(layer, "is_initialized", True):
+            layer.cumulative_length.fill_(length)
+
+
+def _feed_static(model, ids: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+    return model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True).logits
+
+
+def _draft_round(model, token: torch.Tensor, position: torch.Tensor, cache, k: int) -> torch.Tensor:
+    """k greedy draft steps in one function (one graph when compiled): (1,) token -> (k,) proposals."""
+    proposals = []
+    for _ in range(k):
+        logits = model(input_ids=token.view(1, 1), position_ids=position.view(1, 1), past_key_values=cache,
+                       use_cache=True).logits[0, -1]
+        token, position = logits.argmax(-1).view(1), position + 1
+        proposals.append(token)
+    return torch.cat(proposals)
+
+
+def _verify_static(model, ids: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+    """The target's greedy next token after every fed position: (1, k + 1) ids -> (k + 1,)."""
+    return model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True).logits[0].argmax(-1)
 
 
 # -- MCTS over reasoning steps --------------------------------------------------------------------------------

@@ -24,8 +24,10 @@ Methods, all greedy on the same prompts:
     single sequence (target-only; ``compiled`` compiles its decode step in the untimed pass, one graph for
     batch 1 and the bucketed cache length: it is the fastest target-only path here, so "vs fastest
     target-only" compares with it);
-  * ``spec``: ours, ``SpeculativeDecoder(target, draft, k=--k, adaptive=True).generate(prompt,
-    temperature=0)`` (a fresh decoder per prompt, so every prompt starts at k = --k);
+  * ``spec``: ours, ``SpeculativeDecoder(target, draft, k=--k, engine=--spec-engine).generate(prompt,
+    temperature=0)`` (a fresh decoder per prompt). ``compiled`` (default): static caches, the k draft steps
+    fused, draft round and verify under torch.compile (compiled in the untimed pass), fixed k; ``eager``:
+    dynamic caches, k adapting from --k;
   * ``assisted``: HF assisted generation, ``target.generate(..., assistant_model=draft, do_sample=False)``
     with transformers' defaults (20 draft tokens, constant schedule, draft confidence threshold 0.4).
 Before timing, an untimed pass runs every method on every prompt (the warm-up) and asserts that all
@@ -93,6 +95,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="timed passes over all prompts; best per prompt kept")
     parser.add_argument("--methods", default=",".join(METHODS),
                         help=f"comma-separated subset of {','.join(METHODS)} (hf, the baseline, is always run)")
+    parser.add_argument("--spec-engine", default="compiled", choices=("eager", "static", "compiled"),
+                        help="SpeculativeDecoder engine: compiled (static caches, fused draft round and verify "
+                        "under torch.compile; fixed k), static (the same uncompiled) or eager (dynamic caches, adaptive k)")
     parser.add_argument("--target-speedup", type=float, default=2.0, help="spec / target-only (hf) tokens/s target")
     parser.add_argument("--json", help="write the per-prompt timings and statistics here")
     args = parser.parse_args(argv)
@@ -211,7 +216,7 @@ class Runner:
 
     def spec(self, prompt: list[int]) -> tuple[list[int], dict]:
         decoder = io.SpeculativeDecoder(self.target, self.draft, k=self.args.k, adaptive=not self.args.fixed_k,
-                                        k_min=self.args.k_min, k_max=self.args.k_max)
+                                        k_min=self.args.k_min, k_max=self.args.k_max, engine=self.args.spec_engine)
         out = decoder.generate(prompt, self.args.new_tokens, temperature=0.0, stop_token_ids=self.stops)
         return out.token_ids, {"accepted": out.accepted, "proposed": out.proposed,
                                "target_forwards": out.target_forwards, "rounds": len(out.k_history)}

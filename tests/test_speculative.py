@@ -95,3 +95,28 @@ def test_sampling_preserves_the_target_distribution():
     chi2 = sum((counts[o] - draws * exact_target[o]) ** 2 / (draws * exact_target[o]) for o in outcomes
                if draws * exact_target[o] >= 5)
     assert chi2 < 70  # df <= 24; the 99.99% quantile of chi2(24) is about 62, so this fails only on a real bias
+
+
+@pytest.mark.parametrize("prompt,length", [([1], 12), ([3, 9, 4], 20), ([7, 7, 7, 7, 2, 5], 30)])
+@pytest.mark.parametrize("k", [1, 4])
+def test_static_cache_path_equals_target_greedy(pair, prompt, length, k):
+    """engine="static": StaticCaches rewound on rejection, the k draft steps fused, fixed k."""
+    target, draft = pair
+    expected = target.generate(torch.tensor([prompt]), max_new_tokens=length, min_new_tokens=length, do_sample=False,
+                               pad_token_id=0, eos_token_id=None)[0, len(prompt):].tolist()
+    out = io.SpeculativeDecoder(target, draft, k=k, engine="static").generate(prompt, length)
+    assert out.token_ids == expected
+    assert set(out.k_history) == {k} and out.proposed == k * out.target_forwards
+    again = io.SpeculativeDecoder(target, target, k=k, engine="static").generate(prompt, length)
+    assert again.token_ids == expected and again.acceptance_rate == 1.0  # a draft equal to the target
+
+
+def test_compiled_path_equals_target_greedy(pair):
+    target, draft = pair
+    decoder = io.SpeculativeDecoder(target, draft, k=3, engine="compiled")
+    for prompt, length in (([3, 9, 4], 20), ([7, 7, 7, 7, 2, 5], 17)):
+        expected = target.generate(torch.tensor([prompt]), max_new_tokens=length, min_new_tokens=length,
+                                    do_sample=False, pad_token_id=0, eos_token_id=None)[0, len(prompt):].tolist()
+        assert decoder.generate(prompt, length).token_ids == expected
+    with pytest.raises(ValueError, match="engine"):
+        io.SpeculativeDecoder(target, draft, engine="paged")
