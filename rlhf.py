@@ -16,12 +16,13 @@ Table of contents (each section opens with a ``# ==== N. Title ====`` banner):
   5. Losses and advantages — causal_lm_loss_sum, sequence_log_probs, dpo_loss, PREFERENCE_LOSSES, simpo_loss, orpo_loss, kto_loss, reward_model_loss, whiten, grpo_advantages, grpo_loss, compute_gae, ppo_policy_loss, ppo_value_loss, AdaptiveKLController, FixedKLController
   6. Rewards — exact_answer_reward, format_reward, length_penalty, CompositeReward, LearnedReward, ProcessReward, HTTPReward, RewardAPIError, Principle, ConstitutionalRewardWrapper, RewardFunctionFactory, RunningRewardNormalizer, process_rewards
   7. Trainers — BaseTrainer, TrainingDivergedError, SFTTrainer, RewardModelTrainer, ProcessRewardModelTrainer, DPOTrainer, SimPOTrainer, KTOTrainer, precompute_ref_log_probs, Rollout, RolloutBuffer, token_entropy, disable_dropout, GRPOTrainer, PPOTrainer, TrainResult, close_loss_scaler_step
+  8. Evaluation — kl_estimates, distinct_n, self_similarity, win_rate, RLHFEvaluator
   10. Orchestrator — train_sft, train_rm, train_prm, train_dpo, train_kto, train_grpo, train_ppo, RLHFOrchestrator
   11. CLI — main
 
 Notation used in ``Shapes:`` lines: B sequences in a batch, T tokens per sequence, V vocabulary size.
-Sections 8 and 9 (evaluation, self-improvement) arrive with later stages; numbering
-follows ../DESIGN.md so the map and the module stay in step.
+Section 9 (self-improvement and safety) arrives with a later stage; numbering follows
+../DESIGN.md so the map and the module stay in step.
 """
 
 from __future__ import annotations
@@ -5240,6 +5241,180 @@ class PPOTrainer(_OnlineRLTrainer):
         super()._load_extra_state(state)
         if "kl_coef" in state:
             self.kl_controller.value = state["kl_coef"]
+
+# ==== 8. Evaluation ====
+
+
+def kl_estimates(policy_log_probs: torch.Tensor, reference_log_probs: torch.Tensor,
+                 mask: torch.Tensor) -> dict[str, float]:
+    """KL(policy || reference) from completions sampled from the policy, with Schulman's (2020)
+    estimators per token, r = pi_ref(x) / pi(x): k1 = -log r (unbiased, can be negative per sample)
+    and k3 = (r - 1) - log r (unbiased and always >= 0, lower variance). Each sequence's KL is the sum
+    over its tokens; returned are the means over sequences.
+    Shapes: log-probs and mask (B, T) -> {"kl/k1", "kl/k3", "kl/k1_std"}."""
+    log_ratio = (reference_log_probs - policy_log_probs).float().clamp(-20.0, 20.0) * mask
+    k1 = (-log_ratio).sum(-1)
+    k3 = ((log_ratio.exp() - 1.0 - log_ratio) * mask).sum(-1)
+    return {"kl/k1": float(k1.mean()), "kl/k3": float(k3.mean()),
+            "kl/k1_std": float(k1.std()) if k1.numel() > 1 else 0.0}
+
+
+def _ngrams(text: str, n: int) -> list[tuple[str, ...]]:
+    words = text.split()
+    return [tuple(words[i:i + n]) for i in range(len(words) - n + 1)]
+
+
+def distinct_n(texts: list[str], n: int) -> float:
+    """Distinct-n (Li et al. 2016): distinct word n-grams over all n-grams of all texts (0 when none)."""
+    grams = [gram for text in texts for gram in _ngrams(text, n)]
+    return len(set(grams)) / len(grams) if grams else 0.0
+
+
+def self_similarity(samples: list[str], n: int = 2) -> float:
+    """Mean pairwise Jaccard similarity of the samples' word n-gram sets (1 = all samples alike, 0 =
+    no shared n-gram): a cheap Self-BLEU-style score of how much samples of one prompt repeat each
+    other. Texts shorter than n count by their words; fewer than two samples give 0."""
+    sets = [set(_ngrams(s, n)) or set(_ngrams(s, 1)) for s in samples]
+    pairs = [(a, b) for i, a in enumerate(sets) for b in sets[i + 1:]]
+    if not pairs:
+        return 0.0
+    return float(np.mean([len(a & b) / len(a | b) if a | b else 1.0 for a, b in pairs]))
+
+
+def win_rate(policy_scores: torch.Tensor | list[float], reference_scores: torch.Tensor | list[float]) -> dict[str, float]:
+    """Share of prompts where the policy's response scores higher than the reference's, ties
+    counting half (AlpacaEval's convention). Shapes: (P), (P) -> {"win_rate", "wins", "ties", "losses"}."""
+    policy, reference = torch.as_tensor(policy_scores, dtype=torch.float64), torch.as_tensor(reference_scores, dtype=torch.float64)
+    if policy.shape != reference.shape or not policy.numel():
+        raise ValueError("win_rate needs one policy and one reference score per prompt")
+    wins, ties = int((policy > reference).sum()), int((policy == reference).sum())
+    return {"win_rate": (wins + 0.5 * ties) / policy.numel(), "wins": wins, "ties": ties,
+            "losses": policy.numel() - wins - ties}
+
+
+class RLHFEvaluator:
+    """Evaluates a policy the way post-training needs, one method per question:
+
+    - ``kl_to_reference``: KL(policy || reference) on completions sampled from the policy (k1, k3);
+    - ``reward_accuracy``: how often a reward function ranks chosen above rejected;
+    - ``diversity``: distinct-1/2 over all samples and the mean self-similarity of samples per prompt;
+    - ``win_rate``: policy vs reference greedy responses, judged by a reward function or by a judge
+      callable ``judge(prompt, policy_response, reference_response) -> 1 | 0.5 | 0``;
+    - ``task_accuracy``: greedy answers checked by a verifier ``verifier(response, record) -> bool``
+      (default: the ``Answer:`` line equals the record's ``answer``).
+
+    ``evaluate`` runs whichever of them its arguments allow and returns one flat metrics dict.
+    Rewards are ``reward_fn(prompts, responses) -> Tensor[B]`` (``LearnedReward`` or any callable)."""
+
+    def __init__(self, policy: PolicyModel, reference: PolicyModel | None = None, *, template: str = "auto",
+                 max_new_tokens: int = 64, batch_size: int = 32, seed: int = 0) -> None:
+        self.policy, self.reference = policy, reference
+        self.formatter = ChatFormatter(policy.tokenizer, template)
+        self.max_new_tokens, self.batch_size, self.seed = max_new_tokens, batch_size, seed
+
+    @staticmethod
+    def _records(prompts: list[str] | list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Canonical chat records from prompt strings, ``{"prompt": ...}`` records (other keys such as
+        ``answer`` kept) or canonical records."""
+        def canonical(p: str | dict[str, Any]) -> dict[str, Any]:
+            if isinstance(p, str):
+                return {"system": "", "messages": [{"role": "user", "content": p}]}
+            if "messages" not in p:
+                return {**p, "system": p.get("system", ""), "messages": [{"role": "user", "content": p["prompt"]}]}
+            return p
+
+        return [canonical(p) for p in prompts]
+
+    def _prompt_text(self, record: dict[str, Any]) -> str:
+        return record.get("prompt") or record["messages"][-1]["content"]
+
+    def _complete(self, model: PolicyModel, records: list[dict[str, Any]], *, sample: bool) -> list[list[int]]:
+        torch.manual_seed(self.seed)
+        return model.generate([self.formatter.prompt_ids(r) for r in records], max_new_tokens=self.max_new_tokens,
+                              do_sample=sample, temperature=1.0, stop_token_ids=self.formatter.stop_token_ids,
+                              batch_size=self.batch_size)
+
+    @torch.no_grad()
+    def kl_to_reference(self, prompts: list[str] | list[dict[str, Any]], samples_per_prompt: int = 4) -> dict[str, float]:
+        """Sample completions from the policy (temperature 1), score their tokens under both models."""
+        if self.reference is None:
+            raise RLHFInputError("kl_to_reference needs a reference model (RLHFEvaluator(policy, reference))")
+        records = [r for r in self._records(prompts) for _ in range(samples_per_prompt)]
+        completions = self._complete(self.policy, records, sample=True)
+        rows = [self.formatter.prompt_ids(r) + c for r, c in zip(records, completions)]
+        width = max(len(r) for r in rows)
+        pad = self.policy.tokenizer.pad_token_id if self.policy.tokenizer.pad_token_id is not None else 0
+        device = next(self.policy.parameters()).device
+        ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows], device=device)
+        attention = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], device=device)
+        labels = torch.full_like(ids, IGNORE_INDEX)
+        for row, (record, completion) in enumerate(zip(records, completions)):
+            start = len(self.formatter.prompt_ids(record))
+            labels[row, start:start + len(completion)] = ids[row, start:start + len(completion)]
+        policy_lp = self.policy.compute_log_probs(ids, attention, labels)
+        reference_lp = self.reference.compute_log_probs(ids.to(next(self.reference.parameters()).device),
+                                                        attention, labels)
+        mask = (labels[:, 1:] != IGNORE_INDEX).float()
+        return kl_estimates(policy_lp.per_token, reference_lp.per_token.to(device), mask)
+
+    @staticmethod
+    def reward_accuracy(pairs: list[dict[str, Any]], reward_fn: Callable) -> dict[str, float]:
+        """Pairwise accuracy of ``reward_fn`` on ``{"prompt", "chosen", "rejected"}`` records."""
+        prompts = [p["prompt"] for p in pairs]
+        chosen = torch.as_tensor(reward_fn(prompts, [p["chosen"] for p in pairs]), dtype=torch.float32)
+        rejected = torch.as_tensor(reward_fn(prompts, [p["rejected"] for p in pairs]), dtype=torch.float32)
+        return {"reward/accuracy": float((chosen > rejected).float().mean()),
+                "reward/margin": float((chosen - rejected).mean())}
+
+    def diversity(self, prompts: list[str] | list[dict[str, Any]], samples_per_prompt: int = 4) -> dict[str, float]:
+        """distinct-1/2 over every sample, and self-similarity averaged over prompts."""
+        records = self._records(prompts)
+        completions = self._complete(self.policy, [r for r in records for _ in range(samples_per_prompt)], sample=True)
+        texts = [self.policy.decode(c) for c in completions]
+        groups = [texts[i * samples_per_prompt:(i + 1) * samples_per_prompt] for i in range(len(records))]
+        return {"diversity/distinct_1": distinct_n(texts, 1), "diversity/distinct_2": distinct_n(texts, 2),
+                "diversity/self_similarity": float(np.mean([self_similarity(g) for g in groups]))}
+
+    def win_rate(self, prompts: list[str] | list[dict[str, Any]], *, reward_fn: Callable | None = None,
+                 judge: Callable | None = None) -> dict[str, float]:
+        """Greedy responses of policy and reference to the same prompts, judged pairwise."""
+        if self.reference is None or (reward_fn is None) == (judge is None):
+            raise RLHFInputError("win_rate needs a reference model and exactly one of reward_fn or judge")
+        records = self._records(prompts)
+        ours = [self.policy.decode(c) for c in self._complete(self.policy, records, sample=False)]
+        theirs = [self.reference.decode(c) for c in self._complete(self.reference, records, sample=False)]
+        texts = [self._prompt_text(r) for r in records]
+        if judge is not None:
+            verdicts = [float(judge(p, a, b)) for p, a, b in zip(texts, ours, theirs)]
+            result = win_rate(verdicts, [0.5] * len(verdicts))  # judge says 1 win, 0.5 tie, 0 loss
+        else:
+            result = win_rate(torch.as_tensor(reward_fn(texts, ours)), torch.as_tensor(reward_fn(texts, theirs)))
+        return {f"win/{k}": float(v) for k, v in result.items()}
+
+    def task_accuracy(self, records: list[dict[str, Any]], verifier: Callable | None = None) -> dict[str, float]:
+        """Greedy responses checked by ``verifier(response, record)``; default: exact ``Answer:`` match."""
+        scored = [r for r in self._records(records) if verifier is not None or r.get("answer") is not None]
+        if not scored:
+            return {}
+        responses = [self.policy.decode(c) for c in self._complete(self.policy, scored, sample=False)]
+        check = verifier or (lambda response, record: extract_answer(response) == str(record["answer"]).strip())
+        return {"task/accuracy": sum(bool(check(t, r)) for t, r in zip(responses, scored)) / len(scored)}
+
+    def evaluate(self, prompts: list[str] | list[dict[str, Any]], *, pairs: list[dict[str, Any]] | None = None,
+                 reward_fn: Callable | None = None, judge: Callable | None = None,
+                 verifier: Callable | None = None, samples_per_prompt: int = 4) -> dict[str, float]:
+        """Every evaluation the arguments allow, in one dict."""
+        records = self._records(prompts)
+        metrics = self.diversity(records, samples_per_prompt)
+        metrics.update(self.task_accuracy(records, verifier))
+        if self.reference is not None:
+            metrics.update(self.kl_to_reference(records, samples_per_prompt))
+            if reward_fn is not None or judge is not None:
+                metrics.update(self.win_rate(records, reward_fn=reward_fn if judge is None else None, judge=judge))
+        if pairs and reward_fn is not None:
+            metrics.update(self.reward_accuracy(pairs, reward_fn))
+        return metrics
+
 
 # ==== 10. Orchestrator ====
 
