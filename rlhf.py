@@ -9,7 +9,7 @@ bundled demo task, and on GPUs through accelerate.
 
 Table of contents (each section opens with a ``# ==== N. Title ====`` banner):
   0. Notation and registries — IGNORE_INDEX, RLHFInputError, TrainingStage
-  1. Configs — BaseConfig, SFTConfig, RewardModelConfig, ProcessRewardModelConfig, DPOConfig, SimPOConfig, ORPOConfig, KTOConfig, OnlineRLConfig, GRPOConfig, PPOConfig, PipelineConfig, load_config, save_config, config_help
+  1. Configs — BaseConfig, SFTConfig, RewardModelConfig, ProcessRewardModelConfig, DPOConfig, SimPOConfig, ORPOConfig, KTOConfig, OnlineRLConfig, GRPOConfig, PPOConfig, PipelineConfig, load_config, save_config, config_help, get_7b_model_config, get_70b_model_config, count_parameters, estimate_memory
   2. Infrastructure — setup_logging, DeviceManager, TrainingLogger, CheckpointManager, create_optimizer, EarlyStopping, apply_lora, apply_freeze, compile_model, select_attention_implementation
   3. Data — load_records, ChatFormatter, CHAT_TEMPLATES, SFTDataset, StreamingSFTDataset, pack_sequences, SFTCollator, PreferenceDataset, StreamingPreferenceDataset, KTODataset, StreamingKTODataset, PreferenceCollator, KTOCollator, GRPODataset, StreamingGRPODataset, extract_answer, split_steps, arithmetic_step_labels, encode_steps, ProcessPreferenceDataset, ProcessPreferenceCollator
   4. Models — token_log_probs, load_tokenizer, build_tiny_model, resolve_model_path, PolicyModel, RewardModel, RewardEnsemble, aggregate_step_scores, ProcessRewardModel, ValueModel, ActorCritic, ReferenceModel, create_reference_model
@@ -767,6 +767,119 @@ class PipelineConfig:
         raw = read_yaml(path)
         raw.update(parse_overrides(overrides))
         return cls.from_dict(raw, source=str(path))
+
+
+# -- presets for real models and the memory plan ----------------------------------------------------------------
+
+PRESET_ARCHITECTURES: dict[str, dict[str, Any]] = {
+    # Qwen2.5-7B-Instruct and Llama-3.1-70B-Instruct, from their config.json files
+    "7b": {"model": "Qwen/Qwen2.5-7B-Instruct", "vocab_size": 152064, "hidden_size": 3584,
+           "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+           "num_key_value_heads": 4, "tie_word_embeddings": False},
+    "70b": {"model": "meta-llama/Llama-3.1-70B-Instruct", "vocab_size": 128256, "hidden_size": 8192,
+            "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
+            "num_key_value_heads": 8, "tie_word_embeddings": False},
+}
+
+
+def _preset(size: str, finetuning_type: str, model_name_or_path: str | None, *, batch: int, accumulation: int,
+            lora_rank: int, learning_rate: float) -> PipelineConfig:
+    arch = PRESET_ARCHITECTURES[size]
+    _check_choice(finetuning_type, ("lora", "full"), "finetuning_type")
+    shared = {"model_name_or_path": model_name_or_path or arch["model"], "template": "auto",
+              "finetuning_type": finetuning_type, "lora_rank": lora_rank, "lora_alpha": 2 * lora_rank,
+              "lora_target": "all", "bf16": True, "gradient_checkpointing": True,
+              "attn_implementation": "auto",  # flash_attention_2 where installed on the GPU, else sdpa
+              "cutoff_len": 2048, "per_device_train_batch_size": batch, "gradient_accumulation_steps": accumulation,
+              "learning_rate": learning_rate, "lr_scheduler_type": "cosine", "warmup_ratio": 0.03,
+              "logging_steps": 10, "save_steps": 500, "save_total_limit": 2, "plot_loss": True}
+    stages = {"sft": {"num_train_epochs": 2.0},
+              "rm": {"learning_rate": learning_rate / 2, "num_train_epochs": 1.0},
+              "dpo": {"pref_beta": 0.1, "learning_rate": learning_rate / 10, "num_train_epochs": 1.0},
+              "grpo": {"num_generations": 8, "learning_rate": learning_rate / 20, "max_steps": 500,
+                       "per_device_train_batch_size": max(batch, 8), "reward_model": "rm"}}  # this pipeline's rm
+    return PipelineConfig(stages=list(stages), output_dir=f"outputs/{size}", shared=shared, stage_overrides=stages,
+                          source=f"get_{size}_model_config()")
+
+
+def get_7b_model_config(finetuning_type: str = "lora", model_name_or_path: str | None = None) -> PipelineConfig:
+    """SFT -> RM -> DPO -> GRPO for a 7B model (Qwen2.5-7B-Instruct unless named): bf16, gradient
+    checkpointing, flash-attn 2 where available, LoRA rank 16 on every linear layer (or full), 4 x 8
+    sequences of 2048 tokens per optimizer step per GPU. LoRA fits one 80 GB GPU; full fine-tuning
+    needs ZeRO-3 or FSDP across 8 (``python rlhf.py plan --preset 7b --gpus 8 --finetuning-type full``;
+    configs/accelerate/)."""
+    return _preset("7b", finetuning_type, model_name_or_path, batch=4, accumulation=8, lora_rank=16,
+                   learning_rate=1e-4 if finetuning_type == "lora" else 1e-5)
+
+
+def get_70b_model_config(finetuning_type: str = "lora", model_name_or_path: str | None = None) -> PipelineConfig:
+    """The same pipeline for a 70B model (Llama-3.1-70B-Instruct unless named): LoRA rank 16 (or full),
+    1 x 32 sequences per optimizer step per GPU, bf16, gradient checkpointing, ZeRO-3 or FSDP across
+    8 GPUs (configs/accelerate/); check the fit with ``python rlhf.py plan --preset 70b --gpus 8``."""
+    return _preset("70b", finetuning_type, model_name_or_path, batch=1, accumulation=32, lora_rank=16,
+                   learning_rate=5e-5 if finetuning_type == "lora" else 5e-6)
+
+
+def count_parameters(arch: dict[str, Any]) -> int:
+    """Parameters of a Llama/Qwen-style decoder from its config: embeddings (and an untied LM head),
+    per layer q/o (h x h), k/v (h x kv_heads x head_dim), a gated MLP (3 x h x intermediate) and two
+    norms, plus the final norm (attention biases are ignored: < 0.01%)."""
+    h, layers, vocab = arch["hidden_size"], arch["num_hidden_layers"], arch["vocab_size"]
+    kv_dim = arch["num_key_value_heads"] * (h // arch["num_attention_heads"])
+    per_layer = 2 * h * h + 2 * h * kv_dim + 3 * h * arch["intermediate_size"] + 2 * h
+    return vocab * h * (1 if arch.get("tie_word_embeddings") else 2) + layers * per_layer + h
+
+
+def count_lora_parameters(arch: dict[str, Any], rank: int) -> int:
+    """LoRA on every linear layer of every block: r x (in + out) per projection."""
+    h, inter = arch["hidden_size"], arch["intermediate_size"]
+    kv_dim = arch["num_key_value_heads"] * (h // arch["num_attention_heads"])
+    per_layer = rank * ((h + h) * 2 + (h + kv_dim) * 2 + (h + inter) * 3)
+    return arch["num_hidden_layers"] * per_layer
+
+
+GIB = 1024 ** 3
+
+
+def estimate_memory(arch: dict[str, Any], *, gpus: int = 1, finetuning_type: str = "lora", lora_rank: int = 16,
+                    batch: int = 1, seq_len: int = 2048, gradient_checkpointing: bool = True, sharded: bool = True,
+                    stage: str = "grpo") -> dict[str, float]:
+    """Per-GPU memory in GiB of one training step, by the usual mixed-precision accounting:
+
+    - weights: bf16, 2 bytes per parameter;
+    - gradients: bf16, 2 bytes per trainable parameter;
+    - optimizer: AdamW with fp32 master weights and two fp32 moments, 12 bytes per trainable parameter;
+    - activations: with gradient checkpointing, each layer's bf16 input (2 x b x s x h bytes) plus one
+      layer recomputed in full; without it every layer in full. A full layer is Korthikanti et al.'s
+      (2022) s x b x h x (34 + 5 x heads x s / h) bytes; the fp32 logits (4 x b x s x V) come on top;
+    - reference model: a frozen bf16 copy for dpo / grpo / ppo with full fine-tuning (LoRA switches
+      its adapter off instead: no copy);
+    - reward model: a frozen bf16 copy for grpo / ppo (a learned reward), ppo also a critic trained
+      like the policy;
+    - rm and dpo run each pair's two sequences in one forward (twice the activations).
+
+    ``sharded`` (ZeRO-3 / FSDP full shard) divides weights, gradients, optimizer states and the frozen
+    copies by ``gpus``; activations are per GPU. Excluded: CUDA context and allocator fragmentation
+    (budget 1-3 GiB) and the generation KV cache of online stages."""
+    params = count_parameters(arch)
+    trainable = params if finetuning_type == "full" else count_lora_parameters(arch, lora_rank)
+    share = gpus if sharded else 1
+    h, layers, heads, vocab = arch["hidden_size"], arch["num_hidden_layers"], arch["num_attention_heads"], arch["vocab_size"]
+    full_layer = seq_len * batch * h * (34 + 5 * heads * seq_len / h)
+    stored = layers * 2 * batch * seq_len * h + full_layer if gradient_checkpointing else layers * full_layer
+    frozen = 2 * params / share
+    critic = stage == "ppo"
+    if stage in ("rm", "dpo"):  # a preference pair is two sequences (chosen, rejected) in one forward
+        stored *= 2
+    plan = {"weights": 2 * params / share, "gradients": 2 * trainable * (2 if critic else 1) / share,
+            "optimizer": 12 * trainable * (2 if critic else 1) / share,
+            "activations": (stored + 4 * batch * seq_len * vocab * (2 if stage in ("rm", "dpo") else 1))
+            * (2 if critic else 1),
+            "reference model": frozen if stage in ("dpo", "grpo", "ppo") and finetuning_type == "full" else 0.0,
+            "reward model": frozen * (2 if critic else 1) if stage in ("grpo", "ppo") else 0.0}
+    plan = {k: v / GIB for k, v in plan.items()}
+    plan["total"] = sum(plan.values())
+    return plan
 
 
 # ==== 2. Infrastructure ====
@@ -5789,6 +5902,17 @@ def _build_parser() -> Any:
                            description="Read `stage:` from a LLaMA-Factory style YAML file and run that stage.")
     train.add_argument("--config", required=True, help="YAML config with a `stage:` key")
     train.add_argument("overrides", nargs="*", metavar="key=value")
+    plan = sub.add_parser("plan", help="Estimate per-GPU memory of a 7B/70B preset before launching",
+                          description="Per-GPU memory of one training step of a preset (weights, gradients, "
+                          "optimizer states, activations, reference and reward models), by mixed-precision "
+                          "accounting (see rlhf.estimate_memory); excludes the CUDA context and generation KV cache.")
+    plan.add_argument("--preset", required=True, choices=sorted(PRESET_ARCHITECTURES), help="model size")
+    plan.add_argument("--gpus", type=int, default=8, help="GPUs sharing the model (ZeRO-3 / FSDP; default 8)")
+    plan.add_argument("--finetuning-type", choices=("lora", "full"), default="lora", help="LoRA (default) or full")
+    plan.add_argument("--stage", choices=("sft", "rm", "dpo", "grpo", "ppo"), default=None,
+                      help="one stage (default: every stage of the preset, plus ppo)")
+    plan.add_argument("--no-sharding", action="store_true", help="plain DDP: every GPU holds everything")
+    plan.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU to check against (default 80)")
     merge = sub.add_parser("merge", help="Merge fine-tuned checkpoints (TIES, DARE, SLERP, ...) with model_merging.py",
                            description="Merge checkpoint directories tensor by tensor into a new Hugging Face "
                            "directory; the same as `python model_merging.py --config FILE`. Example configs: "
@@ -5797,6 +5921,37 @@ def _build_parser() -> Any:
     merge.add_argument("overrides", nargs="*", metavar="key=value", help="override a top-level key, e.g. density=0.3")
     merge.add_argument("--dry-run", action="store_true", help="check the config and inputs, write nothing")
     return parser
+
+
+def memory_plan_table(args: Any) -> Any:
+    """The ``plan`` command's table: one column per stage, GiB per GPU, and whether it fits."""
+    from rich.table import Table
+
+    if args.gpus < 1:
+        raise SystemExit("error: --gpus must be >= 1")
+    preset = (get_7b_model_config if args.preset == "7b" else get_70b_model_config)(args.finetuning_type)
+    stages = [args.stage] if args.stage else [*preset.stages, "ppo"]
+    columns = {}
+    for stage in stages:
+        config = preset.stage_config(stage if stage in preset.stages else "grpo")
+        columns[stage] = estimate_memory(PRESET_ARCHITECTURES[args.preset], gpus=args.gpus,
+                                         finetuning_type=args.finetuning_type, lora_rank=config.lora_rank,
+                                         batch=config.per_device_train_batch_size, seq_len=config.cutoff_len,
+                                         gradient_checkpointing=config.gradient_checkpointing,
+                                         sharded=not args.no_sharding, stage=stage)
+    arch = PRESET_ARCHITECTURES[args.preset]
+    table = Table(min_width=78, title=f"{arch['model']} ({count_parameters(arch) / 1e9:.1f}B), {args.finetuning_type}, "
+                  f"{args.gpus} GPU(s){'' if args.no_sharding else ' sharded (ZeRO-3 / FSDP)'}: GiB per GPU")
+    table.add_column("component")
+    for stage in stages:
+        table.add_column(stage, justify="right")
+    for row in next(iter(columns.values())):
+        table.add_row(row, *(f"{columns[s][row]:.1f}" for s in stages), style="bold" if row == "total" else None)
+    table.add_row(f"fits {args.gpu_memory:g} GiB?", *("yes" if columns[s]["total"] <= args.gpu_memory - 2 else "NO"
+                                                   for s in stages))
+    table.caption = ("batch and sequence length from the preset; +1-3 GiB CUDA context not included (the fit "
+                     "check leaves 2 GiB); online stages also need their generation KV cache")
+    return table
 
 
 def _run_single_stage(stage: str, config_path: str | None, overrides: list[str]) -> list[dict[str, Any]]:
@@ -5825,6 +5980,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(_llamafactory_argv(sys.argv[1:] if argv is None else list(argv)))
     console = Console()
     setup_logging()
+    if args.command == "plan":
+        console.print(memory_plan_table(args))
+        return 0
     if args.command == "merge":  # model_merging has its own one-line errors and exit status
         import model_merging
 
