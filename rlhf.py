@@ -12,7 +12,7 @@ Table of contents (each section opens with a ``# ==== N. Title ====`` banner):
   1. Configs — BaseConfig, SFTConfig, RewardModelConfig, ProcessRewardModelConfig, DPOConfig, SimPOConfig, ORPOConfig, KTOConfig, OnlineRLConfig, GRPOConfig, PPOConfig, PipelineConfig, load_config, save_config, config_help, get_7b_model_config, get_70b_model_config, count_parameters, estimate_memory
   2. Infrastructure — setup_logging, DeviceManager, TrainingLogger, CheckpointManager, create_optimizer, EarlyStopping, apply_lora, apply_freeze, compile_model, select_attention_implementation
   3. Data — load_records, ChatFormatter, CHAT_TEMPLATES, SFTDataset, StreamingSFTDataset, pack_sequences, SFTCollator, PreferenceDataset, StreamingPreferenceDataset, KTODataset, StreamingKTODataset, PreferenceCollator, KTOCollator, GRPODataset, StreamingGRPODataset, extract_answer, split_steps, arithmetic_step_labels, encode_steps, ProcessPreferenceDataset, ProcessPreferenceCollator
-  4. Models — token_log_probs, load_tokenizer, build_tiny_model, resolve_model_path, PolicyModel, RewardModel, RewardEnsemble, aggregate_step_scores, ProcessRewardModel, ValueModel, ActorCritic, ReferenceModel, create_reference_model
+  4. Models — token_log_probs, load_tokenizer, build_tiny_model, resolve_model_path, PolicyModel, RewardModel, RewardEnsemble, aggregate_step_scores, ProcessRewardModel, ValueModel, ActorCritic, select_informative_tokens, ContextCompressor, ReferenceModel, create_reference_model
   5. Losses and advantages — causal_lm_loss_sum, sequence_log_probs, dpo_loss, PREFERENCE_LOSSES, simpo_loss, orpo_loss, kto_loss, reward_model_loss, whiten, grpo_advantages, grpo_loss, compute_gae, ppo_policy_loss, ppo_value_loss, AdaptiveKLController, FixedKLController
   6. Rewards — exact_answer_reward, format_reward, length_penalty, CompositeReward, LearnedReward, ProcessReward, HTTPReward, RewardAPIError, Principle, ConstitutionalRewardWrapper, RewardFunctionFactory, RunningRewardNormalizer, process_rewards
   7. Trainers — BaseTrainer, TrainingDivergedError, SFTTrainer, RewardModelTrainer, ProcessRewardModelTrainer, DPOTrainer, SimPOTrainer, KTOTrainer, precompute_ref_log_probs, Rollout, RolloutBuffer, token_entropy, disable_dropout, GRPOTrainer, PPOTrainer, TrainResult, close_loss_scaler_step
@@ -3137,6 +3137,52 @@ def _model_dtype(config: BaseConfig) -> str:
     return "float32"
 
 
+def select_informative_tokens(surprisal: torch.Tensor, ratio: float) -> torch.Tensor:
+    """Which tokens to keep: the ceil(ratio x T) with the highest surprisal (ties to the earlier token),
+    in their original order. Shapes: (T) -> bool (T)."""
+    if not 0 < ratio <= 1:
+        raise RLHFInputError(f"compression ratio {ratio} must be in (0, 1]")
+    count = surprisal.numel()
+    keep = min(count, math.ceil(ratio * count))
+    order = sorted(range(count), key=lambda i: (-float(surprisal[i]), i))[:keep]
+    mask = torch.zeros(count, dtype=torch.bool)
+    mask[order] = True
+    return mask
+
+
+class ContextCompressor:
+    """Prompt compression by the policy's own per-token surprisal (the token-level pass of LLMLingua,
+    Jiang et al. 2023): a token the model predicts easily from what precedes it carries little
+    information, so the context keeps only its ``ratio`` most surprising tokens, in order. The
+    question is never compressed. The first token has no prediction and is always kept."""
+
+    def __init__(self, policy: PolicyModel, ratio: float = 0.5) -> None:
+        self.policy, self.ratio = policy, ratio
+        select_informative_tokens(torch.zeros(1), ratio)  # validate the ratio now
+
+    @torch.no_grad()
+    def surprisal(self, ids: list[int]) -> torch.Tensor:
+        """-log p(x_t | x_<t) per token under the policy (the first token: +inf). Shapes: (T)."""
+        device = next(self.policy.parameters()).device
+        logits = self.policy(torch.tensor([ids], device=device)).logits[0, :-1].float()
+        nll = -token_log_probs(logits[None], torch.tensor([ids[1:]], device=device))[0]
+        return torch.cat([torch.tensor([float("inf")]), nll.cpu()])
+
+    def compress_ids(self, context_ids: list[int], ratio: float | None = None, keep_ids: list[int] = ()) -> list[int]:
+        """The context's most informative tokens, then ``keep_ids`` (e.g. the question) untouched."""
+        if not context_ids:
+            return list(keep_ids)
+        mask = select_informative_tokens(self.surprisal(list(context_ids)), self.ratio if ratio is None else ratio)
+        return [t for t, kept in zip(context_ids, mask.tolist()) if kept] + list(keep_ids)
+
+    def compress(self, context: str, question: str = "", ratio: float | None = None, separator: str = "\n") -> str:
+        """Compressed ``context`` text, then ``separator`` and the ``question`` as written."""
+        tokenizer = self.policy.tokenizer
+        kept = self.compress_ids(tokenizer(context, add_special_tokens=False)["input_ids"], ratio)
+        text = tokenizer.decode(kept, skip_special_tokens=True)
+        return f"{text}{separator}{question}" if question else text
+
+
 class ReferenceModel:
     """The frozen reference policy of DPO/KTO: log-probs only, never trained.
 
@@ -5823,6 +5869,8 @@ class RLHFOrchestrator:
         self.current_model: str | None = None
         self.reward_model: str | None = None
         self.process_reward_model: str | None = None
+        self._compressor_model: PolicyModel | None = None  # the policy ContextCompressor runs on, loaded once
+        self._compressor_for: str | None = None
 
     def run_stage(self, stage: str) -> TrainResult:
         config = self.config.stage_config(stage, model_name_or_path=self.current_model)
@@ -5850,6 +5898,25 @@ class RLHFOrchestrator:
 
     def run_sft(self) -> TrainResult:
         return self.run_stage("sft")
+
+    def _compressor(self, ratio: float) -> ContextCompressor:
+        model = self.current_model or self.config.stage_config(self.config.stages[0]).model_name_or_path
+        if self._compressor_for != model:
+            self._compressor_model, self._compressor_for = PolicyModel.from_pretrained(model), model
+        return ContextCompressor(self._compressor_model, ratio)
+
+    def compress_prompts(self, prompts: list[str | dict[str, str]], ratio: float = 0.5) -> list[str]:
+        """Compress prompts with the current policy (the last trained stage's model, else the
+        configured one). A prompt is a string (all of it compressed) or ``{"context", "question"}``
+        (the question kept whole)."""
+        compressor = self._compressor(ratio)
+        return [compressor.compress(p, ratio=ratio) if isinstance(p, str)
+                else compressor.compress(p["context"], p.get("question", ""), ratio=ratio) for p in prompts]
+
+    def compress_context_from_ids(self, context_ids: list[int], ratio: float = 0.5,
+                                  keep_ids: list[int] = ()) -> list[int]:
+        """Token-id form of ``compress_prompts``: the context's most informative ids, then ``keep_ids``."""
+        return self._compressor(ratio).compress_ids(context_ids, ratio, keep_ids)
 
     def run_full_pipeline(self) -> list[dict[str, Any]]:
         """Every stage in ``config.stages``; returns the report entries and prints a summary table."""
