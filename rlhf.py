@@ -17,12 +17,13 @@ Table of contents (each section opens with a ``# ==== N. Title ====`` banner):
   6. Rewards — exact_answer_reward, format_reward, length_penalty, CompositeReward, LearnedReward, ProcessReward, HTTPReward, RewardAPIError, Principle, ConstitutionalRewardWrapper, RewardFunctionFactory, RunningRewardNormalizer, process_rewards
   7. Trainers — BaseTrainer, TrainingDivergedError, SFTTrainer, RewardModelTrainer, ProcessRewardModelTrainer, DPOTrainer, SimPOTrainer, KTOTrainer, precompute_ref_log_probs, Rollout, RolloutBuffer, token_entropy, disable_dropout, GRPOTrainer, PPOTrainer, TrainResult, close_loss_scaler_step
   8. Evaluation — kl_estimates, distinct_n, self_similarity, win_rate, RLHFEvaluator
+  9. Self-improvement and safety — CapabilityReport, CapabilityTester
   10. Orchestrator — train_sft, train_rm, train_prm, train_dpo, train_kto, train_grpo, train_ppo, RLHFOrchestrator
   11. CLI — main
 
 Notation used in ``Shapes:`` lines: B sequences in a batch, T tokens per sequence, V vocabulary size.
-Section 9 (self-improvement and safety) arrives with a later stage; numbering follows
-../DESIGN.md so the map and the module stay in step.
+Section 9 holds CapabilityTester so far (the adversarial validator, EWC and the iterative refiner come
+with the orchestrator's gates); numbering follows ../DESIGN.md so the map and the module stay in step.
 """
 
 from __future__ import annotations
@@ -5573,6 +5574,75 @@ class RLHFEvaluator:
         if pairs and reward_fn is not None:
             metrics.update(self.reward_accuracy(pairs, reward_fn))
         return metrics
+
+
+# ==== 9. Self-improvement and safety ====
+
+
+@dataclass
+class CapabilityReport:
+    """Per-task accuracy before and after a stage, the deltas, the tasks that regressed beyond the
+    threshold, and the decision: roll back when any did."""
+
+    before: dict[str, float]
+    after: dict[str, float]
+    deltas: dict[str, float]
+    regressions: list[str]
+    threshold: float
+
+    @property
+    def rollback(self) -> bool:
+        return bool(self.regressions)
+
+
+class CapabilityTester:
+    """A suite of capability probes, run before and after a stage so a stage that breaks something
+    is caught (and rolled back by the orchestrator). Each task is a list of records with a ``prompt``
+    and an ``answer`` plus a verifier ``verifier(response, record) -> bool`` (default: the ``Answer:``
+    line equals the record's answer). Build it from config with ``from_config``::
+
+        capability_tests:
+          arithmetic: {dataset: demo_eval, dataset_dir: data/demo, max_samples: 50}
+          multistep: {dataset: demo_multistep, dataset_dir: data/demo, verifier: my_module:check}
+
+    ``compare`` flags a task whose accuracy fell by more than ``threshold`` (absolute)."""
+
+    def __init__(self, tasks: dict[str, list[dict[str, Any]]], *, verifiers: dict[str, Callable] | None = None,
+                 threshold: float = 0.05, max_new_tokens: int = 64, batch_size: int = 32) -> None:
+        if not tasks or any(not records for records in tasks.values()):
+            raise RLHFInputError("capability_tests: every task needs at least one probe record")
+        if not 0 <= threshold <= 1:
+            raise RLHFInputError(f"capability threshold {threshold} must be in [0, 1]")
+        self.tasks, self.verifiers = tasks, verifiers or {}
+        self.threshold, self.max_new_tokens, self.batch_size = threshold, max_new_tokens, batch_size
+
+    @classmethod
+    def from_config(cls, spec: dict[str, dict[str, Any]], *, threshold: float = 0.05,
+                    max_new_tokens: int = 64) -> CapabilityTester:
+        """``{task: {dataset, dataset_dir, max_samples?, verifier?: module:function}}``."""
+        tasks, verifiers = {}, {}
+        for name, entry in spec.items():
+            unknown = set(entry) - {"dataset", "dataset_dir", "max_samples", "verifier"}
+            if unknown or "dataset" not in entry:
+                raise RLHFInputError(f"capability_tests.{name}: needs 'dataset' (and optionally dataset_dir, "
+                                     f"max_samples, verifier); unknown keys: {sorted(unknown)}")
+            tasks[name] = load_records(entry["dataset"], entry.get("dataset_dir", "data"), "prompt",
+                                       max_samples=entry.get("max_samples"))
+            if entry.get("verifier"):
+                verifiers[name] = RewardFunctionFactory._import(entry["verifier"])
+        return cls(tasks, verifiers=verifiers, threshold=threshold, max_new_tokens=max_new_tokens)
+
+    def run(self, policy: PolicyModel, template: str = "auto") -> dict[str, float]:
+        """Greedy accuracy of ``policy`` on every task."""
+        evaluator = RLHFEvaluator(policy, template=template, max_new_tokens=self.max_new_tokens,
+                                  batch_size=self.batch_size)
+        return {name: evaluator.task_accuracy(records, self.verifiers.get(name)).get("task/accuracy", 0.0)
+                for name, records in self.tasks.items()}
+
+    def compare(self, before: dict[str, float], after: dict[str, float]) -> CapabilityReport:
+        deltas = {name: after[name] - before[name] for name in before if name in after}
+        regressions = [name for name, delta in deltas.items() if delta < -self.threshold - 1e-12]
+        return CapabilityReport(dict(before), dict(after), deltas, regressions, self.threshold)
 
 
 # ==== 10. Orchestrator ====
