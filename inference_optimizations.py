@@ -22,6 +22,7 @@ import importlib.util
 import inspect
 import json
 import logging
+import math
 import sys
 import time
 import weakref
@@ -381,6 +382,21 @@ class _FallBack(Exception):
     """The static path cannot serve this model after all; the general loop takes over."""
 
 
+def _prefill(model: torch.nn.Module, prompts: list[list[int]], pad_token_id: int, cache=None):
+    """One forward over the left-padded prompts (only the last position's logits where the model allows).
+    Returns (output, prompt mask (P, W), positions (P, W), width W)."""
+    device = next(model.parameters()).device
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_token_id] * (width - len(p)) + list(p) for p in prompts], device=device)
+    prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+    extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    if cache is not None:
+        extra["past_key_values"] = cache
+    out = model(input_ids=ids, attention_mask=prompt_mask, position_ids=positions, use_cache=True, **extra)
+    return out, prompt_mask, positions, width
+
+
 def _generate_static(model: torch.nn.Module, prompts: list[list[int]], params: SamplingParams, *, pad_token_id: int,
                      stops: set[int], tokenizer, generator: torch.Generator, compiled: bool,
                      state: _FastState, key: tuple) -> GenerationOutput:
@@ -392,12 +408,7 @@ def _generate_static(model: torch.nn.Module, prompts: list[list[int]], params: S
 
     device = next(model.parameters()).device
     n, steps = params.n, params.max_new_tokens
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad_token_id] * (width - len(p)) + list(p) for p in prompts], device=device)
-    prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-    positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
-    extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-    out = model(input_ids=ids, attention_mask=prompt_mask, position_ids=positions, use_cache=True, **extra)
+    out, prompt_mask, positions, width = _prefill(model, prompts, pad_token_id)
     prefilled = getattr(out.past_key_values, "layers", None)
     cache_len = key[1]
     cache = StaticCache(config=model.config, max_cache_len=cache_len)
@@ -711,13 +722,7 @@ def _generate_paged(model: torch.nn.Module, prompts: list[list[int]], params: Sa
 
     device = next(model.parameters()).device
     n, steps = params.n, params.max_new_tokens
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad_token_id] * (width - len(p)) + list(p) for p in prompts], device=device)
-    prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-    positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
-    extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-    out = model(input_ids=ids, attention_mask=prompt_mask, position_ids=positions, use_cache=True,
-                past_key_values=DynamicCache(config=model.config), **extra)
+    out, _, _, width = _prefill(model, prompts, pad_token_id, DynamicCache(config=model.config))
     layers = out.past_key_values.layers
     row_seq: list[int] = []
     for i, prompt in enumerate(prompts):  # the prompt's real (unpadded) positions go into blocks once
@@ -1363,14 +1368,13 @@ class MCTSGenerator:
         weights: dict[tuple[int, ...], float] = {}
         for tokens, logprobs in zip(out.token_ids, out.logprobs):
             step = tuple(tokens)
-            if step in seen:  # the same step sampled again: one child, more prior mass
-                weights[step] += float(torch.tensor(logprobs).sum().exp())
+            weights[step] = weights.get(step, 0.0) + math.exp(sum(logprobs))  # a step sampled again: more prior
+            if step in seen:
                 continue
             full = node.token_ids + list(tokens)
             ended = bool(tokens) and tokens[-1] in self.stops
             terminal = ended or node.depth + 1 >= self.max_depth or len(full) >= self.max_new_tokens
             seen[step] = MCTSNode(full, terminal=terminal, finished=ended, depth=node.depth + 1)
-            weights[step] = float(torch.tensor(logprobs).sum().exp())
         total = sum(weights.values())
         for step, child in seen.items():  # (all-underflowed probabilities: uniform priors)
             child.prior = weights[step] / total if total > 0 else 1.0 / len(seen)

@@ -5501,15 +5501,16 @@ class RLHFEvaluator:
             raise RLHFInputError("kl_to_reference needs a reference model (RLHFEvaluator(policy, reference))")
         records = [r for r in self._records(prompts) for _ in range(samples_per_prompt)]
         completions = self._complete(self.policy, records, sample=True)
-        rows = [self.formatter.prompt_ids(r) + c for r, c in zip(records, completions)]
+        prompt_ids = [self.formatter.prompt_ids(r) for r in records]
+        rows = [p + c for p, c in zip(prompt_ids, completions)]
         width = max(len(r) for r in rows)
         pad = self.policy.tokenizer.pad_token_id if self.policy.tokenizer.pad_token_id is not None else 0
         device = next(self.policy.parameters()).device
         ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows], device=device)
         attention = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], device=device)
         labels = torch.full_like(ids, IGNORE_INDEX)
-        for row, (record, completion) in enumerate(zip(records, completions)):
-            start = len(self.formatter.prompt_ids(record))
+        for row, (prompt, completion) in enumerate(zip(prompt_ids, completions)):
+            start = len(prompt)
             labels[row, start:start + len(completion)] = ids[row, start:start + len(completion)]
         policy_lp = self.policy.compute_log_probs(ids, attention, labels)
         reference_lp = self.reference.compute_log_probs(ids.to(next(self.reference.parameters()).device),
@@ -6065,7 +6066,7 @@ def memory_plan_table(args: Any) -> Any:
     from rich.table import Table
 
     if args.gpus < 1:
-        raise SystemExit("error: --gpus must be >= 1")
+        raise RLHFInputError(f"--gpus {args.gpus}: need at least 1 GPU")
     preset = (get_7b_model_config if args.preset == "7b" else get_70b_model_config)(args.finetuning_type)
     stages = [args.stage] if args.stage else [*preset.stages, "ppo"]
     columns = {}
@@ -6117,14 +6118,14 @@ def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(_llamafactory_argv(sys.argv[1:] if argv is None else list(argv)))
     console = Console()
     setup_logging()
-    if args.command == "plan":
-        console.print(memory_plan_table(args))
-        return 0
     if args.command == "merge":  # model_merging has its own one-line errors and exit status
         import model_merging
 
         return model_merging.main(["--config", args.config, *args.overrides, *(["--dry-run"] if args.dry_run else [])])
     try:
+        if args.command == "plan":
+            console.print(memory_plan_table(args))
+            return 0
         if args.command == "pipeline":
             RLHFOrchestrator(PipelineConfig.load(args.config, args.overrides)).run_full_pipeline()
             return 0
