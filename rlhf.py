@@ -13,17 +13,16 @@ Table of contents (each section opens with a ``# ==== N. Title ====`` banner):
   2. Infrastructure — setup_logging, DeviceManager, TrainingLogger, CheckpointManager, create_optimizer, EarlyStopping, apply_lora, apply_freeze, compile_model, select_attention_implementation
   3. Data — load_records, ChatFormatter, CHAT_TEMPLATES, SFTDataset, StreamingSFTDataset, pack_sequences, SFTCollator, PreferenceDataset, StreamingPreferenceDataset, KTODataset, StreamingKTODataset, PreferenceCollator, KTOCollator, GRPODataset, StreamingGRPODataset, extract_answer, split_steps, arithmetic_step_labels, encode_steps, ProcessPreferenceDataset, ProcessPreferenceCollator
   4. Models — token_log_probs, load_tokenizer, build_tiny_model, resolve_model_path, PolicyModel, RewardModel, RewardEnsemble, aggregate_step_scores, ProcessRewardModel, ValueModel, ActorCritic, select_informative_tokens, ContextCompressor, ReferenceModel, create_reference_model
-  5. Losses and advantages — causal_lm_loss_sum, sequence_log_probs, dpo_loss, PREFERENCE_LOSSES, simpo_loss, orpo_loss, kto_loss, reward_model_loss, whiten, grpo_advantages, grpo_loss, compute_gae, ppo_policy_loss, ppo_value_loss, AdaptiveKLController, FixedKLController
+  5. Losses and advantages — causal_lm_loss_sum, sequence_log_probs, dpo_loss, PREFERENCE_LOSSES, simpo_loss, orpo_loss, kto_loss, reward_model_loss, ewc_penalty, whiten, grpo_advantages, grpo_loss, compute_gae, ppo_policy_loss, ppo_value_loss, AdaptiveKLController, FixedKLController
   6. Rewards — exact_answer_reward, format_reward, length_penalty, CompositeReward, LearnedReward, ProcessReward, HTTPReward, RewardAPIError, Principle, ConstitutionalRewardWrapper, RewardFunctionFactory, RunningRewardNormalizer, process_rewards
   7. Trainers — BaseTrainer, TrainingDivergedError, SFTTrainer, RewardModelTrainer, ProcessRewardModelTrainer, DPOTrainer, SimPOTrainer, KTOTrainer, precompute_ref_log_probs, Rollout, RolloutBuffer, token_entropy, disable_dropout, GRPOTrainer, PPOTrainer, TrainResult, close_loss_scaler_step
   8. Evaluation — kl_estimates, distinct_n, self_similarity, win_rate, RLHFEvaluator
-  9. Self-improvement and safety — CapabilityReport, CapabilityTester
+  9. Self-improvement and safety — CapabilityReport, CapabilityTester, ElasticWeightConsolidation
   10. Orchestrator — train_sft, train_rm, train_prm, train_dpo, train_kto, train_grpo, train_ppo, RLHFOrchestrator
   11. CLI — main
 
 Notation used in ``Shapes:`` lines: B sequences in a batch, T tokens per sequence, V vocabulary size.
-Section 9 holds CapabilityTester so far (the adversarial validator, EWC and the iterative refiner come
-with the orchestrator's gates); numbering follows ../DESIGN.md so the map and the module stay in step.
+Numbering follows ../DESIGN.md so the map and the module stay in step.
 """
 
 from __future__ import annotations
@@ -189,6 +188,10 @@ class BaseConfig:
     plot_loss: bool = _opt(False, "Save loss and metric curves as PNG files in output_dir")
     disable_progress_bar: bool = _opt(False, "Hide the rich progress bar (logs still print)")
     max_nonfinite_steps: int = _opt(5, "Steps in a row with a non-finite loss, reward or gradient (each skipped) before the run stops after a checkpoint")
+    # -- protecting earlier skills (policy-optimisation stages: dpo, simpo, orpo, kto, grpo, ppo)
+    ewc_lambda: float = _opt(0.0, "Elastic weight consolidation: lambda/2 * sum_i F_i (theta_i - theta0_i)^2 pulls trainable weights towards this stage's starting weights, F = diagonal Fisher on ewc_dataset (0: off)")
+    ewc_dataset: str = _opt("", "SFT-format dataset whose likelihood EWC protects (the pipeline fills in its sft stage's dataset)")
+    ewc_samples: int = _opt(64, "Examples of ewc_dataset used to estimate the diagonal Fisher")
 
     stage: typing.ClassVar[str] = "base"
 
@@ -238,6 +241,11 @@ class BaseConfig:
                "streaming datasets have no known length: set max_steps > 0")
         _check(self.val_size < 1 or float(self.val_size).is_integer(), "val_size",
                "use a share in [0, 1) or a whole number of records")
+        _check(self.ewc_lambda >= 0 and self.ewc_samples > 0, "ewc_lambda/ewc_samples", "must be >= 0 / > 0")
+        if self.ewc_lambda:
+            _check(self.stage in ("dpo", "simpo", "orpo", "kto", "grpo", "ppo"), "ewc_lambda",
+                   "only applies to policy-optimisation stages (dpo, simpo, orpo, kto, grpo, ppo); set it to 0 here")
+            _check(bool(self.ewc_dataset.strip()), "ewc_dataset", "must name the SFT dataset EWC protects when ewc_lambda > 0")
 
     @property
     def mixed_precision(self) -> str:
@@ -743,6 +751,8 @@ class PipelineConfig:
         for key, stage_name in (("reward_model", "rm"), ("process_reward_model", "prm"), ("value_model", "rm")):
             if raw.get(key) == stage_name:  # the model trained by this pipeline's rm / prm stage
                 raw[key] = str(Path(self.output_dir) / stage_name)
+        if raw.get("ewc_lambda") and not raw.get("ewc_dataset") and "sft" in self.stages:
+            raw["ewc_dataset"] = {**self.shared, **self.stage_overrides.get("sft", {})}.get("dataset", "")  # protect SFT
         return build_config(STAGE_CONFIGS[stage], raw, where=f"{self.source} [{stage}]")
 
     def to_dict(self) -> dict[str, Any]:
@@ -3489,6 +3499,18 @@ def reward_model_loss(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor
     return -F.logsigmoid(chosen_scores - rejected_scores - margin)
 
 
+def ewc_penalty(parameters: dict[str, torch.Tensor], anchors: dict[str, torch.Tensor],
+                fisher: dict[str, torch.Tensor], ewc_lambda: float) -> torch.Tensor:
+    """Elastic weight consolidation, Kirkpatrick et al. 2017 eq. 3: lambda/2 * sum_i F_i (theta_i -
+    theta*_i)^2, a quadratic pull towards the anchor weights theta* (the model before this stage),
+    stiffest where the diagonal Fisher F says the earlier task's likelihood is most sensitive.
+    Shapes: three dicts of same-shaped tensors keyed by parameter name -> scalar (fp32)."""
+    total = torch.zeros((), dtype=torch.float32, device=next(iter(parameters.values())).device)
+    for name, value in parameters.items():
+        total = total + (fisher[name] * (value.float() - anchors[name]) ** 2).sum()
+    return 0.5 * ewc_lambda * total
+
+
 # -- online RL: advantages, policy and value losses (DESIGN section 4) ---------------------------------
 
 
@@ -4147,6 +4169,7 @@ class BaseTrainer:
         self.nonfinite_in_a_row, self.skipped_steps = 0, 0
         self.pending_problem = ""  # set by a subclass (e.g. non-finite rewards) to skip the next update
         self.last_problem = ""
+        self.ewc: ElasticWeightConsolidation | None = None  # set up in train(), before resuming moves the weights
         self._setup_devices(devices)
         self._setup_model()
         self._setup_schedule()
@@ -4236,6 +4259,7 @@ class BaseTrainer:
     # -- the loop
     def train(self) -> TrainResult:
         started = time.time()
+        self.ewc = self._setup_ewc()
         self._resume()
         config = self.config
         eval_before = None
@@ -4298,7 +4322,12 @@ class BaseTrainer:
             batch = self._to_device(batch)
             with self.devices.no_sync(self.model, skip=i < len(group) - 1), self.devices.autocast():
                 loss_sum, metrics = self.compute_loss(batch)
-            self.devices.backward(loss_sum * scale)  # every process runs backward, so collectives stay in step
+            objective = loss_sum * scale
+            if self.ewc is not None and i == len(group) - 1:  # once per step; identical on every process
+                penalty = self.ewc.penalty(self.devices.unwrap(self.model))
+                objective = objective + penalty
+                metrics = {**metrics, "ewc/penalty": float(penalty.detach())}
+            self.devices.backward(objective)  # every process runs backward, so collectives stay in step
             losses.append(float(loss_sum.detach()))
             window["tokens"] += int(batch["attention_mask"].sum()) if "attention_mask" in batch else batch["input_ids"].numel()
             for key, value in metrics.items():
@@ -4378,6 +4407,37 @@ class BaseTrainer:
     def _data_stats(self) -> dict[str, float]:
         stats = getattr(self.train_dataset, "stats", {})
         return {f"data/{k}": v for k, v in stats.items()}
+
+    def _setup_ewc(self) -> ElasticWeightConsolidation | None:
+        """The EWC anchor and Fisher of the weights this stage starts from (``ewc_lambda`` > 0), computed
+        once on ``ewc_dataset`` and kept in output_dir, so a resumed run anchors to the same weights."""
+        config = self.config
+        if not getattr(config, "ewc_lambda", 0.0):
+            return None
+        path = self.output_dir / ElasticWeightConsolidation.FILE
+        source = {"model": str(config.model_name_or_path), "dataset": config.ewc_dataset, "samples": str(config.ewc_samples)}
+        fresh_start = config.overwrite_output_dir or config.resume_from_checkpoint == "none"
+        if path.exists() and not fresh_start:
+            ewc = ElasticWeightConsolidation.load(path, config.ewc_lambda)
+            if ewc.source == source:
+                return ewc
+        started = time.time()
+        records = load_records(config.ewc_dataset, config.dataset_dir, "sft", max_samples=config.ewc_samples,
+                               skip_invalid=config.skip_invalid_records)
+        formatter = ChatFormatter(self.policy.tokenizer, config.template)
+        examples = SFTDataset(records, self.policy.tokenizer, formatter, cutoff_len=config.cutoff_len,
+                              cache_dir=config.cache_dir)
+        collate = SFTCollator(self.policy.tokenizer.pad_token_id)
+        batches = (self._to_device(collate([examples[i]])) for i in range(len(examples)))
+        ewc = ElasticWeightConsolidation.from_data(self.devices.unwrap(self.model), batches, config.ewc_lambda,
+                                                   source=source)
+        if self.devices.is_main_process:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            ewc.save(path)
+        self.devices.wait()
+        logger.info("EWC: diagonal Fisher from %d examples of %s in %.1fs (lambda %g)", len(examples),
+                    config.ewc_dataset, time.time() - started, config.ewc_lambda)
+        return ewc
 
     # -- checkpoints
     def _save_model(self, directory: Path) -> None:
@@ -5644,6 +5704,86 @@ class CapabilityTester:
         deltas = {name: after[name] - before[name] for name in before if name in after}
         regressions = [name for name, delta in deltas.items() if delta < -self.threshold - 1e-12]
         return CapabilityReport(dict(before), dict(after), deltas, regressions, self.threshold)
+
+
+class ElasticWeightConsolidation:
+    """EWC (Kirkpatrick et al. 2017): remember which weights mattered for an earlier skill and pull
+    them back towards their old values while a later stage trains, so preference or RL optimisation
+    does not erase what SFT taught. ``from_data`` estimates the diagonal Fisher as the mean squared
+    per-example gradient of the example's log-likelihood log p(response | prompt) (the sum over its
+    target tokens; the empirical Fisher, one example at a time so each gradient is that example's
+    own); ``penalty`` is :func:`ewc_penalty` on the current weights. Only trainable parameters take
+    part (with LoRA: the adapter weights).
+
+    Scale: Fisher entries are small, so useful ``ewc_lambda`` values are large (the demo's DPO keeps
+    most of its SFT likelihood at 1e4); watch the logged ``ewc/penalty`` against the stage's loss."""
+
+    FILE = "ewc.safetensors"
+
+    def __init__(self, anchors: dict[str, torch.Tensor], fisher: dict[str, torch.Tensor], ewc_lambda: float,
+                 source: dict[str, str] | None = None) -> None:
+        if set(anchors) != set(fisher) or not anchors:
+            raise ValueError("EWC needs one anchor and one Fisher tensor for each of the same parameters")
+        self.anchors, self.fisher, self.ewc_lambda, self.source = anchors, fisher, ewc_lambda, source or {}
+
+    @classmethod
+    def from_data(cls, model: nn.Module, batches: Iterable[dict[str, torch.Tensor]], ewc_lambda: float, *,
+                  source: dict[str, str] | None = None) -> ElasticWeightConsolidation:
+        """Anchor = the model's trainable weights now; Fisher from ``batches`` (one example each)."""
+        params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+        fisher = {name: torch.zeros_like(p, dtype=torch.float32) for name, p in params.items()}
+        was_training, count = model.training, 0
+        model.eval()  # dropout off: the Fisher of the model as it is, not of a random sub-network
+        for batch in batches:
+            model.zero_grad(set_to_none=True)
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
+            loss_sum, units = causal_lm_loss_sum(logits, batch["labels"])
+            if not units:
+                continue
+            loss_sum.backward()  # the sequence's log-likelihood: the Fisher is of p(response | prompt)
+            for name, p in params.items():
+                if p.grad is not None:
+                    fisher[name] += p.grad.detach().float() ** 2
+            count += 1
+        model.zero_grad(set_to_none=True)
+        model.train(was_training)
+        if not count:
+            raise RLHFInputError("config field 'ewc_dataset': no example with a target token to estimate the Fisher from")
+        anchors = {name: p.detach().float().clone() for name, p in params.items()}
+        return cls(anchors, {name: f / count for name, f in fisher.items()}, ewc_lambda, source)
+
+    def penalty(self, model: nn.Module) -> torch.Tensor:
+        params = {name: p for name, p in model.named_parameters() if name in self.fisher}
+        if len(params) != len(self.fisher):
+            raise RLHFInputError("EWC: the model's trainable parameters differ from the ones the Fisher was "
+                                 "computed for; delete ewc.safetensors in output_dir to recompute it")
+        device = next(iter(params.values())).device
+        if next(iter(self.fisher.values())).device != device:
+            self.anchors = {k: v.to(device) for k, v in self.anchors.items()}
+            self.fisher = {k: v.to(device) for k, v in self.fisher.items()}
+        return ewc_penalty(params, self.anchors, self.fisher, self.ewc_lambda)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """anchor/<name> and fisher/<name> tensors in one safetensors file, written atomically."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        tensors = {**{f"anchor/{k}": v.contiguous() for k, v in self.anchors.items()},
+                   **{f"fisher/{k}": v.contiguous() for k, v in self.fisher.items()}}
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
+        save_file(tensors, str(tmp), metadata=self.source)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, ewc_lambda: float) -> ElasticWeightConsolidation:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as handle:
+            tensors = {key: handle.get_tensor(key) for key in handle.keys()}
+            source = handle.metadata() or {}
+        anchors = {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("anchor/")}
+        fisher = {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("fisher/")}
+        return cls(anchors, fisher, ewc_lambda, source)
 
 
 # ==== 10. Orchestrator ====
