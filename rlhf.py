@@ -6637,7 +6637,7 @@ def pipeline_rows(history: list[dict[str, Any]]) -> list[list[str]]:
     rows = []
     for entry in history:
         stage, metrics = entry["stage"], entry.get("metrics", {})
-        status = entry["status"].replace("_", " ") + (" (skipped: done before)" if entry.get("skipped") else "")
+        status = entry["status"].replace("_", " ") + (" (cached)" if entry.get("skipped") else "")
         measured = per_stage.get(stage, {}) if entry["status"] == "completed" else {}
         accuracy = entry.get("eval", {}).get("eval/accuracy")
         reward, kl, notes = measured.get("reward/mean"), measured.get("kl/k3"), entry.get("reason", "")
@@ -6657,7 +6657,7 @@ def pipeline_rows(history: list[dict[str, Any]]) -> list[list[str]]:
             notes = notes or ", ".join(f"{k} {v:.3f}" for k, v in final.items()
                                        if k in ("win/win_rate", "diversity/distinct_2", "reward/accuracy"))
         if entry.get("capabilities") and not notes:
-            notes = "capabilities " + ", ".join(f"{t} {d:+.1%}" for t, d in entry["capabilities"]["deltas"].items())
+            notes = ", ".join(f"{t} {d:+.1%}" for t, d in entry["capabilities"]["deltas"].items())
         rows.append([stage, status, f"{entry.get('seconds', 0):.0f}s", _metric_cell(accuracy, percent=True),
                      _metric_cell(reward), _metric_cell(kl), notes])
     return rows
@@ -6759,8 +6759,12 @@ class RLHFOrchestrator:
         self.process_reward_model: str | None = None
         self.models: dict[str, str] = {}  # stage -> output directory, for stages whose output was adopted
         self.produced: dict[str, str] = {}  # output directory -> fingerprint of the stage that wrote it
-        self.tester = (CapabilityTester.from_config(self.config.capability_tests, threshold=self.config.capability_threshold)
-                       if self.config.capability_tests else None)
+        self.tester = None
+        if self.config.capability_tests:  # probe files resolve against the pipeline's dataset_dir unless given
+            shared_dir = self.config.shared.get("dataset_dir", "data")
+            self.tester = CapabilityTester.from_config(
+                {task: {"dataset_dir": shared_dir, **spec} for task, spec in self.config.capability_tests.items()},
+                threshold=self.config.capability_threshold)
         self._capability_cache: dict[str, dict[str, float]] = {}
         self._compressor_model: PolicyModel | None = None  # the policy ContextCompressor runs on, loaded once
         self._compressor_for: str | None = None
