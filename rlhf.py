@@ -7021,9 +7021,12 @@ class RLHFOrchestrator:
 
         options = {**FINAL_STAGE_OPTIONS["merge"], **(options or {})}
         names = options["models"] or [s for s in self.models if s in POLICY_OPTIMISATION_STAGES]
+        dropped = [n for n in names if isinstance(n, str) and n in STAGE_CONFIGS and n not in self.models]
+        names = [n for n in names if n not in dropped]  # a rolled-back stage has nothing to contribute
         if not names:
-            raise RLHFInputError(f"{self.config.source}: merge has no models: no policy-optimisation stage was adopted "
-                                 f"(set merge.models)")
+            raise StageNotRun(f"nothing to merge ({', '.join(dropped) or 'no policy-optimisation stage'} not adopted)")
+        if dropped:
+            logger.warning("merge: %s not adopted (rolled back or not run); merging %s", ", ".join(dropped), ", ".join(names))
         raw = {k: v for k, v in options.items() if k != "evaluate"}
         raw["models"] = [self._resolve_model(m["model"] if isinstance(m, dict) else m, "merge.models") for m in names]
         raw["base_model"] = self._resolve_model(options["base_model"], "merge.base_model")
@@ -7063,6 +7066,12 @@ class RLHFOrchestrator:
                "merge": lambda o: self.merge(o, output_dir)}[stage]
         try:
             metrics = run(options)
+        except StageNotRun as reason:
+            logger.warning("stage %s not run: %s", stage, reason)
+            entry = {"stage": stage, "status": "not_run", "reason": str(reason), "seconds": 0.0, "global_step": 0,
+                     "output_dir": str(output_dir), "fingerprint": fingerprint, "metrics": {}, "eval": {}}
+            self._record(entry)
+            return entry
         except Exception as err:
             if isinstance(err, RLHFInputError) or not self.config.rollback_on_error:
                 raise
@@ -7157,6 +7166,10 @@ class RLHFOrchestrator:
         Console().print(pipeline_table(self.history, title=f"pipeline summary ({self.output_dir}, {seconds:.0f}s)"))
         logger.info("report: %s", ", ".join(str(p) for p in [self.output_dir / "report.json", *written]))
         return self.history
+
+
+class StageNotRun(Exception):
+    """A final stage with nothing to do (e.g. every model it would merge was rolled back): recorded, not an error."""
 
 
 def _write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
