@@ -5577,7 +5577,7 @@ class RLHFEvaluator:
         self.max_new_tokens, self.batch_size, self.seed = max_new_tokens, batch_size, seed
 
     @staticmethod
-    def _records(prompts: list[str] | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def as_records(prompts: list[str] | list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Canonical chat records from prompt strings, ``{"prompt": ...}`` records (other keys such as
         ``answer`` kept) or canonical records."""
         def canonical(p: str | dict[str, Any]) -> dict[str, Any]:
@@ -5592,7 +5592,8 @@ class RLHFEvaluator:
     def _prompt_text(self, record: dict[str, Any]) -> str:
         return record.get("prompt") or record["messages"][-1]["content"]
 
-    def _complete(self, model: PolicyModel, records: list[dict[str, Any]], *, sample: bool) -> list[list[int]]:
+    def complete(self, model: PolicyModel, records: list[dict[str, Any]], *, sample: bool) -> list[list[int]]:
+        """Token ids of ``model``'s completion of each record: greedy, or sampled at temperature 1 (seeded)."""
         torch.manual_seed(self.seed)
         return model.generate([self.formatter.prompt_ids(r) for r in records], max_new_tokens=self.max_new_tokens,
                               do_sample=sample, temperature=1.0, stop_token_ids=self.formatter.stop_token_ids,
@@ -5603,8 +5604,8 @@ class RLHFEvaluator:
         """Sample completions from the policy (temperature 1), score their tokens under both models."""
         if self.reference is None:
             raise RLHFInputError("kl_to_reference needs a reference model (RLHFEvaluator(policy, reference))")
-        records = [r for r in self._records(prompts) for _ in range(samples_per_prompt)]
-        completions = self._complete(self.policy, records, sample=True)
+        records = [r for r in self.as_records(prompts) for _ in range(samples_per_prompt)]
+        completions = self.complete(self.policy, records, sample=True)
         prompt_ids = [self.formatter.prompt_ids(r) for r in records]
         rows = [p + c for p, c in zip(prompt_ids, completions)]
         width = max(len(r) for r in rows)
@@ -5633,8 +5634,8 @@ class RLHFEvaluator:
 
     def diversity(self, prompts: list[str] | list[dict[str, Any]], samples_per_prompt: int = 4) -> dict[str, float]:
         """distinct-1/2 over every sample, and self-similarity averaged over prompts."""
-        records = self._records(prompts)
-        completions = self._complete(self.policy, [r for r in records for _ in range(samples_per_prompt)], sample=True)
+        records = self.as_records(prompts)
+        completions = self.complete(self.policy, [r for r in records for _ in range(samples_per_prompt)], sample=True)
         texts = [self.policy.decode(c) for c in completions]
         groups = [texts[i * samples_per_prompt:(i + 1) * samples_per_prompt] for i in range(len(records))]
         return {"diversity/distinct_1": distinct_n(texts, 1), "diversity/distinct_2": distinct_n(texts, 2),
@@ -5645,9 +5646,9 @@ class RLHFEvaluator:
         """Greedy responses of policy and reference to the same prompts, judged pairwise."""
         if self.reference is None or (reward_fn is None) == (judge is None):
             raise RLHFInputError("win_rate needs a reference model and exactly one of reward_fn or judge")
-        records = self._records(prompts)
-        ours = [self.policy.decode(c) for c in self._complete(self.policy, records, sample=False)]
-        theirs = [self.reference.decode(c) for c in self._complete(self.reference, records, sample=False)]
+        records = self.as_records(prompts)
+        ours = [self.policy.decode(c) for c in self.complete(self.policy, records, sample=False)]
+        theirs = [self.reference.decode(c) for c in self.complete(self.reference, records, sample=False)]
         texts = [self._prompt_text(r) for r in records]
         if judge is not None:
             verdicts = [float(judge(p, a, b)) for p, a, b in zip(texts, ours, theirs)]
@@ -5658,17 +5659,17 @@ class RLHFEvaluator:
 
     def mean_reward(self, prompts: list[str] | list[dict[str, Any]], reward_fn: Callable) -> dict[str, float]:
         """Mean and std of ``reward_fn`` over the policy's greedy responses."""
-        records = self._records(prompts)
-        responses = [self.policy.decode(c) for c in self._complete(self.policy, records, sample=False)]
+        records = self.as_records(prompts)
+        responses = [self.policy.decode(c) for c in self.complete(self.policy, records, sample=False)]
         rewards = torch.as_tensor(reward_fn([self._prompt_text(r) for r in records], responses), dtype=torch.float32)
         return {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if rewards.numel() > 1 else 0.0}
 
     def task_accuracy(self, records: list[dict[str, Any]], verifier: Callable | None = None) -> dict[str, float]:
         """Greedy responses checked by ``verifier(response, record)``; default: exact ``Answer:`` match."""
-        scored = [r for r in self._records(records) if verifier is not None or r.get("answer") is not None]
+        scored = [r for r in self.as_records(records) if verifier is not None or r.get("answer") is not None]
         if not scored:
             return {}
-        responses = [self.policy.decode(c) for c in self._complete(self.policy, scored, sample=False)]
+        responses = [self.policy.decode(c) for c in self.complete(self.policy, scored, sample=False)]
         check = verifier or (lambda response, record: extract_answer(response) == str(record["answer"]).strip())
         return {"task/accuracy": sum(bool(check(t, r)) for t, r in zip(responses, scored)) / len(scored)}
 
@@ -5676,7 +5677,7 @@ class RLHFEvaluator:
                  reward_fn: Callable | None = None, judge: Callable | None = None,
                  verifier: Callable | None = None, samples_per_prompt: int = 4) -> dict[str, float]:
         """Every evaluation the arguments allow, in one dict."""
-        records = self._records(prompts)
+        records = self.as_records(prompts)
         metrics = self.diversity(records, samples_per_prompt)
         metrics.update(self.task_accuracy(records, verifier))
         if self.reference is not None:
@@ -5983,7 +5984,7 @@ def _answer_matches(response: str, record: dict[str, Any]) -> bool:
 def _with_prompt(record: dict[str, Any], text: str) -> dict[str, Any]:
     """The record with its last user message replaced by ``text`` (everything else kept)."""
     updated = {**record, "messages": record["messages"][:-1] + [{"role": "user", "content": text}]}
-    if "prompt" in updated:  # RLHFEvaluator._records keeps a record's own "prompt"; keep it in step
+    if "prompt" in updated:  # RLHFEvaluator.as_records keeps a record's own "prompt"; keep it in step
         updated["prompt"] = text
     return updated
 
@@ -6039,7 +6040,7 @@ class AdversarialValidator:
         completions = greedy
         if self.samples_per_prompt > 1 or completions is None:
             repeated = [r for r in records for _ in range(self.samples_per_prompt)]
-            completions = evaluator._complete(evaluator.policy, repeated, sample=self.samples_per_prompt > 1)
+            completions = evaluator.complete(evaluator.policy, repeated, sample=self.samples_per_prompt > 1)
         texts = [evaluator.policy.decode(c) for c in completions]
         return degeneration_rates(completions, texts, evaluator.formatter.stop_token_ids, n=self.ngram,
                                   threshold=self.repetition_threshold)
@@ -6083,26 +6084,26 @@ class AdversarialValidator:
                        ) -> tuple[list[list[int]], list[list[str]]]:
         """Greedy completions of several equally long record lists in one batched call:
         (ids of the first list, texts per list)."""
-        ids = evaluator._complete(evaluator.policy, [r for group in groups for r in group], sample=False)
+        ids = evaluator.complete(evaluator.policy, [r for group in groups for r in group], sample=False)
         texts = [evaluator.policy.decode(c) for c in ids]
         size = len(groups[0])
         return ids[:size], [texts[k * size:(k + 1) * size] for k in range(len(groups))]
 
     def degeneration(self, policy: PolicyModel, prompts: list[str] | list[dict[str, Any]]) -> dict[str, float]:
         """Repetition, empty and truncation rates of the policy's completions."""
-        return self._degeneration(self._evaluator(policy), RLHFEvaluator._records(prompts))
+        return self._degeneration(self._evaluator(policy), RLHFEvaluator.as_records(prompts))
 
     def robustness(self, policy: PolicyModel, prompts: list[str] | list[dict[str, Any]],
                    verifier: Callable | None = None) -> dict[str, float]:
         """Answer consistency under the perturbations; accuracy with and without them where answers are known."""
-        records = RLHFEvaluator._records(prompts)
+        records = RLHFEvaluator.as_records(prompts)
         _, groups = self._greedy_groups(self._evaluator(policy), [records] + self._perturbed(records))
         return self._robustness(records, groups, verifier)
 
     def measure(self, policy: PolicyModel, prompts: list[str] | list[dict[str, Any]], reward_fn: Callable,
                 verifier: Callable | None = None) -> dict[str, float]:
         """``{"reward", "accuracy"?, "disagreement"?}`` of greedy responses: a baseline for ``validate``."""
-        records = RLHFEvaluator._records(prompts)
+        records = RLHFEvaluator.as_records(prompts)
         _, (texts,) = self._greedy_groups(self._evaluator(policy), [records])
         return self._measure(records, texts, reward_fn, verifier)
 
@@ -6112,7 +6113,7 @@ class AdversarialValidator:
         """Every check on ``prompts``; reward hacking only with ``reward_fn`` and a ``baseline`` from ``measure``."""
         if baseline is not None and reward_fn is None:
             raise RLHFInputError("AdversarialValidator.validate: a baseline needs the reward_fn it was measured with")
-        records = RLHFEvaluator._records(prompts)
+        records = RLHFEvaluator.as_records(prompts)
         evaluator = self._evaluator(policy)
         greedy, groups = self._greedy_groups(evaluator, [records] + self._perturbed(records))
         rates = self._degeneration(evaluator, records, greedy)
@@ -6291,7 +6292,7 @@ class IterativeRefiner:
 
     def refine(self, prompts: list[str] | list[dict[str, Any]]) -> list[RefinementResult]:
         """The best response per prompt after at most ``rounds`` refinements."""
-        results = [RefinementResult(r, "", -math.inf, 0, [], "", math.inf) for r in RLHFEvaluator._records(prompts)]
+        results = [RefinementResult(r, "", -math.inf, 0, [], "", math.inf) for r in RLHFEvaluator.as_records(prompts)]
         torch.manual_seed(self.seed)
         active = list(range(len(results)))  # round 0 always beats the empty start
         for round_index in range(self.rounds + 1):

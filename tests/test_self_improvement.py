@@ -142,8 +142,8 @@ def test_measure_reads_ensemble_disagreement(policy, llama_dir):
     learned = rlhf.LearnedReward(rlhf.RewardEnsemble(members))
     validator = rlhf.AdversarialValidator(max_new_tokens=8)
     measured = validator.measure(policy, PROMPTS, learned)
-    records = rlhf.RLHFEvaluator._records(PROMPTS)
-    greedy = rlhf.RLHFEvaluator(policy, max_new_tokens=8)._complete(policy, records, sample=False)
+    records = rlhf.RLHFEvaluator.as_records(PROMPTS)
+    greedy = rlhf.RLHFEvaluator(policy, max_new_tokens=8).complete(policy, records, sample=False)
     texts = [policy.decode(c) for c in greedy]
     expected = learned([p["prompt"] for p in PROMPTS], texts, ["45", "14"], records=records)
     assert measured["reward"] == pytest.approx(float(expected.mean()), abs=1e-5)
@@ -222,7 +222,7 @@ def test_refiner_keeps_the_best_by_reward_across_rounds(policy):
 
 def test_refiner_default_critique_uses_the_verifier(policy):
     refiner = rlhf.IterativeRefiner(policy, rlhf.exact_answer_reward)
-    record = rlhf.RLHFEvaluator._records(PROMPTS)[0]
+    record = rlhf.RLHFEvaluator.as_records(PROMPTS)[0]
     result = rlhf.RefinementResult(record, "37 + 8 = 44\nAnswer: 44", 0.0, 0, [0.0], "", 0.0)
     assert refiner.critique(result) == "The previous answer 44 was judged wrong (reward 0); check each step."
     refined = refiner._refined(result)["messages"][-1]["content"]
