@@ -818,10 +818,17 @@ class PipelineConfig:
                                                  k, source) for k, v in gates.items()})
 
     @classmethod
-    def load(cls, path: str | os.PathLike, overrides: Iterable[str] = ()) -> PipelineConfig:
+    def load(cls, path: str | os.PathLike, overrides: Iterable[str] = (), preset: str | None = None) -> PipelineConfig:
+        """The YAML file, on top of a 7B/70B ``preset`` if named (the file's stage sections add to the
+        preset's), then key=value overrides."""
         raw = read_yaml(path)
+        if preset is not None:
+            _check_choice(preset, PRESET_ARCHITECTURES, "--preset")
+            base = (get_7b_model_config if preset == "7b" else get_70b_model_config)().to_dict()
+            raw = {**base, **raw, **{stage: {**base[stage], **raw.get(stage, {})} for stage in base
+                                     if isinstance(base[stage], dict) and isinstance(raw.get(stage, {}), dict)}}
         raw.update(parse_overrides(overrides))
-        return cls.from_dict(raw, source=str(path))
+        return cls.from_dict(raw, source=str(path) + (f" on the {preset} preset" if preset else ""))
 
 
 # -- presets for real models and the memory plan ----------------------------------------------------------------
@@ -7213,6 +7220,9 @@ def _build_parser() -> Any:
                               epilog=PIPELINE_HELP + "\n".join(f"[{s}]\n{config_help(c)}" for s, c in STAGE_CONFIGS.items()),
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     pipeline.add_argument("--config", required=True, help="pipeline YAML (see configs/demo.yaml)")
+    pipeline.add_argument("--preset", choices=sorted(PRESET_ARCHITECTURES), default=None,
+                          help="start from the 7B/70B preset's settings; the YAML adds data and overrides "
+                          "(see configs/real_model.yaml)")
     pipeline.add_argument("overrides", nargs="*", metavar="key=value", help="shared or stage.key=value overrides")
     train = sub.add_parser("train", help="LLaMA-Factory style: run the stage named by the config's `stage:` key",
                            description="Read `stage:` from a LLaMA-Factory style YAML file and run that stage.")
@@ -7305,7 +7315,7 @@ def main(argv: list[str] | None = None) -> int:
             console.print(memory_plan_table(args))
             return 0
         if args.command == "pipeline":
-            RLHFOrchestrator(PipelineConfig.load(args.config, args.overrides)).run_full_pipeline()
+            RLHFOrchestrator(PipelineConfig.load(args.config, args.overrides, args.preset)).run_full_pipeline()
             return 0
         stage = args.command
         if stage == "train":

@@ -231,3 +231,20 @@ def test_pipeline_rows_by_hand():
     assert rows[1][:3] == ["dpo", "rolled back", "5s"] and rows[1][4:6] == ["-", "-"]
     assert rows[1][6] == "capability regression: x -20.0%"
     assert rows[2][6] == "win/win_rate 0.500"
+
+
+def test_real_model_config_on_a_preset(repo, monkeypatch):
+    monkeypatch.chdir(repo)
+    config = rlhf.PipelineConfig.load("configs/real_model.yaml", ["model_name_or_path=Qwen/Qwen2.5-7B-Instruct"],
+                                      preset="7b")
+    assert config.stages == ["sft", "rm", "dpo", "grpo", "eval", "best_of_n", "merge"]
+    for stage in ("sft", "rm", "dpo", "grpo"):
+        stage_config = config.stage_config(stage)
+        assert stage_config.model_name_or_path == "Qwen/Qwen2.5-7B-Instruct"
+        assert stage_config.bf16 and stage_config.gradient_checkpointing and stage_config.finetuning_type == "lora"
+        assert rlhf.data_fingerprint(stage_config)  # every dataset it names resolves to files
+    grpo = config.stage_config("grpo")
+    assert grpo.reward_names() == ["exact_answer", "reward_model"] and grpo.reward_model == str(Path("outputs/real_model/rm"))
+    assert config.stage_config("dpo").learning_rate == rlhf.get_7b_model_config().stage_config("dpo").learning_rate
+    assert rlhf.PipelineConfig.load("configs/real_model.yaml", ["dpo.pref_beta=0.05"], preset="70b"
+                                    ).stage_config("dpo").pref_beta == 0.05
