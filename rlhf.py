@@ -7192,11 +7192,28 @@ def _write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
 PIPELINE_HELP = """\
 The pipeline YAML holds keys shared by every stage at the top level, `stages: [sft, ...]`, and one
 section per stage (e.g. `sft:`) whose keys override the shared ones. Each stage writes to
-output_dir/<stage> and starts from the previous stage's model; report.json collects every stage.
-Overrides: key=value applies to all stages, sft.key=value to one stage.
+output_dir/<stage>, logs to output_dir/logs/<stage>.log and starts from the previous stage's model;
+report.json collects every stage, report.md and pipeline_summary.png summarise the run.
+Overrides: key=value applies to all stages, sft.key=value to one stage, best_of_n.n=4 to a final stage.
+Re-running skips stages already complete for the same config, data and input models, and resumes an
+interrupted one from its latest checkpoint.
+
+Pipeline keys:
+{pipeline_keys}
+
+Final stages (after training; name models by the stage that produced them, e.g. reference: sft):
+{final_stages}
 
 Stage options (see `python rlhf.py sft --help` for each one's meaning):
 """
+
+
+def _pipeline_help() -> str:
+    keys = "\n".join(f"  {f.name}: {f.metadata.get('help', '')}" for f in dataclasses.fields(PipelineConfig)
+                     if f.name in ("capability_tests", "capability_threshold", "rollback_on_error"))
+    finals = "\n".join(f"  {stage}: " + ", ".join(f"{k}={v}" for k, v in options.items())
+                       for stage, options in FINAL_STAGE_OPTIONS.items())
+    return PIPELINE_HELP.format(pipeline_keys=keys, final_stages=finals)
 
 
 def _build_parser() -> Any:
@@ -7217,7 +7234,7 @@ def _build_parser() -> Any:
         command.add_argument("overrides", nargs="*", metavar="key=value", help="override one option, e.g. learning_rate=1e-4")
     pipeline = sub.add_parser("pipeline", help="Run several stages in order from one YAML file",
                               description="Run the stages listed in the config, in order, then print a summary table.",
-                              epilog=PIPELINE_HELP + "\n".join(f"[{s}]\n{config_help(c)}" for s, c in STAGE_CONFIGS.items()),
+                              epilog=_pipeline_help() + "\n".join(f"[{s}]\n{config_help(c)}" for s, c in STAGE_CONFIGS.items()),
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     pipeline.add_argument("--config", required=True, help="pipeline YAML (see configs/demo.yaml)")
     pipeline.add_argument("--preset", choices=sorted(PRESET_ARCHITECTURES), default=None,
