@@ -955,6 +955,15 @@ class DeviceManager:
             AcceleratorState._reset_state(True)
             GradientState._reset_state()
             self.accelerator = Accelerator(**kwargs)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and self.accelerator.num_processes == 1:
+            # launched as several processes, but accelerate found no device backend for them (`accelerate launch
+            # --multi_gpu` on a machine without GPUs; `--cpu` starts one process only): each would train alone as
+            # rank 0 of 1, all writing the same output_dir. CPU processes can train together over gloo.
+            from accelerate.state import AcceleratorState, GradientState
+
+            AcceleratorState._reset_state(True)
+            GradientState._reset_state()
+            self.accelerator = Accelerator(cpu=True, **kwargs)
 
     @property
     def device(self) -> torch.device:
@@ -1002,6 +1011,29 @@ class DeviceManager:
             return float(value)
         tensor = torch.tensor(float(value), device=self.device)
         return float(self.accelerator.reduce(tensor, reduction="sum"))
+
+    def sum_list_across_processes(self, values: Sequence[float]) -> list[float]:
+        """Element-wise sums over processes, in one collective (float64, so token counts stay exact)."""
+        if self.num_processes == 1:
+            return [float(v) for v in values]
+        tensor = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
+        return self.accelerator.reduce(tensor, reduction="sum").tolist()
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every process's ``tensor`` (the same shape on each) concatenated along dim 0 in rank order,
+        on the device ``tensor`` came from. Shapes: (N, ...) -> (num_processes * N, ...)."""
+        if self.num_processes == 1:
+            return tensor
+        return self.accelerator.gather(tensor.contiguous().to(self.device)).to(tensor.device)
+
+    def gather_object(self, value: Any) -> list[Any]:
+        """Every process's ``value`` in rank order (``[value]`` on one process). The transport pickles in
+        memory between our own processes; nothing is written."""
+        if self.num_processes == 1:
+            return [value]
+        from accelerate.utils import gather_object
+
+        return gather_object([value])
 
     def wait(self) -> None:
         self.accelerator.wait_for_everyone()
