@@ -2899,9 +2899,14 @@ class RewardScorer(nn.Module):
             nn.init.zeros_(self.head[2].bias)
         self.head.to(next(backbone.parameters()).device)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Shapes: (B, T) -> scores (B)."""
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                step_positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Shapes: (B, T) -> scores (B); with step_positions (B, S), the score at each of them (B, S).
+        Step scores are read here, in forward, so that a DDP-wrapped scorer synchronises their gradients."""
         hidden = decoder_of(self.backbone)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        if step_positions is not None:
+            at_steps = hidden.gather(1, step_positions[..., None].expand(-1, -1, hidden.shape[-1]))  # (B, S, H)
+            return self.head(at_steps.to(self.head[0].weight.dtype)).squeeze(-1)
         last = hidden[torch.arange(hidden.shape[0], device=hidden.device), last_token_index(attention_mask)]
         return self.head(last.to(self.head[0].weight.dtype)).squeeze(-1)
 
@@ -3064,10 +3069,7 @@ class ProcessRewardModel(nn.Module):
 
     def step_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, step_positions: torch.Tensor) -> torch.Tensor:
         """Shapes: ids, mask (B, T), step_positions (B, S) -> logits (B, S)."""
-        hidden = decoder_of(self.model.backbone)(input_ids=input_ids, attention_mask=attention_mask,
-                                                 use_cache=False).last_hidden_state
-        at_steps = hidden.gather(1, step_positions[..., None].expand(-1, -1, hidden.shape[-1]))  # (B, S, H)
-        return self.model.head(at_steps.to(self.model.head[0].weight.dtype)).squeeze(-1)
+        return self.model(input_ids, attention_mask, step_positions)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, step_positions: torch.Tensor,
                 step_mask: torch.Tensor) -> torch.Tensor:
@@ -4212,6 +4214,26 @@ class BaseTrainer:
         self.policy.model = compile_model(self.policy.model, self.config.compile)
         self.model = self.devices.prepare(self.policy.model)
         self.model.train()
+        self.train_policy = self._prepared_view()
+
+    def _prepared_view(self) -> nn.Module:
+        """``self.policy`` with its module swapped for the prepared one (DDP / FSDP / DeepSpeed), for the
+        forwards that build a graph to train on. DDP all-reduces gradients only in backwards of forwards it
+        ran itself (its forward arms the reducer's parameter hooks), and FSDP / DeepSpeed gather sharded
+        weights there: a forward through ``self.policy.model`` trains each process on its own gradients.
+        Generation, the LoRA reference (``disable_adapter``), no-grad evaluation and saving keep using the
+        unwrapped ``self.policy``, so they never run a collective and work on one process alone."""
+        if self.model is self.policy.model:  # one process: prepare returned the module itself
+            return self.policy
+        view = copy.copy(self.policy)  # shallow: same tokenizer and settings, its own module table
+        view._modules = {**self.policy._modules, "model": self.model}
+        return view
+
+    @property
+    def forward_policy(self) -> nn.Module:
+        """The policy a forward should use: the prepared view when autograd records (training), else the
+        unwrapped policy (no-grad forwards need no gradient sync, and skip DDP's buffer broadcast)."""
+        return self.train_policy if torch.is_grad_enabled() else self.policy
 
     def _setup_schedule(self) -> None:
         config = self.config
@@ -4528,7 +4550,7 @@ class SFTTrainer(BaseTrainer):
         return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
 
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
-        logits = self.policy(batch["input_ids"], batch.get("attention_mask"), batch.get("position_ids")).logits
+        logits = self.forward_policy(batch["input_ids"], batch.get("attention_mask"), batch.get("position_ids")).logits
         loss_sum, _ = causal_lm_loss_sum(logits, batch["labels"])
         return loss_sum, {}
 
@@ -4589,7 +4611,7 @@ class RewardModelTrainer(BaseTrainer):
         return batch["input_ids"].shape[0] // 2
 
     def _pair_losses(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        scores = self.policy(batch["input_ids"], batch["attention_mask"])  # (2B)
+        scores = self.forward_policy(batch["input_ids"], batch["attention_mask"])  # (2B)
         chosen, rejected = scores.float().chunk(2)
         losses = reward_model_loss(chosen, rejected, batch.get("margin"))
         if self.config.center_rewards_coefficient:
@@ -4642,7 +4664,7 @@ class ProcessRewardModelTrainer(RewardModelTrainer):
                              collator=ProcessPreferenceCollator(model.tokenizer.pad_token_id))
 
     def _losses_and_steps(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
-        model = self.policy
+        model = self.forward_policy
         logits = model.step_logits(batch["input_ids"], batch["attention_mask"], batch["step_positions"]).float()  # (2B, S)
         scores = aggregate_step_scores(logits, batch["step_mask"], model.aggregation)
         chosen, rejected = scores.chunk(2)
@@ -4838,7 +4860,7 @@ class DPOTrainer(_ReferenceTrainer):
                     ) -> tuple[torch.Tensor, dict[str, float]]:
         """Per-pair losses (B) and TRL-named metrics for one concatenated batch."""
         config = self.config
-        out = _completion_forward(self.policy, batch, config.ld_alpha)
+        out = _completion_forward(self.forward_policy, batch, config.ld_alpha)
         chosen_avg, rejected_avg = out.averaged.chunk(2)
         metrics: dict[str, float] = {}
         if config.pref_loss == "orpo":
@@ -4932,7 +4954,7 @@ class KTOTrainer(_ReferenceTrainer):
 
     def example_losses(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
         config = self.config
-        out = _completion_forward(self.policy, batch)
+        out = _completion_forward(self.forward_policy, batch)
         policy_logps, policy_kl_logps = out.summed.chunk(2)
         ref_logps, ref_kl_logps = self._reference_pair(batch)
         kl = (policy_kl_logps.detach() - ref_kl_logps).mean().clamp(min=0)
@@ -5269,7 +5291,7 @@ class GRPOTrainer(_OnlineRLTrainer):
         return rollout.micro_batches(self.config.per_device_train_batch_size) * self.config.num_iterations
 
     def _policy_logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.policy(batch["input_ids"], batch["attention_mask"]).logits[:, :-1].float() / self.config.temperature
+        return self.forward_policy(batch["input_ids"], batch["attention_mask"]).logits[:, :-1].float() / self.config.temperature
 
     def _policy_logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return token_log_probs(self._policy_logits(batch), batch["input_ids"][:, 1:])
