@@ -4409,10 +4409,17 @@ class BaseTrainer:
 
     def _log_window(self, window: dict[str, Any], step_metrics: dict[str, float]) -> None:
         elapsed = max(time.time() - window["since"], 1e-9)
-        row = {"loss": window["loss"] / max(window["units"], 1.0), **step_metrics,
+        # the figures of all processes together, as one process would log them: the loss summed over every
+        # process's micro-batches over the units of all of them, each metric averaged over every micro-batch
+        loss, units, tokens = self.devices.sum_list_across_processes([window["loss"], window["units"], window["tokens"]])
+        metrics: dict[str, list[float]] = {}
+        for part in self.devices.gather_object(window["metrics"]):
+            for key, values in part.items():
+                metrics.setdefault(key, []).extend(values)
+        row = {"loss": loss / max(units, 1.0), **step_metrics,
                "learning_rate": self.scheduler.get_last_lr()[0], "epoch": self._epoch(),
-               "perf/tokens_per_s": window["tokens"] * self.devices.num_processes / elapsed,
-               **{k: float(np.mean(v)) for k, v in window["metrics"].items()}}
+               "perf/tokens_per_s": tokens / elapsed,
+               **{k: float(np.mean(v)) for k, v in metrics.items()}}
         self.training_logger.log(self.global_step, row)
         window.update(loss=0.0, units=0.0, tokens=0, since=time.time(), metrics={})
 
