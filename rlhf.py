@@ -4570,7 +4570,8 @@ class SFTTrainer(BaseTrainer):
         if self.eval_records:
             metrics.update(evaluate_exact_match(self.policy, self.formatter, self.eval_records,
                                                 max_new_tokens=self.config.eval_max_new_tokens,
-                                                batch_size=self.config.per_device_eval_batch_size))
+                                                batch_size=self.config.per_device_eval_batch_size,
+                                                devices=self.devices))
         self.model.train()
         return metrics
 
@@ -4589,18 +4590,33 @@ class SFTTrainer(BaseTrainer):
 
 
 def evaluate_exact_match(policy: PolicyModel, formatter: ChatFormatter, records: list[dict[str, Any]], *,
-                         max_new_tokens: int = 64, batch_size: int = 32) -> dict[str, float]:
+                         max_new_tokens: int = 64, batch_size: int = 32,
+                         devices: DeviceManager | None = None) -> dict[str, float]:
     """Greedy answers to prompts with a known ``answer``: exact-match accuracy and how often the
-    response had the ``Answer:`` line at all (format rate)."""
+    response had the ``Answer:`` line at all (format rate). With ``devices`` every process answers
+    every num_processes-th prompt and the counts are summed, so all processes return the figures of
+    the whole set (call it on every process; ``policy`` is the unwrapped model, no collective inside)."""
     scored = [r for r in records if r.get("answer") is not None]
     if not scored:
         return {}
-    completions = policy.generate([formatter.prompt_ids(r) for r in scored], max_new_tokens=max_new_tokens,
+    if devices is not None and devices.num_processes > 1:
+        mine = scored[devices.process_index::devices.num_processes]
+        counts = _exact_match_counts(policy, formatter, mine, max_new_tokens, batch_size) if mine else [0.0] * 3
+        correct, formatted, tokens = devices.sum_list_across_processes(counts)
+    else:
+        correct, formatted, tokens = _exact_match_counts(policy, formatter, scored, max_new_tokens, batch_size)
+    return {"eval/accuracy": correct / len(scored), "eval/format_rate": formatted / len(scored),
+            "eval/mean_completion_tokens": tokens / len(scored)}
+
+
+def _exact_match_counts(policy: PolicyModel, formatter: ChatFormatter, records: list[dict[str, Any]],
+                        max_new_tokens: int, batch_size: int) -> list[float]:
+    """(correct answers, answers with the Answer: line, completion tokens) over ``records``."""
+    completions = policy.generate([formatter.prompt_ids(r) for r in records], max_new_tokens=max_new_tokens,
                                   stop_token_ids=formatter.stop_token_ids, batch_size=batch_size)
     answers = [extract_answer(policy.decode(ids)) for ids in completions]
-    correct = sum(a is not None and a == r["answer"].strip() for a, r in zip(answers, scored))
-    return {"eval/accuracy": correct / len(scored), "eval/format_rate": sum(a is not None for a in answers) / len(scored),
-            "eval/mean_completion_tokens": float(np.mean([len(c) for c in completions]))}
+    correct = sum(a is not None and a == r["answer"].strip() for a, r in zip(answers, records))
+    return [float(correct), float(sum(a is not None for a in answers)), float(sum(len(c) for c in completions))]
 
 
 class RewardModelTrainer(BaseTrainer):
@@ -4813,7 +4829,7 @@ class _ReferenceTrainer(BaseTrainer):
         try:
             return evaluate_exact_match(self.policy, self.formatter, self.eval_records,
                                         max_new_tokens=self.config.eval_max_new_tokens,
-                                        batch_size=self.config.per_device_eval_batch_size)
+                                        batch_size=self.config.per_device_eval_batch_size, devices=self.devices)
         finally:
             self.model.train()
 
