@@ -4924,10 +4924,11 @@ class DPOTrainer(_ReferenceTrainer):
         return losses, metrics
 
     def _update_bco_delta(self, rewards: torch.Tensor) -> None:
-        """Running mean of every implicit reward seen so far (TRL's RunningMoments, mean part)."""
-        count = rewards.numel()
-        self.bco_delta = (self.bco_delta * self.bco_count + float(rewards.sum())) / (self.bco_count + count)
-        self.bco_count += count
+        """Running mean of every implicit reward seen so far (TRL's RunningMoments, mean part), over all
+        processes' rewards, so that every process shifts by the same delta."""
+        total, count = self.devices.sum_list_across_processes([float(rewards.sum()), rewards.numel()])
+        self.bco_delta = (self.bco_delta * self.bco_count + total) / (self.bco_count + count)
+        self.bco_count += int(count)
 
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
         losses, metrics = self.pair_losses(batch)
@@ -5291,7 +5292,9 @@ class GRPOTrainer(_OnlineRLTrainer):
         config, group = self.config, self.config.num_generations
         output = self._sample(prompts, group)
         records = [prompts[i // group] for i in range(len(output.token_ids))]
-        rewards = self._score(records, output.token_ids)
+        # the reward normaliser and batch-scaled advantages see every process's rewards, as one process
+        # with the whole batch would; each process keeps its own rows (a prompt's group is on one process)
+        rewards = self.devices.gather(self._score(records, output.token_ids))  # (processes * B*G)
         grouped_std = rewards.view(-1, group).std(-1)
         self.rollout_metrics.update({"reward_std": float(grouped_std.mean()),
                                      "frac_reward_zero_std": float((grouped_std < 1e-6).float().mean())})
@@ -5299,7 +5302,8 @@ class GRPOTrainer(_OnlineRLTrainer):
         # DAPO: a completion cut off at the length limit says nothing reliable about its reward
         masked = [r == "length" for r in output.finish_reasons] if config.mask_truncated_completions else None
         rollout = self._rows(records, output.token_ids, masked)
-        rollout.advantages = grpo_advantages(rewards, group, scale=config.scale_rewards)
+        advantages = grpo_advantages(rewards, group, scale=config.scale_rewards)
+        rollout.advantages = advantages.view(self.devices.num_processes, -1)[self.devices.process_index]
         if config.num_iterations == 1 and self.reference is None:
             return rollout  # on-policy without KL: the loss needs no stored log-probs
         parts = [self._to_device(b) for b in rollout.micro_batches(config.per_device_train_batch_size)]
@@ -5397,7 +5401,9 @@ class PPOTrainer(_OnlineRLTrainer):
         config = self.config
         output = self._sample(prompts, 1)
         scores = self._score(prompts, output.token_ids)
-        scores = process_rewards(scores, normalizer=self.normalizer, clip=config.reward_clip)
+        # the running normaliser sees every process's scores, so all processes normalise alike
+        everyone = process_rewards(self.devices.gather(scores), normalizer=self.normalizer, clip=config.reward_clip)
+        scores = everyone.view(self.devices.num_processes, -1)[self.devices.process_index]
         rollout = self._rows(prompts, output.token_ids)
         logps, values, ref_logps = [], [], []
         for batch in rollout.micro_batches(config.per_device_train_batch_size):
@@ -5423,7 +5429,9 @@ class PPOTrainer(_OnlineRLTrainer):
             "objective/kl": float(sequence_kl.mean()), "objective/kl_coef": kl_coef,
             "objective/scores": float(scores.mean()), "objective/rlhf_reward": float((scores - kl_coef * sequence_kl).mean()),
             "returns/mean": float(_masked_mean(rollout.returns, mask)), "values/mean": float(_masked_mean(rollout.old_values, mask))})
-        self.kl_controller.update(float(sequence_kl.mean()), len(scores))
+        # one KL coefficient for all processes: the controller steps on the KL of the whole batch
+        kl_sum, count = self.devices.sum_list_across_processes([float(sequence_kl.mean()) * len(scores), len(scores)])
+        self.kl_controller.update(kl_sum / count, int(count))
         return rollout
 
     def rollout_schedule(self, rollout: Rollout) -> list[dict[str, torch.Tensor]]:
