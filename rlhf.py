@@ -5102,6 +5102,7 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         self.rollout_index = 0
         self.current_rollout: Rollout | None = None
         self.resumed_rollout: Rollout | None = None  # the interrupted rollout, read back from a checkpoint
+        self.rollouts_to_save: list[Rollout] = []  # every process's current rollout, for the checkpoint being written
         super().__init__(config, policy, train_dataset, devices=devices, collator=list)
         self.reference = reference if getattr(config, "uses_reference", True) else None
 
@@ -5182,21 +5183,38 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         rollout.problem = self.pending_problem
         return rollout
 
+    def _save_checkpoint(self) -> None:
+        # each process trains on a rollout of its own prompts, and only the main process writes: a checkpoint
+        # taken inside a rollout collects every process's rollout first (all processes get here together)
+        inside = bool(self.global_step % self.steps_per_rollout) and self.current_rollout is not None
+        self.rollouts_to_save = self.devices.gather_object(self.current_rollout) if inside else []
+        super()._save_checkpoint()
+
+    @staticmethod
+    def _rollout_file(process: int) -> str:
+        return "rollout.safetensors" if process == 0 else f"rollout-{process}.safetensors"
+
     def _write_checkpoint(self, directory: Path) -> None:
         super()._write_checkpoint(directory)
-        if self.global_step % self.steps_per_rollout and self.current_rollout is not None:
-            from safetensors.torch import save_file  # resuming inside a rollout must train on the same rollout
+        from safetensors.torch import save_file  # resuming inside a rollout must train on the same rollout
 
-            save_file({k: v.contiguous() for k, v in self.current_rollout.tensors().items()},
-                      str(directory / "rollout.safetensors"), metadata={"problem": self.current_rollout.problem})
+        for process, rollout in enumerate(self.rollouts_to_save):
+            save_file({k: v.contiguous() for k, v in rollout.tensors().items()}, str(directory / self._rollout_file(process)),
+                      metadata={"problem": rollout.problem, "processes": str(len(self.rollouts_to_save))})
 
     def _load_checkpoint(self, path: Path) -> None:
         super()._load_checkpoint(path)
-        saved = path / "rollout.safetensors"
-        if self.global_step % self.steps_per_rollout and saved.exists():
+        first = path / self._rollout_file(0)
+        if self.global_step % self.steps_per_rollout and first.exists():
             from safetensors import safe_open
 
-            with safe_open(str(saved), framework="pt") as handle:
+            with safe_open(str(first), framework="pt") as handle:
+                processes = int((handle.metadata() or {}).get("processes", "1"))
+            if processes != self.devices.num_processes:  # every process reads the same file, so all agree
+                logger.warning("%s holds the rollouts of %d process(es) and this run has %d: the interrupted rollout "
+                               "is sampled again", path, processes, self.devices.num_processes)
+                return
+            with safe_open(str(path / self._rollout_file(self.devices.process_index)), framework="pt") as handle:
                 tensors = {k: handle.get_tensor(k) for k in handle.keys()}
                 problem = (handle.metadata() or {}).get("problem", "")
             self.resumed_rollout = Rollout(**tensors, problem=problem)
