@@ -5225,8 +5225,12 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         from inference_optimizations import generate as generate_tokens
 
         config = self.config
+        # processes share the global RNG state (one seed; a resume restores the main process's RNG on all), so
+        # they would draw the same noise for different prompts: several sample from a seed of their own
+        seed = (None if self.devices.num_processes == 1
+                else (config.seed * 1_000_003 + self.rollout_index) * 1009 + self.devices.process_index)
         params = SamplingParams(max_new_tokens=config.max_completion_length, temperature=config.temperature,
-                                top_p=config.top_p, top_k=config.top_k, n=n,
+                                top_p=config.top_p, top_k=config.top_k, n=n, seed=seed,
                                 stop_token_ids=tuple(self.formatter.stop_token_ids))
         started = time.time()
         self.model.eval()
