@@ -886,11 +886,19 @@ def estimate_memory(arch: dict[str, Any], *, gpus: int = 1, finetuning_type: str
 # ==== 2. Infrastructure ====
 
 
+def _launch_rank() -> int:
+    """This process's rank under a multi-process launch (torchrun and ``accelerate launch`` set RANK), else 0.
+    Readable before any DeviceManager exists, for what only one process should do (report, console)."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def setup_logging(level: str | int = "INFO", log_file: str | os.PathLike | None = None) -> logging.Logger:
     """Rich console logging for the ``rlhf`` logger, plus an optional plain-text file."""
     from rich.logging import RichHandler
 
     root = logging.getLogger("rlhf")
+    if _launch_rank() > 0:  # the other processes of a multi-process launch: warnings, not every line twice
+        level = max(logging.getLevelName(level) if isinstance(level, str) else level, logging.WARNING)
     root.setLevel(level)
     if not any(isinstance(h, RichHandler) for h in root.handlers):
         handler = RichHandler(show_path=False, rich_tracebacks=False, markup=False, log_time_format="[%X]")
@@ -6006,6 +6014,8 @@ POLICY_STAGES = ("sft", "dpo", "simpo", "orpo", "kto", "grpo", "ppo")
 def append_report(output_dir: str | os.PathLike, entry: dict[str, Any]) -> Path:
     """Add one stage's entry to ``output_dir/report.json`` (written atomically)."""
     path = Path(output_dir) / "report.json"
+    if _launch_rank() > 0:  # a multi-process launch: the main process writes, once
+        return path
     report = json.loads(path.read_text()) if path.exists() else {"stages": []}
     report["stages"].append(entry)
     tmp = path.with_name(f".report-{uuid.uuid4().hex[:8]}.json")
@@ -6242,7 +6252,8 @@ def main(argv: list[str] | None = None) -> int:
             if stage not in STAGE_CONFIGS:
                 raise RLHFInputError(f"{args.config}: 'stage' is '{stage}'; valid: {', '.join(STAGE_CONFIGS)}")
         entries = _run_single_stage(stage, args.config, args.overrides)
-        console.print(summary_table(entries))
+        if _launch_rank() == 0:  # other processes hold no metric history (only the main process logs)
+            console.print(summary_table(entries))
         return 0
     except RLHFInputError as err:
         Console(stderr=True).print(f"[bold red]error:[/] {escape(str(err))}", markup=True, highlight=False, soft_wrap=True)
