@@ -13,17 +13,16 @@ Table of contents (each section opens with a ``# ==== N. Title ====`` banner):
   2. Infrastructure — setup_logging, DeviceManager, TrainingLogger, CheckpointManager, create_optimizer, EarlyStopping, apply_lora, apply_freeze, compile_model, select_attention_implementation
   3. Data — load_records, ChatFormatter, CHAT_TEMPLATES, SFTDataset, StreamingSFTDataset, pack_sequences, SFTCollator, PreferenceDataset, StreamingPreferenceDataset, KTODataset, StreamingKTODataset, PreferenceCollator, KTOCollator, GRPODataset, StreamingGRPODataset, extract_answer, split_steps, arithmetic_step_labels, encode_steps, ProcessPreferenceDataset, ProcessPreferenceCollator
   4. Models — token_log_probs, load_tokenizer, build_tiny_model, resolve_model_path, PolicyModel, RewardModel, RewardEnsemble, aggregate_step_scores, ProcessRewardModel, ValueModel, ActorCritic, select_informative_tokens, ContextCompressor, ReferenceModel, create_reference_model
-  5. Losses and advantages — causal_lm_loss_sum, sequence_log_probs, dpo_loss, PREFERENCE_LOSSES, simpo_loss, orpo_loss, kto_loss, reward_model_loss, whiten, grpo_advantages, grpo_loss, compute_gae, ppo_policy_loss, ppo_value_loss, AdaptiveKLController, FixedKLController
+  5. Losses and advantages — causal_lm_loss_sum, sequence_log_probs, dpo_loss, PREFERENCE_LOSSES, simpo_loss, orpo_loss, kto_loss, reward_model_loss, ewc_penalty, whiten, grpo_advantages, grpo_loss, compute_gae, ppo_policy_loss, ppo_value_loss, AdaptiveKLController, FixedKLController
   6. Rewards — exact_answer_reward, format_reward, length_penalty, CompositeReward, LearnedReward, ProcessReward, HTTPReward, RewardAPIError, Principle, ConstitutionalRewardWrapper, RewardFunctionFactory, RunningRewardNormalizer, process_rewards
   7. Trainers — BaseTrainer, TrainingDivergedError, SFTTrainer, RewardModelTrainer, ProcessRewardModelTrainer, DPOTrainer, SimPOTrainer, KTOTrainer, precompute_ref_log_probs, Rollout, RolloutBuffer, token_entropy, disable_dropout, GRPOTrainer, PPOTrainer, TrainResult, close_loss_scaler_step
   8. Evaluation — kl_estimates, distinct_n, self_similarity, win_rate, RLHFEvaluator
-  9. Self-improvement and safety — CapabilityReport, CapabilityTester
-  10. Orchestrator — train_sft, train_rm, train_prm, train_dpo, train_kto, train_grpo, train_ppo, RLHFOrchestrator
+  9. Self-improvement and safety — CapabilityReport, CapabilityTester, ElasticWeightConsolidation, repetition_rate, degeneration_rates, reward_hacking_flags, PERTURBATIONS, answer_consistency, validation_score, ValidationReport, AdversarialValidator, default_critique, RefinementResult, refinement_pairs, write_preference_jsonl, IterativeRefiner
+  10. Orchestrator — train_sft, train_rm, train_prm, train_dpo, train_kto, train_grpo, train_ppo, read_report, append_report, data_fingerprint, pipeline_table, write_pipeline_report, RLHFOrchestrator
   11. CLI — main
 
 Notation used in ``Shapes:`` lines: B sequences in a batch, T tokens per sequence, V vocabulary size.
-Section 9 holds CapabilityTester so far (the adversarial validator, EWC and the iterative refiner come
-with the orchestrator's gates); numbering follows ../DESIGN.md so the map and the module stay in step.
+Numbering follows ../DESIGN.md so the map and the module stay in step.
 """
 
 from __future__ import annotations
@@ -186,9 +185,14 @@ class BaseConfig:
     metric_for_best_model: str = _opt("eval/loss", "Metric watched by early stopping; lower is better unless the name contains 'accuracy'")
     report_to: list[str] = _opt([], "Experiment trackers: tensorboard, wandb (offline unless WANDB_API_KEY is set), all, or none")
     run_name: str | None = _opt(None, "Run name shown in trackers")
+    logging_dir: str | None = _opt(None, "Folder for this stage's text log, <stage>.log (default: output_dir/logs)")
     plot_loss: bool = _opt(False, "Save loss and metric curves as PNG files in output_dir")
     disable_progress_bar: bool = _opt(False, "Hide the rich progress bar (logs still print)")
     max_nonfinite_steps: int = _opt(5, "Steps in a row with a non-finite loss, reward or gradient (each skipped) before the run stops after a checkpoint")
+    # -- protecting earlier skills (policy-optimisation stages: dpo, simpo, orpo, kto, grpo, ppo)
+    ewc_lambda: float = _opt(0.0, "Elastic weight consolidation: lambda/2 * sum_i F_i (theta_i - theta0_i)^2 pulls trainable weights towards this stage's starting weights, F = diagonal Fisher on ewc_dataset (0: off)")
+    ewc_dataset: str = _opt("", "SFT-format dataset whose likelihood EWC protects (the pipeline fills in its sft stage's dataset)")
+    ewc_samples: int = _opt(64, "Examples of ewc_dataset used to estimate the diagonal Fisher")
 
     stage: typing.ClassVar[str] = "base"
 
@@ -238,6 +242,11 @@ class BaseConfig:
                "streaming datasets have no known length: set max_steps > 0")
         _check(self.val_size < 1 or float(self.val_size).is_integer(), "val_size",
                "use a share in [0, 1) or a whole number of records")
+        _check(self.ewc_lambda >= 0 and self.ewc_samples > 0, "ewc_lambda/ewc_samples", "must be >= 0 / > 0")
+        if self.ewc_lambda:
+            _check(self.stage in ("dpo", "simpo", "orpo", "kto", "grpo", "ppo"), "ewc_lambda",
+                   "only applies to policy-optimisation stages (dpo, simpo, orpo, kto, grpo, ppo); set it to 0 here")
+            _check(bool(self.ewc_dataset.strip()), "ewc_dataset", "must name the SFT dataset EWC protects when ewc_lambda > 0")
 
     @property
     def mixed_precision(self) -> str:
@@ -503,6 +512,22 @@ STAGE_CONFIGS: dict[str, type[BaseConfig]] = {"sft": SFTConfig, "rm": RewardMode
                                               "simpo": SimPOConfig, "orpo": ORPOConfig, "kto": KTOConfig,
                                               "grpo": GRPOConfig, "ppo": PPOConfig}
 
+# Stages the orchestrator runs after training, on the trained models. A model is named by the stage that
+# produced it ("sft", "rm", ...) or by a directory; prompts default to the pipeline's eval_dataset.
+FINAL_STAGES = ("eval", "best_of_n", "merge")
+FINAL_STAGE_OPTIONS: dict[str, dict[str, Any]] = {
+    # every adopted policy: held-out accuracy, mean reward of greedy answers, KL to the reference on samples;
+    # the final policy also: diversity, win rate over the reference, reward accuracy on ``pairs``
+    "eval": {"prompts": None, "max_prompts": 100, "samples_per_prompt": 2, "reward_model": "rm", "reference": "sft",
+             "pairs": None, "max_pairs": 200, "max_new_tokens": None, "batch_size": 100},
+    # n samples per prompt from the final policy, reranked by each scorer: rm (the reward model) or vote
+    # (self-consistency: the most frequent answer, Wang et al. 2023)
+    "best_of_n": {"n": 8, "prompts": None, "max_prompts": 100, "temperature": 1.0, "scorers": ["rm", "vote"],
+                  "reward_model": "rm", "max_new_tokens": None, "seed": 0},
+    # model_merging.MergeConfig keys; models default to every adopted policy-optimisation stage
+    "merge": {"method": "ties", "models": None, "base_model": "sft", "density": 0.5, "evaluate": True},
+}
+
 
 def _check(ok: bool, name: str, fix: str) -> None:
     if not ok:
@@ -551,7 +576,6 @@ LLAMAFACTORY_IGNORED: dict[str, str] = {
     "freeze_vision_tower": "multimodal training is not supported",
     "push_to_hub": "outputs are written to output_dir only",
     "hub_model_id": "outputs are written to output_dir only",
-    "logging_dir": "logs go to output_dir/logs",
     "plot_only": "plots are written at the end of training when plot_loss is true",
     "ray_run_name": "Ray is not used",
     "include_num_input_tokens_seen": "tokens/s is always logged",
@@ -720,34 +744,56 @@ class PipelineConfig:
     stage (``sft:``) overrides them for that stage. Each stage writes to ``output_dir/<stage>`` and
     starts from the previous stage's model."""
 
-    stages: list[str] = _opt(["sft"], "Stages to run, in order")
-    output_dir: str = _opt("outputs/pipeline", "Root folder; stage N writes output_dir/<stage>")
+    stages: list[str] = _opt(["sft"], "Stages to run, in order: training stages, then optionally eval, best_of_n, merge")
+    output_dir: str = _opt("outputs/pipeline", "Root folder; stage N writes output_dir/<stage>, its log output_dir/logs/<stage>.log")
     shared: dict[str, Any] = _opt({}, "Keys applied to every stage")
     stage_overrides: dict[str, dict[str, Any]] = _opt({}, "Per-stage keys, overriding shared ones")
+    capability_tests: dict[str, dict[str, Any]] = _opt({}, "Probe tasks run before and after each policy-optimisation stage: {task: {dataset, dataset_dir?, max_samples?, verifier?}}")
+    capability_threshold: float = _opt(0.05, "Roll a stage back when a capability task's accuracy falls by more than this (absolute)")
+    rollback_on_error: bool = _opt(True, "A stage that crashes or diverges is rolled back (recorded) and the pipeline goes on from the previous model; false: stop")
+    final_stages: dict[str, dict[str, Any]] = _opt({}, "Options of the eval, best_of_n and merge stages (their YAML sections)")
     source: str = _opt("config", "Where the config came from, for error messages")
 
     def __post_init__(self) -> None:
         for stage in self.stages:
-            _check_choice(stage, STAGE_CONFIGS, "stages")
+            _check_choice(stage, (*STAGE_CONFIGS, *FINAL_STAGES), "stages")
         for stage in self.stage_overrides:
             _check_choice(stage, STAGE_CONFIGS, "stage section")
+        for stage, options in self.final_stages.items():
+            _check_choice(stage, FINAL_STAGES, "stage section")
+            unknown = sorted(set(options) - set(FINAL_STAGE_OPTIONS[stage]))
+            if unknown and stage != "merge":  # merge's other keys go to model_merging.MergeConfig, which checks them
+                raise RLHFInputError(f"{self.source} [{stage}]: unknown key(s) {', '.join(unknown)}; valid: "
+                                     f"{', '.join(FINAL_STAGE_OPTIONS[stage])}")
+        _check(0 <= self.capability_threshold <= 1, "capability_threshold", "must be in [0, 1]")
         for stage in self.stages:  # fail before any training if a later stage's keys are wrong
-            self.stage_config(stage)
+            if stage in STAGE_CONFIGS:
+                self.stage_config(stage)
+
+    def final_stage_options(self, stage: str) -> dict[str, Any]:
+        """An eval / best_of_n / merge stage's options: its defaults, then its YAML section."""
+        return {**FINAL_STAGE_OPTIONS[stage], **self.final_stages.get(stage, {})}
 
     def stage_config(self, stage: str, model_name_or_path: str | None = None) -> BaseConfig:
         """The typed config of one stage: shared keys, then the stage's own section."""
         raw = {**self.shared, **self.stage_overrides.get(stage, {})}
         raw["output_dir"] = str(Path(self.output_dir) / stage)
+        raw.setdefault("logging_dir", str(Path(self.output_dir) / "logs"))
         if model_name_or_path is not None:
             raw["model_name_or_path"] = model_name_or_path
         for key, stage_name in (("reward_model", "rm"), ("process_reward_model", "prm"), ("value_model", "rm")):
             if raw.get(key) == stage_name:  # the model trained by this pipeline's rm / prm stage
                 raw[key] = str(Path(self.output_dir) / stage_name)
+        if raw.get("ewc_lambda") and not raw.get("ewc_dataset") and "sft" in self.stages:
+            raw["ewc_dataset"] = {**self.shared, **self.stage_overrides.get("sft", {})}.get("dataset", "")  # protect SFT
         return build_config(STAGE_CONFIGS[stage], raw, where=f"{self.source} [{stage}]")
 
     def to_dict(self) -> dict[str, Any]:
         return {"stages": list(self.stages), "output_dir": self.output_dir, **self.shared,
-                **{stage: dict(keys) for stage, keys in self.stage_overrides.items()}}
+                **{stage: dict(keys) for stage, keys in self.stage_overrides.items()},
+                **({"capability_tests": self.capability_tests} if self.capability_tests else {}),
+                "capability_threshold": self.capability_threshold, "rollback_on_error": self.rollback_on_error,
+                **{stage: dict(options) for stage, options in self.final_stages.items()}}
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config") -> PipelineConfig:
@@ -757,17 +803,32 @@ class PipelineConfig:
             stages = [s.strip() for s in stages.split(",") if s.strip()]
         output_dir = str(raw.pop("output_dir", "outputs/pipeline"))
         sections = {k: raw.pop(k) for k in list(raw) if k in STAGE_CONFIGS and isinstance(raw[k], dict)}
-        for key in list(raw):  # dotted overrides: sft.learning_rate=1e-3
-            if "." in key and key.split(".", 1)[0] in STAGE_CONFIGS:
-                stage, sub = key.split(".", 1)
-                sections.setdefault(stage, {})[sub] = raw.pop(key)
-        return cls(stages=stages, output_dir=output_dir, shared=raw, stage_overrides=sections, source=source)
+        finals = {k: raw.pop(k) for k in list(raw) if k in FINAL_STAGES and isinstance(raw[k], dict)}
+        for key in list(raw):  # dotted overrides: sft.learning_rate=1e-3, best_of_n.n=4
+            prefix = key.split(".", 1)[0]
+            if "." in key and prefix in STAGE_CONFIGS:
+                sections.setdefault(prefix, {})[key.split(".", 1)[1]] = raw.pop(key)
+            elif "." in key and prefix in FINAL_STAGES:
+                finals.setdefault(prefix, {})[key.split(".", 1)[1]] = raw.pop(key)
+        gates = {key: raw.pop(key) for key in ("capability_tests", "capability_threshold", "rollback_on_error") if key in raw}
+        if not isinstance(gates.get("capability_tests", {}), dict):
+            raise RLHFInputError(f"{source}: 'capability_tests' maps task names to {{dataset, max_samples, verifier}}")
+        return cls(stages=stages, output_dir=output_dir, shared=raw, stage_overrides=sections, final_stages=finals,
+                   source=source, **{k: _coerce(v, {"capability_threshold": float, "rollback_on_error": bool}.get(k, dict),
+                                                 k, source) for k, v in gates.items()})
 
     @classmethod
-    def load(cls, path: str | os.PathLike, overrides: Iterable[str] = ()) -> PipelineConfig:
+    def load(cls, path: str | os.PathLike, overrides: Iterable[str] = (), preset: str | None = None) -> PipelineConfig:
+        """The YAML file, on top of a 7B/70B ``preset`` if named (the file's stage sections add to the
+        preset's), then key=value overrides."""
         raw = read_yaml(path)
+        if preset is not None:
+            _check_choice(preset, PRESET_ARCHITECTURES, "--preset")
+            base = (get_7b_model_config if preset == "7b" else get_70b_model_config)().to_dict()
+            raw = {**base, **raw, **{stage: {**base[stage], **raw.get(stage, {})} for stage in base
+                                     if isinstance(base[stage], dict) and isinstance(raw.get(stage, {}), dict)}}
         raw.update(parse_overrides(overrides))
-        return cls.from_dict(raw, source=str(path))
+        return cls.from_dict(raw, source=str(path) + (f" on the {preset} preset" if preset else ""))
 
 
 # -- presets for real models and the memory plan ----------------------------------------------------------------
@@ -3531,6 +3592,18 @@ def reward_model_loss(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor
     return -F.logsigmoid(chosen_scores - rejected_scores - margin)
 
 
+def ewc_penalty(parameters: dict[str, torch.Tensor], anchors: dict[str, torch.Tensor],
+                fisher: dict[str, torch.Tensor], ewc_lambda: float) -> torch.Tensor:
+    """Elastic weight consolidation, Kirkpatrick et al. 2017 eq. 3: lambda/2 * sum_i F_i (theta_i -
+    theta*_i)^2, a quadratic pull towards the anchor weights theta* (the model before this stage),
+    stiffest where the diagonal Fisher F says the earlier task's likelihood is most sensitive.
+    Shapes: three dicts of same-shaped tensors keyed by parameter name -> scalar (fp32)."""
+    total = torch.zeros((), dtype=torch.float32, device=next(iter(parameters.values())).device)
+    for name, value in parameters.items():
+        total = total + (fisher[name] * (value.float() - anchors[name]) ** 2).sum()
+    return 0.5 * ewc_lambda * total
+
+
 # -- online RL: advantages, policy and value losses (DESIGN section 4) ---------------------------------
 
 
@@ -4189,6 +4262,7 @@ class BaseTrainer:
         self.nonfinite_in_a_row, self.skipped_steps = 0, 0
         self.pending_problem = ""  # set by a subclass (e.g. non-finite rewards) to skip the next update
         self.last_problem = ""
+        self.ewc: ElasticWeightConsolidation | None = None  # set up in train(), before resuming moves the weights
         self._setup_devices(devices)
         self._setup_model()
         self._setup_schedule()
@@ -4298,6 +4372,7 @@ class BaseTrainer:
     # -- the loop
     def train(self) -> TrainResult:
         started = time.time()
+        self.ewc = self._setup_ewc()
         self._resume()
         config = self.config
         eval_before = None
@@ -4360,7 +4435,12 @@ class BaseTrainer:
             batch = self._to_device(batch)
             with self.devices.no_sync(self.model, skip=i < len(group) - 1), self.devices.autocast():
                 loss_sum, metrics = self.compute_loss(batch)
-            self.devices.backward(loss_sum * scale)  # every process runs backward, so collectives stay in step
+            objective = loss_sum * scale
+            if self.ewc is not None and i == len(group) - 1:  # once per step; identical on every process
+                penalty = self.ewc.penalty(self.devices.unwrap(self.model))
+                objective = objective + penalty
+                metrics = {**metrics, "ewc/penalty": float(penalty.detach())}
+            self.devices.backward(objective)  # every process runs backward, so collectives stay in step
             losses.append(float(loss_sum.detach()))
             window["tokens"] += int(batch["attention_mask"].sum()) if "attention_mask" in batch else batch["input_ids"].numel()
             for key, value in metrics.items():
@@ -4447,6 +4527,37 @@ class BaseTrainer:
     def _data_stats(self) -> dict[str, float]:
         stats = getattr(self.train_dataset, "stats", {})
         return {f"data/{k}": v for k, v in stats.items()}
+
+    def _setup_ewc(self) -> ElasticWeightConsolidation | None:
+        """The EWC anchor and Fisher of the weights this stage starts from (``ewc_lambda`` > 0), computed
+        once on ``ewc_dataset`` and kept in output_dir, so a resumed run anchors to the same weights."""
+        config = self.config
+        if not getattr(config, "ewc_lambda", 0.0):
+            return None
+        path = self.output_dir / ElasticWeightConsolidation.FILE
+        source = {"model": str(config.model_name_or_path), "dataset": config.ewc_dataset, "samples": str(config.ewc_samples)}
+        fresh_start = config.overwrite_output_dir or config.resume_from_checkpoint == "none"
+        if path.exists() and not fresh_start:
+            ewc = ElasticWeightConsolidation.load(path, config.ewc_lambda)
+            if ewc.source == source:
+                return ewc
+        started = time.time()
+        records = load_records(config.ewc_dataset, config.dataset_dir, "sft", max_samples=config.ewc_samples,
+                               skip_invalid=config.skip_invalid_records)
+        formatter = ChatFormatter(self.policy.tokenizer, config.template)
+        examples = SFTDataset(records, self.policy.tokenizer, formatter, cutoff_len=config.cutoff_len,
+                              cache_dir=config.cache_dir)
+        collate = SFTCollator(self.policy.tokenizer.pad_token_id)
+        batches = (self._to_device(collate([examples[i]])) for i in range(len(examples)))
+        ewc = ElasticWeightConsolidation.from_data(self.devices.unwrap(self.model), batches, config.ewc_lambda,
+                                                   source=source)
+        if self.devices.is_main_process:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            ewc.save(path)
+        self.devices.wait()
+        logger.info("EWC: diagonal Fisher from %d examples of %s in %.1fs (lambda %g)", len(examples),
+                    config.ewc_dataset, time.time() - started, config.ewc_lambda)
+        return ewc
 
     # -- checkpoints
     def _save_model(self, directory: Path) -> None:
@@ -5588,7 +5699,7 @@ class RLHFEvaluator:
         self.max_new_tokens, self.batch_size, self.seed = max_new_tokens, batch_size, seed
 
     @staticmethod
-    def _records(prompts: list[str] | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def as_records(prompts: list[str] | list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Canonical chat records from prompt strings, ``{"prompt": ...}`` records (other keys such as
         ``answer`` kept) or canonical records."""
         def canonical(p: str | dict[str, Any]) -> dict[str, Any]:
@@ -5603,7 +5714,8 @@ class RLHFEvaluator:
     def _prompt_text(self, record: dict[str, Any]) -> str:
         return record.get("prompt") or record["messages"][-1]["content"]
 
-    def _complete(self, model: PolicyModel, records: list[dict[str, Any]], *, sample: bool) -> list[list[int]]:
+    def complete(self, model: PolicyModel, records: list[dict[str, Any]], *, sample: bool) -> list[list[int]]:
+        """Token ids of ``model``'s completion of each record: greedy, or sampled at temperature 1 (seeded)."""
         torch.manual_seed(self.seed)
         return model.generate([self.formatter.prompt_ids(r) for r in records], max_new_tokens=self.max_new_tokens,
                               do_sample=sample, temperature=1.0, stop_token_ids=self.formatter.stop_token_ids,
@@ -5614,8 +5726,8 @@ class RLHFEvaluator:
         """Sample completions from the policy (temperature 1), score their tokens under both models."""
         if self.reference is None:
             raise RLHFInputError("kl_to_reference needs a reference model (RLHFEvaluator(policy, reference))")
-        records = [r for r in self._records(prompts) for _ in range(samples_per_prompt)]
-        completions = self._complete(self.policy, records, sample=True)
+        records = [r for r in self.as_records(prompts) for _ in range(samples_per_prompt)]
+        completions = self.complete(self.policy, records, sample=True)
         prompt_ids = [self.formatter.prompt_ids(r) for r in records]
         rows = [p + c for p, c in zip(prompt_ids, completions)]
         width = max(len(r) for r in rows)
@@ -5644,8 +5756,8 @@ class RLHFEvaluator:
 
     def diversity(self, prompts: list[str] | list[dict[str, Any]], samples_per_prompt: int = 4) -> dict[str, float]:
         """distinct-1/2 over every sample, and self-similarity averaged over prompts."""
-        records = self._records(prompts)
-        completions = self._complete(self.policy, [r for r in records for _ in range(samples_per_prompt)], sample=True)
+        records = self.as_records(prompts)
+        completions = self.complete(self.policy, [r for r in records for _ in range(samples_per_prompt)], sample=True)
         texts = [self.policy.decode(c) for c in completions]
         groups = [texts[i * samples_per_prompt:(i + 1) * samples_per_prompt] for i in range(len(records))]
         return {"diversity/distinct_1": distinct_n(texts, 1), "diversity/distinct_2": distinct_n(texts, 2),
@@ -5656,9 +5768,9 @@ class RLHFEvaluator:
         """Greedy responses of policy and reference to the same prompts, judged pairwise."""
         if self.reference is None or (reward_fn is None) == (judge is None):
             raise RLHFInputError("win_rate needs a reference model and exactly one of reward_fn or judge")
-        records = self._records(prompts)
-        ours = [self.policy.decode(c) for c in self._complete(self.policy, records, sample=False)]
-        theirs = [self.reference.decode(c) for c in self._complete(self.reference, records, sample=False)]
+        records = self.as_records(prompts)
+        ours = [self.policy.decode(c) for c in self.complete(self.policy, records, sample=False)]
+        theirs = [self.reference.decode(c) for c in self.complete(self.reference, records, sample=False)]
         texts = [self._prompt_text(r) for r in records]
         if judge is not None:
             verdicts = [float(judge(p, a, b)) for p, a, b in zip(texts, ours, theirs)]
@@ -5667,12 +5779,19 @@ class RLHFEvaluator:
             result = win_rate(torch.as_tensor(reward_fn(texts, ours)), torch.as_tensor(reward_fn(texts, theirs)))
         return {f"win/{k}": float(v) for k, v in result.items()}
 
+    def mean_reward(self, prompts: list[str] | list[dict[str, Any]], reward_fn: Callable) -> dict[str, float]:
+        """Mean and std of ``reward_fn`` over the policy's greedy responses."""
+        records = self.as_records(prompts)
+        responses = [self.policy.decode(c) for c in self.complete(self.policy, records, sample=False)]
+        rewards = torch.as_tensor(reward_fn([self._prompt_text(r) for r in records], responses), dtype=torch.float32)
+        return {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if rewards.numel() > 1 else 0.0}
+
     def task_accuracy(self, records: list[dict[str, Any]], verifier: Callable | None = None) -> dict[str, float]:
         """Greedy responses checked by ``verifier(response, record)``; default: exact ``Answer:`` match."""
-        scored = [r for r in self._records(records) if verifier is not None or r.get("answer") is not None]
+        scored = [r for r in self.as_records(records) if verifier is not None or r.get("answer") is not None]
         if not scored:
             return {}
-        responses = [self.policy.decode(c) for c in self._complete(self.policy, scored, sample=False)]
+        responses = [self.policy.decode(c) for c in self.complete(self.policy, scored, sample=False)]
         check = verifier or (lambda response, record: extract_answer(response) == str(record["answer"]).strip())
         return {"task/accuracy": sum(bool(check(t, r)) for t, r in zip(responses, scored)) / len(scored)}
 
@@ -5680,7 +5799,7 @@ class RLHFEvaluator:
                  reward_fn: Callable | None = None, judge: Callable | None = None,
                  verifier: Callable | None = None, samples_per_prompt: int = 4) -> dict[str, float]:
         """Every evaluation the arguments allow, in one dict."""
-        records = self._records(prompts)
+        records = self.as_records(prompts)
         metrics = self.diversity(records, samples_per_prompt)
         metrics.update(self.task_accuracy(records, verifier))
         if self.reference is not None:
@@ -5759,6 +5878,558 @@ class CapabilityTester:
         deltas = {name: after[name] - before[name] for name in before if name in after}
         regressions = [name for name, delta in deltas.items() if delta < -self.threshold - 1e-12]
         return CapabilityReport(dict(before), dict(after), deltas, regressions, self.threshold)
+
+
+class ElasticWeightConsolidation:
+    """EWC (Kirkpatrick et al. 2017): remember which weights mattered for an earlier skill and pull
+    them back towards their old values while a later stage trains, so preference or RL optimisation
+    does not erase what SFT taught. ``from_data`` estimates the diagonal Fisher as the mean squared
+    per-example gradient of the example's log-likelihood log p(response | prompt) (the sum over its
+    target tokens; the empirical Fisher, one example at a time so each gradient is that example's
+    own); ``penalty`` is :func:`ewc_penalty` on the current weights. Only trainable parameters take
+    part (with LoRA: the adapter weights).
+
+    Scale: Fisher entries are small, so useful ``ewc_lambda`` values are large (the demo's DPO keeps
+    most of its SFT likelihood at 1e4); watch the logged ``ewc/penalty`` against the stage's loss."""
+
+    FILE = "ewc.safetensors"
+
+    def __init__(self, anchors: dict[str, torch.Tensor], fisher: dict[str, torch.Tensor], ewc_lambda: float,
+                 source: dict[str, str] | None = None) -> None:
+        if set(anchors) != set(fisher) or not anchors:
+            raise ValueError("EWC needs one anchor and one Fisher tensor for each of the same parameters")
+        self.anchors, self.fisher, self.ewc_lambda, self.source = anchors, fisher, ewc_lambda, source or {}
+
+    @classmethod
+    def from_data(cls, model: nn.Module, batches: Iterable[dict[str, torch.Tensor]], ewc_lambda: float, *,
+                  source: dict[str, str] | None = None) -> ElasticWeightConsolidation:
+        """Anchor = the model's trainable weights now; Fisher from ``batches`` (one example each)."""
+        params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+        fisher = {name: torch.zeros_like(p, dtype=torch.float32) for name, p in params.items()}
+        was_training, count = model.training, 0
+        model.eval()  # dropout off: the Fisher of the model as it is, not of a random sub-network
+        for batch in batches:
+            model.zero_grad(set_to_none=True)
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
+            loss_sum, units = causal_lm_loss_sum(logits, batch["labels"])
+            if not units:
+                continue
+            loss_sum.backward()  # the sequence's log-likelihood: the Fisher is of p(response | prompt)
+            for name, p in params.items():
+                if p.grad is not None:
+                    fisher[name] += p.grad.detach().float() ** 2
+            count += 1
+        model.zero_grad(set_to_none=True)
+        model.train(was_training)
+        if not count:
+            raise RLHFInputError("config field 'ewc_dataset': no example with a target token to estimate the Fisher from")
+        anchors = {name: p.detach().float().clone() for name, p in params.items()}
+        return cls(anchors, {name: f / count for name, f in fisher.items()}, ewc_lambda, source)
+
+    def penalty(self, model: nn.Module) -> torch.Tensor:
+        params = {name: p for name, p in model.named_parameters() if name in self.fisher}
+        if len(params) != len(self.fisher):
+            raise RLHFInputError("EWC: the model's trainable parameters differ from the ones the Fisher was "
+                                 "computed for; delete ewc.safetensors in output_dir to recompute it")
+        device = next(iter(params.values())).device
+        if next(iter(self.fisher.values())).device != device:
+            self.anchors = {k: v.to(device) for k, v in self.anchors.items()}
+            self.fisher = {k: v.to(device) for k, v in self.fisher.items()}
+        return ewc_penalty(params, self.anchors, self.fisher, self.ewc_lambda)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """anchor/<name> and fisher/<name> tensors in one safetensors file, written atomically."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        tensors = {**{f"anchor/{k}": v.contiguous() for k, v in self.anchors.items()},
+                   **{f"fisher/{k}": v.contiguous() for k, v in self.fisher.items()}}
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
+        save_file(tensors, str(tmp), metadata=self.source)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, ewc_lambda: float) -> ElasticWeightConsolidation:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as handle:
+            tensors = {key: handle.get_tensor(key) for key in handle.keys()}
+            source = handle.metadata() or {}
+        anchors = {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("anchor/")}
+        fisher = {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("fisher/")}
+        return cls(anchors, fisher, ewc_lambda, source)
+
+
+# -- adversarial validation: degenerate outputs, reward hacking, robustness to harmless prompt changes ------------
+
+
+def repetition_rate(text: str, n: int = 3) -> float:
+    """Share of the word n-grams of ``text`` that repeat an earlier n-gram of the same text:
+    1 - distinct / total (0 when the text has fewer than n words). A looping completion ("= = = =")
+    scores near 1, ordinary prose near 0. A loop inside one word ("77777") is one word: the
+    truncation rate catches those. Holtzman et al. (2020) on neural text degeneration."""
+    grams = _ngrams(text, n)
+    return 1.0 - len(set(grams)) / len(grams) if grams else 0.0
+
+
+def degeneration_rates(completions: list[list[int]], texts: list[str], stop_token_ids: Iterable[int], *,
+                       n: int = 3, threshold: float = 0.5) -> dict[str, float]:
+    """Shares of completions that are repetitive (``repetition_rate(text, n) >= threshold``), empty
+    (no visible text after decoding) or truncated (no stop token at the end: generation ran out of
+    ``max_new_tokens``; ``PolicyModel.generate`` keeps the stop token it produced).
+    Shapes: completions (B) token-id lists and their texts (B) -> rates in [0, 1]."""
+    if len(completions) != len(texts) or not texts:
+        raise ValueError("degeneration_rates needs one decoded text per completion, and at least one")
+    stops = set(stop_token_ids)
+    return {"degenerate/repetition": float(np.mean([repetition_rate(t, n) >= threshold for t in texts])),
+            "degenerate/empty": float(np.mean([not t.strip() for t in texts])),
+            "degenerate/truncated": float(np.mean([not ids or ids[-1] not in stops for ids in completions]))}
+
+
+# Reward hacking (Gao et al. 2023, "Scaling Laws for Reward Model Overoptimization"): the proxy reward
+# rises while what it stands for falls. Each rule: the measurement that must move against the reward,
+# and the direction that is suspicious (+1 rose, -1 fell). Ensemble disagreement rising with the reward
+# means the policy is moving where the reward models stop agreeing (Coste et al. 2024; Eisenstein et al. 2023).
+REWARD_HACKING_RULES: dict[str, tuple[str, int]] = {
+    "reward_up_accuracy_down": ("accuracy", -1),
+    "reward_up_disagreement_up": ("disagreement", +1),
+}
+
+
+def reward_hacking_flags(before: dict[str, float], after: dict[str, float], tolerance: float = 0.0) -> list[str]:
+    """Names of the REWARD_HACKING_RULES that fire between two measurements of the same prompts
+    (``{"reward", "accuracy"?, "disagreement"?}``, as ``AdversarialValidator.measure`` returns):
+    the mean reward rose by more than ``tolerance`` and the rule's measurement moved the suspicious
+    way by more than ``tolerance``. A measurement missing on either side never fires."""
+    def moved(key: str, sign: int) -> bool:
+        return key in before and key in after and sign * (after[key] - before[key]) > tolerance
+
+    if not moved("reward", +1):
+        return []
+    return [name for name, (key, sign) in REWARD_HACKING_RULES.items() if moved(key, sign)]
+
+
+def perturb_whitespace(text: str, seed: int = 0) -> str:
+    """Widen some spaces to two or three and pad the ends: every word and number stays as it was."""
+    rng = random.Random(seed)
+    parts = text.split(" ")
+    body = "".join(part + " " * rng.randint(1, 3) for part in parts[:-1]) + parts[-1]
+    return " " * rng.randint(1, 2) + body + rng.choice(["", " ", "\n"])
+
+
+def perturb_case(text: str, seed: int = 0) -> str:
+    """Upper-, lower- or capitalise each alphabetic word at random; digits and symbols never change."""
+    rng = random.Random(seed)
+    cases = (str.upper, str.lower, str.capitalize)
+    return re.sub(r"[A-Za-z]+", lambda match: rng.choice(cases)(match.group()), text)
+
+
+PERTURBATION_PREFIXES = ("Please answer: ", "Question: ", "Solve this. ", "Hi! Quick one: ")
+
+
+def perturb_prefix(text: str, seed: int = 0) -> str:
+    """A harmless lead-in (``PERTURBATION_PREFIXES``) before the prompt."""
+    return random.Random(seed).choice(PERTURBATION_PREFIXES) + text
+
+
+# Perturbations that keep an arithmetic prompt's answer: no reordering, no edits inside numbers or operators.
+PERTURBATIONS: dict[str, Callable[[str, int], str]] = {
+    "whitespace": perturb_whitespace, "case": perturb_case, "prefix": perturb_prefix,
+}
+
+
+def answer_consistency(original: list[str | None], perturbed: list[list[str | None]]) -> float:
+    """Share of (prompt, perturbation) pairs whose extracted answer equals the unperturbed prompt's
+    (no answer both times counts as unchanged). Shapes: original (P), perturbed K x (P) -> float."""
+    pairs = [(a, b) for group in perturbed for a, b in zip(original, group, strict=True)]
+    return float(np.mean([a == b for a, b in pairs])) if pairs else 1.0
+
+
+def validation_score(repetition: float, empty: float, truncated: float, consistency: float | None,
+                     hacking_flags: int) -> float:
+    """Overall health in [0, 1]: the mean of 1 - repetition, 1 - empty, 1 - truncated and (when
+    measured) the answer consistency under perturbation, halved for every reward-hacking flag."""
+    terms = [1.0 - repetition, 1.0 - empty, 1.0 - truncated] + ([consistency] if consistency is not None else [])
+    return float(np.mean(terms)) * 0.5 ** hacking_flags
+
+
+@dataclass
+class ValidationReport:
+    """What ``AdversarialValidator.validate`` found: degenerate-output rates, robustness under
+    prompt perturbation, the reward-hacking flags with the two measurements they came from, and
+    the verdict against the validator's thresholds (``max_<metric>`` / ``min_<metric>``)."""
+
+    repetition: float
+    empty: float
+    truncated: float
+    consistency: float | None = None
+    accuracy: float | None = None
+    perturbed_accuracy: float | None = None
+    hacking_flags: list[str] = field(default_factory=list)
+    measurements: dict[str, dict[str, float]] = field(default_factory=dict)  # {"before": ..., "after": ...}
+    thresholds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def score(self) -> float:
+        return validation_score(self.repetition, self.empty, self.truncated, self.consistency, len(self.hacking_flags))
+
+    @property
+    def failures(self) -> list[str]:
+        """One line per threshold broken, e.g. ``repetition 0.4 > max_repetition 0.1``."""
+        values = {"repetition": self.repetition, "empty": self.empty, "truncated": self.truncated,
+                  "consistency": self.consistency, "score": self.score, "hacking_flags": len(self.hacking_flags)}
+        broken = []
+        for name, limit in self.thresholds.items():
+            bound, metric = name.split("_", 1)
+            value = values[metric]
+            if value is not None and (value > limit + 1e-12 if bound == "max" else value < limit - 1e-12):
+                broken.append(f"{metric} {value:.3g} {'>' if bound == 'max' else '<'} {name} {limit:.3g}")
+        return broken
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    def metrics(self) -> dict[str, float]:
+        """Flat ``validation/...`` numbers for a logger."""
+        values = {"repetition": self.repetition, "empty": self.empty, "truncated": self.truncated,
+                  "consistency": self.consistency, "accuracy": self.accuracy,
+                  "perturbed_accuracy": self.perturbed_accuracy, "score": self.score,
+                  "hacking_flags": float(len(self.hacking_flags)), "passed": float(self.passed)}
+        return {f"validation/{k}": float(v) for k, v in values.items() if v is not None}
+
+
+def _answer_matches(response: str, record: dict[str, Any]) -> bool:
+    return extract_answer(response) == str(record["answer"]).strip()
+
+
+def _with_prompt(record: dict[str, Any], text: str) -> dict[str, Any]:
+    """The record with its last user message replaced by ``text`` (everything else kept)."""
+    updated = {**record, "messages": record["messages"][:-1] + [{"role": "user", "content": text}]}
+    if "prompt" in updated:  # RLHFEvaluator.as_records keeps a record's own "prompt"; keep it in step
+        updated["prompt"] = text
+    return updated
+
+
+class AdversarialValidator:
+    """A scored safety and quality check of a policy, run after a stage (or before shipping):
+
+    - degenerate outputs: rates of repetitive, empty and truncated completions (``degeneration``);
+    - robustness: answers under harmless prompt perturbations (``PERTURBATIONS``: extra whitespace,
+      case changes, a polite prefix) — the share left unchanged, and accuracy with and without;
+    - reward hacking: ``measure`` the mean reward, verifier accuracy and reward-ensemble disagreement
+      (``LearnedReward.last_uncertainty``) before a stage, pass that as ``baseline`` after it, and
+      ``reward_hacking_flags`` says whether the reward rose while accuracy fell or disagreement rose.
+
+    ``validate`` runs all of them (greedy decoding, one batched generation for every prompt
+    variant) and returns a ``ValidationReport`` whose ``passed`` checks the thresholds given here.
+    Prompts are strings or records; records with an ``answer`` are scored by ``verifier(response,
+    record) -> bool`` (default: the ``Answer:`` line equals the record's answer)."""
+
+    def __init__(self, *, template: str = "auto", max_new_tokens: int = 64, batch_size: int = 32,
+                 samples_per_prompt: int = 1, ngram: int = 3, repetition_threshold: float = 0.5,
+                 perturbations: Sequence[str] = tuple(PERTURBATIONS), tolerance: float = 0.0, seed: int = 0,
+                 max_repetition: float = 0.1, max_empty: float = 0.05, max_truncated: float = 0.2,
+                 min_consistency: float = 0.8, min_score: float = 0.0, max_hacking_flags: int = 0) -> None:
+        unknown = [name for name in perturbations if name not in PERTURBATIONS]
+        if unknown:
+            raise RLHFInputError(f"unknown perturbations {unknown}; choose from {', '.join(PERTURBATIONS)}")
+        self.thresholds = {"max_repetition": max_repetition, "max_empty": max_empty, "max_truncated": max_truncated,
+                           "min_consistency": min_consistency, "min_score": min_score,
+                           "max_hacking_flags": max_hacking_flags}
+        bad = [f"{k}={v}" for k, v in self.thresholds.items() if k != "max_hacking_flags" and not 0 <= v <= 1]
+        if bad:
+            raise RLHFInputError(f"AdversarialValidator: rate thresholds must be in [0, 1]; got {', '.join(bad)}")
+        if samples_per_prompt < 1 or ngram < 1:
+            raise RLHFInputError(f"AdversarialValidator: samples_per_prompt ({samples_per_prompt}) and ngram "
+                                 f"({ngram}) must be >= 1")
+        self.template, self.max_new_tokens, self.batch_size, self.seed = template, max_new_tokens, batch_size, seed
+        self.samples_per_prompt, self.ngram, self.repetition_threshold = samples_per_prompt, ngram, repetition_threshold
+        self.perturbations, self.tolerance = list(perturbations), tolerance
+
+    def _evaluator(self, policy: PolicyModel) -> RLHFEvaluator:
+        return RLHFEvaluator(policy, template=self.template, max_new_tokens=self.max_new_tokens,
+                             batch_size=self.batch_size, seed=self.seed)
+
+    def _perturbed(self, records: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+        """One list of records per perturbation; record i gets seed ``seed + i``."""
+        return [[_with_prompt(r, PERTURBATIONS[name](r["messages"][-1]["content"], self.seed + i))
+                 for i, r in enumerate(records)] for name in self.perturbations]
+
+    def _degeneration(self, evaluator: RLHFEvaluator, records: list[dict[str, Any]],
+                      greedy: list[list[int]] | None = None) -> dict[str, float]:
+        """On greedy completions (reused when given), or on ``samples_per_prompt`` > 1 samples at temperature 1."""
+        completions = greedy
+        if self.samples_per_prompt > 1 or completions is None:
+            repeated = [r for r in records for _ in range(self.samples_per_prompt)]
+            completions = evaluator.complete(evaluator.policy, repeated, sample=self.samples_per_prompt > 1)
+        texts = [evaluator.policy.decode(c) for c in completions]
+        return degeneration_rates(completions, texts, evaluator.formatter.stop_token_ids, n=self.ngram,
+                                  threshold=self.repetition_threshold)
+
+    @staticmethod
+    def _accuracy(records: list[dict[str, Any]], texts: list[str], verifier: Callable | None) -> float | None:
+        """Share of verified responses among records with an answer (every record, given a verifier)."""
+        scored = [(t, r) for t, r in zip(texts, records) if verifier is not None or r.get("answer") is not None]
+        check = verifier or _answer_matches
+        return float(np.mean([bool(check(t, r)) for t, r in scored])) if scored else None
+
+    def _robustness(self, records: list[dict[str, Any]], groups: list[list[str]],
+                    verifier: Callable | None) -> dict[str, float]:
+        """``groups``: greedy texts of the original prompts, then one list per perturbation."""
+        if len(groups) < 2:
+            return {}
+        answers = [[extract_answer(t) for t in group] for group in groups]
+        metrics = {"robustness/consistency": answer_consistency(answers[0], answers[1:])}
+        accuracy = self._accuracy(records, groups[0], verifier)
+        if accuracy is not None:
+            perturbed = [self._accuracy(records, group, verifier) for group in groups[1:]]
+            metrics.update({"robustness/accuracy": accuracy,
+                            "robustness/perturbed_accuracy": float(np.mean(perturbed))})
+        return metrics
+
+    def _measure(self, records: list[dict[str, Any]], texts: list[str], reward_fn: Callable,
+                 verifier: Callable | None) -> dict[str, float]:
+        """Mean reward of ``texts``, their accuracy and, for ensembles, the members' mean disagreement."""
+        prompts = [r["messages"][-1]["content"] for r in records]
+        rewards = _call_reward(reward_fn, prompts, texts, [r.get("answer") for r in records], records)
+        measured = {"reward": float(rewards.mean())}
+        accuracy = self._accuracy(records, texts, verifier)
+        if accuracy is not None:
+            measured["accuracy"] = accuracy
+        uncertainty = getattr(reward_fn, "last_uncertainty", None)
+        if isinstance(uncertainty, torch.Tensor) and uncertainty.numel() == len(texts):
+            measured["disagreement"] = float(uncertainty.float().mean())
+        return measured
+
+    def _greedy_groups(self, evaluator: RLHFEvaluator, groups: list[list[dict[str, Any]]]
+                       ) -> tuple[list[list[int]], list[list[str]]]:
+        """Greedy completions of several equally long record lists in one batched call:
+        (ids of the first list, texts per list)."""
+        ids = evaluator.complete(evaluator.policy, [r for group in groups for r in group], sample=False)
+        texts = [evaluator.policy.decode(c) for c in ids]
+        size = len(groups[0])
+        return ids[:size], [texts[k * size:(k + 1) * size] for k in range(len(groups))]
+
+    def degeneration(self, policy: PolicyModel, prompts: list[str] | list[dict[str, Any]]) -> dict[str, float]:
+        """Repetition, empty and truncation rates of the policy's completions."""
+        return self._degeneration(self._evaluator(policy), RLHFEvaluator.as_records(prompts))
+
+    def robustness(self, policy: PolicyModel, prompts: list[str] | list[dict[str, Any]],
+                   verifier: Callable | None = None) -> dict[str, float]:
+        """Answer consistency under the perturbations; accuracy with and without them where answers are known."""
+        records = RLHFEvaluator.as_records(prompts)
+        _, groups = self._greedy_groups(self._evaluator(policy), [records] + self._perturbed(records))
+        return self._robustness(records, groups, verifier)
+
+    def measure(self, policy: PolicyModel, prompts: list[str] | list[dict[str, Any]], reward_fn: Callable,
+                verifier: Callable | None = None) -> dict[str, float]:
+        """``{"reward", "accuracy"?, "disagreement"?}`` of greedy responses: a baseline for ``validate``."""
+        records = RLHFEvaluator.as_records(prompts)
+        _, (texts,) = self._greedy_groups(self._evaluator(policy), [records])
+        return self._measure(records, texts, reward_fn, verifier)
+
+    def validate(self, policy: PolicyModel, prompts: list[str] | list[dict[str, Any]], *,
+                 reward_fn: Callable | None = None, baseline: dict[str, float] | None = None,
+                 verifier: Callable | None = None) -> ValidationReport:
+        """Every check on ``prompts``; reward hacking only with ``reward_fn`` and a ``baseline`` from ``measure``."""
+        if baseline is not None and reward_fn is None:
+            raise RLHFInputError("AdversarialValidator.validate: a baseline needs the reward_fn it was measured with")
+        records = RLHFEvaluator.as_records(prompts)
+        evaluator = self._evaluator(policy)
+        greedy, groups = self._greedy_groups(evaluator, [records] + self._perturbed(records))
+        rates = self._degeneration(evaluator, records, greedy)
+        robust = self._robustness(records, groups, verifier)
+        report = ValidationReport(
+            repetition=rates["degenerate/repetition"], empty=rates["degenerate/empty"],
+            truncated=rates["degenerate/truncated"], consistency=robust.get("robustness/consistency"),
+            accuracy=robust.get("robustness/accuracy"), perturbed_accuracy=robust.get("robustness/perturbed_accuracy"),
+            thresholds=dict(self.thresholds))
+        if baseline is not None:
+            after = self._measure(records, groups[0], reward_fn, verifier)
+            report.hacking_flags = reward_hacking_flags(baseline, after, self.tolerance)
+            report.measurements = {"before": dict(baseline), "after": after}
+        logger.info("validation: score %.3f, %s", report.score,
+                    "passed" if report.passed else "; ".join(report.failures))
+        return report
+
+
+# -- iterative refinement: generate -> critique -> refine, best by reward -------------------------------------------
+
+# The refinement prompt (Self-Refine, Madaan et al. 2023): the task, the best answer so far and feedback on it.
+REFINE_TEMPLATE = ("{prompt}\n\nA previous answer:\n{response}\n\nFeedback: {critique}\n\n"
+                   "Write an improved answer to the original question.")
+
+
+def default_critique(response: str, reward: float, correct: bool | None) -> str:
+    """Rule-based feedback from the reward and the verifier's verdict (None: no verifier or answer),
+    for policies too small to critique themselves, such as the tiny demo model."""
+    answer = extract_answer(response)
+    if answer is None:
+        return (f"The previous response has no final 'Answer: <number>' line (reward {reward:.3g}); "
+                f"solve it step by step and end with one.")
+    if correct is None:
+        return f"The previous answer {answer} got a reward of {reward:.3g}; check each step and improve it."
+    if correct:
+        return (f"The previous answer {answer} was judged correct (reward {reward:.3g}); "
+                f"keep it and make each step clear.")
+    return f"The previous answer {answer} was judged wrong (reward {reward:.3g}); check each step."
+
+
+@dataclass
+class RefinementResult:
+    """One prompt's refinement: the best response seen in any round and its reward, the round that
+    produced it (0 = plain generation), the best candidate reward of every round run, and the worst
+    response seen (the ``rejected`` side of a preference pair)."""
+
+    record: dict[str, Any]
+    response: str
+    reward: float
+    best_round: int
+    round_rewards: list[float]
+    worst: str
+    worst_reward: float
+
+    @property
+    def prompt(self) -> str:
+        return self.record["messages"][-1]["content"]
+
+    @property
+    def best_so_far(self) -> list[float]:
+        """Running maximum of ``round_rewards``: what the refiner keeps after each round (non-decreasing)."""
+        return [float(v) for v in np.maximum.accumulate(self.round_rewards)]
+
+
+def refinement_pairs(results: list[RefinementResult], min_margin: float = 0.0) -> list[dict[str, Any]]:
+    """``{"prompt", "chosen", "rejected", "chosen_reward", "rejected_reward"}`` records (plus
+    ``system`` and alpaca-style ``history`` where the prompt has them), best vs worst response seen,
+    for prompts whose best beats their worst by more than ``min_margin`` and where neither is blank
+    (a preference record needs two non-empty responses)."""
+    pairs = []
+    for result in results:
+        if result.reward - result.worst_reward <= min_margin or not result.response.strip() or not result.worst.strip():
+            continue
+        record, messages = result.record, result.record["messages"]
+        pair: dict[str, Any] = {"prompt": result.prompt}
+        if record.get("system"):
+            pair["system"] = record["system"]
+        if len(messages) > 1:  # earlier turns as [question, answer] pairs
+            pair["history"] = [[messages[i]["content"], messages[i + 1]["content"]]
+                               for i in range(0, len(messages) - 1, 2)]
+        pairs.append({**pair, "chosen": result.response, "rejected": result.worst,
+                      "chosen_reward": result.reward, "rejected_reward": result.worst_reward})
+    return pairs
+
+
+PREFERENCE_COLUMNS = {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected", "system": "system",
+                      "history": "history"}
+
+
+def write_preference_jsonl(pairs: list[dict[str, Any]], path: str | os.PathLike,
+                           dataset_name: str | None = None) -> Path:
+    """Write preference records as JSONL, readable by the preference stages as ``dataset: <path>``;
+    with ``dataset_name`` also register the file in the ``dataset_info.json`` beside it (as
+    data/demo registers ``demo_preference``), so ``dataset: <name>, dataset_dir: <folder>`` works too."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
+    tmp.write_text("".join(json.dumps(p, ensure_ascii=False) + "\n" for p in pairs), encoding="utf-8")
+    os.replace(tmp, path)
+    if dataset_name:
+        info_path = path.parent / "dataset_info.json"
+        info = json.loads(info_path.read_text(encoding="utf-8")) if info_path.exists() else {}
+        info[dataset_name] = {"file_name": path.name, "ranking": True, "columns": dict(PREFERENCE_COLUMNS)}
+        info_path.write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+    return path
+
+
+class IterativeRefiner:
+    """Generate -> critique -> refine (Self-Refine, Madaan et al. 2023), keeping the best response by
+    reward across rounds, so the result is never worse than plain sampling (round 0) by construction.
+
+    Round 0 samples ``num_candidates`` responses per prompt. Each later round critiques the best
+    response so far — with ``critic(prompt, response) -> str`` when given, else ``default_critique``
+    from its reward and the verifier's verdict — renders ``REFINE_TEMPLATE`` and samples
+    ``num_candidates`` more. Every candidate is scored against the *original* prompt with
+    ``reward_fn(prompts, completions, answers)`` (called as the trainers call it, records included for
+    rewards that want them), so rewards are comparable across rounds. A prompt stops after ``rounds``
+    refinements or at the first round that does not beat its best by more than ``min_improvement``.
+
+    ``preference_pairs`` turns the best and worst responses seen into DPO data (``refinement_pairs``,
+    ``write_preference_jsonl``)."""
+
+    def __init__(self, policy: PolicyModel, reward_fn: Callable, *, critic: Callable[[str, str], str] | None = None,
+                 verifier: Callable | None = None, rounds: int = 2, num_candidates: int = 4,
+                 min_improvement: float = 0.0, template: str = "auto", max_new_tokens: int = 64,
+                 temperature: float = 1.0, batch_size: int = 32, seed: int = 0) -> None:
+        if rounds < 0 or num_candidates < 1 or temperature <= 0:
+            raise RLHFInputError(f"IterativeRefiner: rounds ({rounds}) must be >= 0, num_candidates ({num_candidates}) "
+                                 f">= 1 and temperature ({temperature}) > 0")
+        self.policy, self.reward_fn, self.critic, self.verifier = policy, reward_fn, critic, verifier
+        self.rounds, self.num_candidates, self.min_improvement = rounds, num_candidates, min_improvement
+        self.formatter = ChatFormatter(policy.tokenizer, template)
+        self.max_new_tokens, self.temperature = max_new_tokens, temperature
+        self.batch_size, self.seed = batch_size, seed
+
+    def _candidates(self, inputs: list[dict[str, Any]], originals: list[dict[str, Any]]
+                    ) -> list[list[tuple[str, float]]]:
+        """``num_candidates`` samples per input record, each scored against its original record."""
+        k = self.num_candidates
+        ids = self.policy.generate([self.formatter.prompt_ids(r) for r in inputs for _ in range(k)],
+                                   max_new_tokens=self.max_new_tokens, do_sample=True, temperature=self.temperature,
+                                   stop_token_ids=self.formatter.stop_token_ids, batch_size=self.batch_size)
+        texts = [self.policy.decode(c) for c in ids]
+        scored = [r for r in originals for _ in range(k)]
+        rewards = _call_reward(self.reward_fn, [r["messages"][-1]["content"] for r in scored], texts,
+                               [r.get("answer") for r in scored], scored).tolist()
+        return [list(zip(texts[i * k:(i + 1) * k], rewards[i * k:(i + 1) * k])) for i in range(len(inputs))]
+
+    def _verdict(self, response: str, record: dict[str, Any]) -> bool | None:
+        if self.verifier is not None:
+            return bool(self.verifier(response, record))
+        return _answer_matches(response, record) if record.get("answer") is not None else None
+
+    def critique(self, result: RefinementResult) -> str:
+        """Feedback on the best response so far."""
+        if self.critic is not None:
+            return str(self.critic(result.prompt, result.response))
+        return default_critique(result.response, result.reward, self._verdict(result.response, result.record))
+
+    def _refined(self, result: RefinementResult) -> dict[str, Any]:
+        text = REFINE_TEMPLATE.format(prompt=result.prompt, response=result.response, critique=self.critique(result))
+        return _with_prompt(result.record, text)
+
+    @staticmethod
+    def _update(result: RefinementResult, candidates: list[tuple[str, float]], round_index: int,
+                min_improvement: float) -> bool:
+        """Record a round's candidates; True when its best beat the best so far by more than ``min_improvement``."""
+        best, worst = max(candidates, key=lambda c: c[1]), min(candidates, key=lambda c: c[1])
+        result.round_rewards.append(best[1])
+        if worst[1] < result.worst_reward:
+            result.worst, result.worst_reward = worst
+        if best[1] <= result.reward + min_improvement:
+            return False
+        result.response, result.reward, result.best_round = best[0], best[1], round_index
+        return True
+
+    def refine(self, prompts: list[str] | list[dict[str, Any]]) -> list[RefinementResult]:
+        """The best response per prompt after at most ``rounds`` refinements."""
+        results = [RefinementResult(r, "", -math.inf, 0, [], "", math.inf) for r in RLHFEvaluator.as_records(prompts)]
+        torch.manual_seed(self.seed)
+        active = list(range(len(results)))  # round 0 always beats the empty start
+        for round_index in range(self.rounds + 1):
+            if not active:
+                break
+            inputs = [results[i].record if round_index == 0 else self._refined(results[i]) for i in active]
+            batches = self._candidates(inputs, [results[i].record for i in active])
+            active = [i for i, candidates in zip(active, batches)
+                      if self._update(results[i], candidates, round_index, self.min_improvement)]
+        return results
+
+    def preference_pairs(self, prompts: list[str] | list[dict[str, Any]], min_margin: float = 0.0
+                         ) -> list[dict[str, Any]]:
+        """Refine ``prompts`` and return best-vs-worst preference records (ties and blanks skipped)."""
+        return refinement_pairs(self.refine(prompts), min_margin)
 
 
 # ==== 10. Orchestrator ====
@@ -5852,7 +6523,7 @@ def _load_policy(config: BaseConfig, devices: DeviceManager) -> PolicyModel:
 
 def _start_stage(config: BaseConfig, devices: DeviceManager | None) -> tuple[tuple, DeviceManager]:
     """Logging, seed, records (validated before any model loads) and devices for one stage."""
-    setup_logging(log_file=Path(config.output_dir) / "logs" / f"{config.stage}.log")
+    setup_logging(log_file=Path(config.logging_dir or Path(config.output_dir) / "logs") / f"{config.stage}.log")
     set_seed(config.seed)
     if getattr(config, "precompute_ref_log_probs", False) and config.streaming:
         raise RLHFInputError("config field 'precompute_ref_log_probs' needs an in-memory dataset; set streaming=false "
@@ -6011,13 +6682,19 @@ STAGE_RUNNERS: dict[str, Callable[[BaseConfig], TrainResult]] = {
 POLICY_STAGES = ("sft", "dpo", "simpo", "orpo", "kto", "grpo", "ppo")
 
 
+def read_report(output_dir: str | os.PathLike) -> dict[str, Any]:
+    """``output_dir/report.json``: every stage entry written so far, across runs."""
+    path = Path(output_dir) / "report.json"
+    return json.loads(path.read_text()) if path.exists() else {"stages": []}
+
+
 def append_report(output_dir: str | os.PathLike, entry: dict[str, Any]) -> Path:
     """Add one stage's entry to ``output_dir/report.json`` (written atomically)."""
-    path = Path(output_dir) / "report.json"
     if _launch_rank() > 0:  # a multi-process launch: the main process writes, once
-        return path
-    report = json.loads(path.read_text()) if path.exists() else {"stages": []}
+        return Path(output_dir) / "report.json"
+    report = read_report(output_dir)
     report["stages"].append(entry)
+    path = Path(output_dir) / "report.json"
     tmp = path.with_name(f".report-{uuid.uuid4().hex[:8]}.json")
     tmp.write_text(json.dumps(report, indent=2, default=float))
     os.replace(tmp, path)
@@ -6044,9 +6721,157 @@ def summary_table(entries: list[dict[str, Any]], title: str = "rlhf run summary"
     return table
 
 
+# -- what makes a stage "the same": its config, its data's content and the models it starts from ------------
+
+def _file_fingerprint(path: Path) -> list[Any]:
+    stat = path.stat()
+    if stat.st_size <= 64 * 2**20:
+        return [str(path), hashlib.sha256(path.read_bytes()).hexdigest()]
+    return [str(path), stat.st_size, stat.st_mtime_ns]  # a large file: size and time rather than a full read
+
+
+def data_fingerprint(config: BaseConfig) -> list[Any]:
+    """The content (and registry entry) of every dataset a stage reads."""
+    parts = []
+    for field_name in ("dataset", "eval_dataset", "ewc_dataset"):
+        for name in [n.strip() for n in str(getattr(config, field_name, "") or "").split(",") if n.strip()]:
+            spec = resolve_dataset(name, config.dataset_dir)
+            parts.append([field_name, name, spec.formatting, spec.columns, spec.tags, spec.ranking, spec.hub,
+                          str(spec.hf_dir), [_file_fingerprint(f) for f in spec.files]])
+    return parts
+
+
+# config fields that change how a run looks, not what it computes
+_COSMETIC_FIELDS = ("disable_progress_bar", "report_to", "run_name", "logging_dir", "resume_from_checkpoint",
+                    "overwrite_output_dir", "plot_loss")
+_MODEL_FIELDS = ("model_name_or_path", "reward_model", "process_reward_model", "value_model", "ref_model")
+POLICY_OPTIMISATION_STAGES = ("dpo", "simpo", "orpo", "kto", "grpo", "ppo")
+STAGE_MARKER = "pipeline_stage.json"  # in output_dir/<stage>: the fingerprint it was started with, and whether it finished
+
+
+def _metric_cell(value: float | None, percent: bool = False) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    return f"{value:.1%}" if percent else f"{value:.3f}"
+
+
+def pipeline_rows(history: list[dict[str, Any]]) -> list[list[str]]:
+    """One row per stage: stage, status, time, held-out accuracy, reward, KL to the reference, notes."""
+    evaluation = next((e for e in reversed(history) if e["stage"] == "eval" and e["status"] == "completed"), None)
+    per_stage = (evaluation or {}).get("metrics", {}).get("per_stage", {})
+    rows = []
+    for entry in history:
+        stage, metrics = entry["stage"], entry.get("metrics", {})
+        status = entry["status"].replace("_", " ") + (" (cached)" if entry.get("skipped") else "")
+        measured = per_stage.get(stage, {}) if entry["status"] == "completed" else {}
+        accuracy = entry.get("eval", {}).get("eval/accuracy")
+        reward, kl, notes = measured.get("reward/mean"), measured.get("kl/k3"), entry.get("reason", "")
+        if stage in ("rm", "prm"):
+            notes = notes or (f"pairwise accuracy {accuracy:.1%}" if accuracy is not None else "")
+            accuracy = None
+        elif stage == "merge":
+            reward, kl = metrics.get("reward/mean"), metrics.get("kl/k3")
+            notes = notes or f"{metrics.get('method', '')} of {', '.join(metrics.get('models', []))}"
+        elif stage == "best_of_n":
+            accuracy = None
+            notes = notes or "; ".join(f"{name}: {metrics[f'accuracy/{name}']:.1%}" for name in metrics.get("scorers", [])
+                                       ) + (f" (greedy {metrics['accuracy/greedy']:.1%}, any of n "
+                                            f"{metrics['accuracy/oracle']:.1%})" if "accuracy/greedy" in metrics else "")
+        elif stage == "eval":
+            final = metrics.get("final", {})
+            notes = notes or ", ".join(f"{k} {v:.3f}" for k, v in final.items()
+                                       if k in ("win/win_rate", "diversity/distinct_2", "reward/accuracy"))
+        if entry.get("capabilities") and not notes:
+            notes = ", ".join(f"{t} {d:+.1%}" for t, d in entry["capabilities"]["deltas"].items())
+        rows.append([stage, status, f"{entry.get('seconds', 0):.0f}s", _metric_cell(accuracy, percent=True),
+                     _metric_cell(reward), _metric_cell(kl), notes])
+    return rows
+
+
+PIPELINE_COLUMNS = ("stage", "status", "time", "held-out accuracy", "reward", "KL to ref (k3)", "notes")
+
+
+def pipeline_table(history: list[dict[str, Any]], title: str) -> Any:
+    """The pipeline's one table: every stage with its accuracy, reward, KL and rollbacks."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for column in PIPELINE_COLUMNS:
+        table.add_column(column, justify="right" if column in ("time", "held-out accuracy", "reward", "KL to ref (k3)")
+                         else "left")
+    for row in pipeline_rows(history):
+        table.add_row(*row, style="red" if row[1].startswith("rolled back") else None)
+    rollbacks = sum(entry["status"] == "rolled_back" for entry in history)
+    table.caption = (f"{rollbacks} rollback(s); total {sum(e.get('seconds', 0) for e in history):.0f}s; reward = mean "
+                     f"reward-model score of greedy answers; KL on sampled answers")
+    return table
+
+
+def write_pipeline_report(output_dir: Path, history: list[dict[str, Any]], seconds: float) -> list[Path]:
+    """report.md (the table, rollbacks, final evaluation) and pipeline_summary.png (accuracy, reward, KL)."""
+    rows = pipeline_rows(history)
+    lines = [f"# rlhf pipeline report ({output_dir})", "", f"Wall time: {seconds:.0f}s.", "",
+             "| " + " | ".join(PIPELINE_COLUMNS) + " |", "|" + "---|" * len(PIPELINE_COLUMNS)]
+    lines += ["| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in rows]
+    rollbacks = [e for e in history if e["status"] == "rolled_back"]
+    lines += ["", f"## Rollbacks ({len(rollbacks)})", ""]
+    lines += [f"- {e['stage']}: {e.get('reason', '')}; continued from {e.get('input_model', '?')}" for e in rollbacks] or ["None."]
+    gated = [e for e in history if e.get("capabilities")]
+    if gated:
+        lines += ["", "## Capability tests (accuracy before -> after)", ""]
+        for entry in gated:
+            caps = entry["capabilities"]
+            lines.append(f"- {entry['stage']}: " + ", ".join(f"{t} {caps['before'][t]:.1%} -> {caps['after'][t]:.1%}"
+                                                             for t in caps["deltas"]))
+    for entry in history:
+        if entry["stage"] == "eval" and entry["status"] == "completed":
+            lines += ["", "## Final policy evaluation", ""]
+            lines += [f"- {k}: {v:.4g}" for k, v in entry["metrics"].get("final", {}).items()]
+    plots = sorted(str(p.relative_to(output_dir)) for p in output_dir.glob("*/plot_*.png"))
+    if plots:
+        lines += ["", "## Training curves", ""] + [f"- [{p}]({p})" for p in plots]
+    report = output_dir / "report.md"
+    report.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return [report, *_plot_pipeline(output_dir, history)]
+
+
+def _plot_pipeline(output_dir: Path, history: list[dict[str, Any]]) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [row for row in pipeline_rows(history) if row[3] != "-" or row[4] != "-"]
+    if not rows:
+        return []
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
+    for ax, column, label in zip(axes, (3, 4, 5), ("held-out accuracy", "reward", "KL to reference (k3)")):
+        values = [float(row[column].rstrip("%")) / (100 if row[column].endswith("%") else 1) if row[column] != "-"
+                  else 0.0 for row in rows]
+        colors = ["#d62728" if row[1].startswith("rolled back") else "#1f77b4" for row in rows]
+        ax.bar([row[0] for row in rows], values, color=colors)
+        ax.set_title(label)
+        ax.grid(alpha=0.3, axis="y")
+    fig.suptitle("per stage (red: rolled back)")
+    fig.tight_layout()
+    path = output_dir / "pipeline_summary.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return [path]
+
+
 class RLHFOrchestrator:
     """Runs the configured stages in order, each starting from the previous stage's model, and keeps
-    the history in ``output_dir/report.json``. Default config: configs/demo.yaml."""
+    the history in ``output_dir/report.json``. Default config: configs/demo.yaml.
+
+    - Policy-optimisation stages are gated by the capability tests (``capability_tests``): measured
+      before and after; a task that falls by more than ``capability_threshold`` rolls the stage back,
+      so the next stage starts from the previous model. A stage that crashes or diverges is rolled
+      back the same way (``rollback_on_error``). Rollbacks are recorded in the history.
+    - A stage already complete for the same config, data and input models is skipped (its entry in
+      report.json is reused); an interrupted one resumes from its latest checkpoint, or starts afresh
+      if its config or data changed since.
+    - ``eval``, ``best_of_n`` and ``merge`` stages evaluate, rerank and merge the trained models."""
 
     def __init__(self, config: PipelineConfig | str | os.PathLike | None = None) -> None:
         if config is None:
@@ -6057,36 +6882,379 @@ class RLHFOrchestrator:
         self.current_model: str | None = None
         self.reward_model: str | None = None
         self.process_reward_model: str | None = None
+        self.models: dict[str, str] = {}  # stage -> output directory, for stages whose output was adopted
+        self.produced: dict[str, str] = {}  # output directory -> fingerprint of the stage that wrote it
+        self.tester = None
+        if self.config.capability_tests:  # probe files resolve against the pipeline's dataset_dir unless given
+            shared_dir = self.config.shared.get("dataset_dir", "data")
+            self.tester = CapabilityTester.from_config(
+                {task: {"dataset_dir": shared_dir, **spec} for task, spec in self.config.capability_tests.items()},
+                threshold=self.config.capability_threshold)
+        self._capability_cache: dict[str, dict[str, float]] = {}
         self._compressor_model: PolicyModel | None = None  # the policy ContextCompressor runs on, loaded once
         self._compressor_for: str | None = None
 
-    def run_stage(self, stage: str) -> TrainResult:
+    # -- training stages
+    def run_stage(self, stage: str) -> dict[str, Any]:
+        """Run (or skip, if already complete) one stage; returns its report entry."""
+        if stage in FINAL_STAGES:
+            return self._run_final_stage(stage)
         config = self.config.stage_config(stage, model_name_or_path=self.current_model)
-        result = STAGE_RUNNERS[stage](config)
-        entry = result.report_entry()
-        append_report(self.output_dir, entry)
-        self.history.append(entry)
-        if stage in POLICY_STAGES:
-            self.current_model = str(result.output_dir)
-        elif stage == "prm":
-            self.process_reward_model = str(result.output_dir)
+        fingerprint = self._stage_fingerprint(config)
+        entry = self._completed_entry(stage, fingerprint, Path(config.output_dir))
+        if entry is None:
+            entry = self._train(stage, self._prepare_output_dir(config, fingerprint), fingerprint)
         else:
-            self.reward_model = str(result.output_dir)
-        return result
+            logger.info("stage %s: already complete for this config and data (report.json); skipped", stage)
+        self._record(entry)
+        return entry
 
-    def run_reward_model_training(self) -> TrainResult:
-        return self.run_stage("rm")
+    def _stage_fingerprint(self, config: BaseConfig) -> str:
+        settings = {k: v for k, v in config.to_dict().items() if k not in _COSMETIC_FIELDS}
+        for name in _MODEL_FIELDS:  # a model this pipeline trained is identified by what produced it
+            if settings.get(name) in self.produced:
+                settings[name] = {"trained_by": self.produced[settings[name]]}
+        return _fingerprint(config.stage, settings, data_fingerprint(config))
 
-    def run_process_reward_model_training(self) -> TrainResult:
-        return self.run_stage("prm")
+    def _completed_entry(self, stage: str, fingerprint: str, output_dir: Path) -> dict[str, Any] | None:
+        marker = output_dir / STAGE_MARKER
+        if not marker.exists() or json.loads(marker.read_text()) != {"fingerprint": fingerprint, "complete": True}:
+            return None
+        for entry in reversed(read_report(self.output_dir)["stages"]):
+            if entry.get("stage") == stage and entry.get("fingerprint") == fingerprint and not entry.get("error"):
+                return {**entry, "skipped": True}
+        return None
 
-    def run_policy_optimization(self, stage: str = "dpo") -> TrainResult:
-        """One policy-optimisation stage (dpo, simpo, orpo, kto, grpo or ppo) from the current policy."""
-        return self.run_stage(stage)
+    def _prepare_output_dir(self, config: BaseConfig, fingerprint: str) -> BaseConfig:
+        """Mark the stage as started with this fingerprint; checkpoints of another config are not resumed."""
+        directory = Path(config.output_dir)
+        marker = directory / STAGE_MARKER
+        if marker.exists() and json.loads(marker.read_text()).get("fingerprint") != fingerprint:
+            logger.warning("stage %s: config, data or input model changed since %s was written; starting it afresh",
+                           config.stage, directory)
+            config = dataclasses.replace(config, resume_from_checkpoint="none")
+        directory.mkdir(parents=True, exist_ok=True)
+        _write_json_atomic(marker, {"fingerprint": fingerprint, "complete": False})
+        return config
 
-    def run_sft(self) -> TrainResult:
+    def _train(self, stage: str, config: BaseConfig, fingerprint: str) -> dict[str, Any]:
+        gated = self.tester is not None and stage in POLICY_OPTIMISATION_STAGES
+        before = self._capabilities(config.model_name_or_path, config) if gated else None
+        started = time.time()
+        try:
+            result = STAGE_RUNNERS[stage](config)
+        except Exception as err:  # KeyboardInterrupt is not an Exception: a kill resumes on the next run
+            user_mistake = isinstance(err, RLHFInputError) and not isinstance(err, TrainingDivergedError)
+            if user_mistake or not self.config.rollback_on_error:
+                raise
+            logger.error("stage %s failed (%s: %s); rolled back, continuing from %s", stage, type(err).__name__, err,
+                         config.model_name_or_path)
+            return {"stage": stage, "status": "rolled_back", "error": True, "reason": f"{type(err).__name__}: {err}",
+                    "seconds": round(time.time() - started, 2), "global_step": 0, "output_dir": config.output_dir,
+                    "input_model": config.model_name_or_path, "fingerprint": fingerprint, "metrics": {}, "eval": {}}
+        entry = {**result.report_entry(), "status": "completed", "fingerprint": fingerprint,
+                 "input_model": config.model_name_or_path}
+        if gated:
+            self._capability_cache.pop(str(result.output_dir), None)  # the directory may hold an earlier run's model
+            report = self.tester.compare(before, self._capabilities(str(result.output_dir), config))
+            entry["capabilities"] = {"before": report.before, "after": report.after, "deltas": report.deltas,
+                                     "threshold": report.threshold}
+            if report.rollback:
+                entry["status"] = "rolled_back"
+                entry["reason"] = "capability regression: " + ", ".join(
+                    f"{task} {report.deltas[task]:+.1%}" for task in report.regressions) + f" (threshold {report.threshold:.0%})"
+                logger.warning("stage %s rolled back (%s); the next stage starts from %s", stage, entry["reason"],
+                               config.model_name_or_path)
+        _write_json_atomic(Path(config.output_dir) / STAGE_MARKER, {"fingerprint": fingerprint, "complete": True})
+        return entry
+
+    def _record(self, entry: dict[str, Any]) -> None:
+        """Append to report.json and the history; adopt the stage's output unless it was rolled back."""
+        if not entry.get("skipped"):
+            append_report(self.output_dir, entry)
+        self.history.append(entry)
+        if entry["status"] != "completed" or entry["stage"] not in STAGE_CONFIGS:
+            return
+        stage, path = entry["stage"], str(entry["output_dir"])
+        self.models[stage] = path
+        self.produced[path] = entry["fingerprint"]
+        if stage in POLICY_STAGES:
+            self.current_model = path
+        elif stage == "prm":
+            self.process_reward_model = path
+        elif stage == "rm":
+            self.reward_model = path
+
+    def _capabilities(self, model: str, config: BaseConfig) -> dict[str, float]:
+        """Capability-test accuracy of a model directory, measured once per run."""
+        if model not in self._capability_cache:
+            self._capability_cache[model] = self.tester.run(self._load_policy(model, config), template=config.template)
+        return self._capability_cache[model]
+
+    def _load_policy(self, model: str, config: BaseConfig) -> PolicyModel:
+        return PolicyModel.from_pretrained(model, dtype=_model_dtype(config), attn_implementation=config.attn_implementation,
+                                           trust_remote_code=config.trust_remote_code, cache_dir=config.cache_dir,
+                                           device="cuda" if torch.cuda.is_available() else "cpu")
+
+    def run_sft(self) -> dict[str, Any]:
         return self.run_stage("sft")
 
+    def run_reward_model_training(self) -> dict[str, Any]:
+        return self.run_stage("rm")
+
+    def run_process_reward_model_training(self) -> dict[str, Any]:
+        return self.run_stage("prm")
+
+    def run_policy_optimization(self, method: str = "dpo") -> dict[str, Any]:
+        """One policy-optimisation stage (dpo, simpo, orpo, kto, grpo or ppo) from the current policy."""
+        _check_choice(method, POLICY_OPTIMISATION_STAGES, "method")
+        return self.run_stage(method)
+
+    # -- evaluation, Best-of-N and merging
+    def _base_config(self) -> BaseConfig:
+        """Shared settings (template, eval_dataset, dataset_dir, ...) as the last training stage sees them."""
+        trained = [s for s in self.config.stages if s in STAGE_CONFIGS]
+        return self.config.stage_config(trained[-1] if trained else "sft")
+
+    def _resolve_model(self, name: str | None, option: str) -> str | None:
+        """A stage name of this pipeline ("sft", "rm", ...) or a directory; None stays None."""
+        if name is None:
+            return None
+        if name in self.models:
+            return self.models[name]
+        if name in STAGE_CONFIGS or name in FINAL_STAGES:
+            raise RLHFInputError(f"{self.config.source}: option '{option}' names stage '{name}', which has no adopted "
+                                 f"output in this run (not run, or rolled back)")
+        if not Path(name).exists():
+            raise RLHFInputError(f"{self.config.source}: option '{option}': '{name}' is neither a stage of this pipeline "
+                                 f"nor a directory")
+        return name
+
+    def _eval_records(self, options: dict[str, Any]) -> list[dict[str, Any]]:
+        base = self._base_config()
+        dataset = options.get("prompts") or base.eval_dataset
+        if not dataset:
+            raise RLHFInputError(f"{self.config.source}: the eval / best_of_n stages need prompts with answers: set "
+                                 f"eval_dataset (shared) or the stage's 'prompts'")
+        return load_records(dataset, base.dataset_dir, "prompt")
+
+    def _reward_function(self, options: dict[str, Any]) -> Callable | None:
+        """The reward model as ``reward_fn(prompts, responses)``, or None if the pipeline has none."""
+        name = options.get("reward_model")
+        if not name or (name in STAGE_CONFIGS and name not in self.models):
+            return None
+        learned = LearnedReward.from_pretrained(self._resolve_model(name, "reward_model"),
+                                                template=self._base_config().template)
+        return lambda prompts, responses: learned(prompts, responses, [None] * len(prompts))
+
+    def _policy_metrics(self, model: str, records: list[dict[str, Any]], reward_fn: Callable | None,
+                        reference: PolicyModel | None, options: dict[str, Any], *, accuracy: bool) -> dict[str, float]:
+        """Mean reward of greedy answers and KL to the reference on samples (first max_prompts prompts),
+        and with ``accuracy`` the exact-match accuracy on every held-out prompt, as the trainers measure it."""
+        base = self._base_config()
+        policy = self._load_policy(model, base)
+        max_new_tokens = options.get("max_new_tokens") or base.eval_max_new_tokens
+        evaluator = RLHFEvaluator(policy, reference, template=base.template, max_new_tokens=max_new_tokens,
+                                  batch_size=options["batch_size"], seed=base.seed)
+        subset = records[:options["max_prompts"]]
+        metrics: dict[str, float] = {}
+        if accuracy:
+            metrics.update(evaluate_exact_match(policy, evaluator.formatter, records, max_new_tokens=max_new_tokens,
+                                                batch_size=options["batch_size"]))
+        if reward_fn is not None:
+            metrics.update(evaluator.mean_reward(subset, reward_fn))
+        if reference is not None:
+            metrics.update(evaluator.kl_to_reference(subset, options["samples_per_prompt"]))
+        return metrics
+
+    def evaluate(self, options: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Every adopted policy: reward and KL to the reference (accuracy comes from its stage); the
+        final policy also: diversity, win rate over the reference and, given ``pairs``, reward accuracy."""
+        options = {**FINAL_STAGE_OPTIONS["eval"], **(options or {})}
+        if self.current_model is None:
+            raise RLHFInputError(f"{self.config.source}: the eval stage needs a trained policy; put it after a policy stage")
+        records, reward_fn = self._eval_records(options), self._reward_function(options)
+        base = self._base_config()
+        name = options["reference"]  # a stage that did not run (or was rolled back) means: no KL, no win rate
+        reference_dir = self.models.get(name) if name in STAGE_CONFIGS else self._resolve_model(name, "eval.reference")
+        reference = self._load_policy(reference_dir, base) if reference_dir else None
+        per_stage = {}
+        for stage, path in self.models.items():
+            if stage in POLICY_STAGES:
+                logger.info("eval: %s", stage)
+                per_stage[stage] = self._policy_metrics(path, records, reward_fn, None if path == reference_dir else reference,
+                                                        options, accuracy=False)
+                if path == reference_dir:
+                    per_stage[stage].update({"kl/k1": 0.0, "kl/k3": 0.0})
+        evaluator = RLHFEvaluator(self._load_policy(self.current_model, base), reference, template=base.template,
+                                  max_new_tokens=options.get("max_new_tokens") or base.eval_max_new_tokens,
+                                  batch_size=options["batch_size"], seed=base.seed)
+        subset = records[:options["max_prompts"]]
+        final = evaluator.diversity(subset, options["samples_per_prompt"])
+        if reference is not None and reward_fn is not None and self.current_model != reference_dir:
+            final.update(evaluator.win_rate(subset, reward_fn=reward_fn))
+        if options["pairs"] and reward_fn is not None:
+            pairs = load_records(options["pairs"], base.dataset_dir, "preference", max_samples=options["max_pairs"])
+            final.update(evaluator.reward_accuracy([{"prompt": p["messages"][-1]["content"], "chosen": p["chosen"],
+                                                     "rejected": p["rejected"]} for p in pairs], reward_fn))
+        return {"per_stage": per_stage, "final": final, "policy": self.current_model, "reference": reference_dir}
+
+    def best_of_n(self, options: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Best-of-N on the final policy (inference_optimizations.BestOfNSampler): n samples per held-out
+        prompt, one pool reranked by each scorer, accuracy against greedy decoding and the oracle."""
+        from inference_optimizations import BestOfNSampler, SamplingParams, answer_agreement
+
+        options = {**FINAL_STAGE_OPTIONS["best_of_n"], **(options or {})}
+        for scorer in options["scorers"]:
+            _check_choice(scorer, ("rm", "vote"), "best_of_n.scorers")
+        base = self._base_config()
+        records = self._eval_records(options)[:options["max_prompts"]]
+        policy = self._load_policy(self.current_model, base)
+        formatter = ChatFormatter(policy.tokenizer, base.template)
+        policy.tokenizer.chat_template = formatter.source  # the sampler renders prompts as the policy was trained
+        params = SamplingParams(max_new_tokens=options.get("max_new_tokens") or base.eval_max_new_tokens,
+                                temperature=options["temperature"], seed=options["seed"],
+                                stop_token_ids=tuple(formatter.stop_token_ids))
+        prompts = [r["messages"][-1]["content"] for r in records]
+        sampler = BestOfNSampler(policy.model, policy.tokenizer, None, n=options["n"], params=params)
+        candidates = sampler.candidates(prompts)
+        answers = [[extract_answer(c) for c in row] for row in candidates]
+        truth = [str(r["answer"]).strip() for r in records]
+        greedy = evaluate_exact_match(policy, formatter, records, max_new_tokens=params.max_new_tokens,
+                                      batch_size=base.per_device_eval_batch_size)
+        metrics: dict[str, Any] = {"n": options["n"], "prompts": len(records), "scorers": list(options["scorers"]),
+                                   "accuracy/greedy": greedy.get("eval/accuracy", 0.0),
+                                   "accuracy/oracle": float(np.mean([t in row for t, row in zip(truth, answers)]))}
+        for scorer in options["scorers"]:
+            if scorer == "vote":
+                chosen = [answer_agreement(row)[0] for row in answers]
+            else:
+                reward_fn = self._reward_function(options)
+                if reward_fn is None:
+                    raise RLHFInputError(f"{self.config.source}: best_of_n scorer 'rm' needs a reward model (an rm stage "
+                                         f"or best_of_n.reward_model)")
+                scores = torch.as_tensor(reward_fn([p for p in prompts for _ in range(options["n"])],
+                                                   [c for row in candidates for c in row])).view(len(prompts), -1)
+                chosen = [row[i] for row, i in zip(answers, scores.argmax(-1).tolist())]
+            metrics[f"accuracy/{scorer}"] = float(np.mean([a is not None and a == t for a, t in zip(chosen, truth)]))
+        return metrics
+
+    def merge(self, options: dict[str, Any] | None = None, output_dir: str | os.PathLike | None = None) -> dict[str, Any]:
+        """Merge trained policies (model_merging.ModelMerger; default TIES of every adopted
+        policy-optimisation stage over the SFT model), then evaluate the merged model like the others."""
+        import model_merging
+
+        options = {**FINAL_STAGE_OPTIONS["merge"], **(options or {})}
+        names = options["models"] or [s for s in self.models if s in POLICY_OPTIMISATION_STAGES]
+        dropped = [n for n in names if isinstance(n, str) and n in STAGE_CONFIGS and n not in self.models]
+        names = [n for n in names if n not in dropped]  # a rolled-back stage has nothing to contribute
+        if not names:
+            raise StageNotRun(f"nothing to merge ({', '.join(dropped) or 'no policy-optimisation stage'} not adopted)")
+        if dropped:
+            logger.warning("merge: %s not adopted (rolled back or not run); merging %s", ", ".join(dropped), ", ".join(names))
+        raw = {k: v for k, v in options.items() if k != "evaluate"}
+        raw["models"] = [self._resolve_model(m["model"] if isinstance(m, dict) else m, "merge.models") for m in names]
+        raw["base_model"] = self._resolve_model(options["base_model"], "merge.base_model")
+        raw["output_dir"] = str(output_dir or self.output_dir / "merge")
+        raw["overwrite"] = True
+        try:
+            result = model_merging.ModelMerger(model_merging.MergeConfig.from_dict(raw, source="merge")).merge()
+        except model_merging.MergeError as err:
+            raise RLHFInputError(f"{self.config.source}: {err}") from None
+        metrics: dict[str, Any] = {"method": result.method, "models": names, "output_dir": str(result.output_dir)}
+        if options["evaluate"]:
+            eval_options = {**FINAL_STAGE_OPTIONS["eval"], **self.config.final_stages.get("eval", {})}
+            reference = self._resolve_model("sft", "reference") if "sft" in self.models else None
+            base = self._base_config()
+            metrics.update(self._policy_metrics(str(result.output_dir), self._eval_records(eval_options),
+                                                self._reward_function(eval_options),
+                                                self._load_policy(reference, base) if reference else None,
+                                                eval_options, accuracy=True))
+        return metrics
+
+    def _run_final_stage(self, stage: str) -> dict[str, Any]:
+        options = self.config.final_stage_options(stage)
+        output_dir = self.output_dir / stage
+        inputs = {name: self.produced.get(path, path) for name, path in self.models.items()}
+        base = self._base_config()
+        fingerprint = _fingerprint(stage, options, inputs, self.current_model and self.produced.get(self.current_model),
+                                   data_fingerprint(dataclasses.replace(base, dataset="", ewc_dataset="")))
+        entry = self._completed_entry(stage, fingerprint, output_dir)
+        if entry is not None:
+            logger.info("stage %s: already complete for these models (report.json); skipped", stage)
+            self._record(entry)
+            return entry
+        setup_logging(log_file=self.output_dir / "logs" / f"{stage}.log")
+        output_dir.mkdir(parents=True, exist_ok=True)
+        started = time.time()
+        run = {"eval": self.evaluate, "best_of_n": self.best_of_n,
+               "merge": lambda o: self.merge(o, output_dir)}[stage]
+        try:
+            metrics = run(options)
+        except StageNotRun as reason:
+            logger.warning("stage %s not run: %s", stage, reason)
+            entry = {"stage": stage, "status": "not_run", "reason": str(reason), "seconds": 0.0, "global_step": 0,
+                     "output_dir": str(output_dir), "fingerprint": fingerprint, "metrics": {}, "eval": {}}
+            self._record(entry)
+            return entry
+        except Exception as err:
+            if isinstance(err, RLHFInputError) or not self.config.rollback_on_error:
+                raise
+            logger.error("stage %s failed (%s: %s); recorded, continuing", stage, type(err).__name__, err)
+            entry = {"stage": stage, "status": "failed", "error": True, "reason": f"{type(err).__name__}: {err}",
+                     "seconds": round(time.time() - started, 2), "global_step": 0, "output_dir": str(output_dir),
+                     "fingerprint": fingerprint, "metrics": {}, "eval": {}}
+            self._record(entry)
+            return entry
+        evaluation = {"eval/accuracy": metrics["eval/accuracy"]} if "eval/accuracy" in metrics else {}
+        entry = {"stage": stage, "status": "completed", "seconds": round(time.time() - started, 2), "global_step": 0,
+                 "output_dir": str(output_dir), "fingerprint": fingerprint, "metrics": metrics, "eval": evaluation}
+        _write_json_atomic(output_dir / "metrics.json", metrics)
+        _write_json_atomic(output_dir / STAGE_MARKER, {"fingerprint": fingerprint, "complete": True})
+        self._record(entry)
+        return entry
+
+    # -- models on disk
+    ROLES = ("policy", "reward_model", "process_reward_model")
+
+    def save_models(self, directory: str | os.PathLike | None = None) -> Path:
+        """Copy the current policy, reward model and process reward model (whichever exist) to
+        ``directory/<role>`` (default output_dir/final) with a models.json manifest, without checkpoints."""
+        directory = Path(directory or self.output_dir / "final")
+        sources = dict(zip(self.ROLES, (self.current_model, self.reward_model, self.process_reward_model)))
+        manifest = {role: role for role, source in sources.items() if source}
+        if not manifest:
+            raise RLHFInputError("save_models: no model trained or loaded yet")
+        directory.mkdir(parents=True, exist_ok=True)
+        for role in manifest:
+            tmp = directory / f".{role}-{uuid.uuid4().hex[:8]}"
+            shutil.copytree(sources[role], tmp, ignore=shutil.ignore_patterns("checkpoints", "logs", "runs", ".tmp-*",
+                                                                               "*.png", STAGE_MARKER))
+            if (directory / role).exists():
+                shutil.rmtree(directory / role)
+            os.replace(tmp, directory / role)
+        _write_json_atomic(directory / "models.json", {**manifest, "sources": {r: sources[r] for r in manifest}})
+        logger.info("models saved to %s: %s", directory, ", ".join(manifest))
+        return directory
+
+    def load_models(self, directory: str | os.PathLike) -> dict[str, Any]:
+        """Load what ``save_models`` wrote: later stages start from that policy and use those reward
+        models. Returns the loaded models by role (PolicyModel, RewardEnsemble, ProcessRewardModel)."""
+        directory = Path(directory)
+        if not (directory / "models.json").exists():
+            raise RLHFInputError(f"load_models: {directory} has no models.json (write one with save_models)")
+        manifest = json.loads((directory / "models.json").read_text())
+        loaders = {"policy": PolicyModel.from_pretrained, "reward_model": RewardEnsemble.from_pretrained,
+                   "process_reward_model": ProcessRewardModel.from_pretrained}
+        loaded = {}
+        for role in self.ROLES:
+            if role in manifest:
+                path = str(directory / manifest[role])
+                loaded[role] = loaders[role](path)
+                setattr(self, {"policy": "current_model"}.get(role, role), path)
+        return loaded
+
+    # -- context compression
     def _compressor(self, ratio: float) -> ContextCompressor:
         model = self.current_model or self.config.stage_config(self.config.stages[0]).model_name_or_path
         if self._compressor_for != model:
@@ -6106,17 +7274,34 @@ class RLHFOrchestrator:
         """Token-id form of ``compress_prompts``: the context's most informative ids, then ``keep_ids``."""
         return self._compressor(ratio).compress_ids(context_ids, ratio, keep_ids)
 
+    # -- the whole pipeline
     def run_full_pipeline(self) -> list[dict[str, Any]]:
-        """Every stage in ``config.stages``; returns the report entries and prints a summary table."""
+        """Every stage in ``config.stages``; prints the pipeline table and writes report.json, report.md
+        and pipeline_summary.png. Returns this run's entries."""
         from rich.console import Console
 
+        started = time.time()
         self.output_dir.mkdir(parents=True, exist_ok=True)
         save_config(self.config, self.output_dir / "pipeline_config.yaml")
         for stage in self.config.stages:
             logger.info("stage %s", stage)
             self.run_stage(stage)
-        Console().print(summary_table(self.history, title=f"pipeline summary ({self.output_dir})"))
+        seconds = time.time() - started
+        written = write_pipeline_report(self.output_dir, self.history, seconds)
+        Console().print(pipeline_table(self.history, title=f"pipeline summary ({self.output_dir}, {seconds:.0f}s)"))
+        logger.info("report: %s", ", ".join(str(p) for p in [self.output_dir / "report.json", *written]))
         return self.history
+
+
+class StageNotRun(Exception):
+    """A final stage with nothing to do (e.g. every model it would merge was rolled back): recorded, not an error."""
+
+
+def _write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
+    tmp.write_text(json.dumps(payload, indent=1, default=float))
+    os.replace(tmp, path)
+
 
 
 # ==== 11. CLI ====
@@ -6152,6 +7337,9 @@ def _build_parser() -> Any:
                               epilog=PIPELINE_HELP + "\n".join(f"[{s}]\n{config_help(c)}" for s, c in STAGE_CONFIGS.items()),
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     pipeline.add_argument("--config", required=True, help="pipeline YAML (see configs/demo.yaml)")
+    pipeline.add_argument("--preset", choices=sorted(PRESET_ARCHITECTURES), default=None,
+                          help="start from the 7B/70B preset's settings; the YAML adds data and overrides "
+                          "(see configs/real_model.yaml)")
     pipeline.add_argument("overrides", nargs="*", metavar="key=value", help="shared or stage.key=value overrides")
     train = sub.add_parser("train", help="LLaMA-Factory style: run the stage named by the config's `stage:` key",
                            description="Read `stage:` from a LLaMA-Factory style YAML file and run that stage.")
@@ -6244,7 +7432,7 @@ def main(argv: list[str] | None = None) -> int:
             console.print(memory_plan_table(args))
             return 0
         if args.command == "pipeline":
-            RLHFOrchestrator(PipelineConfig.load(args.config, args.overrides)).run_full_pipeline()
+            RLHFOrchestrator(PipelineConfig.load(args.config, args.overrides, args.preset)).run_full_pipeline()
             return 0
         stage = args.command
         if stage == "train":

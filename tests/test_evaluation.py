@@ -88,7 +88,7 @@ def test_reward_accuracy_win_rate_diversity_and_task_accuracy(policy):
     diversity = evaluator.diversity(prompts, samples_per_prompt=4)
     assert 0 < diversity["diversity/distinct_1"] <= 1 and 0 <= diversity["diversity/self_similarity"] <= 1
     records = [{"prompt": "What is 37 + 8?", "answer": "45"}, {"prompt": "hi", "answer": "1"}]
-    greedy = [policy.decode(c) for c in evaluator._complete(policy, evaluator._records(records), sample=False)]
+    greedy = [policy.decode(c) for c in evaluator.complete(policy, evaluator.as_records(records), sample=False)]
     expected = sum(rlhf.extract_answer(t) == r["answer"] for t, r in zip(greedy, records)) / 2
     assert evaluator.task_accuracy(records)["task/accuracy"] == expected
     assert evaluator.task_accuracy(records, verifier=lambda response, record: record["answer"] == "45") \
