@@ -947,11 +947,19 @@ def estimate_memory(arch: dict[str, Any], *, gpus: int = 1, finetuning_type: str
 # ==== 2. Infrastructure ====
 
 
+def _launch_rank() -> int:
+    """This process's rank under a multi-process launch (torchrun and ``accelerate launch`` set RANK), else 0.
+    Readable before any DeviceManager exists, for what only one process should do (report, console)."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def setup_logging(level: str | int = "INFO", log_file: str | os.PathLike | None = None) -> logging.Logger:
     """Rich console logging for the ``rlhf`` logger, plus an optional plain-text file."""
     from rich.logging import RichHandler
 
     root = logging.getLogger("rlhf")
+    if _launch_rank() > 0:  # the other processes of a multi-process launch: warnings, not every line twice
+        level = max(logging.getLevelName(level) if isinstance(level, str) else level, logging.WARNING)
     root.setLevel(level)
     if not any(isinstance(h, RichHandler) for h in root.handlers):
         handler = RichHandler(show_path=False, rich_tracebacks=False, markup=False, log_time_format="[%X]")
@@ -1016,6 +1024,15 @@ class DeviceManager:
             AcceleratorState._reset_state(True)
             GradientState._reset_state()
             self.accelerator = Accelerator(**kwargs)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and self.accelerator.num_processes == 1:
+            # launched as several processes, but accelerate found no device backend for them (`accelerate launch
+            # --multi_gpu` on a machine without GPUs; `--cpu` starts one process only): each would train alone as
+            # rank 0 of 1, all writing the same output_dir. CPU processes can train together over gloo.
+            from accelerate.state import AcceleratorState, GradientState
+
+            AcceleratorState._reset_state(True)
+            GradientState._reset_state()
+            self.accelerator = Accelerator(cpu=True, **kwargs)
 
     @property
     def device(self) -> torch.device:
@@ -1063,6 +1080,29 @@ class DeviceManager:
             return float(value)
         tensor = torch.tensor(float(value), device=self.device)
         return float(self.accelerator.reduce(tensor, reduction="sum"))
+
+    def sum_list_across_processes(self, values: Sequence[float]) -> list[float]:
+        """Element-wise sums over processes, in one collective (float64, so token counts stay exact)."""
+        if self.num_processes == 1:
+            return [float(v) for v in values]
+        tensor = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
+        return self.accelerator.reduce(tensor, reduction="sum").tolist()
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every process's ``tensor`` (the same shape on each) concatenated along dim 0 in rank order,
+        on the device ``tensor`` came from. Shapes: (N, ...) -> (num_processes * N, ...)."""
+        if self.num_processes == 1:
+            return tensor
+        return self.accelerator.gather(tensor.contiguous().to(self.device)).to(tensor.device)
+
+    def gather_object(self, value: Any) -> list[Any]:
+        """Every process's ``value`` in rank order (``[value]`` on one process). The transport pickles in
+        memory between our own processes; nothing is written."""
+        if self.num_processes == 1:
+            return [value]
+        from accelerate.utils import gather_object
+
+        return gather_object([value])
 
     def wait(self) -> None:
         self.accelerator.wait_for_everyone()
@@ -2928,9 +2968,14 @@ class RewardScorer(nn.Module):
             nn.init.zeros_(self.head[2].bias)
         self.head.to(next(backbone.parameters()).device)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Shapes: (B, T) -> scores (B)."""
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                step_positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Shapes: (B, T) -> scores (B); with step_positions (B, S), the score at each of them (B, S).
+        Step scores are read here, in forward, so that a DDP-wrapped scorer synchronises their gradients."""
         hidden = decoder_of(self.backbone)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        if step_positions is not None:
+            at_steps = hidden.gather(1, step_positions[..., None].expand(-1, -1, hidden.shape[-1]))  # (B, S, H)
+            return self.head(at_steps.to(self.head[0].weight.dtype)).squeeze(-1)
         last = hidden[torch.arange(hidden.shape[0], device=hidden.device), last_token_index(attention_mask)]
         return self.head(last.to(self.head[0].weight.dtype)).squeeze(-1)
 
@@ -3093,10 +3138,7 @@ class ProcessRewardModel(nn.Module):
 
     def step_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, step_positions: torch.Tensor) -> torch.Tensor:
         """Shapes: ids, mask (B, T), step_positions (B, S) -> logits (B, S)."""
-        hidden = decoder_of(self.model.backbone)(input_ids=input_ids, attention_mask=attention_mask,
-                                                 use_cache=False).last_hidden_state
-        at_steps = hidden.gather(1, step_positions[..., None].expand(-1, -1, hidden.shape[-1]))  # (B, S, H)
-        return self.model.head(at_steps.to(self.model.head[0].weight.dtype)).squeeze(-1)
+        return self.model(input_ids, attention_mask, step_positions)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, step_positions: torch.Tensor,
                 step_mask: torch.Tensor) -> torch.Tensor:
@@ -4254,6 +4296,26 @@ class BaseTrainer:
         self.policy.model = compile_model(self.policy.model, self.config.compile)
         self.model = self.devices.prepare(self.policy.model)
         self.model.train()
+        self.train_policy = self._prepared_view()
+
+    def _prepared_view(self) -> nn.Module:
+        """``self.policy`` with its module swapped for the prepared one (DDP / FSDP / DeepSpeed), for the
+        forwards that build a graph to train on. DDP all-reduces gradients only in backwards of forwards it
+        ran itself (its forward arms the reducer's parameter hooks), and FSDP / DeepSpeed gather sharded
+        weights there: a forward through ``self.policy.model`` trains each process on its own gradients.
+        Generation, the LoRA reference (``disable_adapter``), no-grad evaluation and saving keep using the
+        unwrapped ``self.policy``, so they never run a collective and work on one process alone."""
+        if self.model is self.policy.model:  # one process: prepare returned the module itself
+            return self.policy
+        view = copy.copy(self.policy)  # shallow: same tokenizer and settings, its own module table
+        view._modules = {**self.policy._modules, "model": self.model}
+        return view
+
+    @property
+    def forward_policy(self) -> nn.Module:
+        """The policy a forward should use: the prepared view when autograd records (training), else the
+        unwrapped policy (no-grad forwards need no gradient sync, and skip DDP's buffer broadcast)."""
+        return self.train_policy if torch.is_grad_enabled() else self.policy
 
     def _setup_schedule(self) -> None:
         config = self.config
@@ -4435,10 +4497,17 @@ class BaseTrainer:
 
     def _log_window(self, window: dict[str, Any], step_metrics: dict[str, float]) -> None:
         elapsed = max(time.time() - window["since"], 1e-9)
-        row = {"loss": window["loss"] / max(window["units"], 1.0), **step_metrics,
+        # the figures of all processes together, as one process would log them: the loss summed over every
+        # process's micro-batches over the units of all of them, each metric averaged over every micro-batch
+        loss, units, tokens = self.devices.sum_list_across_processes([window["loss"], window["units"], window["tokens"]])
+        metrics: dict[str, list[float]] = {}
+        for part in self.devices.gather_object(window["metrics"]):
+            for key, values in part.items():
+                metrics.setdefault(key, []).extend(values)
+        row = {"loss": loss / max(units, 1.0), **step_metrics,
                "learning_rate": self.scheduler.get_last_lr()[0], "epoch": self._epoch(),
-               "perf/tokens_per_s": window["tokens"] * self.devices.num_processes / elapsed,
-               **{k: float(np.mean(v)) for k, v in window["metrics"].items()}}
+               "perf/tokens_per_s": tokens / elapsed,
+               **{k: float(np.mean(v)) for k, v in metrics.items()}}
         self.training_logger.log(self.global_step, row)
         window.update(loss=0.0, units=0.0, tokens=0, since=time.time(), metrics={})
 
@@ -4607,7 +4676,7 @@ class SFTTrainer(BaseTrainer):
         return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
 
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
-        logits = self.policy(batch["input_ids"], batch.get("attention_mask"), batch.get("position_ids")).logits
+        logits = self.forward_policy(batch["input_ids"], batch.get("attention_mask"), batch.get("position_ids")).logits
         loss_sum, _ = causal_lm_loss_sum(logits, batch["labels"])
         return loss_sum, {}
 
@@ -4620,7 +4689,8 @@ class SFTTrainer(BaseTrainer):
         if self.eval_records:
             metrics.update(evaluate_exact_match(self.policy, self.formatter, self.eval_records,
                                                 max_new_tokens=self.config.eval_max_new_tokens,
-                                                batch_size=self.config.per_device_eval_batch_size))
+                                                batch_size=self.config.per_device_eval_batch_size,
+                                                devices=self.devices))
         self.model.train()
         return metrics
 
@@ -4639,18 +4709,33 @@ class SFTTrainer(BaseTrainer):
 
 
 def evaluate_exact_match(policy: PolicyModel, formatter: ChatFormatter, records: list[dict[str, Any]], *,
-                         max_new_tokens: int = 64, batch_size: int = 32) -> dict[str, float]:
+                         max_new_tokens: int = 64, batch_size: int = 32,
+                         devices: DeviceManager | None = None) -> dict[str, float]:
     """Greedy answers to prompts with a known ``answer``: exact-match accuracy and how often the
-    response had the ``Answer:`` line at all (format rate)."""
+    response had the ``Answer:`` line at all (format rate). With ``devices`` every process answers
+    every num_processes-th prompt and the counts are summed, so all processes return the figures of
+    the whole set (call it on every process; ``policy`` is the unwrapped model, no collective inside)."""
     scored = [r for r in records if r.get("answer") is not None]
     if not scored:
         return {}
-    completions = policy.generate([formatter.prompt_ids(r) for r in scored], max_new_tokens=max_new_tokens,
+    if devices is not None and devices.num_processes > 1:
+        mine = scored[devices.process_index::devices.num_processes]
+        counts = _exact_match_counts(policy, formatter, mine, max_new_tokens, batch_size) if mine else [0.0] * 3
+        correct, formatted, tokens = devices.sum_list_across_processes(counts)
+    else:
+        correct, formatted, tokens = _exact_match_counts(policy, formatter, scored, max_new_tokens, batch_size)
+    return {"eval/accuracy": correct / len(scored), "eval/format_rate": formatted / len(scored),
+            "eval/mean_completion_tokens": tokens / len(scored)}
+
+
+def _exact_match_counts(policy: PolicyModel, formatter: ChatFormatter, records: list[dict[str, Any]],
+                        max_new_tokens: int, batch_size: int) -> list[float]:
+    """(correct answers, answers with the Answer: line, completion tokens) over ``records``."""
+    completions = policy.generate([formatter.prompt_ids(r) for r in records], max_new_tokens=max_new_tokens,
                                   stop_token_ids=formatter.stop_token_ids, batch_size=batch_size)
     answers = [extract_answer(policy.decode(ids)) for ids in completions]
-    correct = sum(a is not None and a == r["answer"].strip() for a, r in zip(answers, scored))
-    return {"eval/accuracy": correct / len(scored), "eval/format_rate": sum(a is not None for a in answers) / len(scored),
-            "eval/mean_completion_tokens": float(np.mean([len(c) for c in completions]))}
+    correct = sum(a is not None and a == r["answer"].strip() for a, r in zip(answers, records))
+    return [float(correct), float(sum(a is not None for a in answers)), float(sum(len(c) for c in completions))]
 
 
 class RewardModelTrainer(BaseTrainer):
@@ -4668,7 +4753,7 @@ class RewardModelTrainer(BaseTrainer):
         return batch["input_ids"].shape[0] // 2
 
     def _pair_losses(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        scores = self.policy(batch["input_ids"], batch["attention_mask"])  # (2B)
+        scores = self.forward_policy(batch["input_ids"], batch["attention_mask"])  # (2B)
         chosen, rejected = scores.float().chunk(2)
         losses = reward_model_loss(chosen, rejected, batch.get("margin"))
         if self.config.center_rewards_coefficient:
@@ -4721,7 +4806,7 @@ class ProcessRewardModelTrainer(RewardModelTrainer):
                              collator=ProcessPreferenceCollator(model.tokenizer.pad_token_id))
 
     def _losses_and_steps(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
-        model = self.policy
+        model = self.forward_policy
         logits = model.step_logits(batch["input_ids"], batch["attention_mask"], batch["step_positions"]).float()  # (2B, S)
         scores = aggregate_step_scores(logits, batch["step_mask"], model.aggregation)
         chosen, rejected = scores.chunk(2)
@@ -4863,7 +4948,7 @@ class _ReferenceTrainer(BaseTrainer):
         try:
             return evaluate_exact_match(self.policy, self.formatter, self.eval_records,
                                         max_new_tokens=self.config.eval_max_new_tokens,
-                                        batch_size=self.config.per_device_eval_batch_size)
+                                        batch_size=self.config.per_device_eval_batch_size, devices=self.devices)
         finally:
             self.model.train()
 
@@ -4917,7 +5002,7 @@ class DPOTrainer(_ReferenceTrainer):
                     ) -> tuple[torch.Tensor, dict[str, float]]:
         """Per-pair losses (B) and TRL-named metrics for one concatenated batch."""
         config = self.config
-        out = _completion_forward(self.policy, batch, config.ld_alpha)
+        out = _completion_forward(self.forward_policy, batch, config.ld_alpha)
         chosen_avg, rejected_avg = out.averaged.chunk(2)
         metrics: dict[str, float] = {}
         if config.pref_loss == "orpo":
@@ -4958,10 +5043,11 @@ class DPOTrainer(_ReferenceTrainer):
         return losses, metrics
 
     def _update_bco_delta(self, rewards: torch.Tensor) -> None:
-        """Running mean of every implicit reward seen so far (TRL's RunningMoments, mean part)."""
-        count = rewards.numel()
-        self.bco_delta = (self.bco_delta * self.bco_count + float(rewards.sum())) / (self.bco_count + count)
-        self.bco_count += count
+        """Running mean of every implicit reward seen so far (TRL's RunningMoments, mean part), over all
+        processes' rewards, so that every process shifts by the same delta."""
+        total, count = self.devices.sum_list_across_processes([float(rewards.sum()), rewards.numel()])
+        self.bco_delta = (self.bco_delta * self.bco_count + total) / (self.bco_count + count)
+        self.bco_count += int(count)
 
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
         losses, metrics = self.pair_losses(batch)
@@ -5011,7 +5097,7 @@ class KTOTrainer(_ReferenceTrainer):
 
     def example_losses(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
         config = self.config
-        out = _completion_forward(self.policy, batch)
+        out = _completion_forward(self.forward_policy, batch)
         policy_logps, policy_kl_logps = out.summed.chunk(2)
         ref_logps, ref_kl_logps = self._reference_pair(batch)
         kl = (policy_kl_logps.detach() - ref_kl_logps).mean().clamp(min=0)
@@ -5135,6 +5221,7 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         self.rollout_index = 0
         self.current_rollout: Rollout | None = None
         self.resumed_rollout: Rollout | None = None  # the interrupted rollout, read back from a checkpoint
+        self.rollouts_to_save: list[Rollout] = []  # every process's current rollout, for the checkpoint being written
         super().__init__(config, policy, train_dataset, devices=devices, collator=list)
         self.reference = reference if getattr(config, "uses_reference", True) else None
 
@@ -5215,21 +5302,38 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         rollout.problem = self.pending_problem
         return rollout
 
+    def _save_checkpoint(self) -> None:
+        # each process trains on a rollout of its own prompts, and only the main process writes: a checkpoint
+        # taken inside a rollout collects every process's rollout first (all processes get here together)
+        inside = bool(self.global_step % self.steps_per_rollout) and self.current_rollout is not None
+        self.rollouts_to_save = self.devices.gather_object(self.current_rollout) if inside else []
+        super()._save_checkpoint()
+
+    @staticmethod
+    def _rollout_file(process: int) -> str:
+        return "rollout.safetensors" if process == 0 else f"rollout-{process}.safetensors"
+
     def _write_checkpoint(self, directory: Path) -> None:
         super()._write_checkpoint(directory)
-        if self.global_step % self.steps_per_rollout and self.current_rollout is not None:
-            from safetensors.torch import save_file  # resuming inside a rollout must train on the same rollout
+        from safetensors.torch import save_file  # resuming inside a rollout must train on the same rollout
 
-            save_file({k: v.contiguous() for k, v in self.current_rollout.tensors().items()},
-                      str(directory / "rollout.safetensors"), metadata={"problem": self.current_rollout.problem})
+        for process, rollout in enumerate(self.rollouts_to_save):
+            save_file({k: v.contiguous() for k, v in rollout.tensors().items()}, str(directory / self._rollout_file(process)),
+                      metadata={"problem": rollout.problem, "processes": str(len(self.rollouts_to_save))})
 
     def _load_checkpoint(self, path: Path) -> None:
         super()._load_checkpoint(path)
-        saved = path / "rollout.safetensors"
-        if self.global_step % self.steps_per_rollout and saved.exists():
+        first = path / self._rollout_file(0)
+        if self.global_step % self.steps_per_rollout and first.exists():
             from safetensors import safe_open
 
-            with safe_open(str(saved), framework="pt") as handle:
+            with safe_open(str(first), framework="pt") as handle:
+                processes = int((handle.metadata() or {}).get("processes", "1"))
+            if processes != self.devices.num_processes:  # every process reads the same file, so all agree
+                logger.warning("%s holds the rollouts of %d process(es) and this run has %d: the interrupted rollout "
+                               "is sampled again", path, processes, self.devices.num_processes)
+                return
+            with safe_open(str(path / self._rollout_file(self.devices.process_index)), framework="pt") as handle:
                 tensors = {k: handle.get_tensor(k) for k in handle.keys()}
                 problem = (handle.metadata() or {}).get("problem", "")
             self.resumed_rollout = Rollout(**tensors, problem=problem)
@@ -5240,8 +5344,12 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         from inference_optimizations import generate as generate_tokens
 
         config = self.config
+        # processes share the global RNG state (one seed; a resume restores the main process's RNG on all), so
+        # they would draw the same noise for different prompts: several sample from a seed of their own
+        seed = (None if self.devices.num_processes == 1
+                else (config.seed * 1_000_003 + self.rollout_index) * 1009 + self.devices.process_index)
         params = SamplingParams(max_new_tokens=config.max_completion_length, temperature=config.temperature,
-                                top_p=config.top_p, top_k=config.top_k, n=n,
+                                top_p=config.top_p, top_k=config.top_k, n=n, seed=seed,
                                 stop_token_ids=tuple(self.formatter.stop_token_ids))
         started = time.time()
         self.model.eval()
@@ -5325,7 +5433,9 @@ class GRPOTrainer(_OnlineRLTrainer):
         config, group = self.config, self.config.num_generations
         output = self._sample(prompts, group)
         records = [prompts[i // group] for i in range(len(output.token_ids))]
-        rewards = self._score(records, output.token_ids)
+        # the reward normaliser and batch-scaled advantages see every process's rewards, as one process
+        # with the whole batch would; each process keeps its own rows (a prompt's group is on one process)
+        rewards = self.devices.gather(self._score(records, output.token_ids))  # (processes * B*G)
         grouped_std = rewards.view(-1, group).std(-1)
         self.rollout_metrics.update({"reward_std": float(grouped_std.mean()),
                                      "frac_reward_zero_std": float((grouped_std < 1e-6).float().mean())})
@@ -5333,7 +5443,8 @@ class GRPOTrainer(_OnlineRLTrainer):
         # DAPO: a completion cut off at the length limit says nothing reliable about its reward
         masked = [r == "length" for r in output.finish_reasons] if config.mask_truncated_completions else None
         rollout = self._rows(records, output.token_ids, masked)
-        rollout.advantages = grpo_advantages(rewards, group, scale=config.scale_rewards)
+        advantages = grpo_advantages(rewards, group, scale=config.scale_rewards)
+        rollout.advantages = advantages.view(self.devices.num_processes, -1)[self.devices.process_index]
         if config.num_iterations == 1 and self.reference is None:
             return rollout  # on-policy without KL: the loss needs no stored log-probs
         parts = [self._to_device(b) for b in rollout.micro_batches(config.per_device_train_batch_size)]
@@ -5348,7 +5459,7 @@ class GRPOTrainer(_OnlineRLTrainer):
         return rollout.micro_batches(self.config.per_device_train_batch_size) * self.config.num_iterations
 
     def _policy_logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.policy(batch["input_ids"], batch["attention_mask"]).logits[:, :-1].float() / self.config.temperature
+        return self.forward_policy(batch["input_ids"], batch["attention_mask"]).logits[:, :-1].float() / self.config.temperature
 
     def _policy_logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return token_log_probs(self._policy_logits(batch), batch["input_ids"][:, 1:])
@@ -5431,7 +5542,9 @@ class PPOTrainer(_OnlineRLTrainer):
         config = self.config
         output = self._sample(prompts, 1)
         scores = self._score(prompts, output.token_ids)
-        scores = process_rewards(scores, normalizer=self.normalizer, clip=config.reward_clip)
+        # the running normaliser sees every process's scores, so all processes normalise alike
+        everyone = process_rewards(self.devices.gather(scores), normalizer=self.normalizer, clip=config.reward_clip)
+        scores = everyone.view(self.devices.num_processes, -1)[self.devices.process_index]
         rollout = self._rows(prompts, output.token_ids)
         logps, values, ref_logps = [], [], []
         for batch in rollout.micro_batches(config.per_device_train_batch_size):
@@ -5457,7 +5570,9 @@ class PPOTrainer(_OnlineRLTrainer):
             "objective/kl": float(sequence_kl.mean()), "objective/kl_coef": kl_coef,
             "objective/scores": float(scores.mean()), "objective/rlhf_reward": float((scores - kl_coef * sequence_kl).mean()),
             "returns/mean": float(_masked_mean(rollout.returns, mask)), "values/mean": float(_masked_mean(rollout.old_values, mask))})
-        self.kl_controller.update(float(sequence_kl.mean()), len(scores))
+        # one KL coefficient for all processes: the controller steps on the KL of the whole batch
+        kl_sum, count = self.devices.sum_list_across_processes([float(sequence_kl.mean()) * len(scores), len(scores)])
+        self.kl_controller.update(kl_sum / count, int(count))
         return rollout
 
     def rollout_schedule(self, rollout: Rollout) -> list[dict[str, torch.Tensor]]:
@@ -6575,6 +6690,8 @@ def read_report(output_dir: str | os.PathLike) -> dict[str, Any]:
 
 def append_report(output_dir: str | os.PathLike, entry: dict[str, Any]) -> Path:
     """Add one stage's entry to ``output_dir/report.json`` (written atomically)."""
+    if _launch_rank() > 0:  # a multi-process launch: the main process writes, once
+        return Path(output_dir) / "report.json"
     report = read_report(output_dir)
     report["stages"].append(entry)
     path = Path(output_dir) / "report.json"
@@ -7340,7 +7457,8 @@ def main(argv: list[str] | None = None) -> int:
             if stage not in STAGE_CONFIGS:
                 raise RLHFInputError(f"{args.config}: 'stage' is '{stage}'; valid: {', '.join(STAGE_CONFIGS)}")
         entries = _run_single_stage(stage, args.config, args.overrides)
-        console.print(summary_table(entries))
+        if _launch_rank() == 0:  # other processes hold no metric history (only the main process logs)
+            console.print(summary_table(entries))
         return 0
     except RLHFInputError as err:
         Console(stderr=True).print(f"[bold red]error:[/] {escape(str(err))}", markup=True, highlight=False, soft_wrap=True)
