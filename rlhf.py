@@ -6891,6 +6891,7 @@ class RLHFOrchestrator:
                 {task: {"dataset_dir": shared_dir, **spec} for task, spec in self.config.capability_tests.items()},
                 threshold=self.config.capability_threshold)
         self._capability_cache: dict[str, dict[str, float]] = {}
+        self._sync: DeviceManager | None = None  # under a multi-process launch: barriers and the main process
         self._compressor_model: PolicyModel | None = None  # the policy ContextCompressor runs on, loaded once
         self._compressor_for: str | None = None
 
@@ -6925,16 +6926,32 @@ class RLHFOrchestrator:
                 return {**entry, "skipped": True}
         return None
 
+    @property
+    def is_main_process(self) -> bool:
+        return _launch_rank() == 0
+
+    def _wait_for_all(self, config: BaseConfig) -> None:
+        """A barrier across the processes of a multi-process launch (a no-op in one process). Every stage of
+        such a launch must use one mixed-precision mode: accelerate keeps one state per process."""
+        if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+            return
+        if self._sync is None:
+            self._sync = DeviceManager(config.mixed_precision, ddp_timeout=config.ddp_timeout)
+        self._sync.wait()
+
     def _prepare_output_dir(self, config: BaseConfig, fingerprint: str) -> BaseConfig:
-        """Mark the stage as started with this fingerprint; checkpoints of another config are not resumed."""
+        """Mark the stage as started with this fingerprint; checkpoints of another config are not resumed.
+        Every process reads the old marker before the main process replaces it, so all decide alike."""
         directory = Path(config.output_dir)
         marker = directory / STAGE_MARKER
         if marker.exists() and json.loads(marker.read_text()).get("fingerprint") != fingerprint:
             logger.warning("stage %s: config, data or input model changed since %s was written; starting it afresh",
                            config.stage, directory)
             config = dataclasses.replace(config, resume_from_checkpoint="none")
-        directory.mkdir(parents=True, exist_ok=True)
-        _write_json_atomic(marker, {"fingerprint": fingerprint, "complete": False})
+        self._wait_for_all(config)
+        if self.is_main_process:
+            directory.mkdir(parents=True, exist_ok=True)
+            _write_json_atomic(marker, {"fingerprint": fingerprint, "complete": False})
         return config
 
     def _train(self, stage: str, config: BaseConfig, fingerprint: str) -> dict[str, Any]:
@@ -6965,12 +6982,13 @@ class RLHFOrchestrator:
                     f"{task} {report.deltas[task]:+.1%}" for task in report.regressions) + f" (threshold {report.threshold:.0%})"
                 logger.warning("stage %s rolled back (%s); the next stage starts from %s", stage, entry["reason"],
                                config.model_name_or_path)
-        _write_json_atomic(Path(config.output_dir) / STAGE_MARKER, {"fingerprint": fingerprint, "complete": True})
+        if self.is_main_process:
+            _write_json_atomic(Path(config.output_dir) / STAGE_MARKER, {"fingerprint": fingerprint, "complete": True})
         return entry
 
     def _record(self, entry: dict[str, Any]) -> None:
         """Append to report.json and the history; adopt the stage's output unless it was rolled back."""
-        if not entry.get("skipped"):
+        if not entry.get("skipped") and self.is_main_process:
             append_report(self.output_dir, entry)
         self.history.append(entry)
         if entry["status"] != "completed" or entry["stage"] not in STAGE_CONFIGS:
@@ -7281,11 +7299,16 @@ class RLHFOrchestrator:
         from rich.console import Console
 
         started = time.time()
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        save_config(self.config, self.output_dir / "pipeline_config.yaml")
+        if self.is_main_process:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            save_config(self.config, self.output_dir / "pipeline_config.yaml")
         for stage in self.config.stages:
+            if stage in FINAL_STAGES and not self.is_main_process:
+                continue  # evaluation, Best-of-N and merging run in the main process of a multi-process launch
             logger.info("stage %s", stage)
             self.run_stage(stage)
+        if not self.is_main_process:
+            return self.history
         seconds = time.time() - started
         written = write_pipeline_report(self.output_dir, self.history, seconds)
         Console().print(pipeline_table(self.history, title=f"pipeline summary ({self.output_dir}, {seconds:.0f}s)"))

@@ -520,7 +520,10 @@ def test_demo_pipeline_config_loads(repo):
     assert sft.dataset == "demo_sft" and sft.finetuning_type == "full"
     assert sft.learning_rate == 1e-3 and sft.cutoff_len == 128 and sft.val_size == 200
     assert sft.report_to == [] and sft.output_dir == str(rlhf.Path("outputs/demo/sft"))
-    assert pipeline.stages == ["sft", "rm", "dpo", "grpo"]
+    assert pipeline.stages == ["sft", "rm", "dpo", "grpo", "eval", "best_of_n", "merge"]
+    assert set(pipeline.capability_tests) == {"multistep"} and pipeline.capability_threshold == 0.05
+    assert pipeline.final_stage_options("merge")["models"] == ["dpo", "grpo"]
+    assert pipeline.final_stage_options("best_of_n")["scorers"] == ["rm", "vote"]
     rm, dpo = pipeline.stage_config("rm"), pipeline.stage_config("dpo")
     assert isinstance(rm, rlhf.RewardModelConfig) and rm.dataset == "demo_preference" and rm.val_size == 200
     assert isinstance(dpo, rlhf.DPOConfig) and dpo.pref_loss == "sigmoid" and dpo.precompute_ref_log_probs
