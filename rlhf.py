@@ -6755,6 +6755,19 @@ def _metric_cell(value: float | None, percent: bool = False) -> str:
     return f"{value:.1%}" if percent else f"{value:.3f}"
 
 
+def _final_eval_notes(final: dict[str, float]) -> str:
+    notes = []
+    if "win/win_rate" in final:
+        counts = (f" ({final['win/wins']:.0f} wins, {final['win/ties']:.0f} ties, {final['win/losses']:.0f} losses)"
+                  if "win/wins" in final else "")
+        notes.append(f"win rate over the reference {final['win/win_rate']:.2f}{counts}")
+    if "diversity/distinct_2" in final:
+        notes.append(f"distinct-2 {final['diversity/distinct_2']:.3f}")
+    if "reward/accuracy" in final:
+        notes.append(f"reward accuracy {final['reward/accuracy']:.1%}")
+    return ", ".join(notes)
+
+
 def pipeline_rows(history: list[dict[str, Any]]) -> list[list[str]]:
     """One row per stage: stage, status, time, held-out accuracy, reward, KL to the reference, notes."""
     evaluation = next((e for e in reversed(history) if e["stage"] == "eval" and e["status"] == "completed"), None)
@@ -6774,15 +6787,14 @@ def pipeline_rows(history: list[dict[str, Any]]) -> list[list[str]]:
             notes = notes or f"{metrics.get('method', '')} of {', '.join(metrics.get('models', []))}"
         elif stage == "best_of_n":
             accuracy = None
-            notes = notes or "; ".join(f"{name}: {metrics[f'accuracy/{name}']:.1%}" for name in metrics.get("scorers", [])
-                                       ) + (f" (greedy {metrics['accuracy/greedy']:.1%}, any of n "
-                                            f"{metrics['accuracy/oracle']:.1%})" if "accuracy/greedy" in metrics else "")
+            if not notes and "accuracy/greedy" in metrics:
+                notes = (f"{metrics['prompts']} prompts x {metrics['n']}: " + ", ".join(
+                    f"{name} {metrics[f'accuracy/{name}']:.1%}" for name in metrics["scorers"])
+                    + f"; greedy {metrics['accuracy/greedy']:.1%}, any of n {metrics['accuracy/oracle']:.1%}")
         elif stage == "eval":
-            final = metrics.get("final", {})
-            notes = notes or ", ".join(f"{k} {v:.3f}" for k, v in final.items()
-                                       if k in ("win/win_rate", "diversity/distinct_2", "reward/accuracy"))
+            notes = notes or _final_eval_notes(metrics.get("final", {}))
         if entry.get("capabilities") and not notes:
-            notes = ", ".join(f"{t} {d:+.1%}" for t, d in entry["capabilities"]["deltas"].items())
+            notes = "gate: " + ", ".join(f"{t} {d:+.1%}" for t, d in entry["capabilities"]["deltas"].items())
         rows.append([stage, status, f"{entry.get('seconds', 0):.0f}s", _metric_cell(accuracy, percent=True),
                      _metric_cell(reward), _metric_cell(kl), notes])
     return rows
@@ -6827,9 +6839,11 @@ def write_pipeline_report(output_dir: Path, history: list[dict[str, Any]], secon
         if entry["stage"] == "eval" and entry["status"] == "completed":
             lines += ["", "## Final policy evaluation", ""]
             lines += [f"- {k}: {v:.4g}" for k, v in entry["metrics"].get("final", {}).items()]
-    plots = sorted(str(p.relative_to(output_dir)) for p in output_dir.glob("*/plot_*.png"))
-    if plots:
+    plots = sorted(str(p.relative_to(output_dir)) for name in ("plot_loss.png", "plot_eval_accuracy.png", "plot_reward.png")
+                   for p in output_dir.glob(f"*/{name}"))
+    if plots:  # every other metric's curve is beside these, in each stage's directory
         lines += ["", "## Training curves", ""] + [f"- [{p}]({p})" for p in plots]
+    lines[4:4] = ["![accuracy, reward and KL per stage](pipeline_summary.png)", ""]
     report = output_dir / "report.md"
     report.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return [report, *_plot_pipeline(output_dir, history)]

@@ -224,13 +224,18 @@ def test_pipeline_rows_by_hand():
         {"stage": "dpo", "status": "rolled_back", "seconds": 5, "eval": {"eval/accuracy": 0.1}, "metrics": {},
          "reason": "capability regression: x -20.0%"},
         {"stage": "eval", "status": "completed", "seconds": 3, "eval": {}, "metrics": {
-            "per_stage": {"sft": {"reward/mean": 1.25, "kl/k3": 0.0}}, "final": {"win/win_rate": 0.5}}},
+            "per_stage": {"sft": {"reward/mean": 1.25, "kl/k3": 0.0}},
+            "final": {"win/win_rate": 0.5, "win/wins": 3, "win/ties": 4, "win/losses": 3}}},
+        {"stage": "best_of_n", "status": "completed", "seconds": 2, "eval": {}, "metrics": {
+            "n": 4, "prompts": 10, "scorers": ["vote"], "accuracy/vote": 0.6, "accuracy/greedy": 0.5,
+            "accuracy/oracle": 0.9}},
     ]
     rows = rlhf.pipeline_rows(history)
     assert rows[0] == ["sft", "completed", "10s", "50.0%", "1.250", "0.000", ""]
     assert rows[1][:3] == ["dpo", "rolled back", "5s"] and rows[1][4:6] == ["-", "-"]
     assert rows[1][6] == "capability regression: x -20.0%"
-    assert rows[2][6] == "win/win_rate 0.500"
+    assert rows[2][6] == "win rate over the reference 0.50 (3 wins, 4 ties, 3 losses)"
+    assert rows[3][6] == "10 prompts x 4: vote 60.0%; greedy 50.0%, any of n 90.0%"
 
 
 def test_real_model_config_on_a_preset(repo, monkeypatch):
