@@ -6914,7 +6914,7 @@ class RLHFOrchestrator:
         """Run (or skip, if already complete) one stage; returns its report entry."""
         if stage in FINAL_STAGES:
             return self._run_final_stage(stage)
-        config = self.config.stage_config(stage, model_name_or_path=self.current_model)
+        config = self._with_sft_reference(self.config.stage_config(stage, model_name_or_path=self.current_model))
         fingerprint = self._stage_fingerprint(config)
         entry = self._completed_entry(stage, fingerprint, Path(config.output_dir))
         if entry is None:
@@ -6923,6 +6923,16 @@ class RLHFOrchestrator:
             logger.info("stage %s: already complete for this config and data (report.json); skipped", stage)
         self._record(entry)
         return entry
+
+    def _with_sft_reference(self, config: BaseConfig) -> BaseConfig:
+        """A policy-optimisation stage that starts from another one's policy (GRPO after DPO) keeps the SFT
+        model as its reference, as InstructGPT anchors PPO to the SFT policy, unless ref_model is set."""
+        sft = self.models.get("sft")
+        if (sft and config.stage in POLICY_OPTIMISATION_STAGES and hasattr(config, "ref_model") and not config.ref_model
+                and getattr(config, "uses_reference", True) and config.model_name_or_path != sft):
+            logger.info("stage %s: reference model is the SFT output %s", config.stage, sft)
+            return dataclasses.replace(config, ref_model=sft)
+        return config
 
     def _stage_fingerprint(self, config: BaseConfig) -> str:
         settings = {k: v for k, v in config.to_dict().items() if k not in _COSMETIC_FIELDS}

@@ -253,3 +253,17 @@ def test_real_model_config_on_a_preset(repo, monkeypatch):
     assert config.stage_config("dpo").learning_rate == rlhf.get_7b_model_config().stage_config("dpo").learning_rate
     assert rlhf.PipelineConfig.load("configs/real_model.yaml", ["dpo.pref_beta=0.05"], preset="70b"
                                     ).stage_config("dpo").pref_beta == 0.05
+
+
+def test_later_policy_stages_keep_the_sft_model_as_reference(tmp_path):
+    config = rlhf.PipelineConfig.from_dict({"stages": ["sft", "dpo", "orpo", "kto"], "output_dir": str(tmp_path)})
+    orchestrator = rlhf.RLHFOrchestrator(config)
+    orchestrator.models["sft"] = sft = str(tmp_path / "sft")
+    dpo = config.stage_config("dpo", model_name_or_path=sft)
+    assert orchestrator._with_sft_reference(dpo).ref_model is None  # starts from SFT: its own start is the reference
+    kto = config.stage_config("kto", model_name_or_path=str(tmp_path / "dpo"))
+    assert orchestrator._with_sft_reference(kto).ref_model == sft  # after DPO: still anchored to SFT
+    orpo = config.stage_config("orpo", model_name_or_path=str(tmp_path / "dpo"))
+    assert orchestrator._with_sft_reference(orpo).ref_model is None  # reference-free
+    mine = rlhf.dataclasses.replace(kto, ref_model="my/ref")
+    assert orchestrator._with_sft_reference(mine).ref_model == "my/ref"
