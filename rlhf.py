@@ -7187,15 +7187,19 @@ class RLHFOrchestrator:
         import model_merging
 
         options = {**FINAL_STAGE_OPTIONS["merge"], **(options or {})}
-        names = options["models"] or [s for s in self.models if s in POLICY_OPTIMISATION_STAGES]
-        dropped = [n for n in names if isinstance(n, str) and n in STAGE_CONFIGS and n not in self.models]
-        names = [n for n in names if n not in dropped]  # a rolled-back stage has nothing to contribute
+        entries = options["models"] or [s for s in self.models if s in POLICY_OPTIMISATION_STAGES]
+        entries = [dict(e) if isinstance(e, dict) else {"model": e} for e in entries]  # {model, weight?, base?}
+        dropped = [e["model"] for e in entries if e["model"] in STAGE_CONFIGS and e["model"] not in self.models]
+        entries = [e for e in entries if e["model"] not in dropped]  # a rolled-back stage has nothing to contribute
+        names = [str(e["model"]) for e in entries]
         if not names:
             raise StageNotRun(f"nothing to merge ({', '.join(dropped) or 'no policy-optimisation stage'} not adopted)")
         if dropped:
             logger.warning("merge: %s not adopted (rolled back or not run); merging %s", ", ".join(dropped), ", ".join(names))
         raw = {k: v for k, v in options.items() if k != "evaluate"}
-        raw["models"] = [self._resolve_model(m["model"] if isinstance(m, dict) else m, "merge.models") for m in names]
+        raw["models"] = [{**e, "model": self._resolve_model(e["model"], "merge.models"),
+                          **({"base": self._resolve_model(e["base"], "merge.models.base")} if e.get("base") else {})}
+                         for e in entries]
         raw["base_model"] = self._resolve_model(options["base_model"], "merge.base_model")
         raw["output_dir"] = str(output_dir or self.output_dir / "merge")
         raw["overwrite"] = True

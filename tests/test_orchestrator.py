@@ -162,7 +162,9 @@ def test_final_stages_report_and_saved_models(sft_model, demo_dir, tmp_path):
                        dataset="demo_preference", eval_dataset="demo_eval", max_steps=3, learning_rate=1e-5,
                        plot_loss=True, eval={"max_prompts": 8, "reference": str(sft_model), "pairs": "demo_preference",
                                              "max_pairs": 16},
-                       best_of_n={"n": 3, "max_prompts": 8}, merge={"method": "task_arithmetic", "base_model": str(sft_model)})
+                       best_of_n={"n": 3, "max_prompts": 8},
+                       merge={"method": "task_arithmetic", "base_model": str(sft_model),
+                              "models": [{"model": "dpo", "weight": 0.5}]})
     orchestrator = rlhf.RLHFOrchestrator(config)
     history = orchestrator.run_full_pipeline()
     by_stage = {entry["stage"]: entry for entry in history}
@@ -180,6 +182,10 @@ def test_final_stages_report_and_saved_models(sft_model, demo_dir, tmp_path):
     merged = by_stage["merge"]
     assert merged["metrics"]["method"] == "task_arithmetic" and "eval/accuracy" in merged["eval"]
     assert (Path(merged["output_dir"]) / "config.json").is_file()
+    weights = {name: rlhf.PolicyModel.from_pretrained(path).model.state_dict()["model.norm.weight"]
+               for name, path in (("sft", str(sft_model)), ("dpo", by_stage["dpo"]["output_dir"]),
+                                  ("merged", merged["output_dir"]))}
+    torch.testing.assert_close(weights["merged"], weights["sft"] + 0.5 * (weights["dpo"] - weights["sft"]))
     root = Path(config.output_dir)
     for stage in ("rm", "dpo", "eval", "best_of_n", "merge"):
         assert (root / "logs" / f"{stage}.log").is_file(), stage
