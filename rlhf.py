@@ -7223,8 +7223,11 @@ class RLHFOrchestrator:
         output_dir = self.output_dir / stage
         inputs = {name: self.produced.get(path, path) for name, path in self.models.items()}
         base = self._base_config()
+        prompts = options.get("prompts") or base.eval_dataset
+        prompt_files = [_file_fingerprint(f) for name in str(prompts or "").split(",") if name.strip()
+                        for f in resolve_dataset(name, base.dataset_dir).files]
         fingerprint = _fingerprint(stage, options, inputs, self.current_model and self.produced.get(self.current_model),
-                                   data_fingerprint(dataclasses.replace(base, dataset="", ewc_dataset="")))
+                                   prompt_files)
         entry = self._completed_entry(stage, fingerprint, output_dir)
         if entry is not None:
             logger.info("stage %s: already complete for these models (report.json); skipped", stage)
