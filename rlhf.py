@@ -6814,8 +6814,9 @@ def pipeline_table(history: list[dict[str, Any]], title: str) -> Any:
     for row in pipeline_rows(history):
         table.add_row(*row, style="red" if row[1].startswith("rolled back") else None)
     rollbacks = sum(entry["status"] == "rolled_back" for entry in history)
-    table.caption = (f"{rollbacks} rollback(s); total {sum(e.get('seconds', 0) for e in history):.0f}s; reward = mean "
-                     f"reward-model score of greedy answers; KL on sampled answers")
+    cached = sum(bool(entry.get("skipped")) for entry in history)
+    table.caption = (f"{rollbacks} rollback(s)" + (f", {cached} stage(s) cached from an earlier run" if cached else "")
+                     + "; reward = mean reward-model score of greedy answers; KL on sampled answers")
     return table
 
 
