@@ -514,33 +514,50 @@ def _generate_static(model: torch.nn.Module, prompts: list[list[int]], params: S
     return GenerationOutput(token_lists, logprob_lists, reasons, [r // n for r in range(rows)])
 
 
-# -- paged KV cache: fixed-size blocks, per-sequence block tables, copy-on-write forks ----------------------------
+# -- paged KV cache: fixed-size blocks, per-sequence block tables, shared forks with per-slot masks ----------------
 
 class PagedKVCache:
     """A pool of fixed-size KV blocks shared by many sequences (the vLLM layout, Kwon et al. 2023).
 
-    Each sequence owns a block table (logical block i -> physical block); blocks are reference
-    counted, so ``fork`` gives a new sequence the parent's blocks without copying them, and the first
-    write into a block that is still shared copies it (copy-on-write). This is how the ``n`` samples
-    of one prompt share the prompt's KV: only each sample's own tokens (plus at most one partly filled
-    block) take new memory. ``free`` returns a sequence's blocks once no other sequence holds them.
+    Each sequence owns a block table (logical block i -> physical block) and, per table entry, the
+    number of slots of that block it uses (``fills``). Blocks are reference counted, so ``fork`` gives
+    a new sequence the parent's blocks without copying them; ``free`` returns a sequence's blocks once
+    no other sequence holds them. This is how the ``n`` samples of one prompt share the prompt's KV.
+
+    Writing after a shared, partly filled block. vLLM copies that block (copy-on-write) because its
+    attention kernel reads a sequence's first ``length`` slots in table order. Here attention reads
+    any slot layout: ``gather`` lays a sequence's blocks out contiguously and ``visible`` gives a
+    per-slot mask built from ``fills``, and keys are stored after RoPE, so each carries its true
+    position wherever it sits. So by default (``copy_on_write=False``) a sequence whose last block is
+    shared starts its own tokens in a fresh block and leaves the shared one in place, read-only: its
+    unused slots become a masked "hole" in this sequence (a fork of a fork may have several). No
+    block is ever copied: 16 samples of a 200-token prompt in 16-token blocks hold the prompt's 13
+    blocks once plus their own blocks, where copies would add 15 blocks (one per fork; the holes are
+    the shared block's 8 unused slots, allocated once). A sequence appends into its last block in
+    place only when no other sequence holds that block. ``copy_on_write=True`` keeps the vLLM
+    behaviour (a private copy of the shared partial block, no holes), e.g. for a kernel that needs
+    each sequence's slots dense.
 
     The pool, per layer (L, blocks, kv_heads, block_size, head_dim) for keys and for values, is
     created on the first ``append`` with that tensor's shapes and grows by doubling (up to
     ``max_blocks``, then a clear error). ``memory_stats`` reports what is stored versus allocated.
     """
 
-    def __init__(self, block_size: int = 16, num_blocks: int = 64, max_blocks: int | None = None) -> None:
+    def __init__(self, block_size: int = 16, num_blocks: int = 64, max_blocks: int | None = None, *,
+                 copy_on_write: bool = False) -> None:
         if block_size < 1 or num_blocks < 1 or (max_blocks is not None and max_blocks < num_blocks):
             raise ValueError("need block_size >= 1, num_blocks >= 1 and max_blocks >= num_blocks")
         self.block_size, self.capacity, self.max_blocks = block_size, num_blocks, max_blocks
+        self.copy_on_write = copy_on_write
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
         self.ref_counts: list[int] = []
         self.free_blocks: list[int] = []
         self.tables: dict[int, list[int]] = {}
-        self.lengths: dict[int, int] = {}
-        self.copied_blocks = 0  # copy-on-write copies so far
+        self.fills: dict[int, list[int]] = {}  # per table entry: slots of that block the sequence uses
+        self.lengths: dict[int, int] = {}  # committed tokens (sum of fills): the next token's position
+        self.pending: dict[int, list[int]] = {}  # table entry of each reserved, not yet committed slot
+        self.copied_blocks = 0  # copy-on-write copies so far (copy_on_write=True only)
         self.peak: dict = {}
         self._next_id = 0
 
@@ -582,13 +599,16 @@ class PagedKVCache:
     def new_sequence(self) -> int:
         """An empty sequence; returns its id."""
         seq, self._next_id = self._next_id, self._next_id + 1
-        self.tables[seq], self.lengths[seq] = [], 0
+        self.tables[seq], self.fills[seq], self.lengths[seq], self.pending[seq] = [], [], 0, []
         return seq
 
     def fork(self, seq: int) -> int:
-        """A new sequence that shares every block of ``seq`` (no copy until one of them writes)."""
+        """A new sequence that shares every block of ``seq`` (nothing is copied; see the class docstring)."""
+        if self.pending[seq]:
+            raise ValueError(f"sequence {seq} has reserved slots not yet committed: commit them before forking")
         child = self.new_sequence()
-        self.tables[child], self.lengths[child] = list(self.tables[seq]), self.lengths[seq]
+        self.tables[child], self.fills[child] = list(self.tables[seq]), list(self.fills[seq])
+        self.lengths[child] = self.lengths[seq]
         for block in self.tables[seq]:
             self.ref_counts[block] += 1
         return child
@@ -597,28 +617,45 @@ class PagedKVCache:
         """Drop ``seq``; its blocks return to the pool once no other sequence holds them."""
         for block in self.tables.pop(seq):
             self._release(block)
-        del self.lengths[seq]
+        del self.lengths[seq], self.fills[seq], self.pending[seq]
 
     def length(self, seq: int) -> int:
         return self.lengths[seq]
 
     def reserve(self, seq: int, count: int = 1) -> list[tuple[int, int]]:
-        """(block, offset) slots for the next ``count`` tokens of ``seq``: fresh blocks where the last one
-        is full, and a private copy of the last block when it is shared and partly filled."""
-        table, length, size = self.tables[seq], self.lengths[seq], self.block_size
-        if length % size and self.ref_counts[table[-1]] > 1:  # copy-on-write
+        """(block, offset) slots for the next ``count`` tokens of ``seq`` (after any reserved earlier and
+        not yet committed): the free slots of its last block when no other sequence holds that block,
+        then fresh blocks. A shared, partly filled last block is left in place (a masked hole follows
+        this sequence's part of it) or, with ``copy_on_write``, replaced by a private copy."""
+        table, fills, pending, size = self.tables[seq], self.fills[seq], self.pending[seq], self.block_size
+        if table and self.copy_on_write and fills[-1] < size and self.ref_counts[table[-1]] > 1:
             shared, own = table[-1], self._take_block()
             self.keys[:, own].copy_(self.keys[:, shared])
             self.values[:, own].copy_(self.values[:, shared])
             self._release(shared)
             table[-1] = own
             self.copied_blocks += 1
-        while len(table) * size < length + count:
-            table.append(self._take_block())
-        return [(table[p // size], p % size) for p in range(length, length + count)]
+        slots = []
+        used = fills[-1] + pending.count(len(table) - 1) if table else size  # slots taken in the last block
+        for _ in range(count):
+            # the last block is writable if its free slots are this sequence's alone: nobody else holds it
+            if used == size or self.ref_counts[table[-1]] > 1:
+                table.append(self._take_block())
+                fills.append(0)
+                used = 0
+            slots.append((table[-1], used))
+            pending.append(len(table) - 1)
+            used += 1
+        return slots
 
     def commit(self, seq: int, count: int = 1) -> None:
-        """Mark ``count`` reserved slots of ``seq`` as written."""
+        """Mark the first ``count`` reserved slots of ``seq`` as written."""
+        pending = self.pending[seq]
+        if count > len(pending):
+            raise ValueError(f"sequence {seq} has {len(pending)} reserved slots, cannot commit {count}")
+        for entry in pending[:count]:
+            self.fills[seq][entry] += 1
+        del pending[:count]
         self.lengths[seq] += count
 
     def append(self, seq: int, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
@@ -640,6 +677,22 @@ class PagedKVCache:
         return torch.tensor([self.tables[s] + [self.tables[s][0]] * (width - len(self.tables[s])) for s in seqs],
                             device=self.keys.device)
 
+    def visible(self, seqs: list[int], reserved: bool = True) -> torch.Tensor:
+        """(B, max blocks * block_size) bool, laid out as ``gather`` lays out ``block_table(seqs)``: the
+        slots each sequence has written (and, with ``reserved``, those reserved for its next tokens).
+        False marks holes (a shared block's slots past this sequence's part), unfilled slots and padding."""
+        width = max(len(self.tables[s]) for s in seqs)
+        counts = []
+        for s in seqs:
+            used = list(self.fills[s])
+            if reserved:
+                for entry in self.pending[s]:
+                    used[entry] += 1
+            counts.append(used + [0] * (width - len(used)))
+        counts = torch.tensor(counts, device=self.keys.device)
+        slot = torch.arange(self.block_size, device=self.keys.device)
+        return (slot[None, None, :] < counts[:, :, None]).reshape(len(seqs), width * self.block_size)
+
     def gather(self, layer: int, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the sequences in ``table`` laid out contiguously: (B, kv_heads, blocks * block_size, D)."""
         def contiguous(pool: torch.Tensor) -> torch.Tensor:
@@ -650,10 +703,11 @@ class PagedKVCache:
         return contiguous(self.keys), contiguous(self.values)
 
     def read(self, seq: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The stored (kv_heads, length, D) keys and values of ``seq``, one per layer (for tests and debugging)."""
-        table, length = self.block_table([seq]), self.lengths[seq]
+        """The stored (kv_heads, length, D) keys and values of ``seq`` in order, holes left out, one per
+        layer (for tests and debugging)."""
+        table, keep = self.block_table([seq]), self.visible([seq], reserved=False)[0]
         pairs = [self.gather(layer, table) for layer in range(self.keys.shape[0])]
-        return [k[0, :, :length] for k, _ in pairs], [v[0, :, :length] for _, v in pairs]
+        return [k[0][:, keep] for k, _ in pairs], [v[0][:, keep] for _, v in pairs]
 
     # -- accounting ----------------------------------------------------------------------------------
     @property
@@ -668,12 +722,13 @@ class PagedKVCache:
         """Now: ``sequences``; ``logical_tokens`` (sum of sequence lengths: what per-sequence caches
         would hold with no padding and no sharing); ``stored_tokens`` (distinct KV entries, a shared
         block counted once); ``blocks_in_use`` and ``allocated_slots`` (blocks x block_size);
-        ``utilisation`` (stored / allocated); ``kv_bytes`` (blocks in use); ``pool_bytes`` (the whole
-        pool, free blocks included); ``copied_blocks`` (copy-on-write copies so far)."""
-        filled: dict[int, int] = {}
+        ``utilisation`` (stored / allocated: holes and unfilled slots are the difference); ``kv_bytes``
+        (blocks in use); ``pool_bytes`` (the whole pool, free blocks included); ``copied_blocks``
+        (copy-on-write copies so far, 0 unless ``copy_on_write``)."""
+        filled: dict[int, int] = {}  # per block in use: the slots some sequence reads (holes are not stored tokens)
         for seq, table in self.tables.items():
-            for index, block in enumerate(table):
-                filled[block] = max(filled.get(block, 0), min(self.block_size, self.lengths[seq] - index * self.block_size))
+            for block, used in zip(table, self.fills[seq], strict=True):
+                filled[block] = max(filled.get(block, 0), used)
         stored, in_use = sum(filled.values()), len(filled)
         slots = in_use * self.block_size
         per_token = self.bytes_per_token
@@ -692,7 +747,7 @@ class PagedKVCache:
 def _paged_view(paged: PagedKVCache, table: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor):
     """A transformers ``Cache`` for one decode forward over ``paged``: each layer's ``update`` writes
     the new token of every row into its reserved slot and returns the rows' KV laid out contiguously
-    (the 4-D mask the engine passes hides the unfilled slots)."""
+    (the 4-D mask the engine passes, from ``PagedKVCache.visible``, hides unfilled slots and holes)."""
     from transformers.cache_utils import Cache
 
     class PagedStepCache(Cache):
@@ -716,7 +771,8 @@ def _generate_paged(model: torch.nn.Module, prompts: list[list[int]], params: Sa
                     stops: set[int], tokenizer, generator: torch.Generator,
                     paged: PagedKVCache) -> GenerationOutput:
     """Decode over a PagedKVCache: each prompt is prefilled once and written into blocks; its ``n``
-    samples are forks that share those blocks (copy-on-write on the partly filled last one). Every
+    samples are forks that share those blocks, the partly filled last one included (each sample's own
+    tokens start in a fresh block behind a masked hole, unless the cache copies on write). Every
     step runs only the unfinished rows, and a row that stops frees its blocks at once."""
     from transformers import DynamicCache
 
@@ -763,11 +819,11 @@ def _generate_paged(model: torch.nn.Module, prompts: list[list[int]], params: Sa
             active, chosen = [active[s] for s in still], chosen[keep]
             seqs = [row_seq[r] for r in active]
             slots = [paged.reserve(s)[0] for s in seqs]
-            lengths = torch.tensor([paged.length(s) for s in seqs], device=device)
+            lengths = torch.tensor([paged.length(s) for s in seqs], device=device)  # the new token's position
             table = paged.block_table(seqs)
-            span = table.shape[1] * paged.block_size
-            visible = torch.arange(span, device=device)[None, :] <= lengths[:, None]  # the prefix and the new token
-            mask = torch.zeros(len(seqs), 1, 1, span, dtype=next(model.parameters()).dtype, device=device)
+            # per-slot validity, not "slot < length": a fork's own tokens start after a masked hole
+            visible = paged.visible(seqs)  # the stored prefix and the new token's reserved slot
+            mask = torch.zeros(len(seqs), 1, 1, visible.shape[1], dtype=next(model.parameters()).dtype, device=device)
             mask.masked_fill_(~visible[:, None, None], mask_value)
             view = _paged_view(paged, table, torch.tensor([b for b, _ in slots], device=device),
                                torch.tensor([o for _, o in slots], device=device))
@@ -826,7 +882,7 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], params: SamplingP
     shape to ``compiled`` once it has decoded AUTO_COMPILE_AFTER_TOKENS tokens, and uses ``eager`` for
     models the static path cannot serve (recurrent, sliding-window or other caches; logged once).
     ``paged`` decodes over a ``PagedKVCache`` (``paged_cache``, or a fresh one with 16-token blocks):
-    the n samples of a prompt share its blocks copy-on-write, finished rows free theirs at once, and
+    the n samples of a prompt share its blocks with no copy, finished rows free theirs at once, and
     ``GenerationOutput.cache_stats`` reports the peak memory; it trades speed (a block gather per
     layer and step) for memory, so ``auto`` never picks it.
     A seed reproduces samples within one engine; engines draw differently (same distribution).

@@ -15,8 +15,10 @@ Memory (KV bytes = positions x 2 (keys, values) x layers x kv_heads x head_dim x
     generations hold (Hugging Face's DynamicCache; our static engine preallocates more, its bucketed
     cache length is printed too);
   * paged (``engine="paged"``, one row per ``--block-sizes``): the cache's own peak accounting
-    (``GenerationOutput.cache_stats``): blocks in use x block size, the prompt stored once, plus the
-    copy-on-write copies of its partly filled last block. Target: <= 0.3x contiguous.
+    (``GenerationOutput.cache_stats``): blocks in use x block size, the prompt stored once (its
+    partly filled last block shared too: each sample's own tokens start in a fresh block behind a
+    masked hole, nothing is copied). ``--copy-on-write`` adds a row per block size with the vLLM
+    layout (a private copy of that block per fork) for comparison. Target: <= 0.3x contiguous.
 Speed (tokens generated / seconds of one generate call, prefill included; best of ``--repeats``,
 order rotating): paged with prefix sharing (n = 16), our static engine with n = 16 (prefill shared,
 cache repeated per row), 16 independent generations (the prompt 16 times, n = 1: 16 prefills), and
@@ -53,6 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per engine; best is kept")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
     parser.add_argument("--target", type=float, default=0.3, help="paged / contiguous KV bytes target")
+    parser.add_argument("--copy-on-write", action="store_true",
+                        help="also measure the memory of copy-on-write forks (the vLLM layout)")
     parser.add_argument("--output", help="also write the figures as JSON here")
     return parser.parse_args(argv)
 
@@ -91,7 +95,8 @@ def run(engine: str, model, prompt: list[int], args, pad: int, seed: int) -> tup
         independent = engine == "independent"
         params = io.SamplingParams(max_new_tokens=args.new_tokens, n=1 if independent else args.samples, seed=seed)
         prompts = [prompt] * args.samples if independent else [prompt]
-        kwargs = {"paged_cache": io.PagedKVCache(block_size=args.block_size)} if engine == "paged" else {}
+        kwargs = {"paged_cache": io.PagedKVCache(block_size=args.block_size,
+                                                 copy_on_write=getattr(args, "cow", False))} if engine == "paged" else {}
         out = io.generate(model, prompts, params, pad_token_id=pad, engine="paged" if engine == "paged" else "static",
                           **kwargs)
         generated, stats = sum(len(t) for t in out.token_ids), out.cache_stats
@@ -126,9 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     if any(count != expected for count in tokens.values()):
         raise SystemExit(f"error: engines generated {tokens} tokens, expected {expected} each")
 
-    peaks = {}  # one sampled run per block size: the peak accounting of the paged cache
-    for size in block_sizes:
-        peaks[size] = run("paged", model, prompt, argparse.Namespace(**{**vars(args), "block_size": size}), pad, 0)[2]
+    peaks = {}  # one sampled run per block size (and fork layout): the peak accounting of the paged cache
+    for cow in [False, True] if args.copy_on_write else [False]:
+        for size in block_sizes:
+            peaks[size, cow] = run("paged", model, prompt,
+                                   argparse.Namespace(**{**vars(args), "block_size": size, "cow": cow}), pad, 0)[2]
     per_token = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads \
         * (model.config.hidden_size // model.config.num_attention_heads) * next(model.parameters()).element_size()
     positions = args.prompt_tokens + args.new_tokens - 1  # the last token is sampled, never fed back
@@ -140,9 +147,10 @@ def main(argv: list[str] | None = None) -> int:
         ["our static engine (preallocated, bucketed length)", f"{args.samples * positions:,}",
          f"{args.samples * static_len:,}", f"{positions / static_len:.1%}",
          f"{args.samples * static_len * per_token / 2**20:.2f}", f"{static_len / positions:.2f}x"],
-    ] + [[f"paged, {size}-token blocks, copy-on-write forks", f"{peak['stored_tokens']:,}",
-          f"{peak['allocated_slots']:,}", f"{peak['utilisation']:.1%}", f"{peak['kv_bytes'] / 2**20:.2f}",
-          f"{peak['kv_bytes'] / contiguous:.3f}x"] for size, peak in peaks.items()]
+    ] + [[f"paged, {size}-token blocks, {'copy-on-write forks' if cow else 'shared partial block'}",
+          f"{peak['stored_tokens']:,}", f"{peak['allocated_slots']:,}", f"{peak['utilisation']:.1%}",
+          f"{peak['kv_bytes'] / 2**20:.2f}", f"{peak['kv_bytes'] / contiguous:.3f}x"]
+         for (size, cow), peak in peaks.items()]
     print_table(["KV cache", "stored tokens", "allocated slots", "stored / allocated", "KV MiB", "vs contiguous"],
                 memory_rows, f"KV memory: {args.samples} samples of one {args.prompt_tokens}-token prompt, "
                 f"{args.new_tokens} new tokens each ({Path(directory).name}, {per_token} bytes/token)")
@@ -151,14 +159,16 @@ def main(argv: list[str] | None = None) -> int:
     print_table(["engine", "seconds", "tokens/s", "vs independent", "spread max/min"], speed_rows,
                 f"Best-of-{args.samples} generation speed (best of {args.repeats}, {args.threads} threads)")
     floor = (args.prompt_tokens + args.samples * (args.new_tokens - 1)) / (args.samples * positions)
-    for size, peak in peaks.items():
+    for (size, cow), peak in peaks.items():
         ratio = peak["kv_bytes"] / contiguous
-        print(f"{size}-token blocks: paged / contiguous KV bytes = {ratio:.3f} (target <= {args.target}: "
-              f"{'met' if ratio <= args.target else 'NOT met'}; {peak['copied_blocks']} copy-on-write copies)")
+        print(f"{size}-token blocks{', copy-on-write' if cow else ''}: paged / contiguous KV bytes = {ratio:.3f} "
+              f"(target <= {args.target}: {'met' if ratio <= args.target else 'NOT met'}; "
+              f"{peak['copied_blocks']} copy-on-write copies)")
     print(f"(no waste at all would be {floor:.3f}: the prompt once plus every sample's own tokens)")
     if args.output:
         Path(args.output).write_text(json.dumps({"memory": memory_rows, "speed": speed_rows,
-                                                 "paged_peaks": {str(k): v for k, v in peaks.items()}}, indent=2))
+                                                 "paged_peaks": {f"{size}{'-cow' if cow else ''}": v
+                                                                 for (size, cow), v in peaks.items()}}, indent=2))
     return 0
 
 
