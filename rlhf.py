@@ -46,6 +46,7 @@ import time
 import types
 import typing
 import uuid
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -4475,8 +4476,12 @@ class BaseTrainer:
         return " and ".join(reasons)
 
     def _skip_update(self, problem: str) -> None:
-        """Drop this step's gradients; after max_nonfinite_steps in a row, checkpoint and stop."""
+        """Drop this step's gradients (the schedule still advances, so the learning rate follows
+        global_step, as a weights-only resume assumes); after max_nonfinite_steps in a row, checkpoint and stop."""
         self.optimizer.zero_grad(set_to_none=True)
+        with warnings.catch_warnings():  # torch warns when the schedule steps before the first optimizer step
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
+            self.scheduler.step()
         scaler = getattr(getattr(self.devices, "accelerator", None), "scaler", None)
         if scaler is not None:
             close_loss_scaler_step(scaler)

@@ -312,6 +312,7 @@ def test_nan_rewards_now_and_then_do_not_stop_the_run(tmp_path, tiny_model_dir, 
     assert [row.get("stability/skipped_steps", 0.0) for row in _rows(result)] == [1.0, 0.0, 1.0, 0.0]
     assert _changed(before, _state(trainer))  # the good steps trained
     assert trainer.nonfinite_in_a_row == 0
+    assert trainer.scheduler.last_epoch == 4  # skipped steps advance the schedule too: lr follows global_step
 
 
 def test_always_nan_reward_stops_after_a_checkpoint(tmp_path, tiny_model_dir, prompts):
