@@ -3867,14 +3867,29 @@ class LearnedReward:
 
 class ProcessReward:
     """A process reward model as a reward function: each completion's steps are scored and
-    aggregated; the reward is the aggregated probability that every step is right, in [0, 1]."""
+    aggregated; the reward is the aggregated probability that every step is right, in [0, 1].
+    With ``cutoff_len`` a long prompt and completion are cut as the prm stage cut its training pairs
+    (the prompt's end and the completion's start kept); steps past the cut are not scored."""
 
     wants_records = True
 
-    def __init__(self, model: ProcessRewardModel, *, template: str = "auto", batch_size: int = 32) -> None:
+    def __init__(self, model: ProcessRewardModel, *, template: str = "auto", batch_size: int = 32,
+                 cutoff_len: int | None = None) -> None:
         self.model = model.requires_grad_(False).eval()
         self.formatter = ChatFormatter(model.tokenizer, template)
-        self.batch_size = batch_size
+        self.batch_size, self.cutoff_len = batch_size, cutoff_len
+
+    def encode(self, record: dict[str, Any], completion: str) -> tuple[list[int], list[int], list[int]]:
+        """(prompt ids, completion ids, index of each scored step's last token), cut to cutoff_len."""
+        prompt = self.formatter.prompt_ids(record)
+        ids, ends = encode_steps(self.formatter, record, completion, self.model.step_delimiter)
+        if self.cutoff_len:
+            kept_prompt, (kept,), status = truncate_prompt_and_responses(prompt, [ids], self.cutoff_len)
+            if status == "dropped":  # a cutoff too small for both: one completion token after the prompt's end
+                kept_prompt, kept = prompt[-max(1, self.cutoff_len - 1):], ids[:1]
+            prompt, ids = kept_prompt, kept
+            ends = [end for end in ends if end < len(ids)] or [len(ids) - 1]  # cut inside step 1: score what is left
+        return prompt, ids, ends
 
     @torch.no_grad()
     def __call__(self, prompts: list[str], completions: list[str], answers: list[str | None],
@@ -3886,8 +3901,8 @@ class ProcessReward:
         for start in range(0, len(completions), self.batch_size):
             items = []
             for record, completion in zip(records[start:start + self.batch_size], completions[start:start + self.batch_size]):
-                ids, ends = encode_steps(self.formatter, record, completion, self.model.step_delimiter)
-                items.append({"prompt_ids": self.formatter.prompt_ids(record), "chosen_ids": ids, "rejected_ids": ids,
+                prompt, ids, ends = self.encode(record, completion)
+                items.append({"prompt_ids": prompt, "chosen_ids": ids, "rejected_ids": ids,
                               "chosen_steps": ends, "rejected_steps": ends, "chosen_labels": [-1.0] * len(ends),
                               "rejected_labels": [-1.0] * len(ends)})
             batch = {k: v.to(device) for k, v in collator(items).items()}
@@ -4081,7 +4096,8 @@ class RewardFunctionFactory:
             if not config.process_reward_model:
                 raise RLHFInputError("config field 'process_reward_model' is not set; give the prm stage's output directory")
             model = ProcessRewardModel.from_pretrained(config.process_reward_model, device=self.device, is_trainable=False)
-            return ProcessReward(model, template=config.template, batch_size=config.per_device_eval_batch_size)
+            return ProcessReward(model, template=config.template, batch_size=config.per_device_eval_batch_size,
+                                 cutoff_len=config.cutoff_len)
         if ":" in name:
             return self._import(name)
         raise RLHFInputError(f"config field 'reward_funcs': unknown reward '{name}'; valid: "

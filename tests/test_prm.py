@@ -337,3 +337,24 @@ def test_cli_prm_bad_aggregation_is_one_line(tmp_path, capsys):
     assert rlhf.main(["prm", "prm_aggregation=mean", f"output_dir={tmp_path}"]) == 2
     err = capsys.readouterr().err
     assert "prm_aggregation" in err and "min, product, last" in err and "Traceback" not in err
+
+
+def test_process_reward_cuts_to_cutoff_len_and_scores_only_the_kept_steps(tiny_model_dir):
+    model = rlhf.ProcessRewardModel.from_pretrained(str(tiny_model_dir), seed=1, aggregation="product")
+    record = _record()
+    formatter = rlhf.ChatFormatter(model.tokenizer, "auto")
+    prompt = formatter.prompt_ids(record)
+    ids, ends = rlhf.encode_steps(formatter, record, PAIR[1], "\n")
+    with torch.no_grad():
+        logits = model.step_logits(torch.tensor([prompt + ids]), torch.ones(1, len(prompt) + len(ids), dtype=torch.long),
+                                   torch.tensor([[len(prompt) + e for e in ends]]))[0]
+    cutoff = len(prompt) + ends[1] + 3  # the first two steps fit, a bit of the third (a short prompt is kept whole)
+    cut = rlhf.ProcessReward(model, cutoff_len=cutoff)
+    kept_prompt, kept_ids, kept_ends = cut.encode(record, PAIR[1])
+    assert len(kept_prompt) + len(kept_ids) <= cutoff and kept_ends == ends[:2]
+    score = float(cut([record["messages"][-1]["content"]], [PAIR[1]], [None], [record])[0])
+    # causal attention: the kept steps' logits are the full sequence's
+    assert score == pytest.approx(math.exp(sum(_log_sigmoid(float(x)) for x in logits[:2])), rel=1e-4)
+    whole = float(rlhf.ProcessReward(model, cutoff_len=4096)([record["messages"][-1]["content"]], [PAIR[1]], [None],
+                                                            [record])[0])
+    assert whole == pytest.approx(math.exp(sum(_log_sigmoid(float(x)) for x in logits)), rel=1e-4)
