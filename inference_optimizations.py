@@ -1106,6 +1106,17 @@ class SpeculativeOutput:
     def acceptance_rate(self) -> float:
         return self.accepted / self.proposed if self.proposed else 0.0
 
+    def commit_round(self, accepted: int, k: int, new: list[int], stops: set[int], max_new_tokens: int) -> bool:
+        """Count one round (``accepted`` of ``k`` drafts) and emit its ``new`` tokens up to a stop token
+        or the token budget; True when generation is done."""
+        self.accepted += accepted
+        self.proposed += k
+        for token in new:
+            self.token_ids.append(token)
+            if token in stops or len(self.token_ids) == max_new_tokens:
+                return True
+        return False
+
 
 def _crop(cache, length: int) -> None:
     """Keep the first ``length`` positions of a DynamicCache (a negative crop removes that many, in
@@ -1221,8 +1232,6 @@ class SpeculativeDecoder:
                 last = target_logits[k]
                 correction = int(last.argmax()) if greedy else int(torch.multinomial(distribution(last), 1, generator=generator))
             new = drafted[:accepted] + [correction]
-            out.accepted += accepted
-            out.proposed += k
             self._adapt(accepted, k)
             base = len(sequence)
             sequence += new
@@ -1231,10 +1240,8 @@ class SpeculativeDecoder:
             draft_len = min(draft_len, base + accepted)
             _crop(target_cache, target_len)
             _crop(draft_cache, draft_len)
-            for token in new:
-                out.token_ids.append(token)
-                if token in stops or len(out.token_ids) == max_new_tokens:
-                    return out
+            if out.commit_round(accepted, k, new, stops, max_new_tokens):
+                return out
         return out
 
 
@@ -1280,17 +1287,13 @@ class SpeculativeDecoder:
             while accepted < k and best[accepted] == drafted[accepted]:
                 accepted += 1
             new = drafted[:accepted] + [best[accepted]]
-            out.accepted += accepted
-            out.proposed += k
             base = len(sequence)
             sequence += new
             target_len, draft_len = base + accepted, min(draft_len, base + accepted)
             _rewind(target_cache, target_len)
             _rewind(draft_cache, draft_len)
-            for token in new:
-                out.token_ids.append(token)
-                if token in stops or len(out.token_ids) == max_new_tokens:
-                    return out
+            if out.commit_round(accepted, k, new, stops, max_new_tokens):
+                return out
         return out
 
 

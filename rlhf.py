@@ -6535,10 +6535,11 @@ STAGE_RECORD_KINDS = {"sft": "sft", "rm": "preference", "prm": "preference", "dp
                       "orpo": "preference", "kto": "kto", "grpo": "prompt", "ppo": "prompt"}
 
 
-def _load_policy(config: BaseConfig, devices: DeviceManager) -> PolicyModel:
-    return PolicyModel.from_pretrained(config.model_name_or_path, dtype=_model_dtype(config),
+def _load_policy(config: BaseConfig, device: torch.device | str, model: str | None = None) -> PolicyModel:
+    """The stage's model (or ``model``, another directory) loaded with the stage's dtype and attention."""
+    return PolicyModel.from_pretrained(model or config.model_name_or_path, dtype=_model_dtype(config),
                                        attn_implementation=config.attn_implementation,
-                                       trust_remote_code=config.trust_remote_code, device=devices.device,
+                                       trust_remote_code=config.trust_remote_code, device=device,
                                        cache_dir=config.cache_dir)
 
 
@@ -6560,7 +6561,7 @@ def _start_stage(config: BaseConfig, devices: DeviceManager | None) -> tuple[tup
 def train_sft(config: SFTConfig, devices: DeviceManager | None = None) -> TrainResult:
     """Run the SFT stage from a config: load model and data, train, evaluate, save."""
     records, devices = _start_stage(config, devices)
-    policy = _load_policy(config, devices)
+    policy = _load_policy(config, devices.device)
     _check_packing_supported(policy, config)
     formatter = ChatFormatter(policy.tokenizer, config.template)
     train, validation, eval_records = build_sft_data(config, policy.tokenizer, formatter, devices, records)
@@ -6639,7 +6640,7 @@ def _train_rm_ensemble(config: RewardModelConfig, devices: DeviceManager | None)
 def _train_policy_stage(config: BaseConfig, devices: DeviceManager | None, trainer_class: type[BaseTrainer]
                         ) -> TrainResult:
     records, devices = _start_stage(config, devices)
-    policy = _load_policy(config, devices)
+    policy = _load_policy(config, devices.device)
     formatter = ChatFormatter(policy.tokenizer, config.template)
     train, validation, eval_records = _preference_datasets(config, records, policy.tokenizer, formatter, devices)
     reference = create_reference_model(config, policy)
@@ -6671,7 +6672,7 @@ def train_grpo(config: GRPOConfig, devices: DeviceManager | None = None) -> Trai
     """Run the GRPO stage: reward functions from the config (RewardFunctionFactory), prompts, rollouts."""
     records, devices = _start_stage(config, devices)
     reward_fn = RewardFunctionFactory(config, devices.device).build()  # a bad reward spec fails before the policy loads
-    policy = _load_policy(config, devices)
+    policy = _load_policy(config, devices.device)
     formatter = ChatFormatter(policy.tokenizer, config.template)
     train, eval_records = _prompt_datasets(config, records, policy.tokenizer, formatter, devices)
     reference = create_reference_model(config, policy)
@@ -6683,7 +6684,7 @@ def train_ppo(config: PPOConfig, devices: DeviceManager | None = None) -> TrainR
     """Run the PPO stage: reward functions, a critic (value head on the policy, or value_model), a reference."""
     records, devices = _start_stage(config, devices)
     reward_fn = RewardFunctionFactory(config, devices.device).build()
-    policy = _load_policy(config, devices)
+    policy = _load_policy(config, devices.device)
     critic = None
     if config.value_model:
         critic, _ = ValueModel.from_pretrained(config.value_model, device=devices.device, seed=config.seed,
@@ -6927,6 +6928,7 @@ class RLHFOrchestrator:
                 {task: {"dataset_dir": shared_dir, **spec} for task, spec in self.config.capability_tests.items()},
                 threshold=self.config.capability_threshold)
         self._capability_cache: dict[str, dict[str, float]] = {}
+        self._rewards: dict[str, LearnedReward] = {}  # reward-model directory -> loaded scorer (final stages)
         self._sync: DeviceManager | None = None  # under a multi-process launch: barriers and the main process
         self._compressor_model: PolicyModel | None = None  # the policy ContextCompressor runs on, loaded once
         self._compressor_for: str | None = None
@@ -6950,8 +6952,8 @@ class RLHFOrchestrator:
         """A policy-optimisation stage that starts from another one's policy (GRPO after DPO) keeps the SFT
         model as its reference, as InstructGPT anchors PPO to the SFT policy, unless ref_model is set."""
         sft = self.models.get("sft")
-        if (sft and config.stage in POLICY_OPTIMISATION_STAGES and hasattr(config, "ref_model") and not config.ref_model
-                and getattr(config, "uses_reference", True) and config.model_name_or_path != sft):
+        if (sft and config.stage in POLICY_OPTIMISATION_STAGES and not config.ref_model  # every such config has one
+                and config.uses_reference and config.model_name_or_path != sft):
             logger.info("stage %s: reference model is the SFT output %s", config.stage, sft)
             return dataclasses.replace(config, ref_model=sft)
         return config
@@ -7056,9 +7058,7 @@ class RLHFOrchestrator:
         return self._capability_cache[model]
 
     def _load_policy(self, model: str, config: BaseConfig) -> PolicyModel:
-        return PolicyModel.from_pretrained(model, dtype=_model_dtype(config), attn_implementation=config.attn_implementation,
-                                           trust_remote_code=config.trust_remote_code, cache_dir=config.cache_dir,
-                                           device="cuda" if torch.cuda.is_available() else "cpu")
+        return _load_policy(config, "cuda" if torch.cuda.is_available() else "cpu", model)
 
     def run_sft(self) -> dict[str, Any]:
         return self.run_stage("sft")
@@ -7107,8 +7107,10 @@ class RLHFOrchestrator:
         name = options.get("reward_model")
         if not name or (name in STAGE_CONFIGS and name not in self.models):
             return None
-        learned = LearnedReward.from_pretrained(self._resolve_model(name, "reward_model"),
-                                                template=self._base_config().template)
+        path = self._resolve_model(name, "reward_model")
+        if path not in self._rewards:  # eval, best_of_n and merge score with the same model: load it once
+            self._rewards[path] = LearnedReward.from_pretrained(path, template=self._base_config().template)
+        learned = self._rewards[path]
         return lambda prompts, responses: learned(prompts, responses, [None] * len(prompts))
 
     def _policy_metrics(self, model: str, records: list[dict[str, Any]], reward_fn: Callable | None,

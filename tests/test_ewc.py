@@ -125,17 +125,6 @@ def _sft_loss(model_dir: Path, demo_dir: Path) -> float:
     return total / count
 
 
-@pytest.fixture(scope="module")
-def sft_model(tmp_path_factory, tiny_model_dir, demo_dir) -> Path:
-    """The embedded model after 40 SFT steps on the demo (SFT loss 2.33 on the first 64 records)."""
-    out = tmp_path_factory.mktemp("ewc-sft")
-    rlhf.train_sft(rlhf.SFTConfig(model_name_or_path=str(tiny_model_dir), dataset="demo_sft", dataset_dir=str(demo_dir),
-                                  max_samples=256, cutoff_len=96, finetuning_type="full", per_device_train_batch_size=16,
-                                  max_steps=40, learning_rate=1e-3, save_steps=0, disable_progress_bar=True,
-                                  output_dir=str(out), resume_from_checkpoint="none"))
-    return out
-
-
 def test_ewc_keeps_sft_loss_lower_than_plain_dpo(sft_model, demo_dir, tmp_path):
     start = _sft_loss(sft_model, demo_dir)
     rlhf.train_dpo(_dpo(sft_model, demo_dir, tmp_path / "plain"))
@@ -161,7 +150,7 @@ def test_resumed_run_keeps_the_original_anchor(sft_model, demo_dir, tmp_path):
     records, devices = rlhf._start_stage(config, None)
 
     def trainer() -> rlhf.DPOTrainer:
-        policy = rlhf._load_policy(config, devices)
+        policy = rlhf._load_policy(config, devices.device)
         formatter = rlhf.ChatFormatter(policy.tokenizer, config.template)
         train, validation, _ = rlhf._preference_datasets(config, records, policy.tokenizer, formatter, devices)
         return rlhf.DPOTrainer(config, policy, train, eval_dataset=validation,

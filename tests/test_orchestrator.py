@@ -15,17 +15,6 @@ import rlhf
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def sft_model(tmp_path_factory, tiny_model_dir, demo_dir) -> Path:
-    """The embedded model after 40 SFT steps: it writes the 'Answer:' line on every multistep probe."""
-    out = tmp_path_factory.mktemp("orchestrator-sft")
-    rlhf.train_sft(rlhf.SFTConfig(model_name_or_path=str(tiny_model_dir), dataset="demo_sft", dataset_dir=str(demo_dir),
-                                  max_samples=256, cutoff_len=96, finetuning_type="full", per_device_train_batch_size=16,
-                                  max_steps=40, learning_rate=1e-3, save_steps=0, disable_progress_bar=True,
-                                  output_dir=str(out), resume_from_checkpoint="none"))
-    return out
-
-
 def writes_answer_line(response: str, record: dict) -> bool:
     """Capability verifier for the tests: the response keeps the demo's output format."""
     return "Answer:" in response
