@@ -12,7 +12,7 @@ Table of contents (each section opens with a ``# ==== N. Title ====`` banner):
   1. Configs — BaseConfig, SFTConfig, RewardModelConfig, ProcessRewardModelConfig, DPOConfig, SimPOConfig, ORPOConfig, KTOConfig, OnlineRLConfig, GRPOConfig, PPOConfig, PipelineConfig, load_config, save_config, config_help, get_7b_model_config, get_70b_model_config, count_parameters, estimate_memory
   2. Infrastructure — setup_logging, DeviceManager, TrainingLogger, CheckpointManager, create_optimizer, EarlyStopping, apply_lora, apply_freeze, compile_model, select_attention_implementation
   3. Data — load_records, ChatFormatter, CHAT_TEMPLATES, SFTDataset, StreamingSFTDataset, pack_sequences, SFTCollator, PreferenceDataset, StreamingPreferenceDataset, KTODataset, StreamingKTODataset, PreferenceCollator, KTOCollator, GRPODataset, StreamingGRPODataset, extract_answer, split_steps, arithmetic_step_labels, encode_steps, ProcessPreferenceDataset, ProcessPreferenceCollator
-  4. Models — token_log_probs, load_tokenizer, build_tiny_model, resolve_model_path, PolicyModel, RewardModel, RewardEnsemble, aggregate_step_scores, ProcessRewardModel, ValueModel, ActorCritic, select_informative_tokens, ContextCompressor, ReferenceModel, create_reference_model
+  4. Models — token_log_probs, load_tokenizer, build_tiny_model, resolve_model_path, PolicyModel, RewardModel, RewardEnsemble, aggregate_step_scores, ProcessRewardModel, ValueModel, ActorCritic, select_informative_tokens, ContextCompressor, ReferenceModel, shared_prefix_log_probs, grouped_prefix_logits, create_reference_model
   5. Losses and advantages — causal_lm_loss_sum, sequence_log_probs, dpo_loss, PREFERENCE_LOSSES, simpo_loss, orpo_loss, kto_loss, reward_model_loss, ewc_penalty, whiten, grpo_advantages, grpo_loss, compute_gae, ppo_policy_loss, ppo_value_loss, AdaptiveKLController, FixedKLController
   6. Rewards — exact_answer_reward, format_reward, length_penalty, CompositeReward, LearnedReward, ProcessReward, HTTPReward, RewardAPIError, Principle, ConstitutionalRewardWrapper, RewardFunctionFactory, RunningRewardNormalizer, process_rewards
   7. Trainers — BaseTrainer, TrainingDivergedError, SFTTrainer, RewardModelTrainer, ProcessRewardModelTrainer, DPOTrainer, SimPOTrainer, KTOTrainer, precompute_ref_log_probs, Rollout, RolloutBuffer, token_entropy, disable_dropout, GRPOTrainer, PPOTrainer, TrainResult, close_loss_scaler_step
@@ -449,6 +449,7 @@ class GRPOConfig(OnlineRLConfig):
     scale_rewards: str = _opt("group", "Divide centred rewards by the group's std (group), the batch's (batch) or nothing (none, Dr. GRPO)")
     num_iterations: int = _opt(1, "Optimizer steps per rollout (mu); > 1 reuses it with stored old log-probs and clipping")
     mask_truncated_completions: bool = _opt(False, "Leave completions that hit max_completion_length out of the loss (DAPO)")
+    share_prompt: bool = _opt(True, "Run each group's prompt once per micro-batch and share its KV cache among the G completions (off for Mamba and gradient checkpointing)")
 
     stage: typing.ClassVar[str] = "grpo"
 
@@ -3356,6 +3357,47 @@ def shared_prefix_log_probs(model: nn.Module, batch: dict[str, torch.Tensor]) ->
     return per_token[back], mask[back].bool(), mean_logits[back]
 
 
+def grouped_prefix_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                          prompt_lengths: torch.Tensor) -> torch.Tensor:
+    """Next-token logits of prompt + completion rows with each distinct prompt run once.
+
+    Online RL samples G completions per prompt; consecutive rows with the same prompt form a group.
+    The distinct prompts (left-padded, so each ends in the last column) go through the model once,
+    their KV cache is indexed out to every row of the group, and only the completions run per row:
+    prompt compute drops G-fold in forward and backward. Rows may hold uneven groups (a micro-batch can
+    split one). Returns logits laid out like ``model(input_ids).logits[:, :-1]`` (position t predicts
+    token t+1) at every completion position; earlier positions, which the loss masks, hold the
+    prompt's last logits. Shapes: input_ids, attention_mask (N, T) right-padded, prompt_lengths (N)
+    -> (N, T-1, V).
+    """
+    rows, width = input_ids.shape
+    device = input_ids.device
+    columns = torch.arange(width, device=device)
+    in_prompt = columns < prompt_lengths[:, None]
+    same_prompt = (prompt_lengths[1:] == prompt_lengths[:-1]) & ((input_ids[1:] == input_ids[:-1]) | ~in_prompt[1:]).all(-1)
+    starts = torch.cat([torch.ones(1, dtype=torch.bool, device=device), ~same_prompt])
+    group = starts.long().cumsum(0) - 1  # (N) index of each row's prompt
+    firsts = starts.nonzero().squeeze(-1)  # (U) the first row of each group
+    lengths = prompt_lengths[firsts]
+    prompt_width = int(lengths.max())
+    source = torch.arange(prompt_width, device=device) - (prompt_width - lengths[:, None])  # (U, P): left padding
+    prompt_mask = (source >= 0).long()
+    prompt_ids = input_ids[firsts].gather(1, source.clamp(min=0))  # padding columns repeat token 0, masked
+    prompt_out = model(input_ids=prompt_ids, attention_mask=prompt_mask,
+                       position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0), use_cache=True)
+    cache = prompt_out.past_key_values
+    cache.batch_select_indices(group)  # differentiable indexing: gradients of every row reach its prompt
+    completion_width = max(1, int((attention_mask.sum(-1) - prompt_lengths).max()))
+    offsets = prompt_lengths[:, None] + torch.arange(completion_width, device=device)  # (N, C) columns of the rows
+    completion_ids = input_ids.gather(1, offsets.clamp(max=width - 1))
+    completion_mask = attention_mask.gather(1, offsets.clamp(max=width - 1)) * (offsets < width)
+    logits = model(input_ids=completion_ids, attention_mask=torch.cat([prompt_mask[group], completion_mask], 1),
+                   position_ids=offsets, past_key_values=cache, use_cache=True).logits  # (N, C, V)
+    logits = torch.cat([prompt_out.logits[:, -1:][group], logits[:, :-1]], 1)  # column j predicts completion token j
+    back = (columns[:-1] + 1 - prompt_lengths[:, None]).clamp(0, completion_width - 1)  # (N, T-1)
+    return logits.gather(1, back[..., None].expand(-1, -1, logits.shape[-1]))
+
+
 def create_reference_model(config: BaseConfig, policy: PolicyModel) -> ReferenceModel | None:
     """LLaMA-Factory's rules: no reference for reference-free losses (ORPO, SimPO); an explicit
     ``ref_model``; for adapter training the policy with its adapter disabled; otherwise a frozen
@@ -5164,6 +5206,7 @@ class Rollout:
     ref_logps: torch.Tensor | None = None
     old_values: torch.Tensor | None = None
     returns: torch.Tensor | None = None
+    prompt_lengths: torch.Tensor | None = None  # (N) prompt tokens at the start of each row
     problem: str = ""  # non-finite rewards: every step trained on this rollout skips its update
 
     @property
@@ -5408,7 +5451,8 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         if masked is not None:
             rows = [(ids, [IGNORE_INDEX] * len(ids)) if drop else (ids, labels) for (ids, labels), drop in zip(rows, masked)]
         batch = _pad_rows([r[0] for r in rows], [r[1] for r in rows], self.policy.tokenizer.pad_token_id)
-        return Rollout(batch["input_ids"], batch["attention_mask"], batch["labels"])
+        return Rollout(batch["input_ids"], batch["attention_mask"], batch["labels"],
+                       prompt_lengths=torch.tensor([len(r["prompt_ids"]) for r in records], dtype=torch.long))
 
     def _reference_logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         with self.reference._frozen():
@@ -5479,8 +5523,25 @@ class GRPOTrainer(_OnlineRLTrainer):
     def rollout_schedule(self, rollout: Rollout) -> list[dict[str, torch.Tensor]]:
         return rollout.micro_batches(self.config.per_device_train_batch_size) * self.config.num_iterations
 
+    @property
+    def shares_prompts(self) -> bool:
+        """Whether forwards run each group's prompt once (grouped_prefix_logits) instead of per row."""
+        return (self.config.share_prompt and not self.config.gradient_checkpointing
+                and self.policy.model.config.model_type not in PREFIX_SHARING_EXCLUDED)
+
+    def _logits(self, model: PolicyModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        if self.shares_prompts and batch.get("prompt_lengths") is not None:
+            logits = grouped_prefix_logits(model.model, batch["input_ids"], batch["attention_mask"], batch["prompt_lengths"])
+        else:
+            logits = model(batch["input_ids"], batch["attention_mask"]).logits[:, :-1]
+        return logits.float() / self.config.temperature
+
     def _policy_logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.forward_policy(batch["input_ids"], batch["attention_mask"]).logits[:, :-1].float() / self.config.temperature
+        return self._logits(self.forward_policy, batch)
+
+    def _reference_logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        with self.reference._frozen():
+            return token_log_probs(self._logits(self.reference.model, batch), batch["input_ids"][:, 1:])
 
     def _policy_logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return token_log_probs(self._policy_logits(batch), batch["input_ids"][:, 1:])

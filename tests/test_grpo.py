@@ -192,6 +192,71 @@ def test_accumulation_invariance_on_one_rollout(loss_type, tmp_path, tiny_model_
         torch.testing.assert_close(got_split[name], expected, atol=1e-5 * scale, rtol=1e-4, msg=name)
 
 
+def test_grouped_prefix_logits_equal_the_concatenated_forward(tiny_model_dir):
+    """Each distinct prompt runs once and its KV cache serves its group: the completion logits and the
+    gradients equal one forward of the concatenated rows. Groups are uneven (a micro-batch may split
+    one), two prompts have the same length but different tokens, and a completion can be one token."""
+    policy = rlhf.PolicyModel.from_pretrained(str(tiny_model_dir))
+    generator = torch.Generator().manual_seed(0)
+
+    def tokens(count: int) -> list[int]:
+        return torch.randint(5, 250, (count,), generator=generator).tolist()
+
+    prompts = [tokens(7), tokens(12), None, tokens(9)]
+    prompts[2] = prompts[1][:-1] + [prompts[1][-1] + 1]  # same length as prompts[1], one token differs
+    groups = [0, 0, 0, 1, 1, 2, 3, 3, 3]
+    rows = [prompts[g] + tokens(n) for g, n in zip(groups, [1, 5, 9, 3, 12, 6, 2, 8, 1])]
+    width = max(map(len, rows))
+    input_ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+    attention_mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    prompt_lengths = torch.tensor([len(prompts[g]) for g in groups])
+    completion = (torch.arange(width - 1) + 1 >= prompt_lengths[:, None]) & (attention_mask[:, 1:] == 1)
+
+    concatenated = policy.model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+    shared = rlhf.grouped_prefix_logits(policy.model, input_ids, attention_mask, prompt_lengths)
+    assert shared.shape == concatenated.shape
+    torch.testing.assert_close(shared[completion], concatenated[completion], atol=1e-5, rtol=1e-5)
+
+    def gradients(logits: torch.Tensor) -> list[torch.Tensor]:
+        logps = torch.log_softmax(logits.float(), -1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+        return torch.autograd.grad((logps * completion).sum(), list(policy.model.parameters()))
+
+    for got, want in zip(gradients(shared), gradients(concatenated)):
+        torch.testing.assert_close(got, want, atol=1e-5 * float(want.abs().max() + 1e-8), rtol=1e-4)
+
+
+def test_share_prompt_trains_like_concatenated_rows(tmp_path, tiny_model_dir, prompts):
+    """share_prompt (the default) changes the compute, not the training: on one rollout (two groups, a
+    micro-batch of 6 splits the second) the stored reference and old log-probs and the loss gradient
+    equal those of the concatenated rows."""
+    common = dict(beta=0.1, num_iterations=2, max_completion_length=10, per_device_train_batch_size=6,
+                  num_generations=3)
+    results = []
+    for share in (True, False):
+        trainer = _trainer(_config(tmp_path / str(share), tiny_model_dir, share_prompt=share, **common), prompts,
+                           Length())
+        assert trainer.shares_prompts is share
+        torch.manual_seed(1)
+        rollout = trainer.make_rollout([prompts[0], prompts[5]])
+        assert rollout.prompt_lengths.tolist() == [len(prompts[0]["prompt_ids"])] * 3 + [len(prompts[5]["prompt_ids"])] * 3
+        batch = rollout.micro_batches(4)[0]  # rows 0-3: the first group and one row of the second
+        loss, _ = trainer.compute_loss(batch)
+        loss.backward()
+        grads = {n: p.grad.detach().clone() for n, p in trainer.policy.model.named_parameters()}
+        results.append((rollout, grads))
+    (shared, shared_grads), (plain, plain_grads) = results
+    assert torch.equal(shared.input_ids, plain.input_ids)  # the same samples
+    mask = shared.completion_mask
+    torch.testing.assert_close(shared.ref_logps[mask], plain.ref_logps[mask], atol=1e-5, rtol=0)
+    torch.testing.assert_close(shared.old_logps[mask], plain.old_logps[mask], atol=1e-5, rtol=0)
+    scale = max(float(g.abs().max()) for g in plain_grads.values())
+    assert scale > 1e-4
+    for name, want in plain_grads.items():
+        torch.testing.assert_close(shared_grads[name], want, atol=1e-5 * scale, rtol=1e-4, msg=name)
+    checkpointed = _trainer(_config(tmp_path / "gc", tiny_model_dir, gradient_checkpointing=True), prompts, Length())
+    assert not checkpointed.shares_prompts  # recomputation would re-run the shared prompt per use
+
+
 def test_bnpo_averages_micro_batch_token_means(tmp_path, tiny_model_dir, prompts):
     """bnpo is the one aggregation that depends on the split: the mean of each micro-batch's token mean."""
     trainer = _trainer(_config(tmp_path, tiny_model_dir, loss_type="bnpo", per_device_train_batch_size=4,
