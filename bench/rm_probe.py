@@ -1,0 +1,94 @@
+"""Where the demo reward model's missing accuracy is: the same held-out pairs ranked by the SFT model's
+own log-likelihood and by trained reward models, split by the kind of flaw in the rejected answer.
+
+    python rlhf.py pipeline --config configs/demo.yaml            # once: outputs/demo/{sft,rm}
+    python bench/rm_probe.py                                       # SFT log-likelihood and outputs/demo/rm
+    python bench/rm_probe.py --reward-models outputs/demo/rm,/tmp/rm_other
+
+The held-out pairs are the rm stage's: ``val_size`` 200 of ``demo_preference`` drawn with ``seed`` 0, as
+``configs/demo.yaml`` trains it. A pair counts as right when the chosen response scores higher. The
+log-likelihood column scores a response by log p(response | prompt) summed over its tokens under the SFT
+policy, the reward-model columns by the scalar head on the last token. Flaw kinds, read from the pair
+itself: ``format`` (the rejected response has no ``Answer:`` line, or its answer disagrees with its own
+last step) and ``arithmetic`` (a wrong result in a step, carried to the answer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+import torch
+from tables import print_table  # bench/tables.py (the script's folder is on sys.path)
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import rlhf  # noqa: E402
+
+
+def flaw_kind(rejected: str) -> str:
+    answer = re.findall(r"Answer:\s*(-?\d+)", rejected)
+    results = re.findall(r"=\s*(-?\d+)", rejected)
+    if not answer or (results and answer[-1] != results[-1]):
+        return "format"
+    return "arithmetic"
+
+
+@torch.no_grad()
+def log_likelihoods(policy: rlhf.PolicyModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Summed log p(response | prompt) of every row of a PreferenceCollator batch. Shapes: -> (2B)."""
+    logits = policy.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+    labels = batch["labels"][:, 1:]
+    per_token = rlhf.token_log_probs(logits, labels.clamp(min=0))
+    return (per_token * (labels != rlhf.IGNORE_INDEX)).sum(-1)
+
+
+def pairwise(scores: torch.Tensor) -> torch.Tensor:
+    chosen, rejected = scores.chunk(2)
+    return chosen > rejected
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--policy", default="outputs/demo/sft", help="the SFT policy (default outputs/demo/sft)")
+    parser.add_argument("--reward-models", default="outputs/demo/rm", help="comma-separated reward model directories")
+    parser.add_argument("--val-size", type=int, default=200, help="held-out pairs, as the rm stage's val_size")
+    parser.add_argument("--seed", type=int, default=0, help="the rm stage's seed (it draws the held-out pairs)")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    for path in [args.policy, *args.reward_models.split(",")]:
+        if not Path(path).is_dir():
+            raise SystemExit(f"error: {path} does not exist; run `python rlhf.py pipeline --config configs/demo.yaml` first")
+
+    records = rlhf.load_records("demo_preference", REPO / "data/demo", "preference")
+    _, held_out = rlhf._split_validation(records, args.val_size, args.seed)
+    kinds = [flaw_kind(r["rejected"]) for r in held_out]
+    policy = rlhf.PolicyModel.from_pretrained(args.policy)
+    policy.model.eval()
+    formatter = rlhf.ChatFormatter(policy.tokenizer, "auto")
+    pairs = rlhf.PreferenceDataset(held_out, policy.tokenizer, formatter, cutoff_len=128)
+    collate = rlhf.PreferenceCollator(policy.tokenizer.pad_token_id)
+    batches = [collate([pairs[i] for i in range(s, min(s + 50, len(pairs)))]) for s in range(0, len(pairs), 50)]
+
+    columns = {"SFT log-likelihood": torch.cat([pairwise(log_likelihoods(policy, b)) for b in batches])}
+    for path in args.reward_models.split(","):
+        reward_model = rlhf.RewardModel.from_pretrained(path)
+        reward_model.eval()
+        with torch.no_grad():
+            columns[f"reward model {path}"] = torch.cat([pairwise(reward_model(b["input_ids"], b["attention_mask"]))
+                                                         for b in batches])
+    rows = []
+    for kind in ("format", "arithmetic", "all"):
+        chosen = [i for i, k in enumerate(kinds) if kind == "all" or k == kind]
+        rows.append([kind, str(len(chosen))] + [f"{float(right[chosen].float().mean()):.1%}" for right in columns.values()])
+    print_table(["rejected flaw", "pairs", *columns], rows,
+                f"Held-out demo pairs ranked right (chosen above rejected), {len(held_out)} pairs", label_columns=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
