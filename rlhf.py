@@ -5163,7 +5163,9 @@ class KTOTrainer(_ReferenceTrainer):
         out = _completion_forward(self.forward_policy, batch)
         policy_logps, policy_kl_logps = out.summed.chunk(2)
         ref_logps, ref_kl_logps = self._reference_pair(batch)
-        kl = (policy_kl_logps.detach() - ref_kl_logps).mean().clamp(min=0)
+        # z0 estimates the KL over the whole batch: with several processes, the mean of every process's
+        # estimate (as TRL gathers them), so all ranks' losses share one reference point
+        kl = self.devices.gather((policy_kl_logps.detach() - ref_kl_logps).mean()[None]).mean().clamp(min=0)
         desirable = batch["desirable"]
         losses, rewards = kto_loss(policy_logps, ref_logps, desirable, kl, beta=config.pref_beta,
                                    desirable_weight=config.kto_chosen_weight,

@@ -411,6 +411,38 @@ def test_precomputed_reference_log_probs_equal_a_live_reference(stage, tmp_path,
     assert _max_diff(weights[True], weights[False]) < 1e-6
 
 
+def test_kto_kl_reference_is_the_mean_over_processes(tmp_path, llama_dir, tiny_tokenizer):
+    """KTO's z0 estimates the KL over the whole batch: with several processes every rank uses the mean
+    of all ranks' estimates (TRL gathers them too). A second process is stood in for by a gather that
+    adds its estimate."""
+    records = _kto_records(tmp_path, n=8)
+    dataset = rlhf.KTODataset(records, tiny_tokenizer, rlhf.ChatFormatter(tiny_tokenizer), cutoff_len=64, seed=0)
+    config = _exact_config(rlhf.KTOConfig, tmp_path, llama_dir, max_steps=1)
+    policy = rlhf.PolicyModel.from_pretrained(str(llama_dir))
+    trainer = rlhf.KTOTrainer(config, policy, dataset, reference=rlhf.create_reference_model(config, policy))
+    batch = trainer.collator([dataset[i] for i in range(4)])
+    with torch.no_grad():
+        own_losses, own = trainer.example_losses(batch)
+        policy_logps, policy_kl_logps = rlhf._completion_forward(trainer.policy, batch).summed.chunk(2)
+        ref_logps, ref_kl_logps = trainer._reference_pair(batch)
+        this_rank = float((policy_kl_logps - ref_kl_logps).mean())  # 0 before training: policy = reference
+        other_rank = 0.75
+
+        class TwoProcesses(type(trainer.devices)):
+            def gather(self, tensor):
+                return torch.cat([tensor, torch.full_like(tensor, other_rank)])
+
+        trainer.devices.__class__ = TwoProcesses
+        losses, metrics = trainer.example_losses(batch)
+    assert own["kl"] == pytest.approx(max(this_rank, 0.0), abs=1e-6)
+    assert metrics["kl"] == pytest.approx(max((this_rank + other_rank) / 2, 0.0), abs=1e-6) and metrics["kl"] > 0
+    want, _ = rlhf.kto_loss(policy_logps, ref_logps, batch["desirable"], torch.tensor(metrics["kl"]),
+                            beta=config.pref_beta, desirable_weight=config.kto_chosen_weight,
+                            undesirable_weight=config.kto_rejected_weight)
+    torch.testing.assert_close(losses, want, atol=1e-6, rtol=0)
+    assert not torch.allclose(losses, own_losses)  # the shared reference point changed the loss
+
+
 # -- 7. DPO: batch 4 x accumulation 1 == batch 1 x accumulation 4 -----------------------------------------------
 
 
