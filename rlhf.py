@@ -4961,19 +4961,28 @@ def _reference_logps(reference: ReferenceModel, batch: dict[str, torch.Tensor], 
 @torch.no_grad()
 def precompute_ref_log_probs(reference: ReferenceModel, dataset: _EncodedRecords, collator: Callable, *,
                              batch_size: int, device: torch.device | str, ld_alpha: float | None = None,
-                             keys: tuple[str, str] = ("ref_chosen_logps", "ref_rejected_logps")) -> None:
+                             keys: tuple[str, str] = ("ref_chosen_logps", "ref_rejected_logps"),
+                             devices: DeviceManager | None = None) -> int:
     """Reference log-probs for every item, computed once before training and stored on the
     dataset (``keys`` name the first and second half of each concatenated row pair), so that no
-    reference model has to stay in memory while training."""
-    first, second = [], []
-    for start in range(0, len(dataset), batch_size):
+    reference model has to stay in memory while training. With several processes (``devices``) each
+    computes every num_processes-th batch and all of them receive every result, so the work is split
+    and the batches (hence the values) are those of one process. Returns the batches computed here."""
+    starts = range(0, len(dataset), batch_size)
+    rank, processes = (devices.process_index, devices.num_processes) if devices is not None else (0, 1)
+    computed: dict[int, tuple[list[float], list[float]]] = {}
+    for start in starts[rank::processes]:
         items = [dataset[i] for i in range(start, min(start + batch_size, len(dataset)))]
         batch = {k: v.to(device) for k, v in collator(items).items()}
         logps = _reference_logps(reference, batch, ld_alpha).float().cpu()
-        first += logps[:len(items)].tolist()
-        second += logps[len(items):].tolist()
-    dataset.attach(keys[0], first)
-    dataset.attach(keys[1], second)
+        computed[start] = (logps[:len(items)].tolist(), logps[len(items):].tolist())
+    mine = len(computed)
+    if processes > 1:
+        for part in devices.gather_object(computed):
+            computed.update(part)
+    dataset.attach(keys[0], [value for start in starts for value in computed[start][0]])
+    dataset.attach(keys[1], [value for start in starts for value in computed[start][1]])
+    return mine
 
 
 class _ReferenceTrainer(BaseTrainer):
@@ -4986,15 +4995,17 @@ class _ReferenceTrainer(BaseTrainer):
         self.reference = reference
         if reference is None or not self.config.precompute_ref_log_probs:
             return
-        started = time.time()
+        started, batches = time.time(), 0
         for dataset in datasets:
             if dataset is not None and len(dataset):
-                precompute_ref_log_probs(reference, dataset, self.collator, device=self.devices.device,
-                                         batch_size=self.config.per_device_eval_batch_size,
-                                         ld_alpha=getattr(self.config, "ld_alpha", None), keys=self.reference_keys)
+                batches += precompute_ref_log_probs(reference, dataset, self.collator, device=self.devices.device,
+                                                    batch_size=self.config.per_device_eval_batch_size,
+                                                    ld_alpha=getattr(self.config, "ld_alpha", None),
+                                                    keys=self.reference_keys, devices=self.devices)
         self.reference = None  # nothing of the reference stays referenced by the trainer
         gc.collect()
-        logger.info("reference log-probs precomputed in %.1fs; reference model released", time.time() - started)
+        logger.info("reference log-probs precomputed in %.1fs (%d batches by this process of %d); reference model "
+                    "released", time.time() - started, batches, self.devices.num_processes)
 
     def _reference_pair(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         first, second = self.reference_keys

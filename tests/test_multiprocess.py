@@ -31,16 +31,24 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _train(output_dir: Path, processes: int, accumulation: int) -> list[float]:
+DPO = ["model_name_or_path=tiny", "finetuning_type=full", "dataset=demo_preference", "dataset_dir=data/demo",
+       "max_samples=48", "eval_dataset=", "val_size=0", "cutoff_len=64", "seed=0", "max_steps=3",
+       "per_device_train_batch_size=4", "per_device_eval_batch_size=8", "learning_rate=1e-3", "logging_steps=1",
+       "save_steps=0", "disable_progress_bar=true", "report_to=none", "precompute_ref_log_probs=true"]
+
+
+def _train(output_dir: Path, processes: int, accumulation: int, stage: str = "sft",
+           args: list[str] = SFT) -> list[float]:
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
                 "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                 "--main_process_port", str(_free_port())] if processes > 1 else [sys.executable]
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false")
     for name in ("ACCELERATE_USE_CPU", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
         env.pop(name, None)
-    proc = subprocess.run([*launcher, "rlhf.py", "sft", *SFT, f"gradient_accumulation_steps={accumulation}",
+    proc = subprocess.run([*launcher, "rlhf.py", stage, *args, f"gradient_accumulation_steps={accumulation}",
                            f"output_dir={output_dir}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (output_dir / "launch.log").write_text(proc.stdout + proc.stderr)
     rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     return [row["loss"] for row in rows if "loss" in row]
 
@@ -55,3 +63,15 @@ def test_two_processes_match_one_process_with_doubled_accumulation(tmp_path, tin
     report = json.loads((tmp_path / "two" / "report.json").read_text())
     assert len(report["stages"]) == 1  # written by the main process only
     assert (tmp_path / "two" / "model.safetensors").is_file()
+
+
+def test_precomputed_reference_log_probs_are_split_across_processes(tmp_path, tiny_model_dir):
+    """Each process computes every other batch of reference log-probs and both receive all of them:
+    the DPO losses equal one process's (which computes every batch itself)."""
+    one = _train(tmp_path / "one", processes=1, accumulation=2, stage="dpo", args=DPO)
+    two = _train(tmp_path / "two", processes=2, accumulation=1, stage="dpo", args=DPO)
+    assert len(one) == len(two) == 3
+    for step, (a, b) in enumerate(zip(one, two), start=1):
+        assert abs(a - b) <= 1e-5 * abs(a), f"step {step}: one process {a!r}, two processes {b!r}"
+    assert "(6 batches by this process of 1)" in " ".join((tmp_path / "one" / "launch.log").read_text().split())
+    assert "(3 batches by this process of 2)" in " ".join((tmp_path / "two" / "launch.log").read_text().split())
