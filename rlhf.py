@@ -592,6 +592,29 @@ def _field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+def _split_list(text: str) -> list[str]:
+    """A comma-separated command-line list. Commas inside brackets, braces or parentheses (a regex's
+    ``{1,3}`` or ``[a,b]``) and escaped ones (``\\,``) stay in their item; a YAML list (``'[a, "b,c"]'``)
+    never reaches here."""
+    items, current, depth, escaped = [], [], 0, False
+    for char in text:
+        if escaped:
+            current.append(char if char == "," else "\\" + char)
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif char == "," and depth == 0:
+            items.append("".join(current))
+            current = []
+        else:
+            depth += 1 if char in "([{" else -1 if char in ")]}" and depth > 0 else 0
+            current.append(char)
+    if escaped:
+        current.append("\\")
+    items.append("".join(current))
+    return items
+
+
 def _coerce(value: Any, annotation: Any, name: str, where: str) -> Any:
     """Turn a YAML / command-line value into the field's declared type, or explain why not."""
     origin = typing.get_origin(annotation)
@@ -603,7 +626,7 @@ def _coerce(value: Any, annotation: Any, name: str, where: str) -> Any:
         non_none = [a for a in args if a is not type(None)]
         return _coerce(value, non_none[0], name, where)
     if origin is list:
-        items = value if isinstance(value, list) else [v for v in str(value).split(",") if v.strip()]
+        items = value if isinstance(value, list) else [v for v in _split_list(str(value)) if v.strip()]
         return [_coerce(v, args[0], name, where) for v in items]
     try:
         if annotation is bool:
@@ -4044,13 +4067,21 @@ class Principle:
 
     @classmethod
     def parse(cls, spec: str) -> Principle:
-        """``check[=arg][@weight]``, e.g. ``max_chars=200@0.5`` or ``critique=Be concise.@0.2``."""
-        body, _, weight = spec.rpartition("@") if "@" in spec else (spec, "", "1")
-        name, _, arg = body.partition("=")
+        """``check[=arg][@weight]``, e.g. ``max_chars=200@0.5`` or ``critique=Be concise.@0.2``. Only a
+        number after the last ``@`` is a weight, so ``regex=\\w+@\\w+`` keeps its ``@`` (weight 1); a text
+        that itself ends in ``@<number>`` needs an explicit weight after it."""
+        body, _, weight = spec.rpartition("@")
+        if not body:
+            body, weight = spec, ""
         try:
-            weight_value = float(weight)
+            weight_value = float(weight) if weight else 1.0
         except ValueError:
-            raise RLHFInputError(f"config field 'constitution': weight in {spec!r} is not a number") from None
+            if "=" not in body:  # no argument the '@' could belong to
+                raise RLHFInputError(f"config field 'constitution': weight in {spec!r} is not a number") from None
+            body, weight_value = spec, 1.0  # the '@' is part of the argument
+        name, _, arg = body.partition("=")
+        if not math.isfinite(weight_value):
+            raise RLHFInputError(f"config field 'constitution': weight in {spec!r} is not a finite number")
         if name == "critique":
             if not arg:
                 raise RLHFInputError("config field 'constitution': critique needs its text, e.g. critique=Be concise.@0.5")

@@ -546,3 +546,16 @@ def test_config_help_lists_every_field():
         assert help_text, f"field {f.name} has no help text"
         assert line.rstrip().endswith(help_text)
     assert "default 5e-05" in next(line for line in lines if line.split()[0] == "learning_rate")
+
+
+def test_command_line_lists_keep_commas_inside_brackets_and_escapes(tmp_path):
+    """A list field from the command line splits at top-level commas only: a regex's {1,3} or [a,b]
+    and an escaped \\, stay in their item; a YAML flow list is taken as it is."""
+    overrides = rlhf.parse_overrides([r"constitution=answer_line,regex=^\d{1,3}$@0.5,regex=[a,b]x,critique=Be brief\, kind.",
+                                      "reward_funcs=[exact_answer, format]"])
+    config = rlhf.build_config(rlhf.GRPOConfig, {"output_dir": str(tmp_path), **overrides})
+    assert config.constitution == ["answer_line", r"regex=^\d{1,3}$@0.5", "regex=[a,b]x", "critique=Be brief, kind."]
+    assert config.reward_funcs == ["exact_answer", "format"]
+    assert [p.name for p in map(rlhf.Principle.parse, config.constitution)][:3] == ["answer_line", r"regex=^\d{1,3}$",
+                                                                                   "regex=[a,b]x"]
+    assert rlhf._split_list("a,,b, c") == ["a", "", "b", " c"]  # empty items are dropped by the caller

@@ -419,8 +419,13 @@ def test_principle_parse_checks_on_hand_values():
     regex = rlhf.Principle.parse(r"regex=^Step \d+@0.25")
     assert (regex.name, regex.weight) == (r"regex=^Step \d+", 0.25)
     assert regex.check("p", "Step 1: add") == 1.0 and regex.check("p", "The Step 1") == 0.0
-    email = rlhf.Principle.parse("regex=[a-z]+@[a-z]+@1")  # an '@' inside the pattern needs an explicit weight
+    email = rlhf.Principle.parse("regex=[a-z]+@[a-z]+@1")  # an explicit weight after an '@' in the pattern
     assert email.weight == 1.0 and email.check("p", "mail me at a@b") == 1.0
+    bare = rlhf.Principle.parse(r"regex=\w+@\w+\.com")  # what follows the '@' is no number: the pattern's own
+    assert (bare.name, bare.weight) == (r"regex=\w+@\w+\.com", 1.0)
+    assert bare.check("p", "write to me@example.com") == 1.0 and bare.check("p", "me at example.com") == 0.0
+    mention = rlhf.Principle.parse("critique=Thank @reviewers by name.")
+    assert (mention.critique, mention.weight) == ("Thank @reviewers by name.", 1.0)
     critique = rlhf.Principle.parse("critique=Be concise.@0.2")
     assert (critique.critique, critique.weight, critique.check) == ("Be concise.", 0.2, None)
     assert critique.name.startswith("critique:Be concise")
@@ -430,7 +435,7 @@ def test_principle_parse_checks_on_hand_values():
     ("no_such_check", "unknown check 'no_such_check'"), ("max_chars", "needs an argument"),
     ("max_chars=ten", "not a whole number"), ("max_chars=-5", "not a whole number"), ("regex=", "needs an argument"),
     ("regex=(unclosed", "does not compile"), ("answer_line@heavy", "not a number"), ("critique", "needs its text"),
-    ("critique=@0.5", "needs its text")])
+    ("critique=@0.5", "needs its text"), ("answer_line@nan", "not a finite number")])
 def test_principle_parse_rejects_bad_specs(spec, message):
     with pytest.raises(rlhf.RLHFInputError, match=message) as info:
         rlhf.Principle.parse(spec)
