@@ -34,6 +34,7 @@ import difflib
 import enum
 import gc
 import hashlib
+import inspect
 import json
 import logging
 import math
@@ -611,6 +612,9 @@ def _split_list(text: str) -> list[str]:
             current.append(char)
     if escaped:
         current.append("\\")
+    if depth:
+        raise ValueError("a bracket opened in this list is never closed, so its commas cannot be told apart; "
+                         "escape the commas inside an item as \\, or give a YAML list ('[\"a,b\", c]')")
     items.append("".join(current))
     return items
 
@@ -626,7 +630,10 @@ def _coerce(value: Any, annotation: Any, name: str, where: str) -> Any:
         non_none = [a for a in args if a is not type(None)]
         return _coerce(value, non_none[0], name, where)
     if origin is list:
-        items = value if isinstance(value, list) else [v for v in _split_list(str(value)) if v.strip()]
+        try:
+            items = value if isinstance(value, list) else [v for v in _split_list(str(value)) if v.strip()]
+        except ValueError as error:
+            raise RLHFInputError(f"{where}: '{name}': {error}") from None
         return [_coerce(v, args[0], name, where) for v in items]
     try:
         if annotation is bool:
@@ -3349,6 +3356,20 @@ class ReferenceModel:
 PREFIX_SHARING_EXCLUDED = ("mamba", "mamba2", "rwkv")  # recurrent state, no per-position KV cache to share
 
 
+def _last_logits_only(model: nn.Module) -> dict[str, int]:
+    """``{"logits_to_keep": 1}`` when the causal LM inside any wrappers (DDP, torch.compile, PEFT) takes it:
+    a shared prompt's forward needs only its last position's logits, not (B, P, V) of them."""
+    inner = model
+    while True:
+        wrapped = getattr(inner, "_orig_mod", None) or getattr(inner, "module", None)
+        if wrapped is None and hasattr(inner, "get_base_model"):
+            wrapped = inner.get_base_model()
+        if wrapped is None or wrapped is inner:
+            break
+        inner = wrapped
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(inner.forward).parameters else {}
+
+
 def shared_prefix_log_probs(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Completion log-probs of chosen and rejected with their shared prompt run once.
 
@@ -3363,13 +3384,15 @@ def shared_prefix_log_probs(model: nn.Module, batch: dict[str, torch.Tensor]) ->
     completion_ids, completion_mask = batch["completion_input_ids"], batch["completion_attention_mask"]
     pairs = prompt_ids.shape[0]
     prompt_positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
-    prompt_out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=prompt_positions, use_cache=True)
+    prompt_out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=prompt_positions, use_cache=True,
+                       **_last_logits_only(model))
     cache = prompt_out.past_key_values
     cache.batch_repeat_interleave(2)  # rows p1, p1, p2, p2 ...: chosen and rejected of pair i follow each other
     order = torch.stack([torch.arange(pairs), torch.arange(pairs) + pairs], 1).reshape(-1).to(completion_ids.device)
     ids, mask = completion_ids[order], completion_mask[order]  # (2B, C) interleaved
     prompt_lengths = prompt_mask.sum(-1).repeat_interleave(2)
-    positions = prompt_lengths[:, None] + torch.arange(ids.shape[1], device=ids.device)
+    longest = int((prompt_lengths + mask.sum(-1)).max())  # padding slots stay inside the longest row's positions
+    positions = (prompt_lengths[:, None] + torch.arange(ids.shape[1], device=ids.device)).clamp(max=longest - 1)
     attention = torch.cat([prompt_mask.repeat_interleave(2, 0), mask], 1)
     logits = model(input_ids=ids, attention_mask=attention, position_ids=positions, past_key_values=cache,
                    use_cache=True).logits  # (2B, C, V): position t predicts completion token t+1
@@ -3407,15 +3430,16 @@ def grouped_prefix_logits(model: nn.Module, input_ids: torch.Tensor, attention_m
     prompt_mask = (source >= 0).long()
     prompt_ids = input_ids[firsts].gather(1, source.clamp(min=0))  # padding columns repeat token 0, masked
     prompt_out = model(input_ids=prompt_ids, attention_mask=prompt_mask,
-                       position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0), use_cache=True)
+                       position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0), use_cache=True, **_last_logits_only(model))
     cache = prompt_out.past_key_values
     cache.batch_select_indices(group)  # differentiable indexing: gradients of every row reach its prompt
     completion_width = max(1, int((attention_mask.sum(-1) - prompt_lengths).max()))
     offsets = prompt_lengths[:, None] + torch.arange(completion_width, device=device)  # (N, C) columns of the rows
     completion_ids = input_ids.gather(1, offsets.clamp(max=width - 1))
     completion_mask = attention_mask.gather(1, offsets.clamp(max=width - 1)) * (offsets < width)
+    # padding slots keep positions inside the rows' width: models with learned position tables (GPT-2) end there
     logits = model(input_ids=completion_ids, attention_mask=torch.cat([prompt_mask[group], completion_mask], 1),
-                   position_ids=offsets, past_key_values=cache, use_cache=True).logits  # (N, C, V)
+                   position_ids=offsets.clamp(max=width - 1), past_key_values=cache, use_cache=True).logits  # (N, C, V)
     logits = torch.cat([prompt_out.logits[:, -1:][group], logits[:, :-1]], 1)  # column j predicts completion token j
     back = (columns[:-1] + 1 - prompt_lengths[:, None]).clamp(0, completion_width - 1)  # (N, T-1)
     return logits.gather(1, back[..., None].expand(-1, -1, logits.shape[-1]))
@@ -4054,6 +4078,9 @@ PRINCIPLE_CHECKS: dict[str, Callable[[str | None], Callable[[str, str], float]]]
 }
 
 
+FREE_TEXT_PRINCIPLES = ("regex", "critique")  # arguments that may contain '@'
+
+
 @dataclass
 class Principle:
     """One rule of a constitution: a ``check`` returning satisfaction in [0, 1] (a violation costs
@@ -4071,17 +4098,17 @@ class Principle:
         number after the last ``@`` is a weight, so ``regex=\\w+@\\w+`` keeps its ``@`` (weight 1); a text
         that itself ends in ``@<number>`` needs an explicit weight after it."""
         body, _, weight = spec.rpartition("@")
-        if not body:
+        if not body or not weight:  # no '@', or a trailing one that belongs to the text
             body, weight = spec, ""
         try:
             weight_value = float(weight) if weight else 1.0
+            if not math.isfinite(weight_value):
+                raise ValueError
         except ValueError:
-            if "=" not in body:  # no argument the '@' could belong to
-                raise RLHFInputError(f"config field 'constitution': weight in {spec!r} is not a number") from None
-            body, weight_value = spec, 1.0  # the '@' is part of the argument
+            if body.partition("=")[0] not in FREE_TEXT_PRINCIPLES:  # no free text the '@' could belong to
+                raise RLHFInputError(f"config field 'constitution': weight in {spec!r} is not a finite number") from None
+            body, weight_value = spec, 1.0  # the '@' is part of the pattern or the critique
         name, _, arg = body.partition("=")
-        if not math.isfinite(weight_value):
-            raise RLHFInputError(f"config field 'constitution': weight in {spec!r} is not a finite number")
         if name == "critique":
             if not arg:
                 raise RLHFInputError("config field 'constitution': critique needs its text, e.g. critique=Be concise.@0.5")
@@ -4998,15 +5025,20 @@ def precompute_ref_log_probs(reference: ReferenceModel, dataset: _EncodedRecords
     dataset (``keys`` name the first and second half of each concatenated row pair), so that no
     reference model has to stay in memory while training. With several processes (``devices``) each
     computes every num_processes-th batch and all of them receive every result, so the work is split
-    and the batches (hence the values) are those of one process. Returns the batches computed here."""
+    and the batches (hence the values) are those of one process. Every process runs the same number
+    of forwards (one that runs out repeats its last batch), since a sharded model (ZeRO-3, FSDP)
+    gathers its parameters in every forward, collectively. Returns the batches computed here."""
     starts = range(0, len(dataset), batch_size)
     rank, processes = (devices.process_index, devices.num_processes) if devices is not None else (0, 1)
     computed: dict[int, tuple[list[float], list[float]]] = {}
-    for start in starts[rank::processes]:
+    for turn in range(math.ceil(len(starts) / processes)):
+        index = rank + turn * processes
+        start = starts[min(index, len(starts) - 1)]  # past the end: a forward in step with the others, discarded
         items = [dataset[i] for i in range(start, min(start + batch_size, len(dataset)))]
         batch = {k: v.to(device) for k, v in collator(items).items()}
         logps = _reference_logps(reference, batch, ld_alpha).float().cpu()
-        computed[start] = (logps[:len(items)].tolist(), logps[len(items):].tolist())
+        if index < len(starts):
+            computed[start] = (logps[:len(items)].tolist(), logps[len(items):].tolist())
     mine = len(computed)
     if processes > 1:
         for part in devices.gather_object(computed):

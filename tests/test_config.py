@@ -559,3 +559,6 @@ def test_command_line_lists_keep_commas_inside_brackets_and_escapes(tmp_path):
     assert [p.name for p in map(rlhf.Principle.parse, config.constitution)][:3] == ["answer_line", r"regex=^\d{1,3}$",
                                                                                    "regex=[a,b]x"]
     assert rlhf._split_list("a,,b, c") == ["a", "", "b", " c"]  # empty items are dropped by the caller
+    with pytest.raises(RLHFInputError, match=r"'constitution': a bracket opened in this list is never closed"):
+        rlhf.build_config(rlhf.GRPOConfig, {"output_dir": str(tmp_path),
+                                            **rlhf.parse_overrides([r"constitution=regex=[(],answer_line"])})

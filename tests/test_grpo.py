@@ -192,28 +192,25 @@ def test_accumulation_invariance_on_one_rollout(loss_type, tmp_path, tiny_model_
         torch.testing.assert_close(got_split[name], expected, atol=1e-5 * scale, rtol=1e-4, msg=name)
 
 
-def test_grouped_prefix_logits_equal_the_concatenated_forward(tiny_model_dir):
-    """Each distinct prompt runs once and its KV cache serves its group: the completion logits and the
-    gradients equal one forward of the concatenated rows. Groups are uneven (a micro-batch may split
-    one), two prompts have the same length but different tokens, and a completion can be one token."""
-    policy = rlhf.PolicyModel.from_pretrained(str(tiny_model_dir))
+def _check_grouped_prefix_logits(policy: rlhf.PolicyModel, prompt_lengths: list[int], groups: list[int],
+                                  completion_lengths: list[int], same_length_twin: bool = False) -> None:
     generator = torch.Generator().manual_seed(0)
 
     def tokens(count: int) -> list[int]:
         return torch.randint(5, 250, (count,), generator=generator).tolist()
 
-    prompts = [tokens(7), tokens(12), None, tokens(9)]
-    prompts[2] = prompts[1][:-1] + [prompts[1][-1] + 1]  # same length as prompts[1], one token differs
-    groups = [0, 0, 0, 1, 1, 2, 3, 3, 3]
-    rows = [prompts[g] + tokens(n) for g, n in zip(groups, [1, 5, 9, 3, 12, 6, 2, 8, 1])]
+    prompts = [tokens(n) for n in prompt_lengths]
+    if same_length_twin:  # prompts[2]: the length of prompts[1], one token different
+        prompts[2] = prompts[1][:-1] + [prompts[1][-1] + 1]
+    rows = [prompts[g] + tokens(n) for g, n in zip(groups, completion_lengths)]
     width = max(map(len, rows))
     input_ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
     attention_mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
-    prompt_lengths = torch.tensor([len(prompts[g]) for g in groups])
-    completion = (torch.arange(width - 1) + 1 >= prompt_lengths[:, None]) & (attention_mask[:, 1:] == 1)
+    row_prompt_lengths = torch.tensor([len(prompts[g]) for g in groups])
+    completion = (torch.arange(width - 1) + 1 >= row_prompt_lengths[:, None]) & (attention_mask[:, 1:] == 1)
 
     concatenated = policy.model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
-    shared = rlhf.grouped_prefix_logits(policy.model, input_ids, attention_mask, prompt_lengths)
+    shared = rlhf.grouped_prefix_logits(policy.model, input_ids, attention_mask, row_prompt_lengths)
     assert shared.shape == concatenated.shape
     torch.testing.assert_close(shared[completion], concatenated[completion], atol=1e-5, rtol=1e-5)
 
@@ -223,6 +220,24 @@ def test_grouped_prefix_logits_equal_the_concatenated_forward(tiny_model_dir):
 
     for got, want in zip(gradients(shared), gradients(concatenated)):
         torch.testing.assert_close(got, want, atol=1e-5 * float(want.abs().max() + 1e-8), rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+def test_grouped_prefix_logits_equal_the_concatenated_forward(arch, tiny_arch_dir):
+    """Each distinct prompt runs once and its KV cache serves its group: the completion logits and the
+    gradients equal one forward of the concatenated rows. Groups are uneven (a micro-batch may split
+    one), two prompts have the same length but different tokens, and a completion can be one token."""
+    policy = rlhf.PolicyModel.from_pretrained(str(tiny_arch_dir(arch)))
+    _check_grouped_prefix_logits(policy, [7, 12, 12, 9], [0, 0, 0, 1, 1, 2, 3, 3, 3], [1, 5, 9, 3, 12, 6, 2, 8, 1],
+                                 same_length_twin=True)
+
+
+def test_grouped_prefix_logits_keep_padding_inside_learned_positions(tiny_arch_dir):
+    """A long prompt with a short completion beside a short prompt with a long one: the longest prompt
+    plus the longest completion (260) passes GPT-2's 256 learned positions, the rows (210) do not."""
+    policy = rlhf.PolicyModel.from_pretrained(str(tiny_arch_dir("gpt2")))
+    assert policy.model.config.n_positions == 256
+    _check_grouped_prefix_logits(policy, [200, 7], [0, 0, 1, 1], [10, 4, 60, 30])
 
 
 def test_share_prompt_trains_like_concatenated_rows(tmp_path, tiny_model_dir, prompts):

@@ -33,7 +33,7 @@ def _free_port() -> int:
 
 DPO = ["model_name_or_path=tiny", "finetuning_type=full", "dataset=demo_preference", "dataset_dir=data/demo",
        "max_samples=48", "eval_dataset=", "val_size=0", "cutoff_len=64", "seed=0", "max_steps=3",
-       "per_device_train_batch_size=4", "per_device_eval_batch_size=8", "learning_rate=1e-3", "logging_steps=1",
+       "per_device_train_batch_size=4", "per_device_eval_batch_size=10", "learning_rate=1e-3", "logging_steps=1",
        "save_steps=0", "disable_progress_bar=true", "report_to=none", "precompute_ref_log_probs=true"]
 
 
@@ -67,11 +67,12 @@ def test_two_processes_match_one_process_with_doubled_accumulation(tmp_path, tin
 
 def test_precomputed_reference_log_probs_are_split_across_processes(tmp_path, tiny_model_dir):
     """Each process computes every other batch of reference log-probs and both receive all of them:
-    the DPO losses equal one process's (which computes every batch itself)."""
+    the DPO losses equal one process's (which computes every batch itself). 48 pairs in batches of 10
+    are 5 batches: the main process computes 3, the other 2 (and repeats one, in step)."""
     one = _train(tmp_path / "one", processes=1, accumulation=2, stage="dpo", args=DPO)
     two = _train(tmp_path / "two", processes=2, accumulation=1, stage="dpo", args=DPO)
     assert len(one) == len(two) == 3
     for step, (a, b) in enumerate(zip(one, two), start=1):
         assert abs(a - b) <= 1e-5 * abs(a), f"step {step}: one process {a!r}, two processes {b!r}"
-    assert "(6 batches by this process of 1)" in " ".join((tmp_path / "one" / "launch.log").read_text().split())
+    assert "(5 batches by this process of 1)" in " ".join((tmp_path / "one" / "launch.log").read_text().split())
     assert "(3 batches by this process of 2)" in " ".join((tmp_path / "two" / "launch.log").read_text().split())

@@ -443,6 +443,38 @@ def test_kto_kl_reference_is_the_mean_over_processes(tmp_path, llama_dir, tiny_t
     assert not torch.allclose(losses, own_losses)  # the shared reference point changed the loss
 
 
+def test_precompute_split_runs_the_same_forwards_on_every_process(llama_dir, tiny_tokenizer, pref_records,
+                                                                   monkeypatch):
+    """5 batches over 2 processes: rank 0 computes batches 0, 2, 4 and rank 1 batches 1, 3 plus a
+    repeat of 3 that it discards, so both run 3 forwards (a sharded model gathers its parameters in
+    every forward, collectively). Every rank attaches the values one process would compute."""
+    policy = rlhf.PolicyModel.from_pretrained(str(llama_dir))
+    reference = rlhf.ReferenceModel(policy)
+    collator = rlhf.PreferenceCollator(tiny_tokenizer.pad_token_id)
+    single = _pref_dataset(pref_records[:10], tiny_tokenizer)
+    assert rlhf.precompute_ref_log_probs(reference, single, collator, batch_size=2, device="cpu") == 5
+    want = [(item["ref_chosen_logps"], item["ref_rejected_logps"]) for item in single.items]
+    everything = {start: ([want[i][0] for i in range(start, start + 2)], [want[i][1] for i in range(start, start + 2)])
+                  for start in range(0, 10, 2)}
+    inner, forwards = rlhf._reference_logps, []
+    monkeypatch.setattr(rlhf, "_reference_logps", lambda *a, **k: forwards.append(1) or inner(*a, **k))
+    for rank, computed, starts in ((0, 3, [0, 4, 8]), (1, 2, [2, 6])):
+        class Process:  # stands in for a DeviceManager of 2 processes; the other rank sent `everything`
+            process_index, num_processes, own_starts = rank, 2, starts
+
+            def gather_object(self, value):
+                assert sorted(value) == self.own_starts  # the batches this rank computed
+                return [value, everything]
+
+        forwards.clear()
+        dataset = _pref_dataset(pref_records[:10], tiny_tokenizer)
+        assert rlhf.precompute_ref_log_probs(reference, dataset, collator, batch_size=2, device="cpu",
+                                             devices=Process()) == computed
+        assert len(forwards) == 3
+        got = [(item["ref_chosen_logps"], item["ref_rejected_logps"]) for item in dataset.items]
+        assert got == want
+
+
 # -- 7. DPO: batch 4 x accumulation 1 == batch 1 x accumulation 4 -----------------------------------------------
 
 

@@ -424,6 +424,9 @@ def test_principle_parse_checks_on_hand_values():
     bare = rlhf.Principle.parse(r"regex=\w+@\w+\.com")  # what follows the '@' is no number: the pattern's own
     assert (bare.name, bare.weight) == (r"regex=\w+@\w+\.com", 1.0)
     assert bare.check("p", "write to me@example.com") == 1.0 and bare.check("p", "me at example.com") == 0.0
+    trailing = rlhf.Principle.parse(r"regex=^\S+@")  # a trailing '@' is the pattern's
+    assert (trailing.name, trailing.weight) == (r"regex=^\S+@", 1.0)
+    assert rlhf.Principle.parse("critique=Rate 5@inf").critique == "Rate 5@inf"  # not a finite weight: text
     mention = rlhf.Principle.parse("critique=Thank @reviewers by name.")
     assert (mention.critique, mention.weight) == ("Thank @reviewers by name.", 1.0)
     critique = rlhf.Principle.parse("critique=Be concise.@0.2")
@@ -434,7 +437,8 @@ def test_principle_parse_checks_on_hand_values():
 @pytest.mark.parametrize(("spec", "message"), [
     ("no_such_check", "unknown check 'no_such_check'"), ("max_chars", "needs an argument"),
     ("max_chars=ten", "not a whole number"), ("max_chars=-5", "not a whole number"), ("regex=", "needs an argument"),
-    ("regex=(unclosed", "does not compile"), ("answer_line@heavy", "not a number"), ("critique", "needs its text"),
+    ("regex=(unclosed", "does not compile"), ("answer_line@heavy", "not a finite number"), ("no_repetition=1@O.5", "not a finite number"),
+    ("max_chars=10@heavy", "not a finite number"), ("answer_line@", "unknown check 'answer_line@'"), ("critique", "needs its text"),
     ("critique=@0.5", "needs its text"), ("answer_line@nan", "not a finite number")])
 def test_principle_parse_rejects_bad_specs(spec, message):
     with pytest.raises(rlhf.RLHFInputError, match=message) as info:
