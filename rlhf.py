@@ -4095,8 +4095,8 @@ class Principle:
     @classmethod
     def parse(cls, spec: str) -> Principle:
         """``check[=arg][@weight]``, e.g. ``max_chars=200@0.5`` or ``critique=Be concise.@0.2``. Only a
-        number after the last ``@`` is a weight, so ``regex=\\w+@\\w+`` keeps its ``@`` (weight 1); a text
-        that itself ends in ``@<number>`` needs an explicit weight after it."""
+        finite number after the last ``@`` is a weight; a ``regex`` or ``critique`` text may contain ``@``
+        (``regex=\\w+@\\w+`` has weight 1), and one that ends in ``@<number>`` needs a weight after it."""
         body, _, weight = spec.rpartition("@")
         if not body or not weight:  # no '@', or a trailing one that belongs to the text
             body, weight = spec, ""
