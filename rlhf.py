@@ -32,6 +32,7 @@ import copy
 import dataclasses
 import difflib
 import enum
+import functools
 import gc
 import hashlib
 import inspect
@@ -3356,9 +3357,15 @@ class ReferenceModel:
 PREFIX_SHARING_EXCLUDED = ("mamba", "mamba2", "rwkv")  # recurrent state, no per-position KV cache to share
 
 
-def _last_logits_only(model: nn.Module) -> dict[str, int]:
-    """``{"logits_to_keep": 1}`` when the causal LM inside any wrappers (DDP, torch.compile, PEFT) takes it:
-    a shared prompt's forward needs only its last position's logits, not (B, P, V) of them."""
+@functools.cache
+def _takes_logits_to_keep(model_class: type) -> bool:
+    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
+
+
+def _prefill_prompts(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Any:
+    """One forward of left-padded prompts that keeps their KV cache, for completions to continue from.
+    Only the last position's logits are needed: the causal LM inside any wrappers (DDP, torch.compile,
+    PEFT) is asked for those alone when it takes ``logits_to_keep``, instead of (B, P, V) of them."""
     inner = model
     while True:
         wrapped = getattr(inner, "_orig_mod", None) or getattr(inner, "module", None)
@@ -3367,7 +3374,9 @@ def _last_logits_only(model: nn.Module) -> dict[str, int]:
         if wrapped is None or wrapped is inner:
             break
         inner = wrapped
-    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(inner.forward).parameters else {}
+    extra = {"logits_to_keep": 1} if _takes_logits_to_keep(type(inner)) else {}
+    return model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0),
+                 use_cache=True, **extra)
 
 
 def shared_prefix_log_probs(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -3383,9 +3392,7 @@ def shared_prefix_log_probs(model: nn.Module, batch: dict[str, torch.Tensor]) ->
     prompt_ids, prompt_mask = batch["prompt_input_ids"], batch["prompt_attention_mask"]
     completion_ids, completion_mask = batch["completion_input_ids"], batch["completion_attention_mask"]
     pairs = prompt_ids.shape[0]
-    prompt_positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
-    prompt_out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=prompt_positions, use_cache=True,
-                       **_last_logits_only(model))
+    prompt_out = _prefill_prompts(model, prompt_ids, prompt_mask)
     cache = prompt_out.past_key_values
     cache.batch_repeat_interleave(2)  # rows p1, p1, p2, p2 ...: chosen and rejected of pair i follow each other
     order = torch.stack([torch.arange(pairs), torch.arange(pairs) + pairs], 1).reshape(-1).to(completion_ids.device)
@@ -3429,17 +3436,17 @@ def grouped_prefix_logits(model: nn.Module, input_ids: torch.Tensor, attention_m
     source = torch.arange(prompt_width, device=device) - (prompt_width - lengths[:, None])  # (U, P): left padding
     prompt_mask = (source >= 0).long()
     prompt_ids = input_ids[firsts].gather(1, source.clamp(min=0))  # padding columns repeat token 0, masked
-    prompt_out = model(input_ids=prompt_ids, attention_mask=prompt_mask,
-                       position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0), use_cache=True, **_last_logits_only(model))
+    prompt_out = _prefill_prompts(model, prompt_ids, prompt_mask)
     cache = prompt_out.past_key_values
     cache.batch_select_indices(group)  # differentiable indexing: gradients of every row reach its prompt
     completion_width = max(1, int((attention_mask.sum(-1) - prompt_lengths).max()))
     offsets = prompt_lengths[:, None] + torch.arange(completion_width, device=device)  # (N, C) columns of the rows
-    completion_ids = input_ids.gather(1, offsets.clamp(max=width - 1))
-    completion_mask = attention_mask.gather(1, offsets.clamp(max=width - 1)) * (offsets < width)
-    # padding slots keep positions inside the rows' width: models with learned position tables (GPT-2) end there
+    # padding slots stay inside the rows' width, as columns and as positions: learned position tables (GPT-2) end there
+    inside = offsets.clamp(max=width - 1)
+    completion_ids = input_ids.gather(1, inside)
+    completion_mask = attention_mask.gather(1, inside) * (offsets < width)
     logits = model(input_ids=completion_ids, attention_mask=torch.cat([prompt_mask[group], completion_mask], 1),
-                   position_ids=offsets.clamp(max=width - 1), past_key_values=cache, use_cache=True).logits  # (N, C, V)
+                   position_ids=inside, past_key_values=cache, use_cache=True).logits  # (N, C, V)
     logits = torch.cat([prompt_out.logits[:, -1:][group], logits[:, :-1]], 1)  # column j predicts completion token j
     back = (columns[:-1] + 1 - prompt_lengths[:, None]).clamp(0, completion_width - 1)  # (N, T-1)
     return logits.gather(1, back[..., None].expand(-1, -1, logits.shape[-1]))
@@ -5836,6 +5843,11 @@ def win_rate(policy_scores: torch.Tensor | list[float], reference_scores: torch.
             "losses": policy.numel() - wins - ties}
 
 
+def _answer_matches(response: str, record: dict[str, Any]) -> bool:
+    """The response's ``Answer:`` line equals the record's answer (the default verifier)."""
+    return extract_answer(response) == str(record["answer"]).strip()
+
+
 class RLHFEvaluator:
     """Evaluates a policy the way post-training needs, one method per question:
 
@@ -5950,7 +5962,7 @@ class RLHFEvaluator:
         if not scored:
             return {}
         responses = [self.policy.decode(c) for c in self.complete(self.policy, scored, sample=False)]
-        check = verifier or (lambda response, record: extract_answer(response) == str(record["answer"]).strip())
+        check = verifier or _answer_matches
         return {"task/accuracy": sum(bool(check(t, r)) for t, r in zip(responses, scored)) / len(scored)}
 
     def evaluate(self, prompts: list[str] | list[dict[str, Any]], *, pairs: list[dict[str, Any]] | None = None,
@@ -6255,10 +6267,6 @@ class ValidationReport:
                   "perturbed_accuracy": self.perturbed_accuracy, "score": self.score,
                   "hacking_flags": float(len(self.hacking_flags)), "passed": float(self.passed)}
         return {f"validation/{k}": float(v) for k, v in values.items() if v is not None}
-
-
-def _answer_matches(response: str, record: dict[str, Any]) -> bool:
-    return extract_answer(response) == str(record["answer"]).strip()
 
 
 def _with_prompt(record: dict[str, Any], text: str) -> dict[str, Any]:
@@ -6847,16 +6855,21 @@ def read_report(output_dir: str | os.PathLike) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.exists() else {"stages": []}
 
 
+def _write_json_atomic(path: Path, payload: dict[str, Any], indent: int = 1) -> None:
+    """Write to a temporary file beside ``path``, then rename: a reader never sees half a file."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
+    tmp.write_text(json.dumps(payload, indent=indent, default=float))
+    os.replace(tmp, path)
+
+
 def append_report(output_dir: str | os.PathLike, entry: dict[str, Any]) -> Path:
     """Add one stage's entry to ``output_dir/report.json`` (written atomically)."""
+    path = Path(output_dir) / "report.json"
     if _launch_rank() > 0:  # a multi-process launch: the main process writes, once
-        return Path(output_dir) / "report.json"
+        return path
     report = read_report(output_dir)
     report["stages"].append(entry)
-    path = Path(output_dir) / "report.json"
-    tmp = path.with_name(f".report-{uuid.uuid4().hex[:8]}.json")
-    tmp.write_text(json.dumps(report, indent=2, default=float))
-    os.replace(tmp, path)
+    _write_json_atomic(path, report, indent=2)
     return path
 
 
@@ -6906,6 +6919,13 @@ _COSMETIC_FIELDS = ("disable_progress_bar", "report_to", "run_name", "logging_di
 _MODEL_FIELDS = ("model_name_or_path", "reward_model", "process_reward_model", "value_model", "ref_model")
 POLICY_OPTIMISATION_STAGES = ("dpo", "simpo", "orpo", "kto", "grpo", "ppo")
 STAGE_MARKER = "pipeline_stage.json"  # in output_dir/<stage>: the fingerprint it was started with, and whether it finished
+
+
+def _stage_entry(stage: str, status: str, output_dir: str | os.PathLike, fingerprint: str, seconds: float = 0.0,
+                 **fields: Any) -> dict[str, Any]:
+    """A report entry for a stage without a TrainResult (a rollback after an error, a final stage)."""
+    return {"stage": stage, "status": status, "seconds": round(seconds, 2), "global_step": 0,
+            "output_dir": str(output_dir), "fingerprint": fingerprint, "metrics": {}, "eval": {}, **fields}
 
 
 def _metric_cell(value: float | None, percent: bool = False) -> str:
@@ -7151,9 +7171,8 @@ class RLHFOrchestrator:
                 raise
             logger.error("stage %s failed (%s: %s); rolled back, continuing from %s", stage, type(err).__name__, err,
                          config.model_name_or_path)
-            return {"stage": stage, "status": "rolled_back", "error": True, "reason": f"{type(err).__name__}: {err}",
-                    "seconds": round(time.time() - started, 2), "global_step": 0, "output_dir": config.output_dir,
-                    "input_model": config.model_name_or_path, "fingerprint": fingerprint, "metrics": {}, "eval": {}}
+            return _stage_entry(stage, "rolled_back", config.output_dir, fingerprint, time.time() - started, error=True,
+                                reason=f"{type(err).__name__}: {err}", input_model=config.model_name_or_path)
         entry = {**result.report_entry(), "status": "completed", "fingerprint": fingerprint,
                  "input_model": config.model_name_or_path}
         if gated:
@@ -7394,7 +7413,7 @@ class RLHFOrchestrator:
             logger.info("stage %s: already complete for these models (report.json); skipped", stage)
             self._record(entry)
             return entry
-        setup_logging(log_file=self.output_dir / "logs" / f"{stage}.log")
+        setup_logging(log_file=Path(base.logging_dir or self.output_dir / "logs") / f"{stage}.log")
         output_dir.mkdir(parents=True, exist_ok=True)
         started = time.time()
         run = {"eval": self.evaluate, "best_of_n": self.best_of_n,
@@ -7403,22 +7422,20 @@ class RLHFOrchestrator:
             metrics = run(options)
         except StageNotRun as reason:
             logger.warning("stage %s not run: %s", stage, reason)
-            entry = {"stage": stage, "status": "not_run", "reason": str(reason), "seconds": 0.0, "global_step": 0,
-                     "output_dir": str(output_dir), "fingerprint": fingerprint, "metrics": {}, "eval": {}}
+            entry = _stage_entry(stage, "not_run", output_dir, fingerprint, reason=str(reason))
             self._record(entry)
             return entry
         except Exception as err:
             if isinstance(err, RLHFInputError) or not self.config.rollback_on_error:
                 raise
             logger.error("stage %s failed (%s: %s); recorded, continuing", stage, type(err).__name__, err)
-            entry = {"stage": stage, "status": "failed", "error": True, "reason": f"{type(err).__name__}: {err}",
-                     "seconds": round(time.time() - started, 2), "global_step": 0, "output_dir": str(output_dir),
-                     "fingerprint": fingerprint, "metrics": {}, "eval": {}}
+            entry = _stage_entry(stage, "failed", output_dir, fingerprint, time.time() - started, error=True,
+                                 reason=f"{type(err).__name__}: {err}")
             self._record(entry)
             return entry
         evaluation = {"eval/accuracy": metrics["eval/accuracy"]} if "eval/accuracy" in metrics else {}
-        entry = {"stage": stage, "status": "completed", "seconds": round(time.time() - started, 2), "global_step": 0,
-                 "output_dir": str(output_dir), "fingerprint": fingerprint, "metrics": metrics, "eval": evaluation}
+        entry = _stage_entry(stage, "completed", output_dir, fingerprint, time.time() - started, metrics=metrics,
+                             eval=evaluation)
         _write_json_atomic(output_dir / "metrics.json", metrics)
         _write_json_atomic(output_dir / STAGE_MARKER, {"fingerprint": fingerprint, "complete": True})
         self._record(entry)
@@ -7510,12 +7527,6 @@ class RLHFOrchestrator:
 
 class StageNotRun(Exception):
     """A final stage with nothing to do (e.g. every model it would merge was rolled back): recorded, not an error."""
-
-
-def _write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
-    tmp.write_text(json.dumps(payload, indent=1, default=float))
-    os.replace(tmp, path)
 
 
 
