@@ -1140,6 +1140,15 @@ class DeviceManager:
     def wait(self) -> None:
         self.accelerator.wait_for_everyone()
 
+    def lockstep_share(self, count: int) -> list[tuple[int, bool]]:
+        """This process's share of ``count`` batches split round-robin across processes, as (batch index, keep)
+        pairs; all of them, kept, on one process. Every process gets the same number of turns, because a sharded
+        model (ZeRO-3, FSDP) gathers its parameters collectively in every forward: a process that runs out repeats
+        the last batch with keep False, and discards what it computes."""
+        processes = self.num_processes
+        turns = range(self.process_index, math.ceil(count / processes) * processes, processes)
+        return [(min(index, count - 1), index < count) for index in turns]
+
 
 def _configure_wandb_offline() -> None:
     """wandb must work on machines without network or account: offline unless a key is set."""
@@ -4409,6 +4418,15 @@ class BaseTrainer:
     def evaluate(self) -> dict[str, float]:
         return {}
 
+    def _eval_share(self, dataset: Any) -> Iterator[tuple[list[dict[str, Any]], bool]]:
+        """This process's held-out batches as (items, keep): every batch on one process, every num_processes-th
+        one on several, in lockstep (``DeviceManager.lockstep_share``); the caller sums its kept results across
+        processes, so each process evaluates 1 / num_processes of the set and all of them report the whole."""
+        size = self.config.per_device_eval_batch_size
+        starts = range(0, len(dataset), size)
+        for index, keep in self.devices.lockstep_share(len(starts)):
+            yield [dataset[i] for i in range(starts[index], min(starts[index] + size, len(dataset)))], keep
+
     # -- setup
     def _setup_devices(self, devices: DeviceManager | None) -> None:
         self.devices = devices or DeviceManager(self.config.mixed_precision, self.config.report_to,
@@ -4824,14 +4842,15 @@ class SFTTrainer(BaseTrainer):
 
     def _evaluate_loss(self) -> dict[str, float]:
         total, count = 0.0, 0
-        size = self.config.per_device_eval_batch_size
-        for start in range(0, len(self.eval_dataset), size):
-            batch = self._to_device(self.collator([self.eval_dataset[i] for i in range(start, min(start + size, len(self.eval_dataset)))]))
+        for items, keep in self._eval_share(self.eval_dataset):
+            batch = self._to_device(self.collator(items))
             with self.devices.autocast():
                 loss_sum, units = causal_lm_loss_sum(
                     self.policy(batch["input_ids"], batch.get("attention_mask"), batch.get("position_ids")).logits,
                     batch["labels"])
-            total, count = total + float(loss_sum), count + units
+            if keep:
+                total, count = total + float(loss_sum), count + units
+        total, count = self.devices.sum_list_across_processes([total, count])
         mean = total / max(count, 1)
         return {"eval/loss": mean, "eval/perplexity": math.exp(min(mean, 50.0))}
 
@@ -4880,37 +4899,41 @@ class RewardModelTrainer(BaseTrainer):
     def loss_units(self, batch: dict[str, torch.Tensor]) -> int:
         return batch["input_ids"].shape[0] // 2
 
-    def _pair_losses(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _pair_losses(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+        """Per-pair losses (B), chosen and rejected scores (B, detached), and labelled-step counts (a PRM's)."""
         scores = self.forward_policy(batch["input_ids"], batch["attention_mask"])  # (2B)
         chosen, rejected = scores.float().chunk(2)
         losses = reward_model_loss(chosen, rejected, batch.get("margin"))
         if self.config.center_rewards_coefficient:
             losses = losses + self.config.center_rewards_coefficient * (chosen + rejected) ** 2
-        return losses, chosen.detach(), rejected.detach()
+        return losses, chosen.detach(), rejected.detach(), {"correct": 0, "count": 0}
 
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
-        losses, chosen, rejected = self._pair_losses(batch)
+        losses, chosen, rejected, _ = self._pair_losses(batch)
         return losses.sum(), {"rewards/accuracies": float((chosen > rejected).float().mean()),
                               "rewards/margins": float((chosen - rejected).mean()),
                               "rewards/chosen": float(chosen.mean()), "rewards/rejected": float(rejected.mean())}
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
+        """Held-out pairwise accuracy, mean loss and margin (and a PRM's labelled-step accuracy)."""
         if self.eval_dataset is None or not len(self.eval_dataset):
             return {}
         self.model.eval()
-        losses, margins = [], []
-        size = self.config.per_device_eval_batch_size
-        for start in range(0, len(self.eval_dataset), size):
-            items = [self.eval_dataset[i] for i in range(start, min(start + size, len(self.eval_dataset)))]
+        sums = [0.0] * 6  # loss, pairs ranked right, margin, pairs, labelled steps right, labelled steps
+        for items, keep in self._eval_share(self.eval_dataset):
             with self.devices.autocast():
-                loss, chosen, rejected = self._pair_losses(self._to_device(self.collator(items)))
-            losses.append(loss)
-            margins.append(chosen - rejected)
+                losses, chosen, rejected, steps = self._pair_losses(self._to_device(self.collator(items)))
+            if keep:
+                margin = chosen - rejected
+                found = [losses.sum(), (margin > 0).sum(), margin.sum(), len(margin), steps["correct"], steps["count"]]
+                sums = [total + float(value) for total, value in zip(sums, found)]
         self.model.train()
-        margin = torch.cat(margins)
-        return {"eval/loss": float(torch.cat(losses).mean()), "eval/accuracy": float((margin > 0).float().mean()),
-                "eval/margin": float(margin.mean())}
+        loss, right, margin, pairs, steps_right, steps = self.devices.sum_list_across_processes(sums)
+        metrics = {"eval/loss": loss / pairs, "eval/accuracy": right / pairs, "eval/margin": margin / pairs}
+        if steps:
+            metrics["eval/step_accuracy"] = steps_right / steps
+        return metrics
 
     def _save_model(self, directory: Path) -> None:
         RewardModel(self.devices.unwrap(self.policy.model), self.policy.tokenizer).save_pretrained(
@@ -4933,7 +4956,7 @@ class ProcessRewardModelTrainer(RewardModelTrainer):
         BaseTrainer.__init__(self, config, model, train_dataset, eval_dataset=eval_dataset, devices=devices,
                              collator=ProcessPreferenceCollator(model.tokenizer.pad_token_id))
 
-    def _losses_and_steps(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+    def _pair_losses(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
         model = self.forward_policy
         logits = model.step_logits(batch["input_ids"], batch["attention_mask"], batch["step_positions"]).float()  # (2B, S)
         scores = aggregate_step_scores(logits, batch["step_mask"], model.aggregation)
@@ -4949,34 +4972,12 @@ class ProcessRewardModelTrainer(RewardModelTrainer):
         return losses, chosen.detach(), rejected.detach(), steps
 
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
-        losses, chosen, rejected, steps = self._losses_and_steps(batch)
+        losses, chosen, rejected, steps = self._pair_losses(batch)
         metrics = {"rewards/accuracies": float((chosen > rejected).float().mean()),
                    "rewards/margins": float((chosen - rejected).mean())}
         if steps["count"]:
             metrics["steps/accuracy"] = steps["correct"] / steps["count"]
         return losses.sum(), metrics
-
-    @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
-        if self.eval_dataset is None or not len(self.eval_dataset):
-            return {}
-        self.model.eval()
-        losses, margins, correct, count = [], [], 0, 0
-        size = self.config.per_device_eval_batch_size
-        for start in range(0, len(self.eval_dataset), size):
-            items = [self.eval_dataset[i] for i in range(start, min(start + size, len(self.eval_dataset)))]
-            with self.devices.autocast():
-                loss, chosen, rejected, steps = self._losses_and_steps(self._to_device(self.collator(items)))
-            losses.append(loss)
-            margins.append(chosen - rejected)
-            correct, count = correct + steps["correct"], count + steps["count"]
-        self.model.train()
-        margin = torch.cat(margins)
-        metrics = {"eval/loss": float(torch.cat(losses).mean()), "eval/accuracy": float((margin > 0).float().mean()),
-                   "eval/margin": float(margin.mean())}
-        if count:
-            metrics["eval/step_accuracy"] = correct / count
-        return metrics
 
     def _save_model(self, directory: Path) -> None:
         model = self.policy
@@ -5036,18 +5037,17 @@ def precompute_ref_log_probs(reference: ReferenceModel, dataset: _EncodedRecords
     of forwards (one that runs out repeats its last batch), since a sharded model (ZeRO-3, FSDP)
     gathers its parameters in every forward, collectively. Returns the batches computed here."""
     starts = range(0, len(dataset), batch_size)
-    rank, processes = (devices.process_index, devices.num_processes) if devices is not None else (0, 1)
+    share = devices.lockstep_share(len(starts)) if devices is not None else [(i, True) for i in range(len(starts))]
     computed: dict[int, tuple[list[float], list[float]]] = {}
-    for turn in range(math.ceil(len(starts) / processes)):
-        index = rank + turn * processes
-        start = starts[min(index, len(starts) - 1)]  # past the end: a forward in step with the others, discarded
+    for index, keep in share:
+        start = starts[index]
         items = [dataset[i] for i in range(start, min(start + batch_size, len(dataset)))]
         batch = {k: v.to(device) for k, v in collator(items).items()}
         logps = _reference_logps(reference, batch, ld_alpha).float().cpu()
-        if index < len(starts):
+        if keep:
             computed[start] = (logps[:len(items)].tolist(), logps[len(items):].tolist())
     mine = len(computed)
-    if processes > 1:
+    if devices is not None and devices.num_processes > 1:
         for part in devices.gather_object(computed):
             computed.update(part)
     dataset.attach(keys[0], [value for start in starts for value in computed[start][0]])
@@ -5101,12 +5101,15 @@ class _ReferenceTrainer(BaseTrainer):
         if dataset is None or not len(dataset):
             return {}
         self.model.eval()
-        rows, size = [], self.config.per_device_eval_batch_size
-        for start in range(0, len(dataset), size):
-            items = [dataset[i] for i in range(start, min(start + size, len(dataset)))]
+        rows = []
+        for items, keep in self._eval_share(dataset):
             with self.devices.autocast():
-                rows.append((len(items), metric_fn(self._to_device(self.collator(items)))))
+                metrics = metric_fn(self._to_device(self.collator(items)))
+            if keep:
+                rows.append((len(items), metrics))
         self.model.train()
+        if self.devices.num_processes > 1:
+            rows = [row for part in self.devices.gather_object(rows) for row in part]
         keys = dict.fromkeys(k for _, r in rows for k in r)  # some batches lack a metric (e.g. no undesirable row)
         return {f"eval/{k}": sum(n * r[k] for n, r in rows if k in r) / sum(n for n, r in rows if k in r)
                 for k in keys}

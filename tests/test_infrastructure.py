@@ -302,6 +302,25 @@ def test_device_manager_on_cpu(devices):
     assert float(total) == pytest.approx(1.0, rel=1e-4)
 
 
+def test_lockstep_share_splits_batches_round_robin_with_equal_turns(devices):
+    assert devices.lockstep_share(3) == [(0, True), (1, True), (2, True)]  # one process: everything, kept
+    assert devices.lockstep_share(0) == []
+
+    class Process:  # the same method on rank r of p processes
+        lockstep_share = rlhf.DeviceManager.lockstep_share
+
+        def __init__(self, rank: int, processes: int) -> None:
+            self.process_index, self.num_processes = rank, processes
+
+    assert Process(0, 2).lockstep_share(5) == [(0, True), (2, True), (4, True)]
+    assert Process(1, 2).lockstep_share(5) == [(1, True), (3, True), (4, False)]  # repeats the last, discarded
+    assert Process(2, 3).lockstep_share(1) == [(0, False)]  # nothing of its own, still one forward in step
+    for processes in (1, 2, 3, 4):
+        shares = [Process(rank, processes).lockstep_share(7) for rank in range(processes)]
+        assert len({len(share) for share in shares}) == 1  # the same number of forwards on every process
+        assert sorted(index for share in shares for index, keep in share if keep) == list(range(7))
+
+
 def test_training_logger_writes_jsonl_and_plots(tmp_path, devices):
     config = rlhf.SFTConfig(output_dir=str(tmp_path), plot_loss=True, disable_progress_bar=True)
     training_logger = rlhf.TrainingLogger(tmp_path, total_steps=3, devices=devices, config=config)

@@ -461,6 +461,7 @@ def test_precompute_split_runs_the_same_forwards_on_every_process(llama_dir, tin
     for rank, computed, starts in ((0, 3, [0, 4, 8]), (1, 2, [2, 6])):
         class Process:  # stands in for a DeviceManager of 2 processes; the other rank sent `everything`
             process_index, num_processes, own_starts = rank, 2, starts
+            lockstep_share = rlhf.DeviceManager.lockstep_share
 
             def gather_object(self, value):
                 assert sorted(value) == self.own_starts  # the batches this rank computed
