@@ -1384,6 +1384,13 @@ class CheckpointManager:
         found = self.checkpoints()
         return found[-1] if found else None
 
+    def load_latest(self, read: Callable[[Path], None]) -> Path | None:
+        """Restore from the newest complete checkpoint with ``read``; its path, or None when there is none."""
+        path = self.latest()
+        if path is not None:
+            read(path)
+        return path
+
     def save(self, step: int, write: Callable[[Path], None]) -> Path:
         """Call ``write(tmp_dir)`` to fill a new checkpoint, then publish it atomically and roll."""
         final = self.root / f"{self.prefix}{step}"
@@ -4480,8 +4487,9 @@ class BaseTrainer:
         self.optimizer = self.devices.prepare(optimizer)
 
     # -- data
-    def _batches(self) -> Iterator[dict[str, torch.Tensor]]:
-        """Micro-batches from the current position to forever (the loop decides when to stop)."""
+    def make_batches(self) -> Iterator[dict[str, torch.Tensor]]:
+        """Micro-batches from the current position to forever (the loop decides when to stop). Online
+        trainers override it to sample rollouts and cut them into micro-batches."""
         if self.sampler is None:
             yield from self._streaming_batches()
             return
@@ -4523,7 +4531,7 @@ class BaseTrainer:
             logger.info("before training: %s", _format_metrics(eval_before))
         self.training_logger = TrainingLogger(self.output_dir, self.total_steps, self.devices, config,
                                               description=self.stage, start_step=self.global_step)
-        batches = self._batches()
+        batches = self.make_batches()
         resumed_at = self.global_step
         window = {"loss": 0.0, "units": 0.0, "tokens": 0, "since": time.time(), "metrics": {}}
         stopped_early, last_eval = False, {}
@@ -4756,12 +4764,15 @@ class BaseTrainer:
                                self.checkpoints.root)
                 self.checkpoints.clear()
             return
-        path = self.checkpoints.latest() if choice == "auto" else Path(choice)
-        if path is None:
-            return
-        if not (path / "COMPLETE").exists():
-            raise RLHFInputError(f"config field 'resume_from_checkpoint': {path} is not a complete checkpoint")
-        self._load_checkpoint(path)
+        if choice == "auto":
+            path = self.checkpoints.load_latest(self._load_checkpoint)
+            if path is None:
+                return
+        else:
+            path = Path(choice)
+            if not (path / "COMPLETE").exists():
+                raise RLHFInputError(f"config field 'resume_from_checkpoint': {path} is not a complete checkpoint")
+            self._load_checkpoint(path)
         logger.info("resumed from %s at step %d", path, self.global_step)
 
     def _load_checkpoint(self, path: Path) -> None:
@@ -5429,7 +5440,7 @@ class _OnlineRLTrainer(_ReferenceTrainer):
                 raise RLHFInputError("the streaming prompt set yielded no records")
             self.train_dataset.set_epoch(self.train_dataset.epoch + 1)
 
-    def _batches(self) -> Iterator[dict[str, torch.Tensor]]:
+    def make_batches(self) -> Iterator[dict[str, torch.Tensor]]:
         accumulation = self.config.gradient_accumulation_steps
         index, steps_done = divmod(self.global_step, self.steps_per_rollout)
         resumed = self.resumed_rollout if steps_done else None  # a checkpoint taken inside a rollout kept it

@@ -70,6 +70,9 @@ def test_checkpoint_rolling_and_latest_sort_numerically(tmp_path):
     assert [p.name for p in manager.checkpoints()] == ["checkpoint-10", "checkpoint-100"]
     assert manager.latest().name == "checkpoint-100"
     assert (manager.latest() / "step").read_text() == "100"
+    read = []
+    assert manager.load_latest(lambda d: read.append((d / "step").read_text())) == manager.root / "checkpoint-100"
+    assert read == ["100"]
 
 
 def test_checkpoint_resave_same_step_replaces_it(tmp_path):
@@ -97,6 +100,7 @@ def test_checkpoint_init_removes_stale_temp_dirs_only(tmp_path):
 
 def test_checkpoint_empty_dir_has_no_latest(tmp_path):
     assert rlhf.CheckpointManager(tmp_path / "new").latest() is None
+    assert rlhf.CheckpointManager(tmp_path / "new").load_latest(lambda d: pytest.fail("nothing to read")) is None
 
 
 # -- optimizer and RNG state as safetensors + JSON ---------------------------------------------------------
