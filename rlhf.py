@@ -4779,6 +4779,7 @@ class BaseTrainer:
         from safetensors.torch import load_file
 
         state = json.loads((path / "trainer_state.json").read_text())
+        self._check_resumable(path, state)
         self._load_model(path)
         self._load_extra_state(state.get("trainer") or {})
         self.global_step, self.micro_batches_done = state["global_step"], state["micro_batches_done"]
@@ -4795,6 +4796,29 @@ class BaseTrainer:
         self.optimizer.load_state_dict(optimizer_state_from_safetensors(load_file(str(path / "optimizer.safetensors")), meta))
         self.scheduler.load_state_dict(json.loads((path / "scheduler.json").read_text()))
         restore_rng_state(load_file(str(path / "rng_state.safetensors")), json.loads((path / "rng_state.json").read_text()))
+
+    # settings that say where and how a run reports, not what it trains: changing them is a normal resume
+    RESUME_NEUTRAL_FIELDS = frozenset({"output_dir", "logging_dir", "resume_from_checkpoint", "overwrite_output_dir",
+                                       "report_to", "run_name", "disable_progress_bar", "logging_steps", "save_steps",
+                                       "save_total_limit", "eval_steps", "plot_loss", "max_steps", "num_train_epochs",
+                                       "dataloader_num_workers", "preprocessing_num_workers", "ddp_timeout"})
+
+    def _check_resumable(self, path: Path, state: dict[str, Any]) -> None:
+        """Refuse another stage's checkpoint (its files and optimizer do not fit this trainer); warn when the
+        settings changed since it was written, since the optimizer and schedule continue from it regardless."""
+        stage = state.get("stage")
+        if stage and stage != self.stage:
+            raise RLHFInputError(
+                f"{path.parent.parent} holds '{stage}' checkpoints, and this run trains '{self.stage}': set output_dir to "
+                f"another directory, or resume_from_checkpoint=none to start over (removes them)")
+        saved, now = state.get("config") or {}, json.loads(json.dumps(self.config.to_dict(), default=str))
+        changed = [f"{key} {saved[key]!r} -> {now[key]!r}" for key in sorted(now)
+                   if key in saved and key not in self.RESUME_NEUTRAL_FIELDS and saved[key] != now[key]]
+        if changed:
+            logger.warning("resuming %s with settings changed since it was written: %s%s. The run continues from the "
+                           "checkpoint; to train from scratch with the new settings set resume_from_checkpoint=none or "
+                           "another output_dir", path, "; ".join(changed[:6]),
+                           f" (and {len(changed) - 6} more)" if len(changed) > 6 else "")
 
     def _save_final_model(self) -> None:
         """The trained model in Hugging Face layout at output_dir, published file by file with renames."""

@@ -207,6 +207,27 @@ def test_resume_none_starts_fresh_without_the_old_checkpoints(tmp_path, llama_di
     assert [p.name for p in rlhf.CheckpointManager(out).checkpoints()] == ["checkpoint-1"]
 
 
+def test_resume_refuses_another_stages_checkpoint_and_warns_about_changed_settings(tmp_path, llama_dir, demo_dir):
+    """One output_dir used for SFT, then a DPO run: the SFT checkpoint holds no reference state and its optimizer
+    belongs to another loss, so the DPO run stops with a one-line error instead of a traceback. Resuming the same
+    stage with a changed learning rate continues, with a warning that names the change."""
+    out = tmp_path / "run"
+    rlhf.train_sft(_config(out, llama_dir, demo_dir, max_steps=2, save_steps=2))
+    dpo = rlhf.DPOConfig(model_name_or_path=str(llama_dir), dataset="demo_preference", dataset_dir=str(demo_dir),
+                         max_samples=8, cutoff_len=64, finetuning_type="full", per_device_train_batch_size=2, max_steps=1,
+                         save_steps=0, disable_progress_bar=True, output_dir=str(out))
+    with pytest.raises(rlhf.RLHFInputError, match=r"holds 'sft' checkpoints, and this run trains 'dpo': set output_dir"):
+        rlhf.train_dpo(dpo)
+
+    with captured_log() as records:
+        again = rlhf.train_sft(_config(out, llama_dir, demo_dir, max_steps=3, save_steps=2, learning_rate=1e-4,
+                                       logging_steps=2))
+    assert again.global_step == 3
+    warnings = [r.getMessage() for r in records if "settings changed" in r.getMessage()]
+    assert len(warnings) == 1 and "learning_rate 0.001 -> 0.0001" in warnings[0], warnings
+    assert "max_steps" not in warnings[0] and "logging_steps" not in warnings[0]  # how long and how loud: no warning
+
+
 def test_run_without_eval_data_logs_no_empty_rows(tmp_path, llama_dir, demo_dir):
     rlhf.train_sft(_config(tmp_path, llama_dir, demo_dir, max_steps=2))
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
