@@ -72,6 +72,14 @@ REPO_DIR = Path(__file__).resolve().parent
 DEMO_DATA_DIR = REPO_DIR / "data" / "demo"
 
 
+def _checkout_path(relative: str) -> Path:
+    """A path of the source checkout (the demo data, configs/): beside this module when it runs from the checkout,
+    else under the working directory, since ``pip install .`` installs the modules only and its users run the
+    ``rlhf`` command from the checkout."""
+    beside = REPO_DIR / relative
+    return beside if beside.exists() else Path.cwd() / relative
+
+
 class RLHFInputError(ValueError):
     """A user mistake (config value, data record, missing file). The CLI prints it as one line,
     without a traceback; the message names the field or file:line and says how to fix it."""
@@ -667,11 +675,14 @@ def _coerce(value: Any, annotation: Any, name: str, where: str) -> Any:
     return value
 
 
-def _translate_keys(raw: dict[str, Any], cls: type[BaseConfig], where: str) -> dict[str, Any]:
-    """Map LLaMA-Factory names onto ours, drop ignored ones with a notice, reject unknown keys."""
+def _translate_keys(raw: dict[str, Any], cls: type[BaseConfig], file_where: str,
+                    command_line: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """Map LLaMA-Factory names onto ours, drop ignored ones with a notice, reject unknown keys. Messages name
+    the file, or the command line for the keys given there (``command_line``)."""
     known = {f.name for f in dataclasses.fields(cls)}
     out: dict[str, Any] = {}
     for key, value in raw.items():
+        where = "command line" if key in command_line else file_where
         if key == "stage":
             if str(value) != cls.stage:
                 raise RLHFInputError(
@@ -736,11 +747,13 @@ def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
     return data
 
 
-def build_config(cls: type[BaseConfig], raw: dict[str, Any], where: str = "config") -> BaseConfig:
-    """Validate and type a raw mapping into ``cls``; every error names the key."""
-    values = _translate_keys(raw, cls, where)
+def build_config(cls: type[BaseConfig], raw: dict[str, Any], where: str = "config",
+                 command_line: frozenset[str] = frozenset()) -> BaseConfig:
+    """Validate and type a raw mapping into ``cls``; every error names the key and where it was given
+    (``where``, or the command line for the keys in ``command_line``)."""
+    values = _translate_keys(raw, cls, where, command_line)
     hints = _field_types(cls)
-    typed = {k: _coerce(v, hints[k], k, where) for k, v in values.items()}
+    typed = {k: _coerce(v, hints[k], k, "command line" if k in command_line else where) for k, v in values.items()}
     return cls(**typed)
 
 
@@ -748,8 +761,9 @@ def load_config(cls: type[BaseConfig], path: str | os.PathLike | None = None,
                 overrides: Iterable[str] = ()) -> BaseConfig:
     """Read a stage config from YAML (optional) plus ``key=value`` overrides, LLaMA-Factory keys accepted."""
     raw = read_yaml(path) if path else {}
-    raw.update(parse_overrides(overrides))
-    return build_config(cls, raw, where=str(path) if path else "command line")
+    given = parse_overrides(overrides)
+    raw.update(given)
+    return build_config(cls, raw, where=str(path) if path else "command line", command_line=frozenset(given))
 
 
 def save_config(config: BaseConfig | PipelineConfig, path: str | os.PathLike) -> None:
@@ -2771,7 +2785,7 @@ def _demo_corpus(corpus_dir: Path) -> Iterator[str]:
                     yield record[key]
 
 
-def build_tiny_model(cache_dir: str | os.PathLike | None = None, corpus_dir: str | os.PathLike = DEMO_DATA_DIR,
+def build_tiny_model(cache_dir: str | os.PathLike | None = None, corpus_dir: str | os.PathLike | None = None,
                      seed: int = 0) -> Path:
     """The embedded default model: a small Llama with a byte-level BPE tokenizer trained on the demo
     corpus (digits split one per token, ChatML template), built once and cached in Hugging Face layout.
@@ -2781,11 +2795,12 @@ def build_tiny_model(cache_dir: str | os.PathLike | None = None, corpus_dir: str
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    corpus_dir = Path(corpus_dir)
+    corpus_dir = Path(corpus_dir) if corpus_dir is not None else _checkout_path("data/demo")
     files = sorted(corpus_dir.glob("*.jsonl"))
     if not files:
         raise RLHFInputError(f"model_name_or_path 'tiny' trains its tokenizer on {corpus_dir}, which has no .jsonl "
-                             f"files; run `python scripts/make_demo_data.py` from a checkout")
+                             f"files; run from the project's checkout (it holds data/demo), or generate the data with "
+                             f"`python scripts/make_demo_data.py`")
     key = _fingerprint("tiny-v2", TINY_MODEL_SETTINGS, seed, [hashlib.sha256(p.read_bytes()).hexdigest() for p in files])
     target = Path(cache_dir or _default_cache_dir()) / f"tiny-llama-{key}"
     if (target / "config.json").exists():
@@ -7107,7 +7122,7 @@ class RLHFOrchestrator:
 
     def __init__(self, config: PipelineConfig | str | os.PathLike | None = None) -> None:
         if config is None:
-            config = REPO_DIR / "configs" / "demo.yaml"
+            config = _checkout_path("configs/demo.yaml")
         self.config = config if isinstance(config, PipelineConfig) else PipelineConfig.load(config)
         self.output_dir = Path(self.config.output_dir)
         self.history: list[dict[str, Any]] = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import textwrap
 
 import pytest
@@ -404,6 +405,20 @@ def test_every_ignored_key_is_accepted(caplog):
     ignored = [r.getMessage() for r in caplog.records if "ignoring" in r.getMessage()]
     assert len(ignored) == len(rlhf.LLAMAFACTORY_IGNORED)
     assert all(r.levelno == logging.INFO for r in caplog.records if "ignoring" in r.getMessage())
+
+
+def test_messages_name_the_command_line_for_keys_given_there(tmp_path, caplog):
+    path = tmp_path / "sft.yaml"
+    path.write_text("do_train: true\nlearning_rate: 1.0e-4\n")
+    with rlhf_log(caplog):
+        rlhf.load_config(SFTConfig, path, ["deepspeed=ds.json"])
+    notices = {r.getMessage().split(": ignoring")[0] for r in caplog.records if "ignoring" in r.getMessage()}
+    assert notices == {str(path), "command line"}
+    with pytest.raises(rlhf.RLHFInputError, match="^command line: 'max_steps' must be a whole number"):
+        rlhf.load_config(SFTConfig, path, ["max_steps=many"])
+    path.write_text("max_steps: many\n")
+    with pytest.raises(rlhf.RLHFInputError, match=f"^{re.escape(str(path))}: 'max_steps' must be a whole number"):
+        rlhf.load_config(SFTConfig, path, ["learning_rate=1e-3"])
 
 
 def test_renamed_and_ignored_keys_are_not_fields():

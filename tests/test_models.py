@@ -420,6 +420,19 @@ def test_load_weights_into_restores_lora_adapter(tiny_arch_dir, tmp_path):
 # -- the embedded tiny model --------------------------------------------------------------------------
 
 
+def test_installed_modules_find_the_demo_data_in_the_working_directory(tiny_model_dir, tmp_path, monkeypatch):
+    """`pip install .` puts rlhf.py in site-packages without data/ or configs/; run from the checkout, `tiny`
+    and the default pipeline config are found under the working directory, and elsewhere the error says where
+    to run."""
+    monkeypatch.setattr(rlhf, "REPO_DIR", tmp_path / "site-packages")  # no data/demo beside the module
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    assert rlhf.build_tiny_model(cache_dir=tiny_model_dir.parent) == tiny_model_dir  # the same corpus, a cache hit
+    assert rlhf.RLHFOrchestrator().config.output_dir == "outputs/demo"
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(rlhf.RLHFInputError, match="run from the project's checkout"):
+        rlhf.build_tiny_model(cache_dir=tmp_path)
+
+
 def test_build_tiny_model_is_deterministic_and_cached(tiny_model_dir, tmp_path):
     other, third = rlhf.build_tiny_model(cache_dir=tmp_path), rlhf.build_tiny_model(cache_dir=tmp_path / "b")
     assert other.parent == tmp_path and third.parent == tmp_path / "b"
