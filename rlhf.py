@@ -4812,11 +4812,14 @@ class BaseTrainer:
         self.scheduler.load_state_dict(json.loads((path / "scheduler.json").read_text()))
         restore_rng_state(load_file(str(path / "rng_state.safetensors")), json.loads((path / "rng_state.json").read_text()))
 
-    # settings that say where and how a run reports, not what it trains: changing them is a normal resume
+    # settings that say how long a run goes, where and how it reports and evaluates, not what it trains:
+    # changing them is a normal resume (extending max_steps is the usual one)
     RESUME_NEUTRAL_FIELDS = frozenset({"output_dir", "logging_dir", "resume_from_checkpoint", "overwrite_output_dir",
                                        "report_to", "run_name", "disable_progress_bar", "logging_steps", "save_steps",
-                                       "save_total_limit", "eval_steps", "plot_loss", "max_steps", "num_train_epochs",
-                                       "dataloader_num_workers", "preprocessing_num_workers", "ddp_timeout"})
+                                       "save_total_limit", "save_only_model", "eval_steps", "plot_loss", "max_steps",
+                                       "num_train_epochs", "dataloader_num_workers", "preprocessing_num_workers",
+                                       "ddp_timeout", "cache_dir", "eval_dataset", "per_device_eval_batch_size",
+                                       "eval_max_new_tokens", "eval_before_training"})
 
     def _check_resumable(self, path: Path, state: dict[str, Any]) -> None:
         """Refuse another stage's checkpoint (its files and optimizer do not fit this trainer); warn when the
