@@ -752,6 +752,7 @@ def build_config(cls: type[BaseConfig], raw: dict[str, Any], where: str = "confi
     """Validate and type a raw mapping into ``cls``; every error names the key and where it was given
     (``where``, or the command line for the keys in ``command_line``)."""
     values = _translate_keys(raw, cls, where, command_line)
+    command_line = command_line | {LLAMAFACTORY_RENAMES[k][0] for k in command_line if k in LLAMAFACTORY_RENAMES}
     hints = _field_types(cls)
     typed = {k: _coerce(v, hints[k], k, "command line" if k in command_line else where) for k, v in values.items()}
     return cls(**typed)
@@ -1372,6 +1373,23 @@ def _fsync_directory(path: Path) -> None:
         os.close(handle)
 
 
+def _complete_checkpoints(root: Path) -> list[Path]:
+    """The checkpoint-N directories under ``root`` that hold their COMPLETE marker, oldest first."""
+    prefix = CheckpointManager.prefix
+    found = [p for p in Path(root).glob(f"{prefix}*")
+             if p.is_dir() and p.name[len(prefix):].isdigit() and (p / "COMPLETE").exists()]
+    return sorted(found, key=lambda p: int(p.name[len(prefix):]))
+
+
+def _other_stage_checkpoint_error(path: Path, saved_stage: str, stage: str, explicit: bool) -> RLHFInputError:
+    """The one-line error for resuming ``stage`` from a ``saved_stage`` checkpoint."""
+    if explicit:
+        return RLHFInputError(f"config field 'resume_from_checkpoint': {path} is a '{saved_stage}' checkpoint, and this "
+                              f"run trains '{stage}'; point it at a '{stage}' checkpoint")
+    return RLHFInputError(f"{path.parent.parent} holds '{saved_stage}' checkpoints, and this run trains '{stage}': set "
+                          f"output_dir to another directory, or resume_from_checkpoint=none to start over (removes them)")
+
+
 class CheckpointManager:
     """Atomic, rolling checkpoints under ``output_dir/checkpoints``.
 
@@ -1391,15 +1409,15 @@ class CheckpointManager:
 
     def checkpoints(self) -> list[Path]:
         """Complete checkpoints, oldest first."""
-        found = [p for p in self.root.glob(f"{self.prefix}*") if p.is_dir() and p.name[len(self.prefix):].isdigit()]
-        return sorted(found, key=lambda p: int(p.name[len(self.prefix):]))
+        return _complete_checkpoints(self.root)
 
     def latest(self) -> Path | None:
         found = self.checkpoints()
         return found[-1] if found else None
 
     def load_latest(self, read: Callable[[Path], None]) -> Path | None:
-        """Restore from the newest complete checkpoint with ``read``; its path, or None when there is none."""
+        """Restore from the newest complete checkpoint (one with its COMPLETE marker) with ``read``; its path, or
+        None when there is none."""
         path = self.latest()
         if path is not None:
             read(path)
@@ -1414,10 +1432,16 @@ class CheckpointManager:
             write(tmp)
             (tmp / "COMPLETE").write_text(str(step))
             _fsync_tree(tmp)
-            if final.exists():
-                shutil.rmtree(final)
+            # a re-save of the same step moves the old copy aside with one rename before deleting it, so a kill
+            # at any moment leaves a complete checkpoint-N (old or new) and at most a .tmp-* leftover
+            old = self.root / f".tmp-old-{self.prefix}{step}-{uuid.uuid4().hex[:8]}"
+            replacing = final.exists()
+            if replacing:
+                os.rename(final, old)
             os.rename(tmp, final)
             _fsync_directory(self.root)  # make the rename itself durable, not just the files
+            if replacing:
+                shutil.rmtree(old, ignore_errors=True)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -1426,11 +1450,18 @@ class CheckpointManager:
 
     def _roll(self) -> None:
         for old in self.checkpoints()[:-self.save_total_limit]:
-            shutil.rmtree(old, ignore_errors=True)
+            self._discard(old)
 
     def clear(self) -> None:
-        for path in self.checkpoints():
-            shutil.rmtree(path, ignore_errors=True)
+        for path in self.root.glob(f"{self.prefix}*"):  # complete or not
+            self._discard(path)
+
+    def _discard(self, path: Path) -> None:
+        """Rename, then delete: a kill during the delete leaves a .tmp-* leftover (removed on the next start), never
+        a half-deleted checkpoint-N that still holds its COMPLETE marker."""
+        doomed = self.root / f".tmp-discard-{path.name}-{uuid.uuid4().hex[:8]}"
+        os.rename(path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
 
 
 def _scheduler_kwargs(name: str, warmup: int, num_training_steps: int) -> dict[str, Any]:
@@ -4826,9 +4857,7 @@ class BaseTrainer:
         settings changed since it was written, since the optimizer and schedule continue from it regardless."""
         stage = state.get("stage")
         if stage and stage != self.stage:
-            raise RLHFInputError(
-                f"{path.parent.parent} holds '{stage}' checkpoints, and this run trains '{self.stage}': set output_dir to "
-                f"another directory, or resume_from_checkpoint=none to start over (removes them)")
+            raise _other_stage_checkpoint_error(path, stage, self.stage, self.config.resume_from_checkpoint != "auto")
         saved, now = state.get("config") or {}, json.loads(json.dumps(self.config.to_dict(), default=str))
         changed = [f"{key} {saved[key]!r} -> {now[key]!r}" for key in sorted(now)
                    if key in saved and key not in self.RESUME_NEUTRAL_FIELDS and saved[key] != now[key]]
@@ -5295,14 +5324,18 @@ class KTOTrainer(_ReferenceTrainer):
     def loss_units(self, batch: dict[str, torch.Tensor]) -> int:
         return int(batch["desirable"].numel())
 
-    def example_losses(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+    def example_losses(self, batch: dict[str, torch.Tensor],
+                       across_processes: bool = True) -> tuple[torch.Tensor, dict[str, float]]:
+        """``across_processes``: z0 from every process's micro-batch (training), or from this batch alone
+        (evaluation, where processes hold different held-out batches and one process must give the same figures)."""
         config = self.config
         out = _completion_forward(self.forward_policy, batch)
         policy_logps, policy_kl_logps = out.summed.chunk(2)
         ref_logps, ref_kl_logps = self._reference_pair(batch)
         # z0 estimates the KL over the whole batch: with several processes, the mean of every process's
         # estimate (as TRL gathers them), so all ranks' losses share one reference point
-        kl = self.devices.gather((policy_kl_logps.detach() - ref_kl_logps).mean()[None]).mean().clamp(min=0)
+        kl = (policy_kl_logps.detach() - ref_kl_logps).mean()[None]
+        kl = (self.devices.gather(kl) if across_processes else kl).mean().clamp(min=0)
         desirable = batch["desirable"]
         losses, rewards = kto_loss(policy_logps, ref_logps, desirable, kl, beta=config.pref_beta,
                                    desirable_weight=config.kto_chosen_weight,
@@ -5324,7 +5357,7 @@ class KTOTrainer(_ReferenceTrainer):
 
     def evaluate(self) -> dict[str, float]:
         def metric_fn(batch: dict[str, torch.Tensor]) -> dict[str, float]:
-            losses, metrics = self.example_losses(batch)
+            losses, metrics = self.example_losses(batch, across_processes=False)
             return {"loss": float(losses.mean()), **metrics}
 
         return {**self._mean_over(self.eval_dataset, metric_fn), **self._generation_eval()}
@@ -6744,6 +6777,19 @@ def _load_policy(config: BaseConfig, device: torch.device | str, model: str | No
                                        cache_dir=config.cache_dir)
 
 
+def _refuse_other_stage_checkpoints(config: BaseConfig) -> None:
+    """The trainer refuses to resume another stage's checkpoint; say so before any model loads and before this
+    run's config.yaml replaces that run's."""
+    if config.overwrite_output_dir or config.resume_from_checkpoint != "auto":
+        return
+    found = _complete_checkpoints(Path(config.output_dir) / "checkpoints")
+    state_file = found[-1] / "trainer_state.json" if found else None
+    if state_file is not None and state_file.exists():
+        saved = json.loads(state_file.read_text()).get("stage")
+        if saved and saved != config.stage:
+            raise _other_stage_checkpoint_error(found[-1], saved, config.stage, explicit=False)
+
+
 def _start_stage(config: BaseConfig, devices: DeviceManager | None) -> tuple[tuple, DeviceManager]:
     """Logging, seed, records (validated before any model loads) and devices for one stage."""
     setup_logging(log_file=Path(config.logging_dir or Path(config.output_dir) / "logs") / f"{config.stage}.log")
@@ -6752,6 +6798,7 @@ def _start_stage(config: BaseConfig, devices: DeviceManager | None) -> tuple[tup
         raise RLHFInputError("config field 'precompute_ref_log_probs' needs an in-memory dataset; set streaming=false "
                              "or precompute_ref_log_probs=false")
     records = read_stage_records(config, STAGE_RECORD_KINDS[config.stage])
+    _refuse_other_stage_checkpoints(config)
     devices = devices or DeviceManager(config.mixed_precision, config.report_to, Path(config.output_dir) / "runs",
                                        config.ddp_timeout)
     Path(config.output_dir).mkdir(parents=True, exist_ok=True)

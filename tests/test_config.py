@@ -416,6 +416,8 @@ def test_messages_name_the_command_line_for_keys_given_there(tmp_path, caplog):
     assert notices == {str(path), "command line"}
     with pytest.raises(rlhf.RLHFInputError, match="^command line: 'max_steps' must be a whole number"):
         rlhf.load_config(SFTConfig, path, ["max_steps=many"])
+    with pytest.raises(rlhf.RLHFInputError, match="^command line: 'packing' must be true or false"):
+        rlhf.load_config(SFTConfig, path, ["neat_packing=many"])  # a LLaMA-Factory name, typed under ours
     path.write_text("max_steps: many\n")
     with pytest.raises(rlhf.RLHFInputError, match=f"^{re.escape(str(path))}: 'max_steps' must be a whole number"):
         rlhf.load_config(SFTConfig, path, ["learning_rate=1e-3"])

@@ -8,6 +8,8 @@ import json
 import logging
 import math
 import random
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -81,6 +83,42 @@ def test_checkpoint_resave_same_step_replaces_it(tmp_path):
     manager.save(3, lambda d: (d / "v").write_text("new"))
     assert [p.name for p in manager.checkpoints()] == ["checkpoint-3"]
     assert (manager.latest() / "v").read_text() == "new"
+
+
+def test_checkpoint_without_its_complete_marker_is_never_resumed(tmp_path):
+    manager = rlhf.CheckpointManager(tmp_path)
+    manager.save(2, lambda d: (d / "v").write_text("2"))
+    manager.save(4, lambda d: (d / "v").write_text("4"))
+    (manager.root / "checkpoint-4" / "COMPLETE").unlink()  # e.g. left half-deleted by an older version
+    assert manager.latest().name == "checkpoint-2"
+    assert manager.load_latest(lambda d: None) == manager.root / "checkpoint-2"
+    manager.clear()  # removes the incomplete one too
+    assert list(manager.root.iterdir()) == []
+
+
+def test_checkpoint_killed_while_replacing_or_rolling_keeps_complete_checkpoints(tmp_path, monkeypatch):
+    """The old copy of a re-saved step, and a rolled-out checkpoint, are renamed away before they are deleted:
+    a kill during the delete leaves complete checkpoint-N directories plus a .tmp-* leftover for the next start."""
+    manager = rlhf.CheckpointManager(tmp_path, save_total_limit=1)
+    manager.save(3, lambda d: (d / "v").write_text("old"))
+    real_rmtree = shutil.rmtree
+
+    def killed(path, *args, **kwargs):
+        if Path(path).name.startswith(".tmp-old-") or Path(path).name.startswith(".tmp-discard-"):
+            (Path(path) / "v").unlink()  # part of the delete happened
+            raise KeyboardInterrupt
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(rlhf.shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        manager.save(3, lambda d: (d / "v").write_text("new"))
+    assert (manager.latest() / "v").read_text() == "new"
+    with pytest.raises(KeyboardInterrupt):
+        manager.save(5, lambda d: (d / "v").write_text("five"))  # rolls checkpoint-3 out
+    assert [p.name for p in manager.checkpoints()] == ["checkpoint-5"]
+    monkeypatch.setattr(rlhf.shutil, "rmtree", real_rmtree)
+    again = rlhf.CheckpointManager(tmp_path, save_total_limit=1)
+    assert sorted(p.name for p in again.root.iterdir()) == ["checkpoint-5"]  # leftovers removed on start
 
 
 def test_checkpoint_init_removes_stale_temp_dirs_only(tmp_path):

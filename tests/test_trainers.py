@@ -216,7 +216,12 @@ def test_resume_refuses_another_stages_checkpoint_and_warns_about_changed_settin
     dpo = rlhf.DPOConfig(model_name_or_path=str(llama_dir), dataset="demo_preference", dataset_dir=str(demo_dir),
                          max_samples=8, cutoff_len=64, finetuning_type="full", per_device_train_batch_size=2, max_steps=1,
                          save_steps=0, disable_progress_bar=True, output_dir=str(out))
+    sft_config = (out / "config.yaml").read_text()
     with pytest.raises(rlhf.RLHFInputError, match=r"holds 'sft' checkpoints, and this run trains 'dpo': set output_dir"):
+        rlhf.train_dpo(dpo)
+    assert (out / "config.yaml").read_text() == sft_config  # refused before it wrote anything
+    dpo.resume_from_checkpoint = str(out / "checkpoints" / "checkpoint-2")
+    with pytest.raises(rlhf.RLHFInputError, match=r"resume_from_checkpoint': .* is a 'sft' checkpoint, and this run"):
         rlhf.train_dpo(dpo)
 
     with captured_log() as records:
