@@ -1432,15 +1432,12 @@ class CheckpointManager:
             write(tmp)
             (tmp / "COMPLETE").write_text(str(step))
             _fsync_tree(tmp)
-            # a re-save of the same step moves the old copy aside with one rename before deleting it, so a kill
-            # at any moment leaves a complete checkpoint-N (old or new) and at most a .tmp-* leftover
-            old = self.root / f".tmp-old-{self.prefix}{step}-{uuid.uuid4().hex[:8]}"
-            replacing = final.exists()
-            if replacing:
-                os.rename(final, old)
+            # a re-save of the same step sets the old copy aside before the new one takes its name, and deletes
+            # it after: a kill at any moment leaves a complete checkpoint-N (old or new) and at most a .tmp-* leftover
+            old = self._set_aside(final) if final.exists() else None
             os.rename(tmp, final)
             _fsync_directory(self.root)  # make the rename itself durable, not just the files
-            if replacing:
+            if old is not None:
                 shutil.rmtree(old, ignore_errors=True)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -1450,18 +1447,18 @@ class CheckpointManager:
 
     def _roll(self) -> None:
         for old in self.checkpoints()[:-self.save_total_limit]:
-            self._discard(old)
+            shutil.rmtree(self._set_aside(old), ignore_errors=True)
 
     def clear(self) -> None:
         for path in self.root.glob(f"{self.prefix}*"):  # complete or not
-            self._discard(path)
+            shutil.rmtree(self._set_aside(path), ignore_errors=True)
 
-    def _discard(self, path: Path) -> None:
-        """Rename, then delete: a kill during the delete leaves a .tmp-* leftover (removed on the next start), never
-        a half-deleted checkpoint-N that still holds its COMPLETE marker."""
-        doomed = self.root / f".tmp-discard-{path.name}-{uuid.uuid4().hex[:8]}"
-        os.rename(path, doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
+    def _set_aside(self, path: Path) -> Path:
+        """Rename a checkpoint to a .tmp-* name before it is deleted: a kill during the delete leaves a leftover
+        removed on the next start, never a half-deleted checkpoint-N that still holds its COMPLETE marker."""
+        aside = self.root / f".tmp-discard-{path.name}-{uuid.uuid4().hex[:8]}"
+        os.rename(path, aside)
+        return aside
 
 
 def _scheduler_kwargs(name: str, warmup: int, num_training_steps: int) -> dict[str, Any]:
