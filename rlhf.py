@@ -11,11 +11,11 @@ Table of contents (each section opens with a ``# ==== N. Title ====`` banner):
   0. Notation and registries — IGNORE_INDEX, RLHFInputError, TrainingStage
   1. Configs — BaseConfig, SFTConfig, RewardModelConfig, ProcessRewardModelConfig, DPOConfig, SimPOConfig, ORPOConfig, KTOConfig, OnlineRLConfig, GRPOConfig, PPOConfig, PipelineConfig, load_config, save_config, config_help, get_7b_model_config, get_70b_model_config, count_parameters, estimate_memory
   2. Infrastructure — setup_logging, DeviceManager, TrainingLogger, CheckpointManager, create_optimizer, EarlyStopping, apply_lora, apply_freeze, compile_model, select_attention_implementation
-  3. Data — load_records, ChatFormatter, CHAT_TEMPLATES, SFTDataset, StreamingSFTDataset, pack_sequences, SFTCollator, PreferenceDataset, StreamingPreferenceDataset, KTODataset, StreamingKTODataset, PreferenceCollator, KTOCollator, GRPODataset, StreamingGRPODataset, extract_answer, split_steps, arithmetic_step_labels, encode_steps, ProcessPreferenceDataset, ProcessPreferenceCollator
+  3. Data — load_records, ChatFormatter, CHAT_TEMPLATES, SFTDataset, StreamingSFTDataset, pack_sequences, SFTCollator, PreferenceDataset, StreamingPreferenceDataset, KTODataset, StreamingKTODataset, PreferenceBatch, PreferenceCollator, KTOBatch, KTOCollator, GRPODataset, StreamingGRPODataset, extract_answer, split_steps, arithmetic_step_labels, encode_steps, ProcessPreferenceDataset, ProcessPreferenceCollator
   4. Models — token_log_probs, load_tokenizer, build_tiny_model, resolve_model_path, PolicyModel, RewardModel, RewardEnsemble, aggregate_step_scores, ProcessRewardModel, ValueModel, ActorCritic, select_informative_tokens, ContextCompressor, ReferenceModel, shared_prefix_log_probs, grouped_prefix_logits, create_reference_model
   5. Losses and advantages — causal_lm_loss_sum, sequence_log_probs, dpo_loss, PREFERENCE_LOSSES, simpo_loss, orpo_loss, kto_loss, reward_model_loss, ewc_penalty, whiten, grpo_advantages, grpo_loss, compute_gae, ppo_policy_loss, ppo_value_loss, AdaptiveKLController, FixedKLController
   6. Rewards — exact_answer_reward, format_reward, length_penalty, CompositeReward, LearnedReward, ProcessReward, HTTPReward, RewardAPIError, Principle, ConstitutionalRewardWrapper, RewardFunctionFactory, RunningRewardNormalizer, process_rewards
-  7. Trainers — BaseTrainer, TrainingDivergedError, SFTTrainer, RewardModelTrainer, ProcessRewardModelTrainer, DPOTrainer, SimPOTrainer, KTOTrainer, precompute_ref_log_probs, Rollout, RolloutBuffer, token_entropy, disable_dropout, GRPOTrainer, PPOTrainer, TrainResult, close_loss_scaler_step
+  7. Trainers — BaseTrainer, TrainingDivergedError, SFTTrainer, PairScores, RewardModelTrainer, ProcessRewardModelTrainer, DPOTrainer, SimPOTrainer, KTOTrainer, precompute_ref_log_probs, Rollout, RolloutBuffer, token_entropy, disable_dropout, GRPOTrainer, PPOTrainer, TrainResult, close_loss_scaler_step
   8. Evaluation — kl_estimates, distinct_n, self_similarity, win_rate, RLHFEvaluator
   9. Self-improvement and safety — CapabilityReport, CapabilityTester, ElasticWeightConsolidation, repetition_rate, degeneration_rates, reward_hacking_flags, PERTURBATIONS, answer_consistency, validation_score, ValidationReport, AdversarialValidator, default_critique, RefinementResult, refinement_pairs, write_preference_jsonl, IterativeRefiner
   10. Orchestrator — train_sft, train_rm, train_prm, train_dpo, train_kto, train_grpo, train_ppo, read_report, append_report, data_fingerprint, pipeline_table, write_pipeline_report, RLHFOrchestrator
@@ -53,7 +53,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 import torch
@@ -2579,16 +2579,32 @@ def _prompt_completion(prompt: list[int], completion: list[int]) -> tuple[list[i
     return prompt + completion, [IGNORE_INDEX] * len(prompt) + completion
 
 
+class PreferenceBatch(TypedDict, total=False):
+    """What PreferenceCollator emits and the RM / DPO-family trainers read. A plain dict at run time, so
+    accelerate moves it to the device and checkpoints nothing extra; the keys and shapes are typed here.
+    Rows 0..B-1 are the chosen responses, rows B..2B-1 the rejected ones of the same pairs."""
+
+    input_ids: torch.Tensor  # (2B, T) prompt + response, right-padded
+    attention_mask: torch.Tensor  # (2B, T)
+    labels: torch.Tensor  # (2B, T) response tokens, IGNORE_INDEX on the prompt and padding
+    prompt_input_ids: torch.Tensor  # (B, P) left-padded prompts (share_prompt only)
+    prompt_attention_mask: torch.Tensor  # (B, P)
+    completion_input_ids: torch.Tensor  # (2B, C) responses alone, right-padded (share_prompt only)
+    completion_attention_mask: torch.Tensor  # (2B, C)
+    margin: torch.Tensor  # (B) optional reward-model margin per pair
+    ref_chosen_logps: torch.Tensor  # (B) precomputed reference log-probs
+    ref_rejected_logps: torch.Tensor  # (B)
+
+
 @dataclass
 class PreferenceCollator:
     """Pairs -> one right-padded batch of 2B sequences, chosen rows first, so chosen and rejected go
-    through the model in a single forward. Shapes: input_ids, attention_mask, labels (2B, T);
-    margin and precomputed reference log-probs (B)."""
+    through the model in a single forward (see PreferenceBatch for the keys and shapes)."""
 
     pad_token_id: int
     share_prompt: bool = False  # also emit the prompt (left-padded) and completions apart, for shared_prefix_log_probs
 
-    def __call__(self, items: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    def __call__(self, items: list[dict[str, Any]]) -> PreferenceBatch:
         pairs = [_prompt_completion(i["prompt_ids"], i["chosen_ids"]) for i in items]
         pairs += [_prompt_completion(i["prompt_ids"], i["rejected_ids"]) for i in items]
         batch = _pad_rows([p[0] for p in pairs], [p[1] for p in pairs], self.pad_token_id)
@@ -2607,14 +2623,25 @@ class PreferenceCollator:
         return batch
 
 
+class KTOBatch(TypedDict, total=False):
+    """What KTOCollator emits: B (prompt, completion) rows, then their B mismatched KL rows (the
+    completion of another example in the batch after this example's prompt)."""
+
+    input_ids: torch.Tensor  # (2B, T)
+    attention_mask: torch.Tensor  # (2B, T)
+    labels: torch.Tensor  # (2B, T) completion tokens, IGNORE_INDEX elsewhere
+    desirable: torch.Tensor  # (B) bool
+    ref_logps: torch.Tensor  # (B) precomputed reference log-probs of the completions
+    ref_kl_logps: torch.Tensor  # (B) ... and of the KL rows
+
+
 @dataclass
 class KTOCollator:
-    """Examples -> B (prompt, completion) rows followed by their B mismatched KL rows.
-    Shapes: input_ids, attention_mask, labels (2B, T); desirable (B) bool; reference log-probs (B)."""
+    """Examples -> B (prompt, completion) rows followed by their B mismatched KL rows (see KTOBatch)."""
 
     pad_token_id: int
 
-    def __call__(self, items: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    def __call__(self, items: list[dict[str, Any]]) -> KTOBatch:
         rows = [_prompt_completion(i["prompt_ids"], i["completion_ids"]) for i in items]
         rows += [_prompt_completion(i["prompt_ids"], i["kl_completion_ids"]) for i in items]
         batch = _pad_rows([r[0] for r in rows], [r[1] for r in rows], self.pad_token_id)
@@ -3395,7 +3422,7 @@ class ReferenceModel:
             return self.model.compute_log_probs(input_ids, attention_mask, labels)
 
     @torch.no_grad()
-    def shared_prefix_log_probs(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def shared_prefix_log_probs(self, batch: PreferenceBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(per_token, mask) of a pair batch with the prompt run once (see shared_prefix_log_probs)."""
         with self._frozen():
             per_token, mask, _ = shared_prefix_log_probs(self.model.model, batch)
@@ -3438,7 +3465,7 @@ def _prefill_prompts(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: to
                  use_cache=True, **extra)
 
 
-def shared_prefix_log_probs(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def shared_prefix_log_probs(model: nn.Module, batch: PreferenceBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Completion log-probs of chosen and rejected with their shared prompt run once.
 
     The prompt (left-padded, so every prompt ends in the last column) goes through the model once;
@@ -4964,6 +4991,18 @@ def _exact_match_counts(policy: PolicyModel, formatter: ChatFormatter, records: 
     return [float(correct), float(sum(a is not None for a in answers)), float(sum(len(c) for c in completions))]
 
 
+@dataclass
+class PairScores:
+    """One batch of pairs through a reward model: per-pair losses (B, with grad), chosen and rejected
+    scores (B, detached) and, for a process reward model, its labelled steps ranked right / labelled."""
+
+    losses: torch.Tensor
+    chosen: torch.Tensor
+    rejected: torch.Tensor
+    steps_right: int = 0
+    steps_labelled: int = 0
+
+
 class RewardModelTrainer(BaseTrainer):
     """Pairwise reward modelling: -log sigmoid(r_chosen - r_rejected - margin), optionally plus the
     reward-centring term; the loss is a mean over pairs. Evaluates pairwise accuracy on held-out pairs."""
@@ -4975,20 +5014,20 @@ class RewardModelTrainer(BaseTrainer):
         super().__init__(config, reward_model, train_dataset, eval_dataset=eval_dataset, devices=devices,
                          collator=PreferenceCollator(reward_model.tokenizer.pad_token_id))
 
-    def loss_units(self, batch: dict[str, torch.Tensor]) -> int:
+    def loss_units(self, batch: PreferenceBatch) -> int:
         return batch["input_ids"].shape[0] // 2
 
-    def _pair_losses(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
-        """Per-pair losses (B), chosen and rejected scores (B, detached), and labelled-step counts (a PRM's)."""
+    def _pair_losses(self, batch: PreferenceBatch) -> PairScores:
         scores = self.forward_policy(batch["input_ids"], batch["attention_mask"])  # (2B)
         chosen, rejected = scores.float().chunk(2)
         losses = reward_model_loss(chosen, rejected, batch.get("margin"))
         if self.config.center_rewards_coefficient:
             losses = losses + self.config.center_rewards_coefficient * (chosen + rejected) ** 2
-        return losses, chosen.detach(), rejected.detach(), {"correct": 0, "count": 0}
+        return PairScores(losses, chosen.detach(), rejected.detach())
 
-    def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
-        losses, chosen, rejected, _ = self._pair_losses(batch)
+    def compute_loss(self, batch: PreferenceBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        pairs = self._pair_losses(batch)
+        losses, chosen, rejected = pairs.losses, pairs.chosen, pairs.rejected
         return losses.sum(), {"rewards/accuracies": float((chosen > rejected).float().mean()),
                               "rewards/margins": float((chosen - rejected).mean()),
                               "rewards/chosen": float(chosen.mean()), "rewards/rejected": float(rejected.mean())}
@@ -5002,10 +5041,11 @@ class RewardModelTrainer(BaseTrainer):
         sums = [0.0] * 6  # loss, pairs ranked right, margin, pairs, labelled steps right, labelled steps
         for items, keep in self._eval_share(self.eval_dataset):
             with self.devices.autocast():
-                losses, chosen, rejected, steps = self._pair_losses(self._to_device(self.collator(items)))
+                pairs = self._pair_losses(self._to_device(self.collator(items)))
             if keep:
-                margin = chosen - rejected
-                found = [losses.sum(), (margin > 0).sum(), margin.sum(), len(margin), steps["correct"], steps["count"]]
+                margin = pairs.chosen - pairs.rejected
+                found = [pairs.losses.sum(), (margin > 0).sum(), margin.sum(), len(margin), pairs.steps_right,
+                         pairs.steps_labelled]
                 sums = [total + float(value) for total, value in zip(sums, found)]
         self.model.train()
         loss, right, margin, pairs, steps_right, steps = self.devices.sum_list_across_processes(sums)
@@ -5035,28 +5075,27 @@ class ProcessRewardModelTrainer(RewardModelTrainer):
         BaseTrainer.__init__(self, config, model, train_dataset, eval_dataset=eval_dataset, devices=devices,
                              collator=ProcessPreferenceCollator(model.tokenizer.pad_token_id))
 
-    def _pair_losses(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+    def _pair_losses(self, batch: dict[str, torch.Tensor]) -> PairScores:
         model = self.forward_policy
         logits = model.step_logits(batch["input_ids"], batch["attention_mask"], batch["step_positions"]).float()  # (2B, S)
         scores = aggregate_step_scores(logits, batch["step_mask"], model.aggregation)
         chosen, rejected = scores.chunk(2)
         losses = reward_model_loss(chosen, rejected, batch.get("margin"))
         labelled = (batch["step_labels"] >= 0) & batch["step_mask"]
-        steps = {"correct": int((((logits > 0).float() == batch["step_labels"]) & labelled).sum()),
-                 "count": int(labelled.sum())}
         if self.config.step_label_weight and labelled.any():
             bce = F.binary_cross_entropy_with_logits(logits, batch["step_labels"].clamp(min=0), reduction="none") * labelled
             per_row = bce.sum(-1) / labelled.sum(-1).clamp(min=1)  # mean over each response's labelled steps
             losses = losses + self.config.step_label_weight * sum(per_row.chunk(2))
-        return losses, chosen.detach(), rejected.detach(), steps
+        steps_right = int((((logits > 0).float() == batch["step_labels"]) & labelled).sum())
+        return PairScores(losses, chosen.detach(), rejected.detach(), steps_right, int(labelled.sum()))
 
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
-        losses, chosen, rejected, steps = self._pair_losses(batch)
-        metrics = {"rewards/accuracies": float((chosen > rejected).float().mean()),
-                   "rewards/margins": float((chosen - rejected).mean())}
-        if steps["count"]:
-            metrics["steps/accuracy"] = steps["correct"] / steps["count"]
-        return losses.sum(), metrics
+        pairs = self._pair_losses(batch)
+        metrics = {"rewards/accuracies": float((pairs.chosen > pairs.rejected).float().mean()),
+                   "rewards/margins": float((pairs.chosen - pairs.rejected).mean())}
+        if pairs.steps_labelled:
+            metrics["steps/accuracy"] = pairs.steps_right / pairs.steps_labelled
+        return pairs.losses.sum(), metrics
 
     def _save_model(self, directory: Path) -> None:
         model = self.policy
@@ -5078,7 +5117,7 @@ class PolicyLogProbs:
     mean_logits: torch.Tensor
 
 
-def _completion_forward(policy: PolicyModel, batch: dict[str, torch.Tensor], ld_alpha: float | None = None
+def _completion_forward(policy: PolicyModel, batch: PreferenceBatch, ld_alpha: float | None = None
                         ) -> PolicyLogProbs:
     if "prompt_input_ids" in batch:
         per_token, mask, mean_logits = shared_prefix_log_probs(policy.model, batch)
@@ -5093,7 +5132,7 @@ def _completion_forward(policy: PolicyModel, batch: dict[str, torch.Tensor], ld_
     return PolicyLogProbs(sequence_log_probs(per_token, mask, ld_alpha), per_token.sum(-1) / lengths, lengths, mean_logits)
 
 
-def _reference_logps(reference: ReferenceModel, batch: dict[str, torch.Tensor], ld_alpha: float | None = None) -> torch.Tensor:
+def _reference_logps(reference: ReferenceModel, batch: PreferenceBatch, ld_alpha: float | None = None) -> torch.Tensor:
     """Summed reference log-probs of every row of a concatenated batch, with the policy's weighting."""
     if "prompt_input_ids" in batch:
         per_token, mask = reference.shared_prefix_log_probs(batch)
@@ -5156,7 +5195,7 @@ class _ReferenceTrainer(BaseTrainer):
         logger.info("reference log-probs precomputed in %.1fs (%d batches by this process of %d); reference model "
                     "released", time.time() - started, batches, self.devices.num_processes)
 
-    def _reference_pair(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _reference_pair(self, batch: PreferenceBatch | KTOBatch) -> tuple[torch.Tensor, torch.Tensor]:
         first, second = self.reference_keys
         if first in batch:
             return batch[first], batch[second]
@@ -5221,10 +5260,10 @@ class DPOTrainer(_ReferenceTrainer):
                          collator=PreferenceCollator(policy.tokenizer.pad_token_id, share_prompt=share))
         self._setup_reference(reference if config.uses_reference else None, [train_dataset, eval_dataset])
 
-    def loss_units(self, batch: dict[str, torch.Tensor]) -> int:
+    def loss_units(self, batch: PreferenceBatch) -> int:
         return batch["input_ids"].shape[0] // 2
 
-    def pair_losses(self, batch: dict[str, torch.Tensor], update_running: bool = True
+    def pair_losses(self, batch: PreferenceBatch, update_running: bool = True
                     ) -> tuple[torch.Tensor, dict[str, float]]:
         """Per-pair losses (B) and TRL-named metrics for one concatenated batch."""
         config = self.config
@@ -5275,12 +5314,12 @@ class DPOTrainer(_ReferenceTrainer):
         self.bco_delta = (self.bco_delta * self.bco_count + total) / (self.bco_count + count)
         self.bco_count += int(count)
 
-    def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+    def compute_loss(self, batch: PreferenceBatch) -> tuple[torch.Tensor, dict[str, float]]:
         losses, metrics = self.pair_losses(batch)
         return losses.sum(), metrics
 
     def evaluate(self) -> dict[str, float]:
-        def metric_fn(batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        def metric_fn(batch: PreferenceBatch) -> dict[str, float]:
             losses, metrics = self.pair_losses(batch, update_running=False)
             return {"loss": float(losses.mean()), **metrics}
 
@@ -5318,10 +5357,10 @@ class KTOTrainer(_ReferenceTrainer):
                          collator=KTOCollator(policy.tokenizer.pad_token_id))
         self._setup_reference(reference, [train_dataset, eval_dataset])
 
-    def loss_units(self, batch: dict[str, torch.Tensor]) -> int:
+    def loss_units(self, batch: KTOBatch) -> int:
         return int(batch["desirable"].numel())
 
-    def example_losses(self, batch: dict[str, torch.Tensor],
+    def example_losses(self, batch: KTOBatch,
                        across_processes: bool = True) -> tuple[torch.Tensor, dict[str, float]]:
         """``across_processes``: z0 from every process's micro-batch (training), or from this batch alone
         (evaluation, where processes hold different held-out batches and one process must give the same figures)."""
@@ -5348,12 +5387,12 @@ class KTOTrainer(_ReferenceTrainer):
             metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
         return losses, metrics
 
-    def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+    def compute_loss(self, batch: KTOBatch) -> tuple[torch.Tensor, dict[str, float]]:
         losses, metrics = self.example_losses(batch)
         return losses.sum(), metrics
 
     def evaluate(self) -> dict[str, float]:
-        def metric_fn(batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        def metric_fn(batch: KTOBatch) -> dict[str, float]:
             losses, metrics = self.example_losses(batch, across_processes=False)
             return {"loss": float(losses.mean()), **metrics}
 

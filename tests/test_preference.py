@@ -220,6 +220,18 @@ def test_kto_collator_rows_then_kl_rows():
     assert batch["desirable"].tolist() == [True, False]
 
 
+def test_collators_emit_exactly_the_typed_batch_keys():
+    """PreferenceBatch / KTOBatch document the keys; a collator that grows a key must document it too."""
+    pair = {"prompt_ids": [1, 2], "chosen_ids": [3], "rejected_ids": [4, 5], "margin": 1.0,
+            "ref_chosen_logps": -1.0, "ref_rejected_logps": -2.0}
+    full = rlhf.PreferenceCollator(pad_token_id=0, share_prompt=True)([pair, pair])
+    assert set(full) == set(rlhf.PreferenceBatch.__annotations__)
+    assert full["prompt_input_ids"].shape == (2, 2) and full["completion_input_ids"].shape == (4, 2)
+    example = {"prompt_ids": [1], "completion_ids": [2], "label": True, "kl_completion_ids": [3],
+               "ref_logps": -1.0, "ref_kl_logps": -2.0}
+    assert set(rlhf.KTOCollator(pad_token_id=0)([example, example])) == set(rlhf.KTOBatch.__annotations__)
+
+
 # -- 4. reward model: last-token score, save/load in full and adapter layouts -------------------------------
 
 
