@@ -2901,11 +2901,20 @@ def _torch_dtype(name: str | torch.dtype) -> torch.dtype | str:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
+def _names_a_local_path(name: str) -> bool:
+    """A hub id is 'name' or 'owner/name'; anything with a leading '/', '.' or '~', a backslash or more
+    than one '/' can only be a local path (so a missing one gets 'does not exist', not a hub error)."""
+    return name.startswith(("/", ".", "~")) or "\\" in name or name.count("/") > 1
+
+
 def load_causal_lm(path: str, *, dtype: str | torch.dtype = "float32", attn_implementation: str = "auto",
                    trust_remote_code: bool = False, device: torch.device | str = "cpu") -> tuple[nn.Module, str]:
     """``AutoModelForCausalLM`` with the best attention backend this model and device support."""
     from transformers import AutoModelForCausalLM
 
+    if _names_a_local_path(path) and not Path(path).expanduser().exists():
+        raise RLHFInputError(f"config field 'model_name_or_path': '{path}' does not exist; give a saved model "
+                             f"directory (check the path and the working directory {os.getcwd()}) or 'tiny'")
     if Path(path).is_dir() and not (Path(path) / "config.json").exists():
         raise RLHFInputError(f"config field 'model_name_or_path': directory '{path}' has no config.json, so it is not "
                              f"a Hugging Face model; point it at a saved model (or an adapter) or use 'tiny'")

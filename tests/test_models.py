@@ -479,6 +479,13 @@ def test_missing_model_path_is_an_input_error(path):
         rlhf.PolicyModel.from_pretrained(path)
 
 
+@pytest.mark.parametrize("path", ["/no/such/model/dir", "./outputs/none", "outputs/demo/none/sft", "~/none"])
+def test_a_missing_local_path_says_it_does_not_exist(path):
+    """Not the hub's 'Repo id must be in the form ...': the path can only be local."""
+    with pytest.raises(rlhf.RLHFInputError, match="does not exist"):
+        rlhf.PolicyModel.from_pretrained(path)
+
+
 def test_directory_without_model_is_an_input_error(tmp_path):
     with pytest.raises(rlhf.RLHFInputError, match="model_name_or_path"):
         rlhf.PolicyModel.from_pretrained(str(tmp_path))
