@@ -11,8 +11,8 @@ Table of contents (each section opens with a ``# ==== N. Title ====`` banner):
   0. Notation and registries — IGNORE_INDEX, RLHFInputError, TrainingStage
   1. Configs — BaseConfig, SFTConfig, RewardModelConfig, ProcessRewardModelConfig, DPOConfig, SimPOConfig, ORPOConfig, KTOConfig, OnlineRLConfig, GRPOConfig, PPOConfig, PipelineConfig, load_config, save_config, config_help, get_7b_model_config, get_70b_model_config, count_parameters, estimate_memory
   2. Infrastructure — setup_logging, DeviceManager, TrainingLogger, CheckpointManager, create_optimizer, EarlyStopping, apply_lora, apply_freeze, compile_model, select_attention_implementation
-  3. Data — load_records, ChatFormatter, CHAT_TEMPLATES, SFTDataset, StreamingSFTDataset, pack_sequences, SFTCollator, PreferenceDataset, StreamingPreferenceDataset, KTODataset, StreamingKTODataset, PreferenceBatch, PreferenceCollator, KTOBatch, KTOCollator, GRPODataset, StreamingGRPODataset, extract_answer, split_steps, arithmetic_step_labels, encode_steps, ProcessPreferenceDataset, ProcessPreferenceCollator
-  4. Models — token_log_probs, load_tokenizer, build_tiny_model, resolve_model_path, PolicyModel, RewardModel, RewardEnsemble, aggregate_step_scores, ProcessRewardModel, ValueModel, ActorCritic, select_informative_tokens, ContextCompressor, ReferenceModel, shared_prefix_log_probs, grouped_prefix_logits, create_reference_model
+  3. Data — load_records, ChatFormatter, CHAT_TEMPLATES, SFTDataset, StreamingSFTDataset, pack_sequences, SFTCollator, PreferenceDataset, StreamingPreferenceDataset, KTODataset, StreamingKTODataset, pack_preference_pairs, PreferenceBatch, PreferenceCollator, KTOBatch, KTOCollator, GRPODataset, StreamingGRPODataset, extract_answer, split_steps, arithmetic_step_labels, encode_steps, ProcessPreferenceDataset, ProcessPreferenceCollator
+  4. Models — token_log_probs, load_tokenizer, build_tiny_model, resolve_model_path, PolicyModel, RewardModel, RewardEnsemble, aggregate_step_scores, ProcessRewardModel, ValueModel, ActorCritic, select_informative_tokens, ContextCompressor, ReferenceModel, can_pack_pairs, tree_attention_mask, shared_prefix_log_probs, grouped_prefix_logits, create_reference_model
   5. Losses and advantages — causal_lm_loss_sum, sequence_log_probs, dpo_loss, PREFERENCE_LOSSES, simpo_loss, orpo_loss, kto_loss, reward_model_loss, ewc_penalty, whiten, grpo_advantages, grpo_loss, compute_gae, ppo_policy_loss, ppo_value_loss, AdaptiveKLController, FixedKLController
   6. Rewards — exact_answer_reward, format_reward, length_penalty, CompositeReward, LearnedReward, ProcessReward, HTTPReward, RewardAPIError, Principle, ConstitutionalRewardWrapper, RewardFunctionFactory, RunningRewardNormalizer, process_rewards
   7. Trainers — BaseTrainer, TrainingDivergedError, SFTTrainer, PairScores, RewardModelTrainer, ProcessRewardModelTrainer, DPOTrainer, SimPOTrainer, KTOTrainer, precompute_ref_log_probs, Rollout, RolloutBuffer, token_entropy, disable_dropout, GRPOTrainer, PPOTrainer, TrainResult, close_loss_scaler_step
@@ -335,6 +335,7 @@ class DPOConfig(BaseConfig):
     ref_model: str | None = _opt(None, "Reference model directory (default: the starting model; LoRA uses the adapter-disabled base)")
     precompute_ref_log_probs: bool = _opt(False, "Compute reference log-probs once before training and free the reference model")
     share_prompt: bool = _opt(True, "Run each pair's prompt once and share its KV cache between chosen and rejected (off for Mamba and gradient checkpointing)")
+    padding_free: bool = _opt(True, "With share_prompt: pack each batch's pairs into rows without padding (prompt once, chosen and rejected as branches under a tree attention mask); sdpa / eager attention only, else share_prompt's KV-cache path")
 
     stage: typing.ClassVar[str] = "dpo"
 
@@ -2579,6 +2580,58 @@ def _prompt_completion(prompt: list[int], completion: list[int]) -> tuple[list[i
     return prompt + completion, [IGNORE_INDEX] * len(prompt) + completion
 
 
+def pack_preference_pairs(items: list[dict[str, Any]], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Pairs packed into a few rows without padding between them, each pair as prompt | chosen | rejected.
+
+    The prompt is stored once; rejected attends to it and to itself, never to chosen (the tree mask
+    is built from ``packed_pair`` / ``packed_branch`` by ``tree_attention_mask``), and its positions
+    continue from the prompt's end, so every token sees exactly what it would in its own padded row.
+    Rows are filled first-fit by decreasing pair length, at most the longest pair long: no row is
+    longer than the padded layout's, and short pairs share one. ``packed_source`` points every
+    completion token at the position whose logits predict it: the previous token, or for a
+    completion's first token the prompt's last. Completion ids and masks come as in share_prompt.
+    Every prompt must be non-empty (its last token predicts the completion's first)."""
+    lengths = [len(i["prompt_ids"]) + len(i["chosen_ids"]) + len(i["rejected_ids"]) for i in items]
+    capacity = max(lengths)
+    rows: list[list[int]] = []
+    fills: list[int] = []
+    for pair in sorted(range(len(items)), key=lambda k: -lengths[k]):
+        row = next((r for r, fill in enumerate(fills) if fill + lengths[pair] <= capacity), None)
+        if row is None:
+            rows.append([])
+            fills.append(0)
+            row = len(rows) - 1
+        rows[row].append(pair)
+        fills[row] += lengths[pair]
+    width = max(fills)
+    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    positions = torch.zeros((len(rows), width), dtype=torch.long)
+    pair_of = torch.full((len(rows), width), -1, dtype=torch.long)
+    branch = torch.zeros((len(rows), width), dtype=torch.long)
+    completions = [i["chosen_ids"] for i in items] + [i["rejected_ids"] for i in items]
+    padded = _pad_rows(completions, completions, pad_token_id)
+    source = torch.zeros_like(padded["input_ids"])  # (2B, C); padding slots point at 0 and are masked
+    for r, members in enumerate(rows):
+        start = 0
+        for pair in members:
+            prompt, chosen, rejected = (items[pair][k] for k in ("prompt_ids", "chosen_ids", "rejected_ids"))
+            p, c, n = len(prompt), len(chosen), len(rejected)
+            end = start + p + c + n
+            ids[r, start:end] = torch.tensor(prompt + chosen + rejected)
+            positions[r, start:end] = torch.cat([torch.arange(p + c), torch.arange(p, p + n)])
+            pair_of[r, start:end] = pair
+            branch[r, start + p:start + p + c], branch[r, start + p + c:end] = 1, 2
+            prompt_last = r * width + start + p - 1
+            source[pair, :c] = prompt_last + torch.arange(c)  # chosen token j <- position p - 1 + j
+            rejected_from = r * width + start + p + c - 1 + torch.arange(n)
+            rejected_from[:1] = prompt_last  # rejected's first token <- the prompt's last, like chosen's
+            source[len(items) + pair, :n] = rejected_from
+            start = end
+    return {"packed_input_ids": ids, "packed_position_ids": positions, "packed_pair": pair_of, "packed_branch": branch,
+            "packed_source": source, "completion_input_ids": padded["input_ids"],
+            "completion_attention_mask": padded["attention_mask"]}
+
+
 class PreferenceBatch(TypedDict, total=False):
     """What PreferenceCollator emits and the RM / DPO-family trainers read. A plain dict at run time, so
     accelerate moves it to the device and checkpoints nothing extra; the keys and shapes are typed here.
@@ -2591,6 +2644,11 @@ class PreferenceBatch(TypedDict, total=False):
     prompt_attention_mask: torch.Tensor  # (B, P)
     completion_input_ids: torch.Tensor  # (2B, C) responses alone, right-padded (share_prompt only)
     completion_attention_mask: torch.Tensor  # (2B, C)
+    packed_input_ids: torch.Tensor  # (R, L) pairs packed into R rows: prompt, chosen, rejected (pack_pairs only)
+    packed_position_ids: torch.Tensor  # (R, L) rejected positions continue from the prompt, as in its own row
+    packed_pair: torch.Tensor  # (R, L) which pair of the batch a token belongs to, -1 for padding
+    packed_branch: torch.Tensor  # (R, L) 0 prompt, 1 chosen, 2 rejected
+    packed_source: torch.Tensor  # (2B, C) flat index (row * L + column) of the logits predicting each completion token
     margin: torch.Tensor  # (B) optional reward-model margin per pair
     ref_chosen_logps: torch.Tensor  # (B) precomputed reference log-probs
     ref_rejected_logps: torch.Tensor  # (B)
@@ -2603,12 +2661,15 @@ class PreferenceCollator:
 
     pad_token_id: int
     share_prompt: bool = False  # also emit the prompt (left-padded) and completions apart, for shared_prefix_log_probs
+    pack_pairs: bool = False  # with share_prompt: the packed tree layout instead of the prompt/completion rows
 
     def __call__(self, items: list[dict[str, Any]]) -> PreferenceBatch:
         pairs = [_prompt_completion(i["prompt_ids"], i["chosen_ids"]) for i in items]
         pairs += [_prompt_completion(i["prompt_ids"], i["rejected_ids"]) for i in items]
         batch = _pad_rows([p[0] for p in pairs], [p[1] for p in pairs], self.pad_token_id)
-        if self.share_prompt:
+        if self.share_prompt and self.pack_pairs and all(i["prompt_ids"] for i in items):
+            batch.update(pack_preference_pairs(items, self.pad_token_id))
+        elif self.share_prompt:
             prompts = [i["prompt_ids"] for i in items]
             width = max(len(p) for p in prompts)
             batch["prompt_input_ids"] = torch.tensor([[self.pad_token_id] * (width - len(p)) + p for p in prompts])
@@ -3457,18 +3518,61 @@ def _takes_logits_to_keep(model_class: type) -> bool:
     return "logits_to_keep" in inspect.signature(model_class.forward).parameters
 
 
-def _prefill_prompts(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Any:
-    """One forward of left-padded prompts that keeps their KV cache, for completions to continue from.
-    Only the last position's logits are needed: the causal LM inside any wrappers (DDP, torch.compile,
-    PEFT) is asked for those alone when it takes ``logits_to_keep``, instead of (B, P, V) of them."""
+def _innermost_model(model: nn.Module) -> nn.Module:
+    """The Hugging Face model inside DDP, torch.compile and PEFT wrappers."""
     inner = model
     while True:
         wrapped = getattr(inner, "_orig_mod", None) or getattr(inner, "module", None)
         if wrapped is None and hasattr(inner, "get_base_model"):
             wrapped = inner.get_base_model()
         if wrapped is None or wrapped is inner:
-            break
+            return inner
         inner = wrapped
+
+
+def can_pack_pairs(model: nn.Module) -> bool:
+    """Whether the packed tree layout (pack_preference_pairs) gives this model's exact log-probs: its
+    attention must take a custom 4D mask (sdpa, eager; flash-attention takes none) and apply no
+    sliding window of its own (the custom mask replaces it)."""
+    config = _innermost_model(model).config
+    window = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
+    return (getattr(config, "_attn_implementation", None) in ("sdpa", "eager") and not window
+            and config.model_type not in PREFIX_SHARING_EXCLUDED)
+
+
+def tree_attention_mask(pair: torch.Tensor, branch: torch.Tensor, implementation: str, dtype: torch.dtype) -> torch.Tensor:
+    """The 4D mask of packed pair rows: a token sees the earlier tokens of its own pair that are prompt
+    or on its own branch (chosen or rejected). Padding (pair -1) sees earlier padding, so no row of
+    the mask is empty. Boolean (True = attend) for sdpa, additive for eager, which adds it to the
+    scores. Shapes: (R, L) -> (R, 1, L, L)."""
+    index = torch.arange(pair.shape[1], device=pair.device)
+    causal = index[None, :] <= index[:, None]  # (L, L): key j at or before query i
+    same_pair = pair[:, :, None] == pair[:, None, :]
+    visible = (branch[:, None, :] == 0) | (branch[:, :, None] == branch[:, None, :])
+    allowed = (causal & same_pair & visible)[:, None]
+    if implementation == "sdpa":
+        return allowed
+    return torch.zeros(allowed.shape, dtype=dtype, device=pair.device).masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
+def _packed_pair_log_probs(model: nn.Module, batch: PreferenceBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ids = batch["packed_input_ids"]  # (R, L)
+    inner = _innermost_model(model)
+    mask = tree_attention_mask(batch["packed_pair"], batch["packed_branch"], inner.config._attn_implementation,
+                               torch.float32 if torch.is_autocast_enabled(ids.device.type) else inner.dtype)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=batch["packed_position_ids"], use_cache=False).logits
+    picked = logits.reshape(-1, logits.shape[-1])[batch["packed_source"]]  # (2B, C, V): the logits predicting each token
+    completion_ids, mask = batch["completion_input_ids"], batch["completion_attention_mask"]
+    per_token = token_log_probs(picked, completion_ids) * mask
+    mean_logits = (picked.detach().float().mean(-1) * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    return per_token, mask.bool(), mean_logits
+
+
+def _prefill_prompts(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Any:
+    """One forward of left-padded prompts that keeps their KV cache, for completions to continue from.
+    Only the last position's logits are needed: the causal LM inside any wrappers (DDP, torch.compile,
+    PEFT) is asked for those alone when it takes ``logits_to_keep``, instead of (B, P, V) of them."""
+    inner = _innermost_model(model)
     extra = {"logits_to_keep": 1} if _takes_logits_to_keep(type(inner)) else {}
     return model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0),
                  use_cache=True, **extra)
@@ -3483,7 +3587,11 @@ def shared_prefix_log_probs(model: nn.Module, batch: PreferenceBatch) -> tuple[t
     Batch keys from PreferenceCollator(share_prompt=True): prompt_input_ids / prompt_attention_mask
     (B, P), completion_input_ids / completion_attention_mask (2B, C), rows ordered chosen then rejected.
     Returns per_token (2B, C), mask (2B, C) and mean logits over completion tokens (2B).
+    A batch in the packed layout (pack_preference_pairs) runs as one forward of its packed rows under
+    the tree mask instead: the same values, without a KV cache and without padding between pairs.
     """
+    if "packed_input_ids" in batch:
+        return _packed_pair_log_probs(model, batch)
     prompt_ids, prompt_mask = batch["prompt_input_ids"], batch["prompt_attention_mask"]
     completion_ids, completion_mask = batch["completion_input_ids"], batch["completion_attention_mask"]
     pairs = prompt_ids.shape[0]
@@ -5128,7 +5236,7 @@ class PolicyLogProbs:
 
 def _completion_forward(policy: PolicyModel, batch: PreferenceBatch, ld_alpha: float | None = None
                         ) -> PolicyLogProbs:
-    if "prompt_input_ids" in batch:
+    if "completion_input_ids" in batch:
         per_token, mask, mean_logits = shared_prefix_log_probs(policy.model, batch)
         lengths = mask.sum(-1).clamp(min=1)
         return PolicyLogProbs(sequence_log_probs(per_token, mask, ld_alpha), per_token.sum(-1) / lengths, lengths,
@@ -5143,7 +5251,7 @@ def _completion_forward(policy: PolicyModel, batch: PreferenceBatch, ld_alpha: f
 
 def _reference_logps(reference: ReferenceModel, batch: PreferenceBatch, ld_alpha: float | None = None) -> torch.Tensor:
     """Summed reference log-probs of every row of a concatenated batch, with the policy's weighting."""
-    if "prompt_input_ids" in batch:
+    if "completion_input_ids" in batch:
         per_token, mask = reference.shared_prefix_log_probs(batch)
         return sequence_log_probs(per_token, mask, ld_alpha).detach()
     out = reference.compute_log_probs(batch["input_ids"], batch["attention_mask"], batch["labels"])
@@ -5263,10 +5371,12 @@ class DPOTrainer(_ReferenceTrainer):
         if config.uses_reference and reference is None:
             raise RLHFInputError(f"pref_loss={config.pref_loss} needs a reference model; pass one "
                                  f"(see create_reference_model) or use orpo / simpo")
-        share = (config.share_prompt and not config.gradient_checkpointing
-                 and policy.model.config.model_type not in PREFIX_SHARING_EXCLUDED)
+        # the packed layout needs no KV cache, so unlike the prompt/completion rows it runs under gradient checkpointing
+        pack = config.share_prompt and config.padding_free and can_pack_pairs(policy.model)
+        share = pack or (config.share_prompt and not config.gradient_checkpointing
+                         and policy.model.config.model_type not in PREFIX_SHARING_EXCLUDED)
         super().__init__(config, policy, train_dataset, eval_dataset=eval_dataset, devices=devices,
-                         collator=PreferenceCollator(policy.tokenizer.pad_token_id, share_prompt=share))
+                         collator=PreferenceCollator(policy.tokenizer.pad_token_id, share_prompt=share, pack_pairs=pack))
         self._setup_reference(reference if config.uses_reference else None, [train_dataset, eval_dataset])
 
     def loss_units(self, batch: PreferenceBatch) -> int:

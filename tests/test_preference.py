@@ -225,8 +225,10 @@ def test_collators_emit_exactly_the_typed_batch_keys():
     pair = {"prompt_ids": [1, 2], "chosen_ids": [3], "rejected_ids": [4, 5], "margin": 1.0,
             "ref_chosen_logps": -1.0, "ref_rejected_logps": -2.0}
     full = rlhf.PreferenceCollator(pad_token_id=0, share_prompt=True)([pair, pair])
-    assert set(full) == set(rlhf.PreferenceBatch.__annotations__)
+    packed = rlhf.PreferenceCollator(pad_token_id=0, share_prompt=True, pack_pairs=True)([pair, pair])
+    assert set(full) | set(packed) == set(rlhf.PreferenceBatch.__annotations__)
     assert full["prompt_input_ids"].shape == (2, 2) and full["completion_input_ids"].shape == (4, 2)
+    assert "prompt_input_ids" not in packed and packed["packed_input_ids"].shape == (2, 5)
     example = {"prompt_ids": [1], "completion_ids": [2], "label": True, "kl_completion_ids": [3],
                "ref_logps": -1.0, "ref_kl_logps": -2.0}
     assert set(rlhf.KTOCollator(pad_token_id=0)([example, example])) == set(rlhf.KTOBatch.__annotations__)
@@ -524,6 +526,26 @@ def test_dpo_gradient_accumulation_is_equivalent_to_a_large_batch(tmp_path, llam
     assert _max_diff(naive, big) > 1e-4  # measured: 4e-4
 
 
+def test_padding_free_trains_like_the_kv_cache_layout(tmp_path, llama_dir, tiny_tokenizer, pref_records):
+    """padding_free (the default) changes the layout, not the training: the same weights after two steps
+    as the prompt/completion rows with a shared KV cache, and it also runs under gradient checkpointing,
+    which the KV-cache path cannot (that falls back to concatenated rows)."""
+    dataset = _pref_dataset(pref_records, tiny_tokenizer)
+    states = {}
+    for name, overrides in {"packed": {}, "kv-cache": {"padding_free": False},
+                            "packed+checkpointing": {"gradient_checkpointing": True}}.items():
+        config = _exact_config(rlhf.DPOConfig, tmp_path / name, llama_dir, **overrides)
+        policy = rlhf.PolicyModel.from_pretrained(str(llama_dir))
+        trainer = rlhf.DPOTrainer(config, policy, dataset, reference=rlhf.create_reference_model(config, policy))
+        assert trainer.collator.pack_pairs == (name != "kv-cache")
+        assert trainer.train().global_step == 2
+        states[name] = _state(policy.model)
+    assert _max_diff(states["packed"], _state(rlhf.PolicyModel.from_pretrained(str(llama_dir)).model)) > 1e-4
+    for name in ("kv-cache", "packed+checkpointing"):
+        for key in states["packed"]:
+            torch.testing.assert_close(states[name][key], states["packed"][key], atol=1e-6, rtol=0, msg=f"{name} {key}")
+
+
 # -- 8. real learning on the demo data ------------------------------------------------------------------------
 
 LEARNING = {  # name -> (config class, overrides); 20 steps of batch 8 over 32 demo pairs (5 epochs), full FT
@@ -816,18 +838,56 @@ def test_shared_prompt_forward_equals_concatenated_rows(arch, attn, tiny_arch_di
     pad = tiny_tokenizer.pad_token_id
     rows = rlhf.PreferenceCollator(pad)(items)
     shared = rlhf.PreferenceCollator(pad, share_prompt=True)(items)
+    packed = rlhf.PreferenceCollator(pad, share_prompt=True, pack_pairs=True)(items)
+    assert rlhf.can_pack_pairs(policy.model) and "packed_input_ids" in packed
     results = []
-    for batch in (rows, shared):
+    for batch in (rows, shared, packed):
         policy.model.zero_grad()
         out = rlhf._completion_forward(policy, batch, ld_alpha=0.5)
         out.summed.sum().backward()
         results.append((out, [p.grad.clone() for p in policy.model.parameters() if p.grad is not None]))
-    (a, grads_a), (b, grads_b) = results
-    torch.testing.assert_close(a.summed, b.summed, atol=1e-4, rtol=1e-5)
-    torch.testing.assert_close(a.averaged, b.averaged, atol=1e-5, rtol=1e-5)
-    assert torch.equal(a.lengths, b.lengths)
-    for ga, gb in zip(grads_a, grads_b, strict=True):
-        torch.testing.assert_close(ga, gb, atol=1e-4, rtol=1e-4)
+    a, grads_a = results[0]
+    for b, grads_b in results[1:]:
+        torch.testing.assert_close(a.summed, b.summed, atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(a.averaged, b.averaged, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a.mean_logits, b.mean_logits, atol=1e-5, rtol=1e-5)
+        assert torch.equal(a.lengths, b.lengths)
+        for ga, gb in zip(grads_a, grads_b, strict=True):
+            torch.testing.assert_close(ga, gb, atol=1e-4, rtol=1e-4)
+
+
+def test_pack_preference_pairs_layout():
+    """Hand-checked: pair 0 (prompt 2, chosen 2, rejected 1 = 5 tokens) is the longest, so rows hold at
+    most 5; pair 1 (1 + 1 + 2 = 4) and pair 2 (1 + 1 + 1 = 3) cannot share a row with anything."""
+    items = [{"prompt_ids": [1, 2], "chosen_ids": [3, 4], "rejected_ids": [5]},
+             {"prompt_ids": [6], "chosen_ids": [7], "rejected_ids": [8, 9]},
+             {"prompt_ids": [10], "chosen_ids": [11], "rejected_ids": [12]}]
+    packed = rlhf.pack_preference_pairs(items, pad_token_id=0)
+    assert packed["packed_input_ids"].tolist() == [[1, 2, 3, 4, 5], [6, 7, 8, 9, 0], [10, 11, 12, 0, 0]]
+    # rejected continues from the prompt's end, as in its own [prompt; rejected] row
+    assert packed["packed_position_ids"].tolist() == [[0, 1, 2, 3, 2], [0, 1, 1, 2, 0], [0, 1, 1, 0, 0]]
+    assert packed["packed_pair"].tolist() == [[0] * 5, [1, 1, 1, 1, -1], [2, 2, 2, -1, -1]]
+    assert packed["packed_branch"].tolist() == [[0, 0, 1, 1, 2], [0, 1, 2, 2, 0], [0, 1, 2, 0, 0]]
+    # flat index (row * 5 + column) of the logits predicting each completion token; 0 under padding
+    assert packed["packed_source"].tolist() == [[1, 2], [5, 0], [10, 0],  # chosen: prompt's last, then previous
+                                                [1, 0], [5, 7], [10, 0]]  # rejected: prompt's last, then its own
+    assert packed["completion_input_ids"].tolist() == [[3, 4], [7, 0], [11, 0], [5, 0], [8, 9], [12, 0]]
+    mask = rlhf.tree_attention_mask(packed["packed_pair"], packed["packed_branch"], "sdpa", torch.float32)
+    assert mask.shape == (3, 1, 5, 5)
+    assert mask[0, 0].int().tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0],
+                                         [1, 1, 0, 0, 1]]  # rejected sees the prompt and itself, not chosen
+    additive = rlhf.tree_attention_mask(packed["packed_pair"], packed["packed_branch"], "eager", torch.float32)
+    assert torch.equal(additive == 0, mask) and additive.min() == torch.finfo(torch.float32).min
+    assert mask[1, 0, 4].int().tolist() == [0, 0, 0, 0, 1]  # padding sees only padding: no empty mask row
+
+
+def test_packing_is_used_only_where_it_is_exact(tiny_arch_dir):
+    assert not rlhf.can_pack_pairs(rlhf.PolicyModel.from_pretrained(str(tiny_arch_dir("mamba"))).model)
+    model = rlhf.PolicyModel.from_pretrained(str(tiny_arch_dir("llama")), attn_implementation="sdpa").model
+    model.config._attn_implementation = "flash_attention_2"  # takes no custom mask
+    assert not rlhf.can_pack_pairs(model)
+    model.config._attn_implementation, model.config.sliding_window = "sdpa", 16  # the mask would drop the window
+    assert not rlhf.can_pack_pairs(model)
 
 
 def test_shared_prompt_reference_equals_concatenated(tiny_arch_dir, tiny_tokenizer, pref_records):
@@ -837,7 +897,9 @@ def test_shared_prompt_reference_equals_concatenated(tiny_arch_dir, tiny_tokeniz
     pad = tiny_tokenizer.pad_token_id
     full = rlhf._reference_logps(reference, rlhf.PreferenceCollator(pad)(items))
     shared = rlhf._reference_logps(reference, rlhf.PreferenceCollator(pad, share_prompt=True)(items))
+    packed = rlhf._reference_logps(reference, rlhf.PreferenceCollator(pad, share_prompt=True, pack_pairs=True)(items))
     torch.testing.assert_close(full, shared, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(full, packed, atol=1e-4, rtol=1e-5)
 
 
 # -- streaming twins -----------------------------------------------------------------------------------
