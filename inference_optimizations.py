@@ -23,6 +23,7 @@ import inspect
 import json
 import logging
 import math
+import os
 import sys
 import time
 import weakref
@@ -1606,27 +1607,225 @@ class AdaptiveComputeAllocator:
 
 # -- command line -------------------------------------------------------------------------------------------------
 
+class _UsageError(ValueError):
+    """A mistake on the best-of-n command line: ``main`` prints it as one ``error:`` line and exits with status 2."""
+
+
+_TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def _check_numbers(args) -> None:
+    """The numeric options, checked before anything is loaded (SamplingParams would raise later, bare)."""
+    temperature_ok = math.isfinite(args.temperature) and args.temperature >= 0
+    checks = (("-n", args.n, args.n >= 1, ">= 1"),
+              ("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 1, ">= 1"),
+              ("--batch-size", args.batch_size, args.batch_size >= 1, ">= 1"),
+              ("--temperature", args.temperature, temperature_ok,
+               ">= 0" if math.isfinite(args.temperature) else "a finite number >= 0"),
+              ("--top-p", args.top_p, 0 < args.top_p <= 1, "in (0, 1] (1: off)"),
+              ("--top-k", args.top_k, args.top_k >= 0, ">= 0 (0: off)"),
+              ("--seed", args.seed, -(2 ** 63) <= args.seed < 2 ** 64, "a 64-bit integer"))
+    for option, value, ok, rule in checks:
+        if not ok:
+            raise _UsageError(f"{option} must be {rule}, got {value:g}" if isinstance(value, float)
+                              else f"{option} must be {rule}, got {value}")
+
+
+def _check_device(text: str) -> None:
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise _UsageError(f"--device {text} is not a device; use cpu or cuda (cuda:N for one GPU)") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise _UsageError(f"--device {text}: no CUDA GPU here; use --device cpu")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise _UsageError(f"--device {text}: this machine has {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}")
+    elif device.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise _UsageError(f"--device {text}: no MPS device here; use --device cpu")
+    elif device.type != "cpu":
+        raise _UsageError(f"--device {text}: use cpu or cuda")
+
+
+def _check_output(text: str | None) -> Path | None:
+    """The output file, checked before sampling: not a directory, and its directory can be created."""
+    if text is None:
+        return None
+    if not text.strip():
+        raise _UsageError("--output is empty; give a file path (or leave --output out to print to stdout)")
+    path = Path(text)
+    if path.is_dir():
+        raise _UsageError(f"--output {text} is a directory; give a file path")
+    existing = path.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise _UsageError(f"--output {text}: cannot create the directory {path.parent} ({existing} is a file)")
+    if not os.access(existing, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise _UsageError(f"--output {text}: no permission to write there; give a path you can write")
+    return path
+
+
 def _read_prompts(path: Path) -> list[dict]:
     """JSONL records with a ``prompt`` (and optionally ``answer``), or one prompt per line of text."""
-    if not path.is_file():
-        raise SystemExit(f"error: prompts file {path} does not exist")
+    if not path.exists():
+        raise _UsageError(f"--prompts {path} does not exist")
+    if path.is_dir():
+        raise _UsageError(f"--prompts {path} is a directory; give a prompts file (JSONL with a 'prompt' per line, "
+                          "or one prompt per line of text)")
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise _UsageError(f"--prompts {path}: cannot read it ({err.strerror or err})") from None
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        raise _UsageError(f"{path}:{line}: not UTF-8 text; save the prompts file as UTF-8") from None
     records = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         if path.suffix in (".jsonl", ".json"):
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
-                raise SystemExit(f"error: {path}:{number}: invalid JSON ({err.msg}); each line must be one object") from None
+                raise _UsageError(f"{path}:{number}: invalid JSON ({err.msg}); each line must be one object") from None
+            if isinstance(record, list):
+                raise _UsageError(f"{path}:{number}: a JSON array; write one object per line (JSONL)")
             if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-                raise SystemExit(f"error: {path}:{number}: each record needs a 'prompt' string")
+                raise _UsageError(f"{path}:{number}: each record needs a 'prompt' string")
             records.append(record)
         else:
             records.append({"prompt": line})
     if not records:
-        raise SystemExit(f"error: {path} holds no prompts")
+        raise _UsageError(f"--prompts {path} holds no prompts")
     return records
+
+
+def _existing_directory(text: str, option: str) -> Path:
+    directory = Path(text)
+    if not directory.exists():
+        raise _UsageError(f"{option} {text} does not exist")
+    if not directory.is_dir():
+        raise _UsageError(f"{option} {text} is a file; pass a model directory")
+    return directory
+
+
+def _read_json(path: Path, option: str, directory: str) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise _UsageError(f"{option} {directory}: {path.name} is not readable JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise _UsageError(f"{option} {directory}: {path.name} is not a JSON object")
+    return data
+
+
+def _has_tokenizer(directory: Path) -> bool:
+    return any((directory / name).is_file() for name in _TOKENIZER_FILES)
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    import re
+
+    return bool(re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?", name)) and ".." not in name
+
+
+def _adapter_base(directory: Path, option: str) -> str:
+    """The base model a PEFT adapter directory names; an error when that is a local path that is gone
+    (a Hub name is left to the loader)."""
+    config = _read_json(directory / "adapter_config.json", option, str(directory))
+    kind = "LoRA" if config.get("peft_type") in (None, "LORA") else str(config["peft_type"])
+    base = config.get("base_model_name_or_path")
+    if not isinstance(base, str) or not base.strip():
+        raise _UsageError(f"{option} {directory} is a {kind} adapter whose adapter_config.json names no "
+                          "base_model_name_or_path; set it to the base model's directory")
+    if importlib.util.find_spec("peft") is None:
+        raise _UsageError(f"{option} {directory} is a {kind} adapter; loading it needs peft (pip install peft)")
+    if not Path(base).exists():
+        if not _looks_like_hub_id(base):
+            raise _UsageError(f"{option} {directory} is a {kind} adapter whose base {base} (from adapter_config.json) "
+                              "does not exist")
+    elif not (Path(base) / "config.json").is_file():
+        raise _UsageError(f"{option} {directory} is a {kind} adapter whose base {base} (from adapter_config.json) "
+                          "is not a model directory (no config.json)")
+    return base
+
+
+def _check_policy(text: str) -> str:
+    """A causal LM directory (or a PEFT adapter over an existing base) with a tokenizer; returns where the
+    tokenizer comes from (the directory, else an adapter's base)."""
+    directory = _existing_directory(text, "--policy")
+    if (directory / "adapter_config.json").is_file():
+        base = _adapter_base(directory, "--policy")
+        if _has_tokenizer(directory):
+            return text
+        if not Path(base).is_dir() or _has_tokenizer(Path(base)):  # a Hub base brings its own tokenizer
+            return base
+    elif not (directory / "config.json").is_file():
+        raise _UsageError(f"--policy {text} is not a Hugging Face model directory (no config.json or "
+                          "adapter_config.json)")
+    else:
+        architectures = _read_json(directory / "config.json", "--policy", text).get("architectures") or []
+        if architectures and all(str(a).endswith("ForSequenceClassification") for a in architectures):
+            raise _UsageError(f"--policy {text} is a sequence classifier ({architectures[0]}), not a causal LM; "
+                              "pass the policy (e.g. the sft stage's output)")
+        if _has_tokenizer(directory):
+            return text
+    raise _UsageError(f"--policy {text} has no tokenizer ({' or '.join(_TOKENIZER_FILES[:2])}); save the tokenizer "
+                      "with the model")
+
+
+def _check_reward(text: str) -> None:
+    """What ``RewardModelScorer`` loads: rlhf's reward layout (``reward_config.json`` with ``head_hidden``,
+    ``reward_head.safetensors`` and the body as a causal LM or an adapter), or a one-label sequence
+    classifier; either with a tokenizer."""
+    option, config_file, head_file = "--reward", RewardModelScorer.CONFIG_FILE, RewardModelScorer.HEAD_FILE
+    directory = _existing_directory(text, option)
+    adapter, body = (directory / "adapter_config.json").is_file(), (directory / "config.json").is_file()
+    save_again = "save it again with rlhf's rm stage"
+    if (directory / config_file).is_file():
+        if not isinstance(_read_json(directory / config_file, option, text).get("head_hidden"), int):
+            raise _UsageError(f"--reward {text}: {config_file} has no integer head_hidden; {save_again}")
+        if not (directory / head_file).is_file():
+            raise _UsageError(f"--reward {text} has {config_file} but no {head_file}; {save_again}")
+        if adapter:
+            _adapter_base(directory, option)
+        elif not body:
+            raise _UsageError(f"--reward {text} has {config_file} but no config.json (the model body); {save_again}")
+    elif not body:
+        what = "an adapter without" if adapter else "not a model directory (no config.json, no"
+        raise _UsageError(f"--reward {text} is {what} {config_file} / {head_file}{'' if adapter else ')'}, not a "
+                          "reward model; pass the rm stage's output")
+    else:
+        config = _read_json(directory / "config.json", option, text)
+        architectures = [str(a) for a in config.get("architectures") or []]
+        if any(a.endswith("ForSequenceClassification") for a in architectures):
+            labels = len(config["id2label"]) if isinstance(config.get("id2label"), dict) else config.get("num_labels", 2)
+            if labels != 1:
+                raise _UsageError(f"--reward {text} is a sequence classifier with {labels} labels; a reward model "
+                                  "has one (pass the rm stage's output)")
+        else:
+            what = ("a causal LM" if not architectures or any(a.endswith(("ForCausalLM", "LMHeadModel"))
+                                                             for a in architectures) else f"a {architectures[0]}")
+            raise _UsageError(f"--reward {text} is {what}, not a reward model (no {config_file} / {head_file}); pass "
+                              "the rm stage's output (or a one-label sequence classifier)")
+    if not _has_tokenizer(directory):
+        raise _UsageError(f"--reward {text} has no tokenizer ({' or '.join(_TOKENIZER_FILES[:2])}); the rm stage "
+                          "saves one with the model")
+
+
+@contextlib.contextmanager
+def _loading(option: str, directory: str):
+    """Turn a loader's OSError / ValueError about a model the user named into one line."""
+    try:
+        yield
+    except (OSError, ValueError) as err:
+        first = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
+        raise _UsageError(f"{option} {directory}: cannot load it ({first})") from None
 
 
 def _last_answer(text: str) -> str | None:
@@ -1637,16 +1836,21 @@ def _last_answer(text: str) -> str | None:
 
 
 def _best_of_n_command(args) -> int:
+    _check_numbers(args)  # everything the user gave is checked before a model loads or a token is sampled
+    _check_device(args.device)
+    records = _read_prompts(Path(args.prompts))
+    output = _check_output(args.output)
+    tokenizer_source = _check_policy(args.policy)
+    _check_reward(args.reward)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(args.seed)
-    records = _read_prompts(Path(args.prompts))
-    for directory, what in ((args.policy, "--policy"), (args.reward, "--reward")):
-        if not (Path(directory) / "config.json").exists() and not (Path(directory) / "adapter_config.json").exists():
-            raise SystemExit(f"error: {what} {directory} is not a Hugging Face model directory (no config.json)")
-    tokenizer = AutoTokenizer.from_pretrained(args.policy)
-    model = AutoModelForCausalLM.from_pretrained(args.policy).to(args.device).eval()
-    scorer = RewardModelScorer(args.reward, device=args.device, batch_size=args.batch_size * args.n)
+    with _loading("--policy", args.policy):
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
+        model = AutoModelForCausalLM.from_pretrained(args.policy)
+    model = model.to(args.device).eval()
+    with _loading("--reward", args.reward):
+        scorer = RewardModelScorer(args.reward, device=args.device, batch_size=args.batch_size * args.n)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
     sampler = BestOfNSampler(model, tokenizer, scorer, n=args.n, params=params, prompts_per_batch=args.batch_size)
@@ -1656,8 +1860,13 @@ def _best_of_n_command(args) -> int:
     seconds = time.time() - started
     lines = [json.dumps({"prompt": p, "best": b, "best_index": i, "scores": s.tolist(), "candidates": c})
              for p, b, i, s, c in zip(prompts, result.best, result.best_index, result.scores, result.candidates)]
-    if args.output:
-        Path(args.output).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    if output is not None:
+        try:
+            output.parent.mkdir(parents=True, exist_ok=True)
+            output.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        except OSError as err:  # checked up front, so this is the disk or the file system failing: status 1
+            print(f"error: --output {args.output}: cannot write it ({err.strerror or err})", file=sys.stderr)
+            return 1
     else:
         print("\n".join(lines))
     summary = [("prompts", str(len(prompts))), ("samples per prompt", str(args.n)), ("seconds", f"{seconds:.1f}"),
@@ -1699,11 +1908,16 @@ def main(argv: list[str] | None = None) -> int:
     best.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     best.add_argument("--batch-size", type=int, default=16, help="prompts per generate call (default 16)")
     best.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
-    best.add_argument("--output", help="write the JSON lines here instead of stdout")
+    best.add_argument("--output", help="write the JSON lines to this file (its directory is created) instead of stdout")
     args = parser.parse_args(argv)
-    if args.n < 1 or args.max_new_tokens < 1:
-        raise SystemExit("error: -n and --max-new-tokens must be >= 1")
-    return _best_of_n_command(args)
+    try:
+        return _best_of_n_command(args)
+    except _UsageError as err:  # a user mistake: one line, status 2 (as argparse, rlhf.py and model_merging.py)
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: nothing was written", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

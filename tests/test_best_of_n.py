@@ -1,9 +1,14 @@
 """Best-of-N and the standalone reward-model scorer in inference_optimizations (no rlhf import there):
-scores match rlhf's own reward model exactly, the sampler keeps the argmax, and the CLI runs."""
+scores match rlhf's own reward model exactly, the sampler keeps the argmax, and the CLI runs; its user
+mistakes are one ``error:`` line with exit status 2, found before a model loads."""
 
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -75,7 +80,7 @@ def test_best_of_n_keeps_the_highest_score(tiny_model_dir, tiny_tokenizer):
 def test_cli_best_of_n(tmp_path, tiny_model_dir, reward_dir, capsys):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p, "answer": "21"}) + "\n" for p in PROMPTS))
-    out = tmp_path / "best.jsonl"
+    out = tmp_path / "new" / "best.jsonl"  # its directory is created
     code = io.main(["best-of-n", "--policy", str(tiny_model_dir), "--reward", str(reward_dir), "--prompts", str(prompts),
                     "-n", "3", "--max-new-tokens", "6", "--output", str(out)])
     assert code == 0
@@ -87,12 +92,130 @@ def test_cli_best_of_n(tmp_path, tiny_model_dir, reward_dir, capsys):
     assert "accuracy of the best" in err and "samples per prompt" in err
 
 
-def test_cli_bad_prompts_file(tmp_path, tiny_model_dir, reward_dir):
+# -- user mistakes: one line, status 2, no traceback, before any model loads -------------------------------------
+
+@pytest.fixture()
+def cli(tmp_path, tiny_model_dir, reward_dir, capsys, monkeypatch):
+    """Run best-of-n with working defaults and one change; returns (status, stderr). Loading a model would
+    fail the test: every mistake here must be caught before that."""
+    import transformers
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded before the mistake was reported")
+
+    for name in ("AutoModelForCausalLM", "AutoModelForSequenceClassification", "AutoTokenizer"):
+        monkeypatch.setattr(getattr(transformers, name), "from_pretrained", no_loading)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("What is 1 + 1?\n")
+
+    def run(*changes: str) -> tuple[int, str]:
+        given = dict(zip(changes[::2], changes[1::2]))
+        options = {"--policy": str(tiny_model_dir), "--reward": str(reward_dir), "--prompts": str(prompts),
+                   "--device": "cpu", **given}
+        code = io.main(["best-of-n", *[item for pair in options.items() for item in pair]])
+        return code, capsys.readouterr().err
+    return run
+
+
+def assert_one_line_error(code: int, err: str, pattern: str) -> None:
+    assert code == 2, err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    assert re.search(pattern, err), err
+
+
+def test_cli_reward_that_is_a_causal_lm(cli, tiny_model_dir):
+    assert_one_line_error(*cli("--reward", str(tiny_model_dir)),
+                          rf"^error: --reward {re.escape(str(tiny_model_dir))} is a causal LM, not a reward model "
+                          r"\(no reward_config\.json / reward_head\.safetensors\); pass the rm stage's output")
+
+
+def test_cli_reward_layout_problems(cli, tmp_path, reward_dir):
+    classifier = tmp_path / "classifier"
+    classifier.mkdir()
+    (classifier / "config.json").write_text(json.dumps({"architectures": ["LlamaForSequenceClassification"],
+                                                        "id2label": {"0": "A", "1": "B"}}))
+    assert_one_line_error(*cli("--reward", str(classifier)), r"is a sequence classifier with 2 labels; a reward model has one")
+    headless = tmp_path / "headless"
+    headless.mkdir()
+    for name in ("config.json", "reward_config.json", "tokenizer.json"):
+        (headless / name).write_text((reward_dir / name).read_text())
+    assert_one_line_error(*cli("--reward", str(headless)),
+                          r"--reward .*headless has reward_config\.json but no reward_head\.safetensors; save it again")
+    assert_one_line_error(*cli("--reward", str(tmp_path / "nope")), r"^error: --reward \S+nope does not exist$")
+    assert_one_line_error(*cli("--reward", str(tmp_path)), r"is not a model directory \(no config\.json, no reward_config")
+
+
+def test_cli_lora_policy_whose_base_is_gone(cli, tmp_path):
+    pytest.importorskip("peft")
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    gone = tmp_path / "base-was-here"
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": str(gone)}))
+    assert_one_line_error(*cli("--policy", str(adapter)),
+                          rf"^error: --policy {re.escape(str(adapter))} is a LoRA adapter whose base "
+                          rf"{re.escape(str(gone))} \(from adapter_config\.json\) does not exist$")
+
+
+def test_cli_policy_problems(cli, tmp_path):
+    assert_one_line_error(*cli("--policy", str(tmp_path / "nope")), r"^error: --policy \S+nope does not exist$")
+    assert_one_line_error(*cli("--policy", str(tmp_path)), r"is not a Hugging Face model directory \(no config\.json")
+    (tmp_path / "file").write_text("x")
+    assert_one_line_error(*cli("--policy", str(tmp_path / "file")), r"is a file; pass a model directory")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU")
+def test_cli_cuda_without_a_gpu(cli):
+    assert_one_line_error(*cli("--device", "cuda"), r"^error: --device cuda: no CUDA GPU here; use --device cpu$")
+
+
+def test_cli_not_a_device(cli):
+    assert_one_line_error(*cli("--device", "gpu"), r"^error: --device gpu is not a device; use cpu or cuda")
+
+
+def test_cli_output_checked_before_sampling(cli, tmp_path):
+    assert_one_line_error(*cli("--output", str(tmp_path)),
+                          rf"^error: --output {re.escape(str(tmp_path))} is a directory; give a file path$")
+    (tmp_path / "file").write_text("x")
+    assert_one_line_error(*cli("--output", str(tmp_path / "file" / "sub" / "best.jsonl")),
+                          r"cannot create the directory \S+sub \(\S+file is a file\)")
+    assert_one_line_error(*cli("--output", " "), r"^error: --output is empty; give a file path")
+
+
+@pytest.mark.parametrize(("option", "value", "message"), [
+    ("--temperature", "-1", r"--temperature must be >= 0, got -1$"),
+    ("--temperature", "nan", r"--temperature must be a finite number >= 0, got nan$"),
+    ("--temperature", "inf", r"--temperature must be a finite number >= 0, got inf$"),
+    ("--top-p", "0", r"--top-p must be in \(0, 1\] \(1: off\), got 0$"),
+    ("--top-p", "1.5", r"--top-p must be in \(0, 1\] \(1: off\), got 1.5$"),
+    ("--top-k", "-1", r"--top-k must be >= 0 \(0: off\), got -1$"),
+    ("--max-new-tokens", "0", r"--max-new-tokens must be >= 1, got 0$"),
+    ("--batch-size", "0", r"--batch-size must be >= 1, got 0$"),
+    ("-n", "0", r"-n must be >= 1, got 0$"),
+    ("--seed", str(2 ** 64), r"--seed must be a 64-bit integer"),
+])
+def test_cli_numeric_options(cli, option, value, message):
+    assert_one_line_error(*cli(option, value), r"^error: " + message)
+
+
+def test_cli_bad_prompts_file(cli, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\n{"prompt": 3}\n')
-    with pytest.raises(SystemExit, match=r"bad\.jsonl:2: each record needs a 'prompt' string"):
-        io.main(["best-of-n", "--policy", str(tiny_model_dir), "--reward", str(reward_dir), "--prompts", str(bad)])
-    good = tmp_path / "good.txt"
-    good.write_text("What is 1 + 1?\n")
-    with pytest.raises(SystemExit, match="is not a Hugging Face model directory"):
-        io.main(["best-of-n", "--policy", str(tmp_path), "--reward", str(reward_dir), "--prompts", str(good)])
+    assert_one_line_error(*cli("--prompts", str(bad)), r"bad\.jsonl:2: each record needs a 'prompt' string$")
+    bad.write_text('{"prompt": "ok"}\n{"prompt": \n')
+    assert_one_line_error(*cli("--prompts", str(bad)), r"bad\.jsonl:2: invalid JSON \(.*\); each line must be one object$")
+    bad.write_bytes(b"ok\n\xff\xfe\n")
+    assert_one_line_error(*cli("--prompts", str(bad)), r"bad\.jsonl:2: not UTF-8 text; save the prompts file as UTF-8$")
+    assert_one_line_error(*cli("--prompts", str(tmp_path)),
+                          rf"^error: --prompts {re.escape(str(tmp_path))} is a directory; give a prompts file")
+    assert_one_line_error(*cli("--prompts", str(tmp_path / "nope.txt")), r"^error: --prompts \S+nope\.txt does not exist$")
+    (tmp_path / "empty.txt").write_text("\n\n")
+    assert_one_line_error(*cli("--prompts", str(tmp_path / "empty.txt")), r"empty\.txt holds no prompts$")
+
+
+def test_script_entry_point_exits_2(tmp_path):
+    repo = Path(io.__file__).resolve().parent
+    proc = subprocess.run([sys.executable, str(repo / "inference_optimizations.py"), "best-of-n", "--policy", "p",
+                           "--reward", "r", "--prompts", "x", "--temperature", "-1"],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr == "error: --temperature must be >= 0, got -1\n"
