@@ -61,7 +61,7 @@ import shutil
 import struct
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -114,7 +114,13 @@ GeneratorLike = torch.Generator | Sequence[torch.Generator] | None
 
 
 class MergeError(ValueError):
-    """A mistake in a merge config or its inputs; the message names the field or tensor and the fix."""
+    """A mistake in a merge config or its inputs; the message names the field or tensor and the fix.
+    ``fields``: the config keys the mistake is about, so that ``MergeConfig.from_yaml`` can say whether
+    the bad value came from the file or from a ``key=value`` override on the command line."""
+
+    def __init__(self, message: str, fields: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.fields = tuple(fields)
 
 
 # ==== 1. Pure tensor operations ====================================================================
@@ -945,12 +951,13 @@ def _parse_size(value: int | str, field_name: str = "max_shard_size") -> int:
     else:
         match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*", str(value), flags=re.IGNORECASE)
         if not match:
-            raise MergeError(f"{field_name} must be a number of bytes or a size such as 500MB or 5GB, got {value!r}")
+            raise MergeError(f"{field_name} must be a number of bytes or a size such as 500MB or 5GB, got {value!r}",
+                             (field_name,))
         unit = (match.group(2) or "B").upper()
         power = "BKMGT".index(unit[0]) if unit != "B" else 0
         size = int(float(match.group(1)) * ((1024 if "I" in unit else 1000) ** power))
     if size < 1:
-        raise MergeError(f"{field_name} must be positive, got {value!r}")
+        raise MergeError(f"{field_name} must be positive, got {value!r}", (field_name,))
     return size
 
 
@@ -1099,6 +1106,30 @@ class ModelSpec:
     base: str | None = None
 
 
+class _DuplicateKeyError(ValueError):
+    def __init__(self, key: str, line: int, first: int) -> None:
+        super().__init__(key)
+        self.key, self.line, self.first = key, line, first
+
+
+def _unique_key_loader() -> type:
+    """yaml.SafeLoader that refuses a key given twice in one mapping (SafeLoader keeps the last silently)."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> dict:
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                line = key_node.start_mark.line + 1
+                if isinstance(key, Hashable) and key in seen:
+                    raise _DuplicateKeyError(str(key), line, seen[key])
+                seen[key] = line
+            return super().construct_mapping(node, deep=deep)
+
+    return UniqueKeyLoader
+
+
 def _did_you_mean(key: str, known: Sequence[str]) -> str:
     close = difflib.get_close_matches(key, known, n=1)
     return f"; did you mean '{close[0]}'?" if close else f"; known keys: {', '.join(known)}"
@@ -1108,22 +1139,23 @@ def _check_setting(value: Any, field_name: str, low: float | None = None, high: 
                    low_open: bool = False) -> None:
     """A number in range, a non-empty list of them (per-layer anchors), or mergekit's conditional
     ``[{filter, value}, ...]`` list whose values are such settings."""
+    key = (re.match(r"\w+", field_name) or [field_name])[0]  # the config key: models[0].weight -> models
     if isinstance(value, (list, tuple)) and value and all(isinstance(v, dict) for v in value):
         for i, entry in enumerate(value):
             unknown = set(entry) - {"filter", "value"}
             if unknown or "value" not in entry:
                 raise MergeError(f"{field_name}[{i}] must be {{filter: <substring>, value: <number or list>}}, "
-                                 f"got {entry!r}")
+                                 f"got {entry!r}", (key,))
             _check_setting(entry["value"], f"{field_name}[{i}].value", low, high, low_open)
         return
     values = value if isinstance(value, (list, tuple)) else [value]
     if not values or not all(_is_number(v) and math.isfinite(v) for v in values):
         raise MergeError(f"{field_name} must be a number or a non-empty list of numbers (per-layer anchors), "
-                         f"got {value!r}")
+                         f"got {value!r}", (key,))
     lo_text = "(" if low_open else "["
     for v in values:
         if (low is not None and (v < low or (low_open and v == low))) or (high is not None and v > high):
-            raise MergeError(f"{field_name} must be in {lo_text}{low}, {high}], got {v!r}")
+            raise MergeError(f"{field_name} must be in {lo_text}{low}, {high}], got {v!r}", (key,))
 
 
 @dataclass
@@ -1172,12 +1204,13 @@ class MergeConfig:
             known = [f.name for f in dataclasses.fields(ModelSpec)]
             for key in entry:
                 if key not in known:
-                    raise MergeError(f"models[{index}]: unknown key '{key}'{_did_you_mean(key, known)}")
+                    raise MergeError(f"models[{index}]: unknown key '{key}'{_did_you_mean(key, known)}", ("models",))
             if not entry.get("model"):
-                raise MergeError(f"models[{index}]: 'model' (the checkpoint directory) is missing")
+                raise MergeError(f"models[{index}]: 'model' (the checkpoint directory) is missing", ("models",))
             return ModelSpec(str(entry["model"]), entry.get("weight", 1.0),
                              None if entry.get("base") is None else str(entry["base"]))
-        raise MergeError(f"models[{index}] must be a directory or {{model: DIR, weight: W}}, got {entry!r}")
+        raise MergeError(f"models[{index}] must be a directory or {{model: DIR, weight: W}}, got {entry!r}",
+                         ("models",))
 
     @property
     def spec(self) -> MethodSpec:
@@ -1188,15 +1221,15 @@ class MergeConfig:
         if self.method not in METHOD_SPECS:
             close = difflib.get_close_matches(str(self.method), MERGE_METHODS, n=1)
             hint = f"; did you mean '{close[0]}'?" if close else ""
-            raise MergeError(f"method '{self.method}' is not one of {', '.join(MERGE_METHODS)}{hint}")
+            raise MergeError(f"method '{self.method}' is not one of {', '.join(MERGE_METHODS)}{hint}", ("method",))
         spec = self.spec
         self._validate_models(spec)
         if not str(self.output_dir or "").strip():
-            raise MergeError("output_dir is missing: the directory the merged model is written to")
+            raise MergeError("output_dir is missing: the directory the merged model is written to", ("output_dir",))
         for name in spec.required:
             if getattr(self, name) is None:
                 example = {"density": "density: 0.5", "t": "t: 0.5"}[name]
-                raise MergeError(f"{name} is required by method {self.method} (e.g. {example})")
+                raise MergeError(f"{name} is required by method {self.method} (e.g. {example})", (name, "method"))
         if self.density is not None:
             _check_setting(self.density, "density", 0.0, 1.0, low_open=True)
         if self.t is not None:
@@ -1204,38 +1237,40 @@ class MergeConfig:
         _check_setting(self.lambda_, "lambda")
         if self.majority_sign_method not in MAJORITY_SIGN_METHODS:
             raise MergeError(f"majority_sign_method must be one of {', '.join(MAJORITY_SIGN_METHODS)}, "
-                             f"got {self.majority_sign_method!r}")
+                             f"got {self.majority_sign_method!r}", ("majority_sign_method",))
         if self.dtype is not None and self.dtype not in OUTPUT_DTYPES:
             raise MergeError(f"dtype must be one of {', '.join(OUTPUT_DTYPES)} (or left out to keep the inputs' "
-                             f"dtype), got {self.dtype!r}")
+                             f"dtype), got {self.dtype!r}", ("dtype",))
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise MergeError(f"seed must be an integer, got {self.seed!r}")
+            raise MergeError(f"seed must be an integer, got {self.seed!r}", ("seed",))
         for name in ("normalize", "overwrite"):
             if not isinstance(getattr(self, name), bool):
-                raise MergeError(f"{name} must be true or false, got {getattr(self, name)!r}")
+                raise MergeError(f"{name} must be true or false, got {getattr(self, name)!r}", (name,))
         _parse_size(self.max_shard_size)
 
     def _validate_models(self, spec: MethodSpec) -> None:
         if not self.models:
-            raise MergeError("models is empty: list the fine-tuned model directories to merge")
+            raise MergeError("models is empty: list the fine-tuned model directories to merge", ("models",))
         for i, model in enumerate(self.models):
             _check_setting(model.weight, f"models[{i}].weight")
         if spec.needs_base and not self.base_model:
             raise MergeError(f"method {self.method} merges task vectors (model - base): set base_model to the "
-                             "model they were fine-tuned from")
+                             "model they were fine-tuned from", ("method", "base_model"))
         if self.method == "linear" and self.base_model:
             raise MergeError("method linear averages the models and does not use base_model; remove base_model "
-                             "(or use task_arithmetic to add weighted task vectors to it)")
+                             "(or use task_arithmetic to add weighted task vectors to it)", ("method", "base_model"))
         count = len(self.models)
         if count < spec.min_models:
-            raise MergeError(f"method {self.method} needs at least {spec.min_models} models, got {count}")
+            raise MergeError(f"method {self.method} needs at least {spec.min_models} models, got {count}",
+                             ("method", "models"))
         if self.method == "slerp" and count + bool(self.base_model) != 2:
             raise MergeError(f"slerp interpolates between two models: give base_model and one model, or two models "
-                             f"without base_model (got {count} model(s){' and base_model' if self.base_model else ''})")
+                             f"without base_model (got {count} model(s){' and base_model' if self.base_model else ''})",
+                             ("method", "models", "base_model"))
         weights = [m.weight for m in self.models]
         if self.method == "linear" and self.normalize and all(map(_is_number, weights)) and sum(weights) == 0:
             raise MergeError("the models' weights sum to 0, so linear cannot normalise them; change a weight "
-                             "or set normalize: false")
+                             "or set normalize: false", ("method", "models", "normalize"))
 
     def unused_fields(self) -> list[str]:
         """Fields set away from their defaults that this method ignores (reported, not errors, so that a
@@ -1252,44 +1287,69 @@ class MergeConfig:
     # -- YAML -----------------------------------------------------------------------------------
 
     @classmethod
-    def from_dict(cls, data: dict, source: str = "config") -> MergeConfig:
+    def from_dict(cls, data: dict, source: str = "config", command_line: Collection[str] = ()) -> MergeConfig:
         """Build from a mapping with YAML keys (``lambda``, not ``lambda_``); unknown keys are errors
-        with a suggestion; every message starts with ``source``."""
+        with a suggestion; every message starts with ``source``, or with ``command line`` when it is
+        about a key in ``command_line`` (the keys given as ``key=value`` overrides)."""
         if not isinstance(data, dict):
             raise MergeError(f"{source}: a merge config is a mapping of keys (method, models, ...), got "
                              f"{type(data).__name__}")
+        given = {"lambda" if key == "lambda_" else key for key in command_line}
         known = [f.name if f.name != "lambda_" else "lambda" for f in dataclasses.fields(cls)]
         kwargs = {}
         for key, value in data.items():
             if key not in known and key != "lambda_":
-                raise MergeError(f"{source}: unknown key '{key}'{_did_you_mean(str(key), known)}")
+                where = "command line" if key in command_line else source
+                raise MergeError(f"{where}: unknown key '{key}'{_did_you_mean(str(key), known)}")
             kwargs["lambda_" if key == "lambda" else key] = value
         try:
             return cls(**kwargs)
         except MergeError as err:
-            raise MergeError(f"{source}: {err}") from None
+            where = "command line" if given.intersection(err.fields) else source
+            raise MergeError(f"{where}: {err}", err.fields) from None
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike, overrides: Sequence[str] = ()) -> MergeConfig:
-        """Load a YAML file; ``overrides`` are ``key=value`` strings (the value parsed as YAML) applied on
-        top, e.g. ``["density=0.3", "output_dir=outputs/merged/ties-03"]``."""
+        """Load a YAML file; ``overrides`` are ``key=value`` strings (the value parsed as YAML, else kept
+        as text) applied on top, e.g. ``["density=0.3", "output_dir=outputs/merged/ties-03"]``. Mistakes
+        in the file name it (``file:line`` for syntax); mistakes in an override say ``command line``."""
         import yaml
 
+        if not str(path).strip():
+            raise MergeError("the config path is empty; give the merge YAML file (e.g. configs/merge_ties.yaml)")
         path = Path(path)
+        if path.is_dir():
+            raise MergeError(f"{path}: is a directory; give the merge YAML file (e.g. configs/merge_ties.yaml)")
         try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8"))
+            data = yaml.load(path.read_text(encoding="utf-8"), Loader=_unique_key_loader())
         except FileNotFoundError:
             raise MergeError(f"{path}: config file not found") from None
+        except UnicodeDecodeError:
+            raise MergeError(f"{path}: not UTF-8 text; save the config as UTF-8 YAML") from None
+        except OSError as err:
+            raise MergeError(f"{path}: cannot read it ({err.strerror or err})") from None
+        except _DuplicateKeyError as err:
+            raise MergeError(f"{path}:{err.line}: duplicate key '{err.key}' (first at line {err.first}); keep one") \
+                from None
         except yaml.YAMLError as err:
-            raise MergeError(f"{path}: invalid YAML ({str(err).splitlines()[0]})") from None
+            mark = getattr(err, "problem_mark", None)
+            line = f":{mark.line + 1}" if mark else ""
+            raise MergeError(f"{path}{line}: invalid YAML ({getattr(err, 'problem', None) or str(err).splitlines()[0]})") \
+                from None
         data = {} if data is None else data
+        given = []
         for item in overrides:
             key, sep, value = item.partition("=")
             if not sep or not key.strip():
-                raise MergeError(f"override '{item}' must look like key=value (e.g. density=0.3)")
+                raise MergeError(f"command line: override '{item}' must look like key=value (e.g. density=0.3)")
+            try:
+                parsed = yaml.safe_load(value)
+            except yaml.YAMLError:  # e.g. output_dir=out[1: keep the text, as rlhf.py's overrides do
+                parsed = value
             if isinstance(data, dict):
-                data[key.strip()] = yaml.safe_load(value)
-        return cls.from_dict(data, source=str(path))
+                data[key.strip()] = parsed
+                given.append(key.strip())
+        return cls.from_dict(data, source=str(path), command_line=given)
 
     def to_dict(self) -> dict:
         """The YAML form (written next to the merged weights as merge_config.yaml)."""
@@ -1609,7 +1669,7 @@ class ModelMerger:
         directory = Path(path)
         label = f"{label} ({path})"
         if not directory.is_dir():
-            raise MergeError(f"{label}: directory not found")
+            raise MergeError(f"{label}: {'is a file, not a model directory' if directory.exists() else 'directory not found'}")
         if (directory / "adapter_config.json").is_file():
             base_dir = self._lora_base(directory, label, lora_base)
             return LoraCheckpoint(directory, label, Checkpoint(base_dir, f"{label}'s base ({base_dir})"))
@@ -1685,6 +1745,13 @@ class ModelMerger:
         if output.exists() and not self.config.overwrite:
             raise MergeError(f"output_dir {output} already exists; set overwrite: true to replace it "
                              "(or choose another output_dir)")
+        existing = output.parent  # the merge creates the missing directories above output_dir: can it?
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if not existing.is_dir():
+            raise MergeError(f"output_dir {output} cannot be created ({existing} is a file); choose another output_dir")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise MergeError(f"output_dir {output}: no permission to write in {existing}; choose another output_dir")
 
     def _tokenizer_dir(self, models: list[Source], base: Source | None) -> Path | None:
         if self.config.tokenizer_source:
@@ -2110,6 +2177,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted: nothing was written (the output appears only when a merge completes)", file=sys.stderr)
         return 130
+    except OSError as err:  # the inputs and output_dir were checked: the disk or file system failed (status 1)
+        print(f"error: {err}; nothing was written", file=sys.stderr)
+        return 1
     peak = _peak_memory_mb()
     print(result.summary() + (f"\n  peak memory (this process): {peak:.0f} MB" if peak else ""))
     return 0

@@ -69,7 +69,8 @@ def test_cli_dry_run_writes_nothing(tiny_family, capsys):
 @pytest.mark.parametrize(("data", "extra", "message"), [
     ({"method": "ties", "desnity": 0.5}, [], r"merge.yaml: unknown key 'desnity'; did you mean 'density'\?"),
     ({"method": "ties"}, [], r"merge.yaml: method ties merges task vectors"),
-    ({"method": "linear"}, ["oops"], r"override 'oops' must look like key=value"),
+    ({"method": "linear"}, ["oops"], r"^error: command line: override 'oops' must look like key=value"),
+    ({"method": "linear"}, ["=3"], r"^error: command line: override '=3' must look like key=value"),
     ({"method": "linear", "models": ["missing-dir"]}, [], r"models\[0\] \(missing-dir\): directory not found"),
 ])
 def test_cli_errors_are_one_line(tiny_family, capsys, data, extra, message):
@@ -81,9 +82,63 @@ def test_cli_errors_are_one_line(tiny_family, capsys, data, extra, message):
     assert re.search(message, err), err
 
 
+def assert_one_line_error(code: int, err: str, pattern: str) -> None:
+    assert code == 2, err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    assert re.search(pattern, err), err
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["method=tiess"], r"^error: command line: method 'tiess' is not one of .*; did you mean 'ties'\?$"),
+    (["density=1.5"], r"^error: command line: density must be in \(0.0, 1.0\], got 1.5$"),
+    (["density=0"], r"^error: command line: density must be in \(0.0, 1.0\], got 0$"),
+    (["desnity=0.3"], r"^error: command line: unknown key 'desnity'; did you mean 'density'\?$"),
+    (["density=[1,"], r"^error: command line: density must be a number or a non-empty list"),  # kept as text
+    (["lambda=x"], r"^error: command line: lambda must be a number"),
+    (["base_model=null"], r"^error: command line: method ties merges task vectors"),
+    (["models=[]"], r"^error: command line: models is empty"),
+    (["output_dir="], r"^error: command line: output_dir is missing"),
+])
+def test_cli_override_mistakes_blame_the_command_line(tiny_family, capsys, overrides, message):
+    config = write_config(tiny_family, method="ties", base_model=str(tiny_family / "base"), density=0.5,
+                          models=[str(tiny_family / "a")], output_dir=str(tiny_family / "out"))
+    assert_one_line_error(mm.main(["--config", str(config), *overrides]), capsys.readouterr().err, message)
+    assert not (tiny_family / "out").exists()
+
+
+def test_cli_file_mistakes_keep_the_file_name(tiny_family, capsys):
+    config = write_config(tiny_family, method="ties", base_model=str(tiny_family / "base"), density=1.5,
+                          models=[str(tiny_family / "a")], output_dir=str(tiny_family / "out"))
+    assert_one_line_error(mm.main(["--config", str(config), "lambda=0.5", "method=dare_ties"]), capsys.readouterr().err,
+                          rf"^error: {re.escape(str(config))}: density must be in \(0.0, 1.0\], got 1.5$")
+
+
 def test_cli_missing_config_file(capsys, tmp_path):
     assert mm.main(["--config", str(tmp_path / "nope.yaml")]) == 2
     assert capsys.readouterr().err == f"error: {tmp_path / 'nope.yaml'}: config file not found\n"
+
+
+def test_cli_config_file_problems(capsys, tmp_path):
+    assert_one_line_error(mm.main(["--config", str(tmp_path)]), capsys.readouterr().err,
+                          rf"^error: {re.escape(str(tmp_path))}: is a directory; give the merge YAML file")
+    assert_one_line_error(mm.main(["--config", ""]), capsys.readouterr().err, r"^error: the config path is empty")
+    (tmp_path / "twice.yaml").write_text("method: ties\ndensity: 0.5\ndensity: 0.3\n")
+    assert_one_line_error(mm.main(["--config", str(tmp_path / "twice.yaml")]), capsys.readouterr().err,
+                          r"twice\.yaml:3: duplicate key 'density' \(first at line 2\); keep one$")
+    (tmp_path / "latin1.yaml").write_bytes(b"method: t\xe9\n")
+    assert_one_line_error(mm.main(["--config", str(tmp_path / "latin1.yaml")]), capsys.readouterr().err,
+                          r"latin1\.yaml: not UTF-8 text")
+
+
+def test_cli_output_dir_and_model_paths_checked_up_front(tiny_family, capsys):
+    (tiny_family / "file").write_text("x")
+    config = write_config(tiny_family, method="linear", models=[str(tiny_family / "a")],
+                          output_dir=str(tiny_family / "file" / "out"))
+    assert_one_line_error(mm.main(["--config", str(config)]), capsys.readouterr().err,
+                          r"output_dir \S+out cannot be created \(\S+file is a file\); choose another output_dir$")
+    assert_one_line_error(mm.main(["--config", str(config), f"models=[{tiny_family / 'file'}]",
+                                   f"output_dir={tiny_family / 'out'}"]), capsys.readouterr().err,
+                          r"models\[0\] \(\S+file\): is a file, not a model directory$")
 
 
 def test_script_entry_point_exits_2_on_errors(tmp_path):
@@ -91,7 +146,7 @@ def test_script_entry_point_exits_2_on_errors(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "model_merging.py"), "--config", str(tmp_path / "bad.yaml")],
                           capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 2
-    assert proc.stderr.startswith(f"error: {tmp_path / 'bad.yaml'}: invalid YAML") and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith(f"error: {tmp_path / 'bad.yaml'}:2: invalid YAML") and "Traceback" not in proc.stderr
 
 
 def test_example_configs_cover_every_method():
