@@ -13,8 +13,8 @@ Both trainers get the same work: the embedded tiny Llama (``rlhf.resolve_model_p
 fp32, the same attention implementation, no gradient checkpointing (TRL turns it on by default; ours does not); the
 first ``--records`` pairs of ``data/demo/preference.jsonl`` rendered with the tokenizer's ChatML template (TRL gets
 them in its conversational format so it applies the same template); cutoff / max_length ``--seq-len``; batch
-``--batch-size`` pairs per optimizer step, no gradient accumulation; ``torch.optim.AdamW`` with the same lr / betas /
-eps (TRL: ``optim="adamw_torch"``; transformers 5 defaults to the fused variant), no weight decay, a constant learning rate without warm-up, gradient clipping at 1.0; the sigmoid loss with beta ``--beta``;
+``--batch-size`` pairs per optimizer step, no gradient accumulation; the fused ``torch.optim.AdamW`` with the same lr / betas /
+eps (ours uses it where the device has it; TRL: ``optim="adamw_torch_fused"``, transformers 5's default), no weight decay, a constant learning rate without warm-up, gradient clipping at 1.0; the sigmoid loss with beta ``--beta``;
 CPU, ``--threads`` torch threads, seed 0; no evaluation, no checkpoints.
 
 Every measurement runs in its own subprocess (``--worker ours|trl --variant live|precompute``, one JSON line on
@@ -186,7 +186,7 @@ def run_trl(args: argparse.Namespace, precompute: bool) -> dict:
         model_init_kwargs={"dtype": torch.float32, "attn_implementation": args.attn},
         max_length=args.seq_len, per_device_train_batch_size=args.batch_size,
         gradient_accumulation_steps=1, max_steps=args.steps, learning_rate=args.lr, lr_scheduler_type="constant",
-        warmup_steps=0, optim="adamw_torch", weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
+        warmup_steps=0, optim="adamw_torch_fused", weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
         max_grad_norm=1.0, beta=args.beta, loss_type=["sigmoid"], precompute_ref_log_probs=precompute,
         report_to=[], logging_strategy="no", save_strategy="no", eval_strategy="no", disable_tqdm=True,
         dataloader_num_workers=0, dataloader_pin_memory=False)

@@ -22,8 +22,8 @@ tokenizer's, ours on the template's end marker plus the tokenizer's EOS); the sa
 ``rlhf.exact_answer_reward`` against each prompt's ``answer`` (TRL gets it as a reward function receiving the
 ``answer`` column); no KL term (beta 0, so neither trainer loads a reference model); ``num_iterations`` 1 (no stored
 old log-probs: the ratio is 1 in both); the "grpo" loss (per-sequence token mean, then mean over the batch), rewards
-scaled by the group's std, clip epsilon 0.2; ``torch.optim.AdamW`` with the same lr / betas / eps (TRL:
-``optim="adamw_torch"``), no weight decay, a constant learning rate without warm-up, gradient clipping at 1.0; CPU,
+scaled by the group's std, clip epsilon 0.2; the fused ``torch.optim.AdamW`` with the same lr / betas / eps (TRL:
+``optim="adamw_torch_fused"``, its default), no weight decay, a constant learning rate without warm-up, gradient clipping at 1.0; CPU,
 ``--threads`` torch threads and ``OMP_NUM_THREADS``, seed 0; both log every step (``logging_steps=1``); no
 evaluation, no checkpoints. Sampling differs between the trainers (and runs), so the completions, and with them the
 tokens generated per step, differ: the table shows the completion tokens per timed step and the tokens per second,
@@ -208,7 +208,7 @@ def run_trl(args: argparse.Namespace) -> dict:
         num_generations=args.num_generations, max_completion_length=args.completion_len, temperature=1.0, top_p=1.0,
         top_k=0, beta=0.0, num_iterations=1, epsilon=0.2, loss_type="grpo", scale_rewards="group",
         mask_truncated_completions=False, use_vllm=False, max_steps=args.steps, learning_rate=args.lr,
-        lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch", weight_decay=0.0, adam_beta1=0.9,
+        lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch_fused", weight_decay=0.0, adam_beta1=0.9,
         adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0, logging_steps=1, report_to=[],
         save_strategy="no", eval_strategy="no", disable_tqdm=True, log_completions=False,
         dataloader_num_workers=0, dataloader_pin_memory=False)

@@ -9,7 +9,7 @@ Both loops get the same work:
   * batches: the same ``SFTDataset`` (demo_sft, cutoff ``--seq-len``) collated by the same
     ``SFTCollator`` in the same order (a ``ResumableBatchSampler`` with the same seed: what the
     trainer iterates; the bare loop feeds it to a plain ``torch.utils.data.DataLoader``);
-  * optimizer: ``torch.optim.AdamW``, same lr / betas / eps, no weight decay, constant learning rate
+  * optimizer: the fused ``torch.optim.AdamW`` (what ``rlhf.create_optimizer`` builds on CPU), same lr / betas / eps, no weight decay, constant learning rate
     (the trainer runs with ``lr_scheduler_type=constant``);
   * loss: summed token cross-entropy divided by the number of target tokens;
   * gradient clipping to norm 1.0 in both.
@@ -94,7 +94,7 @@ class BareLoop:
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation=attn)
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=args.lr, betas=(0.9, 0.999), eps=1e-8,
-                                           weight_decay=0.0)
+                                           weight_decay=0.0, fused=True)
         sampler = rlhf.ResumableBatchSampler(len(dataset), args.batch_size, seed)  # what the trainer iterates
         self.batches = iter(torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collator))
         self.seconds: list[float] = []

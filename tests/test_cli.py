@@ -351,6 +351,14 @@ def test_llamafactory_resume_from_checkpoint_null(tmp_path, tiny_model_dir, monk
     assert (tmp_path / "lf-out" / "model.safetensors").is_file()
 
 
+def test_train_file_without_a_stage_key(tmp_path, monkeypatch, capsys):
+    config = tmp_path / "nostage.yaml"
+    config.write_text("learning_rate: 1.0e-4\n", encoding="utf-8")
+    assert _main_in(tmp_path, ["train", "--config", str(config)], monkeypatch) == 2
+    error = capsys.readouterr().err
+    assert "has no 'stage:' key" in error and "Traceback" not in error
+
+
 def test_openai_messages_file_without_registration(tmp_path, tiny_model_dir, monkeypatch, capsys):
     rows = [{"messages": [{"role": "user", "content": g["prompt"]}, {"role": "assistant", "content": g["response"]}]}
             for g in GOOD]

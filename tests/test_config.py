@@ -579,3 +579,64 @@ def test_command_line_lists_keep_commas_inside_brackets_and_escapes(tmp_path):
     with pytest.raises(RLHFInputError, match=r"'constitution': a bracket opened in this list is never closed"):
         rlhf.build_config(rlhf.GRPOConfig, {"output_dir": str(tmp_path),
                                             **rlhf.parse_overrides([r"constitution=regex=[(],answer_line"])})
+
+
+# ---------------------------------------------------------------- YAML keys and output folders
+
+
+def test_a_key_given_twice_in_yaml_is_an_error(tmp_path):
+    path = write(tmp_path / "dup.yaml", "seed: 1\nlearning_rate: 1.0e-3\nmax_steps: 2\nlearning_rate: 2.0e-3\n")
+    with raises_input_error(re.escape(f"{path}:4: duplicate key 'learning_rate' (first at line 2)")):
+        rlhf.load_config(SFTConfig, path)
+    nested = write(tmp_path / "nested.yaml", "stages: [sft]\nsft:\n  seed: 1\n  seed: 2\n")
+    with raises_input_error(r"nested\.yaml:4: duplicate key 'seed'"):
+        rlhf.read_yaml(nested)
+
+
+def test_config_path_that_is_a_directory(tmp_path):
+    with raises_input_error("is a directory; give a YAML file"):
+        rlhf.load_config(SFTConfig, tmp_path)
+
+
+def test_empty_output_dir_is_refused():
+    # Path("") is the working directory: a run would write its model card over the project's README.md
+    with raises_input_error("config field 'output_dir' is empty"):
+        SFTConfig(output_dir=" ")
+
+
+def test_output_dir_checks_before_anything_is_written(tmp_path):
+    afile = write(tmp_path / "afile", "x")
+    with raises_input_error(f"'output_dir': {afile} is a file"):
+        rlhf._prepare_output_dir(SFTConfig(output_dir=str(afile)))
+    foreign = tmp_path / "project"
+    foreign.mkdir()
+    write(foreign / "README.md", "# my project\n")
+    write(foreign / "config.yaml", "name: my project\n")
+    with raises_input_error(r"holds no earlier run \(README\.md, config\.yaml, \.\.\.\).*overwrite_output_dir=true"):
+        rlhf._prepare_output_dir(SFTConfig(output_dir=str(foreign)))
+    assert (foreign / "README.md").read_text() == "# my project\n"
+    rlhf._prepare_output_dir(SFTConfig(output_dir=str(foreign), overwrite_output_dir=True))  # asked for
+    earlier = tmp_path / "earlier"
+    rlhf.save_config(SFTConfig(output_dir=str(earlier)), earlier / "config.yaml")  # an earlier run's folder
+    write(earlier / "README.md", "model card\n")
+    rlhf._prepare_output_dir(SFTConfig(output_dir=str(earlier)))
+    rlhf._prepare_output_dir(SFTConfig(output_dir=str(tmp_path / "new" / "run")))
+    assert (tmp_path / "new" / "run").is_dir()
+    with raises_input_error(r"'output_dir': cannot create .*afile/run"):
+        rlhf._prepare_output_dir(SFTConfig(output_dir=str(afile / "run")))
+
+
+def test_pipeline_sections_that_cannot_be_what_was_meant(tmp_path):
+    with raises_input_error(r"section 'sft' must be a mapping"):
+        PipelineConfig.from_dict({"stages": ["sft"], "sft": 3})
+    with raises_input_error(r"unknown section 'stf'; did you mean 'sft'\?"):
+        PipelineConfig.from_dict({"stages": ["sft"], "stf": {"learning_rate": 1e-3}})
+    with rlhf_log_records() as records:
+        PipelineConfig.from_dict({"stages": ["sft"], "output_dir": str(tmp_path), "dpo": {"pref_beta": 0.2}})
+    assert any("section 'dpo' is not in stages [sft]; its settings are unused" in r.getMessage() for r in records)
+
+
+def rlhf_log_records():
+    from conftest import captured_log
+
+    return captured_log()

@@ -249,6 +249,26 @@ def test_json_jsonl_parquet_and_hf_directory_agree(tmp_path):
     assert results["hf"][4]["location"] == f"{hf_dir}:row 5"
 
 
+def test_csv_cells_are_text_and_records_carry_their_line(tmp_path):
+    """CSV has no types: a response '2' is the text '2' (a type-guessing reader made it an int, which the
+    record check refused), and booleans, margins and labels are parsed from their text."""
+    sft = write_text(tmp_path / "sft.csv", 'prompt,response\nWhat is 1+1?,2\n\n"Say ""hi""\nplease",hi\n')
+    records = load(sft, "sft")
+    assert [r["response"] for r in records] == ["2", "hi"]
+    assert [r["messages"][-1]["content"] for r in records] == ["What is 1+1?", 'Say "hi"\nplease']
+    assert [r["location"] for r in records] == [f"{sft}:2", f"{sft}:4"]
+    pairs = write_text(tmp_path / "pairs.csv", "prompt,chosen,rejected,margin\nq,1,2,0.5\nr,3,4,\n")
+    assert [(r["chosen"], r.get("margin")) for r in load(pairs, "preference")] == [("1", 0.5), ("3", None)]
+    kto = write_text(tmp_path / "kto.csv", "prompt,response,label\nq,a,true\nr,b,0\n")
+    assert [r["label"] for r in load(kto, "kto")] == [True, False]
+    prompts = write_text(tmp_path / "rl.csv", "prompt,answer,verifiable\nq,7,false\nr,8,\n")
+    assert [(r["answer"], r["verifiable"]) for r in load(prompts, "prompt")] == [("7", False), ("8", True)]
+    bad = write_text(tmp_path / "bad.csv", "prompt,response\nq,a,extra\n")
+    assert single_line_error(lambda: load(bad, "sft")) == f"{bad}:2: 3 cells but the header has 2 columns"
+    margin = write_text(tmp_path / "margin.csv", "prompt,chosen,rejected,margin\nq,a,b,big\n")
+    assert "field 'margin' must be a number" in single_line_error(lambda: load(margin, "preference"))
+
+
 def test_hf_directory_by_registered_name(tmp_path):
     from datasets import Dataset
 
@@ -374,6 +394,42 @@ def test_malformed_json_array(tmp_path):
                                              '  {"prompt": "c" "response": "d"}\n]\n')
     message = single_line_error(lambda: load(path, "sft"))
     assert message.startswith(f"{path}:4: invalid JSON")
+
+
+@pytest.mark.parametrize(("text", "line", "words"), [
+    ('{"prompt": "a", "response": "b"}\n{"prompt": "c", "response": "d"}\n', 2, "extra data"),  # JSONL saved as .json
+    ('[{"prompt": "a", "response": "b"}]\n[{"prompt": "c", "response": "d"}]\n', 2, "extra data"),  # two arrays
+    ('[\n {"prompt": "a", "response": "b"}\n {"prompt": "c", "response": "d"}\n]\n', 3, "expected ','"),  # no comma
+    ('[\n {"prompt": "a", "response": "b"},\n]\n', 3, "comma before ']'"),  # trailing comma
+    ('[\n {"prompt": "a", "response": "b"}\n', 2, "expected ','"),  # no closing bracket
+])
+def test_json_file_records_are_never_silently_dropped(tmp_path, text, line, words):
+    """A .json file is one JSON value, read strictly like json.load: what follows it or a missing
+    comma is an error at its line, not records lost (the lenient reader kept 1 of 20 JSONL lines)."""
+    path = write_text(tmp_path / "data.json", text)
+    message = single_line_error(lambda: load(path, "sft"))
+    assert message.startswith(f"{path}:{line}: ") and words in message, message
+
+
+def test_strict_json_reader_keeps_valid_files(tmp_path):
+    records = [{"prompt": f"p{i}", "response": f"r{i}"} for i in range(3)]
+    for text, expected in ((json.dumps(records), 3), (json.dumps(records, indent=2) + "\n\n", 3),
+                           (" " + json.dumps(records[0]) + "\n", 1)):
+        path = write_text(tmp_path / "ok.json", text)
+        assert [r["response"] for r in load(path, "sft")] == [f"r{i}" for i in range(expected)]
+
+
+def test_pairs_with_the_same_chosen_and_rejected_are_skipped_and_counted(tmp_path):
+    rows = [{"prompt": "q1", "chosen": "a", "rejected": "b"}, {"prompt": "q2", "chosen": "same", "rejected": "same "},
+            {"prompt": "q3", "chosen": "c", "rejected": "d"}]
+    path = write_text(tmp_path / "pairs.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    from conftest import captured_log
+
+    with captured_log() as records:
+        kept = load(path, "preference")
+    assert [r["chosen"] for r in kept] == ["a", "c"]
+    assert any("skipped 1 pairs whose chosen and rejected responses are the same, e.g. " + f"{path}:2" in r.getMessage()
+               for r in records)
 
 
 def test_missing_field_in_json_array(tmp_path):

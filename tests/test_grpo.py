@@ -616,3 +616,11 @@ def test_cli_grpo_bad_reward_is_one_line(extra, message, tmp_path, tiny_model_di
     assert message in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "cli" / "model.safetensors").exists()
+
+
+def test_exact_answer_on_prompts_without_answers_is_refused(tmp_path, tiny_model_dir, demo_dir):
+    """Every reward would be 0, so nothing could train: refused before the policy loads."""
+    config = _config(tmp_path, tiny_model_dir, dataset="demo_sft", dataset_dir=str(demo_dir), max_samples=8,
+                     reward_funcs=["exact_answer"])
+    with pytest.raises(rlhf.RLHFInputError, match=r"'dataset': 'demo_sft' has no 'answer' in any of its 8 records"):
+        rlhf.train_grpo(config)

@@ -486,6 +486,29 @@ def test_a_missing_local_path_says_it_does_not_exist(path):
         rlhf.PolicyModel.from_pretrained(path)
 
 
+def test_owner_slash_name_under_a_local_folder_is_a_local_path(tmp_path, monkeypatch):
+    """'outputs/nomodel' could be a hub id, but 'outputs' is a folder here: no minute of hub retries."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "outputs").mkdir()
+    with pytest.raises(rlhf.RLHFInputError, match="'outputs/nomodel' does not exist"):
+        rlhf.PolicyModel.from_pretrained("outputs/nomodel")
+    assert not rlhf._names_a_local_path("Qwen/Qwen2.5-0.5B")
+
+
+def test_a_model_with_its_own_code_needs_trust_remote_code(tmp_path, tiny_model_dir):
+    """transformers refuses to run the code; the refusal is a one-line config error naming the fix."""
+    import shutil
+
+    remote = tmp_path / "remote"
+    shutil.copytree(tiny_model_dir, remote)
+    config = json.loads((remote / "config.json").read_text())
+    config.update(model_type="mycustomllama", auto_map={"AutoConfig": "custom.MyConfig",
+                                                          "AutoModelForCausalLM": "custom.MyModel"})
+    (remote / "config.json").write_text(json.dumps(config))
+    with pytest.raises(rlhf.RLHFInputError, match="ships its own modelling code .* set trust_remote_code=true"):
+        rlhf.PolicyModel.from_pretrained(str(remote))
+
+
 def test_directory_without_model_is_an_input_error(tmp_path):
     with pytest.raises(rlhf.RLHFInputError, match="model_name_or_path"):
         rlhf.PolicyModel.from_pretrained(str(tmp_path))

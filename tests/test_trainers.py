@@ -198,6 +198,31 @@ def test_resume_from_explicit_checkpoint_and_overwrite(tmp_path, llama_dir, demo
         rlhf.train_sft(_config(out, llama_dir, demo_dir, resume_from_checkpoint=str(out / "checkpoints" / "checkpoint-1")))
 
 
+def test_resume_survives_a_damaged_checkpoint(tmp_path, llama_dir, demo_dir):
+    """A damaged file in the newest checkpoint costs save_steps, not the run: auto-resume reports it and
+    takes the one before; an explicit path to it, or every checkpoint damaged, is a one-line error."""
+    out = tmp_path / "run"
+    rlhf.train_sft(_config(out, llama_dir, demo_dir, max_steps=4, save_steps=2))
+    checkpoint_2, checkpoint_4 = (out / "checkpoints" / f"checkpoint-{n}" for n in (2, 4))
+    optimizer_file = checkpoint_4 / "optimizer.safetensors"
+    optimizer_file.write_bytes(optimizer_file.read_bytes()[:40])  # a truncated write, a disk error
+    with pytest.raises(rlhf.RLHFInputError, match=r"checkpoint-4 cannot be read \(SafetensorError.*set resume_from_checkpoint=none"):
+        rlhf.train_sft(_config(out, llama_dir, demo_dir, max_steps=6, save_steps=2, resume_from_checkpoint=str(checkpoint_4)))
+    with pytest.raises(rlhf.RLHFInputError, match="does not exist"):
+        rlhf.train_sft(_config(out, llama_dir, demo_dir, resume_from_checkpoint=str(out / "checkpoints" / "checkpoint-9")))
+    with captured_log() as records:
+        resumed = rlhf.train_sft(_config(out, llama_dir, demo_dir, max_steps=6, save_steps=0))
+    messages = [r.getMessage() for r in records]
+    assert any("resumed from the older checkpoint-2 because checkpoint-4 cannot be read" in m for m in messages), messages
+    assert any(f"resumed from {checkpoint_2} at step 2" in m for m in messages)
+    assert resumed.global_step == 6
+    found = rlhf.CheckpointManager(out).checkpoints()  # the resumed run saved its own at the end
+    for checkpoint in found:
+        (checkpoint / "trainer_state.json").write_text("{not json")
+    with pytest.raises(rlhf.RLHFInputError, match=f"no checkpoint in .* can be read: {found[-1].name} .*JSONDecodeError"):
+        rlhf.train_sft(_config(out, llama_dir, demo_dir, max_steps=8))
+
+
 def test_resume_none_starts_fresh_without_the_old_checkpoints(tmp_path, llama_dir, demo_dir):
     out = tmp_path / "run"
     rlhf.train_sft(_config(out, llama_dir, demo_dir, max_steps=4, save_steps=2))
