@@ -171,6 +171,7 @@ class BaseConfig:
     adam_beta1: float = _opt(0.9, "AdamW beta1")
     adam_beta2: float = _opt(0.999, "AdamW beta2")
     adam_epsilon: float = _opt(1e-8, "AdamW epsilon")
+    optim: str = _opt("adamw_torch", "AdamW kernel, Hugging Face's names: adamw_torch (per tensor) | adamw_torch_fused (one fused pass, ~5x faster steps on small models; where the device has it)")
     max_grad_norm: float = _opt(1.0, "Clip the global gradient norm to this (0: no clipping)")
     per_device_train_batch_size: int = _opt(8, "Micro-batch size per device")
     per_device_eval_batch_size: int = _opt(16, "Batch size for evaluation and generation")
@@ -244,6 +245,7 @@ class BaseConfig:
         _check_choice(self.attn_implementation, ATTENTION_CHOICES, "attn_implementation")
         _check_choice(self.lr_scheduler_type, SCHEDULERS, "lr_scheduler_type")
         _check_choice(self.model_dtype, ("auto", "float32", "bfloat16", "float16"), "model_dtype")
+        _check_choice(self.optim, ("adamw_torch", "adamw_torch_fused"), "optim")
         for target in self.report_to:
             _check_choice(target, REPORT_TARGETS + ("none", "all"), "report_to")
         _check(not (self.bf16 and self.fp16), "bf16/fp16", "choose one mixed-precision mode, not both")
@@ -594,7 +596,6 @@ LLAMAFACTORY_IGNORED: dict[str, str] = {
     "ray_run_name": "Ray is not used",
     "include_num_input_tokens_seen": "tokens/s is always logged",
     "dataloader_pin_memory": "pinning is decided from the device",
-    "optim": "the optimizer is AdamW",
     "bf16_full_eval": "evaluation uses the training precision",
     "predict_with_generate": "accuracy evaluation always generates",
 }
@@ -1544,8 +1545,10 @@ def _one_line(err: BaseException) -> str:
 def create_optimizer(model: nn.Module, config: BaseConfig, num_training_steps: int
                      ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     """AdamW over trainable parameters (no weight decay on biases and norms) and a transformers schedule.
-    The fused implementation where the parameters' device and dtype have it (CPU, CUDA), about 5x faster
-    per step than the per-tensor loop on the tiny model's 38 tensors; the plain one elsewhere."""
+    ``optim: adamw_torch_fused`` takes the fused kernel where the parameters' device and dtype have it
+    (CPU, CUDA): about 5x faster per step than the per-tensor loop on the tiny model's 38 tensors. It is
+    not the default because it rounds differently, and on the demo that alone moved where SFT lands
+    (held-out exact match 68.7% per tensor, 96.7% fused; its arithmetic is learned in a sudden jump)."""
     from transformers import get_scheduler
 
     decay, no_decay = [], []
@@ -1559,8 +1562,8 @@ def create_optimizer(model: nn.Module, config: BaseConfig, num_training_steps: i
               {"params": no_decay, "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
     settings = dict(lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon)
-    # the fused kernel: the same AdamW update in one pass (transformers 5's default, adamw_torch_fused)
-    fused = all(p.device.type in _fused_optimizer_devices() and p.is_floating_point() for g in groups for p in g["params"])
+    fused = config.optim == "adamw_torch_fused" and all(
+        p.device.type in _fused_optimizer_devices() and p.is_floating_point() for g in groups for p in g["params"])
     optimizer = torch.optim.AdamW(groups, fused=fused or None, **settings)
     warmup = config.warmup_steps or math.ceil(config.warmup_ratio * num_training_steps)
     scheduler = get_scheduler(config.lr_scheduler_type, optimizer, num_warmup_steps=warmup,

@@ -14,7 +14,7 @@ fp32, the same attention implementation, no gradient checkpointing (TRL turns it
 first ``--records`` pairs of ``data/demo/preference.jsonl`` rendered with the tokenizer's ChatML template (TRL gets
 them in its conversational format so it applies the same template); cutoff / max_length ``--seq-len``; batch
 ``--batch-size`` pairs per optimizer step, no gradient accumulation; the fused ``torch.optim.AdamW`` with the same lr / betas /
-eps (ours uses it where the device has it; TRL: ``optim="adamw_torch_fused"``, transformers 5's default), no weight decay, a constant learning rate without warm-up, gradient clipping at 1.0; the sigmoid loss with beta ``--beta``;
+eps (ours: ``optim="adamw_torch_fused"``; TRL: the same, transformers 5's default), no weight decay, a constant learning rate without warm-up, gradient clipping at 1.0; the sigmoid loss with beta ``--beta``;
 CPU, ``--threads`` torch threads, seed 0; no evaluation, no checkpoints.
 
 Every measurement runs in its own subprocess (``--worker ours|trl --variant live|precompute``, one JSON line on
@@ -254,7 +254,7 @@ def run_ours(args: argparse.Namespace, precompute: bool) -> dict:
         model_name_or_path=args.model_dir, dataset=str(data), dataset_dir=str(data.parent), cutoff_len=args.seq_len,
         per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=1, max_steps=args.steps,
         learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
-        pref_beta=args.beta, pref_loss="sigmoid", precompute_ref_log_probs=precompute, finetuning_type="full",
+        optim="adamw_torch_fused", pref_beta=args.beta, pref_loss="sigmoid", precompute_ref_log_probs=precompute, finetuning_type="full",
         attn_implementation=args.attn, gradient_checkpointing=False, output_dir=str(Path(args.workdir) / "ours"),
         save_steps=0, logging_steps=1, disable_progress_bar=True, report_to="none", seed=0,
         resume_from_checkpoint="none")

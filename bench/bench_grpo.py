@@ -247,7 +247,7 @@ def run_ours(args: argparse.Namespace) -> dict:
     formatter = rlhf.ChatFormatter(policy.tokenizer, "auto")
     dataset = rlhf.GRPODataset(records, policy.tokenizer, formatter, cutoff_len=PROMPT_CUTOFF)
     config = rlhf.GRPOConfig(
-        model_name_or_path=args.model_dir, finetuning_type="full", model_dtype="float32",
+        model_name_or_path=args.model_dir, finetuning_type="full", model_dtype="float32", optim="adamw_torch_fused",
         attn_implementation=args.attn, gradient_checkpointing=False, reward_funcs=["exact_answer"], beta=0.0,
         num_generations=args.num_generations, per_device_train_batch_size=args.batch_size,
         gradient_accumulation_steps=1, max_completion_length=args.completion_len, temperature=1.0, top_p=1.0,

@@ -122,7 +122,7 @@ def run_lockstep(model_dir: Path, dataset, collator, args: argparse.Namespace, s
                  bare_first: bool, out: Path) -> dict:
     """One run of both loops in lockstep; returns per-step seconds and tokens of each, and checks."""
     config = rlhf.SFTConfig(
-        model_name_or_path=str(model_dir), finetuning_type="full", learning_rate=args.lr, weight_decay=0.0,
+        model_name_or_path=str(model_dir), finetuning_type="full", learning_rate=args.lr, weight_decay=0.0, optim="adamw_torch_fused",
         lr_scheduler_type="constant", max_grad_norm=1.0, per_device_train_batch_size=args.batch_size,
         max_steps=args.warmup + args.steps, cutoff_len=args.seq_len, seed=seed, logging_steps=args.logging_steps,
         save_steps=0, eval_steps=0, report_to=[], disable_progress_bar=not args.progress_bar,

@@ -640,3 +640,12 @@ def rlhf_log_records():
     from conftest import captured_log
 
     return captured_log()
+
+
+def test_optim_picks_the_adamw_kernel():
+    model = torch.nn.Linear(4, 2)
+    plain, _ = rlhf.create_optimizer(model, SFTConfig(), 10)
+    fused, _ = rlhf.create_optimizer(model, SFTConfig(optim="adamw_torch_fused"), 10)
+    assert not plain.defaults["fused"] and fused.defaults["fused"]
+    with raises_input_error(r"'optim' is 'adamw_8bit'.*valid: adamw_torch, adamw_torch_fused"):
+        SFTConfig(optim="adamw_8bit")
