@@ -1748,6 +1748,9 @@ def resolve_dataset(name: str, dataset_dir: str | os.PathLike) -> DatasetSpec:
                 raise RLHFInputError(f"dataset '{name}': unsupported file type '{candidate.suffix}'; "
                                      f"use {', '.join(READABLE_SUFFIXES)}")
             return DatasetSpec(name=name, files=files)
+    if as_path.suffix in (*READABLE_SUFFIXES, ".txt") or "/" in name or "\\" in name:  # a path, not a registered name
+        raise RLHFInputError(f"dataset file {name} does not exist (nor {Path(dataset_dir) / name}); check the path "
+                             f"and the working directory {os.getcwd()}")
     info_path = Path(dataset_dir) / "dataset_info.json"
     if not info_path.exists():
         raise RLHFInputError(f"dataset '{name}' is neither a file nor registered: {info_path} does not exist "
@@ -1756,6 +1759,9 @@ def resolve_dataset(name: str, dataset_dir: str | os.PathLike) -> DatasetSpec:
         info = json.loads(info_path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
         raise RLHFInputError(f"{info_path}:{err.lineno}: invalid JSON ({err.msg})") from None
+    if not isinstance(info, dict):
+        raise RLHFInputError(f"{info_path} must be a JSON object of name: entry (LLaMA-Factory's layout), "
+                             f"not a {type(info).__name__}")
     if name not in info:
         hint = difflib.get_close_matches(name, list(info), n=1)
         raise RLHFInputError(f"dataset '{name}' is not in {info_path}" + (f"; did you mean '{hint[0]}'?" if hint else ""))
@@ -3186,6 +3192,10 @@ class PolicyModel(nn.Module):
         path = resolve_model_path(name_or_path, cache_dir)
         adapter_config = Path(path) / "adapter_config.json"
         base_path = json.loads(adapter_config.read_text())["base_model_name_or_path"] if adapter_config.exists() else path
+        if adapter_config.exists() and _names_a_local_path(base_path) and not Path(base_path).expanduser().exists():
+            raise RLHFInputError(f"config field 'model_name_or_path': {path} is an adapter whose base model {base_path} "
+                                 f"(base_model_name_or_path in adapter_config.json) does not exist; restore the base "
+                                 f"there or edit adapter_config.json")
         model, implementation = load_causal_lm(base_path, dtype=dtype, attn_implementation=attn_implementation,
                                                trust_remote_code=trust_remote_code, device=device)
         if adapter_config.exists():

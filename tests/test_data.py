@@ -526,6 +526,8 @@ def test_unregistered_dataset_suggests(tmp_path):
     ("nothing_here", "neither a file nor registered"),
     ("notes.txt", "unsupported file type '.txt'"),
     ("empty_dir", "holds no"),
+    ("missing.jsonl", "dataset file missing.jsonl does not exist"),  # a path, not a registered name
+    ("sub/missing", "dataset file sub/missing does not exist"),
 ])
 def test_dataset_resolution_errors(tmp_path, dataset, fragment):
     write_text(tmp_path / "notes.txt", "hi")
@@ -974,3 +976,9 @@ def test_extract_answer_on_demo_data(repo):
     assert with_answer
     for r in with_answer:
         assert rlhf.extract_answer(r["response"]) == r["response"].rsplit("Answer:", 1)[1].strip()
+
+
+def test_dataset_info_that_is_not_a_mapping(tmp_path):
+    write_json(tmp_path / "dataset_info.json", [{"file_name": "x.jsonl"}])
+    message = single_line_error(lambda: rlhf.load_records("mine", tmp_path, "sft"))
+    assert message.endswith("must be a JSON object of name: entry (LLaMA-Factory's layout), not a list")

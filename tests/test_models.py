@@ -509,6 +509,18 @@ def test_a_model_with_its_own_code_needs_trust_remote_code(tmp_path, tiny_model_
         rlhf.PolicyModel.from_pretrained(str(remote))
 
 
+def test_an_adapter_whose_base_is_gone_names_both(tmp_path, llama_dir):
+    policy = rlhf.PolicyModel.from_pretrained(str(llama_dir))
+    policy.prepare_for_training(rlhf.SFTConfig(output_dir=str(tmp_path), finetuning_type="lora", lora_rank=4))
+    policy.save_pretrained(tmp_path / "adapter")
+    config_file = tmp_path / "adapter" / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    config["base_model_name_or_path"] = str(tmp_path / "moved-away")
+    config_file.write_text(json.dumps(config))
+    with pytest.raises(rlhf.RLHFInputError, match=r"adapter whose base model .*moved-away \(base_model_name_or_path"):
+        rlhf.PolicyModel.from_pretrained(str(tmp_path / "adapter"))
+
+
 def test_directory_without_model_is_an_input_error(tmp_path):
     with pytest.raises(rlhf.RLHFInputError, match="model_name_or_path"):
         rlhf.PolicyModel.from_pretrained(str(tmp_path))
