@@ -52,6 +52,7 @@ import contextlib
 import copy
 import dataclasses
 import difflib
+import functools
 import hashlib
 import json
 import math
@@ -1106,14 +1107,18 @@ class ModelSpec:
     base: str | None = None
 
 
-class _DuplicateKeyError(ValueError):
+class DuplicateYAMLKeyError(ValueError):
+    """A key given twice in one YAML mapping: ``key``, the ``line`` of the repeat and the ``first`` one."""
+
     def __init__(self, key: str, line: int, first: int) -> None:
         super().__init__(key)
         self.key, self.line, self.first = key, line, first
 
 
-def _unique_key_loader() -> type:
-    """yaml.SafeLoader that refuses a key given twice in one mapping (SafeLoader keeps the last silently)."""
+@functools.cache
+def unique_key_yaml_loader() -> type:
+    """yaml.SafeLoader that refuses a key given twice in one mapping (SafeLoader keeps the last silently).
+    rlhf.py reads its configs with it too."""
     import yaml
 
     class UniqueKeyLoader(yaml.SafeLoader):
@@ -1123,7 +1128,7 @@ def _unique_key_loader() -> type:
                 key = self.construct_object(key_node, deep=deep)
                 line = key_node.start_mark.line + 1
                 if isinstance(key, Hashable) and key in seen:
-                    raise _DuplicateKeyError(str(key), line, seen[key])
+                    raise DuplicateYAMLKeyError(str(key), line, seen[key])
                 seen[key] = line
             return super().construct_mapping(node, deep=deep)
 
@@ -1321,14 +1326,14 @@ class MergeConfig:
         if path.is_dir():
             raise MergeError(f"{path}: is a directory; give the merge YAML file (e.g. configs/merge_ties.yaml)")
         try:
-            data = yaml.load(path.read_text(encoding="utf-8"), Loader=_unique_key_loader())
+            data = yaml.load(path.read_text(encoding="utf-8"), Loader=unique_key_yaml_loader())
         except FileNotFoundError:
             raise MergeError(f"{path}: config file not found") from None
         except UnicodeDecodeError:
             raise MergeError(f"{path}: not UTF-8 text; save the config as UTF-8 YAML") from None
         except OSError as err:
             raise MergeError(f"{path}: cannot read it ({err.strerror or err})") from None
-        except _DuplicateKeyError as err:
+        except DuplicateYAMLKeyError as err:
             raise MergeError(f"{path}:{err.line}: duplicate key '{err.key}' (first at line {err.first}); keep one") \
                 from None
         except yaml.YAMLError as err:

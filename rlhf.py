@@ -732,31 +732,6 @@ def parse_overrides(pairs: Iterable[str]) -> dict[str, Any]:
     return out
 
 
-class _DuplicateKeyError(ValueError):
-    def __init__(self, key: str, line: int, first: int) -> None:
-        super().__init__(key)
-        self.key, self.line, self.first = key, line, first
-
-
-@functools.cache
-def _unique_key_loader() -> type:
-    """yaml.SafeLoader that refuses a key given twice in one mapping (SafeLoader keeps the last silently)."""
-    import yaml
-
-    class UniqueKeyLoader(yaml.SafeLoader):
-        def construct_mapping(self, node: Any, deep: bool = False) -> dict:
-            seen: dict[Any, int] = {}
-            for key_node, _ in node.value:
-                key = self.construct_object(key_node, deep=deep)
-                line = key_node.start_mark.line + 1
-                if isinstance(key, typing.Hashable) and key in seen:
-                    raise _DuplicateKeyError(str(key), line, seen[key])
-                seen[key] = line
-            return super().construct_mapping(node, deep=deep)
-
-    return UniqueKeyLoader
-
-
 def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
     """A YAML mapping from a file, with syntax errors reported as file:line."""
     import yaml
@@ -766,9 +741,11 @@ def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
         raise RLHFInputError(f"config file {path} is a directory; give a YAML file")
     if not path.is_file():
         raise RLHFInputError(f"config file {path} does not exist")
+    from model_merging import DuplicateYAMLKeyError, unique_key_yaml_loader
+
     try:
-        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_unique_key_loader()) or {}
-    except _DuplicateKeyError as err:
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=unique_key_yaml_loader()) or {}
+    except DuplicateYAMLKeyError as err:
         raise RLHFInputError(f"{path}:{err.line}: duplicate key '{err.key}' (first at line {err.first}); keep one") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
@@ -3036,10 +3013,10 @@ class LogProbs:
         return self.summed / self.lengths.clamp(min=1)
 
 
-def _remote_code_error(path: str | os.PathLike, err: ValueError) -> ValueError:
-    """transformers' refusal to run a model's own code, as the one-line config error it is (else ``err``)."""
-    if "trust_remote_code" not in str(err):
-        return err
+def _remote_code_error(path: str | os.PathLike, err: BaseException) -> RLHFInputError | None:
+    """transformers' refusal to run a model's own code, as the one-line config error it is (None for others)."""
+    if not isinstance(err, ValueError) or "trust_remote_code" not in str(err):
+        return None
     return RLHFInputError(f"config field 'model_name_or_path': {path} ships its own modelling code (auto_map in "
                           f"config.json), which runs as Python on load; set trust_remote_code=true if you trust it")
 
@@ -3051,7 +3028,10 @@ def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False) -> 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     except ValueError as err:
-        raise _remote_code_error(path, err) from None
+        refusal = _remote_code_error(path, err)
+        if refusal is None:
+            raise
+        raise refusal from None
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token is None:
             raise RLHFInputError(f"tokenizer at {path} has neither a pad nor an eos token; add one to its config")
@@ -3160,8 +3140,9 @@ def load_causal_lm(path: str, *, dtype: str | torch.dtype = "float32", attn_impl
         try:
             model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=implementation, **kwargs)
         except (ValueError, ImportError) as err:
-            if isinstance(err, ValueError) and "trust_remote_code" in str(err):
-                raise _remote_code_error(path, err) from None
+            refusal = _remote_code_error(path, err)
+            if refusal is not None:
+                raise refusal from None
             if implementation == "eager" or "attn" not in str(err).lower() and "attention" not in str(err).lower():
                 raise
             reason = f"{implementation} unsupported by this model ({str(err).splitlines()[0][:80]})"
@@ -5144,15 +5125,22 @@ class BaseTrainer:
             if not (path / "COMPLETE").exists():
                 raise RLHFInputError(f"config field 'resume_from_checkpoint': {path} is not a complete checkpoint "
                                      f"(no COMPLETE marker: not a checkpoint, or interrupted while saving)")
-            try:
-                self._load_checkpoint(path)
-            except RLHFInputError:
-                raise
-            except CHECKPOINT_READ_ERRORS as err:
-                raise RLHFInputError(f"config field 'resume_from_checkpoint': {path} cannot be read "
-                                     f"({_one_line(err)}); resume from another checkpoint or set "
-                                     f"resume_from_checkpoint=none") from None
+            problem = self._load_readable_checkpoint(path)
+            if problem:
+                raise RLHFInputError(f"config field 'resume_from_checkpoint': {path} cannot be read ({problem}); "
+                                     f"resume from another checkpoint or set resume_from_checkpoint=none")
         logger.info("resumed from %s at step %d", path, self.global_step)
+
+    def _load_readable_checkpoint(self, path: Path) -> str | None:
+        """Load ``path``; what was wrong with its files when one is damaged (None when it loaded). Another
+        stage's checkpoint is the user's mistake, not damage, and stays an error."""
+        try:
+            self._load_checkpoint(path)
+        except RLHFInputError:
+            raise
+        except CHECKPOINT_READ_ERRORS as err:
+            return _one_line(err)
+        return None
 
     def _resume_newest_readable(self) -> Path | None:
         """Auto-resume: the newest complete checkpoint that loads. One whose files are damaged (a disk error,
@@ -5165,15 +5153,12 @@ class BaseTrainer:
             logger.info("skipping %s: no COMPLETE marker (interrupted while saving)", ", ".join(incomplete))
         failures = []
         for path in reversed(found):
-            try:
-                self._load_checkpoint(path)
+            problem = self._load_readable_checkpoint(path)
+            if problem is None:
                 if failures:
                     logger.warning("resumed from the older %s because %s", path.name, "; ".join(failures))
                 return path
-            except RLHFInputError:
-                raise
-            except CHECKPOINT_READ_ERRORS as err:
-                failures.append(f"{path.name} cannot be read ({_one_line(err)})")
+            failures.append(f"{path.name} cannot be read ({problem})")
         if failures:
             raise RLHFInputError(f"no checkpoint in {self.checkpoints.root} can be read: {'; '.join(failures)}; "
                                  f"set resume_from_checkpoint=none to start over")
@@ -7201,7 +7186,7 @@ def _holds_a_run(directory: Path) -> bool:
 def _prepare_output_dir(config: BaseConfig) -> None:
     """Refuse an output_dir that is a file, cannot be written, or is someone else's non-empty folder
     (a run writes config.yaml, README.md model cards and weights there, replacing what it finds)."""
-    out = Path(config.output_dir).expanduser()
+    out = Path(config.output_dir)  # as the run writes it
     if out.exists() and not out.is_dir():
         raise RLHFInputError(f"config field 'output_dir': {out} is a file; give a directory")
     if out.is_dir() and not config.overwrite_output_dir and any(out.iterdir()) and not _holds_a_run(out):
@@ -7213,11 +7198,11 @@ def _prepare_output_dir(config: BaseConfig) -> None:
         if directory is None:
             continue
         try:
-            Path(directory).expanduser().mkdir(parents=True, exist_ok=True)
+            Path(directory).mkdir(parents=True, exist_ok=True)
         except OSError as err:
             raise RLHFInputError(f"config field '{field_name}': cannot create {directory} ({err.strerror or err}); "
                                  f"give a writable directory") from None
-        if not os.access(Path(directory).expanduser(), os.W_OK):
+        if not os.access(directory, os.W_OK):
             raise RLHFInputError(f"config field '{field_name}': {directory} is not writable; give a writable directory")
 
 
@@ -7233,7 +7218,6 @@ def _start_stage(config: BaseConfig, devices: DeviceManager | None) -> tuple[tup
     _refuse_other_stage_checkpoints(config)
     devices = devices or DeviceManager(config.mixed_precision, config.report_to, Path(config.output_dir) / "runs",
                                        config.ddp_timeout)
-    Path(config.output_dir).mkdir(parents=True, exist_ok=True)
     save_config(config, Path(config.output_dir) / "config.yaml")
     return records, devices
 
