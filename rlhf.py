@@ -4081,13 +4081,23 @@ def _clamped_log_ratio(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a - b).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
 
 
-def whiten(x: torch.Tensor, mask: torch.Tensor | None = None, shift_mean: bool = True) -> torch.Tensor:
+def whiten(x: torch.Tensor, mask: torch.Tensor | None = None, shift_mean: bool = True, *,
+           sum_across_processes: Callable[[list[float]], list[float]] | None = None) -> torch.Tensor:
     """(x - mean) / sqrt(var + 1e-8) over the masked elements, with the unbiased variance (as TRL's
-    masked_whiten); ``shift_mean=False`` keeps the original mean (used for rewards)."""
+    masked_whiten); ``shift_mean=False`` keeps the original mean (used for rewards).
+
+    ``sum_across_processes`` (element-wise sums of a list over all processes) makes every process use
+    the moments of the whole batch, as one process holding all of it would, instead of its own share's
+    (OpenRLHF whitens across ranks the same way). Two collectives: the sum and count, then the squares."""
     mask = torch.ones_like(x) if mask is None else mask.to(x.dtype)
-    count = mask.sum()
-    mean = (x * mask).sum() / count.clamp(min=1)
-    var = (((x - mean) ** 2) * mask).sum() / (count - 1).clamp(min=1)
+    total, count = (x * mask).sum(), mask.sum()
+    if sum_across_processes is not None:
+        total, count = x.new_tensor(sum_across_processes([float(total), float(count)]))
+    mean = total / count.clamp(min=1)
+    squares = (((x - mean) ** 2) * mask).sum()
+    if sum_across_processes is not None:
+        squares = x.new_tensor(sum_across_processes([float(squares)])[0])
+    var = squares / (count - 1).clamp(min=1)
     whitened = (x - mean) * torch.rsqrt(var + 1e-8)
     return whitened if shift_mean else whitened + mean
 
@@ -6172,10 +6182,14 @@ class PPOTrainer(_OnlineRLTrainer):
         rewards = -kl_coef * kl
         last = mask.shape[1] - 1 - mask.flip(1).argmax(1)  # each row's last completion token
         rewards[torch.arange(len(scores)), last] += scores
+        everywhere = self.devices.sum_list_across_processes  # whiten with the whole batch's moments, on every process
         if config.ppo_whiten_rewards:
-            rewards = whiten(rewards, mask, shift_mean=False) * mask
+            rewards = whiten(rewards, mask, shift_mean=False, sum_across_processes=everywhere) * mask
         advantages, rollout.returns = compute_gae(rewards, rollout.old_values, mask, gamma=config.gamma, lam=config.lam)
-        rollout.advantages = whiten(advantages, mask) * mask if config.whiten_advantages else advantages
+        if config.whiten_advantages:
+            rollout.advantages = whiten(advantages, mask, sum_across_processes=everywhere) * mask
+        else:
+            rollout.advantages = advantages
         sequence_kl = kl.sum(-1)
         self.rollout_metrics.update({
             "objective/kl": float(sequence_kl.mean()), "objective/kl_coef": kl_coef,

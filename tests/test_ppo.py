@@ -173,6 +173,38 @@ def test_whitened_advantages_have_mean_zero_and_unit_std(tmp_path, tiny_model_di
     torch.testing.assert_close(values, (plain - plain.mean()) / plain.std(), atol=1e-4, rtol=1e-4)
 
 
+def test_rollout_whitens_with_every_process_moments(tmp_path, tiny_model_dir, prompts, monkeypatch):
+    """The rollout whitens rewards and advantages through the devices' cross-process sum, so with several
+    processes each one uses the whole batch's mean and variance (whiten's own test checks the arithmetic).
+    Here a collective that doubles every sum stands for a second process holding the same rows: the mean
+    is unchanged and the unbiased variance over 2n tokens is 2(n - 1) / (2n - 1) times the one over n."""
+    trainer = _trainer(_config(tmp_path, tiny_model_dir, adap_kl_ctrl=False, per_device_train_batch_size=4),
+                       prompts, DigitShare())
+    sent = []
+
+    def doubled(values):
+        sent.append(len(values))
+        return [2 * float(v) for v in values]
+
+    items = [prompts[i] for i in range(4)]
+    rng = torch.get_rng_state()
+    alone = trainer.make_rollout(items)
+    monkeypatch.setattr(trainer.devices, "sum_list_across_processes", doubled)
+    for whiten_rewards in (False, True):
+        sent.clear()
+        torch.set_rng_state(rng)
+        trainer.config.ppo_whiten_rewards = whiten_rewards
+        twice = trainer.make_rollout(items)
+        assert torch.equal(twice.input_ids, alone.input_ids)
+        assert sent.count(1) == 1 + whiten_rewards  # one squares collective per whitening
+    torch.set_rng_state(rng)
+    trainer.config.ppo_whiten_rewards = False
+    twice = trainer.make_rollout(items)
+    mask = twice.completion_mask
+    n = int(mask.sum())
+    torch.testing.assert_close(twice.advantages[mask], alone.advantages[mask] * ((2 * n - 1) / (2 * (n - 1))) ** 0.5)
+
+
 # -- 2. the mini-batch schedule ---------------------------------------------------------------------------------------
 
 

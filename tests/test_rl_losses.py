@@ -109,6 +109,43 @@ def test_whiten():
     torch.testing.assert_close(kept[:3], torch.tensor([1.0, 2.0, 3.0]), atol=1e-6, rtol=0)
 
 
+def test_whiten_across_processes_equals_whitening_the_whole_batch():
+    """Two 'processes' each hold half the rows; with the sums exchanged, each half is whitened with the whole
+    batch's mean and unbiased variance, so the halves put together equal whitening everything at once."""
+    torch.manual_seed(0)
+    x, mask = torch.randn(6, 5), (torch.rand(6, 5) > 0.3).float()
+    halves = [(x[:3], mask[:3]), (x[3:], mask[3:])]
+    calls = []
+
+    def whiten_as_process(rank: int, shift_mean: bool) -> torch.Tensor:
+        own_x, own_mask = halves[rank]
+        other_x, other_mask = halves[1 - rank]
+        answers = iter([
+            [float((other_x * other_mask).sum()), float(other_mask.sum())],  # the other process's sum and count
+        ])
+
+        def collective(values):  # the collective: this process's list plus the other's, element-wise
+            calls.append(len(values))
+            if len(values) == 2:
+                theirs = next(answers)
+                return [values[0] + theirs[0], values[1] + theirs[1]]
+            # squares around the global mean, which the other process computes from the same sums
+            mean = float((x * mask).sum() / mask.sum())
+            return [values[0] + float((((other_x - mean) ** 2) * other_mask).sum())]
+
+        return rlhf.whiten(own_x, own_mask, shift_mean, sum_across_processes=collective)
+
+    for shift_mean in (True, False):
+        together = torch.cat([whiten_as_process(0, shift_mean), whiten_as_process(1, shift_mean)]) * mask
+        whole = rlhf.whiten(x, mask, shift_mean) * mask
+        torch.testing.assert_close(together, whole, atol=1e-6, rtol=0)
+        alone = rlhf.whiten(x[:3], mask[:3], shift_mean) * mask[:3]  # what each process did before: its own moments
+        assert not torch.allclose(alone, whole[:3], atol=1e-3)
+    assert calls == [2, 1] * 4  # two collectives per call: (sum, count), then the squares
+    # one process: the identity collective changes nothing
+    torch.testing.assert_close(rlhf.whiten(x, mask, sum_across_processes=lambda v: [float(a) for a in v]), rlhf.whiten(x, mask))
+
+
 def test_ppo_policy_loss_clips_and_hand_value():
     old = torch.zeros(1, 3)
     logps = torch.log(torch.tensor([[1.5, 0.5, 1.1]]))  # ratios 1.5, 0.5, 1.1
