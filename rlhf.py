@@ -2985,18 +2985,24 @@ class ProcessPreferenceCollator:
 # ==== 4. Models ====
 
 
-def token_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits)[target] per position, one sequence at a time.
+LOG_SOFTMAX_CHUNK_ELEMENTS = 1 << 24  # 64 MB of fp32 scratch per chunk
 
-    A full (B, T, V) log-softmax would double peak memory on large vocabularies; one row at a
-    time needs only (T, V) scratch. Half-precision logits are normalised in fp32.
-    Shapes: logits (B, T, V), targets (B, T) -> (B, T).
+
+def token_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[target] per position, a chunk of rows at a time.
+
+    A full (B, T, V) log-softmax would double peak memory on large vocabularies, so rows go through in
+    chunks of at most LOG_SOFTMAX_CHUNK_ELEMENTS logits (one row at a time once a row alone is that
+    large); a small model's whole batch is one chunk, one kernel instead of B. Half-precision logits
+    are normalised in fp32. Shapes: logits (B, T, V), targets (B, T) -> (B, T).
     """
-    rows = []  # log_softmax subtracts the row max first, so it stays exact at any logit scale
-    for row_logits, row_targets in zip(logits, targets):
-        row = F.log_softmax(row_logits if row_logits.dtype == torch.float64 else row_logits.float(), dim=-1)
-        rows.append(row.gather(-1, row_targets.unsqueeze(-1)).squeeze(-1))
-    return torch.stack(rows)
+    rows_per_chunk = max(1, LOG_SOFTMAX_CHUNK_ELEMENTS // max(logits[0].numel(), 1)) if len(logits) else 1
+    chunks = []  # log_softmax subtracts the row max first, so it stays exact at any logit scale
+    for start in range(0, len(logits), rows_per_chunk):
+        chunk = logits[start:start + rows_per_chunk]
+        chunk = F.log_softmax(chunk if chunk.dtype == torch.float64 else chunk.float(), dim=-1)
+        chunks.append(chunk.gather(-1, targets[start:start + rows_per_chunk].unsqueeze(-1)).squeeze(-1))
+    return torch.cat(chunks) if chunks else logits.new_zeros(targets.shape, dtype=torch.float32)
 
 
 @dataclass

@@ -84,6 +84,23 @@ def test_token_log_probs_matches_naive_log_softmax(dtype):
     assert (got <= 0).all()
 
 
+@pytest.mark.parametrize("chunk_elements", [1, 7 * 50, 2 * 7 * 50, 1 << 24])
+def test_token_log_probs_chunks_give_the_same_values_and_gradients(monkeypatch, chunk_elements):
+    """Rows one at a time (a large vocabulary), two per chunk (3 rows: uneven), or all at once: the same."""
+    monkeypatch.setattr(rlhf, "LOG_SOFTMAX_CHUNK_ELEMENTS", chunk_elements)
+    gen = torch.Generator().manual_seed(2)
+    logits = (torch.randn(3, 7, 50, generator=gen) * 4).requires_grad_()
+    targets = torch.randint(0, 50, (3, 7), generator=gen)
+    got = rlhf.token_log_probs(logits, targets)
+    (grad,) = torch.autograd.grad(got.sum(), logits)
+    reference = logits.detach().requires_grad_()
+    want = torch.log_softmax(reference, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    want.sum().backward()
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(grad, reference.grad)
+    assert rlhf.token_log_probs(logits[:0], targets[:0]).shape == (0, 7)
+
+
 def test_token_log_probs_realistic_logit_scale_exact():
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(2, 5, 300, generator=gen) * 15 + 30  # logits of trained LMs live around |30|
