@@ -116,8 +116,9 @@ GeneratorLike = torch.Generator | Sequence[torch.Generator] | None
 
 class MergeError(ValueError):
     """A mistake in a merge config or its inputs; the message names the field or tensor and the fix.
-    ``fields``: the config keys the mistake is about, so that ``MergeConfig.from_yaml`` can say whether
-    the bad value came from the file or from a ``key=value`` override on the command line."""
+    ``fields``: the config entries the mistake is about (``models[1]``, ``models``, ``density``, ...), so
+    that a config read from YAML can say where the bad value was given: ``file:line`` or ``command line``
+    for a ``key=value`` override."""
 
     def __init__(self, message: str, fields: Sequence[str] = ()) -> None:
         super().__init__(message)
@@ -692,21 +693,30 @@ def _read_safetensors_header(path: Path, label: str) -> tuple[dict[str, TensorIn
         head = handle.read(8)
         length = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
         if not 0 < length <= min(size - 8, 100_000_000):
-            raise MergeError(f"{label}: {path.name} is not a safetensors file")
+            raise MergeError(f"{label}: {path.name} is not a safetensors file; save the model again with "
+                             "save_pretrained")
         try:
             header = json.loads(handle.read(length))
         except ValueError as err:
             raise MergeError(f"{label}: {path.name} has a corrupt safetensors header ({err})") from None
+    if not isinstance(header, dict):
+        raise MergeError(f"{label}: {path.name} has a corrupt safetensors header (not a JSON object)")
     infos, offsets = {}, {}
     for key, entry in header.items():
         if key == "__metadata__":
             continue
-        if entry.get("dtype") not in SAFETENSORS_DTYPES:
-            raise MergeError(f"{label}: tensor {key} has dtype {entry.get('dtype')}, which this merger cannot read")
-        info = TensorInfo(SAFETENSORS_DTYPES[entry["dtype"]], tuple(entry["shape"]))
-        begin, end = entry["data_offsets"]
+        try:  # a hand-edited or foreign header: a wrong entry is this file's mistake, not a crash
+            dtype, shape = entry["dtype"], tuple(map(int, entry["shape"]))
+            begin, end = map(int, entry["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise MergeError(f"{label}: tensor {key} in {path.name} has a corrupt header entry (dtype, shape and "
+                             "data_offsets expected)") from None
+        if dtype not in SAFETENSORS_DTYPES:
+            raise MergeError(f"{label}: tensor {key} has dtype {dtype}, which this merger cannot read")
+        info = TensorInfo(SAFETENSORS_DTYPES[dtype], shape)
         if end - begin != info.numel * info.dtype.itemsize or 8 + length + end > size:
-            raise MergeError(f"{label}: tensor {key} in {path.name} has inconsistent offsets (truncated file?)")
+            raise MergeError(f"{label}: tensor {key} in {path.name} has inconsistent offsets (truncated file?); copy "
+                             "or save the model again")
         infos[key], offsets[key] = info, 8 + length + begin
     return infos, offsets
 
@@ -764,11 +774,13 @@ class Checkpoint:
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (ValueError, KeyError) as err:
-                raise MergeError(f"{self.label}: {index} is not a safetensors index ({err})") from None
+                raise MergeError(f"{self.label}: {index} is not a safetensors index ({err}); save the model "
+                                 "again") from None
             files = list(dict.fromkeys(self.directory / f for f in weight_map.values()))
             missing = [f.name for f in files if not f.is_file()]
             if missing:
-                raise MergeError(f"{self.label}: shard {missing[0]} listed in {index.name} is missing")
+                raise MergeError(f"{self.label}: shard {missing[0]} listed in {index.name} is missing; copy it "
+                                 "there or save the model again")
             return files
         if (self.directory / "model.safetensors").is_file():
             return [self.directory / "model.safetensors"]
@@ -776,7 +788,8 @@ class Checkpoint:
             raise MergeError(f"{self.label}: only pickle weights (pytorch_model.bin), which are never loaded here; "
                              "convert them with AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir) "
                              "(safetensors)")
-        raise MergeError(f"{self.label}: no model.safetensors or model.safetensors.index.json in {self.directory}")
+        raise MergeError(f"{self.label}: no model.safetensors or model.safetensors.index.json in {self.directory}; "
+                         "give the directory a model was saved to (save_pretrained)")
 
     @property
     def names(self) -> list[str]:
@@ -784,8 +797,18 @@ class Checkpoint:
 
     @property
     def config(self) -> dict | None:
+        """config.json, read afresh (the caller may change it), or None without one."""
         path = self.directory / "config.json"
-        return json.loads(path.read_text()) if path.is_file() else None
+        if not path.is_file():
+            return None
+        try:
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except ValueError as err:  # UnicodeDecodeError too
+            raise MergeError(f"{self.label}: config.json is not valid JSON ({err}); fix it or save the model "
+                             "again") from None
+        if not isinstance(config, dict):
+            raise MergeError(f"{self.label}: config.json is not a JSON object; fix it or save the model again")
+        return config
 
     @property
     def config_dir(self) -> Path:
@@ -934,6 +957,8 @@ def _read_adapter_config(directory: Path, label: str) -> dict:
         config = json.loads((directory / "adapter_config.json").read_text())
     except ValueError as err:
         raise MergeError(f"{label}: adapter_config.json is not valid JSON ({err})") from None
+    if not isinstance(config, dict):
+        raise MergeError(f"{label}: adapter_config.json is not a JSON object; save the adapter again")
     kind = config.get("peft_type", "LORA")
     if kind != "LORA":
         raise MergeError(f"{label}: PEFT adapter type {kind} cannot be merged here (only LoRA); merge it with peft's "
@@ -1135,6 +1160,30 @@ def unique_key_yaml_loader() -> type:
     return UniqueKeyLoader
 
 
+def _key_lines(text: str) -> dict[str, int]:
+    """The line (1-based) of each top-level key of a YAML mapping and of each ``models[i]`` entry, so that
+    a message can point at ``file:line``; empty when the text is not a mapping."""
+    import yaml
+
+    root = yaml.compose(text, Loader=yaml.SafeLoader)
+    lines: dict[str, int] = {}
+    for key, value in root.value if isinstance(root, yaml.MappingNode) else ():
+        lines[str(key.value)] = key.start_mark.line + 1
+        if key.value == "models" and isinstance(value, yaml.SequenceNode):
+            lines.update((f"models[{i}]", item.start_mark.line + 1) for i, item in enumerate(value.value))
+    return lines
+
+
+def _where(source: str, command_line: Collection[str], lines: dict[str, int], fields: Sequence[str]) -> str:
+    """Where the entries ``fields`` were given: ``command line`` if one was a ``key=value`` override, else
+    ``source`` with the line of the first field found there (``models[1]`` is listed before ``models`` so
+    that the entry's own line wins)."""
+    if any(f in command_line for f in fields):
+        return "command line"
+    line = next((lines[f] for f in fields if f in lines), None)
+    return f"{source}:{line}" if line else source
+
+
 def _did_you_mean(key: str, known: Sequence[str]) -> str:
     close = difflib.get_close_matches(key, known, n=1)
     return f"; did you mean '{close[0]}'?" if close else f"; known keys: {', '.join(known)}"
@@ -1195,8 +1244,17 @@ class MergeConfig:
     tokenizer_source: str | None = None
     overwrite: bool = False
 
+    # Where the values came from, (source, command-line keys, key lines), set by from_dict for messages; a
+    # plain class attribute, not a config key.
+    _origin = None
+
     def __post_init__(self) -> None:
-        self.models = [self._model_spec(i, m) for i, m in enumerate(self.models or [])]
+        models = [] if self.models is None else self.models
+        if not isinstance(models, (list, tuple)):  # a string would be read letter by letter, a mapping by key
+            form = "a mapping (put '- ' before each entry)" if isinstance(models, dict) else repr(models)
+            raise MergeError(f"models must be a list of model directories or {{model, weight}} entries, got {form}; "
+                             "e.g. models: [outputs/dpo, outputs/grpo]", ("models",))
+        self.models = [self._model_spec(i, m) for i, m in enumerate(models)]
         self.validate()
 
     @staticmethod
@@ -1209,13 +1267,15 @@ class MergeConfig:
             known = [f.name for f in dataclasses.fields(ModelSpec)]
             for key in entry:
                 if key not in known:
-                    raise MergeError(f"models[{index}]: unknown key '{key}'{_did_you_mean(key, known)}", ("models",))
+                    raise MergeError(f"models[{index}]: unknown key '{key}'{_did_you_mean(str(key), known)}",
+                                     (f"models[{index}]", "models"))
             if not entry.get("model"):
-                raise MergeError(f"models[{index}]: 'model' (the checkpoint directory) is missing", ("models",))
+                raise MergeError(f"models[{index}]: 'model' (the checkpoint directory) is missing",
+                                 (f"models[{index}]", "models"))
             return ModelSpec(str(entry["model"]), entry.get("weight", 1.0),
                              None if entry.get("base") is None else str(entry["base"]))
         raise MergeError(f"models[{index}] must be a directory or {{model: DIR, weight: W}}, got {entry!r}",
-                         ("models",))
+                         (f"models[{index}]", "models"))
 
     @property
     def spec(self) -> MethodSpec:
@@ -1223,14 +1283,20 @@ class MergeConfig:
 
     def validate(self) -> None:
         """Check every field before anything is read; raises MergeError naming the field and the fix."""
-        if self.method not in METHOD_SPECS:
+        if not isinstance(self.method, str) or self.method not in METHOD_SPECS:
             close = difflib.get_close_matches(str(self.method), MERGE_METHODS, n=1)
             hint = f"; did you mean '{close[0]}'?" if close else ""
-            raise MergeError(f"method '{self.method}' is not one of {', '.join(MERGE_METHODS)}{hint}", ("method",))
+            shown = f"'{self.method}'" if isinstance(self.method, str) else repr(self.method)
+            raise MergeError(f"method {shown} is not one of {', '.join(MERGE_METHODS)}{hint}", ("method",))
         spec = self.spec
         self._validate_models(spec)
         if not str(self.output_dir or "").strip():
             raise MergeError("output_dir is missing: the directory the merged model is written to", ("output_dir",))
+        for name in ("base_model", "output_dir", "tokenizer_source"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (str, os.PathLike)):  # a bare YAML number is not a path
+                raise MergeError(f"{name} must be a directory path, got {value!r} (quote it if that is the "
+                                 "directory's name)", (name,))
         for name in spec.required:
             if getattr(self, name) is None:
                 example = {"density": "density: 0.5", "t": "t: 0.5"}[name]
@@ -1257,13 +1323,16 @@ class MergeConfig:
         if not self.models:
             raise MergeError("models is empty: list the fine-tuned model directories to merge", ("models",))
         for i, model in enumerate(self.models):
-            _check_setting(model.weight, f"models[{i}].weight")
+            try:
+                _check_setting(model.weight, f"models[{i}].weight")
+            except MergeError as err:  # the entry's own line, not the models: key's
+                raise MergeError(str(err), (f"models[{i}]", *err.fields)) from None
         if spec.needs_base and not self.base_model:
             raise MergeError(f"method {self.method} merges task vectors (model - base): set base_model to the "
                              "model they were fine-tuned from", ("method", "base_model"))
         if self.method == "linear" and self.base_model:
             raise MergeError("method linear averages the models and does not use base_model; remove base_model "
-                             "(or use task_arithmetic to add weighted task vectors to it)", ("method", "base_model"))
+                             "(or use task_arithmetic to add weighted task vectors to it)", ("base_model", "method"))
         count = len(self.models)
         if count < spec.min_models:
             raise MergeError(f"method {self.method} needs at least {spec.min_models} models, got {count}",
@@ -1275,7 +1344,7 @@ class MergeConfig:
         weights = [m.weight for m in self.models]
         if self.method == "linear" and self.normalize and all(map(_is_number, weights)) and sum(weights) == 0:
             raise MergeError("the models' weights sum to 0, so linear cannot normalise them; change a weight "
-                             "or set normalize: false", ("method", "models", "normalize"))
+                             "or set normalize: false", ("models", "method", "normalize"))
 
     def unused_fields(self) -> list[str]:
         """Fields set away from their defaults that this method ignores (reported, not errors, so that a
@@ -1292,26 +1361,38 @@ class MergeConfig:
     # -- YAML -----------------------------------------------------------------------------------
 
     @classmethod
-    def from_dict(cls, data: dict, source: str = "config", command_line: Collection[str] = ()) -> MergeConfig:
+    def from_dict(cls, data: dict, source: str = "config", command_line: Collection[str] = (),
+                  lines: dict[str, int] | None = None) -> MergeConfig:
         """Build from a mapping with YAML keys (``lambda``, not ``lambda_``); unknown keys are errors
-        with a suggestion; every message starts with ``source``, or with ``command line`` when it is
-        about a key in ``command_line`` (the keys given as ``key=value`` overrides)."""
+        with a suggestion; every message starts with ``source`` (``source:line`` for a key in ``lines``),
+        or with ``command line`` when it is about a key in ``command_line`` (the keys given as
+        ``key=value`` overrides). The config remembers this, so that ``ModelMerger`` can say where a bad
+        input (a model directory, output_dir) was named."""
         if not isinstance(data, dict):
             raise MergeError(f"{source}: a merge config is a mapping of keys (method, models, ...), got "
                              f"{type(data).__name__}")
-        given = {"lambda" if key == "lambda_" else key for key in command_line}
+        given = frozenset("lambda" if key == "lambda_" else key for key in command_line)
+        lines = dict(lines or {})
         known = [f.name if f.name != "lambda_" else "lambda" for f in dataclasses.fields(cls)]
         kwargs = {}
         for key, value in data.items():
             if key not in known and key != "lambda_":
-                where = "command line" if key in command_line else source
-                raise MergeError(f"{where}: unknown key '{key}'{_did_you_mean(str(key), known)}")
+                raise MergeError(f"{_where(source, given, lines, [key])}: unknown key '{key}'"
+                                 f"{_did_you_mean(str(key), known)}")
             kwargs["lambda_" if key == "lambda" else key] = value
         try:
-            return cls(**kwargs)
+            config = cls(**kwargs)
         except MergeError as err:
-            where = "command line" if given.intersection(err.fields) else source
-            raise MergeError(f"{where}: {err}", err.fields) from None
+            raise MergeError(f"{_where(source, given, lines, err.fields)}: {err}", err.fields) from None
+        config._origin = (source, given, lines)
+        return config
+
+    def locate(self, err: MergeError) -> MergeError:
+        """``err`` with where its fields were given in front (``file:line`` or ``command line``) for a config
+        from from_dict / from_yaml; unchanged for one built in Python, whose caller knows."""
+        if self._origin is None:
+            return err
+        return MergeError(f"{_where(*self._origin, err.fields)}: {err}", err.fields)
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike, overrides: Sequence[str] = ()) -> MergeConfig:
@@ -1320,13 +1401,16 @@ class MergeConfig:
         in the file name it (``file:line`` for syntax); mistakes in an override say ``command line``."""
         import yaml
 
+        if isinstance(overrides, str):  # one string would be split into letters
+            raise TypeError(f"overrides must be a list of key=value strings, got the string {overrides!r}")
         if not str(path).strip():
             raise MergeError("the config path is empty; give the merge YAML file (e.g. configs/merge_ties.yaml)")
         path = Path(path)
         if path.is_dir():
             raise MergeError(f"{path}: is a directory; give the merge YAML file (e.g. configs/merge_ties.yaml)")
         try:
-            data = yaml.load(path.read_text(encoding="utf-8"), Loader=unique_key_yaml_loader())
+            text = path.read_text(encoding="utf-8")
+            data = yaml.load(text, Loader=unique_key_yaml_loader())
         except FileNotFoundError:
             raise MergeError(f"{path}: config file not found") from None
         except UnicodeDecodeError:
@@ -1354,7 +1438,7 @@ class MergeConfig:
             if isinstance(data, dict):
                 data[key.strip()] = parsed
                 given.append(key.strip())
-        return cls.from_dict(data, source=str(path), command_line=given)
+        return cls.from_dict(data, source=str(path), command_line=given, lines=_key_lines(text))
 
     def to_dict(self) -> dict:
         """The YAML form (written next to the merged weights as merge_config.yaml)."""
@@ -1619,6 +1703,39 @@ def _architecture(config: dict | None) -> tuple[str | None, tuple[str, ...]] | N
     return config.get("model_type"), tuple(config.get("architectures") or ())
 
 
+def _entry_fields(entry: str) -> tuple[str, str]:
+    """The config fields of an input's entry, most specific first: ``models[1]`` -> (models[1], models)."""
+    return entry, (re.match(r"\w+", entry) or [entry])[0]
+
+
+def _not_found(path: Path) -> str:
+    # a relative path is read from the current directory, not the config file's: say which, the usual slip
+    return "directory not found" + ("" if path.is_absolute() else f" (relative to the current directory {Path.cwd()})")
+
+
+def _has_tokenizer(directory: Path) -> bool:
+    return any((directory / f).is_file() for f in TOKENIZER_FILES)
+
+
+def _vocabulary(directory: Path) -> dict[int, str] | None:
+    """id -> token of the tokenizer saved in ``directory`` (tokenizer.json's vocab and added tokens, else
+    vocab.json), or None when there is neither or it has a form not known here (then nothing is compared)."""
+    try:
+        if (directory / "tokenizer.json").is_file():
+            data = json.loads((directory / "tokenizer.json").read_text(encoding="utf-8"))
+            vocab = data["model"]["vocab"]  # {token: id}, or Unigram's [[piece, score], ...] in id order
+            pairs = vocab.items() if isinstance(vocab, dict) else ((entry[0], i) for i, entry in enumerate(vocab))
+            ids = {int(i): str(token) for token, i in pairs}
+            ids.update((int(t["id"]), str(t["content"])) for t in data.get("added_tokens") or ())
+            return ids
+        if (directory / "vocab.json").is_file():
+            vocab = json.loads((directory / "vocab.json").read_text(encoding="utf-8"))
+            return {int(i): str(token) for token, i in vocab.items()}
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+        return None
+    return None
+
+
 def _num_layers(config: dict | None, names: Sequence[str]) -> int:
     for key in ("num_hidden_layers", "n_layer", "num_layers"):
         if config and isinstance(config.get(key), int):
@@ -1646,6 +1763,9 @@ class ModelMerger:
     """
 
     def __init__(self, config: MergeConfig, *, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> None:
+        if not isinstance(config, MergeConfig):
+            raise TypeError(f"ModelMerger takes a MergeConfig (MergeConfig.from_yaml(path) or MergeConfig(**keys)), "
+                            f"got {type(config).__name__}")
         if chunk_elements < 1:
             raise ValueError(f"chunk_elements must be >= 1, got {chunk_elements}")
         self.config = config
@@ -1654,7 +1774,14 @@ class ModelMerger:
     # -- planning -----------------------------------------------------------------------------------
 
     def plan(self) -> MergePlan:
-        """Open and check every input; raises MergeError naming the model and tensor at fault."""
+        """Open and check every input; raises MergeError naming the model and tensor at fault, and for a
+        config read from YAML, the file and line (or the command line) that named it."""
+        try:
+            return self._plan()
+        except MergeError as err:
+            raise self.config.locate(err) from None
+
+    def _plan(self) -> MergePlan:
         config = self.config
         config.validate()
         models = [self._open(m.model, f"models[{i}]", m.base) for i, m in enumerate(config.models)]
@@ -1664,17 +1791,33 @@ class ModelMerger:
         inputs = ([base] if base is not None else []) + models
         reference = inputs[0]
         self._check_inputs(reference, inputs[1:])
+        tokenizer_dir = self._tokenizer_dir(models, base)
+        self._check_tokenizers(inputs)
         num_layers = _num_layers(reference.config, reference.names)
         jobs = [self._job(name, reference.infos[name], num_layers) for name in reference.names]
-        self._check_output([Path(s.directory) for s in inputs])
+        self._check_weight_sums(jobs)
+        self._check_output(inputs)
         notes = self._notes(reference, jobs)
-        return MergePlan(base, models, reference, jobs, num_layers, self._tokenizer_dir(models, base), notes)
+        return MergePlan(base, models, reference, jobs, num_layers, tokenizer_dir, notes)
 
-    def _open(self, path: str, label: str, lora_base: str | None) -> Source:
-        directory = Path(path)
-        label = f"{label} ({path})"
+    def _open(self, path: str, entry: str, lora_base: str | None) -> Source:
+        """The checkpoint or LoRA adapter that config entry ``entry`` (``models[1]``, ``base_model``) names;
+        its mistakes carry the entry, so that they can be traced to where it was given."""
+        label = f"{entry} ({path})"
+        try:
+            source = self._open_source(Path(path), label, lora_base)
+            _ = source.config  # parse config.json now: a broken one is this entry's mistake, found before any tensor
+            return source
+        except OSError as err:  # e.g. no permission to read a shard
+            raise MergeError(f"{label}: cannot read {err.filename or path} ({err.strerror or err})",
+                             _entry_fields(entry)) from None
+        except MergeError as err:
+            raise MergeError(str(err), err.fields or _entry_fields(entry)) from None
+
+    def _open_source(self, directory: Path, label: str, lora_base: str | None) -> Source:
         if not directory.is_dir():
-            raise MergeError(f"{label}: {'is a file, not a model directory' if directory.exists() else 'directory not found'}")
+            problem = "is a file, not a model directory" if directory.exists() else _not_found(directory)
+            raise MergeError(f"{label}: {problem}")
         if (directory / "adapter_config.json").is_file():
             base_dir = self._lora_base(directory, label, lora_base)
             return LoraCheckpoint(directory, label, Checkpoint(base_dir, f"{label}'s base ({base_dir})"))
@@ -1683,7 +1826,8 @@ class ModelMerger:
     def _lora_base(self, directory: Path, label: str, explicit: str | None) -> Path:
         if explicit:
             if not Path(explicit).is_dir():
-                raise MergeError(f"{label}: base {explicit} (the LoRA adapter's base model) not found")
+                raise MergeError(f"{label}: base {explicit} (the LoRA adapter's base model): "
+                                 f"{_not_found(Path(explicit))}")
             return Path(explicit)
         recorded = _read_adapter_config(directory, label).get("base_model_name_or_path")
         if recorded and Path(recorded).is_dir():
@@ -1701,36 +1845,62 @@ class ModelMerger:
         arch = _architecture(reference.config)
         ref_names = set(reference.names)
         for source in others:
+            fields = _entry_fields(self._short(source))
             other_arch = _architecture(source.config)
             if arch and other_arch and arch != other_arch:
                 raise MergeError(f"{source.label}: architecture {'/'.join(other_arch[1]) or other_arch[0]} differs "
                                  f"from {self._short(reference)}'s {'/'.join(arch[1]) or arch[0]}; only models of one "
-                                 "architecture can be merged")
+                                 "architecture can be merged", fields)
             missing = [n for n in reference.names if n not in source.infos]
             if missing:
                 hint = (" (tie_word_embeddings differs: one model stores a separate output head)"
                         if missing[0].endswith("lm_head.weight") else "")
                 raise MergeError(f"{source.label}: tensor {missing[0]} is missing; {self._short(reference)} has it"
-                                 f"{hint}" + (f" ({len(missing) - 1} more missing)" if len(missing) > 1 else ""))
+                                 f"{hint}" + (f" ({len(missing) - 1} more missing)" if len(missing) > 1 else ""),
+                                 fields)
             extra = [n for n in source.names if n not in ref_names]
             if extra:
                 raise MergeError(f"{source.label}: tensor {extra[0]} is not in {self._short(reference)}"
                                  + (f" ({len(extra) - 1} more)" if len(extra) > 1 else "")
-                                 + "; the models must have the same tensors")
+                                 + "; the models must have the same tensors", fields)
             for name in reference.names:
                 ours, theirs = source.infos[name], reference.infos[name]
                 if ours.shape != theirs.shape:
                     raise MergeError(f"{source.label}: tensor {name} has shape {_shape(ours.shape)}, "
-                                     f"{self._short(reference)} has {_shape(theirs.shape)}")
+                                     f"{self._short(reference)} has {_shape(theirs.shape)}", fields)
                 if ours.dtype.is_floating_point != theirs.dtype.is_floating_point:
                     raise MergeError(f"{source.label}: tensor {name} has dtype {ours.dtype}, "
-                                     f"{self._short(reference)} has {theirs.dtype}")
+                                     f"{self._short(reference)} has {theirs.dtype}", fields)
+
+    def _check_tokenizers(self, inputs: list[Source]) -> None:
+        """Row i of every embedding must be the same token in every model. A token added at a new id
+        changes the embedding's shape (caught above); a different tokenizer of the same size is caught
+        here, where an id means another token. Inputs without tokenizer files are not compared."""
+        named = [(s.label, next((Path(d) for d in (s.directory, s.config_dir) if _has_tokenizer(Path(d))), None))
+                 for s in inputs]  # a LoRA adapter's own tokenizer, else its base's
+        if self.config.tokenizer_source:
+            named.append((f"tokenizer_source ({self.config.tokenizer_source})", Path(self.config.tokenizer_source)))
+        first: tuple[str, dict[int, str]] | None = None
+        for label, directory in named:
+            vocab = None if directory is None else _vocabulary(directory)
+            if vocab is None:
+                continue
+            if first is None:
+                first = (label, vocab)
+                continue
+            clash = next((i for i, token in vocab.items() if first[1].get(i, token) != token), None)
+            if clash is not None:
+                there = first[0].split(" (")[0]
+                raise MergeError(f"{label}: its tokenizer differs from {there}'s (token id {clash} is "
+                                 f"{vocab[clash]!r} here, {first[1][clash]!r} there), so their embeddings mean "
+                                 "different tokens; merge models that share one tokenizer",
+                                 _entry_fields(label.split(" (")[0]))
 
     def _setting(self, value: Setting, field_name: str, name: str, num_layers: int) -> float:
         try:
             return setting_for_tensor(value, name, num_layers)
         except ValueError as err:
-            raise MergeError(f"{field_name}: {err}") from None
+            raise MergeError(f"{field_name}: {err}", _entry_fields(field_name.removesuffix(".weight"))) from None
 
     def _job(self, name: str, info: TensorInfo, num_layers: int) -> TensorJob:
         config = self.config
@@ -1743,35 +1913,68 @@ class ModelMerger:
             t=None if config.t is None else self._setting(config.t, "t", name, num_layers),
             lam=self._setting(config.lambda_, "lambda", name, num_layers))
 
-    def _check_output(self, input_dirs: list[Path]) -> None:
-        output = Path(self.config.output_dir)
-        if any(output.resolve() == d.resolve() for d in input_dirs):
-            raise MergeError(f"output_dir {output} is one of the inputs; choose a new directory")
-        if output.exists() and not self.config.overwrite:
+    def _check_weight_sums(self, jobs: list[TensorJob]) -> None:
+        # per-layer weights can cancel at one depth only: find it now, not after half the output is written
+        if self.config.method == "linear" and self.config.normalize:
+            zero = next((j for j in jobs if j.merged and sum(j.weights) == 0), None)
+            if zero is not None:
+                raise MergeError(f"the models' weights sum to 0 for tensor {zero.name}, so linear cannot normalise "
+                                 "them; change a weight or set normalize: false", ("models", "normalize"))
+
+    def _check_output(self, inputs: list[Source]) -> None:
+        config = self.config
+        output = Path(config.output_dir)
+        fields = ("output_dir",)
+        # everything the merge reads, so that overwrite: true can never delete an input (or its LoRA base)
+        read = [(s.label, Path(s.directory)) for s in inputs] + [
+            (s.base.label, Path(s.base.directory)) for s in inputs if isinstance(s, LoraCheckpoint)]
+        if config.tokenizer_source:
+            read.append((f"tokenizer_source ({config.tokenizer_source})", Path(config.tokenizer_source)))
+        for label, directory in read:
+            if output.resolve() == directory.resolve():
+                raise MergeError(f"output_dir {output} is one of the inputs ({label.split(' (')[0]}); choose a new "
+                                 "directory", fields)
+            if output.resolve() in directory.resolve().parents:
+                raise MergeError(f"output_dir {output} contains an input, {label}, which replacing output_dir would "
+                                 "delete; choose another output_dir", fields)
+        if config.overwrite and output.resolve() in (Path.cwd().resolve(), *Path.cwd().resolve().parents):
+            raise MergeError(f"output_dir {output} contains the current directory, which overwrite: true would delete; "
+                             "choose another output_dir", fields)
+        if output.exists() and not output.is_dir():
+            raise MergeError(f"output_dir {output} is a file; give a directory path for the merged model", fields)
+        if output.exists() and not config.overwrite:
             raise MergeError(f"output_dir {output} already exists; set overwrite: true to replace it "
-                             "(or choose another output_dir)")
+                             "(or choose another output_dir)", fields)
         existing = output.parent  # the merge creates the missing directories above output_dir: can it?
         while not existing.exists() and existing != existing.parent:
             existing = existing.parent
         if not existing.is_dir():
-            raise MergeError(f"output_dir {output} cannot be created ({existing} is a file); choose another output_dir")
+            raise MergeError(f"output_dir {output} cannot be created ({existing} is a file); choose another output_dir",
+                             fields)
         if not os.access(existing, os.W_OK | os.X_OK):
-            raise MergeError(f"output_dir {output}: no permission to write in {existing}; choose another output_dir")
+            raise MergeError(f"output_dir {output}: no permission to write in {existing}; choose another output_dir",
+                             fields)
 
     def _tokenizer_dir(self, models: list[Source], base: Source | None) -> Path | None:
         if self.config.tokenizer_source:
             path = Path(self.config.tokenizer_source)
-            if not any((path / f).is_file() for f in TOKENIZER_FILES):
-                raise MergeError(f"tokenizer_source {path}: no tokenizer files there ({', '.join(TOKENIZER_FILES[:2])})")
+            if not _has_tokenizer(path):
+                problem = (f"no tokenizer files there ({', '.join(TOKENIZER_FILES[:2])})" if path.is_dir()
+                           else _not_found(path))
+                raise MergeError(f"tokenizer_source {path}: {problem}", ("tokenizer_source",))
             return path
         candidates = [models[0].directory, models[0].config_dir] + ([base.directory] if base is not None else [])
-        return next((Path(d) for d in candidates if any((Path(d) / f).is_file() for f in TOKENIZER_FILES)), None)
+        return next((Path(d) for d in candidates if _has_tokenizer(Path(d))), None)
 
     def _notes(self, reference: Source, jobs: list[TensorJob]) -> list[str]:
         notes = []
         unused = self.config.unused_fields()
         if unused:
             notes.append(f"not used by {self.config.method}: {', '.join(unused)}")
+        ignored = [f"models[{i}].base" for i, m in enumerate(self.config.models)
+                   if m.base and not (Path(m.model) / "adapter_config.json").is_file()]
+        if ignored:
+            notes.append(f"{', '.join(ignored)} ignored: 'base' is for LoRA adapters, and that model is a full one")
         copied = [j.name for j in jobs if not j.merged]
         if copied:
             notes.append(f"{len(copied)} non-floating tensor(s) copied from {self._short(reference)}: {copied[0]}"
@@ -2166,6 +2369,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="override a top-level key, e.g. density=0.3")
     parser.add_argument("--dry-run", action="store_true", help="check the config and inputs, write nothing")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    def usage_error(message: str) -> None:  # argparse's own prints the whole usage first: keep to one line
+        print(f"error: command line: {message} (python model_merging.py --help lists the options)", file=sys.stderr)
+        sys.exit(2)
+
+    parser.error = usage_error
+    if isinstance(argv, str):  # would be parsed letter by letter
+        raise TypeError(f"argv must be a list of arguments, e.g. ['--config', 'merge.yaml'], got the string {argv!r}")
     args = parser.parse_args(argv)
     try:
         merger = ModelMerger(MergeConfig.from_yaml(args.config, args.overrides))

@@ -67,8 +67,8 @@ def test_cli_dry_run_writes_nothing(tiny_family, capsys):
 
 
 @pytest.mark.parametrize(("data", "extra", "message"), [
-    ({"method": "ties", "desnity": 0.5}, [], r"merge.yaml: unknown key 'desnity'; did you mean 'density'\?"),
-    ({"method": "ties"}, [], r"merge.yaml: method ties merges task vectors"),
+    ({"method": "ties", "desnity": 0.5}, [], r"merge.yaml:1: unknown key 'desnity'; did you mean 'density'\?"),
+    ({"method": "ties"}, [], r"merge.yaml:1: method ties merges task vectors"),
     ({"method": "linear"}, ["oops"], r"^error: command line: override 'oops' must look like key=value"),
     ({"method": "linear"}, ["=3"], r"^error: command line: override '=3' must look like key=value"),
     ({"method": "linear", "models": ["missing-dir"]}, [], r"models\[0\] \(missing-dir\): directory not found"),
@@ -110,7 +110,7 @@ def test_cli_file_mistakes_keep_the_file_name(tiny_family, capsys):
     config = write_config(tiny_family, method="ties", base_model=str(tiny_family / "base"), density=1.5,
                           models=[str(tiny_family / "a")], output_dir=str(tiny_family / "out"))
     assert_one_line_error(mm.main(["--config", str(config), "lambda=0.5", "method=dare_ties"]), capsys.readouterr().err,
-                          rf"^error: {re.escape(str(config))}: density must be in \(0.0, 1.0\], got 1.5$")
+                          rf"^error: {re.escape(str(config))}:2: density must be in \(0.0, 1.0\], got 1.5$")
 
 
 def test_cli_missing_config_file(capsys, tmp_path):
