@@ -1907,7 +1907,7 @@ def main(argv: list[str] | None = None) -> int:
     best.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: off)")
     best.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     best.add_argument("--batch-size", type=int, default=16, help="prompts per generate call (default 16)")
-    best.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
+    best.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda (cuda:N for one GPU); default: cuda when a GPU is present, else cpu")
     best.add_argument("--output", help="write the JSON lines to this file (its directory is created) instead of stdout")
     args = parser.parse_args(argv)
     try:

@@ -407,7 +407,7 @@ class OnlineRLConfig(BaseConfig):
     top_p: float = _opt(1.0, "Nucleus sampling mass for rollouts")
     top_k: int = _opt(0, "Sample among the k most likely tokens (0: all)")
     generation_engine: str = _opt("auto", "Rollout decoding: auto (static cache, compiled once a shape has generated enough tokens) | compiled | static | eager")
-    reward_funcs: list[str] = _opt([], "Reward functions: exact_answer, format, length, reward_model, api, or module:function")
+    reward_funcs: list[str] = _opt([], "Reward functions: exact_answer, format, length, reward_model, process_reward_model, api, or module:function")
     reward_weights: list[float] = _opt([], "One weight per reward function, in order (default: all 1.0)")
     reward_model: str | None = _opt(None, "Reward model (or ensemble) directory saved by the rm stage ('rm' in a pipeline: its rm stage)")
     process_reward_model: str | None = _opt(None, "Process reward model directory (prm stage; 'prm' in a pipeline), for reward_funcs 'process_reward_model'")
@@ -542,6 +542,28 @@ FINAL_STAGE_OPTIONS: dict[str, dict[str, Any]] = {
                   "reward_model": "rm", "max_new_tokens": None, "seed": 0},
     # model_merging.MergeConfig keys; models default to every adopted policy-optimisation stage
     "merge": {"method": "ties", "models": None, "base_model": "sft", "density": 0.5, "evaluate": True},
+}
+
+
+FINAL_STAGE_HELP: dict[str, dict[str, str]] = {  # what `pipeline --help` says about each final-stage key
+    "eval": {"prompts": "held-out prompts with answers (default: the pipeline's eval_dataset)",
+             "max_prompts": "prompts scored for reward and KL (accuracy uses every prompt)",
+             "samples_per_prompt": "samples per prompt for the KL estimate",
+             "reward_model": "the reward model scoring greedy answers: a stage name or a directory (null, or a stage "
+             "that did not run: no reward metrics)",
+             "reference": "the policy KL is measured against", "pairs": "preference pairs for the reward "
+             "model's pairwise accuracy (optional)", "max_pairs": "pairs read from pairs",
+             "max_new_tokens": "generation length (default: eval_max_new_tokens)",
+             "batch_size": "prompts per generation batch"},
+    "best_of_n": {"n": "samples per prompt", "prompts": "as in eval", "max_prompts": "prompts used",
+                  "temperature": "sampling temperature", "scorers": "rm (the reward model) and/or vote (the most "
+                  "frequent answer)", "reward_model": "the model behind the rm scorer",
+                  "max_new_tokens": "generation length (default: eval_max_new_tokens)", "seed": "sampling seed"},
+    "merge": {"method": "a model_merging method (ties, dare_ties, slerp, linear, ...)",
+              "models": "the policies to merge (default: every adopted preference or RL stage)",
+              "base_model": "the model they were fine-tuned from", "density": "share of each task vector kept",
+              "evaluate": "evaluate the merged model like the others; any other merge config key (lambda, t, "
+              "majority_sign_method, normalize, dtype, seed, ...) is passed to model_merging.py"},
 }
 
 
@@ -1021,6 +1043,17 @@ def _launch_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def rich_console(**kwargs: Any) -> Any:
+    """A rich Console. Written to a file or a CI log (no terminal width to fit, no COLUMNS), it is 160 columns
+    wide instead of rich's 80, so summary tables keep a row on one line and the output column is not cut."""
+    from rich.console import Console
+
+    console = Console(**kwargs)
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console = Console(width=160, **kwargs)
+    return console
+
+
 def setup_logging(level: str | int = "INFO", log_file: str | os.PathLike | None = None) -> logging.Logger:
     """Rich console logging for the ``rlhf`` logger, plus an optional plain-text file."""
     from rich.logging import RichHandler
@@ -1030,7 +1063,8 @@ def setup_logging(level: str | int = "INFO", log_file: str | os.PathLike | None 
         level = max(logging.getLevelName(level) if isinstance(level, str) else level, logging.WARNING)
     root.setLevel(level)
     if not any(isinstance(h, RichHandler) for h in root.handlers):
-        handler = RichHandler(show_path=False, rich_tracebacks=False, markup=False, log_time_format="[%X]")
+        handler = RichHandler(console=rich_console(), show_path=False, rich_tracebacks=False, markup=False,
+                              log_time_format="[%X]")
         handler.setFormatter(logging.Formatter("%(message)s"))
         root.addHandler(handler)
     if log_file is not None:
@@ -1410,6 +1444,17 @@ def _other_stage_checkpoint_error(path: Path, saved_stage: str, stage: str, expl
                           f"output_dir to another directory, or resume_from_checkpoint=none to start over (removes them)")
 
 
+def _changed_structure_error(path: Path, changes: list[str], explicit: bool) -> RLHFInputError:
+    """The one-line error for resuming a checkpoint that holds other parameters (LoRA against full, another rank)."""
+    what = "; ".join(changes)
+    if explicit:
+        return RLHFInputError(f"config field 'resume_from_checkpoint': {path} cannot be resumed with {what}: its weights "
+                              f"and optimizer state fit the old settings; resume with those, or start over with "
+                              f"resume_from_checkpoint=none")
+    return RLHFInputError(f"{path.parent.parent} holds checkpoints that this run cannot resume ({what}): set output_dir "
+                          f"to another directory, or resume_from_checkpoint=none to start over (removes them)")
+
+
 class CheckpointManager:
     """Atomic, rolling checkpoints under ``output_dir/checkpoints``.
 
@@ -1603,6 +1648,15 @@ def _model_type(model: nn.Module) -> str:
     return getattr(getattr(model, "config", None), "model_type", "")
 
 
+@contextlib.contextmanager
+def _peft_deprecation_quiet() -> Iterator[None]:
+    """peft reads transformers' deprecated ``is_gradient_checkpointing``; the FutureWarning is about peft's code,
+    not the user's, and would print on every LoRA run."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
+
+
 def apply_lora(model: nn.Module, config: BaseConfig) -> nn.Module:
     """Wrap the model with PEFT LoRA adapters on ``lora_target`` (``all`` = every linear layer)."""
     from peft import LoraConfig, get_peft_model
@@ -1629,7 +1683,8 @@ def apply_lora(model: nn.Module, config: BaseConfig) -> nn.Module:
                              target_modules=targets, modules_to_save=extra, task_type="CAUSAL_LM",
                              fan_in_fan_out=conv1d)
     try:
-        return get_peft_model(model, adapter)
+        with _peft_deprecation_quiet():
+            return get_peft_model(model, adapter)
     except ValueError as err:  # e.g. a module type PEFT cannot adapt on this architecture
         raise RLHFInputError(f"config field 'lora_target' ({', '.join(targets)}): {err}") from None
 
@@ -3157,7 +3212,11 @@ def load_causal_lm(path: str, *, dtype: str | torch.dtype = "float32", attn_impl
     except OSError as err:
         raise RLHFInputError(f"config field 'model_name_or_path': cannot load '{path}' ({str(err).splitlines()[0][:160]}); "
                              f"give a local Hugging Face model directory or 'tiny'") from None
-    logger.info("attention: %s (%s)", implementation, reason)
+    # an explicit request that cannot run here is worth a warning (Hugging Face would refuse it); auto is not
+    if attn_implementation in ("auto", implementation):
+        logger.info("attention: %s (%s)", implementation, reason)
+    else:
+        logger.warning("attention: %s was requested, but %s runs instead (%s)", attn_implementation, implementation, reason)
     return model, implementation
 
 
@@ -3188,7 +3247,8 @@ class PolicyModel(nn.Module):
         if adapter_config.exists():
             from peft import PeftModel
 
-            model = PeftModel.from_pretrained(model, path, is_trainable=is_trainable)
+            with _peft_deprecation_quiet():
+                model = PeftModel.from_pretrained(model, path, is_trainable=is_trainable)
         tokenizer_path = path if (Path(path) / "tokenizer_config.json").exists() or not Path(path).exists() else base_path
         return cls(model.to(device), load_tokenizer(tokenizer_path, trust_remote_code), implementation)
 
@@ -5211,6 +5271,10 @@ class BaseTrainer:
                                        "ddp_timeout", "cache_dir", "eval_dataset", "per_device_eval_batch_size",
                                        "eval_max_new_tokens", "eval_before_training"})
 
+    # settings that decide which parameters a checkpoint holds: its weights and optimizer state fit no others
+    RESUME_STRUCTURAL_FIELDS = ("finetuning_type", "lora_rank", "lora_target", "additional_target",
+                                "freeze_trainable_layers")
+
     def _check_resumable(self, path: Path, state: dict[str, Any]) -> None:
         """Refuse another stage's checkpoint (its files and optimizer do not fit this trainer); warn when the
         settings changed since it was written, since the optimizer and schedule continue from it regardless."""
@@ -5218,8 +5282,19 @@ class BaseTrainer:
         if stage and stage != self.stage:
             raise _other_stage_checkpoint_error(path, stage, self.stage, self.config.resume_from_checkpoint != "auto")
         saved, now = state.get("config") or {}, json.loads(json.dumps(self.config.to_dict(), default=str))
-        changed = [f"{key} {saved[key]!r} -> {now[key]!r}" for key in sorted(now)
-                   if key in saved and key not in self.RESUME_NEUTRAL_FIELDS and saved[key] != now[key]]
+
+        def changes(keys: Iterable[str]) -> list[str]:
+            return [f"{key} {saved[key]!r} -> {now[key]!r}" for key in keys if key in saved and key in now
+                    and saved[key] != now[key]]
+
+        structural = changes(k for k in self.RESUME_STRUCTURAL_FIELDS
+                             if k != "freeze_trainable_layers" or now.get("finetuning_type") == "freeze")
+        if structural:
+            raise _changed_structure_error(path, structural, self.config.resume_from_checkpoint != "auto")
+        length = changes(("max_steps", "num_train_epochs"))
+        if length:
+            logger.info("resuming %s with a new length: %s", path, "; ".join(length))
+        changed = changes(key for key in sorted(now) if key not in self.RESUME_NEUTRAL_FIELDS)
         if changed:
             logger.warning("resuming %s with settings changed since it was written: %s%s. The run continues from the "
                            "checkpoint; to train from scratch with the new settings set resume_from_checkpoint=none or "
@@ -8052,8 +8127,6 @@ class RLHFOrchestrator:
     def run_full_pipeline(self) -> list[dict[str, Any]]:
         """Every stage in ``config.stages``; prints the pipeline table and writes report.json, report.md
         and pipeline_summary.png. Returns this run's entries."""
-        from rich.console import Console
-
         started = time.time()
         if self.is_main_process:
             self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -8067,7 +8140,7 @@ class RLHFOrchestrator:
             return self.history
         seconds = time.time() - started
         written = write_pipeline_report(self.output_dir, self.history, seconds)
-        Console().print(pipeline_table(self.history, title=f"pipeline summary ({self.output_dir}, {seconds:.0f}s)"))
+        rich_console().print(pipeline_table(self.history, title=f"pipeline summary ({self.output_dir}, {seconds:.0f}s)"))
         logger.info("report: %s", ", ".join(str(p) for p in [self.output_dir / "report.json", *written]))
         return self.history
 
@@ -8101,9 +8174,17 @@ Stage options (see `python rlhf.py sft --help` for each one's meaning):
 def _pipeline_help() -> str:
     keys = "\n".join(f"  {f.name}: {f.metadata.get('help', '')}" for f in dataclasses.fields(PipelineConfig)
                      if f.name in ("capability_tests", "capability_threshold", "rollback_on_error"))
-    finals = "\n".join(f"  {stage}: " + ", ".join(f"{k}={v}" for k, v in options.items())
+    finals = "\n".join(f"  {stage}:\n" + "\n".join(f"    {key} (default {value}): {FINAL_STAGE_HELP[stage][key]}"
+                                                   for key, value in options.items())
                        for stage, options in FINAL_STAGE_OPTIONS.items())
     return PIPELINE_HELP.format(pipeline_keys=keys, final_stages=finals)
+
+
+def _first_sentence(doc: str) -> str:
+    """A docstring's first sentence, for a one-line help entry (its first paragraph may wrap over lines)."""
+    paragraph = " ".join(doc.strip().split("\n\n")[0].split())
+    end = re.search(r"\.(\s+[A-Z]|$)", paragraph)  # not at "et al. 2019"
+    return paragraph[:end.start() + 1] if end else paragraph
 
 
 def _build_parser() -> Any:
@@ -8111,11 +8192,14 @@ def _build_parser() -> Any:
 
     parser = argparse.ArgumentParser(prog="rlhf", description="Post-training for causal language models: "
                                      "SFT, reward and process-reward models, DPO/SimPO/ORPO/KTO, GRPO and PPO.",
+                                     epilog="LLaMA-Factory style: `rlhf --config FILE` and `rlhf train FILE` run the "
+                                     "stage named by the file's `stage:` key.\n`rlhf COMMAND --help` lists every "
+                                     "option of a command.",
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"rlhf {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for stage, cls in STAGE_CONFIGS.items():
-        command = sub.add_parser(stage, help=(cls.__doc__ or "").strip().splitlines()[0],
+        command = sub.add_parser(stage, help=_first_sentence(cls.__doc__ or ""),
                                  description=f"Train the {stage} stage. Options come from --config (YAML, "
                                  "LLaMA-Factory keys accepted) and key=value overrides, in that order.",
                                  epilog="options (YAML keys or key=value):\n" + config_help(cls),
@@ -8132,8 +8216,10 @@ def _build_parser() -> Any:
                           "(see configs/real_model.yaml)")
     pipeline.add_argument("overrides", nargs="*", metavar="key=value", help="shared or stage.key=value overrides")
     train = sub.add_parser("train", help="LLaMA-Factory style: run the stage named by the config's `stage:` key",
-                           description="Read `stage:` from a LLaMA-Factory style YAML file and run that stage.")
-    train.add_argument("--config", required=True, help="YAML config with a `stage:` key")
+                           description="Read `stage:` from a LLaMA-Factory style YAML file and run that stage: "
+                           "`rlhf train FILE` or `rlhf train --config FILE` (the same).")
+    train.add_argument("--config", required=True, help="YAML config with a `stage:` key (or give FILE first, "
+                       "without --config)")
     train.add_argument("overrides", nargs="*", metavar="key=value")
     plan = sub.add_parser("plan", help="Estimate per-GPU memory of a 7B/70B preset before launching",
                           description="Per-GPU memory of one training step of a preset (weights, gradients, "
@@ -8211,7 +8297,7 @@ def main(argv: list[str] | None = None) -> int:
     from rich.markup import escape
 
     args = _build_parser().parse_args(_llamafactory_argv(sys.argv[1:] if argv is None else list(argv)))
-    console = Console()
+    console = rich_console()
     setup_logging()
     if args.command == "merge":  # model_merging has its own one-line errors and exit status
         import model_merging

@@ -256,6 +256,25 @@ def test_resume_refuses_another_stages_checkpoint_and_warns_about_changed_settin
     warnings = [r.getMessage() for r in records if "settings changed" in r.getMessage()]
     assert len(warnings) == 1 and "learning_rate 0.001 -> 0.0001" in warnings[0], warnings
     assert "max_steps" not in warnings[0] and "logging_steps" not in warnings[0]  # how long and how loud: no warning
+    assert any("new length: max_steps 2 -> 3" in r.getMessage() for r in records)  # said, not warned
+
+
+def test_resume_refuses_a_checkpoint_with_other_parameters(tmp_path, llama_dir, demo_dir):
+    """A LoRA run's checkpoint holds adapter weights and their optimizer state; a full fine-tuning run in the same
+    output_dir (or a LoRA run of another rank) cannot continue from it: one line, naming the change and the way out."""
+    out = tmp_path / "run"
+    rlhf.train_sft(_config(out, llama_dir, demo_dir, max_steps=2, save_steps=2, finetuning_type="lora"))
+    with pytest.raises(rlhf.RLHFInputError, match=r"holds checkpoints that this run cannot resume \(finetuning_type "
+                                                   r"'lora' -> 'full'\): set output_dir to another directory"):
+        rlhf.train_sft(_config(out, llama_dir, demo_dir, max_steps=3, finetuning_type="full"))
+    explicit = _config(out, llama_dir, demo_dir, max_steps=3, finetuning_type="lora", lora_rank=4,
+                       resume_from_checkpoint=str(out / "checkpoints" / "checkpoint-2"))
+    with pytest.raises(rlhf.RLHFInputError, match=r"resume_from_checkpoint': .*checkpoint-2 cannot be resumed with "
+                                                   r"lora_rank 8 -> 4"):
+        rlhf.train_sft(explicit)
+    fresh = rlhf.train_sft(_config(out, llama_dir, demo_dir, max_steps=1, finetuning_type="full",
+                                   resume_from_checkpoint="none"))
+    assert fresh.global_step == 1
 
 
 def test_run_without_eval_data_logs_no_empty_rows(tmp_path, llama_dir, demo_dir):
