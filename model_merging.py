@@ -1212,6 +1212,27 @@ def _check_setting(value: Any, field_name: str, low: float | None = None, high: 
             raise MergeError(f"{field_name} must be in {lo_text}{low}, {high}], got {v!r}", (key,))
 
 
+CONFIG_KEYS_HELP = """\
+config keys (YAML, or key=value on the command line):
+  method                one of the methods above
+  models                model directories (full checkpoints or LoRA adapters), or {model, weight, base} entries;
+                        weight accepts per-layer anchors, base names a LoRA adapter's base model
+  base_model            the common base: task-vector methods merge model - base; slerp's t = 0 end
+  output_dir            the merged model's directory
+  density               kept share of each task vector (ties, dare_*, magnitude_prune); per-layer anchors or
+                        [{filter, value}] accepted
+  lambda                scales the merged task vector (default 1.0)
+  majority_sign_method  ties' sign election: total (mass-weighted, default) or frequency (one vote per model)
+  t                     slerp's position between the two ends (0..1), per-layer anchors or [{filter, value}]
+  normalize             linear divides by the sum of the weights (default true)
+  seed                  DARE's random drops (default 0)
+  dtype                 float32, bfloat16 or float16 output (default: each tensor keeps the reference's dtype)
+  max_shard_size        bytes or e.g. 5GB per safetensors shard (default 5GB)
+  tokenizer_source      where tokenizer and chat template come from (default: the first model, else the base)
+  overwrite             replace an existing output_dir (default false)
+"""
+
+
 @dataclass
 class MergeConfig:
     """What to merge and how (mergekit-like YAML; ``MergeConfig.from_yaml(path)``).
@@ -2364,7 +2385,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     mistake prints one ``error:`` line and exits with status 2."""
     parser = argparse.ArgumentParser(
         prog="model_merging.py", description="Merge fine-tuned checkpoints of one base model (streaming: "
-        f"one tensor at a time). Methods: {', '.join(MERGE_METHODS)}. Example configs: configs/merge_*.yaml.")
+        f"one tensor at a time). Methods: {', '.join(MERGE_METHODS)}. Example configs: configs/merge_*.yaml.",
+        epilog=CONFIG_KEYS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="merge YAML (method, base_model, models, output_dir, ...)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="override a top-level key, e.g. density=0.3")
     parser.add_argument("--dry-run", action="store_true", help="check the config and inputs, write nothing")

@@ -8235,11 +8235,19 @@ def _build_parser() -> Any:
     merge = sub.add_parser("merge", help="Merge fine-tuned checkpoints (TIES, DARE, SLERP, ...) with model_merging.py",
                            description="Merge checkpoint directories tensor by tensor into a new Hugging Face "
                            "directory; the same as `python model_merging.py --config FILE`. Example configs: "
-                           "configs/merge_*.yaml.")
+                           "configs/merge_*.yaml.", epilog=_merge_keys_help(),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     merge.add_argument("--config", required=True, help="merge YAML (method, base_model, models, output_dir, ...)")
     merge.add_argument("overrides", nargs="*", metavar="key=value", help="override a top-level key, e.g. density=0.3")
     merge.add_argument("--dry-run", action="store_true", help="check the config and inputs, write nothing")
+    merge.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
+
+
+def _merge_keys_help() -> str:
+    import model_merging
+
+    return model_merging.CONFIG_KEYS_HELP
 
 
 def memory_plan_table(args: Any) -> Any:
@@ -8302,7 +8310,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "merge":  # model_merging has its own one-line errors and exit status
         import model_merging
 
-        return model_merging.main(["--config", args.config, *args.overrides, *(["--dry-run"] if args.dry_run else [])])
+        return model_merging.main(["--config", args.config, *args.overrides, *(["--dry-run"] if args.dry_run else []),
+                                   *(["--no-progress"] if args.no_progress else [])])
     try:
         if args.command == "plan":
             console.print(memory_plan_table(args))

@@ -156,3 +156,13 @@ def test_example_configs_cover_every_method():
     for name, config in loaded.items():
         assert config.output_dir.startswith("outputs/merged/"), name
         assert config.unused_fields() == [], name  # every key in an example means something to its method
+
+
+def test_help_lists_every_config_key():
+    """`--help` explains each MergeConfig key once (YAML names: lambda, not lambda_)."""
+    import dataclasses
+
+    keys = {"lambda" if f.name == "lambda_" else f.name for f in dataclasses.fields(mm.MergeConfig)}
+    listed = {line.split()[0] for line in mm.CONFIG_KEYS_HELP.splitlines()[1:]
+              if line.startswith("  ") and not line.startswith("   ")}
+    assert listed == keys
