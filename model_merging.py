@@ -1724,6 +1724,11 @@ def _architecture(config: dict | None) -> tuple[str | None, tuple[str, ...]] | N
     return config.get("model_type"), tuple(config.get("architectures") or ())
 
 
+def _entry(label: str) -> str:
+    """The config entry of an input's label: ``models[1] (outputs/x)`` -> ``models[1]``."""
+    return label.split(" (")[0]
+
+
 def _entry_fields(entry: str) -> tuple[str, str]:
     """The config fields of an input's entry, most specific first: ``models[1]`` -> (models[1], models)."""
     return entry, (re.match(r"\w+", entry) or [entry])[0]
@@ -1860,7 +1865,7 @@ class ModelMerger:
 
     @staticmethod
     def _short(source: Source) -> str:
-        return source.label.split(" (")[0]
+        return _entry(source.label)
 
     def _check_inputs(self, reference: Source, others: list[Source]) -> None:
         arch = _architecture(reference.config)
@@ -1911,11 +1916,10 @@ class ModelMerger:
                 continue
             clash = next((i for i, token in vocab.items() if first[1].get(i, token) != token), None)
             if clash is not None:
-                there = first[0].split(" (")[0]
-                raise MergeError(f"{label}: its tokenizer differs from {there}'s (token id {clash} is "
+                raise MergeError(f"{label}: its tokenizer differs from {_entry(first[0])}'s (token id {clash} is "
                                  f"{vocab[clash]!r} here, {first[1][clash]!r} there), so their embeddings mean "
                                  "different tokens; merge models that share one tokenizer",
-                                 _entry_fields(label.split(" (")[0]))
+                                 _entry_fields(_entry(label)))
 
     def _setting(self, value: Setting, field_name: str, name: str, num_layers: int) -> float:
         try:
@@ -1953,7 +1957,7 @@ class ModelMerger:
             read.append((f"tokenizer_source ({config.tokenizer_source})", Path(config.tokenizer_source)))
         for label, directory in read:
             if output.resolve() == directory.resolve():
-                raise MergeError(f"output_dir {output} is one of the inputs ({label.split(' (')[0]}); choose a new "
+                raise MergeError(f"output_dir {output} is one of the inputs ({_entry(label)}); choose a new "
                                  "directory", fields)
             if output.resolve() in directory.resolve().parents:
                 raise MergeError(f"output_dir {output} contains an input, {label}, which replacing output_dir would "

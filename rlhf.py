@@ -1050,7 +1050,7 @@ def rich_console(**kwargs: Any) -> Any:
 
     console = Console(**kwargs)
     if not console.is_terminal and "COLUMNS" not in os.environ:
-        console = Console(width=160, **kwargs)
+        console.width = 160
     return console
 
 
@@ -3786,9 +3786,9 @@ def tree_attention_mask(pair: torch.Tensor, branch: torch.Tensor, implementation
 def _packed_pair_log_probs(model: nn.Module, batch: PreferenceBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     ids = batch["packed_input_ids"]  # (R, L)
     inner = _innermost_model(model)
-    mask = tree_attention_mask(batch["packed_pair"], batch["packed_branch"], inner.config._attn_implementation,
-                               torch.float32 if torch.is_autocast_enabled(ids.device.type) else inner.dtype)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=batch["packed_position_ids"], use_cache=False).logits
+    attention = tree_attention_mask(batch["packed_pair"], batch["packed_branch"], inner.config._attn_implementation,
+                                    torch.float32 if torch.is_autocast_enabled(ids.device.type) else inner.dtype)
+    logits = model(input_ids=ids, attention_mask=attention, position_ids=batch["packed_position_ids"], use_cache=False).logits
     picked = logits.reshape(-1, logits.shape[-1])[batch["packed_source"]]  # (2B, C, V): the logits predicting each token
     completion_ids, mask = batch["completion_input_ids"], batch["completion_attention_mask"]
     per_token = token_log_probs(picked, completion_ids) * mask
@@ -8190,6 +8190,8 @@ def _first_sentence(doc: str) -> str:
 def _build_parser() -> Any:
     import argparse
 
+    import model_merging
+
     parser = argparse.ArgumentParser(prog="rlhf", description="Post-training for causal language models: "
                                      "SFT, reward and process-reward models, DPO/SimPO/ORPO/KTO, GRPO and PPO.",
                                      epilog="LLaMA-Factory style: `rlhf --config FILE` and `rlhf train FILE` run the "
@@ -8235,19 +8237,13 @@ def _build_parser() -> Any:
     merge = sub.add_parser("merge", help="Merge fine-tuned checkpoints (TIES, DARE, SLERP, ...) with model_merging.py",
                            description="Merge checkpoint directories tensor by tensor into a new Hugging Face "
                            "directory; the same as `python model_merging.py --config FILE`. Example configs: "
-                           "configs/merge_*.yaml.", epilog=_merge_keys_help(),
+                           "configs/merge_*.yaml.", epilog=model_merging.CONFIG_KEYS_HELP,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     merge.add_argument("--config", required=True, help="merge YAML (method, base_model, models, output_dir, ...)")
     merge.add_argument("overrides", nargs="*", metavar="key=value", help="override a top-level key, e.g. density=0.3")
     merge.add_argument("--dry-run", action="store_true", help="check the config and inputs, write nothing")
     merge.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
-
-
-def _merge_keys_help() -> str:
-    import model_merging
-
-    return model_merging.CONFIG_KEYS_HELP
 
 
 def memory_plan_table(args: Any) -> Any:
