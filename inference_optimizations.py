@@ -282,10 +282,14 @@ def compile_seconds(model: torch.nn.Module) -> dict:
     return dict(state.compile_seconds) if state else {}
 
 
-def _cache_length(needed: int) -> int:
+def _cache_length(needed: int, *, coarse: bool = False) -> int:
     """Static cache length for ``needed`` positions, bucketed so prompt widths that differ a little
-    (online RL) share one compiled shape: multiples of 64 below 512, then of 1/8..1/4 of the size."""
-    step = max(64, 1 << max(0, needed.bit_length() - 3))
+    (online RL) share one compiled shape: multiples of 16 below 256, then of 1/16..1/8 of the size.
+    Decode attention reads every slot each step, so the unused ones cost time (a 128-slot cache for
+    86 positions made batched sampling 11% slower than a 96-slot one). ``coarse``: multiples of 64
+    below 512, then of 1/8..1/4, for callers that meet many prompt lengths at batch 1 (speculative
+    decoding), where fewer compilations matter more than the slots."""
+    step = max(64, 1 << max(0, needed.bit_length() - 3)) if coarse else max(16, 1 << max(0, needed.bit_length() - 4))
     return -(-needed // step) * step
 
 
@@ -1260,7 +1264,7 @@ class SpeculativeDecoder:
 
         device = next(self.target.parameters()).device
         k = self.k
-        cache_len = _cache_length(len(prompt) + max_new_tokens + k + 1)
+        cache_len = _cache_length(len(prompt) + max_new_tokens + k + 1, coarse=True)
         target_cache = StaticCache(config=self.target.config, max_cache_len=cache_len)
         draft_cache = StaticCache(config=self.draft.config, max_cache_len=cache_len)
         sequence = list(prompt)

@@ -147,8 +147,9 @@ def test_static_path_matches_eager_across_lengths_and_stops(tiny_arch_dir, tiny_
 
 
 def test_cache_length_buckets_and_auto_engine(tiny_arch_dir):
-    assert [io._cache_length(n) for n in (1, 64, 65, 81, 500, 513, 700, 2000)] == [64, 64, 128, 128, 512, 640, 768,
-                                                                                 2048]
+    sizes = (1, 64, 65, 81, 86, 255, 257, 500, 513, 700, 2000)
+    assert [io._cache_length(n) for n in sizes] == [16, 64, 80, 96, 96, 256, 288, 512, 576, 704, 2048]
+    assert [io._cache_length(n, coarse=True) for n in sizes] == [64, 64, 128, 128, 128, 256, 320, 512, 640, 768, 2048]
     model = _model(tiny_arch_dir, "llama")
     params = io.SamplingParams(max_new_tokens=8)
     assert io._choose_engine(model, "auto", params, 16, 64)[0] == "static"
@@ -193,5 +194,5 @@ def test_compiled_step_matches_static_and_survives_weight_updates(tiny_arch_dir,
             torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-4, rtol=1e-4)
         with torch.no_grad():
             model.lm_head.weight.mul_(4.0)  # a sharper policy: different samples next round
-    assert list(io.compile_seconds(model)) == [(8, 64, False, 0, 1.0)]  # compiled once, reused
+    assert list(io.compile_seconds(model)) == [(8, 32, False, 0, 1.0)]  # compiled once, reused
     assert not io._FAST_STATE[model].compile_failed
