@@ -3789,11 +3789,30 @@ def _packed_pair_log_probs(model: nn.Module, batch: PreferenceBatch) -> tuple[to
     attention = tree_attention_mask(batch["packed_pair"], batch["packed_branch"], inner.config._attn_implementation,
                                     torch.float32 if torch.is_autocast_enabled(ids.device.type) else inner.dtype)
     logits = model(input_ids=ids, attention_mask=attention, position_ids=batch["packed_position_ids"], use_cache=False).logits
-    picked = logits.reshape(-1, logits.shape[-1])[batch["packed_source"]]  # (2B, C, V): the logits predicting each token
+    flat, source = logits.reshape(-1, logits.shape[-1]), batch["packed_source"]  # (R*L, V); (2B, C) slot of each token
     completion_ids, mask = batch["completion_input_ids"], batch["completion_attention_mask"]
-    per_token = token_log_probs(picked, completion_ids) * mask
-    mean_logits = (picked.detach().float().mean(-1) * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    per_token = _slot_log_probs(flat, source, completion_ids) * mask
+    mean_logits = (flat.detach().float().mean(-1)[source] * mask).sum(-1) / mask.sum(-1).clamp(min=1)
     return per_token, mask.bool(), mean_logits
+
+
+def _slot_log_probs(flat_logits: torch.Tensor, source: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log softmax(flat_logits[source])[targets], normalising each packed slot once where it stands.
+    Indexing the (slots, V) logits out to every target first would copy a vocabulary-wide row per
+    target, and its backward scatters those rows back one by one (3 ms of a 75 ms DPO step on the
+    tiny model). Slots go through in chunks of rows as in token_log_probs; the values are the same.
+    Shapes: flat_logits (S, V), source and targets (N, C) -> (N, C)."""
+    slots, vocab = flat_logits.shape
+    rows_per_chunk = max(1, LOG_SOFTMAX_CHUNK_ELEMENTS // max(vocab, 1))
+    total = None
+    for start in range(0, slots, rows_per_chunk):
+        chunk = flat_logits[start:start + rows_per_chunk]
+        chunk = F.log_softmax(chunk if chunk.dtype == torch.float64 else chunk.float(), dim=-1)
+        inside = (source >= start) & (source < start + len(chunk))
+        picked = chunk[(source - start).clamp(0, len(chunk) - 1), targets]
+        part = picked if len(chunk) == slots else torch.where(inside, picked, torch.zeros_like(picked))
+        total = part if total is None else total + part
+    return total if total is not None else flat_logits.new_zeros(targets.shape, dtype=torch.float32)
 
 
 def _prefill_prompts(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Any:

@@ -101,6 +101,26 @@ def test_token_log_probs_chunks_give_the_same_values_and_gradients(monkeypatch, 
     assert rlhf.token_log_probs(logits[:0], targets[:0]).shape == (0, 7)
 
 
+@pytest.mark.parametrize("chunk_elements", [1, 3 * 50, 1 << 24])
+def test_slot_log_probs_equal_indexing_the_rows_out_first(monkeypatch, chunk_elements):
+    """Packed pair rows: a slot can predict two tokens (the prompt's last slot predicts chosen's and
+    rejected's first). Normalising each slot where it stands gives the values and gradients of copying
+    the slot's row out to every target first (token_log_probs(flat[source], targets)), in one chunk,
+    in uneven chunks of 3 slots, or slot by slot."""
+    monkeypatch.setattr(rlhf, "LOG_SOFTMAX_CHUNK_ELEMENTS", chunk_elements)
+    gen = torch.Generator().manual_seed(3)
+    flat = (torch.randn(10, 50, generator=gen) * 4).requires_grad_()
+    source = torch.tensor([[0, 1, 2, 3], [0, 4, 5, 9], [6, 7, 8, 8]])  # slot 0 twice; slot 8 feeds padding too
+    targets = torch.randint(0, 50, (3, 4), generator=gen)
+    got = rlhf._slot_log_probs(flat, source, targets)
+    (grad,) = torch.autograd.grad(got.sum(), flat)
+    reference = flat.detach().requires_grad_()
+    want = rlhf.token_log_probs(reference[source], targets)
+    want.sum().backward()
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    torch.testing.assert_close(grad, reference.grad)
+
+
 def test_token_log_probs_realistic_logit_scale_exact():
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(2, 5, 300, generator=gen) * 15 + 30  # logits of trained LMs live around |30|
