@@ -832,6 +832,7 @@ class PipelineConfig:
     rollback_on_error: bool = _opt(True, "A stage that crashes or diverges is rolled back (recorded) and the pipeline goes on from the previous model; false: stop")
     final_stages: dict[str, dict[str, Any]] = _opt({}, "Options of the eval, best_of_n and merge stages (their YAML sections)")
     source: str = _opt("config", "Where the config came from, for error messages")
+    command_line: tuple[str, ...] = _opt((), "The keys given as key=value overrides (e.g. merge.density), for error messages")
 
     def __post_init__(self) -> None:
         for stage in self.stages:
@@ -852,6 +853,34 @@ class PipelineConfig:
         for stage in self.stages:  # fail before any training if a later stage's keys are wrong
             if stage in STAGE_CONFIGS:
                 self.stage_config(stage)
+        if "merge" in self.stages:
+            self._check_merge_section()
+
+    def _check_merge_section(self) -> None:
+        """The merge section, checked by model_merging's own rules before anything runs: a typo there would
+        otherwise surface after every training stage. The stage names stand in for the models they produce."""
+        import model_merging
+
+        options = self.final_stage_options("merge")
+        models = options["models"] or [s for s in self.stages if s in POLICY_OPTIMISATION_STAGES]
+        if not models:
+            return  # nothing to merge: the stage reports that when its turn comes
+        raw = {k: v for k, v in options.items() if k != "evaluate"}
+        raw.update(models=models, output_dir=str(Path(self.output_dir) / "merge"), overwrite=True)
+        given = [key.split(".", 1)[1] for key in self.command_line if key.startswith("merge.")]
+        try:
+            config = model_merging.MergeConfig.from_dict(raw, source=f"{self.source} [merge]", command_line=given)
+        except model_merging.MergeError as err:
+            raise RLHFInputError(str(err)) from None
+        named = [("models", m.model) for m in config.models] + [("models.base", m.base) for m in config.models if m.base]
+        for option, name in named + ([("base_model", config.base_model)] if config.base_model else []):
+            where = "command line" if option.split(".")[0] in given else f"{self.source} [merge]"
+            if name in STAGE_CONFIGS or name in FINAL_STAGES:
+                if name not in self.stages:
+                    raise RLHFInputError(f"{where}: {option} names stage '{name}', which is not in stages "
+                                         f"[{', '.join(self.stages)}]; add the stage or name a model directory")
+            elif not Path(name).exists():
+                raise RLHFInputError(f"{where}: {option}: '{name}' is neither a stage of this pipeline nor a directory")
 
     def final_stage_options(self, stage: str) -> dict[str, Any]:
         """An eval / best_of_n / merge stage's options: its defaults, then its YAML section."""
@@ -879,7 +908,7 @@ class PipelineConfig:
                 **{stage: dict(options) for stage, options in self.final_stages.items()}}
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], source: str = "config") -> PipelineConfig:
+    def from_dict(cls, raw: dict[str, Any], source: str = "config", command_line: Iterable[str] = ()) -> PipelineConfig:
         raw = dict(raw)
         stages = raw.pop("stages", ["sft"])
         if isinstance(stages, str):
@@ -904,7 +933,7 @@ class PipelineConfig:
         if not isinstance(gates.get("capability_tests", {}), dict):
             raise RLHFInputError(f"{source}: 'capability_tests' maps task names to {{dataset, max_samples, verifier}}")
         return cls(stages=stages, output_dir=output_dir, shared=raw, stage_overrides=sections, final_stages=finals,
-                   source=source, **{k: _coerce(v, {"capability_threshold": float, "rollback_on_error": bool}.get(k, dict),
+                   source=source, command_line=tuple(command_line), **{k: _coerce(v, {"capability_threshold": float, "rollback_on_error": bool}.get(k, dict),
                                                  k, source) for k, v in gates.items()})
 
     @classmethod
@@ -917,8 +946,9 @@ class PipelineConfig:
             base = (get_7b_model_config if preset == "7b" else get_70b_model_config)().to_dict()
             raw = {**base, **raw, **{stage: {**base[stage], **raw.get(stage, {})} for stage in base
                                      if isinstance(base[stage], dict) and isinstance(raw.get(stage, {}), dict)}}
-        raw.update(parse_overrides(overrides))
-        return cls.from_dict(raw, source=str(path) + (f" on the {preset} preset" if preset else ""))
+        given = parse_overrides(overrides)
+        raw.update(given)
+        return cls.from_dict(raw, source=str(path) + (f" on the {preset} preset" if preset else ""), command_line=given)
 
 
 # -- presets for real models and the memory plan ----------------------------------------------------------------

@@ -213,6 +213,34 @@ def test_pipeline_config_reads_gates_and_final_stages():
         rlhf.PipelineConfig.from_dict({"capability_threshold": 2})
 
 
+def test_merge_section_is_checked_before_any_stage_runs(tmp_path):
+    """A mistake in the merge section used to surface after every training stage had run."""
+    stages = {"stages": ["sft", "dpo", "merge"], "sft": {"dataset": "demo_sft"}, "dpo": {"dataset": "demo_preference"}}
+    ok = rlhf.PipelineConfig.from_dict({**stages, "merge": {"method": "dare_ties", "density": 0.3, "models": ["dpo"]}})
+    assert ok.final_stage_options("merge")["density"] == 0.3
+    rlhf.PipelineConfig.from_dict({**stages, "merge": {"models": [{"model": "dpo", "weight": 0.5}, str(tmp_path)]}})
+    cases = [
+        ({"method": "tiez"}, r"^demo\.yaml \[merge\]: method 'tiez' is not one of .*did you mean 'ties'\?$"),
+        ({"density": 1.5}, r"^demo\.yaml \[merge\]: density must be in \(0\.0, 1\.0\], got 1\.5$"),
+        ({"weights": [1, 2]}, r"^demo\.yaml \[merge\]: unknown key 'weights'"),
+        ({"models": ["dpo", "ppo"]}, r"^demo\.yaml \[merge\]: models names stage 'ppo', which is not in stages "
+                                     r"\[sft, dpo, merge\]; add the stage or name a model directory$"),
+        ({"models": [str(tmp_path / "gone")]}, r"^demo\.yaml \[merge\]: models: '.*gone' is neither a stage of this "
+                                              r"pipeline nor a directory$"),
+        ({"base_model": "rm"}, r"^demo\.yaml \[merge\]: base_model names stage 'rm', which is not in stages"),
+    ]
+    for options, message in cases:
+        with pytest.raises(rlhf.RLHFInputError, match=message):
+            rlhf.PipelineConfig.from_dict({**stages, "merge": options}, source="demo.yaml")
+    # key=value overrides are blamed on the command line, as model_merging.py does
+    with pytest.raises(rlhf.RLHFInputError, match=r"^command line: density must be in"):
+        rlhf.PipelineConfig.from_dict({**stages, "merge.density": 2}, source="demo.yaml", command_line=["merge.density"])
+    # without the stage, the section is not checked (a warning says its settings are unused)
+    rlhf.PipelineConfig.from_dict({"stages": ["sft"], "sft": {"dataset": "demo_sft"}, "merge": {"method": "tiez"}})
+    # with no model to merge the stage reports that itself when its turn comes
+    rlhf.PipelineConfig.from_dict({"stages": ["sft", "merge"], "sft": {"dataset": "demo_sft"}, "merge": {"density": 5}})
+
+
 def test_pipeline_rows_by_hand():
     history = [
         {"stage": "sft", "status": "completed", "seconds": 10, "eval": {"eval/accuracy": 0.5}, "metrics": {}},
