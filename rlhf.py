@@ -545,6 +545,14 @@ FINAL_STAGE_OPTIONS: dict[str, dict[str, Any]] = {
 }
 
 
+FINAL_STAGE_NUMBERS: dict[str, dict[str, str]] = {  # what each numeric key of a final stage must hold
+    "eval": {"max_prompts": "count", "samples_per_prompt": "count", "max_pairs": "count", "max_new_tokens": "count",
+             "batch_size": "count"},
+    "best_of_n": {"n": "count", "max_prompts": "count", "temperature": "temperature", "max_new_tokens": "count",
+                  "seed": "seed"},
+}
+
+
 FINAL_STAGE_HELP: dict[str, dict[str, str]] = {  # what `pipeline --help` says about each final-stage key
     "eval": {"prompts": "held-out prompts with answers (default: the pipeline's eval_dataset)",
              "max_prompts": "prompts scored for reward and KL (accuracy uses every prompt)",
@@ -845,6 +853,7 @@ class PipelineConfig:
             if unknown and stage != "merge":  # merge's other keys go to model_merging.MergeConfig, which checks them
                 raise RLHFInputError(f"{self.source} [{stage}]: unknown key(s) {', '.join(unknown)}; valid: "
                                      f"{', '.join(FINAL_STAGE_OPTIONS[stage])}")
+            self._check_final_stage_values(stage)
         _check(0 <= self.capability_threshold <= 1, "capability_threshold", "must be in [0, 1]")
         for stage in [*self.stage_overrides, *self.final_stages]:
             if stage not in self.stages:
@@ -855,6 +864,29 @@ class PipelineConfig:
                 self.stage_config(stage)
         if "merge" in self.stages:
             self._check_merge_section()
+
+    def _check_final_stage_values(self, stage: str) -> None:
+        """Counts, temperature and scorers of the eval / best_of_n sections, before any stage runs."""
+        options = self.final_stage_options(stage)
+
+        def where(key: str) -> str:  # "command line: best_of_n.n" or "demo.yaml [best_of_n]: n"
+            given = f"{stage}.{key}" in self.command_line
+            return f"command line: {stage}.{key}" if given else f"{self.source} [{stage}]: {key}"
+
+        for key, kind in FINAL_STAGE_NUMBERS.get(stage, {}).items():
+            value = options[key]
+            if value is None and FINAL_STAGE_OPTIONS[stage][key] is None:
+                continue  # optional: the pipeline's own setting applies
+            is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if kind == "temperature" and not (is_number and value > 0):
+                raise RLHFInputError(f"{where(key)} must be a number above 0 (e.g. 1.0), got {value!r}")
+            if kind in ("count", "seed") and not (isinstance(value, int) and not isinstance(value, bool)
+                                                  and value >= (1 if kind == "count" else 0)):
+                floor = "a whole number of at least 1" if kind == "count" else "a whole number of at least 0"
+                raise RLHFInputError(f"{where(key)} must be {floor}, got {value!r}")
+        scorers = options.get("scorers", ["vote"])
+        if not isinstance(scorers, (list, tuple)) or not scorers or not set(scorers) <= {"rm", "vote"}:
+            raise RLHFInputError(f"{where('scorers')} must be a non-empty list of rm and/or vote, got {scorers!r}")
 
     def _check_merge_section(self) -> None:
         """The merge section, checked by model_merging's own rules before anything runs: a typo there would

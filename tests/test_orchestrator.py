@@ -241,6 +241,27 @@ def test_merge_section_is_checked_before_any_stage_runs(tmp_path):
     rlhf.PipelineConfig.from_dict({"stages": ["sft", "merge"], "sft": {"dataset": "demo_sft"}, "merge": {"density": 5}})
 
 
+def test_eval_and_best_of_n_values_are_checked_before_any_stage_runs():
+    base = {"stages": ["sft", "eval", "best_of_n"], "sft": {"dataset": "demo_sft"}}
+    rlhf.PipelineConfig.from_dict({**base, "best_of_n": {"n": 4, "temperature": 0.3, "max_new_tokens": None, "seed": 0,
+                                                         "scorers": ["vote"]}, "eval": {"batch_size": 8}})
+    cases = [
+        ({"best_of_n": {"n": 0}}, r"^demo\.yaml \[best_of_n\]: n must be a whole number of at least 1, got 0$"),
+        ({"best_of_n": {"temperature": 0}}, r"^demo\.yaml \[best_of_n\]: temperature must be a number above 0"),
+        ({"best_of_n": {"seed": -1}}, r"\[best_of_n\]: seed must be a whole number of at least 0, got -1$"),
+        ({"best_of_n": {"scorers": ["rm", "oracle"]}}, r"\[best_of_n\]: scorers must be a non-empty list of rm and/or vote"),
+        ({"best_of_n": {"scorers": []}}, r"\[best_of_n\]: scorers must be a non-empty list"),
+        ({"eval": {"max_prompts": "all"}}, r"^demo\.yaml \[eval\]: max_prompts must be a whole number of at least 1, "
+                                           r"got 'all'$"),
+        ({"eval": {"samples_per_prompt": 1.5}}, r"\[eval\]: samples_per_prompt must be a whole number"),
+    ]
+    for section, message in cases:
+        with pytest.raises(rlhf.RLHFInputError, match=message):
+            rlhf.PipelineConfig.from_dict({**base, **section}, source="demo.yaml")
+    with pytest.raises(rlhf.RLHFInputError, match=r"^command line: best_of_n\.n must be a whole number"):
+        rlhf.PipelineConfig.from_dict({**base, "best_of_n.n": True}, source="demo.yaml", command_line=["best_of_n.n"])
+
+
 def test_pipeline_rows_by_hand():
     history = [
         {"stage": "sft", "status": "completed", "seconds": 10, "eval": {"eval/accuracy": 0.5}, "metrics": {}},
