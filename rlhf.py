@@ -406,7 +406,7 @@ class OnlineRLConfig(BaseConfig):
     temperature: float = _opt(1.0, "Sampling temperature for rollouts (the loss uses the same scaled log-probs)")
     top_p: float = _opt(1.0, "Nucleus sampling mass for rollouts")
     top_k: int = _opt(0, "Sample among the k most likely tokens (0: all)")
-    generation_engine: str = _opt("auto", "Rollout decoding: auto (static cache, compiled once a shape has generated enough tokens) | compiled | static | eager")
+    generation_engine: str = _opt("auto", "Rollout decoding: auto (compiled from the first rollout when max_steps x completions x max_completion_length reaches 200k tokens, else a static cache compiled once a shape has generated that many) | compiled | static | eager")
     reward_funcs: list[str] = _opt([], "Reward functions: exact_answer, format, length, reward_model, process_reward_model, api, or module:function")
     reward_weights: list[float] = _opt([], "One weight per reward function, in order (default: all 1.0)")
     reward_model: str | None = _opt(None, "Reward model (or ensemble) directory saved by the rm stage ('rm' in a pipeline: its rm stage)")
@@ -6105,6 +6105,20 @@ class _OnlineRLTrainer(_ReferenceTrainer):
             self.resumed_rollout = Rollout(**tensors, problem=problem)
 
     # -- sampling and scoring
+    def _rollout_engine(self, rows: int) -> str:
+        """``generation_engine`` for a rollout of ``rows`` completions. The engine's own ``auto`` compiles a
+        shape only after it has decoded AUTO_COMPILE_AFTER_TOKENS tokens uncompiled, since it cannot know the
+        work ahead; the trainer does, so a run planned to decode at least that many compiles from its first
+        rollout (the demo's GRPO used to decode its first 60 of 150 steps uncompiled)."""
+        from inference_optimizations import AUTO_COMPILE_AFTER_TOKENS
+
+        engine = self.config.generation_engine
+        if engine != "auto" or not self.total_steps:
+            return engine
+        rollouts = math.ceil(self.total_steps / self.steps_per_rollout)
+        planned = rollouts * rows * self.config.max_completion_length
+        return "compiled" if planned >= AUTO_COMPILE_AFTER_TOKENS else engine
+
     def _sample(self, prompts: list[dict[str, Any]], n: int) -> Any:
         from inference_optimizations import SamplingParams
         from inference_optimizations import generate as generate_tokens
@@ -6121,7 +6135,8 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         self.model.eval()
         try:
             output = generate_tokens(self.devices.unwrap(self.policy.model), [p["prompt_ids"] for p in prompts], params,
-                                     pad_token_id=self.policy.tokenizer.pad_token_id, engine=config.generation_engine)
+                                     pad_token_id=self.policy.tokenizer.pad_token_id,
+                                     engine=self._rollout_engine(len(prompts) * n))
         finally:
             self.model.train()
         lengths = torch.tensor([len(c) for c in output.token_ids], dtype=torch.float32)

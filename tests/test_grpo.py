@@ -624,3 +624,24 @@ def test_exact_answer_on_prompts_without_answers_is_refused(tmp_path, tiny_model
                      reward_funcs=["exact_answer"])
     with pytest.raises(rlhf.RLHFInputError, match=r"'dataset': 'demo_sft' has no 'answer' in any of its 8 records"):
         rlhf.train_grpo(config)
+
+
+def test_auto_engine_compiles_from_the_first_rollout_when_the_run_is_long_enough():
+    """The engine's own `auto` waits for AUTO_COMPILE_AFTER_TOKENS decoded tokens before compiling; a
+    trainer that plans at least that many (steps x completions x max_completion_length) compiles at once."""
+    from types import SimpleNamespace
+
+    import inference_optimizations as io
+
+    def engine(setting: str, total_steps: int, rows: int = 64, length: int = 64, iterations: int = 1) -> str:
+        trainer = SimpleNamespace(config=SimpleNamespace(generation_engine=setting, max_completion_length=length),
+                                  total_steps=total_steps, steps_per_rollout=iterations)
+        return rlhf._OnlineRLTrainer._rollout_engine(trainer, rows)
+
+    enough = -(-io.AUTO_COMPILE_AFTER_TOKENS // (64 * 64))  # rollouts of 64 x 64 tokens that reach the threshold
+    assert engine("auto", enough) == "compiled" and engine("auto", enough - 1) == "auto"
+    assert engine("auto", 150) == "compiled"  # the demo's GRPO: 150 steps of 64 completions of 64 tokens
+    assert engine("auto", 2 * enough - 1, iterations=2) == "compiled"  # num_iterations reuses each rollout
+    assert engine("auto", 2 * (enough - 1), iterations=2) == "auto"
+    assert engine("auto", -1) == "auto"  # streaming prompts without max_steps: the work ahead is unknown
+    assert engine("static", 10_000) == "static" and engine("eager", 10_000) == "eager"
