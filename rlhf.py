@@ -877,16 +877,17 @@ class PipelineConfig:
             value = options[key]
             if value is None and FINAL_STAGE_OPTIONS[stage][key] is None:
                 continue  # optional: the pipeline's own setting applies
-            is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
-            if kind == "temperature" and not (is_number and value > 0):
-                raise RLHFInputError(f"{where(key)} must be a number above 0 (e.g. 1.0), got {value!r}")
-            if kind in ("count", "seed") and not (isinstance(value, int) and not isinstance(value, bool)
-                                                  and value >= (1 if kind == "count" else 0)):
-                floor = "a whole number of at least 1" if kind == "count" else "a whole number of at least 0"
-                raise RLHFInputError(f"{where(key)} must be {floor}, got {value!r}")
-        scorers = options.get("scorers")
-        if "scorers" in options and not (isinstance(scorers, (list, tuple)) and scorers and set(scorers) <= {"rm", "vote"}):
-            raise RLHFInputError(f"{where('scorers')} must be a non-empty list of rm and/or vote, got {scorers!r}")
+            if kind == "temperature":
+                if not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
+                    raise RLHFInputError(f"{where(key)} must be a number above 0 (e.g. 1.0), got {value!r}")
+                continue
+            least = 1 if kind == "count" else 0  # a seed may be 0
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
+                raise RLHFInputError(f"{where(key)} must be a whole number of at least {least}, got {value!r}")
+        if "scorers" in options:
+            scorers = options["scorers"]
+            if not (isinstance(scorers, (list, tuple)) and scorers and set(scorers) <= {"rm", "vote"}):
+                raise RLHFInputError(f"{where('scorers')} must be a non-empty list of rm and/or vote, got {scorers!r}")
 
     def _check_merge_section(self) -> None:
         """The merge section, checked by model_merging's own rules before anything runs: a typo there would
@@ -3106,6 +3107,11 @@ class ProcessPreferenceCollator:
 LOG_SOFTMAX_CHUNK_ELEMENTS = 1 << 24  # 64 MB of fp32 scratch per chunk
 
 
+def _log_softmax_fp32(logits: torch.Tensor) -> torch.Tensor:
+    """log_softmax over the last dimension, half-precision logits normalised in fp32 (fp64 kept)."""
+    return F.log_softmax(logits if logits.dtype == torch.float64 else logits.float(), dim=-1)
+
+
 def token_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """log softmax(logits)[target] per position, a chunk of rows at a time.
 
@@ -3117,8 +3123,7 @@ def token_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     rows_per_chunk = max(1, LOG_SOFTMAX_CHUNK_ELEMENTS // max(logits[0].numel(), 1)) if len(logits) else 1
     chunks = []  # log_softmax subtracts the row max first, so it stays exact at any logit scale
     for start in range(0, len(logits), rows_per_chunk):
-        chunk = logits[start:start + rows_per_chunk]
-        chunk = F.log_softmax(chunk if chunk.dtype == torch.float64 else chunk.float(), dim=-1)
+        chunk = _log_softmax_fp32(logits[start:start + rows_per_chunk])
         chunks.append(chunk.gather(-1, targets[start:start + rows_per_chunk].unsqueeze(-1)).squeeze(-1))
     return torch.cat(chunks) if chunks else logits.new_zeros(targets.shape, dtype=torch.float32)
 
@@ -3869,12 +3874,12 @@ def _slot_log_probs(flat_logits: torch.Tensor, source: torch.Tensor, targets: to
     rows_per_chunk = max(1, LOG_SOFTMAX_CHUNK_ELEMENTS // max(vocab, 1))
     total = None
     for start in range(0, slots, rows_per_chunk):
-        chunk = flat_logits[start:start + rows_per_chunk]
-        chunk = F.log_softmax(chunk if chunk.dtype == torch.float64 else chunk.float(), dim=-1)
-        inside = (source >= start) & (source < start + len(chunk))
+        chunk = _log_softmax_fp32(flat_logits[start:start + rows_per_chunk])
         picked = chunk[(source - start).clamp(0, len(chunk) - 1), targets]
-        part = picked if len(chunk) == slots else torch.where(inside, picked, torch.zeros_like(picked))
-        total = part if total is None else total + part
+        if len(chunk) < slots:  # keep only the targets whose slot is in this chunk
+            inside = (source >= start) & (source < start + len(chunk))
+            picked = torch.where(inside, picked, torch.zeros_like(picked))
+        total = picked if total is None else total + picked
     return total if total is not None else flat_logits.new_zeros(targets.shape, dtype=torch.float32)
 
 
