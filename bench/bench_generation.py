@@ -3,11 +3,14 @@
     python bench/bench_generation.py                          # tiny demo model, batch 16 and 128, 64 new tokens
     python bench/bench_generation.py --threads 1 --repeats 5 --batch-sizes 16
     python bench/bench_generation.py --model medium           # a bigger random-weight Llama config
+    python bench/bench_generation.py --device cuda --dtype bfloat16 --model large --batch-sizes 16,128
 
 Both engines get the same work:
   * model: the embedded tiny Llama (``rlhf.build_tiny_model()``, fp32, sdpa attention) or, with
     ``--model medium``, a randomly initialised Llama of the same family (hidden 512, 8 layers,
-    GQA 8/4 heads, the demo tokenizer's vocabulary); one model object serves every engine;
+    GQA 8/4 heads, the demo tokenizer's vocabulary) or ``--model large`` (hidden 1024, 16 layers, GQA
+    16/8 heads, a 32,000-token vocabulary: about 0.2B parameters, for a GPU); one model object serves
+    every engine, on ``--device`` in ``--dtype``;
   * prompts: the first B distinct prompts of data/demo/rl_prompts.jsonl rendered with
     ``rlhf.ChatFormatter`` (user turn + assistant header), left-padded to the longest, n = 1;
   * sampling at temperature 1.0 from the full distribution (top-k 0, top-p 1.0), and every row runs
@@ -20,8 +23,9 @@ repeat; within a repeat the engines run back to back and the order rotates betwe
 engine's time is its best over the repeats (the machine is shared: the spread max/min is printed).
 Every engine first gets one untimed warm-up call per batch size; for ``ours (compiled)`` that call
 compiles the decode step, its seconds are printed as "first call" and the compile time as measured
-inside the engine (``inference_optimizations.compile_seconds``). Peak fp32 matmul FLOP/s is
-measured in the same run (best of square ``torch.matmul`` timings at the same thread count);
+inside the engine (``inference_optimizations.compile_seconds``). Peak matmul FLOP/s is measured in
+the same run (best of square ``torch.matmul`` timings in ``--dtype`` at the same thread count, or on
+the GPU); on CUDA every timing ends with ``torch.cuda.synchronize()``;
 achieved FLOP/s = 2 x parameters x generated tokens / seconds, which ignores attention FLOPs.
 """
 
@@ -48,49 +52,69 @@ LABELS = {"hf": "HF generate", "compiled": "ours compiled", "static": "ours stat
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=("tiny", "medium"), default="tiny", help="tiny demo model or a bigger config")
+    parser.add_argument("--model", choices=("tiny", "medium", "large"), default="tiny",
+                        help="tiny demo model, or a bigger random-weight Llama: medium (34M) or large (0.2B, for a GPU)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights dtype")
     parser.add_argument("--batch-sizes", default="16,128", help="comma-separated numbers of distinct prompts")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per row (all rows run them all)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per engine (order rotates); best is kept")
     parser.add_argument("--engines", default="hf,compiled,static",
                         help=f"comma-separated subset of {','.join(ENGINES)} (hf is the reference)")
-    parser.add_argument("--matmul-size", type=int, default=1024, help="side of the square matmul timed for the peak")
+    parser.add_argument("--matmul-size", type=int, default=None,
+                        help="side of the square matmul timed for the peak (default 1024 on cpu, 8192 on cuda)")
     parser.add_argument("--target", type=float, default=1.5, help="ours (compiled) / HF tokens/s target at batch 16")
     args = parser.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     args.engines = [e for e in args.engines.split(",") if e]
     if not set(args.engines) <= set(ENGINES) or "hf" not in args.engines:
         parser.error(f"--engines must be a subset of {','.join(ENGINES)} that includes hf")
+    if args.matmul_size is None:
+        args.matmul_size = 8192 if args.device.startswith("cuda") else 1024
     if min(args.batch_sizes + [args.new_tokens, args.threads, args.repeats]) < 1:
         parser.error("--batch-sizes, --new-tokens, --threads and --repeats must be >= 1")
     return args
 
 
-def matmul_peak(size: int, repeats: int = 5) -> float:
-    """Best fp32 FLOP/s of a square torch.matmul at the current thread count."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_peak(size: int, device: torch.device, dtype: torch.dtype, repeats: int = 5) -> float:
+    """Best FLOP/s of a square torch.matmul in ``dtype`` on ``device`` (random data, not zeros)."""
+    a, b = torch.randn(size, size, device=device, dtype=dtype), torch.randn(size, size, device=device, dtype=dtype)
     torch.matmul(a, b)
+    synchronize(device)
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         torch.matmul(a, b)
+        synchronize(device)
         best = min(best, time.perf_counter() - start)
     return 2 * size ** 3 / best
 
 
-def load_model(kind: str, tokenizer):
+SHAPES = {  # hidden, intermediate, layers, heads, kv heads, vocabulary (None: the demo tokenizer's)
+    "medium": (512, 1536, 8, 8, 4, None),
+    "large": (1024, 2816, 16, 16, 8, 32000),
+}
+
+
+def load_model(kind: str, tokenizer, device: torch.device, dtype: torch.dtype):
     if kind == "tiny":
         model, _ = rlhf.load_causal_lm(str(rlhf.build_tiny_model()), attn_implementation="sdpa")
-        return model.eval()
+        return model.to(device, dtype).eval()
     from transformers import AutoModelForCausalLM, LlamaConfig
 
+    hidden, intermediate, layers, heads, kv_heads, vocab = SHAPES[kind]
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
-                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,
-                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+    config = LlamaConfig(vocab_size=vocab or len(tokenizer), hidden_size=hidden, intermediate_size=intermediate,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         max_position_embeddings=1024, tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device, dtype).eval()
 
 
 def demo_prompts(tokenizer, count: int) -> list[list[int]]:
@@ -105,21 +129,25 @@ def demo_prompts(tokenizer, count: int) -> list[list[int]]:
 
 def run_once(engine: str, model, prompts: list[list[int]], new_tokens: int, pad: int, seed: int) -> tuple[float, int]:
     """Seconds for one generate call and the tokens it generated."""
+    device = next(model.parameters()).device
+    synchronize(device)
     if engine == "hf":
         width = max(len(p) for p in prompts)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
         torch.manual_seed(seed)
         start = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                                  max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad,
                                  eos_token_id=None)
+        synchronize(device)
         seconds = time.perf_counter() - start
         return seconds, (out.shape[1] - width) * out.shape[0]
     params = io.SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=seed)
     start = time.perf_counter()
     out = io.generate(model, prompts, params, pad_token_id=pad, eos_token_id=None, engine=engine)
+    synchronize(device)  # the engine returns host lists (already synchronised); kept for symmetry
     seconds = time.perf_counter() - start
     return seconds, sum(len(t) for t in out.token_ids)
 
@@ -129,11 +157,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     rlhf.setup_logging()
     tokenizer = rlhf.load_tokenizer(rlhf.build_tiny_model())
-    model = load_model(args.model, tokenizer)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    model = load_model(args.model, tokenizer, device, dtype)
     params = sum(p.numel() for p in model.parameters())  # tied embeddings counted once (they are the lm_head)
     pad = tokenizer.pad_token_id
-    peaks = [matmul_peak(args.matmul_size)]
-    print(f"model {args.model}: {params / 1e6:.2f}M parameters, {args.threads} thread(s), "
+    peaks = [matmul_peak(args.matmul_size, device, dtype)]
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{args.threads} CPU thread(s)"
+    print(f"model {args.model}: {params / 1e6:.2f}M parameters, {args.dtype}, {where}, "
           f"{args.new_tokens} new tokens, {args.repeats} repeats; distinct prompts, n=1", flush=True)
     rows, ratios = [], {}
     for batch in args.batch_sizes:
@@ -152,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                 times[engine].append(seconds)
             print(f"  batch {batch}: repeat {repeat + 1}: "
                   + ", ".join(f"{e} {times[e][-1]:.3f} s" for e in args.engines), flush=True)
-        peaks.append(matmul_peak(args.matmul_size))
+        peaks.append(matmul_peak(args.matmul_size, device, dtype))
         tokens = batch * args.new_tokens
         hf_rate = tokens / min(times["hf"])
         compiled = io.compile_seconds(model)
@@ -169,11 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     peak = max(peaks)
     for row in rows:
         row[9] = f"{float(row[8]) * 1e9 / peak:.2%}"
-    print(f"peak fp32 matmul: {peak / 1e9:.1f} GFLOP/s ({args.matmul_size}^2 torch.matmul, best of "
+    print(f"peak {args.dtype} matmul: {peak / 1e9:.1f} GFLOP/s ({args.matmul_size}^2 torch.matmul, best of "
           f"{', '.join(f'{p / 1e9:.1f}' for p in peaks)} measured before and after each batch size)")
     print_table(["model", "batch", "engine", "tokens", "best s", "spread", "tokens/s", "vs HF", "GFLOP/s",
                  "% of peak", "first call s", "compile s"], rows,
-                title=f"Generation: {args.new_tokens} new tokens per row, sampling T=1.0, {args.threads} thread(s)",
+                title=f"Generation: {args.new_tokens} new tokens per row, sampling T=1.0, {args.dtype}, {where}",
                 label_columns=3, min_width=150)
     print("spread = slowest / best repeat (background load); GFLOP/s = 2 x params x tokens / s, attention FLOPs "
           "ignored; first call includes compilation for ours (compiled); compile s = first compiled decode step")
