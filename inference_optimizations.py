@@ -18,6 +18,7 @@ Command line: ``python inference_optimizations.py best-of-n --policy DIR --rewar
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import inspect
 import json
@@ -377,9 +378,23 @@ def _decode_step(model, token, position, mask, cache, temperature, uniform, done
     return chosen, logprob, done, position + 1
 
 
-def _compiled_step(state: _FastState):
+def _compiled_step(state: _FastState, device: torch.device):
+    """The decode step under torch.compile: one graph per (rows, cache length). On a GPU the graph is
+    also captured as a CUDA graph (mode="reduce-overhead"): a small model's step is hundreds of tiny
+    kernels whose launches, not the GPU, set the pace (H100, 0.2B parameters in bf16, batch 16: 3.0x
+    HF generate's tokens/s compiled, 9.2x as a CUDA graph). A replay reuses its output buffers, so each
+    call marks a new step and hands back copies (four small tensors)."""
     if state.compiled_step is None:
-        state.compiled_step = torch.compile(_decode_step, dynamic=False)  # one graph per (rows, cache length)
+        if device.type != "cuda":
+            state.compiled_step = torch.compile(_decode_step, dynamic=False)
+        else:
+            graphed = torch.compile(_decode_step, dynamic=False, mode="reduce-overhead")
+
+            def replay(*args):
+                torch.compiler.cudagraph_mark_step_begin()
+                return tuple(t.clone() for t in graphed(*args))
+
+            state.compiled_step = replay
     return state.compiled_step
 
 
@@ -402,6 +417,34 @@ def _prefill(model: torch.nn.Module, prompts: list[list[int]], pad_token_id: int
     return out, prompt_mask, positions, width
 
 
+def _static_cache(config, max_cache_len: int):
+    """A transformers StaticCache whose layers cast what they store to their buffers' dtype. Under
+    autocast (a model prepared for bf16 mixed precision: accelerate wraps its forward) RoPE returns
+    float32 keys while the value projection returns bfloat16; transformers' dynamic cache promotes
+    both to float32 as it concatenates, and a static layer, whose buffers take the first keys' dtype,
+    would refuse the bfloat16 values (index_copy_ needs equal dtypes). Casting keeps the dynamic
+    cache's float32 and is a no-op when the dtypes already match."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=config, max_cache_len=max_cache_len)
+    for layer in cache.layers:
+        layer.__class__ = _casting_static_layer_class()
+    return cache
+
+
+@functools.cache
+def _casting_static_layer_class() -> type:
+    from transformers.cache_utils import StaticLayer
+
+    class CastingStaticLayer(StaticLayer):
+        def update(self, key_states, value_states, *args, **kwargs):
+            if self.is_initialized:
+                key_states, value_states = key_states.to(self.keys.dtype), value_states.to(self.values.dtype)
+            return super().update(key_states, value_states, *args, **kwargs)
+
+    return CastingStaticLayer
+
+
 def _generate_static(model: torch.nn.Module, prompts: list[list[int]], params: SamplingParams, *, pad_token_id: int,
                      stops: set[int], tokenizer, generator: torch.Generator, compiled: bool,
                      state: _FastState, key: tuple) -> GenerationOutput:
@@ -409,14 +452,12 @@ def _generate_static(model: torch.nn.Module, prompts: list[list[int]], params: S
     preallocated StaticCache (repeated for the n samples), then decode with one fused step per token
     (forward + sampling + log-prob + stop check) over fixed shapes, compiled or not. Host syncs only
     every CHECK_DONE_EVERY steps."""
-    from transformers import StaticCache
-
     device = next(model.parameters()).device
     n, steps = params.n, params.max_new_tokens
     out, prompt_mask, positions, width = _prefill(model, prompts, pad_token_id)
     prefilled = getattr(out.past_key_values, "layers", None)
     cache_len = key[1]
-    cache = StaticCache(config=model.config, max_cache_len=cache_len)
+    cache = _static_cache(model.config, cache_len)
     if not prefilled or len(prefilled) != len(cache.layers) \
             or any(getattr(layer, "keys", None) is None or layer.keys.dim() != 4 for layer in prefilled):
         raise _FallBack(f"{type(out.past_key_values).__name__} layers do not map onto a StaticCache")
@@ -449,7 +490,7 @@ def _generate_static(model: torch.nn.Module, prompts: list[list[int]], params: S
     tokens[:, 0], logprobs[:, 0] = token, logprob
     step_fn, saved_attention = _decode_step, model.config._attn_implementation
     if compiled:
-        step_fn = _compiled_step(state)
+        step_fn = _compiled_step(state, device)
     if compiled and saved_attention in ("sdpa", "eager"):  # uncompiled, the fused SDPA kernel is fewer ops
         _register_decode_attention()
         model.config._attn_implementation = _DECODE_ATTENTION
@@ -1260,13 +1301,12 @@ class SpeculativeDecoder:
         return self._steps[name]
 
     def _generate_static_greedy(self, prompt: list[int], max_new_tokens: int, stops: set[int]) -> SpeculativeOutput:
-        from transformers import StaticCache
 
         device = next(self.target.parameters()).device
         k = self.k
         cache_len = _cache_length(len(prompt) + max_new_tokens + k + 1, coarse=True)
-        target_cache = StaticCache(config=self.target.config, max_cache_len=cache_len)
-        draft_cache = StaticCache(config=self.draft.config, max_cache_len=cache_len)
+        target_cache = _static_cache(self.target.config, cache_len)
+        draft_cache = _static_cache(self.draft.config, cache_len)
         sequence = list(prompt)
         if len(sequence) > 1:  # both caches hold everything but the last committed token
             ids = torch.tensor([sequence[:-1]], device=device)

@@ -173,7 +173,7 @@ def test_compile_failure_falls_back_to_the_same_step_uncompiled(tiny_arch_dir, t
             layer.cumulative_length.add_(1)
         raise RuntimeError("no compiler")
 
-    monkeypatch.setattr(io, "_compiled_step", lambda state: broken)
+    monkeypatch.setattr(io, "_compiled_step", lambda state, device: broken)
     got = io.generate(model, prompts, params, pad_token_id=pad, engine="compiled")
     assert got.token_ids == want.token_ids and "no compiler" in io._FAST_STATE[model].compile_failed
     assert io._choose_engine(model, "compiled", params, 8, 64)[0] == "static"
@@ -196,3 +196,18 @@ def test_compiled_step_matches_static_and_survives_weight_updates(tiny_arch_dir,
             model.lm_head.weight.mul_(4.0)  # a sharper policy: different samples next round
     assert list(io.compile_seconds(model)) == [(8, 32, False, 0, 1.0)]  # compiled once, reused
     assert not io._FAST_STATE[model].compile_failed
+
+
+@pytest.mark.parametrize("engine", ["static", "eager"])
+def test_generation_under_bf16_autocast(engine, tiny_arch_dir, tiny_tokenizer, prompts):
+    """A model prepared for bf16 mixed precision (accelerate wraps its forward in autocast) returns RoPE'd keys in
+    float32 and values in bfloat16: the static cache must hold each in its own dtype (it used to fail with
+    'index_copy_(): self and source expected to have the same dtype'), and both loops agree."""
+    model = _model(tiny_arch_dir, "llama")
+    params = io.SamplingParams(max_new_tokens=10, do_sample=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = io.generate(model, prompts, params, pad_token_id=tiny_tokenizer.pad_token_id, eos_token_id=None,
+                          engine=engine)
+        reference = io.generate(model, prompts, params, pad_token_id=tiny_tokenizer.pad_token_id, eos_token_id=None,
+                                engine="eager")
+    assert out.token_ids == reference.token_ids and all(len(t) == 10 for t in out.token_ids)

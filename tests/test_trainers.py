@@ -118,7 +118,7 @@ def _train_weights(tmp: Path, llama_dir: Path, dataset, batch: int, accumulation
     policy = rlhf.PolicyModel.from_pretrained(str(llama_dir))
     result = trainer_cls(config, policy, dataset).train()
     assert result.global_step == 2
-    return {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
+    return {k: v.detach().cpu().clone() for k, v in policy.model.state_dict().items()}  # .cpu(): trained on a GPU if any
 
 
 def test_gradient_accumulation_is_equivalent_to_a_large_batch(tmp_path, llama_dir, tiny_tokenizer, demo_dir):
@@ -389,6 +389,15 @@ def test_sigkill_and_rerun_is_bit_identical_to_uninterrupted(tmp_path, repo, lla
 
 
 # -- (d) SFT learns the demo task -------------------------------------------------------------------------
+
+
+def test_bf16_mixed_precision_runs_the_exact_match_eval(tmp_path, llama_dir, demo_dir):
+    """bf16=true wraps the model's forward in autocast, so the held-out generation decodes float32 keys
+    (after RoPE) beside bfloat16 values; it used to stop the stage ('index_copy_(): self and source expected
+    to have the same dtype'), which a GPU run of the demo pipeline found (every policy stage rolled back)."""
+    result = rlhf.train_sft(_config(tmp_path, llama_dir, demo_dir, bf16=True, max_steps=1, eval_dataset="demo_eval",
+                                    eval_max_new_tokens=8, per_device_eval_batch_size=100))
+    assert result.global_step == 1 and result.eval["eval/mean_completion_tokens"] > 0
 
 
 def test_sft_learns(tmp_path, tiny_model_dir, demo_dir):
