@@ -3782,6 +3782,14 @@ class ReferenceModel:
     def __init__(self, model: PolicyModel, disable_adapter: bool = False) -> None:
         self.model, self.disable_adapter = model, disable_adapter
 
+    def to(self, device: torch.device | str) -> ReferenceModel:
+        """Put a separate frozen copy on the training device (trainers call this: a reference built
+        before the trainer sits where it was loaded, often the CPU). The adapter-disabled policy is the
+        policy itself and moves with it."""
+        if not self.disable_adapter:
+            self.model.model.to(device)
+        return self
+
     @torch.no_grad()
     def compute_log_probs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> LogProbs:
         with self._frozen():
@@ -5677,7 +5685,7 @@ class _ReferenceTrainer(BaseTrainer):
     reference_keys = ("ref_chosen_logps", "ref_rejected_logps")
 
     def _setup_reference(self, reference: ReferenceModel | None, datasets: list[Any]) -> None:
-        self.reference = reference
+        self.reference = reference.to(self.devices.device) if reference is not None else None
         if reference is None or not self.config.precompute_ref_log_probs:
             return
         started, batches = time.time(), 0
@@ -5994,7 +6002,8 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         self.resumed_rollout: Rollout | None = None  # the interrupted rollout, read back from a checkpoint
         self.rollouts_to_save: list[Rollout] = []  # every process's current rollout, for the checkpoint being written
         super().__init__(config, policy, train_dataset, devices=devices, collator=list)
-        self.reference = reference if getattr(config, "uses_reference", True) else None
+        uses_reference = getattr(config, "uses_reference", True)
+        self.reference = reference.to(self.devices.device) if uses_reference and reference is not None else None
 
     # -- subclass interface
     prompts_per_rollout: int

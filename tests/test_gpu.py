@@ -212,3 +212,33 @@ def test_resume_on_cuda_equals_an_uninterrupted_run(tmp_path, tiny_arch_dir, dem
     assert worst < 1e-6
     losses = [[loss for _, loss, _ in _loss_rows(tmp_path / run)] for run in ("A", "B")]
     assert losses[1] == pytest.approx(losses[0], abs=1e-6)
+
+
+def test_a_reference_built_on_the_cpu_follows_the_policy_to_the_gpu(tmp_path, tiny_model_dir, tiny_tokenizer,
+                                                                    demo_dir):
+    """Python-API users build the reference before the trainer, where the policy was loaded (the CPU); the
+    trainer puts it on its device, for a live DPO reference and for GRPO's KL term alike."""
+    policy = rlhf.PolicyModel.from_pretrained(str(tiny_model_dir))
+    config = rlhf.DPOConfig(model_name_or_path=str(tiny_model_dir), dataset="demo_preference",
+                            dataset_dir=str(demo_dir), max_samples=16, cutoff_len=96, finetuning_type="full",
+                            per_device_train_batch_size=8, max_steps=2, precompute_ref_log_probs=False, save_steps=0,
+                            disable_progress_bar=True, output_dir=str(tmp_path / "dpo"), resume_from_checkpoint="none")
+    formatter = rlhf.ChatFormatter(policy.tokenizer)
+    records = rlhf.load_records("demo_preference", demo_dir, "preference", max_samples=16)
+    pairs = rlhf.PreferenceDataset(records, policy.tokenizer, formatter, cutoff_len=96)
+    reference = rlhf.create_reference_model(config, policy)
+    assert reference.model.device.type == "cpu"
+    assert rlhf.DPOTrainer(config, policy, pairs, reference=reference).train().global_step == 2
+    assert reference.model.device.type == "cuda"
+
+    prompts = rlhf.GRPODataset(rlhf.load_records("demo_rl", demo_dir, "prompt", max_samples=16), tiny_tokenizer,
+                               rlhf.ChatFormatter(tiny_tokenizer), cutoff_len=64)
+    config = rlhf.GRPOConfig(model_name_or_path=str(tiny_model_dir), output_dir=str(tmp_path / "grpo"),
+                             finetuning_type="full", num_generations=4, per_device_train_batch_size=8,
+                             max_completion_length=8, cutoff_len=64, max_steps=2, beta=0.1, save_steps=0,
+                             disable_progress_bar=True, reward_funcs=["format"], resume_from_checkpoint="none")
+    policy = rlhf.PolicyModel.from_pretrained(str(tiny_model_dir))
+    reference = rlhf.create_reference_model(config, policy)
+    result = rlhf.GRPOTrainer(config, policy, prompts, reward_fn=lambda p, c, a: torch.zeros(len(c)),
+                              reference=reference).train()
+    assert result.global_step == 2 and reference.model.device.type == "cuda"
