@@ -62,7 +62,7 @@ def _exact_config(cls: type[rlhf.BaseConfig], tmp: Path, model: Path, **override
 
 
 def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+    return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}  # trainers use a GPU if present
 
 
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -64,7 +64,8 @@ def _prm_trainer(config: rlhf.ProcessRewardModelConfig, records: list[dict], lab
 
 def _hand_step_accuracy(model: rlhf.ProcessRewardModel, data, collator) -> float:
     """Share of labelled steps whose logit has the label's sign, from the model's step logits directly."""
-    batch = collator([data[i] for i in range(len(data))])
+    device = next(model.parameters()).device  # the trainer put it on a GPU if there is one
+    batch = {k: v.to(device) for k, v in collator([data[i] for i in range(len(data))]).items()}
     with torch.no_grad():
         logits = model.step_logits(batch["input_ids"], batch["attention_mask"], batch["step_positions"])
     right = total = 0
@@ -270,10 +271,12 @@ def test_prm_training_learns_and_saves(tmp_path, tiny_model_dir, demo_dir, pref_
     loaded = rlhf.ProcessRewardModel.from_pretrained(str(out))
     assert loaded.step_delimiter == "\n" and loaded.aggregation == "min"
     batch = collator([data[i] for i in range(4)])
+    inputs = [batch[k] for k in ("input_ids", "attention_mask", "step_positions")]
+    device = next(trainer.policy.parameters()).device  # the trainer put it on a GPU if there is one
     with torch.no_grad():
-        want = trainer.policy.step_logits(batch["input_ids"], batch["attention_mask"], batch["step_positions"])
-        got = loaded.step_logits(batch["input_ids"], batch["attention_mask"], batch["step_positions"])
-    torch.testing.assert_close(got, want)
+        want = trainer.policy.step_logits(*(t.to(device) for t in inputs)).cpu()
+        got = loaded.step_logits(*inputs)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
     other = rlhf.ProcessRewardModel.from_pretrained(str(out), aggregation="product")  # an explicit choice wins
     assert other.aggregation == "product" and other.step_delimiter == "\n"
 
