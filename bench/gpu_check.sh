@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The GPU checks, for a machine with a CUDA GPU (none runs in CI, which has no GPU):
-#   bench/gpu_check.sh [tests|demo|bench|cudagraphs]...   (default: tests and demo side by side, then bench)
-# tests: tests/test_gpu.py (CUDA engine equality, bf16 training, resume) plus the trainer suite's learning
-# tests, which train on the GPU whenever one is present; demo: the demo pipeline in bf16 on the GPU;
-# bench: bench_generation.py on the GPU (tiny fp32, 0.2B bf16); cudagraphs: the same with the compiled
-# decode step under CUDA graphs (mode="reduce-overhead"), an experiment, not a product path.
+#   bench/gpu_check.sh [tests|suite|demo|bench|rollouts]...   (default: tests, suite and demo side by side,
+#   then bench)
+# tests: tests/test_gpu.py (CUDA engine equality, bf16 training, resume); suite: the trainer suite's learning,
+# resume and invariance tests, which train on the GPU whenever one is present; demo: the demo pipeline in
+# bf16 on the GPU;
+# bench: bench_generation.py on the GPU (tiny fp32, 0.2B bf16); rollouts: 200 compiled generate calls of
+# one shape (time per call and GPU memory must stay flat as CUDA graphs are replayed or re-recorded).
 # Logs and the demo's report go to $OUT (default /tmp/gpu-check). Wheels in .whl/ are installed first
 # (a machine without package registries; see /work/.library/device/README.md in the workplace).
 set -u
@@ -13,7 +15,7 @@ OUT=${OUT:-/tmp/gpu-check}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 RLHF_CACHE=${RLHF_CACHE:-/tmp/rlhf-gpu-cache} HF_HUB_OFFLINE=1 WANDB_MODE=offline
 if [ -d .whl ] && [ -z "${GPU_CHECK_INSTALLED:-}" ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    rm -rf /tmp/site && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=/tmp/site GPU_CHECK_INSTALLED=1 || exit 1
 fi
 {
@@ -27,9 +29,12 @@ import importlib.util; print('flash_attn installed:', importlib.util.find_spec('
 run_tests() {
     timeout "${TESTS_TIMEOUT:-330}" python3 -m pytest -p no:cacheprovider -v -s --no-header \
         tests/test_gpu.py 2>&1 | grep -v "^$" > "$OUT/tests.log"
-    timeout "${SUITE_TIMEOUT:-240}" python3 -m pytest -p no:cacheprovider -q -n 6 --no-header \
+}
+
+run_suite() {  # the trainer suite's learning, resume and invariance tests, which train on the GPU when one is present
+    timeout "${SUITE_TIMEOUT:-240}" python3 -m pytest -p no:cacheprovider -q -n 6 --no-header --tb=short \
         tests/test_trainers.py tests/test_preference.py tests/test_grpo.py tests/test_ppo.py tests/test_prm.py \
-        -k "learn or resume or accumulation or equivalent" 2>&1 | tail -40 > "$OUT/suite.log"
+        -k "learn or resume or accumulation or equivalent" > "$OUT/suite.log" 2>&1
 }
 
 run_demo() {
@@ -43,38 +48,36 @@ run_demo() {
 
 run_bench() {
     {
-        timeout 150 python3 bench/bench_generation.py --device cuda --model tiny --batch-sizes 16,128 --repeats 3
-        timeout 150 python3 bench/bench_generation.py --device cuda --dtype bfloat16 --model large \
+        timeout 120 python3 bench/bench_generation.py --device cuda --model tiny --batch-sizes 16,128 --repeats 3
+        timeout 120 python3 bench/bench_generation.py --device cuda --dtype bfloat16 --model large \
             --batch-sizes 16,128 --repeats 3
     } > "$OUT/bench.log" 2>&1
 }
 
-run_cudagraphs() {
-    timeout 200 python3 - > "$OUT/cudagraphs.log" 2>&1 <<'EOF'
-import runpy, sys, torch
+run_rollouts() {  # 200 generate calls of one shape, as GRPO makes them: time per call and GPU memory stay flat
+    timeout "${ROLLOUTS_TIMEOUT:-120}" python3 - > "$OUT/rollouts.log" 2>&1 <<'EOF'
+import sys, time, torch
 sys.path.insert(0, ".")
-import inference_optimizations as io
-
-def compiled_step(state):
-    if state.compiled_step is None:
-        state.compiled_step = torch.compile(io._decode_step, dynamic=False, mode="reduce-overhead")
-    return state.compiled_step
-
-io._compiled_step = compiled_step
-for argv in (["--model", "tiny"], ["--dtype", "bfloat16", "--model", "large"]):
-    sys.argv = ["bench_generation.py", "--device", "cuda", "--batch-sizes", "16,128", "--repeats", "3",
-                "--engines", "hf,compiled", *argv]
-    try:
-        runpy.run_path("bench/bench_generation.py", run_name="__main__")
-    except SystemExit:
-        pass
+import inference_optimizations as io, rlhf
+path = rlhf.build_tiny_model()
+tokenizer = rlhf.load_tokenizer(path)
+model = rlhf.load_causal_lm(str(path), attn_implementation="sdpa")[0].cuda().eval()
+prompts = [[1] + [10 + (i * 7 + j) % 200 for j in range(18 + i % 5)] for i in range(8)]
+params = io.SamplingParams(max_new_tokens=64, temperature=1.0, n=8, seed=0)
+for call in range(200):
+    start = time.perf_counter()
+    io.generate(model, prompts, params, pad_token_id=tokenizer.pad_token_id, eos_token_id=None, engine="compiled")
+    seconds = time.perf_counter() - start
+    if call in (0, 1, 2, 10, 50, 100, 127, 128, 129, 130, 150, 199):
+        print(f"call {call}: {seconds * 1000:.1f} ms, allocated {torch.cuda.memory_allocated() / 2**20:.0f} MiB, "
+              f"reserved {torch.cuda.memory_reserved() / 2**20:.0f} MiB", flush=True)
 EOF
 }
 
 python3 -c "import rlhf; rlhf.build_tiny_model()" || exit 1  # once, before parts run side by side
 parts=("$@")
 if [ ${#parts[@]} -eq 0 ]; then
-    run_tests & run_demo & wait
+    { run_tests; run_suite; } & run_demo & wait
     run_bench
 else
     for part in "${parts[@]}"; do "run_$part"; done
