@@ -427,7 +427,7 @@ def _static_cache(config, max_cache_len: int):
     from transformers import StaticCache
 
     cache = StaticCache(config=config, max_cache_len=max_cache_len)
-    for layer in cache.layers:
+    for layer in cache.layers:  # StaticCache builds its layers from the config itself: retype them in place
         layer.__class__ = _casting_static_layer_class()
     return cache
 
@@ -438,9 +438,10 @@ def _casting_static_layer_class() -> type:
 
     class CastingStaticLayer(StaticLayer):
         def update(self, key_states, value_states, *args, **kwargs):
-            if self.is_initialized:
-                key_states, value_states = key_states.to(self.keys.dtype), value_states.to(self.values.dtype)
-            return super().update(key_states, value_states, *args, **kwargs)
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            return super().update(key_states.to(self.keys.dtype), value_states.to(self.values.dtype), *args,
+                                  **kwargs)
 
     return CastingStaticLayer
 
@@ -1301,7 +1302,6 @@ class SpeculativeDecoder:
         return self._steps[name]
 
     def _generate_static_greedy(self, prompt: list[int], max_new_tokens: int, stops: set[int]) -> SpeculativeOutput:
-
         device = next(self.target.parameters()).device
         k = self.k
         cache_len = _cache_length(len(prompt) + max_new_tokens + k + 1, coarse=True)

@@ -120,3 +120,15 @@ def test_compiled_path_equals_target_greedy(pair):
         assert decoder.generate(prompt, length).token_ids == expected
     with pytest.raises(ValueError, match="engine"):
         io.SpeculativeDecoder(target, draft, engine="paged")
+
+
+@pytest.mark.parametrize("engine", ["eager", "static"])
+def test_greedy_under_bf16_autocast_equals_target_greedy(pair, engine):
+    """A model whose forward runs under autocast (bf16 mixed precision) hands the caches float32 keys and
+    bfloat16 values; the static caches cast them to one dtype from their first update on."""
+    target, draft = pair
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = target.generate(torch.tensor([[3, 9, 4]]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                                   pad_token_id=0, eos_token_id=None)[0, 3:].tolist()
+        out = io.SpeculativeDecoder(target, draft, k=3, engine=engine).generate([3, 9, 4], 16)
+    assert out.token_ids == expected
