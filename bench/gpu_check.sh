@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # The GPU checks, for a machine with a CUDA GPU (none runs in CI, which has no GPU):
-#   bench/gpu_check.sh [tests|suite|demo|bench|rollouts]...   (default: tests, suite and demo side by side,
-#   then bench)
-# tests: tests/test_gpu.py (CUDA engine equality, bf16 training, resume); suite: the trainer suite's learning,
-# resume and invariance tests, which train on the GPU whenever one is present; demo: the demo pipeline in
-# bf16 on the GPU;
-# bench: bench_generation.py on the GPU (tiny fp32, 0.2B bf16); rollouts: 200 compiled generate calls of
-# one shape (time per call and GPU memory must stay flat as CUDA graphs are replayed or re-recorded).
-# Logs and the demo's report go to $OUT (default /tmp/gpu-check). Wheels in .whl/ are installed first
-# (a machine without package registries; see /work/.library/device/README.md in the workplace).
+#   bench/gpu_check.sh [tests|suite|demo|bench|rollouts]...
+# With no argument: tests, then suite, beside demo; then bench.
+#   tests     tests/test_gpu.py (engines on CUDA, bf16 training, resume, reference placement)
+#   suite     the trainer suite's learning, resume and invariance tests, which train on the GPU whenever one
+#             is present (needs pytest-xdist)
+#   demo      the demo pipeline with bf16=true
+#   bench     bench_generation.py on cuda: the tiny model in fp32, a 0.22B Llama in bf16
+#   rollouts  200 compiled generate calls of one shape: time per call and GPU memory must stay flat
+# Logs and the demo's report.md go to $OUT (default /tmp/gpu-check). Wheels in .whl/ (downloaded with
+# `pip download --only-binary=:all:` for the GPU machine's Python) are installed first, for a machine that
+# reaches no package registry.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-check}
