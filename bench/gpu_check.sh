@@ -82,6 +82,11 @@ if [ ${#parts[@]} -eq 0 ]; then
     { run_tests; run_suite; } & run_demo & wait
     run_bench
 else
-    for part in "${parts[@]}"; do "run_$part"; done
+    for part in "${parts[@]}"; do
+        case "$part" in
+            tests|suite|demo|bench|rollouts) "run_$part" ;;
+            *) echo "error: unknown part '$part'; use tests, suite, demo, bench or rollouts" >&2; exit 2 ;;
+        esac
+    done
 fi
 tail -n 3 "$OUT"/*.log
