@@ -184,7 +184,7 @@ def _has_stop_string(tokenizer, tokens: list[int], stop_strings: tuple[str, ...]
 
 
 def _generate_eager(model: torch.nn.Module, prompts: list[list[int]], params: SamplingParams, *, pad_token_id: int,
-                    stops: set[int], tokenizer, generator: torch.Generator) -> GenerationOutput:
+                    stops: set[int], tokenizer, generator: torch.Generator, synced: bool = False) -> GenerationOutput:
     """The general loop: the model's own (dynamic) cache, one forward per step, multinomial sampling,
     checks every step. Works for any causal LM, recurrent ones included (they recompute the sequence)."""
     device = next(model.parameters()).device
@@ -229,7 +229,7 @@ def _generate_eager(model: torch.nn.Module, prompts: list[list[int]], params: Sa
                     hit[row] = True
         stopped |= hit
         done |= hit
-        if bool(done.all()):
+        if _all_finished(done, synced):
             break
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
         if recurrent:
@@ -402,6 +402,24 @@ class _FallBack(Exception):
     """The static path cannot serve this model after all; the general loop takes over."""
 
 
+def _synced_run(synced: bool) -> bool:
+    """``synced`` where it matters: several processes in the default process group."""
+    distributed = torch.distributed
+    return synced and distributed.is_available() and distributed.is_initialized() and distributed.get_world_size() > 1
+
+
+def _all_finished(done: torch.Tensor, synced: bool) -> bool:
+    """Whether every row is done; ``synced``: on every process. A sharded model's forwards are
+    collectives (each gathers the weights it needs from the other processes), so a process that
+    stopped early would leave the others waiting in their next forward: all of them decode until the
+    first check at which all are done (Hugging Face's ``synced_gpus``), the finished rows on pads."""
+    if not synced:
+        return bool(done.all())
+    unfinished = (~done).any().long().reshape(1)
+    torch.distributed.all_reduce(unfinished)  # sum: processes still decoding
+    return int(unfinished) == 0
+
+
 def _prefill(model: torch.nn.Module, prompts: list[list[int]], pad_token_id: int, cache=None):
     """One forward over the left-padded prompts (only the last position's logits where the model allows).
     Returns (output, prompt mask (P, W), positions (P, W), width W)."""
@@ -448,7 +466,7 @@ def _casting_static_layer_class() -> type:
 
 def _generate_static(model: torch.nn.Module, prompts: list[list[int]], params: SamplingParams, *, pad_token_id: int,
                      stops: set[int], tokenizer, generator: torch.Generator, compiled: bool,
-                     state: _FastState, key: tuple) -> GenerationOutput:
+                     state: _FastState, key: tuple, synced: bool = False) -> GenerationOutput:
     """Prefill the distinct prompts (the model's dynamic cache, its own attention), copy the KV into a
     preallocated StaticCache (repeated for the n samples), then decode with one fused step per token
     (forward + sampling + log-prob + stop check) over fixed shapes, compiled or not. Host syncs only
@@ -513,7 +531,7 @@ def _generate_static(model: torch.nn.Module, prompts: list[list[int]], params: S
                     checked, finished = step, host_done
                     if string_end:
                         done[list(string_end)] = True
-                if step == steps or bool(done.all()):
+                if step == steps or _all_finished(done, synced):
                     break
             args = (model, token, position, mask, cache, temperature, noise(), done, stop_ids, pad_token_id,
                     params.top_k, params.top_p)
@@ -909,10 +927,9 @@ def _choose_engine(model: torch.nn.Module, engine: str, params: SamplingParams, 
     return "static", key
 
 
-@torch.inference_mode()
 def generate(model: torch.nn.Module, prompts: list[list[int]], params: SamplingParams | None = None, *,
              pad_token_id: int, eos_token_id: int | None = None, tokenizer=None,
-             engine: str = "auto", paged_cache: PagedKVCache | None = None) -> GenerationOutput:
+             engine: str = "auto", paged_cache: PagedKVCache | None = None, synced: bool = False) -> GenerationOutput:
     """Batched sampling for any Hugging Face causal LM over its KV cache.
 
     Prompts are left-padded and prefilled once; with ``n > 1`` the cache is repeated so the samples
@@ -933,7 +950,24 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], params: SamplingP
     ``GenerationOutput.cache_stats`` reports the peak memory; it trades speed (a block gather per
     layer and step) for memory, so ``auto`` never picks it.
     A seed reproduces samples within one engine; engines draw differently (same distribution).
+
+    ``synced``: the model's weights are sharded across the processes of the default process group
+    (FSDP, DeepSpeed ZeRO-3), so each forward is a collective. Every process must call ``generate``
+    equally often, with the same ``max_new_tokens``; each decodes until all are done (its own rows
+    are unchanged by the extra steps). ``auto`` and ``compiled`` then run ``static`` (the collectives
+    stay outside a compiled graph) and ``paged`` is refused. The loop runs under ``no_grad`` instead
+    of ``inference_mode``: the weights gathered for a forward would be inference tensors that
+    sharding keeps, and the next training step could not update them.
     """
+    synced = _synced_run(synced)
+    with torch.no_grad() if synced else torch.inference_mode():
+        return _generate(model, prompts, params, pad_token_id=pad_token_id, eos_token_id=eos_token_id,
+                         tokenizer=tokenizer, engine=engine, paged_cache=paged_cache, synced=synced)
+
+
+def _generate(model: torch.nn.Module, prompts: list[list[int]], params: SamplingParams | None, *, pad_token_id: int,
+              eos_token_id: int | None, tokenizer, engine: str, paged_cache: PagedKVCache | None,
+              synced: bool) -> GenerationOutput:
     params = params or SamplingParams()
     if engine not in GENERATION_ENGINES:
         raise ValueError(f"engine '{engine}' is not one of {', '.join(GENERATION_ENGINES)}")
@@ -946,6 +980,11 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], params: SamplingP
     generator.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,))))
     if paged_cache is not None and engine != "paged":
         raise ValueError("paged_cache is used by engine='paged' only")
+    if synced and engine == "paged":
+        raise ValueError("engine='paged' cannot decode a model sharded across processes (synced=True): its rows "
+                         "leave the batch as they finish; use 'static' or 'eager'")
+    if synced and engine in ("auto", "compiled"):
+        engine = "static"
     if engine == "paged":
         why_not = _static_path_unsupported(model)
         if not why_not:
@@ -962,11 +1001,11 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], params: SamplingP
         try:
             return _generate_static(model, prompts, params, pad_token_id=pad_token_id, stops=stops,
                                     tokenizer=tokenizer, generator=generator, compiled=chosen == "compiled",
-                                    state=_FAST_STATE[model], key=key)
+                                    state=_FAST_STATE[model], key=key, synced=synced)
         except _FallBack as why:
             _log_once(type(model).__name__, "generation: general decode loop for %s: %s", type(model).__name__, why)
     return _generate_eager(model, prompts, params, pad_token_id=pad_token_id, stops=stops, tokenizer=tokenizer,
-                           generator=generator)
+                           generator=generator, synced=synced)
 
 
 # -- chat rendering (standalone: the tokenizer's own chat template) -----------------------------------------------
