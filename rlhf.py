@@ -10,9 +10,9 @@ bundled demo task, and on GPUs through accelerate.
 Table of contents (each section opens with a ``# ==== N. Title ====`` banner):
   0. Notation and registries — IGNORE_INDEX, RLHFInputError, TrainingStage
   1. Configs — BaseConfig, SFTConfig, RewardModelConfig, ProcessRewardModelConfig, DPOConfig, SimPOConfig, ORPOConfig, KTOConfig, OnlineRLConfig, GRPOConfig, PPOConfig, PipelineConfig, load_config, save_config, config_help, get_7b_model_config, get_70b_model_config, count_parameters, estimate_memory
-  2. Infrastructure — setup_logging, DeviceManager, TrainingLogger, CheckpointManager, create_optimizer, EarlyStopping, apply_lora, apply_freeze, compile_model, select_attention_implementation
+  2. Infrastructure — setup_logging, DeviceManager, weight_sharding, TrainingLogger, CheckpointManager, create_optimizer, EarlyStopping, apply_lora, apply_freeze, compile_model, select_attention_implementation
   3. Data — load_records, ChatFormatter, CHAT_TEMPLATES, SFTDataset, StreamingSFTDataset, pack_sequences, SFTCollator, PreferenceDataset, StreamingPreferenceDataset, KTODataset, StreamingKTODataset, pack_preference_pairs, PreferenceBatch, PreferenceCollator, KTOBatch, KTOCollator, GRPODataset, StreamingGRPODataset, extract_answer, split_steps, arithmetic_step_labels, encode_steps, ProcessPreferenceDataset, ProcessPreferenceCollator
-  4. Models — token_log_probs, load_tokenizer, build_tiny_model, resolve_model_path, PolicyModel, RewardModel, RewardEnsemble, aggregate_step_scores, ProcessRewardModel, ValueModel, ActorCritic, select_informative_tokens, ContextCompressor, ReferenceModel, can_pack_pairs, tree_attention_mask, shared_prefix_log_probs, grouped_prefix_logits, create_reference_model
+  4. Models — token_log_probs, load_tokenizer, build_tiny_model, resolve_model_path, PolicyModel, state_under, RewardModel, RewardEnsemble, aggregate_step_scores, ProcessRewardModel, ValueModel, ActorCritic, select_informative_tokens, ContextCompressor, ReferenceModel, can_pack_pairs, tree_attention_mask, shared_prefix_log_probs, grouped_prefix_logits, create_reference_model
   5. Losses and advantages — causal_lm_loss_sum, sequence_log_probs, dpo_loss, PREFERENCE_LOSSES, simpo_loss, orpo_loss, kto_loss, reward_model_loss, ewc_penalty, whiten, grpo_advantages, grpo_loss, compute_gae, ppo_policy_loss, ppo_value_loss, AdaptiveKLController, FixedKLController
   6. Rewards — exact_answer_reward, format_reward, length_penalty, CompositeReward, LearnedReward, ProcessReward, HTTPReward, RewardAPIError, Principle, ConstitutionalRewardWrapper, RewardFunctionFactory, RunningRewardNormalizer, process_rewards
   7. Trainers — BaseTrainer, TrainingDivergedError, SFTTrainer, PairScores, RewardModelTrainer, ProcessRewardModelTrainer, DPOTrainer, SimPOTrainer, KTOTrainer, precompute_ref_log_probs, Rollout, RolloutBuffer, token_entropy, disable_dropout, GRPOTrainer, PPOTrainer, TrainResult, close_loss_scaler_step
@@ -1273,6 +1273,53 @@ class DeviceManager:
     def wait(self) -> None:
         self.accelerator.wait_for_everyone()
 
+    # -- models sharded across processes (FSDP2, DeepSpeed ZeRO-3): their forwards and state are collectives
+    def check_sharding(self, prepared: nn.Module) -> None:
+        """Refuse FSDP v1: its wrapper keeps the root's parameters (embeddings, final norm, LM head) in a flat
+        shard that only the wrapper's own forward gathers, and generation, a LoRA reference (the policy with its
+        adapters off) and no-grad evaluation run the unwrapped module."""
+        if weight_sharding(prepared) == "fsdp1":
+            raise RLHFInputError("accelerate config: FSDP v1 (fsdp_version: 1, the default) is not supported, because "
+                                 "generation and evaluation run the unwrapped model; set fsdp_version: 2 "
+                                 "(configs/accelerate/fsdp.yaml does)")
+
+    def full_state_dict(self, prepared: nn.Module) -> dict[str, torch.Tensor] | None:
+        """A sharded model's weights, whole and keyed as in the unwrapped module, on the main process (None on
+        the others), gathered into host memory one tensor at a time on a GPU; None when the model is not sharded
+        (save the module itself). Every process must call it: the gather is a collective."""
+        kind = weight_sharding(prepared)
+        if not kind:
+            return None
+        if kind == "zero3":
+            state = self.accelerator.get_state_dict(prepared)  # needs zero3_save_16bit_model (our config sets it)
+        else:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            offload = self.device.type == "cuda"  # with offload only the main process receives the weights
+            state = get_model_state_dict(prepared, options=StateDictOptions(full_state_dict=True, cpu_offload=offload))
+        # keyed as in the unwrapped module: without torch.compile's wrapper prefix
+        return {k.replace("_orig_mod.", ""): v.detach().cpu() for k, v in state.items()} if self.is_main_process else None
+
+    def load_full_state_dict(self, prepared: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        """Load whole weights (every process read the same file) into a model, sharded or not; each process keeps
+        its shard. Keys as in the unwrapped module."""
+        kind = weight_sharding(prepared)
+        if kind == "zero3":
+            import deepspeed
+
+            module = self.unwrap(prepared)
+            params = dict(module.named_parameters())
+            with deepspeed.zero.GatheredParameters([params[k] for k in state if k in params], modifier_rank=0):
+                if self.is_main_process:
+                    module.load_state_dict(state, strict=False)
+        elif kind:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            # a copy: set_model_state_dict swaps the dict's entries for the shards it distributes
+            set_model_state_dict(prepared, dict(state), options=StateDictOptions(full_state_dict=True, strict=False))
+        else:
+            self.unwrap(prepared).load_state_dict(state, strict=False)
+
     def lockstep_share(self, count: int) -> list[tuple[int, bool]]:
         """This process's share of ``count`` batches split round-robin across processes, as (batch index, keep)
         pairs; all of them, kept, on one process. Every process gets the same number of turns, because a sharded
@@ -1281,6 +1328,22 @@ class DeviceManager:
         processes = self.num_processes
         turns = range(self.process_index, math.ceil(count / processes) * processes, processes)
         return [(min(index, count - 1), index < count) for index in turns]
+
+
+def weight_sharding(model: nn.Module) -> str:
+    """How a model prepared by accelerate splits its weights across processes: ``fsdp1`` (the FSDP v1
+    wrapper), ``fsdp2`` (``fully_shard``, applied in place), ``zero3`` (DeepSpeed ZeRO-3 partitioned
+    parameters) or '' (every process holds them whole: one process, DDP, ZeRO-1/2)."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    modules = list(model.modules())
+    if any(isinstance(m, FullyShardedDataParallel) for m in modules):
+        return "fsdp1"
+    if any(isinstance(m, FSDPModule) for m in modules):
+        return "fsdp2"
+    if any(hasattr(p, "ds_id") for p in model.parameters()):  # ZeRO-3 marks the parameters it partitions
+        return "zero3"
+    return ""
 
 
 def _configure_wandb_offline() -> None:
@@ -3364,9 +3427,11 @@ class PolicyModel(nn.Module):
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int = 64, do_sample: bool = False,
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                 stop_token_ids: list[int] | None = None, batch_size: int = 32) -> list[list[int]]:
+                 stop_token_ids: list[int] | None = None, batch_size: int = 32, synced: bool = False) -> list[list[int]]:
         """Complete token-id prompts with the generation engine (inference_optimizations.generate);
-        returns each completion's ids, ending with its stop token if it produced one."""
+        returns each completion's ids, ending with its stop token if it produced one. ``synced``: the
+        weights are sharded across processes, which then call this with as many prompts and decode in
+        lockstep (see ``inference_optimizations.generate``)."""
         from inference_optimizations import SamplingParams
         from inference_optimizations import generate as generate_tokens
 
@@ -3380,7 +3445,7 @@ class PolicyModel(nn.Module):
         for start in range(0, len(order), batch_size):
             chunk = order[start:start + batch_size]
             output = generate_tokens(self.model, [prompts[i] for i in chunk], params,
-                                     pad_token_id=self.tokenizer.pad_token_id)
+                                     pad_token_id=self.tokenizer.pad_token_id, synced=synced)
             for i, tokens in zip(chunk, output.token_ids):
                 results[i] = tokens
         self.model.train(was_training)
@@ -3389,13 +3454,22 @@ class PolicyModel(nn.Module):
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def save_pretrained(self, directory: str | os.PathLike) -> None:
-        """Hugging Face layout (safetensors): loads with AutoModelForCausalLM, or PEFT for adapters."""
+    def save_pretrained(self, directory: str | os.PathLike, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        """Hugging Face layout (safetensors): loads with AutoModelForCausalLM, or PEFT for adapters.
+        ``state_dict``: the weights to write instead of the module's own (a sharded model's, gathered whole)."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         model = self.model._orig_mod if hasattr(self.model, "_orig_mod") else self.model  # unwrap torch.compile
-        model.save_pretrained(directory)
+        model.save_pretrained(directory, **({"state_dict": state_dict} if state_dict is not None else {}))
         self.tokenizer.save_pretrained(directory)
+
+
+def state_under(state: dict[str, torch.Tensor] | None, prefix: str) -> dict[str, torch.Tensor] | None:
+    """The entries of a module's state dict that belong to its submodule ``prefix`` ("backbone."), named
+    relative to it; None stays None (the module saves its own weights)."""
+    if state is None:
+        return None
+    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
 
 
 def load_weights_into(model: nn.Module, directory: str | os.PathLike) -> None:
@@ -3529,14 +3603,17 @@ class RewardModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, attention_mask)
 
-    def save_pretrained(self, directory: str | os.PathLike, chat_template: str | None = None) -> None:
+    def save_pretrained(self, directory: str | os.PathLike, chat_template: str | None = None,
+                        state_dict: dict[str, torch.Tensor] | None = None) -> None:
         """``chat_template``: the template the model was trained with, recorded so that scorers outside
-        rlhf (inference_optimizations.RewardModelScorer) render inputs the same way."""
+        rlhf (inference_optimizations.RewardModelScorer) render inputs the same way. ``state_dict``: the
+        scorer's weights to write instead of its own (a sharded model's, gathered whole)."""
         from safetensors.torch import save_file
 
         directory = Path(directory)
-        PolicyModel(self.model.backbone, self.tokenizer).save_pretrained(directory)
-        save_file({k: v.detach().contiguous() for k, v in self.model.head.state_dict().items()}, str(directory / self.HEAD_FILE))
+        PolicyModel(self.model.backbone, self.tokenizer).save_pretrained(directory, state_under(state_dict, "backbone."))
+        head = state_under(state_dict, "head.") or self.model.head.state_dict()
+        save_file({k: v.detach().contiguous() for k, v in head.items()}, str(directory / self.HEAD_FILE))
         config = {"reward_model_type": _adapter_type(self.model.backbone), "head_hidden": self.model.head_hidden,
                   "hidden_size": self.model.backbone.config.hidden_size, "score": "last non-padding token"}
         if chat_template:
@@ -3640,8 +3717,8 @@ class ProcessRewardModel(nn.Module):
         return aggregate_step_scores(self.step_logits(input_ids, attention_mask, step_positions), step_mask,
                                      self.aggregation)
 
-    def save_pretrained(self, directory: str | os.PathLike) -> None:
-        RewardModel(self.model, self.tokenizer).save_pretrained(directory)
+    def save_pretrained(self, directory: str | os.PathLike, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        RewardModel(self.model, self.tokenizer).save_pretrained(directory, state_dict=state_dict)
         (Path(directory) / self.CONFIG_FILE).write_text(json.dumps(
             {"step_delimiter": self.step_delimiter, "aggregation": self.aggregation,
              "score": "last token of each step"}, indent=1))
@@ -3695,15 +3772,19 @@ class ValueModel(nn.Module):
                                                       use_cache=False).last_hidden_state
         return scalar_head(self.head, hidden_states)
 
-    def save_pretrained(self, directory: str | os.PathLike, tokenizer: Any = None) -> None:
+    def save_pretrained(self, directory: str | os.PathLike, tokenizer: Any = None,
+                        state_dict: dict[str, torch.Tensor] | None = None) -> None:
+        """``state_dict``: the critic's weights to write instead of its own (a sharded model's, gathered whole)."""
         from safetensors.torch import save_file
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
+        backbone_state = state_under(state_dict, "backbone.")
         if self.backbone is not None:
-            PolicyModel(self.backbone, tokenizer).save_pretrained(directory) if tokenizer is not None \
-                else self.backbone.save_pretrained(directory)
-        save_file({k: v.detach().contiguous() for k, v in self.head.state_dict().items()}, str(directory / self.HEAD_FILE))
+            PolicyModel(self.backbone, tokenizer).save_pretrained(directory, backbone_state) if tokenizer is not None \
+                else self.backbone.save_pretrained(directory, **({"state_dict": backbone_state} if backbone_state else {}))
+        head = state_under(state_dict, "head.") or self.head.state_dict()
+        save_file({k: v.detach().contiguous() for k, v in head.items()}, str(directory / self.HEAD_FILE))
 
     def load_head(self, directory: str | os.PathLike) -> None:
         from safetensors.torch import load_file
@@ -4973,8 +5054,19 @@ class BaseTrainer:
         self.policy.model.to(self.devices.device)
         self.policy.model = compile_model(self.policy.model, self.config.compile)
         self.model = self.devices.prepare(self.policy.model)
+        self._setup_sharding()
         self.model.train()
         self.train_policy = self._prepared_view()
+
+    def _setup_sharding(self) -> None:
+        """After ``prepare``: with weights sharded across processes (FSDP2, ZeRO-3) every forward of the policy is a
+        collective, so generation runs in lockstep (``synced``) and saving gathers the weights first."""
+        self.devices.check_sharding(self.model)
+        self.sharded = bool(weight_sharding(self.model))
+        if self.sharded and not self.config.save_only_model:
+            logger.warning("weights sharded across processes (%s): checkpoints hold the whole weights but not the "
+                           "optimizer's sharded state, so a resume restarts AdamW's moments (the schedule continues)",
+                           weight_sharding(self.model))
 
     def _prepared_view(self) -> nn.Module:
         """``self.policy`` with its module swapped for the prepared one (DDP / FSDP / DeepSpeed), for the
@@ -5243,9 +5335,15 @@ class BaseTrainer:
         return ewc
 
     # -- checkpoints
+    policy_prefix = ""  # where the policy's weights sit in the prepared module's state dict
+    sharded = False  # set by _setup_sharding once the model is prepared
+    gathered_weights: dict[str, torch.Tensor] | None = None  # a sharded model's weights while they are written
+
     def _save_model(self, directory: Path) -> None:
-        """The trained model in Hugging Face layout (subclasses with other models override)."""
-        PolicyModel(self.devices.unwrap(self.policy.model), self.policy.tokenizer).save_pretrained(directory)
+        """The trained model in Hugging Face layout (subclasses with other models override); a sharded model's
+        weights come from ``gathered_weights``."""
+        PolicyModel(self.devices.unwrap(self.policy.model), self.policy.tokenizer).save_pretrained(
+            directory, state_under(self.gathered_weights, self.policy_prefix))
 
     def _load_model(self, directory: Path) -> None:
         load_weights_into(self.devices.unwrap(self.policy.model), directory)
@@ -5257,22 +5355,41 @@ class BaseTrainer:
     def _load_extra_state(self, state: dict[str, Any]) -> None:
         pass
 
+    SHARDED_WEIGHTS_FILE = "model_state.safetensors"
+
+    @contextlib.contextmanager
+    def _weights_gathered(self) -> Iterator[None]:
+        """A sharded model's weights gathered whole onto the main process for the writes inside (every process
+        enters: the gather is a collective); nothing to gather otherwise."""
+        self.gathered_weights = self.devices.full_state_dict(self.model) if self.sharded else None
+        try:
+            yield
+        finally:
+            self.gathered_weights = None
+
     def _save_checkpoint(self) -> None:
-        if self.devices.is_main_process:
-            path = self.checkpoints.save(self.global_step, self._write_checkpoint)
-            logger.debug("checkpoint written: %s", path)
+        with self._weights_gathered():
+            if self.devices.is_main_process:
+                path = self.checkpoints.save(self.global_step, self._write_checkpoint)
+                logger.debug("checkpoint written: %s", path)
         self.devices.wait()
 
     def _write_checkpoint(self, directory: Path) -> None:
         from safetensors.torch import save_file
 
-        self._save_model(directory)
+        # sharded: the gathered weights as the prepared module names them, which resume loads back into the shards;
+        # each process's optimizer state is its own shard, which one file of the main process cannot hold
+        model_only = self.config.save_only_model or self.sharded
+        if self.sharded:
+            save_file({k: v.contiguous() for k, v in self.gathered_weights.items()}, str(directory / self.SHARDED_WEIGHTS_FILE))
+        else:
+            self._save_model(directory)
         state = {"global_step": self.global_step, "micro_batches_done": self.micro_batches_done,
                  "stage": self.stage, "config": self.config.to_dict(), "trainer": self._extra_state(),
                  "early_stopping": self.early_stopping.state_dict() if self.early_stopping else None,
                  "data": self.train_dataset.state_dict() if self.sampler is None else None,
-                 "model_only": self.config.save_only_model}
-        if not self.config.save_only_model:
+                 "model_only": model_only}
+        if not model_only:
             tensors, meta = optimizer_state_to_safetensors(self.optimizer.state_dict())
             save_file(tensors, str(directory / "optimizer.safetensors"))
             (directory / "optimizer.json").write_text(json.dumps(meta))
@@ -5349,7 +5466,15 @@ class BaseTrainer:
 
         state = json.loads((path / "trainer_state.json").read_text())
         self._check_resumable(path, state)
-        self._load_model(path)
+        sharded_weights = path / self.SHARDED_WEIGHTS_FILE
+        if sharded_weights.exists():  # written by a sharded run: every process reads it and keeps its shard
+            self.devices.load_full_state_dict(self.model, load_file(str(sharded_weights)))
+        elif self.sharded:
+            raise RLHFInputError(f"{path} was written by a run whose weights were not sharded across processes; resume "
+                                 f"it with the same launch configuration, or start from its weights "
+                                 f"(model_name_or_path={path})")
+        else:
+            self._load_model(path)
         self._load_extra_state(state.get("trainer") or {})
         self.global_step, self.micro_batches_done = state["global_step"], state["micro_batches_done"]
         if self.early_stopping and state.get("early_stopping"):
@@ -5407,16 +5532,17 @@ class BaseTrainer:
 
     def _save_final_model(self) -> None:
         """The trained model in Hugging Face layout at output_dir, published file by file with renames."""
-        if self.devices.is_main_process:
-            tmp = self.output_dir / f".tmp-final-{uuid.uuid4().hex[:8]}"
-            self._save_model(tmp)
-            _fsync_tree(tmp)
-            for item in tmp.iterdir():
-                target = self.output_dir / item.name
-                if item.is_dir() and target.is_dir():  # os.replace cannot overwrite a non-empty directory
-                    shutil.rmtree(target)
-                os.replace(item, target)
-            tmp.rmdir()
+        with self._weights_gathered():
+            if self.devices.is_main_process:
+                tmp = self.output_dir / f".tmp-final-{uuid.uuid4().hex[:8]}"
+                self._save_model(tmp)
+                _fsync_tree(tmp)
+                for item in tmp.iterdir():
+                    target = self.output_dir / item.name
+                    if item.is_dir() and target.is_dir():  # os.replace cannot overwrite a non-empty directory
+                        shutil.rmtree(target)
+                    os.replace(item, target)
+                tmp.rmdir()
         self.devices.wait()
 
 
@@ -5456,7 +5582,7 @@ class SFTTrainer(BaseTrainer):
             metrics.update(evaluate_exact_match(self.policy, self.formatter, self.eval_records,
                                                 max_new_tokens=self.config.eval_max_new_tokens,
                                                 batch_size=self.config.per_device_eval_batch_size,
-                                                devices=self.devices))
+                                                devices=self.devices, synced=self.sharded))
         self.model.train()
         return metrics
 
@@ -5477,17 +5603,23 @@ class SFTTrainer(BaseTrainer):
 
 def evaluate_exact_match(policy: PolicyModel, formatter: ChatFormatter, records: list[dict[str, Any]], *,
                          max_new_tokens: int = 64, batch_size: int = 32,
-                         devices: DeviceManager | None = None) -> dict[str, float]:
+                         devices: DeviceManager | None = None, synced: bool = False) -> dict[str, float]:
     """Greedy answers to prompts with a known ``answer``: exact-match accuracy and how often the
     response had the ``Answer:`` line at all (format rate). With ``devices`` every process answers
     every num_processes-th prompt and the counts are summed, so all processes return the figures of
-    the whole set (call it on every process; ``policy`` is the unwrapped model, no collective inside)."""
+    the whole set (call it on every process; ``policy`` is the unwrapped model). ``synced``: its
+    weights are sharded across the processes (FSDP2, ZeRO-3), so every forward is a collective: each
+    process then answers as many prompts, a shorter share topped up with repeats that are not counted,
+    and decodes in lockstep."""
     scored = [r for r in records if r.get("answer") is not None]
     if not scored:
         return {}
     if devices is not None and devices.num_processes > 1:
         mine = scored[devices.process_index::devices.num_processes]
-        counts = _exact_match_counts(policy, formatter, mine, max_new_tokens, batch_size) if mine else [0.0] * 3
+        filler = [mine[-1] if mine else scored[0]] * (math.ceil(len(scored) / devices.num_processes) - len(mine))
+        counts = (_exact_match_counts(policy, formatter, mine, max_new_tokens, batch_size,
+                                      filler=filler if synced else [], synced=synced)
+                  if mine or synced else [0.0] * 3)
         correct, formatted, tokens = devices.sum_list_across_processes(counts)
     else:
         correct, formatted, tokens = _exact_match_counts(policy, formatter, scored, max_new_tokens, batch_size)
@@ -5496,10 +5628,13 @@ def evaluate_exact_match(policy: PolicyModel, formatter: ChatFormatter, records:
 
 
 def _exact_match_counts(policy: PolicyModel, formatter: ChatFormatter, records: list[dict[str, Any]],
-                        max_new_tokens: int, batch_size: int) -> list[float]:
-    """(correct answers, answers with the Answer: line, completion tokens) over ``records``."""
-    completions = policy.generate([formatter.prompt_ids(r) for r in records], max_new_tokens=max_new_tokens,
-                                  stop_token_ids=formatter.stop_token_ids, batch_size=batch_size)
+                        max_new_tokens: int, batch_size: int, *, filler: Sequence[dict[str, Any]] = (),
+                        synced: bool = False) -> list[float]:
+    """(correct answers, answers with the Answer: line, completion tokens) over ``records``; the ``filler``
+    prompts are answered too (lockstep) and not counted."""
+    completions = policy.generate([formatter.prompt_ids(r) for r in [*records, *filler]], max_new_tokens=max_new_tokens,
+                                  stop_token_ids=formatter.stop_token_ids, batch_size=batch_size,
+                                  synced=synced)[:len(records)]
     answers = [extract_answer(policy.decode(ids)) for ids in completions]
     correct = sum(a is not None and a == r["answer"].strip() for a, r in zip(answers, records))
     return [float(correct), float(sum(a is not None for a in answers)), float(sum(len(c) for c in completions))]
@@ -5570,7 +5705,8 @@ class RewardModelTrainer(BaseTrainer):
 
     def _save_model(self, directory: Path) -> None:
         RewardModel(self.devices.unwrap(self.policy.model), self.policy.tokenizer).save_pretrained(
-            directory, chat_template=ChatFormatter(self.policy.tokenizer, self.config.template).source)
+            directory, chat_template=ChatFormatter(self.policy.tokenizer, self.config.template).source,
+            state_dict=self.gathered_weights)
 
     def _load_model(self, directory: Path) -> None:
         RewardModel(self.devices.unwrap(self.policy.model), self.policy.tokenizer).load_weights(directory)
@@ -5614,7 +5750,7 @@ class ProcessRewardModelTrainer(RewardModelTrainer):
     def _save_model(self, directory: Path) -> None:
         model = self.policy
         ProcessRewardModel(self.devices.unwrap(model.model), model.tokenizer, model.step_delimiter,
-                           model.aggregation).save_pretrained(directory)
+                           model.aggregation).save_pretrained(directory, state_dict=self.gathered_weights)
 
     def _load_model(self, directory: Path) -> None:
         RewardModel(self.devices.unwrap(self.policy.model), self.policy.tokenizer).load_weights(directory)
@@ -5724,7 +5860,8 @@ class _ReferenceTrainer(BaseTrainer):
         try:
             return evaluate_exact_match(self.policy, self.formatter, self.eval_records,
                                         max_new_tokens=self.config.eval_max_new_tokens,
-                                        batch_size=self.config.per_device_eval_batch_size, devices=self.devices)
+                                        batch_size=self.config.per_device_eval_batch_size, devices=self.devices,
+                                        synced=self.sharded)
         finally:
             self.model.train()
 
@@ -6159,7 +6296,7 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         try:
             output = generate_tokens(self.devices.unwrap(self.policy.model), [p["prompt_ids"] for p in prompts], params,
                                      pad_token_id=self.policy.tokenizer.pad_token_id,
-                                     engine=self._rollout_engine(len(prompts) * n))
+                                     engine=self._rollout_engine(len(prompts) * n), synced=self.sharded)
         finally:
             self.model.train()
         lengths = torch.tensor([len(c) for c in output.token_ids], dtype=torch.float32)
@@ -6352,6 +6489,7 @@ class PPOTrainer(_OnlineRLTrainer):
         disable_dropout(self.critic)
         self.actor_critic = ActorCritic(self.policy.model, self.critic).to(self.devices.device)
         self.model = self.devices.prepare(self.actor_critic)
+        self._setup_sharding()
         self.model.train()
 
     def _forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -6429,13 +6567,16 @@ class PPOTrainer(_OnlineRLTrainer):
         return loss * self.loss_units(batch), {**metrics, **self._pop_rollout_metrics()}
 
     # -- checkpoints: the critic is saved beside the policy
+    policy_prefix = "policy."  # ActorCritic's
+
     def _save_model(self, directory: Path) -> None:
         super()._save_model(directory)
         critic = self.devices.unwrap(self.model).critic
+        critic_state = state_under(self.gathered_weights, "critic.")
         if critic.shares_policy_backbone:
-            critic.save_pretrained(directory)
+            critic.save_pretrained(directory, state_dict=critic_state)
         else:
-            critic.save_pretrained(directory / "critic", self.policy.tokenizer)
+            critic.save_pretrained(directory / "critic", self.policy.tokenizer, state_dict=critic_state)
 
     def _load_model(self, directory: Path) -> None:
         super()._load_model(directory)

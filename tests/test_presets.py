@@ -72,7 +72,8 @@ def test_accelerate_files_load(repo):
     zero3 = load_config_from_file(str(repo / "configs/accelerate/deepspeed_zero3.yaml"))
     fsdp = load_config_from_file(str(repo / "configs/accelerate/fsdp.yaml"))
     assert zero3.deepspeed_config["zero_stage"] == 3 and zero3.mixed_precision == "bf16"
-    assert fsdp.fsdp_config["fsdp_sharding_strategy"] == "FULL_SHARD" and fsdp.mixed_precision == "bf16"
+    assert fsdp.fsdp_config["fsdp_version"] == 2 and fsdp.fsdp_config["fsdp_reshard_after_forward"] is True
+    assert fsdp.mixed_precision == "bf16"
 
 
 def test_plan_command_prints_the_table(capsys):
