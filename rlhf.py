@@ -5063,7 +5063,7 @@ class BaseTrainer:
         collective, so generation runs in lockstep (``synced``) and saving gathers the weights first."""
         self.devices.check_sharding(self.model)
         self.sharded = bool(weight_sharding(self.model))
-        if self.sharded and not self.config.save_only_model:
+        if self.sharded and not self.config.save_only_model and self.devices.is_main_process:
             logger.warning("weights sharded across processes (%s): checkpoints hold the whole weights but not the "
                            "optimizer's sharded state, so a resume restarts AdamW's moments (the schedule continues)",
                            weight_sharding(self.model))
@@ -5482,9 +5482,12 @@ class BaseTrainer:
         if self.sampler is None and state.get("data"):
             self.train_dataset.load_state_dict(state["data"])
         if state.get("model_only"):
-            logger.warning("%s holds weights only (save_only_model): optimizer and schedule restart", path)
-            for _ in range(self.global_step):
-                self.scheduler.step()
+            logger.warning("%s holds weights only (save_only_model, or weights sharded across processes): the "
+                           "optimizer's moments restart and the schedule continues from step %d", path, self.global_step)
+            with warnings.catch_warnings():  # stepping the schedule to where it was, before any optimizer step
+                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+                for _ in range(self.global_step):
+                    self.scheduler.step()
             return
         meta = json.loads((path / "optimizer.json").read_text())
         self.optimizer.load_state_dict(optimizer_state_from_safetensors(load_file(str(path / "optimizer.safetensors")), meta))

@@ -1,9 +1,11 @@
 """One process of tests/test_sharded.py: a model sharded across 2 CPU processes with PyTorch FSDP2.
 
-Launched as ``python -m torch.distributed.run --nproc_per_node 2 tests/_sharded_worker.py MODEL_DIR OUT_DIR``.
-The DeviceManager starts the gloo process group (no GPU: CPU processes), and each check below runs
-the real code against ``fully_shard``-ed modules, whose forwards gather weights from the other
-process. Each process writes ``OUT_DIR/rank{N}.json`` with what it saw; the test asserts on them.
+Launched as ``python -m torch.distributed.run --nproc_per_node 2 tests/_sharded_worker.py MODE MODEL_DIR OUT_DIR``.
+The DeviceManager starts the gloo process group (no GPU: CPU processes), and each check runs the real
+code against ``fully_shard``-ed modules, whose forwards gather weights from the other process. MODE
+``parts`` checks the functions one by one; ``grpo`` trains GRPO on a sharded policy (checkpoint,
+resume, final model), sharded the way accelerate's FSDP2 ``prepare`` does it: in place, returning
+the module. Each process writes ``OUT_DIR/rank{N}.json`` with what it saw; the test asserts on them.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import sys
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,7 +43,7 @@ def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
-def main(model_dir: str, out_dir: str) -> None:
+def parts(model_dir: str, out_dir: str) -> None:
     devices = rlhf.DeviceManager()
     rank, out = devices.process_index, Path(out_dir)
     report: dict = {"rank": rank, "processes": devices.num_processes}
@@ -132,5 +135,69 @@ def main(model_dir: str, out_dir: str) -> None:
     devices.wait()
 
 
+class ShardedGRPOTrainer(rlhf.GRPOTrainer):
+    """GRPO on a policy sharded with FSDP2: what ``accelerate.prepare`` does under fsdp_version 2 on GPUs
+    (accelerate shards only there), so that the trainer's own generation, checkpoint and resume code runs
+    against a sharded model on CPU processes."""
+
+    def _setup_model(self) -> None:
+        self.policy.prepare_for_training(self.config)
+        rlhf.disable_dropout(self.policy.model)
+        self.model = shard(self.policy.model, self.policy.model.model)
+        self._setup_sharding()
+        self.model.train()
+        self.train_policy = self._prepared_view()
+
+    def _load_checkpoint(self, path: Path) -> None:
+        super()._load_checkpoint(path)
+        self.resumed_from = (path.name, self.devices.full_state_dict(self.model))
+
+
+def grpo(model_dir: str, out_dir: str) -> None:
+    devices = rlhf.DeviceManager()
+    rank, out = devices.process_index, Path(out_dir)
+    report: dict = {"rank": rank}
+    policy = rlhf.PolicyModel.from_pretrained(model_dir)
+    formatter = rlhf.ChatFormatter(policy.tokenizer, "auto")
+    records = rlhf.load_records("demo_rl", REPO / "data/demo", "prompt", max_samples=16)
+    dataset = rlhf.GRPODataset(records, policy.tokenizer, formatter, cutoff_len=64)
+    eval_records = rlhf.load_records("demo_eval", REPO / "data/demo", "prompt", max_samples=3)  # shares of 2 and 1
+    settings = dict(model_name_or_path=model_dir, output_dir=str(out / "grpo"), finetuning_type="full",
+                    num_generations=4, per_device_train_batch_size=8, max_completion_length=12, cutoff_len=64,
+                    beta=0.0, learning_rate=1e-3, lr_scheduler_type="constant", logging_steps=1, save_steps=2,
+                    disable_progress_bar=True, report_to="none", reward_funcs=["format"], seed=0,
+                    eval_before_training=True, eval_max_new_tokens=8, per_device_eval_batch_size=1)
+
+    def run(max_steps: int, resume: str) -> rlhf.TrainResult:
+        rlhf.set_seed(0)
+        config = rlhf.GRPOConfig(**settings, max_steps=max_steps, resume_from_checkpoint=resume)
+        trainer = ShardedGRPOTrainer(config, rlhf.PolicyModel.from_pretrained(model_dir), dataset,
+                                     reward_fn=rlhf.format_reward, formatter=formatter, devices=devices,
+                                     eval_records=eval_records)
+        report.setdefault("sharded", []).append(trainer.sharded)
+        result = trainer.train()
+        resumed = getattr(trainer, "resumed_from", None)
+        report.setdefault("resumed_from", []).append(resumed[0] if resumed else None)
+        if resumed and resumed[1] is not None:  # the weights loaded back into the shards are checkpoint-2's
+            report["resumed_vs_checkpoint"] = max_difference(
+                resumed[1], load_file(str(out / "grpo/checkpoints/checkpoint-2" / rlhf.BaseTrainer.SHARDED_WEIGHTS_FILE)))
+        report.setdefault("steps", []).append([row["step"] for row in result.history if "loss" in row])
+        report.setdefault("eval", []).append(result.eval)
+        report.setdefault("eval_before", []).append(result.eval_before)
+        report.setdefault("final", []).append(devices.full_state_dict(trainer.model))
+        return result
+
+    run(2, "none")
+    checkpoint = out / "grpo/checkpoints/checkpoint-2"
+    report["checkpoint_files"] = sorted(p.name for p in checkpoint.iterdir()) if checkpoint.exists() else []
+    run(4, "auto")  # resumes from checkpoint-2: the sharded weights file, loaded back into the shards
+    final = report.pop("final")[-1]
+    if final is not None:  # the main process: the final model in Hugging Face layout holds the trained weights
+        saved = rlhf.PolicyModel.from_pretrained(str(out / "grpo")).model.state_dict()
+        report["saved_vs_trained"] = max_difference(saved, {k: v for k, v in final.items() if k in saved})
+    (out / f"rank{rank}.json").write_text(json.dumps(report, indent=1, default=str))
+    devices.wait()
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    {"parts": parts, "grpo": grpo}[sys.argv[1]](*sys.argv[2:4])

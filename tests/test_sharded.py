@@ -27,18 +27,20 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def reports(tmp_path_factory, tiny_model_dir) -> list[dict]:
-    out = tmp_path_factory.mktemp("sharded")
+def _launch(mode: str, out: Path, model_dir: Path) -> list[dict]:
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false")
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "ACCELERATE_USE_CPU"):
         env.pop(name, None)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_port", str(_free_port()), str(REPO / "tests/_sharded_worker.py"),
-                           str(tiny_model_dir), str(out)], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=180)
+                           "--master_port", str(_free_port()), str(REPO / "tests/_sharded_worker.py"), mode,
+                           str(model_dir), str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory, tiny_model_dir) -> list[dict]:
+    return _launch("parts", tmp_path_factory.mktemp("sharded"), tiny_model_dir)
 
 
 def test_generation_on_a_sharded_model_runs_in_lockstep(reports):
@@ -78,3 +80,18 @@ def test_sharded_reward_model_saves_backbone_and_head(reports):
 def test_fsdp_v1_is_refused_with_the_fix(reports):
     for report in reports:
         assert "fsdp_version: 2" in report["fsdp1_refused"]
+
+
+def test_grpo_on_a_sharded_policy_trains_checkpoints_and_resumes(tmp_path, tiny_model_dir):
+    """The trainer's own code on a sharded policy: rollouts and held-out evaluation (3 prompts: shares of 2 and
+    1) in lockstep, a checkpoint of the gathered weights at step 2, a second run resuming from it to step 4,
+    and the final model in Hugging Face layout holding the trained weights."""
+    for report in _launch("grpo", tmp_path, tiny_model_dir):
+        assert report["sharded"] == [True, True]
+        assert report["resumed_from"] == [None, "checkpoint-2"]
+        assert report["eval_before"][0]["eval/mean_completion_tokens"] > 0 and report["eval"][1]
+        if report["rank"] == 0:  # the main process logs the history and writes
+            assert report["steps"][0] == [1, 2] and report["steps"][1][-2:] == [3, 4]
+            assert report["checkpoint_files"] == ["COMPLETE", "model_state.safetensors", "trainer_state.json"]
+            assert report["resumed_vs_checkpoint"] == 0.0
+            assert report["saved_vs_trained"] == 0.0
