@@ -1283,6 +1283,26 @@ class DeviceManager:
                                  "generation and evaluation run the unwrapped model; set fsdp_version: 2 "
                                  "(configs/accelerate/fsdp.yaml does)")
 
+    @contextlib.contextmanager
+    def generating_with(self, prepared: nn.Module, policy_model: nn.Module) -> Iterator[None]:
+        """Around generation with ``policy_model`` when ``prepared`` (FSDP2) holds it as a submodule rather than
+        being it (PPO's actor-critic). FSDP2 gathers the root's own parameters (embeddings, LM head, value head)
+        only in the root's forward, which generation bypasses: they are gathered for the whole generation (the
+        decoder layers, each its own unit, still gather one at a time). The root is initialised first, because
+        FSDP2 insists that its first forward runs through the root, and a rollout comes before any training
+        forward. ZeRO-3 hooks every submodule, and a policy that is the root needs neither."""
+        if weight_sharding(prepared) != "fsdp2" or self.unwrap(prepared) is policy_model:
+            yield
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard.state(prepared)._lazy_init()  # what the root's first forward would do (no public call for it)
+        prepared.unshard()
+        try:
+            yield
+        finally:
+            prepared.reshard()
+
     def full_state_dict(self, prepared: nn.Module) -> dict[str, torch.Tensor] | None:
         """A sharded model's weights, whole and keyed as in the unwrapped module, on the main process (None on
         the others), gathered into host memory one tensor at a time on a GPU; None when the model is not sharded
@@ -5861,10 +5881,11 @@ class _ReferenceTrainer(BaseTrainer):
             return {}
         self.model.eval()
         try:
-            return evaluate_exact_match(self.policy, self.formatter, self.eval_records,
-                                        max_new_tokens=self.config.eval_max_new_tokens,
-                                        batch_size=self.config.per_device_eval_batch_size, devices=self.devices,
-                                        synced=self.sharded)
+            with self.devices.generating_with(self.model, self.devices.unwrap(self.policy.model)):
+                return evaluate_exact_match(self.policy, self.formatter, self.eval_records,
+                                            max_new_tokens=self.config.eval_max_new_tokens,
+                                            batch_size=self.config.per_device_eval_batch_size, devices=self.devices,
+                                            synced=self.sharded)
         finally:
             self.model.train()
 
@@ -6297,9 +6318,10 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         started = time.time()
         self.model.eval()
         try:
-            output = generate_tokens(self.devices.unwrap(self.policy.model), [p["prompt_ids"] for p in prompts], params,
-                                     pad_token_id=self.policy.tokenizer.pad_token_id,
-                                     engine=self._rollout_engine(len(prompts) * n), synced=self.sharded)
+            with self.devices.generating_with(self.model, self.devices.unwrap(self.policy.model)):
+                output = generate_tokens(self.devices.unwrap(self.policy.model), [p["prompt_ids"] for p in prompts], params,
+                                         pad_token_id=self.policy.tokenizer.pad_token_id,
+                                         engine=self._rollout_engine(len(prompts) * n), synced=self.sharded)
         finally:
             self.model.train()
         lengths = torch.tensor([len(c) for c in output.token_ids], dtype=torch.float32)

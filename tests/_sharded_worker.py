@@ -3,9 +3,9 @@
 Launched as ``python -m torch.distributed.run --nproc_per_node 2 tests/_sharded_worker.py MODE MODEL_DIR OUT_DIR``.
 The DeviceManager starts the gloo process group (no GPU: CPU processes), and each check runs the real
 code against ``fully_shard``-ed modules, whose forwards gather weights from the other process. MODE
-``parts`` checks the functions one by one; ``grpo`` trains GRPO on a sharded policy (checkpoint,
-resume, final model), sharded the way accelerate's FSDP2 ``prepare`` does it: in place, returning
-the module. Each process writes ``OUT_DIR/rank{N}.json`` with what it saw; the test asserts on them.
+``parts`` checks the functions one by one; ``trainers`` trains GRPO (the policy is the sharded root)
+and PPO (the policy sits inside the sharded actor-critic) with a checkpoint, a resume and the final
+model, sharded the way accelerate's FSDP2 ``prepare`` does it: in place, returning the module. Each process writes ``OUT_DIR/rank{N}.json`` with what it saw; the test asserts on them.
 """
 
 from __future__ import annotations
@@ -135,8 +135,16 @@ def parts(model_dir: str, out_dir: str) -> None:
     devices.wait()
 
 
-class ShardedGRPOTrainer(rlhf.GRPOTrainer):
-    """GRPO on a policy sharded with FSDP2: what ``accelerate.prepare`` does under fsdp_version 2 on GPUs
+class _ShardedResume:
+    """Records the checkpoint a resume loaded and the weights it left in the shards."""
+
+    def _load_checkpoint(self, path: Path) -> None:
+        super()._load_checkpoint(path)
+        self.resumed_from = (path.name, self.devices.full_state_dict(self.model))
+
+
+class ShardedGRPOTrainer(_ShardedResume, rlhf.GRPOTrainer):
+    """GRPO on a policy sharded with FSDP2, as ``accelerate.prepare`` does under fsdp_version 2 on GPUs
     (accelerate shards only there), so that the trainer's own generation, checkpoint and resume code runs
     against a sharded model on CPU processes."""
 
@@ -148,56 +156,80 @@ class ShardedGRPOTrainer(rlhf.GRPOTrainer):
         self.model.train()
         self.train_policy = self._prepared_view()
 
-    def _load_checkpoint(self, path: Path) -> None:
-        super()._load_checkpoint(path)
-        self.resumed_from = (path.name, self.devices.full_state_dict(self.model))
+
+class ShardedPPOTrainer(_ShardedResume, rlhf.PPOTrainer):
+    """PPO with the actor-critic sharded with FSDP2: the policy's embeddings and LM head and the value head
+    belong to the root's shard, which generation through the policy alone does not gather by itself."""
+
+    def _setup_model(self) -> None:
+        self.policy.prepare_for_training(self.config)
+        self.critic.head.requires_grad_(True)
+        rlhf.disable_dropout(self.policy.model)
+        self.actor_critic = rlhf.ActorCritic(self.policy.model, self.critic)
+        self.model = shard(self.actor_critic, self.policy.model.model)
+        self._setup_sharding()
+        self.model.train()
 
 
-def grpo(model_dir: str, out_dir: str) -> None:
+def train_twice(name: str, trainer_class: type, config_class: type, settings: dict, dataset, devices,
+                formatter, eval_records, model_dir: str, out: Path) -> dict:
+    """2 steps with a checkpoint at step 2, then a second run resuming from it to step 4."""
+    report: dict = {}
+    for max_steps, resume in ((2, "none"), (4, "auto")):
+        rlhf.set_seed(0)
+        config = config_class(**settings, output_dir=str(out / name), max_steps=max_steps, resume_from_checkpoint=resume)
+        policy = rlhf.PolicyModel.from_pretrained(model_dir)
+        extra = {"reference": rlhf.create_reference_model(config, policy)} if name == "ppo" else {}
+        trainer = trainer_class(config, policy, dataset, reward_fn=rlhf.format_reward, formatter=formatter,
+                                devices=devices, eval_records=eval_records, **extra)
+        report.setdefault("sharded", []).append(trainer.sharded)
+        result = trainer.train()
+        report.setdefault("steps", []).append([row["step"] for row in result.history if "loss" in row])
+        report.setdefault("eval", []).append(result.eval)
+        report.setdefault("eval_before", []).append(result.eval_before)
+        resumed = getattr(trainer, "resumed_from", None)
+        report.setdefault("resumed_from", []).append(resumed[0] if resumed else None)
+        checkpoint = out / name / "checkpoints/checkpoint-2"
+        if resumed and resumed[1] is not None:  # the weights loaded back into the shards are checkpoint-2's
+            report["resumed_vs_checkpoint"] = max_difference(
+                resumed[1], load_file(str(checkpoint / rlhf.BaseTrainer.SHARDED_WEIGHTS_FILE)))
+        if max_steps == 2 and checkpoint.exists():
+            report["checkpoint_files"] = sorted(p.name for p in checkpoint.iterdir())
+        final = devices.full_state_dict(trainer.model)
+    if final is not None:  # the main process: the final model in Hugging Face layout holds the trained weights
+        prefix = "policy." if name == "ppo" else ""
+        saved = rlhf.PolicyModel.from_pretrained(str(out / name)).model.state_dict()
+        report["saved_vs_trained"] = max_difference(saved, {k[len(prefix):]: v for k, v in final.items()
+                                                            if k.startswith(prefix) and k[len(prefix):] in saved})
+        if name == "ppo":  # the value head beside the policy
+            head = load_file(str(out / name / rlhf.ValueModel.HEAD_FILE))
+            report["critic_head_vs_trained"] = max_difference(head, {k[len("critic.head."):]: v for k, v in final.items()
+                                                                     if k.startswith("critic.head.")})
+    return report
+
+
+def trainers(model_dir: str, out_dir: str) -> None:
     devices = rlhf.DeviceManager()
     rank, out = devices.process_index, Path(out_dir)
-    report: dict = {"rank": rank}
     policy = rlhf.PolicyModel.from_pretrained(model_dir)
     formatter = rlhf.ChatFormatter(policy.tokenizer, "auto")
     records = rlhf.load_records("demo_rl", REPO / "data/demo", "prompt", max_samples=16)
     dataset = rlhf.GRPODataset(records, policy.tokenizer, formatter, cutoff_len=64)
     eval_records = rlhf.load_records("demo_eval", REPO / "data/demo", "prompt", max_samples=3)  # shares of 2 and 1
-    settings = dict(model_name_or_path=model_dir, output_dir=str(out / "grpo"), finetuning_type="full",
-                    num_generations=4, per_device_train_batch_size=8, max_completion_length=12, cutoff_len=64,
-                    beta=0.0, learning_rate=1e-3, lr_scheduler_type="constant", logging_steps=1, save_steps=2,
-                    disable_progress_bar=True, report_to="none", reward_funcs=["format"], seed=0,
-                    eval_before_training=True, eval_max_new_tokens=8, per_device_eval_batch_size=1)
-
-    def run(max_steps: int, resume: str) -> rlhf.TrainResult:
-        rlhf.set_seed(0)
-        config = rlhf.GRPOConfig(**settings, max_steps=max_steps, resume_from_checkpoint=resume)
-        trainer = ShardedGRPOTrainer(config, rlhf.PolicyModel.from_pretrained(model_dir), dataset,
-                                     reward_fn=rlhf.format_reward, formatter=formatter, devices=devices,
-                                     eval_records=eval_records)
-        report.setdefault("sharded", []).append(trainer.sharded)
-        result = trainer.train()
-        resumed = getattr(trainer, "resumed_from", None)
-        report.setdefault("resumed_from", []).append(resumed[0] if resumed else None)
-        if resumed and resumed[1] is not None:  # the weights loaded back into the shards are checkpoint-2's
-            report["resumed_vs_checkpoint"] = max_difference(
-                resumed[1], load_file(str(out / "grpo/checkpoints/checkpoint-2" / rlhf.BaseTrainer.SHARDED_WEIGHTS_FILE)))
-        report.setdefault("steps", []).append([row["step"] for row in result.history if "loss" in row])
-        report.setdefault("eval", []).append(result.eval)
-        report.setdefault("eval_before", []).append(result.eval_before)
-        report.setdefault("final", []).append(devices.full_state_dict(trainer.model))
-        return result
-
-    run(2, "none")
-    checkpoint = out / "grpo/checkpoints/checkpoint-2"
-    report["checkpoint_files"] = sorted(p.name for p in checkpoint.iterdir()) if checkpoint.exists() else []
-    run(4, "auto")  # resumes from checkpoint-2: the sharded weights file, loaded back into the shards
-    final = report.pop("final")[-1]
-    if final is not None:  # the main process: the final model in Hugging Face layout holds the trained weights
-        saved = rlhf.PolicyModel.from_pretrained(str(out / "grpo")).model.state_dict()
-        report["saved_vs_trained"] = max_difference(saved, {k: v for k, v in final.items() if k in saved})
+    common = dict(model_name_or_path=model_dir, finetuning_type="full", max_completion_length=12, cutoff_len=64,
+                  learning_rate=1e-3, lr_scheduler_type="constant", logging_steps=1, save_steps=2,
+                  disable_progress_bar=True, report_to="none", reward_funcs=["format"], seed=0,
+                  eval_before_training=True, eval_max_new_tokens=8, per_device_eval_batch_size=1)
+    report = {"rank": rank,
+              "grpo": train_twice("grpo", ShardedGRPOTrainer, rlhf.GRPOConfig,
+                                  dict(common, num_generations=4, per_device_train_batch_size=8, beta=0.0),
+                                  dataset, devices, formatter, eval_records, model_dir, out),
+              "ppo": train_twice("ppo", ShardedPPOTrainer, rlhf.PPOConfig,
+                                 dict(common, per_device_train_batch_size=4, ppo_epochs=2),
+                                 dataset, devices, formatter, eval_records, model_dir, out)}
     (out / f"rank{rank}.json").write_text(json.dumps(report, indent=1, default=str))
     devices.wait()
 
 
 if __name__ == "__main__":
-    {"parts": parts, "grpo": grpo}[sys.argv[1]](*sys.argv[2:4])
+    {"parts": parts, "trainers": trainers}[sys.argv[1]](*sys.argv[2:4])

@@ -82,16 +82,26 @@ def test_fsdp_v1_is_refused_with_the_fix(reports):
         assert "fsdp_version: 2" in report["fsdp1_refused"]
 
 
-def test_grpo_on_a_sharded_policy_trains_checkpoints_and_resumes(tmp_path, tiny_model_dir):
-    """The trainer's own code on a sharded policy: rollouts and held-out evaluation (3 prompts: shares of 2 and
-    1) in lockstep, a checkpoint of the gathered weights at step 2, a second run resuming from it to step 4,
-    and the final model in Hugging Face layout holding the trained weights."""
-    for report in _launch("grpo", tmp_path, tiny_model_dir):
+@pytest.fixture(scope="module")
+def trainer_reports(tmp_path_factory, tiny_model_dir) -> list[dict]:
+    return _launch("trainers", tmp_path_factory.mktemp("sharded-trainers"), tiny_model_dir)
+
+
+@pytest.mark.parametrize("stage", ["grpo", "ppo"])
+def test_online_rl_on_a_sharded_model_trains_checkpoints_and_resumes(trainer_reports, stage):
+    """The trainers' own code on a sharded model (GRPO: the policy is the sharded root; PPO: it sits inside the
+    sharded actor-critic, whose root shard holds its embeddings and LM head): rollouts and held-out evaluation
+    (3 prompts: shares of 2 and 1) in lockstep, a checkpoint of the gathered weights at step 2, a second run
+    resuming from it to step 4, and the final model in Hugging Face layout holding the trained weights."""
+    for process in trainer_reports:
+        report = process[stage]
         assert report["sharded"] == [True, True]
         assert report["resumed_from"] == [None, "checkpoint-2"]
         assert report["eval_before"][0]["eval/mean_completion_tokens"] > 0 and report["eval"][1]
-        if report["rank"] == 0:  # the main process logs the history and writes
+        if process["rank"] == 0:  # the main process logs the history and writes
             assert report["steps"][0] == [1, 2] and report["steps"][1][-2:] == [3, 4]
             assert report["checkpoint_files"] == ["COMPLETE", "model_state.safetensors", "trainer_state.json"]
             assert report["resumed_vs_checkpoint"] == 0.0
             assert report["saved_vs_trained"] == 0.0
+            if stage == "ppo":
+                assert report["critic_head_vs_trained"] == 0.0
