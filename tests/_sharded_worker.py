@@ -3,7 +3,7 @@
 Launched as ``python -m torch.distributed.run --nproc_per_node 2 tests/_sharded_worker.py MODE MODEL_DIR OUT_DIR``.
 The DeviceManager starts the gloo process group (no GPU: CPU processes), and each check runs the real
 code against ``fully_shard``-ed modules, whose forwards gather weights from the other process. MODE
-``parts`` checks the functions one by one; ``trainers`` trains GRPO (the policy is the sharded root)
+``parts`` checks the functions one by one; ``trainers`` trains SFT, DPO, GRPO (the policy is the sharded root)
 and PPO (the policy sits inside the sharded actor-critic) with a checkpoint, a resume and the final
 model, sharded the way accelerate's FSDP2 ``prepare`` does it: in place, returning the module. Each process writes ``OUT_DIR/rank{N}.json`` with what it saw; the test asserts on them.
 """
@@ -143,9 +143,9 @@ class _ShardedResume:
         self.resumed_from = (path.name, self.devices.full_state_dict(self.model))
 
 
-class ShardedGRPOTrainer(_ShardedResume, rlhf.GRPOTrainer):
-    """GRPO on a policy sharded with FSDP2, as ``accelerate.prepare`` does under fsdp_version 2 on GPUs
-    (accelerate shards only there), so that the trainer's own generation, checkpoint and resume code runs
+class _ShardedPolicy(_ShardedResume):
+    """The policy sharded with FSDP2, as ``accelerate.prepare`` does under fsdp_version 2 on GPUs (accelerate
+    shards only there), so that the trainer's own generation, evaluation, checkpoint and resume code runs
     against a sharded model on CPU processes."""
 
     def _setup_model(self) -> None:
@@ -155,6 +155,18 @@ class ShardedGRPOTrainer(_ShardedResume, rlhf.GRPOTrainer):
         self._setup_sharding()
         self.model.train()
         self.train_policy = self._prepared_view()
+
+
+class ShardedSFTTrainer(_ShardedPolicy, rlhf.SFTTrainer):
+    pass
+
+
+class ShardedDPOTrainer(_ShardedPolicy, rlhf.DPOTrainer):
+    pass
+
+
+class ShardedGRPOTrainer(_ShardedPolicy, rlhf.GRPOTrainer):
+    pass
 
 
 class ShardedPPOTrainer(_ShardedResume, rlhf.PPOTrainer):
@@ -172,16 +184,16 @@ class ShardedPPOTrainer(_ShardedResume, rlhf.PPOTrainer):
 
 
 def train_twice(name: str, trainer_class: type, config_class: type, settings: dict, dataset, devices,
-                formatter, eval_records, model_dir: str, out: Path) -> dict:
+                formatter, eval_records, model_dir: str, out: Path, **kwargs) -> dict:
     """2 steps with a checkpoint at step 2, then a second run resuming from it to step 4."""
     report: dict = {}
     for max_steps, resume in ((2, "none"), (4, "auto")):
         rlhf.set_seed(0)
         config = config_class(**settings, output_dir=str(out / name), max_steps=max_steps, resume_from_checkpoint=resume)
         policy = rlhf.PolicyModel.from_pretrained(model_dir)
-        extra = {"reference": rlhf.create_reference_model(config, policy)} if name == "ppo" else {}
-        trainer = trainer_class(config, policy, dataset, reward_fn=rlhf.format_reward, formatter=formatter,
-                                devices=devices, eval_records=eval_records, **extra)
+        extra = {"reference": rlhf.create_reference_model(config, policy)} if name in ("ppo", "dpo") else {}
+        trainer = trainer_class(config, policy, dataset, formatter=formatter, devices=devices,
+                                eval_records=eval_records, **extra, **kwargs)
         report.setdefault("sharded", []).append(trainer.sharded)
         result = trainer.train()
         report.setdefault("steps", []).append([row["step"] for row in result.history if "loss" in row])
@@ -215,18 +227,32 @@ def trainers(model_dir: str, out_dir: str) -> None:
     formatter = rlhf.ChatFormatter(policy.tokenizer, "auto")
     records = rlhf.load_records("demo_rl", REPO / "data/demo", "prompt", max_samples=16)
     dataset = rlhf.GRPODataset(records, policy.tokenizer, formatter, cutoff_len=64)
+    sft = rlhf.SFTDataset(rlhf.load_records("demo_sft", REPO / "data/demo", "sft", max_samples=32), policy.tokenizer,
+                          formatter, cutoff_len=64)
+    pairs = rlhf.PreferenceDataset(rlhf.load_records("demo_preference", REPO / "data/demo", "preference",
+                                                     max_samples=32), policy.tokenizer, formatter, cutoff_len=64)
     eval_records = rlhf.load_records("demo_eval", REPO / "data/demo", "prompt", max_samples=3)  # shares of 2 and 1
     common = dict(model_name_or_path=model_dir, finetuning_type="full", max_completion_length=12, cutoff_len=64,
                   learning_rate=1e-3, lr_scheduler_type="constant", logging_steps=1, save_steps=2,
                   disable_progress_bar=True, report_to="none", reward_funcs=["format"], seed=0,
                   eval_before_training=True, eval_max_new_tokens=8, per_device_eval_batch_size=1)
+    offline = {k: v for k, v in common.items() if k not in ("max_completion_length", "reward_funcs")}
+    # SFT and DPO also evaluate held-out loss / preference metrics in lockstep (eval_dataset: 5 items, batch 1)
     report = {"rank": rank,
+              "sft": train_twice("sft", ShardedSFTTrainer, rlhf.SFTConfig, dict(offline, per_device_train_batch_size=4),
+                                 sft, devices, formatter, eval_records, model_dir, out,
+                                 eval_dataset=torch.utils.data.Subset(sft, range(5))),
+              "dpo": train_twice("dpo", ShardedDPOTrainer, rlhf.DPOConfig, dict(offline, per_device_train_batch_size=4),
+                                 pairs, devices, formatter, eval_records, model_dir, out,
+                                 eval_dataset=torch.utils.data.Subset(pairs, range(5))),
               "grpo": train_twice("grpo", ShardedGRPOTrainer, rlhf.GRPOConfig,
                                   dict(common, num_generations=4, per_device_train_batch_size=8, beta=0.0),
-                                  dataset, devices, formatter, eval_records, model_dir, out),
+                                  dataset, devices, formatter, eval_records, model_dir, out,
+                                  reward_fn=rlhf.format_reward),
               "ppo": train_twice("ppo", ShardedPPOTrainer, rlhf.PPOConfig,
                                  dict(common, per_device_train_batch_size=4, ppo_epochs=2),
-                                 dataset, devices, formatter, eval_records, model_dir, out)}
+                                 dataset, devices, formatter, eval_records, model_dir, out,
+                                 reward_fn=rlhf.format_reward)}
     (out / f"rank{rank}.json").write_text(json.dumps(report, indent=1, default=str))
     devices.wait()
 

@@ -87,12 +87,14 @@ def trainer_reports(tmp_path_factory, tiny_model_dir) -> list[dict]:
     return _launch("trainers", tmp_path_factory.mktemp("sharded-trainers"), tiny_model_dir)
 
 
-@pytest.mark.parametrize("stage", ["grpo", "ppo"])
-def test_online_rl_on_a_sharded_model_trains_checkpoints_and_resumes(trainer_reports, stage):
-    """The trainers' own code on a sharded model (GRPO: the policy is the sharded root; PPO: it sits inside the
-    sharded actor-critic, whose root shard holds its embeddings and LM head): rollouts and held-out evaluation
-    (3 prompts: shares of 2 and 1) in lockstep, a checkpoint of the gathered weights at step 2, a second run
-    resuming from it to step 4, and the final model in Hugging Face layout holding the trained weights."""
+@pytest.mark.parametrize("stage", ["sft", "dpo", "grpo", "ppo"])
+def test_trainers_on_a_sharded_model_train_checkpoint_and_resume(trainer_reports, stage):
+    """The trainers' own code on a sharded model (the policy is the sharded root, except for PPO, where it sits
+    inside the sharded actor-critic, whose root shard holds its embeddings and LM head): rollouts and held-out
+    exact-match evaluation (3 prompts: shares of 2 and 1) in lockstep, SFT's eval loss and DPO's preference
+    metrics on 5 held-out items, a checkpoint of the gathered weights at step 2, a second run resuming from it
+    to step 4, and the final model in Hugging Face layout holding the trained weights."""
+    assert trainer_reports[0][stage]["eval"] == trainer_reports[1][stage]["eval"]  # both report the whole set
     for process in trainer_reports:
         report = process[stage]
         assert report["sharded"] == [True, True]
