@@ -3,7 +3,7 @@
 Launched as ``python -m torch.distributed.run --nproc_per_node 2 tests/_sharded_worker.py MODE MODEL_DIR OUT_DIR``.
 The DeviceManager starts the gloo process group (no GPU: CPU processes), and each check runs the real
 code against ``fully_shard``-ed modules, whose forwards gather weights from the other process. MODE
-``parts`` checks the functions one by one; ``trainers`` trains SFT, DPO, GRPO (the policy is the sharded root)
+``parts`` checks the functions one by one; ``trainers`` trains SFT, a reward model, DPO, GRPO (the model is the sharded root)
 and PPO (the policy sits inside the sharded actor-critic) with a checkpoint, a resume and the final
 model, sharded the way accelerate's FSDP2 ``prepare`` does it: in place, returning the module. Each process writes ``OUT_DIR/rank{N}.json`` with what it saw; the test asserts on them.
 """
@@ -169,6 +169,17 @@ class ShardedGRPOTrainer(_ShardedPolicy, rlhf.GRPOTrainer):
     pass
 
 
+class ShardedRewardModelTrainer(_ShardedResume, rlhf.RewardModelTrainer):
+    """The reward model (backbone + head) sharded as one root, its decoder layers as units."""
+
+    def _setup_model(self) -> None:
+        self.policy.prepare_for_training(self.config)
+        self.model = shard(self.policy.model, self.policy.model.backbone.model)
+        self._setup_sharding()
+        self.model.train()
+        self.train_policy = self._prepared_view()
+
+
 class ShardedPPOTrainer(_ShardedResume, rlhf.PPOTrainer):
     """PPO with the actor-critic sharded with FSDP2: the policy's embeddings and LM head and the value head
     belong to the root's shard, which generation through the policy alone does not gather by itself."""
@@ -190,10 +201,14 @@ def train_twice(name: str, trainer_class: type, config_class: type, settings: di
     for max_steps, resume in ((2, "none"), (4, "auto")):
         rlhf.set_seed(0)
         config = config_class(**settings, output_dir=str(out / name), max_steps=max_steps, resume_from_checkpoint=resume)
-        policy = rlhf.PolicyModel.from_pretrained(model_dir)
-        extra = {"reference": rlhf.create_reference_model(config, policy)} if name in ("ppo", "dpo") else {}
-        trainer = trainer_class(config, policy, dataset, formatter=formatter, devices=devices,
-                                eval_records=eval_records, **extra, **kwargs)
+        if name == "rm":
+            trainer = trainer_class(config, rlhf.RewardModel.from_pretrained(model_dir), dataset, devices=devices,
+                                    **kwargs)
+        else:
+            policy = rlhf.PolicyModel.from_pretrained(model_dir)
+            extra = {"reference": rlhf.create_reference_model(config, policy)} if name in ("ppo", "dpo") else {}
+            trainer = trainer_class(config, policy, dataset, formatter=formatter, devices=devices,
+                                    eval_records=eval_records, **extra, **kwargs)
         report.setdefault("sharded", []).append(trainer.sharded)
         result = trainer.train()
         report.setdefault("steps", []).append([row["step"] for row in result.history if "loss" in row])
@@ -209,14 +224,15 @@ def train_twice(name: str, trainer_class: type, config_class: type, settings: di
             report["checkpoint_files"] = sorted(p.name for p in checkpoint.iterdir())
         final = devices.full_state_dict(trainer.model)
     if final is not None:  # the main process: the final model in Hugging Face layout holds the trained weights
-        prefix = "policy." if name == "ppo" else ""
+        prefix = {"ppo": "policy.", "rm": "backbone."}.get(name, "")
         saved = rlhf.PolicyModel.from_pretrained(str(out / name)).model.state_dict()
         report["saved_vs_trained"] = max_difference(saved, {k[len(prefix):]: v for k, v in final.items()
                                                             if k.startswith(prefix) and k[len(prefix):] in saved})
-        if name == "ppo":  # the value head beside the policy
-            head = load_file(str(out / name / rlhf.ValueModel.HEAD_FILE))
-            report["critic_head_vs_trained"] = max_difference(head, {k[len("critic.head."):]: v for k, v in final.items()
-                                                                     if k.startswith("critic.head.")})
+        if name in ("ppo", "rm"):  # the value head beside the policy, the reward head beside the backbone
+            file, prefix = ((rlhf.ValueModel.HEAD_FILE, "critic.head.") if name == "ppo"
+                            else (rlhf.RewardModel.HEAD_FILE, "head."))
+            report["head_vs_trained"] = max_difference(load_file(str(out / name / file)), {
+                k[len(prefix):]: v for k, v in final.items() if k.startswith(prefix)})
     return report
 
 
@@ -242,6 +258,9 @@ def trainers(model_dir: str, out_dir: str) -> None:
               "sft": train_twice("sft", ShardedSFTTrainer, rlhf.SFTConfig, dict(offline, per_device_train_batch_size=4),
                                  sft, devices, formatter, eval_records, model_dir, out,
                                  eval_dataset=torch.utils.data.Subset(sft, range(5))),
+              "rm": train_twice("rm", ShardedRewardModelTrainer, rlhf.RewardModelConfig,
+                                dict(offline, per_device_train_batch_size=4), pairs, devices, formatter, eval_records,
+                                model_dir, out, eval_dataset=torch.utils.data.Subset(pairs, range(5))),
               "dpo": train_twice("dpo", ShardedDPOTrainer, rlhf.DPOConfig, dict(offline, per_device_train_batch_size=4),
                                  pairs, devices, formatter, eval_records, model_dir, out,
                                  eval_dataset=torch.utils.data.Subset(pairs, range(5))),

@@ -87,23 +87,24 @@ def trainer_reports(tmp_path_factory, tiny_model_dir) -> list[dict]:
     return _launch("trainers", tmp_path_factory.mktemp("sharded-trainers"), tiny_model_dir)
 
 
-@pytest.mark.parametrize("stage", ["sft", "dpo", "grpo", "ppo"])
+@pytest.mark.parametrize("stage", ["sft", "rm", "dpo", "grpo", "ppo"])
 def test_trainers_on_a_sharded_model_train_checkpoint_and_resume(trainer_reports, stage):
     """The trainers' own code on a sharded model (the policy is the sharded root, except for PPO, where it sits
     inside the sharded actor-critic, whose root shard holds its embeddings and LM head): rollouts and held-out
-    exact-match evaluation (3 prompts: shares of 2 and 1) in lockstep, SFT's eval loss and DPO's preference
-    metrics on 5 held-out items, a checkpoint of the gathered weights at step 2, a second run resuming from it
+    exact-match evaluation (3 prompts: shares of 2 and 1) in lockstep, SFT's eval loss, the reward model's pairwise
+    accuracy and DPO's preference metrics on 5 held-out items, a checkpoint of the gathered weights at step 2, a second run resuming from it
     to step 4, and the final model in Hugging Face layout holding the trained weights."""
     assert trainer_reports[0][stage]["eval"] == trainer_reports[1][stage]["eval"]  # both report the whole set
     for process in trainer_reports:
         report = process[stage]
         assert report["sharded"] == [True, True]
         assert report["resumed_from"] == [None, "checkpoint-2"]
-        assert report["eval_before"][0]["eval/mean_completion_tokens"] > 0 and report["eval"][1]
+        metric = "eval/accuracy" if stage == "rm" else "eval/mean_completion_tokens"  # pairwise / exact match
+        assert report["eval_before"][0][metric] > 0 and report["eval"][1]
         if process["rank"] == 0:  # the main process logs the history and writes
             assert report["steps"][0] == [1, 2] and report["steps"][1][-2:] == [3, 4]
             assert report["checkpoint_files"] == ["COMPLETE", "model_state.safetensors", "trainer_state.json"]
             assert report["resumed_vs_checkpoint"] == 0.0
             assert report["saved_vs_trained"] == 0.0
-            if stage == "ppo":
-                assert report["critic_head_vs_trained"] == 0.0
+            if stage in ("ppo", "rm"):  # the value head, the reward head
+                assert report["head_vs_trained"] == 0.0
