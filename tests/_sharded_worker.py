@@ -151,7 +151,7 @@ class _ShardedPolicy(_ShardedResume):
     def _setup_model(self) -> None:
         self.policy.prepare_for_training(self.config)
         rlhf.disable_dropout(self.policy.model)
-        self.model = shard(self.policy.model, self.policy.model.model)
+        self.model = shard(self.policy.model, rlhf.decoder_of(self.policy.model))
         self._setup_sharding()
         self.model.train()
         self.train_policy = self._prepared_view()
@@ -223,7 +223,12 @@ def train_twice(name: str, trainer_class: type, config_class: type, settings: di
         if max_steps == 2 and checkpoint.exists():
             report["checkpoint_files"] = sorted(p.name for p in checkpoint.iterdir())
         final = devices.full_state_dict(trainer.model)
-    if final is not None:  # the main process: the final model in Hugging Face layout holds the trained weights
+    if final is not None and name == "sft_lora":  # the adapter written from the gathered weights holds the trained ones
+        saved = load_file(str(out / name / "adapter_model.safetensors"))
+        trained = {k.replace(".default.", "."): v for k, v in final.items() if "lora_" in k}  # PEFT drops the adapter name
+        report["adapter_tensors"] = [len(saved), len(trained)]
+        report["saved_vs_trained"] = max_difference(saved, trained)
+    elif final is not None:  # the main process: the final model in Hugging Face layout holds the trained weights
         prefix = {"ppo": "policy.", "rm": "backbone."}.get(name, "")
         saved = rlhf.PolicyModel.from_pretrained(str(out / name)).model.state_dict()
         report["saved_vs_trained"] = max_difference(saved, {k[len(prefix):]: v for k, v in final.items()
@@ -258,6 +263,11 @@ def trainers(model_dir: str, out_dir: str) -> None:
               "sft": train_twice("sft", ShardedSFTTrainer, rlhf.SFTConfig, dict(offline, per_device_train_batch_size=4),
                                  sft, devices, formatter, eval_records, model_dir, out,
                                  eval_dataset=torch.utils.data.Subset(sft, range(5))),
+              "sft_lora": train_twice("sft_lora", ShardedSFTTrainer, rlhf.SFTConfig,
+                                      dict(offline, per_device_train_batch_size=4, finetuning_type="lora",
+                                           lora_target="all", learning_rate=1e-2),
+                                      sft, devices, formatter, eval_records, model_dir, out,
+                                      eval_dataset=torch.utils.data.Subset(sft, range(5))),
               "rm": train_twice("rm", ShardedRewardModelTrainer, rlhf.RewardModelConfig,
                                 dict(offline, per_device_train_batch_size=4), pairs, devices, formatter, eval_records,
                                 model_dir, out, eval_dataset=torch.utils.data.Subset(pairs, range(5))),

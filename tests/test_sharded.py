@@ -87,7 +87,7 @@ def trainer_reports(tmp_path_factory, tiny_model_dir) -> list[dict]:
     return _launch("trainers", tmp_path_factory.mktemp("sharded-trainers"), tiny_model_dir)
 
 
-@pytest.mark.parametrize("stage", ["sft", "rm", "dpo", "grpo", "ppo"])
+@pytest.mark.parametrize("stage", ["sft", "sft_lora", "rm", "dpo", "grpo", "ppo"])
 def test_trainers_on_a_sharded_model_train_checkpoint_and_resume(trainer_reports, stage):
     """The trainers' own code on a sharded model (the policy is the sharded root, except for PPO, where it sits
     inside the sharded actor-critic, whose root shard holds its embeddings and LM head): rollouts and held-out
@@ -108,3 +108,5 @@ def test_trainers_on_a_sharded_model_train_checkpoint_and_resume(trainer_reports
             assert report["saved_vs_trained"] == 0.0
             if stage in ("ppo", "rm"):  # the value head, the reward head
                 assert report["head_vs_trained"] == 0.0
+            if stage == "sft_lora":  # the adapter file holds every trained LoRA tensor
+                assert report["adapter_tensors"][0] == report["adapter_tensors"][1] > 0
