@@ -708,14 +708,13 @@ def _coerce(value: Any, annotation: Any, name: str, where: str) -> Any:
     return value
 
 
-def _translate_keys(raw: dict[str, Any], cls: type[BaseConfig], file_where: str,
-                    command_line: frozenset[str] = frozenset()) -> dict[str, Any]:
-    """Map LLaMA-Factory names onto ours, drop ignored ones with a notice, reject unknown keys. Messages name
-    the file, or the command line for the keys given there (``command_line``)."""
+def _translate_keys(raw: dict[str, Any], cls: type[BaseConfig], where_of: Callable[[str], str]) -> dict[str, Any]:
+    """Map LLaMA-Factory names onto ours, drop ignored ones with a notice, reject unknown keys. Messages say
+    where each key was given (``where_of``: file:line, or the command line)."""
     known = {f.name for f in dataclasses.fields(cls)}
     out: dict[str, Any] = {}
     for key, value in raw.items():
-        where = "command line" if key in command_line else file_where
+        where = where_of(key)
         if key == "stage":
             if str(value) != cls.stage:
                 raise RLHFInputError(
@@ -762,8 +761,37 @@ def parse_overrides(pairs: Iterable[str]) -> dict[str, Any]:
     return out
 
 
+_YAML_KEY_LINES: dict[str, dict[tuple[str, ...], int]] = {}  # config file -> (section, key) or (key,) -> line
+
+
+def _yaml_key_lines(text: str) -> dict[tuple[str, ...], int]:
+    """The 1-based line of every top-level key, and of every key one level down (a stage section's), so that
+    a message about a key can point at it."""
+    import yaml
+
+    root = yaml.compose(text, Loader=yaml.SafeLoader)
+    lines: dict[tuple[str, ...], int] = {}
+    if isinstance(root, yaml.MappingNode):
+        for key, value in root.value:
+            lines[(str(key.value),)] = key.start_mark.line + 1
+            if isinstance(value, yaml.MappingNode):
+                for sub, _ in value.value:
+                    lines[(str(key.value), str(sub.value))] = sub.start_mark.line + 1
+    return lines
+
+
+def _key_where(source: str, section: str | None, key: str) -> str:
+    """Where a config key was written, for messages: ``file:line``, ``file:line on the 7b preset [sft]``; the
+    file alone when the key is not in it (a preset's, or one the pipeline sets)."""
+    path, _, preset = source.partition(" on the ")
+    lines = _YAML_KEY_LINES.get(path, {})
+    line = (lines.get((section, key)) if section else None) or lines.get((key,))
+    return (f"{path}:{line}" if line else path) + (f" on the {preset}" if preset else "") + (f" [{section}]" if section else "")
+
+
 def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
-    """A YAML mapping from a file, with syntax errors reported as file:line."""
+    """A YAML mapping from a file, with syntax errors reported as file:line; the lines of its keys are kept
+    for later messages about them."""
     import yaml
 
     path = Path(path)
@@ -783,18 +811,34 @@ def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
         raise RLHFInputError(f"{path}{line}: invalid YAML ({getattr(err, 'problem', err)})") from None
     if not isinstance(data, dict):
         raise RLHFInputError(f"{path}: expected a mapping of key: value lines at the top level")
+    _YAML_KEY_LINES[str(path)] = _yaml_key_lines(path.read_text(encoding="utf-8"))
     return data
 
 
 def build_config(cls: type[BaseConfig], raw: dict[str, Any], where: str = "config",
-                 command_line: frozenset[str] = frozenset()) -> BaseConfig:
-    """Validate and type a raw mapping into ``cls``; every error names the key and where it was given
-    (``where``, or the command line for the keys in ``command_line``)."""
-    values = _translate_keys(raw, cls, where, command_line)
-    command_line = command_line | {LLAMAFACTORY_RENAMES[k][0] for k in command_line if k in LLAMAFACTORY_RENAMES}
+                 command_line: frozenset[str] = frozenset(), *, source: str | None = None,
+                 section: str | None = None) -> BaseConfig:
+    """Validate and type a raw mapping into ``cls``; every error names the key and where it was given: the
+    command line for the keys in ``command_line``, else ``file:line [section]`` when the keys came from a
+    YAML file ``source`` read by read_yaml, else ``where``."""
+    written_as = {LLAMAFACTORY_RENAMES[k][0]: k for k in raw if k in LLAMAFACTORY_RENAMES}  # ours -> the file's name
+
+    def where_of(key: str) -> str:
+        key = written_as.get(key, key)
+        if key in command_line:
+            return "command line"
+        return _key_where(source, section, key) if source else where
+
+    values = _translate_keys(raw, cls, where_of)
     hints = _field_types(cls)
-    typed = {k: _coerce(v, hints[k], k, "command line" if k in command_line else where) for k, v in values.items()}
-    return cls(**typed)
+    typed = {k: _coerce(v, hints[k], k, where_of(k)) for k, v in values.items()}
+    try:
+        return cls(**typed)
+    except RLHFInputError as error:  # a value check of the config: point at the key when the user gave it
+        named = re.match(r"config field '([^']+)'", str(error))
+        if named and named.group(1) in typed:
+            raise RLHFInputError(f"{where_of(named.group(1))}: {error}") from None
+        raise
 
 
 def load_config(cls: type[BaseConfig], path: str | os.PathLike | None = None,
@@ -803,7 +847,8 @@ def load_config(cls: type[BaseConfig], path: str | os.PathLike | None = None,
     raw = read_yaml(path) if path else {}
     given = parse_overrides(overrides)
     raw.update(given)
-    return build_config(cls, raw, where=str(path) if path else "command line", command_line=frozenset(given))
+    return build_config(cls, raw, where=str(path) if path else "command line", command_line=frozenset(given),
+                        source=str(path) if path else None)
 
 
 def save_config(config: BaseConfig | PipelineConfig, path: str | os.PathLike) -> None:
@@ -931,7 +976,9 @@ class PipelineConfig:
                 raw[key] = str(Path(self.output_dir) / stage_name)
         if raw.get("ewc_lambda") and not raw.get("ewc_dataset") and "sft" in self.stages:
             raw["ewc_dataset"] = {**self.shared, **self.stage_overrides.get("sft", {})}.get("dataset", "")  # protect SFT
-        return build_config(STAGE_CONFIGS[stage], raw, where=f"{self.source} [{stage}]")
+        given = {key.split(".", 1)[-1] for key in self.command_line if "." not in key or key.startswith(f"{stage}.")}
+        return build_config(STAGE_CONFIGS[stage], raw, where=f"{self.source} [{stage}]", command_line=frozenset(given),
+                            source=self.source, section=stage)
 
     def to_dict(self) -> dict[str, Any]:
         return {"stages": list(self.stages), "output_dir": self.output_dir, **self.shared,

@@ -413,14 +413,41 @@ def test_messages_name_the_command_line_for_keys_given_there(tmp_path, caplog):
     with rlhf_log(caplog):
         rlhf.load_config(SFTConfig, path, ["deepspeed=ds.json"])
     notices = {r.getMessage().split(": ignoring")[0] for r in caplog.records if "ignoring" in r.getMessage()}
-    assert notices == {str(path), "command line"}
+    assert notices == {f"{path}:1", "command line"}  # the file's key by its line
     with pytest.raises(rlhf.RLHFInputError, match="^command line: 'max_steps' must be a whole number"):
         rlhf.load_config(SFTConfig, path, ["max_steps=many"])
     with pytest.raises(rlhf.RLHFInputError, match="^command line: 'packing' must be true or false"):
         rlhf.load_config(SFTConfig, path, ["neat_packing=many"])  # a LLaMA-Factory name, typed under ours
     path.write_text("max_steps: many\n")
-    with pytest.raises(rlhf.RLHFInputError, match=f"^{re.escape(str(path))}: 'max_steps' must be a whole number"):
+    with pytest.raises(rlhf.RLHFInputError, match=f"^{re.escape(str(path))}:1: 'max_steps' must be a whole number"):
         rlhf.load_config(SFTConfig, path, ["learning_rate=1e-3"])
+
+
+def test_messages_point_at_the_line_of_the_key(tmp_path):
+    """Unknown keys, wrong types and failed value checks name file:line and the pipeline section; a key the
+    file does not hold (set on the command line, or by the pipeline) is named by where it came from."""
+    single = tmp_path / "sft.yaml"
+    single.write_text("# a comment\nlearning_rate: 1.0e-4\n\nwarmup_ratio: 2.0\n")
+    with pytest.raises(rlhf.RLHFInputError, match=f"^{re.escape(str(single))}:4: config field 'warmup_ratio' must"):
+        rlhf.load_config(SFTConfig, single)
+    with pytest.raises(rlhf.RLHFInputError, match="^command line: config field 'warmup_ratio' must"):
+        rlhf.load_config(SFTConfig, single, ["warmup_ratio=-1"])
+    pipeline = tmp_path / "pipeline.yaml"
+    text = ("stages: [sft, dpo]\nmodel_name_or_path: tiny\nseed: 0\nsft:\n  dataset: demo_sft\n"
+            "  learning_rate: 1.0e-3\ndpo:\n  dataset: demo_preference\n  pref_beta: 0.1\n")
+    pipeline.write_text(text.replace("learning_rate", "learning_rat"))
+    with pytest.raises(rlhf.RLHFInputError, match=re.escape(f"{pipeline}:6 [sft]: unknown key 'learning_rat'")):
+        rlhf.PipelineConfig.load(pipeline)
+    pipeline.write_text(text.replace("seed: 0", "seed: x"))
+    with pytest.raises(rlhf.RLHFInputError, match=re.escape(f"{pipeline}:3 [sft]: 'seed' must be a whole number")):
+        rlhf.PipelineConfig.load(pipeline)  # a shared key: its top-level line, in the first stage that reads it
+    pipeline.write_text(text.replace("pref_beta: 0.1", "pref_beta: -1"))
+    with pytest.raises(rlhf.RLHFInputError, match=re.escape(f"{pipeline}:9 [dpo]: config field 'pref_beta' must")):
+        rlhf.PipelineConfig.load(pipeline)
+    with pytest.raises(rlhf.RLHFInputError, match="^command line: config field 'pref_beta' must"):
+        rlhf.PipelineConfig.load(pipeline, ["dpo.pref_beta=-2"])
+    pipeline.write_text(text)
+    assert rlhf.PipelineConfig.load(pipeline).stage_config("dpo").pref_beta == 0.1
 
 
 def test_renamed_and_ignored_keys_are_not_fields():
