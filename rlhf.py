@@ -801,8 +801,9 @@ def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
         raise RLHFInputError(f"config file {path} does not exist")
     from model_merging import DuplicateYAMLKeyError, unique_key_yaml_loader
 
+    text = path.read_text(encoding="utf-8")
     try:
-        data = yaml.load(path.read_text(encoding="utf-8"), Loader=unique_key_yaml_loader()) or {}
+        data = yaml.load(text, Loader=unique_key_yaml_loader()) or {}
     except DuplicateYAMLKeyError as err:
         raise RLHFInputError(f"{path}:{err.line}: duplicate key '{err.key}' (first at line {err.first}); keep one") from None
     except yaml.YAMLError as err:
@@ -811,7 +812,7 @@ def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
         raise RLHFInputError(f"{path}{line}: invalid YAML ({getattr(err, 'problem', err)})") from None
     if not isinstance(data, dict):
         raise RLHFInputError(f"{path}: expected a mapping of key: value lines at the top level")
-    _YAML_KEY_LINES[str(path)] = _yaml_key_lines(path.read_text(encoding="utf-8"))
+    _YAML_KEY_LINES[str(path)] = _yaml_key_lines(text)
     return data
 
 
@@ -1371,15 +1372,12 @@ class DeviceManager:
         """Load whole weights (every process read the same file) into a model, sharded or not; each process keeps
         its shard. Keys as in the unwrapped module."""
         kind = weight_sharding(prepared)
-        if kind == "zero3":
-            import deepspeed
-
-            module = self.unwrap(prepared)
-            params = dict(module.named_parameters())
-            with deepspeed.zero.GatheredParameters([params[k] for k in state if k in params], modifier_rank=0):
-                if self.is_main_process:
-                    module.load_state_dict(state, strict=False)
-        elif kind:
+        if kind == "zero3":  # refused rather than done half-way
+            raise RLHFInputError("resuming under DeepSpeed ZeRO-3 is not supported: its optimizer keeps a float32 copy "
+                                 "of the weights that loading them into the model would not update. The checkpoint's "
+                                 f"{BaseTrainer.SHARDED_WEIGHTS_FILE} holds the weights; start a new run "
+                                 "(resume_from_checkpoint=none), or use FSDP2 (configs/accelerate/fsdp.yaml)")
+        if kind:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
             # a copy: set_model_state_dict swaps the dict's entries for the shards it distributes
