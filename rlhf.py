@@ -1322,14 +1322,17 @@ class DeviceManager:
         self.accelerator.wait_for_everyone()
 
     # -- models sharded across processes (FSDP2, DeepSpeed ZeRO-3): their forwards and state are collectives
-    def check_sharding(self, prepared: nn.Module) -> None:
-        """Refuse FSDP v1: its wrapper keeps the root's parameters (embeddings, final norm, LM head) in a flat
-        shard that only the wrapper's own forward gathers, and generation, a LoRA reference (the policy with its
-        adapters off) and no-grad evaluation run the unwrapped module."""
-        if weight_sharding(prepared) == "fsdp1":
+    def check_sharding(self, prepared: nn.Module) -> str:
+        """``weight_sharding`` of a prepared model, refusing FSDP v1: its wrapper keeps the root's parameters
+        (embeddings, final norm, LM head) in a flat shard that only the wrapper's own forward gathers, and
+        generation, a LoRA reference (the policy with its adapters off) and no-grad evaluation run the unwrapped
+        module."""
+        kind = weight_sharding(prepared)
+        if kind == "fsdp1":
             raise RLHFInputError("accelerate config: FSDP v1 (fsdp_version: 1, the default) is not supported, because "
                                  "generation and evaluation run the unwrapped model; set fsdp_version: 2 "
                                  "(configs/accelerate/fsdp.yaml does)")
+        return kind
 
     @contextlib.contextmanager
     def generating_with(self, prepared: nn.Module, policy_model: nn.Module) -> Iterator[None]:
@@ -5126,12 +5129,19 @@ class BaseTrainer:
     def _setup_sharding(self) -> None:
         """After ``prepare``: with weights sharded across processes (FSDP2, ZeRO-3) every forward of the policy is a
         collective, so generation runs in lockstep (``synced``) and saving gathers the weights first."""
-        self.devices.check_sharding(self.model)
-        self.sharded = bool(weight_sharding(self.model))
+        kind = self.devices.check_sharding(self.model)
+        self.sharded = bool(kind)
         if self.sharded and not self.config.save_only_model and self.devices.is_main_process:
             logger.warning("weights sharded across processes (%s): checkpoints hold the whole weights but not the "
                            "optimizer's sharded state, so a resume restarts AdamW's moments (the schedule continues)",
-                           weight_sharding(self.model))
+                           kind)
+
+    def _generating(self) -> contextlib.AbstractContextManager:
+        """Around a generation with the unwrapped policy: what a sharded model needs first
+        (``DeviceManager.generating_with``); nothing otherwise."""
+        if not self.sharded:
+            return contextlib.nullcontext()
+        return self.devices.generating_with(self.model, self.devices.unwrap(self.policy.model))
 
     def _prepared_view(self) -> nn.Module:
         """``self.policy`` with its module swapped for the prepared one (DDP / FSDP / DeepSpeed), for the
@@ -5684,10 +5694,10 @@ def evaluate_exact_match(policy: PolicyModel, formatter: ChatFormatter, records:
         return {}
     if devices is not None and devices.num_processes > 1:
         mine = scored[devices.process_index::devices.num_processes]
-        filler = [mine[-1] if mine else scored[0]] * (math.ceil(len(scored) / devices.num_processes) - len(mine))
-        counts = (_exact_match_counts(policy, formatter, mine, max_new_tokens, batch_size,
-                                      filler=filler if synced else [], synced=synced)
-                  if mine or synced else [0.0] * 3)
+        share = math.ceil(len(scored) / devices.num_processes)
+        filler = [mine[-1] if mine else scored[0]] * (share - len(mine)) if synced else []
+        counts = (_exact_match_counts(policy, formatter, mine, max_new_tokens, batch_size, filler=filler, synced=synced)
+                  if mine or filler else [0.0] * 3)
         correct, formatted, tokens = devices.sum_list_across_processes(counts)
     else:
         correct, formatted, tokens = _exact_match_counts(policy, formatter, scored, max_new_tokens, batch_size)
@@ -5926,7 +5936,7 @@ class _ReferenceTrainer(BaseTrainer):
             return {}
         self.model.eval()
         try:
-            with self.devices.generating_with(self.model, self.devices.unwrap(self.policy.model)):
+            with self._generating():
                 return evaluate_exact_match(self.policy, self.formatter, self.eval_records,
                                             max_new_tokens=self.config.eval_max_new_tokens,
                                             batch_size=self.config.per_device_eval_batch_size, devices=self.devices,
@@ -6363,7 +6373,7 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         started = time.time()
         self.model.eval()
         try:
-            with self.devices.generating_with(self.model, self.devices.unwrap(self.policy.model)):
+            with self._generating():
                 output = generate_tokens(self.devices.unwrap(self.policy.model), [p["prompt_ids"] for p in prompts], params,
                                          pad_token_id=self.policy.tokenizer.pad_token_id,
                                          engine=self._rollout_engine(len(prompts) * n), synced=self.sharded)

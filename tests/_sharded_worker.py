@@ -10,7 +10,6 @@ model, sharded the way accelerate's FSDP2 ``prepare`` does it: in place, returni
 
 from __future__ import annotations
 
-import copy
 import json
 import sys
 from pathlib import Path
@@ -124,8 +123,8 @@ def parts(model_dir: str, out_dir: str) -> None:
             report["reward_scores"] = [expected_scores.tolist(), reloaded(ids, mask).tolist()]
 
     # 7. FSDP v1 is refused with the fix in the message
-    legacy = FullyShardedDataParallel(copy.deepcopy(rlhf.PolicyModel.from_pretrained(model_dir).model),
-                                      device_id=torch.device("cpu"), use_orig_params=True)
+    legacy = FullyShardedDataParallel(rlhf.PolicyModel.from_pretrained(model_dir).model, device_id=torch.device("cpu"),
+                                      use_orig_params=True)
     try:
         devices.check_sharding(legacy)
         report["fsdp1_refused"] = ""
