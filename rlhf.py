@@ -2969,29 +2969,58 @@ def _prompt_completion(prompt: list[int], completion: list[int]) -> tuple[list[i
     return prompt + completion, [IGNORE_INDEX] * len(prompt) + completion
 
 
-def pack_preference_pairs(items: list[dict[str, Any]], pad_token_id: int) -> dict[str, torch.Tensor]:
+def _first_fit_rows(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Indices of ``lengths`` placed first-fit by decreasing length into rows holding ``capacity`` each
+    (a longer item gets a row of its own)."""
+    rows: list[list[int]] = []
+    fills: list[int] = []
+    for item in sorted(range(len(lengths)), key=lambda k: -lengths[k]):
+        row = next((r for r, fill in enumerate(fills) if fill + lengths[item] <= capacity), None)
+        if row is None:
+            rows.append([])
+            fills.append(0)
+            row = len(rows) - 1
+        rows[row].append(item)
+        fills[row] += lengths[item]
+    return rows
+
+
+def pack_rows(lengths: list[int], hidden_size: int | None = None, candidates: int = 16) -> list[list[int]]:
+    """Rows for packing items of these lengths, chosen to cost the least compute.
+
+    Every row is padded to the widest, so the work is rows x width slots. The linear layers cost the
+    same per slot (about 24 h^2 FLOPs per token and layer for hidden size h); attention grows with the
+    row's width L (QK^T and AV: about 4 h L, the whole row, since the tree mask is not causal-sparse), so a
+    slot costs ~ 1 + L / (6 h). Capacities from the longest item to twice it are tried first-fit and the
+    cheapest layout wins, usually a little wider than the longest item with fewer rows. Without
+    ``hidden_size`` the rows hold at most the longest item."""
+    longest = max(lengths)
+    if hidden_size is None:
+        return _first_fit_rows(lengths, longest)
+
+    def work(rows: list[list[int]]) -> float:
+        width = max(sum(lengths[i] for i in row) for row in rows)
+        return len(rows) * width * (1 + width / (6 * hidden_size))
+
+    layouts = [_first_fit_rows(lengths, longest + longest * k // candidates) for k in range(candidates + 1)]
+    return min(layouts, key=work)  # ties keep the narrowest capacity
+
+
+def pack_preference_pairs(items: list[dict[str, Any]], pad_token_id: int,
+                          hidden_size: int | None = None) -> dict[str, torch.Tensor]:
     """Pairs packed into a few rows without padding between them, each pair as prompt | chosen | rejected.
 
     The prompt is stored once; rejected attends to it and to itself, never to chosen (the tree mask
     is built from ``packed_pair`` / ``packed_branch`` by ``tree_attention_mask``), and its positions
     continue from the prompt's end, so every token sees exactly what it would in its own padded row.
-    Rows are filled first-fit by decreasing pair length, at most the longest pair long: no row is
-    longer than the padded layout's, and short pairs share one. ``packed_source`` points every
+    Rows are laid out by ``pack_rows`` (the model's ``hidden_size`` weighs attention against the
+    linear layers). ``packed_source`` points every
     completion token at the position whose logits predict it: the previous token, or for a
     completion's first token the prompt's last. Completion ids and masks come as in share_prompt.
     Every prompt must be non-empty (its last token predicts the completion's first)."""
     lengths = [len(i["prompt_ids"]) + len(i["chosen_ids"]) + len(i["rejected_ids"]) for i in items]
-    capacity = max(lengths)
-    rows: list[list[int]] = []
-    fills: list[int] = []
-    for pair in sorted(range(len(items)), key=lambda k: -lengths[k]):
-        row = next((r for r, fill in enumerate(fills) if fill + lengths[pair] <= capacity), None)
-        if row is None:
-            rows.append([])
-            fills.append(0)
-            row = len(rows) - 1
-        rows[row].append(pair)
-        fills[row] += lengths[pair]
+    rows = pack_rows(lengths, hidden_size)
+    fills = [sum(lengths[pair] for pair in row) for row in rows]
     width = max(fills)
     ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
     positions = torch.zeros((len(rows), width), dtype=torch.long)
@@ -3051,13 +3080,14 @@ class PreferenceCollator:
     pad_token_id: int
     share_prompt: bool = False  # also emit the prompt (left-padded) and completions apart, for shared_prefix_log_probs
     pack_pairs: bool = False  # with share_prompt: the packed tree layout instead of the prompt/completion rows
+    hidden_size: int | None = None  # the model's, for pack_rows' cost estimate (None: rows hold at most the longest pair)
 
     def __call__(self, items: list[dict[str, Any]]) -> PreferenceBatch:
         pairs = [_prompt_completion(i["prompt_ids"], i["chosen_ids"]) for i in items]
         pairs += [_prompt_completion(i["prompt_ids"], i["rejected_ids"]) for i in items]
         batch = _pad_rows([p[0] for p in pairs], [p[1] for p in pairs], self.pad_token_id)
         if self.share_prompt and self.pack_pairs and all(i["prompt_ids"] for i in items):
-            batch.update(pack_preference_pairs(items, self.pad_token_id))
+            batch.update(pack_preference_pairs(items, self.pad_token_id, self.hidden_size))
         elif self.share_prompt:
             prompts = [i["prompt_ids"] for i in items]
             width = max(len(p) for p in prompts)
@@ -5989,7 +6019,8 @@ class DPOTrainer(_ReferenceTrainer):
         share = pack or (config.share_prompt and not config.gradient_checkpointing
                          and policy.model.config.model_type not in PREFIX_SHARING_EXCLUDED)
         super().__init__(config, policy, train_dataset, eval_dataset=eval_dataset, devices=devices,
-                         collator=PreferenceCollator(policy.tokenizer.pad_token_id, share_prompt=share, pack_pairs=pack))
+                         collator=PreferenceCollator(policy.tokenizer.pad_token_id, share_prompt=share, pack_pairs=pack,
+                                                     hidden_size=getattr(policy.model.config, "hidden_size", None)))
         self._setup_reference(reference if config.uses_reference else None, [train_dataset, eval_dataset])
 
     def loss_units(self, batch: PreferenceBatch) -> int:

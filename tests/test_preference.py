@@ -872,9 +872,12 @@ def test_shared_prompt_forward_equals_concatenated_rows(arch, attn, tiny_arch_di
     rows = rlhf.PreferenceCollator(pad)(items)
     shared = rlhf.PreferenceCollator(pad, share_prompt=True)(items)
     packed = rlhf.PreferenceCollator(pad, share_prompt=True, pack_pairs=True)(items)
+    # a huge hidden size makes attention nearly free next to the linear layers: rows up to twice the longest pair
+    wide = rlhf.PreferenceCollator(pad, share_prompt=True, pack_pairs=True, hidden_size=10**6)(items)
     assert rlhf.can_pack_pairs(policy.model) and "packed_input_ids" in packed
+    assert wide["packed_input_ids"].shape[0] < packed["packed_input_ids"].shape[0]
     results = []
-    for batch in (rows, shared, packed):
+    for batch in (rows, shared, packed, wide):
         policy.model.zero_grad()
         out = rlhf._completion_forward(policy, batch, ld_alpha=0.5)
         out.summed.sum().backward()
@@ -887,6 +890,28 @@ def test_shared_prompt_forward_equals_concatenated_rows(arch, attn, tiny_arch_di
         assert torch.equal(a.lengths, b.lengths)
         for ga, gb in zip(grads_a, grads_b, strict=True):
             torch.testing.assert_close(ga, gb, atol=1e-4, rtol=1e-4)
+
+
+def test_pack_rows_weighs_fewer_rows_against_wider_attention():
+    """Hand-checked with hidden size 128 (a slot costs 1 + width / 768): lengths 100 and four of 55.
+    Rows at most 100 long: 5 rows x 100 = 500 slots, x (1 + 100/768) = 565.1. Capacity 100 + 100*2//16 = 112
+    puts two 55s together: 3 rows x 110 = 330 slots, x (1 + 110/768) = 377.3, the cheapest. Wider ones:
+    capacity 156 gives 100 55 | 55 55 | 55, 3 x 155 x (1 + 155/768) = 558.8; capacity 168 gives 100 55 | 55 55 55,
+    2 x 165 x (1 + 165/768) = 400.9."""
+    def work(rows, lengths, hidden):
+        width = max(sum(lengths[i] for i in row) for row in rows)
+        return len(rows) * width * (1 + width / (6 * hidden))
+
+    lengths = [55, 100, 55, 55, 55]
+    narrow = rlhf.pack_rows(lengths)
+    assert narrow == [[1], [0], [2], [3], [4]]
+    chosen = rlhf.pack_rows(lengths, hidden_size=128)
+    assert sorted(sorted(row) for row in chosen) == [[0, 2], [1], [3, 4]]
+    assert work(chosen, lengths, 128) == pytest.approx(3 * 110 * (1 + 110 / 768))
+    assert work(narrow, lengths, 128) == pytest.approx(565.104, abs=1e-3)
+    assert work(rlhf._first_fit_rows(lengths, 168), lengths, 128) == pytest.approx(400.898, abs=1e-3)
+    assert sorted(i for row in chosen for i in row) == list(range(5))  # every item lands exactly once
+    assert rlhf.pack_rows([7]) == [[0]] and rlhf.pack_rows([7], hidden_size=64) == [[0]]
 
 
 def test_pack_preference_pairs_layout():
