@@ -12,7 +12,7 @@ Table of contents (each section opens with a ``# ==== N. Title ====`` banner):
   1. Configs — BaseConfig, SFTConfig, RewardModelConfig, ProcessRewardModelConfig, DPOConfig, SimPOConfig, ORPOConfig, KTOConfig, OnlineRLConfig, GRPOConfig, PPOConfig, PipelineConfig, load_config, save_config, config_help, get_7b_model_config, get_70b_model_config, count_parameters, estimate_memory
   2. Infrastructure — setup_logging, DeviceManager, weight_sharding, TrainingLogger, CheckpointManager, create_optimizer, EarlyStopping, apply_lora, apply_freeze, compile_model, select_attention_implementation
   3. Data — load_records, ChatFormatter, CHAT_TEMPLATES, SFTDataset, StreamingSFTDataset, pack_sequences, SFTCollator, PreferenceDataset, StreamingPreferenceDataset, KTODataset, StreamingKTODataset, pack_rows, pack_preference_pairs, PreferenceBatch, PreferenceCollator, KTOBatch, KTOCollator, GRPODataset, StreamingGRPODataset, extract_answer, split_steps, arithmetic_step_labels, encode_steps, ProcessPreferenceDataset, ProcessPreferenceCollator
-  4. Models — token_log_probs, load_tokenizer, build_tiny_model, resolve_model_path, PolicyModel, state_under, RewardModel, RewardEnsemble, aggregate_step_scores, ProcessRewardModel, ValueModel, ActorCritic, select_informative_tokens, ContextCompressor, ReferenceModel, can_pack_pairs, tree_attention_mask, shared_prefix_log_probs, grouped_prefix_logits, create_reference_model
+  4. Models — token_log_probs, load_tokenizer, build_tiny_model, resolve_model_path, PolicyModel, state_under, RewardModel, RewardEnsemble, aggregate_step_scores, ProcessRewardModel, ValueModel, ActorCritic, select_informative_tokens, ContextCompressor, ReferenceModel, can_pack_pairs, tree_attention_mask, shared_prefix_log_probs, grouped_logits, grouped_packed_logits, grouped_prefix_logits, create_reference_model
   5. Losses and advantages — causal_lm_loss_sum, sequence_log_probs, dpo_loss, PREFERENCE_LOSSES, simpo_loss, orpo_loss, kto_loss, reward_model_loss, ewc_penalty, whiten, grpo_advantages, grpo_loss, compute_gae, ppo_policy_loss, ppo_value_loss, AdaptiveKLController, FixedKLController
   6. Rewards — exact_answer_reward, format_reward, length_penalty, CompositeReward, LearnedReward, ProcessReward, HTTPReward, RewardAPIError, Principle, ConstitutionalRewardWrapper, RewardFunctionFactory, RunningRewardNormalizer, process_rewards
   7. Trainers — BaseTrainer, TrainingDivergedError, SFTTrainer, PairScores, RewardModelTrainer, ProcessRewardModelTrainer, DPOTrainer, SimPOTrainer, KTOTrainer, precompute_ref_log_probs, Rollout, RolloutBuffer, token_entropy, disable_dropout, GRPOTrainer, PPOTrainer, TrainResult, close_loss_scaler_step
@@ -464,6 +464,8 @@ class GRPOConfig(OnlineRLConfig):
     num_iterations: int = _opt(1, "Optimizer steps per rollout (mu); > 1 reuses it with stored old log-probs and clipping")
     mask_truncated_completions: bool = _opt(False, "Leave completions that hit max_completion_length out of the loss (DAPO)")
     share_prompt: bool = _opt(True, "Run each group's prompt once per micro-batch and share its KV cache among the G completions (off for Mamba and gradient checkpointing)")
+    padding_free: bool = _opt(True, "With share_prompt: pack each micro-batch's groups into rows (the prompt once, every completion a branch under a tree attention mask) when that is less work than padded completion rows; sdpa / eager attention only")
+    skip_zero_gradient_rows: bool = _opt(True, "Skip the forward and backward of completions that add exactly nothing to the update (with beta 0: zero advantage, e.g. a group scored alike, or no token left in the loss); the update is the same, entropy and clip metrics cover the rows that trained")
 
     stage: typing.ClassVar[str] = "grpo"
 
@@ -4124,6 +4126,100 @@ def shared_prefix_log_probs(model: nn.Module, batch: PreferenceBatch) -> tuple[t
     return per_token[back], mask[back].bool(), mean_logits[back]
 
 
+def _prompt_groups(input_ids: torch.Tensor, prompt_lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Consecutive rows with the same prompt form a group. Returns each row's group index (N) and the first
+    row of each group (U). Shapes: input_ids (N, T) with the prompt at the start, prompt_lengths (N)."""
+    columns = torch.arange(input_ids.shape[1], device=input_ids.device)
+    in_prompt = columns < prompt_lengths[:, None]
+    same_prompt = (prompt_lengths[1:] == prompt_lengths[:-1]) & ((input_ids[1:] == input_ids[:-1]) | ~in_prompt[1:]).all(-1)
+    starts = torch.cat([torch.ones(1, dtype=torch.bool, device=input_ids.device), ~same_prompt])
+    return starts.long().cumsum(0) - 1, starts.nonzero().squeeze(-1)
+
+
+def _pack_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_lengths: torch.Tensor,
+                 pad_token_id: int, hidden_size: int | None) -> dict[str, Any]:
+    """The packed tree layout of prompt + completion rows: each group (its prompt once, then its completions
+    one after another, each a branch of its own) is one item of ``pack_rows``. ``source`` (N, T-1) is the
+    flat slot whose logits stand at each position of the original rows: position t predicts token t+1,
+    so a completion's first token reads the prompt's last slot; prompt and padding positions, which the
+    loss masks, read the prompt's last slot too. ``work``: pack_rows' estimate for this layout; ``groups``: how many prompts."""
+    ids_rows, lengths, prompts = input_ids.tolist(), attention_mask.sum(-1).tolist(), prompt_lengths.tolist()
+    group, firsts = _prompt_groups(input_ids, prompt_lengths)
+    members: list[list[int]] = [[] for _ in range(len(firsts))]
+    for row, g in enumerate(group.tolist()):
+        members[g].append(row)
+    firsts = firsts.tolist()
+    item_lengths = [prompts[f] + sum(lengths[n] - prompts[n] for n in members[g]) for g, f in enumerate(firsts)]
+    layout = pack_rows(item_lengths, hidden_size)
+    width = max(sum(item_lengths[g] for g in row) for row in layout)
+    ids, positions = [[pad_token_id] * width for _ in layout], [[0] * width for _ in layout]
+    pair, branch = [[-1] * width for _ in layout], [[0] * width for _ in layout]
+    source = [[0] * (input_ids.shape[1] - 1) for _ in ids_rows]
+    for r, row in enumerate(layout):
+        cursor = 0
+        for g in row:
+            p = prompts[firsts[g]]
+            ids[r][cursor:cursor + p] = ids_rows[firsts[g]][:p]
+            positions[r][cursor:cursor + p] = range(p)
+            pair[r][cursor:cursor + p] = [g] * p
+            prompt_last = r * width + cursor + p - 1
+            cursor += p
+            for b, n in enumerate(members[g], start=1):
+                c = lengths[n] - p
+                ids[r][cursor:cursor + c] = ids_rows[n][p:p + c]
+                positions[r][cursor:cursor + c] = range(p, p + c)
+                pair[r][cursor:cursor + c], branch[r][cursor:cursor + c] = [g] * c, [b] * c
+                source[n] = [prompt_last] * len(source[n])
+                source[n][p:p + c - 1] = range(r * width + cursor, r * width + cursor + c - 1)
+                cursor += c
+    work = len(layout) * width * (1 + width / (6 * hidden_size)) if hidden_size else float("inf")
+    device = input_ids.device
+    return {"groups": len(firsts), "input_ids": torch.tensor(ids, device=device), "position_ids": torch.tensor(positions, device=device),
+            "pair": torch.tensor(pair, device=device), "branch": torch.tensor(branch, device=device),
+            "source": torch.tensor(source, device=device), "work": work}
+
+
+def _prefix_layout_work(attention_mask: torch.Tensor, prompt_lengths: torch.Tensor, groups: int, hidden_size: int) -> float:
+    """pack_rows' work estimate for grouped_prefix_logits: the prompts' forward (groups x longest prompt)
+    and the completions' (rows x longest completion, attending to the prompt too)."""
+    prompt = int(prompt_lengths.max())
+    completion = max(1, int((attention_mask.sum(-1) - prompt_lengths).max()))
+    scale = 6 * hidden_size
+    return groups * prompt * (1 + prompt / scale) + len(prompt_lengths) * completion * (1 + (prompt + completion) / scale)
+
+
+def grouped_packed_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                          prompt_lengths: torch.Tensor, pad_token_id: int = 0, hidden_size: int | None = None,
+                          layout: dict[str, Any] | None = None) -> torch.Tensor:
+    """What grouped_prefix_logits returns, computed in the packed tree layout (``_pack_groups``): no padding
+    between completions, each group's prompt once, and every completion attending to its prompt and
+    itself (``tree_attention_mask`` with one branch per completion), its positions continuing from the
+    prompt's end, so each token sees what it would in its own row. Needs ``can_pack_pairs(model)``.
+    Shapes: input_ids, attention_mask (N, T) right-padded, prompt_lengths (N) -> (N, T-1, V)."""
+    packed = layout or _pack_groups(input_ids, attention_mask, prompt_lengths, pad_token_id, hidden_size)
+    inner = _innermost_model(model)
+    ids = packed["input_ids"]
+    mask = tree_attention_mask(packed["pair"], packed["branch"], inner.config._attn_implementation,
+                               torch.float32 if torch.is_autocast_enabled(ids.device.type) else inner.dtype)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=packed["position_ids"], use_cache=False).logits
+    return logits.reshape(-1, logits.shape[-1])[packed["source"]]
+
+
+def grouped_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_lengths: torch.Tensor,
+                   *, pad_token_id: int = 0, pack: bool = False) -> torch.Tensor:
+    """Logits of prompt + completion rows with each group's prompt run once: by ``grouped_packed_logits``
+    when ``pack`` (and the model can) and its layout is less work than ``grouped_prefix_logits``' padded
+    completion rows, else by the latter. Completions of uneven length (short and long answers in one
+    batch) favour the packed layout; completions that all run to the length limit favour the KV cache,
+    whose attention spans one row instead of a whole packed one."""
+    hidden_size = getattr(_innermost_model(model).config, "hidden_size", None)
+    if pack and hidden_size and can_pack_pairs(model):
+        layout = _pack_groups(input_ids, attention_mask, prompt_lengths, pad_token_id, hidden_size)
+        if layout["work"] < _prefix_layout_work(attention_mask, prompt_lengths, layout["groups"], hidden_size):
+            return grouped_packed_logits(model, input_ids, attention_mask, prompt_lengths, layout=layout)
+    return grouped_prefix_logits(model, input_ids, attention_mask, prompt_lengths)
+
+
 def grouped_prefix_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                           prompt_lengths: torch.Tensor) -> torch.Tensor:
     """Next-token logits of prompt + completion rows with each distinct prompt run once.
@@ -4140,11 +4236,7 @@ def grouped_prefix_logits(model: nn.Module, input_ids: torch.Tensor, attention_m
     rows, width = input_ids.shape
     device = input_ids.device
     columns = torch.arange(width, device=device)
-    in_prompt = columns < prompt_lengths[:, None]
-    same_prompt = (prompt_lengths[1:] == prompt_lengths[:-1]) & ((input_ids[1:] == input_ids[:-1]) | ~in_prompt[1:]).all(-1)
-    starts = torch.cat([torch.ones(1, dtype=torch.bool, device=device), ~same_prompt])
-    group = starts.long().cumsum(0) - 1  # (N) index of each row's prompt
-    firsts = starts.nonzero().squeeze(-1)  # (U) the first row of each group
+    group, firsts = _prompt_groups(input_ids, prompt_lengths)
     lengths = prompt_lengths[firsts]
     prompt_width = int(lengths.max())
     source = torch.arange(prompt_width, device=device) - (prompt_width - lengths[:, None])  # (U, P): left padding
@@ -6519,7 +6611,8 @@ class GRPOTrainer(_OnlineRLTrainer):
 
     def _logits(self, model: PolicyModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         if self.shares_prompts and batch.get("prompt_lengths") is not None:
-            logits = grouped_prefix_logits(model.model, batch["input_ids"], batch["attention_mask"], batch["prompt_lengths"])
+            logits = grouped_logits(model.model, batch["input_ids"], batch["attention_mask"], batch["prompt_lengths"],
+                                    pad_token_id=self.policy.tokenizer.pad_token_id, pack=self.config.padding_free)
         else:
             logits = model(batch["input_ids"], batch["attention_mask"]).logits[:, :-1]
         return logits.float() / self.config.temperature
@@ -6544,8 +6637,27 @@ class GRPOTrainer(_OnlineRLTrainer):
             return batch["input_ids"].shape[0] * self.config.max_completion_length
         return 1  # bnpo: each micro-batch's token mean, averaged over micro-batches
 
+    def _rows_that_train(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], float]:
+        """The micro-batch without the rows whose gradient is exactly zero, and the share of its completion
+        tokens the kept rows hold. Without a KL term a row adds -A * rho per token, so a row with advantage 0
+        (every completion of its group scored alike: DAPO, Yu et al. 2025 sec. 3.2, filters such groups) or
+        with no completion token in the loss adds nothing to the loss or its gradient, and its forward and
+        backward can be skipped without changing the update. One row stays when none would, so every
+        process still runs a forward and backward and their collectives stay in step."""
+        if not self.config.skip_zero_gradient_rows or batch.get("ref_logps") is not None:
+            return batch, 1.0
+        tokens = (batch["labels"][:, 1:] != IGNORE_INDEX).sum(-1)
+        trains = (batch["advantages"] != 0) & (tokens > 0)
+        if bool(trains.all()):
+            return batch, 1.0
+        keep = trains.nonzero().squeeze(-1) if bool(trains.any()) else torch.zeros(1, dtype=torch.long, device=trains.device)
+        share = float(tokens[keep].sum()) / max(float(tokens.sum()), 1.0)
+        return {k: v[keep] for k, v in batch.items()}, share
+
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
         config = self.config
+        rows = batch["input_ids"].shape[0]
+        batch, token_share = self._rows_that_train(batch)
         batch = _trim_columns(batch)
         logits = self._policy_logits(batch)
         mask = batch["labels"][:, 1:] != IGNORE_INDEX  # (N, T-1)
@@ -6554,6 +6666,11 @@ class GRPOTrainer(_OnlineRLTrainer):
                                   epsilon_low=config.epsilon_low, epsilon_high=config.epsilon_high, beta=config.beta,
                                   loss_type=config.loss_type, max_completion_length=config.max_completion_length)
         metrics["entropy"] = float(_masked_mean(token_entropy(logits.detach()), mask.float()))
+        metrics["skipped_rows_frac"] = 1.0 - batch["input_ids"].shape[0] / rows
+        # every type but bnpo returns a sum over rows or tokens (times loss_units), which the skipped rows add
+        # nothing to; bnpo's token mean is over the whole micro-batch, so it is rescaled to that many tokens
+        if config.loss_type == "bnpo":
+            loss = loss * token_share
         return loss * self.loss_units(batch), {**metrics, **self._pop_rollout_metrics()}
 
 

@@ -3,12 +3,13 @@
     python bench/bench_grpo.py                      # G 8, 64 completions per step, 64 tokens, 10 timed steps, 2 threads
     python bench/bench_grpo.py --steps 3 --warmup 1 --batch-size 16          # a quick check
     python bench/bench_grpo.py --repeats 3 --json /tmp/grpo.json
+    python bench/bench_grpo.py --model outputs/demo/sft --engine compiled   # the demo's SFT policy: rewards vary
 
 A GRPO step is generation plus training: sample ``--num-generations`` completions for each of ``--batch-size`` /
 ``--num-generations`` prompts, score them, turn the rewards into group-relative advantages, then one forward and
 backward pass over the completions and one optimizer step. Both trainers do all of that in every timed step.
 
-Both trainers get the same work: the embedded tiny Llama (``rlhf.resolve_model_path("tiny")``), full fine-tuning,
+Both trainers get the same work: the embedded tiny Llama (``rlhf.resolve_model_path("tiny")``, or ``--model``), full fine-tuning,
 fp32, the attention implementation our trainer picks on CPU, no gradient checkpointing (TRL turns it on by default;
 ours does not); the first ``--records`` prompts of ``data/demo/rl_prompts.jsonl`` (read once through
 ``rlhf.load_records``) rendered with the tokenizer's ChatML template (TRL gets them in its conversational format,
@@ -29,7 +30,14 @@ evaluation, no checkpoints. Sampling differs between the trainers (and runs), so
 tokens generated per step, differ: the table shows the completion tokens per timed step and the tokens per second,
 so a reader can see whether the work was comparable.
 
-Every measurement runs in its own subprocess (``--worker ours|trl``, one JSON line on stdout), so the peak resident
+Ours runs twice. ``ours`` is the default trainer: with beta 0 it skips the forward and backward of completions whose
+advantage is 0 (every completion of the group scored alike), which add exactly nothing to the update
+(``GRPOConfig.skip_zero_gradient_rows``; TRL computes them). ``ours-dense`` turns that off and trains every row, the
+same compute as TRL. How many rows are skipped depends on the policy: the embedded tiny model is untrained, so
+nearly every ``exact_answer`` reward is 0 and nearly every row is skipped; ``--model outputs/demo/sft`` (the demo's
+SFT policy) gives a realistic mix. The "rows skipped" column shows the share, and both ratios are printed.
+
+Every measurement runs in its own subprocess (``--worker ours|ours-dense|trl``, one JSON line on stdout), so the peak resident
 memory (``getrusage(RUSAGE_SELF).ru_maxrss``) belongs to that run alone. Workers run one at a time. Both workers
 import rlhf (ours trains with it; TRL's worker takes the prompts and the reward function from it).
 
@@ -73,8 +81,8 @@ REPO = Path(__file__).resolve().parents[1]
 DATA_DIR = REPO / "data" / "demo"
 DATASET = "demo_rl"  # data/demo/rl_prompts.jsonl (prompt, answer)
 MARK = "BENCH_GRPO_RESULT "
-IMPLS = ("ours", "trl")
-LABELS = {"ours": "ours (rlhf)", "trl": "TRL"}
+IMPLS = ("ours", "ours-dense", "trl")
+LABELS = {"ours": "ours (rlhf)", "ours-dense": "ours, every row", "trl": "TRL"}
 PROMPT_CUTOFF = 512  # the tiny model's max_position_embeddings; the demo prompts are far shorter
 
 
@@ -88,7 +96,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--records", type=int, default=256, help="use the first N prompts of data/demo/rl_prompts.jsonl")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     parser.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate (constant, no warm-up)")
-    parser.add_argument("--impls", default=",".join(IMPLS), help="comma-separated: ours, trl")
+    parser.add_argument("--impls", default=",".join(IMPLS),
+                        help="comma-separated: ours (the default trainer, which skips the forward and backward of "
+                             "completions with zero advantage), ours-dense (skip_zero_gradient_rows=False: every row, "
+                             "the same compute as TRL), trl")
+    parser.add_argument("--model", default="tiny",
+                        help="the policy both trainers start from: tiny (the embedded, untrained demo model: nearly "
+                             "every reward is 0, so our default trainer skips nearly every row) or a directory such "
+                             "as outputs/demo/sft (the demo's SFT policy, where rewards vary within some groups)")
     parser.add_argument("--engine", default="auto", choices=("auto", "compiled", "static", "eager"),
                         help="our rollout decoding (GRPOConfig.generation_engine); compiled pays its compile time in "
                              "the untimed warm-up steps")
@@ -255,7 +270,8 @@ def run_ours(args: argparse.Namespace) -> dict:
         mask_truncated_completions=False, cutoff_len=PROMPT_CUTOFF, max_steps=args.steps, learning_rate=args.lr,
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999,
         adam_epsilon=1e-8, max_grad_norm=1.0, logging_steps=1, save_steps=0, output_dir=str(Path(args.workdir) / "ours"),
-        disable_progress_bar=True, report_to=[], seed=0, resume_from_checkpoint="none", generation_engine=args.engine)
+        disable_progress_bar=True, report_to=[], seed=0, resume_from_checkpoint="none", generation_engine=args.engine,
+        skip_zero_gradient_rows=args.worker != "ours-dense")
     trainer = rlhf.GRPOTrainer(config, policy, dataset, reward_fn=rlhf.exact_answer_reward, reference=None,
                                formatter=formatter)
     setup = time.perf_counter() - started
@@ -287,7 +303,10 @@ def run_ours(args: argparse.Namespace) -> dict:
     history = sorted((row for row in result.history if "step" in row), key=lambda row: row["step"])
     losses = [float(row["loss"]) for row in history if "loss" in row]
     rewards = [float(row["reward"]) for row in history if "reward" in row]
+    timed = [row for row in history if row["step"] > args.warmup]
+    skipped = [float(row["skipped_rows_frac"]) for row in timed if "skipped_rows_frac" in row]
     return {**timed_steps(ends, generations, args.steps, args.warmup), "setup": setup, "wall": wall,
+            "skipped": statistics.fmean(skipped) if skipped else 0.0,
             "mean_loss": statistics.fmean(losses) if losses else None,
             "mean_reward": statistics.fmean(rewards) if rewards else None,
             "stop_ids": sorted(formatter.stop_token_ids), "reference_in_memory": trainer.reference is not None,
@@ -297,7 +316,7 @@ def run_ours(args: argparse.Namespace) -> dict:
 def worker(args: argparse.Namespace) -> int:
     if not (args.model_dir and args.workdir):
         raise SystemExit("--worker needs --model-dir and --workdir")
-    result = (run_ours if args.worker == "ours" else run_trl)(args)
+    result = (run_trl if args.worker == "trl" else run_ours)(args)
     result.update(impl=args.worker, peak_rss=peak_rss_mib())
     sys.stdout.flush()
     print(MARK + json.dumps(result), flush=True)
@@ -337,11 +356,13 @@ def summarise(runs: list[dict]) -> dict:
             "truncated": sum(best["truncated"]) / max(sum(best["completions"]), 1),
             "tokens_per_s": statistics.median([t / c for t, c in zip(best["tokens"], best["cycle"])]),
             "peak": max(r["peak_rss"] for r in ok), "base": max(r["rss_base"] for r in ok),
+            "skipped": best.get("skipped"),
             "background": max(r["background"] for r in ok), "timed": len(best["cycle"]), "runs": len(ok)}
 
 
 HEADERS = ["trainer", "timed steps", "s/step median", "s/step mean", "s/step min", "gen s median", "rest s median",
-           "compl. tokens per step", "mean compl. length", "hit max length", "tokens per s", "base MiB", "peak MiB",
+           "compl. tokens per step", "mean compl. length", "hit max length", "rows skipped", "tokens per s", "base MiB",
+           "peak MiB",
            "time ours/TRL", "bg cores"]
 
 
@@ -350,6 +371,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         return worker(args)
     torch, model_dir, attn, trl_version = bench_setup()
+    if args.model != "tiny":
+        if not (Path(args.model) / "config.json").is_file():
+            raise SystemExit(f"error: --model {args.model}: no config.json there; pass tiny or a model directory "
+                             "(e.g. outputs/demo/sft after `python rlhf.py pipeline --config configs/demo.yaml`)")
+        model_dir = str(Path(args.model).resolve())
     prompts = args.batch_size // args.num_generations
     print(f"model {Path(model_dir).name} ({attn}): full fine-tuning, fp32, CPU, threads {args.threads}; first "
           f"{args.records} prompts of {DATA_DIR.relative_to(REPO)}/rl_prompts.jsonl; per step {prompts} prompts x G "
@@ -382,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(runs, indent=1))
 
     summary = {impl: summarise(value) for impl, value in runs.items()}
-    ours, theirs = summary.get("ours"), summary.get("trl")
+    ours, theirs, dense = summary.get("ours"), summary.get("trl"), summary.get("ours-dense")
     both = ours and theirs and "error" not in ours and "error" not in theirs
     rows = []
     for impl in args.impls:
@@ -390,10 +416,11 @@ def main(argv: list[str] | None = None) -> int:
         if "error" in s:
             rows.append([LABELS[impl], "failed"] + ["-"] * (len(HEADERS) - 2))
             continue
-        ratio = f"{s['step'] / theirs['step']:.2f}x" if both and impl == "ours" else "-"
+        ratio = f"{s['step'] / theirs['step']:.2f}x" if theirs and "error" not in theirs and impl != "trl" else "-"
         rows.append([LABELS[impl], f"{s['timed']}x{s['runs']}", f"{s['step']:.3f}", f"{s['mean']:.3f}",
                      f"{s['min']:.3f}", f"{s['gen']:.3f}", f"{s['rest']:.3f}", f"{s['tokens']:.0f}",
-                     f"{s['tokens'] / s['completions']:.1f}", f"{s['truncated']:.0%}", f"{s['tokens_per_s']:.0f}",
+                     f"{s['tokens'] / s['completions']:.1f}", f"{s['truncated']:.0%}",
+                     "-" if s["skipped"] is None else f"{s['skipped']:.0%}", f"{s['tokens_per_s']:.0f}",
                      f"{s['base']:.0f}", f"{s['peak']:.0f}", ratio, f"{s['background']:.2f}"])
     print_table(HEADERS, rows, f"GRPO: {args.batch_size} completions per step (G {args.num_generations}), at most "
                 f"{args.completion_len} new tokens, threads {args.threads}, fp32 CPU (seconds per step: end of one "
@@ -406,11 +433,16 @@ def main(argv: list[str] | None = None) -> int:
               f"{'met' if t <= args.target else 'missed'}); fastest step {ours['min'] / theirs['min']:.2f}x; generation {ours['gen'] / theirs['gen']:.2f}x, rest "
               f"{ours['rest'] / theirs['rest']:.2f}x; completion tokens per step {ours['tokens']:.0f} vs "
               f"{theirs['tokens']:.0f}, tokens/s {ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x TRL's"
+              + (f"; rows skipped {ours['skipped']:.0%}" if ours.get("skipped") is not None else "")
               + ("; MACHINE BUSY, times unreliable" if busy else ""))
-    elif len(args.impls) < 2:
-        print(f"n/a: no ratio, only {LABELS[args.impls[0]]} was run (--impls)")
+    elif not {"ours", "trl"} <= set(args.impls):
+        print("n/a: no ratio of the default trainers: --impls needs both ours and trl")
     else:
         print("n/a: no ratio, a trainer's run broke")
+    if dense and theirs and "error" not in dense and "error" not in theirs:
+        t = dense["step"] / theirs["step"]
+        print(f"every row (skip_zero_gradient_rows=False, the same compute as TRL): time {t:.2f}x TRL per step, "
+              f"generation {dense['gen'] / theirs['gen']:.2f}x, rest {dense['rest'] / theirs['rest']:.2f}x")
     return 1 if any("error" in r for value in runs.values() for r in value) else 0
 
 

@@ -215,15 +215,21 @@ def _check_grouped_prefix_logits(policy: rlhf.PolicyModel, prompt_lengths: list[
 
     concatenated = policy.model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
     shared = rlhf.grouped_prefix_logits(policy.model, input_ids, attention_mask, row_prompt_lengths)
-    assert shared.shape == concatenated.shape
-    torch.testing.assert_close(shared[completion], concatenated[completion], atol=1e-5, rtol=1e-5)
+    assert rlhf.can_pack_pairs(policy.model)  # the packed tree layout too: narrow rows, and (huge hidden size) wide ones
+    layouts = [shared] + [rlhf.grouped_packed_logits(policy.model, input_ids, attention_mask, row_prompt_lengths,
+                                                     hidden_size=hidden) for hidden in (1, 10**6)]
+    for logits in layouts:
+        assert logits.shape == concatenated.shape
+        torch.testing.assert_close(logits[completion], concatenated[completion], atol=1e-5, rtol=1e-5)
 
     def gradients(logits: torch.Tensor) -> list[torch.Tensor]:
         logps = torch.log_softmax(logits.float(), -1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-        return torch.autograd.grad((logps * completion).sum(), list(policy.model.parameters()))
+        return torch.autograd.grad((logps * completion).sum(), list(policy.model.parameters()), retain_graph=True)
 
-    for got, want in zip(gradients(shared), gradients(concatenated)):
-        torch.testing.assert_close(got, want, atol=1e-5 * float(want.abs().max() + 1e-8), rtol=1e-4)
+    want_grads = gradients(concatenated)
+    for logits in layouts:
+        for got, want in zip(gradients(logits), want_grads):
+            torch.testing.assert_close(got, want, atol=1e-5 * float(want.abs().max() + 1e-8), rtol=1e-4)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
@@ -244,10 +250,52 @@ def test_grouped_prefix_logits_keep_padding_inside_learned_positions(tiny_arch_d
     _check_grouped_prefix_logits(policy, [200, 7], [0, 0, 1, 1], [10, 4, 60, 30])
 
 
-def test_share_prompt_trains_like_concatenated_rows(tmp_path, tiny_model_dir, prompts):
+def test_pack_groups_layout_and_the_cheaper_layout_wins():
+    """Hand-checked: group 0 is prompt [1, 2, 3] with completions [4] and [5, 6]; group 1 is prompt [7, 8]
+    with completion [9, 9, 9]. Items: 3 + 1 + 2 = 6 and 2 + 3 = 5 tokens; with hidden size 10**6
+    (attention nearly free) one row of 11 beats two rows of 6. Completion branches are numbered 1, 2, ...
+    and their positions continue from the prompt's end."""
+    rows = [[1, 2, 3, 4, 0], [1, 2, 3, 5, 6], [7, 8, 9, 9, 9]]
+    input_ids, prompt_lengths = torch.tensor(rows), torch.tensor([3, 3, 2])
+    attention_mask = torch.tensor([[1, 1, 1, 1, 0], [1] * 5, [1] * 5])
+    packed = rlhf._pack_groups(input_ids, attention_mask, prompt_lengths, 0, 10**6)
+    assert packed["groups"] == 2
+    assert packed["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6, 7, 8, 9, 9, 9]]
+    assert packed["position_ids"].tolist() == [[0, 1, 2, 3, 3, 4, 0, 1, 2, 3, 4]]
+    assert packed["pair"].tolist() == [[0] * 6 + [1] * 5]
+    assert packed["branch"].tolist() == [[0, 0, 0, 1, 2, 2, 0, 0, 1, 1, 1]]
+    # position t predicts token t + 1: a completion's first token reads its prompt's last slot
+    assert packed["source"][0, 2].item() == 2 and packed["source"][1, 2:4].tolist() == [2, 4]
+    assert packed["source"][2, 1:4].tolist() == [7, 8, 9]
+    assert packed["work"] == pytest.approx(11 * (1 + 11 / 6e6))
+
+    # the layout choice (hidden 128, so a slot costs 1 + width / 768): two groups, prompts of 10, G = 2
+    def rows_of(completions: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        width = 10 + max(completions)
+        ids = torch.tensor([[1 + (i >= 2)] * 10 + [5] * c + [0] * (width - 10 - c) for i, c in enumerate(completions)])
+        mask = torch.tensor([[1] * (10 + c) + [0] * (width - 10 - c) for c in completions])
+        return ids, mask, torch.tensor([10] * 4)
+
+    uneven = rows_of([2, 30, 3, 4])  # packed: one row of 42 + 17 = 59 -> 59 x (1 + 59/768) = 63.5
+    layout = rlhf._pack_groups(*uneven, 0, 128)
+    assert layout["work"] == pytest.approx(59 * (1 + 59 / 768))
+    prefix = 2 * 10 * (1 + 10 / 768) + 4 * 30 * (1 + 40 / 768)  # prompts, then 4 completion rows of 30: 146.5
+    assert rlhf._prefix_layout_work(uneven[1], uneven[2], 2, 128) == pytest.approx(prefix)
+    even = rows_of([30, 30, 30, 30])  # packed: two rows of 70 -> 152.8 > 146.5, the KV-cache layout wins
+    assert rlhf._pack_groups(*even, 0, 128)["work"] == pytest.approx(2 * 70 * (1 + 70 / 768))
+    assert rlhf._prefix_layout_work(even[1], even[2], 2, 128) == pytest.approx(prefix)
+
+
+@pytest.mark.parametrize("layout", ["kv-cache", "packed"])
+def test_share_prompt_trains_like_concatenated_rows(layout, tmp_path, tiny_model_dir, prompts, monkeypatch):
     """share_prompt (the default) changes the compute, not the training: on one rollout (two groups, a
     micro-batch of 6 splits the second) the stored reference and old log-probs and the loss gradient
-    equal those of the concatenated rows."""
+    equal those of the concatenated rows, with the prompt's KV cache shared or with the groups packed
+    (forced here by pricing the KV-cache layout out or the packed one)."""
+    packed_calls = []
+    inner = rlhf.grouped_packed_logits
+    monkeypatch.setattr(rlhf, "grouped_packed_logits", lambda *a, **k: packed_calls.append(1) or inner(*a, **k))
+    monkeypatch.setattr(rlhf, "_prefix_layout_work", lambda *a: float("inf") if layout == "packed" else 0.0)
     common = dict(beta=0.1, num_iterations=2, max_completion_length=10, per_device_train_batch_size=6,
                   num_generations=3)
     results = []
@@ -263,6 +311,8 @@ def test_share_prompt_trains_like_concatenated_rows(tmp_path, tiny_model_dir, pr
         loss.backward()
         grads = {n: p.grad.detach().clone() for n, p in trainer.policy.model.named_parameters()}
         results.append((rollout, grads))
+        if share:  # reference and old log-probs of the rollout, then the loss: every forward took the layout
+            assert len(packed_calls) == (3 if layout == "packed" else 0)
     (shared, shared_grads), (plain, plain_grads) = results
     assert torch.equal(shared.input_ids, plain.input_ids)  # the same samples
     mask = shared.completion_mask
@@ -290,6 +340,58 @@ def test_bnpo_averages_micro_batch_token_means(tmp_path, tiny_model_dir, prompts
     per_row = -rollout.advantages[:, None] * mask  # on-policy every token's loss value is -A (ratio 1)
     want = sum(float(per_row[i:i + 4].sum() / mask[i:i + 4].sum()) for i in (0, 4)) / 2
     assert float(total) == pytest.approx(want, abs=1e-5)
+
+
+class FirstGroupFlat(DigitShare):
+    """0 for every completion of the call's first prompt (its group's advantages are all 0), the
+    completion's length for the others (they vary)."""
+
+    def __call__(self, prompts, completions, answers):
+        self.calls += 1
+        return torch.tensor([0.0 if p == prompts[0] else float(len(c)) for p, c in zip(prompts, completions)])
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo", "dr_grpo"])
+def test_skipping_zero_gradient_rows_leaves_the_gradient_unchanged(loss_type, tmp_path, tiny_model_dir, prompts):
+    """A micro-batch of two groups, one scored alike (advantages 0), one not: skipping the flat group's
+    forward and backward gives the same loss and the same gradient, for every aggregation (bnpo's token
+    mean is over the whole micro-batch, so it is rescaled), and the metric counts the skipped rows."""
+    results = {}
+    for skip in (True, False):
+        trainer = _trainer(_config(tmp_path / str(skip), tiny_model_dir, loss_type=loss_type, max_completion_length=10,
+                                   skip_zero_gradient_rows=skip), prompts, FirstGroupFlat())
+        torch.manual_seed(1)
+        rollout = trainer.make_rollout([prompts[0], prompts[5]])
+        assert (rollout.advantages[:4] == 0).all() and (rollout.advantages[4:] != 0).all()
+        loss, metrics = trainer.compute_loss(rollout.micro_batches(8)[0])
+        loss.backward()
+        grads = {n: p.grad.detach().clone() for n, p in trainer.policy.model.named_parameters()}
+        results[skip] = (rollout, float(loss), metrics, grads)
+    (skipped, loss_skipped, metrics_skipped, grads_skipped), (full, loss_full, metrics_full, grads_full) = \
+        results[True], results[False]
+    assert torch.equal(skipped.input_ids, full.input_ids)  # the same samples
+    assert metrics_skipped["skipped_rows_frac"] == 0.5 and metrics_full["skipped_rows_frac"] == 0.0
+    assert loss_skipped == pytest.approx(loss_full, abs=1e-6)
+    scale = max(float(g.abs().max()) for g in grads_full.values())
+    assert scale > 1e-4
+    for name, want in grads_full.items():
+        torch.testing.assert_close(grads_skipped[name], want, atol=1e-6 * scale, rtol=1e-5, msg=name)
+
+
+def test_skipping_keeps_one_row_and_never_skips_under_a_kl_term(tmp_path, tiny_model_dir, prompts):
+    """With every advantage 0 one row still runs (each process must run a forward and backward for its
+    collectives), contributing nothing; with beta > 0 the KL term gives every row a gradient: none is skipped."""
+    trainer = _trainer(_config(tmp_path / "flat", tiny_model_dir), prompts, PerPrompt())
+    torch.manual_seed(1)
+    batch = trainer.make_rollout([prompts[0], prompts[5]]).micro_batches(8)[0]
+    kept, share = trainer._rows_that_train(batch)
+    assert kept["input_ids"].shape[0] == 1 and (batch["advantages"] == 0).all()
+    loss, metrics = trainer.compute_loss(batch)
+    assert float(loss) == 0.0 and metrics["skipped_rows_frac"] == 7 / 8
+    with_kl = _trainer(_config(tmp_path / "kl", tiny_model_dir, beta=0.1), prompts, PerPrompt())
+    torch.manual_seed(1)
+    batch = with_kl.make_rollout([prompts[0], prompts[5]]).micro_batches(8)[0]
+    assert with_kl._rows_that_train(batch) == (batch, 1.0)
 
 
 # -- c. num_iterations: old log-probs --------------------------------------------------------------------------------
