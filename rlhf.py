@@ -1373,6 +1373,28 @@ class DeviceManager:
         # keyed as in the unwrapped module: without torch.compile's wrapper prefix
         return {k.replace("_orig_mod.", ""): v.detach().cpu() for k, v in state.items()} if self.is_main_process else None
 
+    def full_optimizer_state(self, prepared: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+        """The optimizer state of an FSDP2-sharded model, whole (every parameter's moments unsharded) and keyed by
+        parameter name, on the main process (None on the others; None when the model is not FSDP2-sharded).
+        Every process must call it: the gather is a collective. One file of the main process can then hold it,
+        written and rolled like any checkpoint file, instead of a shard file per process."""
+        if weight_sharding(prepared) != "fsdp2":
+            return None
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        state = get_optimizer_state_dict(prepared, getattr(optimizer, "optimizer", optimizer),
+                                         options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return state if self.is_main_process else None
+
+    def load_full_optimizer_state(self, prepared: nn.Module, optimizer: torch.optim.Optimizer,
+                                  state: dict[str, Any]) -> None:
+        """Load a whole optimizer state (``full_optimizer_state``; every process read the same file) into the
+        optimizer of an FSDP2-sharded model: each process keeps the shard of the moments its parameters hold."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(prepared, getattr(optimizer, "optimizer", optimizer), state,
+                                 options=StateDictOptions(full_state_dict=True))
+
     def load_full_state_dict(self, prepared: nn.Module, state: dict[str, torch.Tensor]) -> None:
         """Load whole weights (every process read the same file) into a model, sharded or not; each process keeps
         its shard. Keys as in the unwrapped module."""
@@ -1575,10 +1597,10 @@ def optimizer_state_to_safetensors(state: dict[str, Any]) -> tuple[dict[str, tor
 
 
 def optimizer_state_from_safetensors(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
-    state: dict[int, dict[str, Any]] = {}
+    state: dict[int | str, dict[str, Any]] = {}
     for name, value in list(tensors.items()) + list(meta["scalars"].items()):
-        param_id, key = name.split(".", 1)
-        state.setdefault(int(param_id), {})[key] = value
+        param_id, key = name.rsplit(".", 1)  # a parameter index, or a name (a sharded model's gathered state)
+        state.setdefault(int(param_id) if param_id.isdigit() else param_id, {})[key] = value
     return {"state": state, "param_groups": meta["param_groups"]}
 
 
@@ -4136,14 +4158,12 @@ def _prompt_groups(input_ids: torch.Tensor, prompt_lengths: torch.Tensor) -> tup
     return starts.long().cumsum(0) - 1, starts.nonzero().squeeze(-1)
 
 
-def _pack_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_lengths: torch.Tensor,
-                 pad_token_id: int, hidden_size: int | None) -> dict[str, Any]:
-    """The packed tree layout of prompt + completion rows: each group (its prompt once, then its completions
-    one after another, each a branch of its own) is one item of ``pack_rows``. ``source`` (N, T-1) is the
-    flat slot whose logits stand at each position of the original rows: position t predicts token t+1,
-    so a completion's first token reads the prompt's last slot; prompt and padding positions, which the
-    loss masks, read the prompt's last slot too. ``work``: pack_rows' estimate for this layout; ``groups``: how many prompts."""
-    ids_rows, lengths, prompts = input_ids.tolist(), attention_mask.sum(-1).tolist(), prompt_lengths.tolist()
+def _plan_group_packing(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_lengths: torch.Tensor,
+                        hidden_size: int | None) -> dict[str, Any]:
+    """Which rows form each group (its prompt once, then its completions one after another: one item of
+    ``pack_rows``), how the items fill packed rows, and pack_rows' work estimate for that layout, without
+    building it: cheap enough to price the packed layout before choosing it."""
+    lengths, prompts = attention_mask.sum(-1).tolist(), prompt_lengths.tolist()
     group, firsts = _prompt_groups(input_ids, prompt_lengths)
     members: list[list[int]] = [[] for _ in range(len(firsts))]
     for row, g in enumerate(group.tolist()):
@@ -4152,6 +4172,21 @@ def _pack_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_l
     item_lengths = [prompts[f] + sum(lengths[n] - prompts[n] for n in members[g]) for g, f in enumerate(firsts)]
     layout = pack_rows(item_lengths, hidden_size)
     width = max(sum(item_lengths[g] for g in row) for row in layout)
+    work = len(layout) * width * (1 + width / (6 * hidden_size)) if hidden_size else float("inf")
+    return {"groups": len(firsts), "firsts": firsts, "members": members, "layout": layout, "width": width,
+            "lengths": lengths, "prompts": prompts, "work": work}
+
+
+def _pack_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_lengths: torch.Tensor,
+                 pad_token_id: int, hidden_size: int | None, plan: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The packed tree layout of prompt + completion rows, as ``_plan_group_packing`` plans it: each
+    completion is a branch of its own after its group's prompt. ``source`` (N, T-1) is the flat slot whose
+    logits stand at each position of the original rows: position t predicts token t+1, so a completion's
+    first token reads the prompt's last slot; prompt and padding positions, which the loss masks, read the
+    prompt's last slot too. Also returns the plan's ``work`` and ``groups``."""
+    plan = plan or _plan_group_packing(input_ids, attention_mask, prompt_lengths, hidden_size)
+    layout, width, firsts, members = plan["layout"], plan["width"], plan["firsts"], plan["members"]
+    lengths, prompts, ids_rows = plan["lengths"], plan["prompts"], input_ids.tolist()
     ids, positions = [[pad_token_id] * width for _ in layout], [[0] * width for _ in layout]
     pair, branch = [[-1] * width for _ in layout], [[0] * width for _ in layout]
     source = [[0] * (input_ids.shape[1] - 1) for _ in ids_rows]
@@ -4172,11 +4207,10 @@ def _pack_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_l
                 source[n] = [prompt_last] * len(source[n])
                 source[n][p:p + c - 1] = range(r * width + cursor, r * width + cursor + c - 1)
                 cursor += c
-    work = len(layout) * width * (1 + width / (6 * hidden_size)) if hidden_size else float("inf")
     device = input_ids.device
-    return {"groups": len(firsts), "input_ids": torch.tensor(ids, device=device), "position_ids": torch.tensor(positions, device=device),
-            "pair": torch.tensor(pair, device=device), "branch": torch.tensor(branch, device=device),
-            "source": torch.tensor(source, device=device), "work": work}
+    return {"groups": plan["groups"], "work": plan["work"], "input_ids": torch.tensor(ids, device=device),
+            "position_ids": torch.tensor(positions, device=device), "pair": torch.tensor(pair, device=device),
+            "branch": torch.tensor(branch, device=device), "source": torch.tensor(source, device=device)}
 
 
 def _prefix_layout_work(attention_mask: torch.Tensor, prompt_lengths: torch.Tensor, groups: int, hidden_size: int) -> float:
@@ -4214,8 +4248,9 @@ def grouped_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
     whose attention spans one row instead of a whole packed one."""
     hidden_size = getattr(_innermost_model(model).config, "hidden_size", None)
     if pack and hidden_size and can_pack_pairs(model):
-        layout = _pack_groups(input_ids, attention_mask, prompt_lengths, pad_token_id, hidden_size)
-        if layout["work"] < _prefix_layout_work(attention_mask, prompt_lengths, layout["groups"], hidden_size):
+        plan = _plan_group_packing(input_ids, attention_mask, prompt_lengths, hidden_size)
+        if plan["work"] < _prefix_layout_work(attention_mask, prompt_lengths, plan["groups"], hidden_size):
+            layout = _pack_groups(input_ids, attention_mask, prompt_lengths, pad_token_id, hidden_size, plan)
             return grouped_packed_logits(model, input_ids, attention_mask, prompt_lengths, layout=layout)
     return grouped_prefix_logits(model, input_ids, attention_mask, prompt_lengths)
 
@@ -5253,10 +5288,9 @@ class BaseTrainer:
         collective, so generation runs in lockstep (``synced``) and saving gathers the weights first."""
         kind = self.devices.check_sharding(self.model)
         self.sharded = bool(kind)
-        if self.sharded and not self.config.save_only_model and self.devices.is_main_process:
-            logger.warning("weights sharded across processes (%s): checkpoints hold the whole weights but not the "
-                           "optimizer's sharded state, so a resume restarts AdamW's moments (the schedule continues)",
-                           kind)
+        if kind == "zero3" and not self.config.save_only_model and self.devices.is_main_process:
+            logger.warning("weights sharded by DeepSpeed ZeRO-3: checkpoints hold the whole weights but not the "
+                           "optimizer's state, and a resume is refused (use FSDP2 to resume sharded runs)")
 
     def _generating(self) -> contextlib.AbstractContextManager:
         """Around a generation with the unwrapped policy: what a sharded model needs first
@@ -5555,17 +5589,19 @@ class BaseTrainer:
     SHARDED_WEIGHTS_FILE = "model_state.safetensors"
 
     @contextlib.contextmanager
-    def _weights_gathered(self) -> Iterator[None]:
-        """A sharded model's weights gathered whole onto the main process for the writes inside (every process
-        enters: the gather is a collective); nothing to gather otherwise."""
+    def _weights_gathered(self, optimizer: bool = False) -> Iterator[None]:
+        """A sharded model's weights (and with ``optimizer`` its FSDP2 optimizer state) gathered whole onto the main
+        process for the writes inside (every process enters: the gathers are collectives); nothing otherwise."""
         self.gathered_weights = self.devices.full_state_dict(self.model) if self.sharded else None
+        gather_optimizer = optimizer and self.sharded and not self.config.save_only_model
+        self.gathered_optimizer = self.devices.full_optimizer_state(self.model, self.optimizer) if gather_optimizer else None
         try:
             yield
         finally:
-            self.gathered_weights = None
+            self.gathered_weights = self.gathered_optimizer = None
 
     def _save_checkpoint(self) -> None:
-        with self._weights_gathered():
+        with self._weights_gathered(optimizer=True):
             if self.devices.is_main_process:
                 path = self.checkpoints.save(self.global_step, self._write_checkpoint)
                 logger.debug("checkpoint written: %s", path)
@@ -5574,9 +5610,9 @@ class BaseTrainer:
     def _write_checkpoint(self, directory: Path) -> None:
         from safetensors.torch import save_file
 
-        # sharded: the gathered weights as the prepared module names them, which resume loads back into the shards;
-        # each process's optimizer state is its own shard, which one file of the main process cannot hold
-        model_only = self.config.save_only_model or self.sharded
+        # sharded: the gathered weights as the prepared module names them, which resume loads back into the shards,
+        # and (FSDP2) the gathered optimizer state keyed by parameter name; ZeRO-3's optimizer state is not gathered
+        model_only = self.config.save_only_model or (self.sharded and self.gathered_optimizer is None)
         if self.sharded:
             save_file({k: v.contiguous() for k, v in self.gathered_weights.items()}, str(directory / self.SHARDED_WEIGHTS_FILE))
         else:
@@ -5587,7 +5623,8 @@ class BaseTrainer:
                  "data": self.train_dataset.state_dict() if self.sampler is None else None,
                  "model_only": model_only}
         if not model_only:
-            tensors, meta = optimizer_state_to_safetensors(self.optimizer.state_dict())
+            optimizer_state = self.gathered_optimizer if self.sharded else self.optimizer.state_dict()
+            tensors, meta = optimizer_state_to_safetensors(optimizer_state)
             save_file(tensors, str(directory / "optimizer.safetensors"))
             (directory / "optimizer.json").write_text(json.dumps(meta))
             (directory / "scheduler.json").write_text(json.dumps(self.scheduler.state_dict()))
@@ -5679,7 +5716,7 @@ class BaseTrainer:
         if self.sampler is None and state.get("data"):
             self.train_dataset.load_state_dict(state["data"])
         if state.get("model_only"):
-            logger.warning("%s holds weights only (save_only_model, or weights sharded across processes): the "
+            logger.warning("%s holds weights only (save_only_model, or weights sharded by ZeRO-3): the "
                            "optimizer's moments restart and the schedule continues from step %d", path, self.global_step)
             with warnings.catch_warnings():  # stepping the schedule to where it was, before any optimizer step
                 warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
@@ -5687,7 +5724,16 @@ class BaseTrainer:
                     self.scheduler.step()
             return
         meta = json.loads((path / "optimizer.json").read_text())
-        self.optimizer.load_state_dict(optimizer_state_from_safetensors(load_file(str(path / "optimizer.safetensors")), meta))
+        optimizer_state = optimizer_state_from_safetensors(load_file(str(path / "optimizer.safetensors")), meta)
+        keys = list(optimizer_state["state"])  # parameter indices, or names when a sharded run gathered the state
+        if keys and self.sharded != isinstance(keys[0], str):
+            raise RLHFInputError(f"{path} holds the optimizer state of a run whose weights were "
+                                 f"{'not ' if self.sharded else ''}sharded across processes; resume it with the same "
+                                 f"launch configuration, or start from its weights (model_name_or_path={path})")
+        if self.sharded:
+            self.devices.load_full_optimizer_state(self.model, self.optimizer, optimizer_state)
+        else:
+            self.optimizer.load_state_dict(optimizer_state)
         self.scheduler.load_state_dict(json.loads((path / "scheduler.json").read_text()))
         restore_rng_state(load_file(str(path / "rng_state.safetensors")), json.loads((path / "rng_state.json").read_text()))
 

@@ -193,13 +193,22 @@ class ShardedPPOTrainer(_ShardedResume, rlhf.PPOTrainer):
         self.model.train()
 
 
+def completion_length(prompts: list[str], completions: list[str], answers: list) -> torch.Tensor:
+    """A reward that varies within every group of the untrained model (format_reward is 0 for all of them, so
+    GRPO's advantages, and its updates, would all be 0)."""
+    return torch.tensor([float(len(c)) for c in completions])
+
+
 def train_twice(name: str, trainer_class: type, config_class: type, settings: dict, dataset, devices,
                 formatter, eval_records, model_dir: str, out: Path, **kwargs) -> dict:
-    """2 steps with a checkpoint at step 2, then a second run resuming from it to step 4."""
+    """2 steps with a checkpoint at step 2, then a second run resuming from it to step 4; then 4 steps without
+    an interruption, whose weights the resumed run must end with."""
     report: dict = {}
-    for max_steps, resume in ((2, "none"), (4, "auto")):
+    final = None  # the resumed run's weights, gathered on the main process
+    for max_steps, resume, directory in ((2, "none", name), (4, "auto", name), (4, "none", f"{name}_straight")):
         rlhf.set_seed(0)
-        config = config_class(**settings, output_dir=str(out / name), max_steps=max_steps, resume_from_checkpoint=resume)
+        config = config_class(**settings, output_dir=str(out / directory), max_steps=max_steps,
+                              resume_from_checkpoint=resume)
         if name == "rm":
             trainer = trainer_class(config, rlhf.RewardModel.from_pretrained(model_dir), dataset, devices=devices,
                                     **kwargs)
@@ -208,8 +217,13 @@ def train_twice(name: str, trainer_class: type, config_class: type, settings: di
             extra = {"reference": rlhf.create_reference_model(config, policy)} if name in ("ppo", "dpo") else {}
             trainer = trainer_class(config, policy, dataset, formatter=formatter, devices=devices,
                                     eval_records=eval_records, **extra, **kwargs)
-        report.setdefault("sharded", []).append(trainer.sharded)
         result = trainer.train()
+        if directory != name:  # the uninterrupted run: the resumed one restored the optimizer's moments too
+            straight = devices.full_state_dict(trainer.model)
+            if straight is not None and final is not None:
+                report["resumed_vs_uninterrupted"] = max_difference(final, straight)
+            break
+        report.setdefault("sharded", []).append(trainer.sharded)
         report.setdefault("steps", []).append([row["step"] for row in result.history if "loss" in row])
         report.setdefault("eval", []).append(result.eval)
         report.setdefault("eval_before", []).append(result.eval_before)
@@ -276,7 +290,7 @@ def trainers(model_dir: str, out_dir: str) -> None:
               "grpo": train_twice("grpo", ShardedGRPOTrainer, rlhf.GRPOConfig,
                                   dict(common, num_generations=4, per_device_train_batch_size=8, beta=0.0),
                                   dataset, devices, formatter, eval_records, model_dir, out,
-                                  reward_fn=rlhf.format_reward),
+                                  reward_fn=completion_length),
               "ppo": train_twice("ppo", ShardedPPOTrainer, rlhf.PPOConfig,
                                  dict(common, per_device_train_batch_size=4, ppo_epochs=2),
                                  dataset, devices, formatter, eval_records, model_dir, out,

@@ -414,3 +414,17 @@ def test_select_attention_implementation_on_cpu():
         assert rlhf.select_attention_implementation(requested, "cpu")[0] != "flash_attention_2"
     with pytest.raises(ValueError, match="attn_implementation"):
         rlhf.select_attention_implementation("flash3", "cpu")
+
+
+def test_optimizer_state_keyed_by_parameter_name_round_trips():
+    """A sharded run gathers its optimizer state keyed by parameter name (dotted), not by index: the split
+    back into parameter and state key takes the last dot, and index keys stay integers."""
+    moment = torch.arange(3.0)
+    state = {"state": {"model.layers.0.mlp.up_proj.weight": {"exp_avg": moment, "step": 4.0}, 7: {"exp_avg_sq": moment}},
+             "param_groups": [{"lr": 0.1, "params": ["model.layers.0.mlp.up_proj.weight", 7]}]}
+    tensors, meta = rlhf.optimizer_state_to_safetensors(state)
+    assert sorted(tensors) == ["7.exp_avg_sq", "model.layers.0.mlp.up_proj.weight.exp_avg"]
+    restored = rlhf.optimizer_state_from_safetensors(tensors, json.loads(json.dumps(meta)))
+    assert set(restored["state"]) == {"model.layers.0.mlp.up_proj.weight", 7}
+    assert restored["state"]["model.layers.0.mlp.up_proj.weight"]["step"] == 4.0
+    assert torch.equal(restored["state"][7]["exp_avg_sq"], moment)

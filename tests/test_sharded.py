@@ -92,8 +92,9 @@ def test_trainers_on_a_sharded_model_train_checkpoint_and_resume(trainer_reports
     """The trainers' own code on a sharded model (the policy is the sharded root, except for PPO, where it sits
     inside the sharded actor-critic, whose root shard holds its embeddings and LM head): rollouts and held-out
     exact-match evaluation (3 prompts: shares of 2 and 1) in lockstep, SFT's eval loss, the reward model's pairwise
-    accuracy and DPO's preference metrics on 5 held-out items, a checkpoint of the gathered weights at step 2, a second run resuming from it
-    to step 4, and the final model in Hugging Face layout holding the trained weights."""
+    accuracy and DPO's preference metrics on 5 held-out items, a checkpoint of the gathered weights and optimizer state at
+    step 2, a second run resuming from it to step 4 that ends with the weights of 4 uninterrupted steps, and the final
+    model in Hugging Face layout holding the trained weights."""
     assert trainer_reports[0][stage]["eval"] == trainer_reports[1][stage]["eval"]  # both report the whole set
     for process in trainer_reports:
         report = process[stage]
@@ -103,8 +104,12 @@ def test_trainers_on_a_sharded_model_train_checkpoint_and_resume(trainer_reports
         assert report["eval_before"][0][metric] > 0 and report["eval"][1]
         if process["rank"] == 0:  # the main process logs the history and writes
             assert report["steps"][0] == [1, 2] and report["steps"][1][-2:] == [3, 4]
-            assert report["checkpoint_files"] == ["COMPLETE", "model_state.safetensors", "trainer_state.json"]
+            assert report["checkpoint_files"] == ["COMPLETE", "model_state.safetensors", "optimizer.json",
+                                                  "optimizer.safetensors", "rng_state.json", "rng_state.safetensors",
+                                                  "scheduler.json", "trainer_state.json"]
             assert report["resumed_vs_checkpoint"] == 0.0
+            # the optimizer's moments were gathered whole into the checkpoint and sharded again on resume
+            assert report["resumed_vs_uninterrupted"] <= 1e-6
             assert report["saved_vs_trained"] == 0.0
             if stage in ("ppo", "rm"):  # the value head, the reward head
                 assert report["head_vs_trained"] == 0.0
