@@ -1388,8 +1388,9 @@ class DeviceManager:
 
     def load_full_optimizer_state(self, prepared: nn.Module, optimizer: torch.optim.Optimizer,
                                   state: dict[str, Any]) -> None:
-        """Load a whole optimizer state (``full_optimizer_state``; every process read the same file) into the
-        optimizer of an FSDP2-sharded model: each process keeps the shard of the moments its parameters hold."""
+        """Load a whole optimizer state keyed by parameter name (``full_optimizer_state``; every process read the
+        same file) into the optimizer: of an FSDP2-sharded model, each process keeps the shard of the moments its
+        parameters hold; of an unsharded one, every process the whole moments."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         set_optimizer_state_dict(prepared, getattr(optimizer, "optimizer", optimizer), state,
@@ -3009,6 +3010,11 @@ def _first_fit_rows(lengths: list[int], capacity: int) -> list[list[int]]:
     return rows
 
 
+def _layout_work(slots: int, width: int, hidden_size: int) -> float:
+    """pack_rows' estimate of the compute of ``slots`` token slots in rows ``width`` wide (see pack_rows)."""
+    return slots * (1 + width / (6 * hidden_size))
+
+
 def pack_rows(lengths: list[int], hidden_size: int | None = None, candidates: int = 16) -> list[list[int]]:
     """Rows for packing items of these lengths, chosen to cost the least compute.
 
@@ -3024,7 +3030,7 @@ def pack_rows(lengths: list[int], hidden_size: int | None = None, candidates: in
 
     def work(rows: list[list[int]]) -> float:
         width = max(sum(lengths[i] for i in row) for row in rows)
-        return len(rows) * width * (1 + width / (6 * hidden_size))
+        return _layout_work(len(rows) * width, width, hidden_size)
 
     layouts = [_first_fit_rows(lengths, longest + longest * k // candidates) for k in range(candidates + 1)]
     return min(layouts, key=work)  # ties keep the narrowest capacity
@@ -4071,13 +4077,21 @@ def tree_attention_mask(pair: torch.Tensor, branch: torch.Tensor, implementation
     return torch.zeros(allowed.shape, dtype=dtype, device=pair.device).masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
-def _packed_pair_log_probs(model: nn.Module, batch: PreferenceBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    ids = batch["packed_input_ids"]  # (R, L)
+def _packed_rows_logits(model: nn.Module, ids: torch.Tensor, position_ids: torch.Tensor, pair: torch.Tensor,
+                        branch: torch.Tensor) -> torch.Tensor:
+    """One forward of packed tree rows under their ``tree_attention_mask``, flattened: the logits of every
+    slot, row after row. Shapes: (R, L) each -> (R*L, V)."""
     inner = _innermost_model(model)
-    attention = tree_attention_mask(batch["packed_pair"], batch["packed_branch"], inner.config._attn_implementation,
+    attention = tree_attention_mask(pair, branch, inner.config._attn_implementation,
                                     torch.float32 if torch.is_autocast_enabled(ids.device.type) else inner.dtype)
-    logits = model(input_ids=ids, attention_mask=attention, position_ids=batch["packed_position_ids"], use_cache=False).logits
-    flat, source = logits.reshape(-1, logits.shape[-1]), batch["packed_source"]  # (R*L, V); (2B, C) slot of each token
+    logits = model(input_ids=ids, attention_mask=attention, position_ids=position_ids, use_cache=False).logits
+    return logits.reshape(-1, logits.shape[-1])
+
+
+def _packed_pair_log_probs(model: nn.Module, batch: PreferenceBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    flat = _packed_rows_logits(model, batch["packed_input_ids"], batch["packed_position_ids"], batch["packed_pair"],
+                               batch["packed_branch"])  # (R*L, V)
+    source = batch["packed_source"]  # (2B, C) slot of each token
     completion_ids, mask = batch["completion_input_ids"], batch["completion_attention_mask"]
     per_token = _slot_log_probs(flat, source, completion_ids) * mask
     mean_logits = (flat.detach().float().mean(-1)[source] * mask).sum(-1) / mask.sum(-1).clamp(min=1)
@@ -4172,7 +4186,7 @@ def _plan_group_packing(input_ids: torch.Tensor, attention_mask: torch.Tensor, p
     item_lengths = [prompts[f] + sum(lengths[n] - prompts[n] for n in members[g]) for g, f in enumerate(firsts)]
     layout = pack_rows(item_lengths, hidden_size)
     width = max(sum(item_lengths[g] for g in row) for row in layout)
-    work = len(layout) * width * (1 + width / (6 * hidden_size)) if hidden_size else float("inf")
+    work = _layout_work(len(layout) * width, width, hidden_size) if hidden_size else float("inf")
     return {"groups": len(firsts), "firsts": firsts, "members": members, "layout": layout, "width": width,
             "lengths": lengths, "prompts": prompts, "work": work}
 
@@ -4218,8 +4232,8 @@ def _prefix_layout_work(attention_mask: torch.Tensor, prompt_lengths: torch.Tens
     and the completions' (rows x longest completion, attending to the prompt too)."""
     prompt = int(prompt_lengths.max())
     completion = max(1, int((attention_mask.sum(-1) - prompt_lengths).max()))
-    scale = 6 * hidden_size
-    return groups * prompt * (1 + prompt / scale) + len(prompt_lengths) * completion * (1 + (prompt + completion) / scale)
+    return (_layout_work(groups * prompt, prompt, hidden_size)
+            + _layout_work(len(prompt_lengths) * completion, prompt + completion, hidden_size))
 
 
 def grouped_packed_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -4231,12 +4245,8 @@ def grouped_packed_logits(model: nn.Module, input_ids: torch.Tensor, attention_m
     prompt's end, so each token sees what it would in its own row. Needs ``can_pack_pairs(model)``.
     Shapes: input_ids, attention_mask (N, T) right-padded, prompt_lengths (N) -> (N, T-1, V)."""
     packed = layout or _pack_groups(input_ids, attention_mask, prompt_lengths, pad_token_id, hidden_size)
-    inner = _innermost_model(model)
-    ids = packed["input_ids"]
-    mask = tree_attention_mask(packed["pair"], packed["branch"], inner.config._attn_implementation,
-                               torch.float32 if torch.is_autocast_enabled(ids.device.type) else inner.dtype)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=packed["position_ids"], use_cache=False).logits
-    return logits.reshape(-1, logits.shape[-1])[packed["source"]]
+    flat = _packed_rows_logits(model, packed["input_ids"], packed["position_ids"], packed["pair"], packed["branch"])
+    return flat[packed["source"]]
 
 
 def grouped_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_lengths: torch.Tensor,
@@ -5725,12 +5735,9 @@ class BaseTrainer:
             return
         meta = json.loads((path / "optimizer.json").read_text())
         optimizer_state = optimizer_state_from_safetensors(load_file(str(path / "optimizer.safetensors")), meta)
-        keys = list(optimizer_state["state"])  # parameter indices, or names when a sharded run gathered the state
-        if keys and self.sharded != isinstance(keys[0], str):
-            raise RLHFInputError(f"{path} holds the optimizer state of a run whose weights were "
-                                 f"{'not ' if self.sharded else ''}sharded across processes; resume it with the same "
-                                 f"launch configuration, or start from its weights (model_name_or_path={path})")
-        if self.sharded:
+        # keyed by parameter name when a sharded run gathered it (into shards again, or whole parameters); by index
+        # otherwise, which a sharded run never gets here with: its weights check above refused the checkpoint
+        if isinstance(optimizer_state["param_groups"][0]["params"][0], str):
             self.devices.load_full_optimizer_state(self.model, self.optimizer, optimizer_state)
         else:
             self.optimizer.load_state_dict(optimizer_state)
