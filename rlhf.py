@@ -155,6 +155,7 @@ class BaseConfig:
     cutoff_len: int = _opt(2048, "Maximum tokens per example; longer ones are truncated (or dropped if no target token survives), and counted")
     max_samples: int | None = _opt(None, "Use at most this many records from each dataset")
     val_size: float = _opt(0.0, "Hold out this share (0-1) or count (>=1) of training records for eval loss / perplexity")
+    val_split_by_prompt: bool = _opt(False, "Hold out whole prompts: every record of a held-out prompt goes to validation (no prompt on both sides; for data with several pairs per prompt)")
     streaming: bool = _opt(False, "Stream the dataset from disk in constant memory (needs max_steps)")
     buffer_size: int = _opt(0, "Shuffle buffer for streaming (0: file order, exactly resumable)")
     preprocessing_num_workers: int | None = _opt(None, "Processes for tokenisation (datasets.map num_proc)")
@@ -256,6 +257,8 @@ class BaseConfig:
                "streaming datasets have no known length: set max_steps > 0")
         _check(self.val_size < 1 or float(self.val_size).is_integer(), "val_size",
                "use a share in [0, 1) or a whole number of records")
+        _check(not (self.val_split_by_prompt and self.streaming), "val_split_by_prompt",
+               "a stream's validation set is its first val_size records; turn one of them off")
         _check(self.ewc_lambda >= 0 and self.ewc_samples > 0, "ewc_lambda/ewc_samples", "must be >= 0 / > 0")
         if self.ewc_lambda:
             _check(self.stage in ("dpo", "simpo", "orpo", "kto", "grpo", "ppo"), "ewc_lambda",
@@ -3365,8 +3368,18 @@ TINY_MODEL_SETTINGS = {"vocab_size": 384, "hidden_size": 128, "intermediate_size
 TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 
 
+# The tiny tokenizer's training files. Pinned, so that adding a data file (rm_pairs.jsonl came later)
+# does not change the embedded model's vocabulary; a corpus folder without them uses all its *.jsonl.
+TINY_CORPUS_FILES = ("eval.jsonl", "kto.jsonl", "multistep.jsonl", "preference.jsonl", "rl_prompts.jsonl", "sft.jsonl")
+
+
+def _tiny_corpus_files(corpus_dir: Path) -> list[Path]:
+    pinned = [corpus_dir / name for name in TINY_CORPUS_FILES]
+    return pinned if all(path.exists() for path in pinned) else sorted(corpus_dir.glob("*.jsonl"))
+
+
 def _demo_corpus(corpus_dir: Path) -> Iterator[str]:
-    for path in sorted(corpus_dir.glob("*.jsonl")):
+    for path in _tiny_corpus_files(corpus_dir):
         for _, record in _iter_jsonl_file(path):
             yield "system\nuser\nassistant\n"  # the chat template's role names, so each is one token
             for key in ("prompt", "response", "chosen", "rejected"):
@@ -3385,7 +3398,7 @@ def build_tiny_model(cache_dir: str | os.PathLike | None = None, corpus_dir: str
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     corpus_dir = Path(corpus_dir) if corpus_dir is not None else _checkout_path("data/demo")
-    files = sorted(corpus_dir.glob("*.jsonl"))
+    files = _tiny_corpus_files(corpus_dir)
     if not files:
         raise RLHFInputError(f"model_name_or_path 'tiny' trains its tokenizer on {corpus_dir}, which has no .jsonl "
                              f"files; run from the project's checkout (it holds data/demo), or generate the data with "
@@ -7684,7 +7697,11 @@ class IterativeRefiner:
 # ==== 10. Orchestrator ====
 
 
-def _split_validation(records: list[dict[str, Any]], val_size: float, seed: int) -> tuple[list, list]:
+def _split_validation(records: list[dict[str, Any]], val_size: float, seed: int,
+                      by_prompt: bool = False) -> tuple[list, list]:
+    """A seeded random validation split of ``val_size`` records. ``by_prompt`` holds out whole prompts
+    (in a seeded random order, until at least ``val_size`` records are held out): with several pairs per
+    prompt, a record-level split leaves held-out prompts, and their chosen answers, in training."""
     if not val_size:
         return records, []
     count = int(val_size) if val_size >= 1 else max(1, round(val_size * len(records)))
@@ -7692,6 +7709,18 @@ def _split_validation(records: list[dict[str, Any]], val_size: float, seed: int)
         raise RLHFInputError(f"config field 'val_size' ({val_size}) leaves no training records out of {len(records)}")
     order = random.Random(seed).sample(range(len(records)), len(records))
     held = set(order[:count])
+    if by_prompt:
+        groups: dict[str, list[int]] = {}
+        for i, record in enumerate(records):
+            groups.setdefault(json.dumps([record.get("system"), record.get("messages")]), []).append(i)
+        held = set()
+        for i in order:  # each prompt comes up at its first record's place in the seeded order
+            if len(held) >= count:
+                break
+            held.update(groups[json.dumps([records[i].get("system"), records[i].get("messages")])])
+        if len(held) >= len(records):
+            raise RLHFInputError(f"config field 'val_size' ({val_size}) holds out every prompt with "
+                                 f"val_split_by_prompt; give a smaller val_size")
     return [r for i, r in enumerate(records) if i not in held], [r for i, r in enumerate(records) if i in held]
 
 
@@ -7745,7 +7774,7 @@ def read_stage_records(config: BaseConfig, kind: str
         return None, val_records, eval_records
     records = load_records(config.dataset, config.dataset_dir, kind, max_samples=config.max_samples,
                            skip_invalid=config.skip_invalid_records)
-    train_records, val_records = _split_validation(records, config.val_size, config.seed)
+    train_records, val_records = _split_validation(records, config.val_size, config.seed, config.val_split_by_prompt)
     return train_records, val_records, eval_records
 
 

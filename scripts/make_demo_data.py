@@ -27,6 +27,9 @@ from pathlib import Path
 # --- Sizes and mixes (tune here) --------------------------------------------
 SFT_SIZE = 3000
 PREFERENCE_SIZE = 1500
+# The reward model's pairs: a last-token reward head learns to check arithmetic only from many
+# more pairs than DPO needs (on the demo model, 1,500 pairs teach it the format flaws alone)
+RM_PAIRS_SIZE = 12000
 KTO_SIZE = 1500
 RL_SIZE = 800
 MULTISTEP_SIZE = 200
@@ -312,6 +315,20 @@ def make_preference(split: Split, seed: int) -> list[dict]:
     ]
 
 
+def make_rm_pairs(split: Split, seed: int) -> list[dict]:
+    """Pairs like ``make_preference``'s (same mix and flaws, its own random stream), 8x as many."""
+    rng = random.Random(f"{seed}:rm_pairs")
+    problems = split.train_mix(rng, RM_PAIRS_SIZE, PREFERENCE_MULTI_SHARE)
+    return [
+        {
+            "prompt": p.prompt,
+            "chosen": correct_response(p),
+            "rejected": flawed_response(p, split, rng),
+        }
+        for p in problems
+    ]
+
+
 def make_kto(split: Split, seed: int) -> list[dict]:
     rng = random.Random(f"{seed}:kto")
     problems = split.train_mix(rng, KTO_SIZE, KTO_MULTI_SHARE)
@@ -375,6 +392,11 @@ def dataset_info() -> dict:
             "ranking": True,
             "columns": {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected"},
         },
+        "demo_rm": {
+            "file_name": "rm_pairs.jsonl",
+            "ranking": True,
+            "columns": {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected"},
+        },
         "demo_kto": {
             "file_name": "kto.jsonl",
             "columns": {"prompt": "prompt", "response": "response", "kto_tag": "label"},
@@ -405,6 +427,10 @@ correct response ends with the line `Answer: N`.
   `rejected`): chosen is correct; rejected has an arithmetic slip (±1/±2/±10,
   carried forward), no `Answer:` line, or an `Answer:` that disagrees with the
   last step.
+- `rm_pairs.jsonl` ({counts["rm_pairs.jsonl"]} records; as `preference.jsonl`):
+  the reward model's pairs, drawn the same way. A last-token reward head needs
+  many more pairs than DPO to learn to check the arithmetic. Not part of the
+  tiny tokenizer's corpus.
 - `kto.jsonl` ({counts["kto.jsonl"]} records; `prompt`, `response`, `label`):
   `label` is true for correct responses and false for flawed ones (~50/50).
 - `rl_prompts.jsonl` ({counts["rl_prompts.jsonl"]} records; `prompt`, `answer`,
@@ -414,7 +440,7 @@ correct response ends with the line `Answer: N`.
   `steps`): held-out multi-step problems with their reference steps.
 - `eval.jsonl` ({counts["eval.jsonl"]} records; `prompt`, `answer`,
   `verifiable`): held-out mix, ~{1 - EVAL_MULTI_SHARE:.0%} single-step.
-- `dataset_info.json`: LLaMA-Factory registry (`demo_sft`, `demo_preference`,
+- `dataset_info.json`: LLaMA-Factory registry (`demo_sft`, `demo_preference`, `demo_rm`,
   `demo_kto`, `demo_rl`, `demo_multistep`, `demo_eval`).
 
 Held-out discipline: `eval.jsonl` and `multistep.jsonl` share no prompt with
@@ -438,6 +464,7 @@ def generate(out_dir: Path, seed: int = 0) -> dict[str, int]:
     files = {
         "sft.jsonl": make_sft(split, seed),
         "preference.jsonl": make_preference(split, seed),
+        "rm_pairs.jsonl": make_rm_pairs(split, seed),
         "kto.jsonl": make_kto(split, seed),
         "rl_prompts.jsonl": make_rl(split, seed),
         "multistep.jsonl": make_multistep(split),

@@ -348,7 +348,8 @@ def test_llamafactory_datasets(llamafactory_dir, name):
     assert records[0]["location"] == f"{llamafactory_dir / (name + '.json')}:2"
 
 
-DEMO_EXPECTED = {"demo_sft": ("sft", 3000), "demo_preference": ("preference", 1500), "demo_kto": ("kto", 1500),
+DEMO_EXPECTED = {"demo_sft": ("sft", 3000), "demo_preference": ("preference", 1500),
+                 "demo_rm": ("preference", 12000), "demo_kto": ("kto", 1500),
                  "demo_rl": ("prompt", 800), "demo_eval": ("prompt", 300), "demo_multistep": ("prompt", 200)}
 
 
@@ -982,3 +983,45 @@ def test_dataset_info_that_is_not_a_mapping(tmp_path):
     write_json(tmp_path / "dataset_info.json", [{"file_name": "x.jsonl"}])
     message = single_line_error(lambda: rlhf.load_records("mine", tmp_path, "sft"))
     assert message.endswith("must be a JSON object of name: entry (LLaMA-Factory's layout), not a list")
+
+
+# -- validation split by prompt -----------------------------------------------------------------------------
+
+
+def _pairs_with_repeated_prompts() -> list[dict]:
+    """30 prompts, prompt k with k % 3 + 1 pairs (60 records), in the shape load_records returns."""
+    return [{"system": "", "messages": [{"role": "user", "content": f"prompt {k}"}], "chosen": f"c{k}.{j}",
+             "rejected": f"r{k}.{j}"} for k in range(30) for j in range(k % 3 + 1)]
+
+
+def test_val_split_by_prompt_keeps_every_prompt_on_one_side():
+    records = _pairs_with_repeated_prompts()
+    prompt = lambda r: r["messages"][0]["content"]  # noqa: E731
+    train, held = rlhf._split_validation(records, 10, seed=0)
+    assert len(held) == 10 and {prompt(r) for r in train} & {prompt(r) for r in held}  # record-level: shared
+    train, held = rlhf._split_validation(records, 10, seed=0, by_prompt=True)
+    assert not {prompt(r) for r in train} & {prompt(r) for r in held}
+    assert 10 <= len(held) <= 12 and len(train) + len(held) == len(records)  # whole prompts: up to 2 more
+    counts = {p: sum(prompt(r) == p for r in records) for p in {prompt(r) for r in held}}
+    assert all(sum(prompt(r) == p for r in held) == n for p, n in counts.items())  # every pair of a held prompt
+    assert rlhf._split_validation(records, 10, seed=0, by_prompt=True) == (train, held)  # seeded
+    assert rlhf._split_validation(records, 10, seed=1, by_prompt=True)[1] != held
+    assert rlhf._split_validation(records, 0.5, seed=0, by_prompt=True)[1].__len__() >= 30
+
+
+def test_val_split_by_prompt_errors_in_one_line(stream_file):
+    records = [{"system": "", "messages": [{"role": "user", "content": "same"}], "chosen": str(i), "rejected": "x"}
+               for i in range(5)]
+    with pytest.raises(RLHFInputError, match="holds out every prompt"):
+        rlhf._split_validation(records, 2, seed=0, by_prompt=True)
+    with pytest.raises(RLHFInputError, match="val_split_by_prompt"):
+        rlhf.SFTConfig(dataset=str(stream_file), streaming=True, max_steps=5, val_size=7, val_split_by_prompt=True,
+                       output_dir="unused")
+
+
+def test_reward_model_config_splits_by_prompt(demo_dir):
+    config = rlhf.RewardModelConfig(dataset="demo_rm", dataset_dir=str(demo_dir), val_size=200,
+                                    val_split_by_prompt=True, output_dir="unused")
+    train, held, _ = rlhf.read_stage_records(config, "preference")
+    prompt = lambda r: r["messages"][0]["content"]  # noqa: E731
+    assert len(held) >= 200 and not {prompt(r) for r in train} & {prompt(r) for r in held}

@@ -21,6 +21,7 @@ DEMO = ROOT / "data" / "demo"
 KEYS = {
     "sft.jsonl": ["prompt", "response"],
     "preference.jsonl": ["prompt", "chosen", "rejected"],
+    "rm_pairs.jsonl": ["prompt", "chosen", "rejected"],
     "kto.jsonl": ["prompt", "response", "label"],
     "rl_prompts.jsonl": ["prompt", "answer", "verifiable"],
     "multistep.jsonl": ["prompt", "answer", "verifiable", "steps"],
@@ -29,13 +30,14 @@ KEYS = {
 COUNTS = {
     "sft.jsonl": 3000,
     "preference.jsonl": 1500,
+    "rm_pairs.jsonl": 12000,
     "kto.jsonl": 1500,
     "rl_prompts.jsonl": 800,
     "multistep.jsonl": 200,
     "eval.jsonl": 300,
 }
 ALL_FILES = sorted([*KEYS, "dataset_info.json", "README.md"])
-TRAIN_FILES = ["sft.jsonl", "preference.jsonl", "kto.jsonl", "rl_prompts.jsonl"]
+TRAIN_FILES = ["sft.jsonl", "preference.jsonl", "rm_pairs.jsonl", "kto.jsonl", "rl_prompts.jsonl"]
 HELDOUT_FILES = ["eval.jsonl", "multistep.jsonl"]
 
 SINGLE_RE = re.compile(r"What is (\d+) ([+-]) (\d+)\?")
@@ -196,6 +198,7 @@ def test_multistep_steps_and_shape():
         ("sft.jsonl", 0.15, 0.25),
         ("eval.jsonl", 0.15, 0.25),
         ("preference.jsonl", 0.1, 0.5),
+        ("rm_pairs.jsonl", 0.1, 0.5),
         ("kto.jsonl", 0.1, 0.5),
         ("rl_prompts.jsonl", 0.1, 0.5),
     ],
@@ -240,17 +243,19 @@ def test_sft_correct_and_imperfect_responses():
     assert gen.IMPERFECT_SHARE == 0.15
 
 
-def test_preference_pairs():
-    for row in records("preference.jsonl"):
+@pytest.mark.parametrize("name", ["preference.jsonl", "rm_pairs.jsonl"])
+def test_preference_pairs(name):
+    for row in records(name):
         answer = str(truth(row["prompt"]))
         assert row["chosen"] == reference_response(row["prompt"])
         assert gen.is_correct(row["chosen"], answer)
         assert not gen.is_correct(row["rejected"], answer)
 
 
-def test_preference_rejections_cover_every_flaw_kind():
+@pytest.mark.parametrize("name", ["preference.jsonl", "rm_pairs.jsonl"])
+def test_preference_rejections_cover_every_flaw_kind(name):
     kinds = {"no_answer": 0, "answer_mismatch": 0, "wrong_arithmetic": 0}
-    for row in records("preference.jsonl"):
+    for row in records(name):
         rejected = row["rejected"]
         steps = [STEP_RE.fullmatch(line) for line in rejected.split("\n")]
         if gen.extract_answer(rejected) is None:
@@ -335,14 +340,22 @@ def test_dataset_info_registers_every_file():
     expected = {
         "demo_sft": "sft.jsonl",
         "demo_preference": "preference.jsonl",
+        "demo_rm": "rm_pairs.jsonl",
         "demo_kto": "kto.jsonl",
         "demo_rl": "rl_prompts.jsonl",
         "demo_multistep": "multistep.jsonl",
         "demo_eval": "eval.jsonl",
     }
     assert {k: v["file_name"] for k, v in info.items()} == expected
-    assert info["demo_preference"]["ranking"] is True
+    assert info["demo_preference"]["ranking"] is True and info["demo_rm"]["ranking"] is True
     assert info["demo_kto"]["columns"]["kto_tag"] == "label"
     for entry in info.values():
         keys = set(KEYS[entry["file_name"]])
         assert set(entry["columns"].values()) <= keys
+
+
+def test_rm_pairs_draw_their_own_problems():
+    """rm_pairs.jsonl is not preference.jsonl repeated: its own random stream, the same kind of pairs."""
+    preference, rm_pairs = records("preference.jsonl"), records("rm_pairs.jsonl")
+    assert [r["prompt"] for r in rm_pairs[:len(preference)]] != [r["prompt"] for r in preference]
+    assert len({r["prompt"] for r in rm_pairs}) > 4 * len({r["prompt"] for r in preference}) / 2

@@ -7,6 +7,7 @@ checked against a naive ``log_softmax(...).gather(...)`` written out in the test
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -568,3 +569,17 @@ def test_load_causal_lm_attention_on_cpu(tiny_arch_dir):
     assert implementation == "sdpa" and model.config._attn_implementation == "sdpa"
     model, implementation = rlhf.load_causal_lm(str(tiny_arch_dir("llama")), attn_implementation="eager")
     assert implementation == "eager" and model.config._attn_implementation == "eager"
+
+
+def test_tiny_tokenizer_corpus_is_pinned(tiny_model_dir, demo_dir, tmp_path):
+    """Adding a data file (as rm_pairs.jsonl was added) leaves the embedded model as it was; a corpus folder
+    without the pinned files trains on all of its *.jsonl."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name in rlhf.TINY_CORPUS_FILES:
+        shutil.copy(demo_dir / name, corpus / name)
+    (corpus / "extra.jsonl").write_text('{"prompt": "zebra zebra zebra quokka", "response": "quokka"}\n' * 500)
+    assert rlhf.build_tiny_model(cache_dir=tmp_path / "cache", corpus_dir=corpus).name == tiny_model_dir.name
+    (corpus / "sft.jsonl").unlink()  # not the pinned corpus any more: every file counts, extra.jsonl included
+    other = rlhf.build_tiny_model(cache_dir=tmp_path / "cache", corpus_dir=corpus)
+    assert other.name != tiny_model_dir.name and "Ġzebra" in rlhf.load_tokenizer(other).get_vocab()
