@@ -5,8 +5,9 @@ own log-likelihood and by trained reward models, split by the kind of flaw in th
     python bench/rm_probe.py                                       # SFT log-likelihood and outputs/demo/rm
     python bench/rm_probe.py --reward-models outputs/demo/rm,/tmp/rm_other
 
-The held-out pairs are the rm stage's: ``val_size`` 200 of ``demo_preference`` drawn with ``seed`` 0, as
-``configs/demo.yaml`` trains it. A pair counts as right when the chosen response scores higher. The
+The held-out pairs are the rm stage's: ``val_size`` 200 of ``demo_rm`` held out by prompt
+(``val_split_by_prompt``) with ``seed`` 0, as ``configs/demo.yaml`` trains it, so no held-out prompt was
+trained on. A pair counts as right when the chosen response scores higher. The
 log-likelihood column scores a response by log p(response | prompt) summed over its tokens under the SFT
 policy, the reward-model columns by the scalar head on the last token. Flaw kinds, read from the pair
 itself: ``format`` (the rejected response has no ``Answer:`` line, or its answer disagrees with its own
@@ -55,7 +56,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--policy", default="outputs/demo/sft", help="the SFT policy (default outputs/demo/sft)")
     parser.add_argument("--reward-models", default="outputs/demo/rm", help="comma-separated reward model directories")
+    parser.add_argument("--dataset", default="demo_rm", help="the rm stage's dataset (default demo_rm)")
     parser.add_argument("--val-size", type=int, default=200, help="held-out pairs, as the rm stage's val_size")
+    parser.add_argument("--split-by-record", action="store_true",
+                        help="a record-level split (val_split_by_prompt: false) instead of whole prompts")
     parser.add_argument("--seed", type=int, default=0, help="the rm stage's seed (it draws the held-out pairs)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
@@ -64,8 +68,8 @@ def main() -> int:
         if not Path(path).is_dir():
             raise SystemExit(f"error: {path} does not exist; run `python rlhf.py pipeline --config configs/demo.yaml` first")
 
-    records = rlhf.load_records("demo_preference", REPO / "data/demo", "preference")
-    _, held_out = rlhf._split_validation(records, args.val_size, args.seed)
+    records = rlhf.load_records(args.dataset, REPO / "data/demo", "preference")
+    _, held_out = rlhf._split_validation(records, args.val_size, args.seed, by_prompt=not args.split_by_record)
     kinds = [flaw_kind(r["rejected"]) for r in held_out]
     policy = rlhf.PolicyModel.from_pretrained(args.policy)
     policy.model.eval()
