@@ -569,7 +569,8 @@ def test_demo_pipeline_config_loads(repo):
     assert pipeline.final_stage_options("merge")["models"] == ["dpo", "grpo"]
     assert pipeline.final_stage_options("best_of_n")["scorers"] == ["rm", "vote"]
     rm, dpo = pipeline.stage_config("rm"), pipeline.stage_config("dpo")
-    assert isinstance(rm, rlhf.RewardModelConfig) and rm.dataset == "demo_preference" and rm.val_size == 200
+    assert isinstance(rm, rlhf.RewardModelConfig) and rm.dataset == "demo_rm" and rm.val_size == 200
+    assert rm.val_split_by_prompt and not dpo.val_split_by_prompt and dpo.dataset == "demo_preference"
     assert isinstance(dpo, rlhf.DPOConfig) and dpo.pref_loss == "sigmoid" and dpo.precompute_ref_log_probs
     grpo = pipeline.stage_config("grpo")
     assert isinstance(grpo, rlhf.GRPOConfig) and grpo.reward_names() == ["exact_answer"] and grpo.beta == 0
