@@ -7708,16 +7708,18 @@ def _split_validation(records: list[dict[str, Any]], val_size: float, seed: int,
     if count >= len(records):
         raise RLHFInputError(f"config field 'val_size' ({val_size}) leaves no training records out of {len(records)}")
     order = random.Random(seed).sample(range(len(records)), len(records))
-    held = set(order[:count])
-    if by_prompt:
-        groups: dict[str, list[int]] = {}
-        for i, record in enumerate(records):
-            groups.setdefault(json.dumps([record.get("system"), record.get("messages")]), []).append(i)
+    if not by_prompt:
+        held = set(order[:count])
+    else:
+        prompts = [json.dumps([record.get("system"), record.get("messages")]) for record in records]
+        records_of: dict[str, list[int]] = {}
+        for i, prompt in enumerate(prompts):
+            records_of.setdefault(prompt, []).append(i)
         held = set()
         for i in order:  # each prompt comes up at its first record's place in the seeded order
             if len(held) >= count:
                 break
-            held.update(groups[json.dumps([records[i].get("system"), records[i].get("messages")])])
+            held.update(records_of[prompts[i]])
         if len(held) >= len(records):
             raise RLHFInputError(f"config field 'val_size' ({val_size}) holds out every prompt with "
                                  f"val_split_by_prompt; give a smaller val_size")
