@@ -302,9 +302,9 @@ def make_sft(split: Split, seed: int) -> list[dict]:
     return records
 
 
-def make_preference(split: Split, seed: int) -> list[dict]:
-    rng = random.Random(f"{seed}:preference")
-    problems = split.train_mix(rng, PREFERENCE_SIZE, PREFERENCE_MULTI_SHARE)
+def _preference_pairs(split: Split, rng: random.Random, size: int) -> list[dict]:
+    """``size`` pairs on training problems: the correct response against a flawed one."""
+    problems = split.train_mix(rng, size, PREFERENCE_MULTI_SHARE)
     return [
         {
             "prompt": p.prompt,
@@ -313,20 +313,15 @@ def make_preference(split: Split, seed: int) -> list[dict]:
         }
         for p in problems
     ]
+
+
+def make_preference(split: Split, seed: int) -> list[dict]:
+    return _preference_pairs(split, random.Random(f"{seed}:preference"), PREFERENCE_SIZE)
 
 
 def make_rm_pairs(split: Split, seed: int) -> list[dict]:
     """Pairs like ``make_preference``'s (same mix and flaws, its own random stream), 8x as many."""
-    rng = random.Random(f"{seed}:rm_pairs")
-    problems = split.train_mix(rng, RM_PAIRS_SIZE, PREFERENCE_MULTI_SHARE)
-    return [
-        {
-            "prompt": p.prompt,
-            "chosen": correct_response(p),
-            "rejected": flawed_response(p, split, rng),
-        }
-        for p in problems
-    ]
+    return _preference_pairs(split, random.Random(f"{seed}:rm_pairs"), RM_PAIRS_SIZE)
 
 
 def make_kto(split: Split, seed: int) -> list[dict]:

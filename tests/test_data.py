@@ -1006,7 +1006,7 @@ def test_val_split_by_prompt_keeps_every_prompt_on_one_side():
     assert all(sum(prompt(r) == p for r in held) == n for p, n in counts.items())  # every pair of a held prompt
     assert rlhf._split_validation(records, 10, seed=0, by_prompt=True) == (train, held)  # seeded
     assert rlhf._split_validation(records, 10, seed=1, by_prompt=True)[1] != held
-    assert rlhf._split_validation(records, 0.5, seed=0, by_prompt=True)[1].__len__() >= 30
+    assert len(rlhf._split_validation(records, 0.5, seed=0, by_prompt=True)[1]) >= 30
 
 
 def test_val_split_by_prompt_errors_in_one_line(stream_file):
