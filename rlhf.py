@@ -3182,10 +3182,16 @@ def split_steps(response: str, delimiter: str = "\n") -> list[str]:
     return steps
 
 
-def arithmetic_step_labels(steps: list[str]) -> list[bool | None]:
+def arithmetic_step_labels(steps: list[str], *, complete: bool = False) -> list[bool | None]:
     """The demo's step verifier (Math-Shepherd-style automatic labels): a step ``a op b = c`` is
     correct when the arithmetic holds; an ``Answer: N`` step when N is the last computed value;
-    other steps are unlabelled (None)."""
+    other steps are unlabelled (None).
+
+    ``complete=True`` says the steps are a whole response, so its last step must give the answer: a
+    response that stops without an ``Answer:`` line has its last step labelled wrong. Math-Shepherd
+    labels a step by whether the solution can still reach the right answer from it, and nothing
+    follows a final step. Without this, a PRM trained on these labels is told that every step of an
+    answerless response is right, and ``min`` over its fewer steps ranks it above the complete one."""
     labels: list[bool | None] = []
     last = None
     for step in steps:
@@ -3198,10 +3204,18 @@ def arithmetic_step_labels(steps: list[str]) -> list[bool | None]:
             labels.append(last is None or answer[1] == str(last))
         else:
             labels.append(None)
+    if complete and steps and not ANSWER_PATTERN.search(steps[-1]):
+        labels[-1] = False
     return labels
 
 
-STEP_LABELERS: dict[str, Callable[[list[str]], list[bool | None]] | None] = {"none": None, "arithmetic": arithmetic_step_labels}
+def arithmetic_response_labels(steps: list[str]) -> list[bool | None]:
+    """``arithmetic_step_labels`` for a whole response (a training pair's chosen or rejected side)."""
+    return arithmetic_step_labels(steps, complete=True)
+
+
+STEP_LABELERS: dict[str, Callable[[list[str]], list[bool | None]] | None] = {"none": None,
+                                                                               "arithmetic": arithmetic_response_labels}
 
 
 def encode_steps(formatter: ChatFormatter, record: dict[str, Any], response: str, delimiter: str

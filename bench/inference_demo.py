@@ -171,11 +171,12 @@ def verdict(a: list[bool], b: list[bool]) -> str:
 
 
 def verifier_score(text: str) -> float:
-    """The demo's rule-based step checker (rlhf.arithmetic_step_labels: each 'a op b = c' holds, the
-    Answer equals the last result): share of checked steps that pass; context, not a trained model."""
+    """The demo's rule-based step checker (rlhf.arithmetic_response_labels: each 'a op b = c' holds, the
+    Answer equals the last result, and a response that ends without an Answer fails its last step):
+    share of checked steps that pass; context, not a trained model."""
     import rlhf
 
-    labels = [x for x in rlhf.arithmetic_step_labels(rlhf.split_steps(text, "\n")) if x is not None]
+    labels = [x for x in rlhf.arithmetic_response_labels(rlhf.split_steps(text, "\n")) if x is not None]
     return sum(labels) / len(labels) if labels else 0.0
 
 

@@ -113,6 +113,18 @@ def test_arithmetic_step_labels_hand_values():
     assert rlhf.arithmetic_step_labels([]) == []
 
 
+def test_arithmetic_labels_of_a_whole_response_mark_a_missing_answer_wrong():
+    answerless = ["Step 1: 49 - 2 = 47\n", "Step 2: 47 - 2 = 45"]  # right working, no Answer line
+    assert rlhf.arithmetic_step_labels(answerless) == [True, True]  # a partial solution (MCTS) is fine so far
+    assert rlhf.arithmetic_step_labels(answerless, complete=True) == [True, False]  # a finished one failed to answer
+    assert rlhf.arithmetic_response_labels(answerless) == [True, False]
+    assert rlhf.arithmetic_step_labels(["Let me think.\n", "Hmm"], complete=True) == [None, False]
+    assert rlhf.arithmetic_step_labels(["82 - 9 = 73\n", "Answer: 74"], complete=True) == [True, False]
+    for steps in (rlhf.split_steps(PAIR[0]), rlhf.split_steps(PAIR[1]), ["Answer: 5"], []):  # answered: unchanged
+        assert rlhf.arithmetic_step_labels(steps, complete=True) == rlhf.arithmetic_step_labels(steps)
+    assert rlhf.STEP_LABELERS["arithmetic"] is rlhf.arithmetic_response_labels  # training pairs are whole responses
+
+
 # -- 9. step positions in the token ids -------------------------------------------------------------------------
 
 
@@ -173,6 +185,7 @@ def test_step_labels_from_records_and_from_the_labeler(tmp_path, tiny_tokenizer,
         {"prompt": "Compute 49 - 2 - 2 + 5.", "chosen": PAIR[0], "rejected": PAIR[1],
          "chosen_step_labels": [True, True, None, True], "rejected_step_labels": [1, 1, 0, None]},
         {"prompt": "What is 82 - 9?", "chosen": "82 - 9 = 73\nAnswer: 73", "rejected": "82 - 9 = 73\nAnswer: 74"},
+        {"prompt": "What is 6 * 7?", "chosen": "6 * 7 = 42\nAnswer: 42", "rejected": "6 * 7 = 42"},
     ])
     records = rlhf.load_records(path.name, tmp_path, "preference")
     assert records[0]["rejected_step_labels"] == [True, True, False, None] and "chosen_step_labels" not in records[1]
@@ -183,6 +196,7 @@ def test_step_labels_from_records_and_from_the_labeler(tmp_path, tiny_tokenizer,
     labelled = rlhf.ProcessPreferenceDataset(records, tiny_tokenizer, formatter, cutoff_len=128, labeler="arithmetic")
     assert labelled[0]["rejected_labels"] == [1.0, 1.0, 0.0, -1.0]  # the record's own labels win
     assert labelled[1]["chosen_labels"] == [1.0, 1.0] and labelled[1]["rejected_labels"] == [1.0, 0.0]
+    assert labelled[2]["chosen_labels"] == [1.0, 1.0] and labelled[2]["rejected_labels"] == [0.0]  # stops unanswered
     for item, record in zip(labelled, records):
         for side in ("chosen", "rejected"):
             ids, ends = rlhf.encode_steps(formatter, record, record[side], "\n")
