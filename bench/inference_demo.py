@@ -1,6 +1,6 @@
 """Inference-time compute on the demo task: Best-of-N, MCTS, adaptive allocation, confidence stopping.
 
-    python bench/inference_demo.py --output inference_demo.json     # everything: about 10 min on 2 cores
+    python bench/inference_demo.py --output inference_demo.json     # everything: about 2 min on 2 cores
     python bench/inference_demo.py --limit 50 --mcts-limit 10        # a quick run
     python bench/inference_demo.py --threads 1 ...                   # on a busy machine (see --threads)
 

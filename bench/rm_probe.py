@@ -12,11 +12,17 @@ log-likelihood column scores a response by log p(response | prompt) summed over 
 policy, the reward-model columns by the scalar head on the last token. Flaw kinds, read from the pair
 itself: ``format`` (the rejected response has no ``Answer:`` line, or its answer disagrees with its own
 last step) and ``arithmetic`` (a wrong result in a step, carried to the answer).
+
+A last row asks whether the reward model checks arithmetic it was never shown: one pair per held-out
+eval prompt (data/demo/eval.jsonl, whose facts no training file works out), the correct solution against
+a slip made the way the demo data makes them (one step off by one of ``FLAW_DELTAS``, carried through).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import random
 import re
 import sys
 from pathlib import Path
@@ -28,6 +34,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import rlhf  # noqa: E402
+
+sys.path.insert(0, str(REPO / "scripts"))
+import make_demo_data as demo  # noqa: E402
 
 
 def flaw_kind(rejected: str) -> str:
@@ -45,6 +54,23 @@ def log_likelihoods(policy: rlhf.PolicyModel, batch: dict[str, torch.Tensor]) ->
     labels = batch["labels"][:, 1:]
     per_token = rlhf.token_log_probs(logits, labels.clamp(min=0))
     return (per_token * (labels != rlhf.IGNORE_INDEX)).sum(-1)
+
+
+def eval_slip_pairs(path: Path, seed: int) -> list[dict]:
+    """The correct solution of each eval prompt against a carried arithmetic slip (chat records)."""
+    rng, records = random.Random(f"{seed}:eval-slips"), []
+    for line in path.read_text().splitlines():
+        item = json.loads(line)
+        numbers, ops = re.findall(r"\d+", item["prompt"]), re.findall(r" ([+-]) ", item["prompt"])
+        problem = demo.Problem(int(numbers[0]), tuple((op, int(b)) for op, b in zip(ops, numbers[1:])))
+        assert str(problem.answer) == item["answer"], item
+        slips = [(step, d) for step in range(len(problem.ops)) for d in demo.FLAW_DELTAS]
+        rng.shuffle(slips)
+        steps = next(s for s in (demo.solve(problem, *slip) for slip in slips) if all(x[3] >= 0 for x in s))
+        records.append({"system": None, "messages": [{"role": "user", "content": item["prompt"]}],
+                        "chosen": demo.correct_response(problem),
+                        "rejected": demo.render(problem, steps, steps[-1][3])})
+    return records
 
 
 def pairwise(scores: torch.Tensor) -> torch.Tensor:
@@ -74,21 +100,30 @@ def main() -> int:
     policy = rlhf.PolicyModel.from_pretrained(args.policy)
     policy.model.eval()
     formatter = rlhf.ChatFormatter(policy.tokenizer, "auto")
-    pairs = rlhf.PreferenceDataset(held_out, policy.tokenizer, formatter, cutoff_len=128)
+    eval_slips = eval_slip_pairs(REPO / "data/demo/eval.jsonl", args.seed)
     collate = rlhf.PreferenceCollator(policy.tokenizer.pad_token_id)
-    batches = [collate([pairs[i] for i in range(s, min(s + 50, len(pairs)))]) for s in range(0, len(pairs), 50)]
 
-    columns = {"SFT log-likelihood": torch.cat([pairwise(log_likelihoods(policy, b)) for b in batches])}
+    def batches(records: list[dict]) -> list[dict[str, torch.Tensor]]:
+        pairs = rlhf.PreferenceDataset(records, policy.tokenizer, formatter, cutoff_len=128)
+        return [collate([pairs[i] for i in range(s, min(s + 50, len(pairs)))]) for s in range(0, len(pairs), 50)]
+
+    sets = {"held_out": batches(held_out), "eval_slips": batches(eval_slips)}
+    columns = {"SFT log-likelihood": {name: torch.cat([pairwise(log_likelihoods(policy, b)) for b in bs])
+                                      for name, bs in sets.items()}}
     for path in args.reward_models.split(","):
         reward_model = rlhf.RewardModel.from_pretrained(path)
         reward_model.eval()
         with torch.no_grad():
-            columns[f"reward model {path}"] = torch.cat([pairwise(reward_model(b["input_ids"], b["attention_mask"]))
-                                                         for b in batches])
+            columns[f"reward model {path}"] = {
+                name: torch.cat([pairwise(reward_model(b["input_ids"], b["attention_mask"])) for b in bs])
+                for name, bs in sets.items()}
     rows = []
     for kind in ("format", "arithmetic", "all"):
         chosen = [i for i, k in enumerate(kinds) if kind == "all" or k == kind]
-        rows.append([kind, str(len(chosen))] + [f"{float(right[chosen].float().mean()):.1%}" for right in columns.values()])
+        rows.append([kind, str(len(chosen))] + [f"{float(right['held_out'][chosen].float().mean()):.1%}"
+                                                for right in columns.values()])
+    rows.append(["arithmetic, eval prompts (held-out facts)", str(len(eval_slips))]
+                + [f"{float(right['eval_slips'].float().mean()):.1%}" for right in columns.values()])
     print_table(["rejected flaw", "pairs", *columns], rows,
                 f"Held-out demo pairs ranked right (chosen above rejected), {len(held_out)} pairs", label_columns=2)
     return 0

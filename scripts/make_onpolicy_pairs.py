@@ -32,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policy", default="outputs/demo/sft", help="policy directory")
     parser.add_argument("--prompts", default="data/demo/rl_prompts.jsonl", help="JSONL with prompt and answer")
     parser.add_argument("--out", default="outputs/onpolicy_pairs", help="output directory")
+    parser.add_argument("--skip", type=int, default=0,
+                        help="leave out the first N prompts (bench/inference_demo.py chooses its settings on the "
+                             "first 200 of rl_prompts.jsonl: pass --skip 200 to keep a reward model off them)")
     parser.add_argument("--samples", type=int, default=8, help="samples per prompt")
     parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature")
     parser.add_argument("--pairs-per-prompt", type=int, default=2, help="at most this many pairs per prompt")
@@ -44,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(args.policy)
     model = AutoModelForCausalLM.from_pretrained(args.policy).eval()
-    records = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+    records = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()][args.skip:]
     params = io.SamplingParams(max_new_tokens=64, temperature=args.temperature, n=args.samples, seed=args.seed,
                                stop_token_ids=io.stop_token_ids(tokenizer))
     pairs, mixed = [], 0
