@@ -59,11 +59,13 @@ def log_likelihoods(policy: rlhf.PolicyModel, batch: dict[str, torch.Tensor]) ->
 def eval_slip_pairs(path: Path, seed: int) -> list[dict]:
     """The correct solution of each eval prompt against a carried arithmetic slip (chat records)."""
     rng, records = random.Random(f"{seed}:eval-slips"), []
-    for line in path.read_text().splitlines():
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
         item = json.loads(line)
         numbers, ops = re.findall(r"\d+", item["prompt"]), re.findall(r" ([+-]) ", item["prompt"])
         problem = demo.Problem(int(numbers[0]), tuple((op, int(b)) for op, b in zip(ops, numbers[1:])))
-        assert str(problem.answer) == item["answer"], item
+        if str(problem.answer) != item["answer"]:
+            raise SystemExit(f"error: {path}:{number}: '{item['prompt']}' works out to {problem.answer}, not "
+                             f"{item['answer']}; regenerate the demo data (python scripts/make_demo_data.py)")
         slips = [(step, d) for step in range(len(problem.ops)) for d in demo.FLAW_DELTAS]
         rng.shuffle(slips)
         steps = next(s for s in (demo.solve(problem, *slip) for slip in slips) if all(x[3] >= 0 for x in s))

@@ -41,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=32, help="prompts per generate call")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.skip < 0:
+        parser.error(f"--skip {args.skip}: give the number of leading prompts to leave out (0 or more)")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(args.seed)
