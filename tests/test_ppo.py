@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import killed_after_checkpoint
+from conftest import killed_after_checkpoint, rlhf_log
 
 import rlhf
 
@@ -426,17 +426,23 @@ def _cli_args(tmp_path: Path, model: Path, demo_dir: Path, *extra: str) -> list[
             "report_to=none", "reward_funcs=exact_answer", "finetuning_type=full", *extra]
 
 
-def test_cli_ppo_run_writes_the_value_head_and_report(tmp_path, tiny_model_dir, demo_dir, capsys):
-    status = rlhf.main(_cli_args(tmp_path, tiny_model_dir, demo_dir))
+def test_cli_ppo_run_writes_the_value_head_and_report(tmp_path, tiny_model_dir, demo_dir, capsys, caplog):
+    with rlhf_log(caplog):
+        status = rlhf.main(_cli_args(tmp_path, tiny_model_dir, demo_dir))
     assert status == 0, capsys.readouterr().err
+    # a value head on a fully fine-tuned shared backbone is warned about (it cost the demo 19 points)
+    assert sum("value head shares the policy's fully fine-tuned backbone" in m for m in caplog.messages) == 1
     out = tmp_path / "cli"
     assert (out / rlhf.ValueModel.HEAD_FILE).is_file() and (out / "model.safetensors").is_file()
     entry = json.loads((out / "report.json").read_text())["stages"][-1]
     assert entry["stage"] == "ppo" and entry["global_step"] == 2
     # a separate critic from a model directory is saved under critic/
-    status = rlhf.main(_cli_args(tmp_path, tiny_model_dir, demo_dir, f"value_model={tiny_model_dir}",
-                                 "overwrite_output_dir=true", "max_steps=1"))
+    caplog.clear()
+    with rlhf_log(caplog):
+        status = rlhf.main(_cli_args(tmp_path, tiny_model_dir, demo_dir, f"value_model={tiny_model_dir}",
+                                     "overwrite_output_dir=true", "max_steps=1"))
     assert status == 0, capsys.readouterr().err
+    assert not any("value head shares" in m for m in caplog.messages)
     assert (out / "critic" / rlhf.ValueModel.HEAD_FILE).is_file() and (out / "critic" / "model.safetensors").is_file()
     assert len(json.loads((out / "report.json").read_text())["stages"]) == 2
 
