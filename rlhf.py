@@ -7888,15 +7888,18 @@ def _prepare_output_dir(config: BaseConfig) -> None:
             raise RLHFInputError(f"config field '{field_name}': {directory} is not writable; give a writable directory")
 
 
-def _start_stage(config: BaseConfig, devices: DeviceManager | None) -> tuple[tuple, DeviceManager]:
-    """Output folder checks, logging, seed, records (validated before any model loads) and devices for one stage."""
+def _start_stage(config: BaseConfig, devices: DeviceManager | None, records: tuple | None = None
+                 ) -> tuple[tuple, DeviceManager]:
+    """Output folder checks, logging, seed, records (validated before any model loads) and devices for one
+    stage. ``records``: already read and split (a reward-model ensemble's members share one split)."""
     _prepare_output_dir(config)
     setup_logging(log_file=Path(config.logging_dir or Path(config.output_dir) / "logs") / f"{config.stage}.log")
     set_seed(config.seed)
     if getattr(config, "precompute_ref_log_probs", False) and config.streaming:
         raise RLHFInputError("config field 'precompute_ref_log_probs' needs an in-memory dataset; set streaming=false "
                              "or precompute_ref_log_probs=false")
-    records = read_stage_records(config, STAGE_RECORD_KINDS[config.stage])
+    if records is None:
+        records = read_stage_records(config, STAGE_RECORD_KINDS[config.stage])
     _refuse_other_stage_checkpoints(config)
     devices = devices or DeviceManager(config.mixed_precision, config.report_to, Path(config.output_dir) / "runs",
                                        config.ddp_timeout)
@@ -7937,7 +7940,12 @@ def train_rm(config: RewardModelConfig, devices: DeviceManager | None = None) ->
     saved under output_dir/member-k with an ensemble.json manifest."""
     if config.ensemble_size > 1:
         return _train_rm_ensemble(config, devices)
-    records, devices = _start_stage(config, devices)
+    return _train_reward_model(config, devices)
+
+
+def _train_reward_model(config: RewardModelConfig, devices: DeviceManager | None, records: tuple | None = None
+                        ) -> TrainResult:
+    records, devices = _start_stage(config, devices, records)
     reward_model = RewardModel.from_pretrained(config.model_name_or_path, dtype=_model_dtype(config),
                                                attn_implementation=config.attn_implementation,
                                                trust_remote_code=config.trust_remote_code, device=devices.device,
@@ -7968,19 +7976,52 @@ def train_prm(config: ProcessRewardModelConfig, devices: DeviceManager | None = 
 
 
 def _train_rm_ensemble(config: RewardModelConfig, devices: DeviceManager | None) -> TrainResult:
+    """Members differ by seed (head init, data order) but share the base seed's train/validation split:
+    with a split per member, each would train on pairs the others hold out, and the ensemble would have
+    no held-out pairs left. Its eval metrics score the ensemble itself (the mean of the members' scores,
+    what downstream stages use), with each member's accuracy beside them."""
     started, members = time.time(), []
+    records = read_stage_records(config, STAGE_RECORD_KINDS[config.stage])
     for k in range(config.ensemble_size):
         member = dataclasses.replace(config, ensemble_size=1, seed=config.seed + k,
                                      output_dir=str(Path(config.output_dir) / f"member-{k}"))
         logger.info("reward-model ensemble: member %d of %d (seed %d)", k + 1, config.ensemble_size, member.seed)
-        members.append(train_rm(member, devices))
+        members.append(_train_reward_model(member, devices, records))
     RewardEnsemble.write_manifest(config.output_dir, [f"member-{k}" for k in range(config.ensemble_size)])
-    mean = {key: float(np.mean([m.eval[key] for m in members])) for key in members[0].eval}
     metrics = {"steps": sum(m.global_step for m in members),
                "train_loss": float(np.mean([m.metrics["train_loss"] for m in members])),
                **{f"member_{k}/eval_accuracy": m.eval.get("eval/accuracy", float("nan")) for k, m in enumerate(members)}}
-    return TrainResult("rm", Path(config.output_dir), members[-1].global_step, time.time() - started, metrics, mean,
-                       None, [], False)
+    evaluation = _evaluate_reward_ensemble(config, records[1], devices) if records[1] else {}
+    if evaluation:
+        logger.info("reward-model ensemble of %d: held-out pairwise accuracy %.1f%% (members %s)",
+                    config.ensemble_size, 100 * evaluation["eval/accuracy"],
+                    ", ".join(f"{100 * m.eval.get('eval/accuracy', float('nan')):.1f}%" for m in members))
+    return TrainResult("rm", Path(config.output_dir), members[-1].global_step, time.time() - started, metrics,
+                       evaluation, None, [], False)
+
+
+@torch.no_grad()
+def _evaluate_reward_ensemble(config: RewardModelConfig, val_records: list[dict[str, Any]],
+                              devices: DeviceManager | None) -> dict[str, float]:
+    """Pairwise accuracy, loss and margin of the saved ensemble's mean score on the held-out pairs."""
+    from accelerate import PartialState
+
+    device = devices.device if devices else PartialState().device  # every process scores all pairs
+    ensemble = RewardEnsemble.from_pretrained(config.output_dir, dtype=_model_dtype(config), device=device,
+                                              attn_implementation=config.attn_implementation,
+                                              trust_remote_code=config.trust_remote_code, cache_dir=config.cache_dir,
+                                              is_trainable=False).eval()
+    pairs = PreferenceDataset(val_records, ensemble.tokenizer, ChatFormatter(ensemble.tokenizer, config.template),
+                              cutoff_len=config.cutoff_len)
+    collate = PreferenceCollator(ensemble.tokenizer.pad_token_id)
+    margins = []
+    for start in range(0, len(pairs), config.per_device_eval_batch_size):
+        batch = collate([pairs[i] for i in range(start, min(start + config.per_device_eval_batch_size, len(pairs)))])
+        chosen, rejected = ensemble(batch["input_ids"].to(device), batch["attention_mask"].to(device))[0].float().chunk(2)
+        margins.append(chosen - rejected)
+    margin = torch.cat(margins)
+    return {"eval/loss": float(-F.logsigmoid(margin).mean()), "eval/accuracy": float((margin > 0).float().mean()),
+            "eval/margin": float(margin.mean())}
 
 
 def _train_policy_stage(config: BaseConfig, devices: DeviceManager | None, trainer_class: type[BaseTrainer]

@@ -358,6 +358,30 @@ def test_train_rm_ensemble_writes_a_loadable_manifest(tmp_path, llama_dir, demo_
     assert seeds == [0, 1]  # members differ by seed
 
 
+def test_rm_ensemble_members_share_one_split_and_the_ensemble_itself_is_evaluated(tmp_path, llama_dir, demo_dir):
+    config = _config(rlhf.RewardModelConfig, tmp_path, llama_dir, demo_dir, ensemble_size=2, max_steps=3,
+                     max_samples=24, val_size=8, cutoff_len=64, per_device_train_batch_size=4)
+    result = rlhf.train_rm(config)
+    records = rlhf.load_records("demo_preference", demo_dir, "preference", max_samples=24)
+    _, held = rlhf._split_validation(records, 8, 0)  # the base seed's split, not member 1's seed 1
+    assert held != rlhf._split_validation(records, 8, 1)[1]
+    ensemble = rlhf.RewardEnsemble.from_pretrained(tmp_path).eval()
+    batch = rlhf.PreferenceCollator(ensemble.tokenizer.pad_token_id)(list(_pref_dataset(held, ensemble.tokenizer)))
+    with torch.no_grad():
+        member_scores = [m(batch["input_ids"], batch["attention_mask"]) for m in ensemble.members]
+    for k, scores in enumerate(member_scores):  # each member was evaluated on the same held-out pairs
+        chosen, rejected = scores.chunk(2)
+        logged = [json.loads(line) for line in (tmp_path / f"member-{k}" / "metrics.jsonl").read_text().splitlines()]
+        eval_loss = [row["eval/loss"] for row in logged if "eval/loss" in row][-1]
+        assert eval_loss == pytest.approx(float(-torch.nn.functional.logsigmoid(chosen - rejected).mean()), rel=1e-5)
+    chosen, rejected = (sum(member_scores) / 2).chunk(2)  # the ensemble's score: the members' mean
+    margin = chosen - rejected
+    assert result.eval["eval/accuracy"] == pytest.approx(float((margin > 0).float().mean()))
+    assert result.eval["eval/margin"] == pytest.approx(float(margin.mean()), rel=1e-5)
+    assert result.eval["eval/loss"] == pytest.approx(float(-torch.nn.functional.logsigmoid(margin).mean()), rel=1e-5)
+    assert set(result.metrics) >= {"member_0/eval_accuracy", "member_1/eval_accuracy"}
+
+
 # -- 6. reference models -------------------------------------------------------------------------------------
 
 
