@@ -8014,13 +8014,14 @@ def _evaluate_reward_ensemble(config: RewardModelConfig, val_records: list[dict[
     pairs = PreferenceDataset(val_records, ensemble.tokenizer, ChatFormatter(ensemble.tokenizer, config.template),
                               cutoff_len=config.cutoff_len)
     collate = PreferenceCollator(ensemble.tokenizer.pad_token_id)
-    margins = []
+    margins, losses = [], []
     for start in range(0, len(pairs), config.per_device_eval_batch_size):
         batch = collate([pairs[i] for i in range(start, min(start + config.per_device_eval_batch_size, len(pairs)))])
         chosen, rejected = ensemble(batch["input_ids"].to(device), batch["attention_mask"].to(device))[0].float().chunk(2)
         margins.append(chosen - rejected)
+        losses.append(reward_model_loss(chosen, rejected, batch.get("margin", torch.zeros(())).to(device)))
     margin = torch.cat(margins)
-    return {"eval/loss": float(-F.logsigmoid(margin).mean()), "eval/accuracy": float((margin > 0).float().mean()),
+    return {"eval/loss": float(torch.cat(losses).mean()), "eval/accuracy": float((margin > 0).float().mean()),
             "eval/margin": float(margin.mean())}
 
 

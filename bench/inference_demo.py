@@ -121,6 +121,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("need -n <= --pool, --pilot <= --budget-per-prompt and --max-per-prompt <= --pool")
     if args.budget_per_prompt > args.pool or min(args.n, args.pilot, args.max_new_tokens) < 1:
         parser.error("need --budget-per-prompt <= --pool and -n, --pilot, --max-new-tokens >= 1")
+    if args.stop_beta and not 0.5 < args.stop_beta < 1:
+        parser.error(f"--stop-beta {args.stop_beta}: give a threshold between 0.5 and 1 (0 skips the Beta rule)")
     return args
 
 
