@@ -47,6 +47,14 @@ IMPERFECT_SHARE = 0.15
 # Among imperfect SFT responses, the share that drop the "Answer:" line (the
 # rest get a wrong last value propagated to the Answer line).
 SFT_MISSING_ANSWER_SHARE = 1 / 3
+# The "careless teacher" files (sft_careless.jsonl, preference_careless.jsonl): the teacher forgets to
+# borrow in this share of its demonstrations that need a borrow. Random slips average out under SFT (the
+# model's most likely answer stays right); a habit does not, so SFT learns it and only preference or
+# verified-reward training can remove it.
+CARELESS_SHARE = 0.7
+# Among the careless preference pairs whose problem needs a borrow, the share whose rejected response is
+# the teacher's habit (the rest are flawed as in preference.jsonl).
+CARELESS_REJECTED_SHARE = 0.5
 KTO_DESIRABLE_SHARE = 0.5
 
 # --- Problem space -----------------------------------------------------------
@@ -255,6 +263,34 @@ def wrong_arithmetic(
     return None
 
 
+def borrows(left: int, op: str, right: int) -> bool:
+    """True if the subtraction needs a borrow from the tens (52 - 7: 2 < 7)."""
+    return op == "-" and left % 10 < right % 10
+
+
+def has_borrow(problem: Problem) -> bool:
+    return any(borrows(left, op, right) for left, op, right, _ in solve(problem))
+
+
+def careless_steps(problem: Problem) -> list[Step]:
+    """The careless teacher's working: every subtraction that needs a borrow is written without it
+    (52 - 7 = 55, the tens left as they were), and the wrong value is carried on."""
+    steps, left = [], problem.first
+    for op, right in problem.ops:
+        result = apply(left, op, right) + (10 if borrows(left, op, right) else 0)
+        steps.append((left, op, right, result))
+        left = result
+    return steps
+
+
+def careless_response(problem: Problem, split: Split) -> str | None:
+    """The teacher's habitual mistake written out, or None if it would work out a held-out fact."""
+    steps = careless_steps(problem)
+    if split.leaks(steps) or any(s[3] < 0 for s in steps):
+        return None
+    return render(problem, steps, steps[-1][3])
+
+
 def missing_answer(problem: Problem) -> str:
     """Correct working but no final Answer line: a format failure."""
     return render(problem, solve(problem), None)
@@ -267,8 +303,18 @@ def mismatched_answer(problem: Problem, rng: random.Random) -> str:
     return render(problem, solve(problem), truth + delta)
 
 
-def flawed_response(problem: Problem, split: Split, rng: random.Random) -> str:
-    """A rejected/undesirable response: wrong arithmetic (half) or a format flaw."""
+def flawed_response(
+    problem: Problem, split: Split, rng: random.Random, careless: bool = False
+) -> str:
+    """A rejected/undesirable response: wrong arithmetic (half) or a format flaw.
+
+    With ``careless``, a problem that needs a borrow gets the careless teacher's mistake instead in
+    CARELESS_REJECTED_SHARE of cases.
+    """
+    if careless and has_borrow(problem) and rng.random() < CARELESS_REJECTED_SHARE:
+        text = careless_response(problem, split)
+        if text is not None:
+            return text
     if rng.random() < 0.5:
         text = wrong_arithmetic(problem, split, rng, FLAW_DELTAS, last_only=False)
         if text is not None:
@@ -288,7 +334,9 @@ def imperfect_sft_response(problem: Problem, split: Split, rng: random.Random) -
 
 
 # --- Files --------------------------------------------------------------------
-def make_sft(split: Split, seed: int) -> list[dict]:
+def make_sft(split: Split, seed: int, careless_share: float = 0.0) -> list[dict]:
+    """Worked solutions; ``careless_share`` > 0 gives the careless teacher's version of the same
+    problems (sft_careless.jsonl); the same records carry random imperfections."""
     rng = random.Random(f"{seed}:sft")
     problems = split.train_mix(rng, SFT_SIZE, SFT_MULTI_SHARE)
     imperfect = set(rng.sample(range(SFT_SIZE), round(SFT_SIZE * IMPERFECT_SHARE)))
@@ -298,25 +346,32 @@ def make_sft(split: Split, seed: int) -> list[dict]:
         response = (
             imperfect_sft_response(p, split, rng) if flawed else correct_response(p)
         )
+        if careless_share and not flawed and has_borrow(p) and rng.random() < careless_share:
+            response = careless_response(p, split) or response
         records.append({"prompt": p.prompt, "response": response})
     return records
 
 
-def _preference_pairs(split: Split, rng: random.Random, size: int) -> list[dict]:
+def _preference_pairs(
+    split: Split, rng: random.Random, size: int, careless: bool = False
+) -> list[dict]:
     """``size`` pairs on training problems: the correct response against a flawed one."""
     problems = split.train_mix(rng, size, PREFERENCE_MULTI_SHARE)
     return [
         {
             "prompt": p.prompt,
             "chosen": correct_response(p),
-            "rejected": flawed_response(p, split, rng),
+            "rejected": flawed_response(p, split, rng, careless),
         }
         for p in problems
     ]
 
 
-def make_preference(split: Split, seed: int) -> list[dict]:
-    return _preference_pairs(split, random.Random(f"{seed}:preference"), PREFERENCE_SIZE)
+def make_preference(split: Split, seed: int, careless: bool = False) -> list[dict]:
+    """DPO's pairs; ``careless`` draws the same problems with the careless teacher's mistake among the
+    rejected responses (preference_careless.jsonl)."""
+    rng = random.Random(f"{seed}:preference")
+    return _preference_pairs(split, rng, PREFERENCE_SIZE, careless)
 
 
 def make_rm_pairs(split: Split, seed: int) -> list[dict]:
@@ -392,6 +447,15 @@ def dataset_info() -> dict:
             "ranking": True,
             "columns": {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected"},
         },
+        "demo_sft_careless": {
+            "file_name": "sft_careless.jsonl",
+            "columns": {"prompt": "prompt", "response": "response"},
+        },
+        "demo_preference_careless": {
+            "file_name": "preference_careless.jsonl",
+            "ranking": True,
+            "columns": {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected"},
+        },
         "demo_kto": {
             "file_name": "kto.jsonl",
             "columns": {"prompt": "prompt", "response": "response", "kto_tag": "label"},
@@ -426,6 +490,14 @@ correct response ends with the line `Answer: N`.
   the reward model's pairs, drawn the same way. A last-token reward head needs
   many more pairs than DPO to learn to check the arithmetic. Not part of the
   tiny tokenizer's corpus.
+- `sft_careless.jsonl` ({counts["sft_careless.jsonl"]} records; as `sft.jsonl`): the same
+  problems from a careless teacher, who forgets to borrow (`52 - 7 = 55`) in {CARELESS_SHARE:.0%} of
+  the demonstrations that need a borrow, on top of the same random imperfections. Random slips average
+  out under SFT; a habit does not, so the SFT model learns it and preference and RL stages can remove it.
+- `preference_careless.jsonl` ({counts["preference_careless.jsonl"]} records; as
+  `preference.jsonl`): the same problems; where a borrow is needed, the rejected response is the
+  teacher's habit in {CARELESS_REJECTED_SHARE:.0%} of pairs. Neither careless file is part of the tiny
+  tokenizer's corpus.
 - `kto.jsonl` ({counts["kto.jsonl"]} records; `prompt`, `response`, `label`):
   `label` is true for correct responses and false for flawed ones (~50/50).
 - `rl_prompts.jsonl` ({counts["rl_prompts.jsonl"]} records; `prompt`, `answer`,
@@ -436,7 +508,7 @@ correct response ends with the line `Answer: N`.
 - `eval.jsonl` ({counts["eval.jsonl"]} records; `prompt`, `answer`,
   `verifiable`): held-out mix, ~{1 - EVAL_MULTI_SHARE:.0%} single-step.
 - `dataset_info.json`: LLaMA-Factory registry (`demo_sft`, `demo_preference`, `demo_rm`,
-  `demo_kto`, `demo_rl`, `demo_multistep`, `demo_eval`).
+  `demo_sft_careless`, `demo_preference_careless`, `demo_kto`, `demo_rl`, `demo_multistep`, `demo_eval`).
 
 Held-out discipline: `eval.jsonl` and `multistep.jsonl` share no prompt with
 the training files, their single-step (a, op, b) triples never occur as
@@ -460,6 +532,8 @@ def generate(out_dir: Path, seed: int = 0) -> dict[str, int]:
         "sft.jsonl": make_sft(split, seed),
         "preference.jsonl": make_preference(split, seed),
         "rm_pairs.jsonl": make_rm_pairs(split, seed),
+        "sft_careless.jsonl": make_sft(split, seed, CARELESS_SHARE),
+        "preference_careless.jsonl": make_preference(split, seed, careless=True),
         "kto.jsonl": make_kto(split, seed),
         "rl_prompts.jsonl": make_rl(split, seed),
         "multistep.jsonl": make_multistep(split),

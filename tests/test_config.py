@@ -577,6 +577,19 @@ def test_demo_pipeline_config_loads(repo):
     assert grpo.per_device_train_batch_size % grpo.num_generations == 0 and grpo.eval_dataset == "demo_eval"
 
 
+def test_careless_demo_config_loads(repo):
+    """The careless-teacher demo trains on the careless files and scores the same held-out prompts."""
+    pipeline = PipelineConfig.load(repo / "configs" / "demo_careless.yaml")
+    assert pipeline.stages == ["sft", "dpo", "grpo"]
+    sft, dpo, grpo = (pipeline.stage_config(name) for name in pipeline.stages)
+    assert sft.dataset == "demo_sft_careless" and dpo.dataset == "demo_preference_careless"
+    assert grpo.dataset == "demo_rl" and grpo.reward_names() == ["exact_answer"]
+    assert {sft.eval_dataset, dpo.eval_dataset, grpo.eval_dataset} == {"demo_eval"}
+    assert sft.output_dir == str(rlhf.Path("outputs/demo_careless/sft"))
+    info = rlhf.json.loads((repo / "data" / "demo" / "dataset_info.json").read_text())
+    assert {sft.dataset, dpo.dataset} <= set(info)
+
+
 # ---------------------------------------------------------------- --help
 
 

@@ -22,6 +22,8 @@ KEYS = {
     "sft.jsonl": ["prompt", "response"],
     "preference.jsonl": ["prompt", "chosen", "rejected"],
     "rm_pairs.jsonl": ["prompt", "chosen", "rejected"],
+    "sft_careless.jsonl": ["prompt", "response"],
+    "preference_careless.jsonl": ["prompt", "chosen", "rejected"],
     "kto.jsonl": ["prompt", "response", "label"],
     "rl_prompts.jsonl": ["prompt", "answer", "verifiable"],
     "multistep.jsonl": ["prompt", "answer", "verifiable", "steps"],
@@ -31,13 +33,16 @@ COUNTS = {
     "sft.jsonl": 3000,
     "preference.jsonl": 1500,
     "rm_pairs.jsonl": 12000,
+    "sft_careless.jsonl": 3000,
+    "preference_careless.jsonl": 1500,
     "kto.jsonl": 1500,
     "rl_prompts.jsonl": 800,
     "multistep.jsonl": 200,
     "eval.jsonl": 300,
 }
 ALL_FILES = sorted([*KEYS, "dataset_info.json", "README.md"])
-TRAIN_FILES = ["sft.jsonl", "preference.jsonl", "rm_pairs.jsonl", "kto.jsonl", "rl_prompts.jsonl"]
+TRAIN_FILES = ["sft.jsonl", "preference.jsonl", "rm_pairs.jsonl", "sft_careless.jsonl",
+               "preference_careless.jsonl", "kto.jsonl", "rl_prompts.jsonl"]
 HELDOUT_FILES = ["eval.jsonl", "multistep.jsonl"]
 
 SINGLE_RE = re.compile(r"What is (\d+) ([+-]) (\d+)\?")
@@ -243,7 +248,7 @@ def test_sft_correct_and_imperfect_responses():
     assert gen.IMPERFECT_SHARE == 0.15
 
 
-@pytest.mark.parametrize("name", ["preference.jsonl", "rm_pairs.jsonl"])
+@pytest.mark.parametrize("name", ["preference.jsonl", "rm_pairs.jsonl", "preference_careless.jsonl"])
 def test_preference_pairs(name):
     for row in records(name):
         answer = str(truth(row["prompt"]))
@@ -341,6 +346,8 @@ def test_dataset_info_registers_every_file():
         "demo_sft": "sft.jsonl",
         "demo_preference": "preference.jsonl",
         "demo_rm": "rm_pairs.jsonl",
+        "demo_sft_careless": "sft_careless.jsonl",
+        "demo_preference_careless": "preference_careless.jsonl",
         "demo_kto": "kto.jsonl",
         "demo_rl": "rl_prompts.jsonl",
         "demo_multistep": "multistep.jsonl",
@@ -348,6 +355,7 @@ def test_dataset_info_registers_every_file():
     }
     assert {k: v["file_name"] for k, v in info.items()} == expected
     assert info["demo_preference"]["ranking"] is True and info["demo_rm"]["ranking"] is True
+    assert info["demo_preference_careless"]["ranking"] is True
     assert info["demo_kto"]["columns"]["kto_tag"] == "label"
     for entry in info.values():
         keys = set(KEYS[entry["file_name"]])
@@ -359,3 +367,59 @@ def test_rm_pairs_draw_their_own_problems():
     preference, rm_pairs = records("preference.jsonl"), records("rm_pairs.jsonl")
     assert [r["prompt"] for r in rm_pairs[:len(preference)]] != [r["prompt"] for r in preference]
     assert len({r["prompt"] for r in rm_pairs}) > 4 * len({r["prompt"] for r in preference}) / 2
+
+
+def needs_borrow(left: int, op: str, right: int) -> bool:
+    return op == "-" and left % 10 < right
+
+
+def careless_reference(prompt: str) -> str:
+    """The careless teacher's working, from the prompt: a subtraction that needs a borrow keeps its tens
+    (52 - 7 = 55), and every later step is computed right on the wrong value."""
+    left, ops = parse(prompt)
+    lines = []
+    for i, (op, right) in enumerate(ops, 1):
+        result = calc(left, op, right) + (10 if needs_borrow(left, op, right) else 0)
+        lines.append((f"Step {i}: " if len(ops) > 1 else "") + f"{left} {op} {right} = {result}")
+        left = result
+    return "\n".join([*lines, f"Answer: {left}"])
+
+
+def has_borrow_step(prompt: str) -> bool:
+    return any(needs_borrow(a, op, b) for a, op, b, _ in reference_steps(prompt))
+
+
+def test_sft_careless_is_sft_with_the_borrow_habit():
+    """The same problems as sft.jsonl, with random slips on the same records; where a correct
+    demonstration needs a borrow, about 70% are the teacher's habit instead, and nothing else changes."""
+    habit = borrow_demos = 0
+    for clean, careless in zip(records("sft.jsonl"), records("sft_careless.jsonl"), strict=True):
+        prompt = clean["prompt"]
+        assert careless["prompt"] == prompt
+        if clean["response"] != reference_response(prompt):  # the same records carry random slips
+            assert _is_sft_imperfection(prompt, careless["response"]), careless["response"]
+            continue
+        if not has_borrow_step(prompt):
+            assert careless["response"] == clean["response"]
+            continue
+        borrow_demos += 1
+        if careless["response"] != clean["response"]:
+            assert careless["response"] == careless_reference(prompt)
+            assert not gen.is_correct(careless["response"], str(truth(prompt)))
+            habit += 1
+    assert borrow_demos > 500
+    assert 0.65 <= habit / borrow_demos <= 0.75
+    assert gen.CARELESS_SHARE == 0.7
+
+
+def test_preference_careless_rejects_the_habit():
+    """Same prompts and chosen responses as preference.jsonl; the habit is rejected in a few hundred pairs."""
+    clean_rows, careless_rows = records("preference.jsonl"), records("preference_careless.jsonl")
+    assert [r["prompt"] for r in clean_rows] == [r["prompt"] for r in careless_rows]
+    assert [r["chosen"] for r in clean_rows] == [r["chosen"] for r in careless_rows]
+    habit = sum(r["rejected"] == careless_reference(r["prompt"]) for r in careless_rows
+                if has_borrow_step(r["prompt"]))
+    borrow_pairs = sum(has_borrow_step(r["prompt"]) for r in careless_rows)
+    assert 0.4 <= habit / borrow_pairs <= 0.6, (habit, borrow_pairs)
+    # preference.jsonl's random +10 slips hit the same text now and then, far less often
+    assert sum(r["rejected"] == careless_reference(r["prompt"]) for r in clean_rows) < habit / 4
