@@ -111,4 +111,8 @@ def test_held_out_evaluation_is_split_across_processes(tmp_path, tiny_model_dir)
         for a, b in zip(evals_one, evals_two):
             assert a.keys() == b.keys()
             for key in a:
-                assert abs(a[key] - b[key]) <= 1e-6 + 2e-5 * abs(a[key]), f"{stage} {key}: {a[key]!r} vs {b[key]!r}"
+                # An accuracy counts pairs whose margin is at rounding level at this lr, so the other reduction
+                # order may flip one of the 24 (seen on one machine: 13/24 against 14/24); the margins, rewards
+                # and losses beside it are compared tightly, and a wrong split would move those
+                tolerance = 1 / 24 + 1e-6 if key.endswith(("accuracy", "accuracies")) else 1e-6 + 2e-5 * abs(a[key])
+                assert abs(a[key] - b[key]) <= tolerance, f"{stage} {key}: {a[key]!r} vs {b[key]!r}"
