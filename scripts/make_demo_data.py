@@ -492,7 +492,7 @@ correct response ends with the line `Answer: N`.
   tiny tokenizer's corpus.
 - `sft_careless.jsonl` ({counts["sft_careless.jsonl"]} records; as `sft.jsonl`): the same
   problems from a careless teacher, who forgets to borrow (`52 - 7 = 55`) in {CARELESS_SHARE:.0%} of
-  the demonstrations that need a borrow, on top of the same random imperfections. Random slips average
+  the demonstrations that need a borrow; the same records as in `sft.jsonl` carry random slips. Random slips average
   out under SFT; a habit does not, so the SFT model learns it and preference and RL stages can remove it.
 - `preference_careless.jsonl` ({counts["preference_careless.jsonl"]} records; as
   `preference.jsonl`): the same problems; where a borrow is needed, the rejected response is the
