@@ -432,30 +432,20 @@ def make_multistep(split: Split) -> list[dict]:
 def dataset_info() -> dict:
     """LLaMA-Factory ``dataset_info.json`` entries (alpaca-style column names)."""
     answer_columns = {"prompt": "prompt", "answer": "answer"}
+
+    def sft(file_name: str) -> dict:
+        return {"file_name": file_name, "columns": {"prompt": "prompt", "response": "response"}}
+
+    def pairs(file_name: str) -> dict:
+        columns = {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected"}
+        return {"file_name": file_name, "ranking": True, "columns": columns}
+
     return {
-        "demo_sft": {
-            "file_name": "sft.jsonl",
-            "columns": {"prompt": "prompt", "response": "response"},
-        },
-        "demo_preference": {
-            "file_name": "preference.jsonl",
-            "ranking": True,
-            "columns": {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected"},
-        },
-        "demo_rm": {
-            "file_name": "rm_pairs.jsonl",
-            "ranking": True,
-            "columns": {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected"},
-        },
-        "demo_sft_careless": {
-            "file_name": "sft_careless.jsonl",
-            "columns": {"prompt": "prompt", "response": "response"},
-        },
-        "demo_preference_careless": {
-            "file_name": "preference_careless.jsonl",
-            "ranking": True,
-            "columns": {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected"},
-        },
+        "demo_sft": sft("sft.jsonl"),
+        "demo_preference": pairs("preference.jsonl"),
+        "demo_rm": pairs("rm_pairs.jsonl"),
+        "demo_sft_careless": sft("sft_careless.jsonl"),
+        "demo_preference_careless": pairs("preference_careless.jsonl"),
         "demo_kto": {
             "file_name": "kto.jsonl",
             "columns": {"prompt": "prompt", "response": "response", "kto_tag": "label"},
