@@ -1,0 +1,108 @@
+"""Where the careless-teacher demo's accuracy goes: held-out exact match of each policy, split by whether
+the problem needs a borrow, and how many greedy answers are the teacher's habit (the forgotten borrow).
+
+    python rlhf.py pipeline --config configs/demo_careless.yaml      # once: outputs/demo_careless/{sft,dpo,grpo}
+    python bench/careless_breakdown.py                               # those three policies
+    python bench/careless_breakdown.py --policies outputs/demo_careless/sft,outputs/grpo --sample-temperature 0.6
+
+Greedy answers to data/demo/eval.jsonl (300 prompts whose facts no training file works out), through the
+same generation path as the pipeline's evaluation. A problem "needs a borrow" when one of its subtractions
+takes more units than the minuend has (52 - 7); the habit answer is the result of working every such step
+without the borrow (52 - 7 = 55), as scripts/make_demo_data.py writes the careless demonstrations. With
+``--sample-temperature``, each policy also draws ``--samples`` answers per borrow problem at that
+temperature: the per-sample accuracy and the share of problems where any sample is right are what GRPO's
+groups can learn from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+import torch
+from tables import print_table  # bench/tables.py (the script's folder is on sys.path)
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import rlhf  # noqa: E402
+
+sys.path.insert(0, str(REPO / "scripts"))
+import make_demo_data as demo  # noqa: E402
+
+CLASSES = ("1-step", "1-step borrow", "multi", "multi borrow")
+
+
+def problem_of(prompt: str) -> demo.Problem:
+    numbers = re.findall(r"[+-]|\d+", prompt)
+    return demo.Problem(int(numbers[0]), tuple((numbers[i], int(numbers[i + 1])) for i in range(1, len(numbers), 2)))
+
+
+def class_of(problem: demo.Problem) -> str:
+    return ("multi" if problem.is_multi else "1-step") + (" borrow" if demo.has_borrow(problem) else "")
+
+
+def answers(policy: rlhf.PolicyModel, formatter: rlhf.ChatFormatter, records: list[dict], **sampling) -> list[str | None]:
+    completions = policy.generate([formatter.prompt_ids(r) for r in records], max_new_tokens=64,
+                                  stop_token_ids=formatter.stop_token_ids, batch_size=100, **sampling)
+    return [rlhf.extract_answer(policy.decode(ids)) for ids in completions]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--policies", default="outputs/demo_careless/sft,outputs/demo_careless/dpo,"
+                        "outputs/demo_careless/grpo", help="comma-separated policy directories")
+    parser.add_argument("--eval", default=str(REPO / "data/demo/eval.jsonl"), help="held-out prompts with answers")
+    parser.add_argument("--sample-temperature", type=float, default=0.0,
+                        help="also sample the borrow problems at this temperature (default 0: greedy only)")
+    parser.add_argument("--samples", type=int, default=8, help="samples per borrow problem (default 8)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    paths = args.policies.split(",")
+    for path in paths:
+        if not (Path(path) / "config.json").is_file():
+            parser.error(f"--policies: {path} holds no saved model; run "
+                         f"`python rlhf.py pipeline --config configs/demo_careless.yaml` first")
+    if args.sample_temperature < 0 or args.samples < 1:
+        parser.error("--sample-temperature must be >= 0 and --samples >= 1")
+
+    records = rlhf.load_records(args.eval, REPO / "data/demo", "prompt")  # file:line errors, as every stage gives
+    problems = [problem_of(r["messages"][0]["content"]) for r in records]
+    classes = [class_of(p) for p in problems]
+    habits = [str(demo.careless_steps(p)[-1][3]) if demo.has_borrow(p) else None for p in problems]
+    borrow = [r for r, p in zip(records, problems) if demo.has_borrow(p)]
+    headers = ["policy", "held-out", *(f"{c} ({classes.count(c)})" for c in CLASSES), "habit"]
+    if args.sample_temperature:
+        headers += [f"borrow T {args.sample_temperature}", f"any of {args.samples}"]
+    rows = []
+    for path in paths:
+        policy = rlhf.PolicyModel.from_pretrained(path)
+        policy.model.eval()
+        formatter = rlhf.ChatFormatter(policy.tokenizer, "auto")
+        greedy = answers(policy, formatter, records)
+        right = [a == r["answer"] for a, r in zip(greedy, records)]
+        row = [path, f"{sum(right) / len(right):.1%}"]
+        for name in CLASSES:
+            hits = [ok for ok, c in zip(right, classes) if c == name]
+            row.append(f"{sum(hits) / len(hits):.1%}")
+        row.append(str(sum(a is not None and a == h for a, h in zip(greedy, habits))))
+        if args.sample_temperature:
+            torch.manual_seed(args.seed)
+            repeated = [r for r in borrow for _ in range(args.samples)]
+            sampled = answers(policy, formatter, repeated, do_sample=True, temperature=args.sample_temperature)
+            hits = [a == r["answer"] for a, r in zip(sampled, repeated)]
+            groups = [hits[i:i + args.samples] for i in range(0, len(hits), args.samples)]
+            row += [f"{sum(hits) / len(hits):.1%}", f"{sum(map(any, groups)) / len(groups):.1%}"]
+        rows.append(row)
+    print_table(headers, rows, f"Held-out exact match by problem kind, {len(records)} prompts ({len(borrow)} need a borrow); "
+                "habit: greedy answers that are the forgotten borrow; borrow T / any of: sampled answers to the "
+                "borrow problems right, per sample / per problem", min_width=160)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
