@@ -70,7 +70,10 @@ def main() -> int:
     if args.sample_temperature < 0 or args.samples < 1:
         parser.error("--sample-temperature must be >= 0 and --samples >= 1")
 
-    records = rlhf.load_records(args.eval, REPO / "data/demo", "prompt")  # file:line errors, as every stage gives
+    try:
+        records = rlhf.load_records(args.eval, REPO / "data/demo", "prompt")
+    except rlhf.RLHFInputError as error:  # a missing file or a bad record: its file:line, in one line
+        parser.error(f"--eval: {error}")
     problems = [problem_of(r["messages"][0]["content"]) for r in records]
     classes = [class_of(p) for p in problems]
     habits = [str(demo.careless_steps(p)[-1][3]) if demo.has_borrow(p) else None for p in problems]
