@@ -7,7 +7,7 @@ compute built on it: Best-of-N, speculative decoding, MCTS over reasoning steps,
 and confidence-based stopping.
 
 Public names: select_attention_implementation, OptimizedAttention, SamplingParams, GenerationOutput, generate,
-GENERATION_ENGINES, PagedKVCache,
+GENERATION_ENGINES, cache_argument, returned_cache, PagedKVCache,
 chat_prompt_ids, chat_completion_ids, stop_token_ids, RewardModelScorer, BestOfNResult, BestOfNSampler,
 SpeculativeOutput, SpeculativeDecoder, MCTSNode, MCTSResult, puct_score, MCTSGenerator, answer_agreement, beta_majority_confidence, ConfidenceBasedStopping,
 AdaptiveComputeAllocator, main
@@ -125,6 +125,26 @@ def _combined_mask(attention_mask: torch.Tensor | None, is_causal: bool, q_len: 
 # -- generation engine -----------------------------------------------------------------------------------
 
 RECURRENT_MODEL_TYPES = ("mamba", "mamba2", "rwkv")  # no per-position KV cache: recompute the sequence each step
+_CACHE_KEYWORDS: dict[type, str] = {}
+
+
+def cache_argument(model: torch.nn.Module, cache) -> dict:
+    """``cache`` as the keyword argument ``model``'s forward takes it by. transformers 5.24 renamed
+    ``past_key_values`` to ``cache`` (the old name warns, and goes in 5.40); older releases and custom models
+    know only the old name. A PEFT wrapper passes it through to the model it wraps, which decides."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    kind = type(base)
+    if kind not in _CACHE_KEYWORDS:
+        _CACHE_KEYWORDS[kind] = "cache" if "cache" in inspect.signature(kind.forward).parameters else "past_key_values"
+    return {_CACHE_KEYWORDS[kind]: cache}
+
+
+def returned_cache(output):
+    """The KV cache a forward returned, under the name of either transformers release line."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else output.past_key_values
+
+
 
 
 @dataclass
@@ -201,7 +221,7 @@ def _generate_eager(model: torch.nn.Module, prompts: list[list[int]], params: Sa
     else:  # prefill each distinct prompt once, then share its cache among the n samples
         out = model(input_ids=ids[::params.n], attention_mask=mask[::params.n], position_ids=positions[::params.n],
                     use_cache=True)
-        cache = out.past_key_values
+        cache = returned_cache(out)
         if params.n > 1:
             cache.batch_repeat_interleave(params.n)
         logits = out.logits[:, -1].repeat_interleave(params.n, 0)
@@ -238,7 +258,7 @@ def _generate_eager(model: torch.nn.Module, prompts: list[list[int]], params: Sa
             logits = model(input_ids=ids, attention_mask=mask).logits[:, -1]
         else:
             logits = model(input_ids=chosen[:, None], attention_mask=mask, position_ids=next_position[:, None],
-                           past_key_values=cache, use_cache=True).logits[:, -1]
+                           **cache_argument(model, cache), use_cache=True).logits[:, -1]
         next_position = next_position + 1
     counts = lengths.tolist()
     token_lists = [row[:count] for row, count in zip(tokens.tolist(), counts)]
@@ -374,7 +394,7 @@ def _decode_step(model, token, position, mask, cache, temperature, uniform, done
                  top_k: int, top_p: float):
     """Feed one token per row through the static cache and sample the next: fixed shapes, no host sync."""
     logits = model(input_ids=token[:, None], attention_mask=mask, position_ids=position[:, None],
-                   past_key_values=cache, use_cache=True).logits[:, -1]
+                   **cache_argument(model, cache), use_cache=True).logits[:, -1]
     chosen, logprob, done = _sample(logits, temperature, uniform, done, stop_ids, pad_token_id, top_k, top_p)
     return chosen, logprob, done, position + 1
 
@@ -431,7 +451,7 @@ def _prefill(model: torch.nn.Module, prompts: list[list[int]], pad_token_id: int
     positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
     extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     if cache is not None:
-        extra["past_key_values"] = cache
+        extra.update(cache_argument(model, cache))
     out = model(input_ids=ids, attention_mask=prompt_mask, position_ids=positions, use_cache=True, **extra)
     return out, prompt_mask, positions, width
 
@@ -475,12 +495,12 @@ def _generate_static(model: torch.nn.Module, prompts: list[list[int]], params: S
     device = next(model.parameters()).device
     n, steps = params.n, params.max_new_tokens
     out, prompt_mask, positions, width = _prefill(model, prompts, pad_token_id)
-    prefilled = getattr(out.past_key_values, "layers", None)
+    prefilled = getattr(returned_cache(out), "layers", None)
     cache_len = key[1]
     cache = _static_cache(model.config, cache_len)
     if not prefilled or len(prefilled) != len(cache.layers) \
             or any(getattr(layer, "keys", None) is None or layer.keys.dim() != 4 for layer in prefilled):
-        raise _FallBack(f"{type(out.past_key_values).__name__} layers do not map onto a StaticCache")
+        raise _FallBack(f"{type(returned_cache(out)).__name__} layers do not map onto a StaticCache")
     for static, dynamic in zip(cache.layers, prefilled):  # share the prefill among the n samples
         keys, values = dynamic.keys.repeat_interleave(n, 0), dynamic.values.repeat_interleave(n, 0)
         static.lazy_initialization(keys, values)
@@ -822,7 +842,7 @@ def _paged_view(paged: PagedKVCache, table: torch.Tensor, blocks: torch.Tensor, 
         def __init__(self) -> None:
             super().__init__(layers=[])
 
-        def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        def update(self, key_states, value_states, layer_idx, cache_kwargs=None, **kwargs):  # 5.24 passes kwargs=
             paged.keys[layer_idx, blocks, :, offsets] = key_states[:, :, 0].to(paged.keys.dtype)
             paged.values[layer_idx, blocks, :, offsets] = value_states[:, :, 0].to(paged.values.dtype)
             return paged.gather(layer_idx, table)
@@ -845,7 +865,7 @@ def _generate_paged(model: torch.nn.Module, prompts: list[list[int]], params: Sa
     device = next(model.parameters()).device
     n, steps = params.n, params.max_new_tokens
     out, _, _, width = _prefill(model, prompts, pad_token_id, DynamicCache(config=model.config))
-    layers = out.past_key_values.layers
+    layers = returned_cache(out).layers
     row_seq: list[int] = []
     for i, prompt in enumerate(prompts):  # the prompt's real (unpadded) positions go into blocks once
         seq = paged.new_sequence()
@@ -894,7 +914,7 @@ def _generate_paged(model: torch.nn.Module, prompts: list[list[int]], params: Sa
             view = _paged_view(paged, table, torch.tensor([b for b, _ in slots], device=device),
                                torch.tensor([o for _, o in slots], device=device))
             logits = model(input_ids=chosen[:, None], attention_mask=mask, position_ids=lengths[:, None],
-                           past_key_values=view, use_cache=True).logits[:, -1]
+                           **cache_argument(model, view), use_cache=True).logits[:, -1]
             for seq in seqs:
                 paged.commit(seq)
             paged._note_peak()
@@ -1242,7 +1262,7 @@ class SpeculativeDecoder:
     def _feed(model: torch.nn.Module, cache, tokens: list[int]) -> torch.Tensor:
         """Run ``tokens`` through ``model`` on top of ``cache``; logits of every fed position, float32 (T, V)."""
         ids = torch.tensor([tokens], device=next(model.parameters()).device)
-        return model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0].float()
+        return model(input_ids=ids, **cache_argument(model, cache), use_cache=True).logits[0].float()
 
     def _adapt(self, accepted: int, proposed: int) -> None:
         if not self.adaptive:
@@ -1391,14 +1411,14 @@ def _rewind(cache, length: int) -> None:
 
 
 def _feed_static(model, ids: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
-    return model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True).logits
+    return model(input_ids=ids, position_ids=positions, **cache_argument(model, cache), use_cache=True).logits
 
 
 def _draft_round(model, token: torch.Tensor, position: torch.Tensor, cache, k: int) -> torch.Tensor:
     """k greedy draft steps in one function (one graph when compiled): (1,) token -> (k,) proposals."""
     proposals = []
     for _ in range(k):
-        logits = model(input_ids=token.view(1, 1), position_ids=position.view(1, 1), past_key_values=cache,
+        logits = model(input_ids=token.view(1, 1), position_ids=position.view(1, 1), **cache_argument(model, cache),
                        use_cache=True).logits[0, -1]
         token, position = logits.argmax(-1).view(1), position + 1
         proposals.append(token)
@@ -1407,7 +1427,7 @@ def _draft_round(model, token: torch.Tensor, position: torch.Tensor, cache, k: i
 
 def _verify_static(model, ids: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
     """The target's greedy next token after every fed position: (1, k + 1) ids -> (k + 1,)."""
-    return model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True).logits[0].argmax(-1)
+    return model(input_ids=ids, position_ids=positions, **cache_argument(model, cache), use_cache=True).logits[0].argmax(-1)
 
 
 # -- MCTS over reasoning steps --------------------------------------------------------------------------------

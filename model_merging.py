@@ -54,6 +54,7 @@ import dataclasses
 import difflib
 import functools
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -2215,7 +2216,7 @@ class EnsemblePolicy:
     from ``softmax(mean_logprobs / temperature)``. ``majority_vote`` lets every member answer on its
     own and returns the most voted final answer (self-consistency across models, Wang et al. 2023,
     "Self-Consistency Improves Chain of Thought Reasoning in Language Models"). Members are Hugging
-    Face causal LMs accepting ``attention_mask``, ``position_ids`` and ``past_key_values``.
+    Face causal LMs accepting ``attention_mask``, ``position_ids`` and a KV cache (``cache``; ``past_key_values`` before transformers 5.24).
     """
 
     def __init__(self, models: Sequence[torch.nn.Module], tokenizer: Any = None,
@@ -2255,9 +2256,12 @@ class EnsemblePolicy:
         """The weighted mean of the members' log-softmax at the last position, (B, V) float32."""
         total = None
         for slot, index in enumerate(members):
-            out = self.models[index](input_ids=ids, attention_mask=mask, position_ids=positions,
-                                     past_key_values=caches[slot], use_cache=True)
-            caches[slot] = out.past_key_values
+            model = self.models[index]
+            # transformers 5.24 renamed past_key_values to cache (the old name warns, and goes in 5.40)
+            keyword = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                        **{keyword: caches[slot]})
+            caches[slot] = getattr(out, keyword)
             logprobs = torch.log_softmax(out.logits[:, -1, :].float(), dim=-1)
             if total is not None and logprobs.shape[-1] != total.shape[-1]:
                 raise MergeError(f"members[{index}] scores {logprobs.shape[-1]} tokens, members[{members[0]}] "

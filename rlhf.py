@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inference_optimizations import select_attention_implementation
+from inference_optimizations import cache_argument, returned_cache, select_attention_implementation
 
 __version__ = "0.1.0"
 logger = logging.getLogger("rlhf")
@@ -4172,7 +4172,7 @@ def shared_prefix_log_probs(model: nn.Module, batch: PreferenceBatch) -> tuple[t
     completion_ids, completion_mask = batch["completion_input_ids"], batch["completion_attention_mask"]
     pairs = prompt_ids.shape[0]
     prompt_out = _prefill_prompts(model, prompt_ids, prompt_mask)
-    cache = prompt_out.past_key_values
+    cache = returned_cache(prompt_out)
     cache.batch_repeat_interleave(2)  # rows p1, p1, p2, p2 ...: chosen and rejected of pair i follow each other
     order = torch.stack([torch.arange(pairs), torch.arange(pairs) + pairs], 1).reshape(-1).to(completion_ids.device)
     ids, mask = completion_ids[order], completion_mask[order]  # (2B, C) interleaved
@@ -4180,7 +4180,7 @@ def shared_prefix_log_probs(model: nn.Module, batch: PreferenceBatch) -> tuple[t
     longest = int((prompt_lengths + mask.sum(-1)).max())  # padding slots stay inside the longest row's positions
     positions = (prompt_lengths[:, None] + torch.arange(ids.shape[1], device=ids.device)).clamp(max=longest - 1)
     attention = torch.cat([prompt_mask.repeat_interleave(2, 0), mask], 1)
-    logits = model(input_ids=ids, attention_mask=attention, position_ids=positions, past_key_values=cache,
+    logits = model(input_ids=ids, attention_mask=attention, position_ids=positions, **cache_argument(model, cache),
                    use_cache=True).logits  # (2B, C, V): position t predicts completion token t+1
     logits = torch.cat([prompt_out.logits[:, -1:].repeat_interleave(2, 0), logits[:, :-1]], 1)  # predicts token t
     per_token = token_log_probs(logits, ids) * mask
@@ -4315,7 +4315,7 @@ def grouped_prefix_logits(model: nn.Module, input_ids: torch.Tensor, attention_m
     prompt_mask = (source >= 0).long()
     prompt_ids = input_ids[firsts].gather(1, source.clamp(min=0))  # padding columns repeat token 0, masked
     prompt_out = _prefill_prompts(model, prompt_ids, prompt_mask)
-    cache = prompt_out.past_key_values
+    cache = returned_cache(prompt_out)
     cache.batch_select_indices(group)  # differentiable indexing: gradients of every row reach its prompt
     completion_width = max(1, int((attention_mask.sum(-1) - prompt_lengths).max()))
     offsets = prompt_lengths[:, None] + torch.arange(completion_width, device=device)  # (N, C) columns of the rows
@@ -4324,7 +4324,7 @@ def grouped_prefix_logits(model: nn.Module, input_ids: torch.Tensor, attention_m
     completion_ids = input_ids.gather(1, inside)
     completion_mask = attention_mask.gather(1, inside) * (offsets < width)
     logits = model(input_ids=completion_ids, attention_mask=torch.cat([prompt_mask[group], completion_mask], 1),
-                   position_ids=inside, past_key_values=cache, use_cache=True).logits  # (N, C, V)
+                   position_ids=inside, **cache_argument(model, cache), use_cache=True).logits  # (N, C, V)
     logits = torch.cat([prompt_out.logits[:, -1:][group], logits[:, :-1]], 1)  # column j predicts completion token j
     back = (columns[:-1] + 1 - prompt_lengths[:, None]).clamp(0, completion_width - 1)  # (N, T-1)
     return logits.gather(1, back[..., None].expand(-1, -1, logits.shape[-1]))

@@ -194,13 +194,13 @@ class Runner:
         from transformers import DynamicCache
 
         cache, tokens = DynamicCache(), []
-        logits = self.target(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True).logits[0, -1]
+        logits = self.target(input_ids=torch.tensor([prompt]), **io.cache_argument(self.target, cache), use_cache=True).logits[0, -1]
         while True:
             token = int(logits.argmax())
             tokens.append(token)
             if token in self.stops or len(tokens) == self.args.new_tokens:
                 return tokens, {"target_forwards": len(tokens)}
-            logits = self.target(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits[0, -1]
+            logits = self.target(input_ids=torch.tensor([[token]]), **io.cache_argument(self.target, cache), use_cache=True).logits[0, -1]
 
     def _ours(self, prompt: list[int], engine: str) -> tuple[list[int], dict]:
         params = io.SamplingParams(max_new_tokens=self.args.new_tokens, temperature=0.0, do_sample=False,
@@ -275,11 +275,11 @@ def forward_profile(target, draft, prompt: list[int], ks: list[int], calls: int 
 
     def timed(model, new: int, key: str) -> None:
         cache = DynamicCache()
-        model(input_ids=torch.tensor([context]), past_key_values=cache, use_cache=True)
+        model(input_ids=torch.tensor([context]), **io.cache_argument(model, cache), use_cache=True)
         ids, times, crops = torch.tensor([[prompt[-1]] * new]), [], []
         for _ in range(calls):
             start = time.perf_counter()
-            model(input_ids=ids, past_key_values=cache, use_cache=True)
+            model(input_ids=ids, **io.cache_argument(model, cache), use_cache=True)
             times.append(time.perf_counter() - start)
             start = time.perf_counter()
             cache.crop(-new)
