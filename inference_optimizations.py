@@ -1,12 +1,13 @@
 """Inference-time machinery for any Hugging Face causal LM; imports torch and transformers only.
 
 This module never imports ``rlhf``: rewards, process rewards and values come in as plain callables,
-so it is usable on its own. It holds the attention-backend choice shared with training, the
+so it is usable on its own. It holds what training shares with it (the CPU kernel pinning that makes runs
+repeatable across x86 machines, the attention-backend choice), the
 generation engine (batched sampling over a static, dynamic or paged KV cache), and the inference-time
 compute built on it: Best-of-N, speculative decoding, MCTS over reasoning steps, adaptive allocation
 and confidence-based stopping.
 
-Public names: select_attention_implementation, OptimizedAttention, SamplingParams, GenerationOutput, generate,
+Public names: pin_cpu_kernels, select_attention_implementation, OptimizedAttention, SamplingParams, GenerationOutput, generate,
 GENERATION_ENGINES, cache_argument, returned_cache, PagedKVCache,
 chat_prompt_ids, chat_completion_ids, stop_token_ids, RewardModelScorer, BestOfNResult, BestOfNSampler,
 SpeculativeOutput, SpeculativeDecoder, MCTSNode, MCTSResult, puct_score, MCTSGenerator, answer_agreement, beta_majority_confidence, ConfidenceBasedStopping,
@@ -49,6 +50,33 @@ def flash_attention_available(device: torch.device | str) -> tuple[bool, str]:
     if major < 8:
         return False, "flash_attention_2 needs an Ampere or newer GPU"
     return True, "flash-attn is installed and the GPU supports it"
+
+
+# The x86 code paths that CPU numerics depend on: ATen's vectorised kernels (softmax, norms, reductions, the
+# optimizer) and MKL's / oneDNN's matrix multiplies. Each picks the widest instructions the CPU has, and AVX-512
+# rounds differently from AVX2, so one seed gave the demo SFT 93.7% on an AVX-512 machine and 63.7% on another.
+CPU_KERNEL_SETTINGS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def pin_cpu_kernels() -> str | None:
+    """Make CPU results the same on every x86-64 machine with AVX2 (2013 on): run ATen's kernels and MKL's and
+    oneDNN's matrix code on their AVX2 paths (MKL's conditional numerical reproducibility, ``MKL_CBWR``) even
+    where AVX-512 is there. A setting the user already exported wins. It takes effect only before this process
+    runs its first torch operation, so the CLI calls it first thing; ``RLHF_CPU_KERNELS=native`` skips it.
+    Results also depend on the thread count (OMP_NUM_THREADS). On the demo's tiny model the AVX2 path ran as fast.
+    Returns the capability ATen now uses, or None where nothing was pinned (not x86, or native)."""
+    import platform
+
+    if os.environ.get("RLHF_CPU_KERNELS", "avx2").lower() == "native":
+        return None
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None  # one code path per op on ARM: nothing to pin
+    for name, value in CPU_KERNEL_SETTINGS.items():
+        os.environ.setdefault(name, value)
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability != os.environ["ATEN_CPU_CAPABILITY"].upper():
+        logger.debug("CPU kernels run %s: this process chose them before pin_cpu_kernels ran", capability)
+    return capability
 
 
 def select_attention_implementation(requested: str = "auto", device: torch.device | str = "cpu") -> tuple[str, str]:
@@ -143,8 +171,6 @@ def returned_cache(output):
     """The KV cache a forward returned, under the name of either transformers release line."""
     cache = getattr(output, "cache", None)
     return cache if cache is not None else output.past_key_values
-
-
 
 
 @dataclass
@@ -1078,9 +1104,11 @@ class RewardModelScorer:
     (``RewardModel.save_pretrained``: a causal LM in Hugging Face layout, ``reward_head.safetensors``
     and ``reward_config.json``) or any single-label ``AutoModelForSequenceClassification``. The
     (prompt, response) pair is rendered with the tokenizer's chat template and scored at its last
-    token, exactly as rlhf trained it. A LoRA reward model needs ``peft`` installed."""
+    token, exactly as rlhf trained it. A LoRA reward model needs ``peft`` installed. An ensemble
+    directory (``ensemble.json`` listing member directories, as rlhf's rm stage writes it with
+    ``ensemble_size`` > 1) scores by its members' mean, as rlhf's ``RewardEnsemble`` does."""
 
-    HEAD_FILE, CONFIG_FILE = "reward_head.safetensors", "reward_config.json"
+    HEAD_FILE, CONFIG_FILE, ENSEMBLE_FILE = "reward_head.safetensors", "reward_config.json", "ensemble.json"
 
     def __init__(self, directory: str | Path, *, device: torch.device | str = "cpu", batch_size: int = 32,
                  system: str | None = None) -> None:
@@ -1088,6 +1116,13 @@ class RewardModelScorer:
 
         directory = Path(directory)
         self.device, self.batch_size, self.system = torch.device(device), batch_size, system
+        self.members: list[RewardModelScorer] = []
+        if (directory / self.ENSEMBLE_FILE).exists():
+            names = json.loads((directory / self.ENSEMBLE_FILE).read_text())["members"]
+            self.members = [RewardModelScorer(directory / name, device=device, batch_size=batch_size, system=system)
+                            for name in names]
+            self.tokenizer = self.members[0].tokenizer
+            return
         self.tokenizer = AutoTokenizer.from_pretrained(directory)
         if (directory / self.CONFIG_FILE).exists():
             trained_with = json.loads((directory / self.CONFIG_FILE).read_text()).get("chat_template")
@@ -1123,6 +1158,8 @@ class RewardModelScorer:
 
     @torch.no_grad()
     def __call__(self, prompts: list[str], responses: list[str]) -> torch.Tensor:
+        if self.members:
+            return torch.stack([member(prompts, responses) for member in self.members]).mean(0)
         rows = [chat_prompt_ids(self.tokenizer, p, self.system) + chat_completion_ids(self.tokenizer, p, r, self.system)
                 for p, r in zip(prompts, responses, strict=True)]
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
@@ -1910,6 +1947,14 @@ def _check_reward(text: str) -> None:
     classifier; either with a tokenizer."""
     option, config_file, head_file = "--reward", RewardModelScorer.CONFIG_FILE, RewardModelScorer.HEAD_FILE
     directory = _existing_directory(text, option)
+    if (directory / RewardModelScorer.ENSEMBLE_FILE).is_file():  # an ensemble: check each member
+        members = _read_json(directory / RewardModelScorer.ENSEMBLE_FILE, option, text).get("members")
+        if not members or not all(isinstance(name, str) for name in members):
+            raise _UsageError(f"--reward {text}: {RewardModelScorer.ENSEMBLE_FILE} lists no member directories; "
+                              "save the ensemble again with rlhf's rm stage")
+        for name in members:
+            _check_reward(str(directory / name))
+        return
     adapter, body = (directory / "adapter_config.json").is_file(), (directory / "config.json").is_file()
     save_again = "save it again with rlhf's rm stage"
     if (directory / config_file).is_file():
@@ -2014,6 +2059,8 @@ def _best_of_n_command(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     """``best-of-n``: sample N responses per prompt from a policy and keep the one a reward model likes best."""
     import argparse
+
+    pin_cpu_kernels()
 
     parser = argparse.ArgumentParser(prog="inference_optimizations.py", description="Inference-time compute for any "
                                      "Hugging Face causal LM.")

@@ -13,7 +13,7 @@ Table of contents (each section opens with a ``# ==== N. Title ====`` banner):
   2. Infrastructure — setup_logging, DeviceManager, weight_sharding, TrainingLogger, CheckpointManager, create_optimizer, EarlyStopping, apply_lora, apply_freeze, compile_model, select_attention_implementation
   3. Data — load_records, ChatFormatter, CHAT_TEMPLATES, SFTDataset, StreamingSFTDataset, pack_sequences, SFTCollator, PreferenceDataset, StreamingPreferenceDataset, KTODataset, StreamingKTODataset, pack_rows, pack_preference_pairs, PreferenceBatch, PreferenceCollator, KTOBatch, KTOCollator, GRPODataset, StreamingGRPODataset, extract_answer, split_steps, arithmetic_step_labels, arithmetic_response_labels, encode_steps, ProcessPreferenceDataset, ProcessPreferenceCollator
   4. Models — token_log_probs, load_tokenizer, build_tiny_model, resolve_model_path, PolicyModel, state_under, RewardModel, RewardEnsemble, aggregate_step_scores, ProcessRewardModel, ValueModel, ActorCritic, select_informative_tokens, ContextCompressor, ReferenceModel, can_pack_pairs, tree_attention_mask, shared_prefix_log_probs, grouped_logits, grouped_packed_logits, grouped_prefix_logits, create_reference_model
-  5. Losses and advantages — causal_lm_loss_sum, sequence_log_probs, dpo_loss, PREFERENCE_LOSSES, simpo_loss, orpo_loss, kto_loss, reward_model_loss, ewc_penalty, whiten, grpo_advantages, grpo_loss, compute_gae, ppo_policy_loss, ppo_value_loss, AdaptiveKLController, FixedKLController
+  5. Losses and advantages — causal_lm_loss_sum, sequence_log_probs, dpo_loss, PREFERENCE_LOSSES, simpo_loss, orpo_loss, kto_loss, reward_model_loss, reward_boosting_weights, ewc_penalty, whiten, grpo_advantages, grpo_loss, compute_gae, ppo_policy_loss, ppo_value_loss, AdaptiveKLController, FixedKLController
   6. Rewards — exact_answer_reward, format_reward, length_penalty, CompositeReward, LearnedReward, ProcessReward, HTTPReward, RewardAPIError, Principle, ConstitutionalRewardWrapper, RewardFunctionFactory, RunningRewardNormalizer, process_rewards
   7. Trainers — BaseTrainer, TrainingDivergedError, SFTTrainer, PairScores, RewardModelTrainer, ProcessRewardModelTrainer, DPOTrainer, SimPOTrainer, KTOTrainer, precompute_ref_log_probs, Rollout, RolloutBuffer, token_entropy, disable_dropout, GRPOTrainer, PPOTrainer, TrainResult, close_loss_scaler_step
   8. Evaluation — kl_estimates, distinct_n, self_similarity, win_rate, RLHFEvaluator
@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inference_optimizations import cache_argument, returned_cache, select_attention_implementation
+from inference_optimizations import cache_argument, pin_cpu_kernels, returned_cache, select_attention_implementation
 
 __version__ = "0.1.0"
 logger = logging.getLogger("rlhf")
@@ -126,6 +126,7 @@ DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "kto_pair", "robust", "bco_pair", "
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")  # section 5's grpo_loss aggregations
 REWARD_SCALES = ("group", "batch", "none")
 PRM_AGGREGATIONS = ("min", "product", "last")  # how a process reward model combines its step scores
+ENSEMBLE_STRATEGIES = ("seeds", "boosting")  # how the members of a reward-model ensemble come to differ
 PREF_LOSSES = DPO_LOSS_TYPES + ("orpo", "simpo")  # LLaMA-Factory's pref_loss: the DPO family plus two reference-free
 
 
@@ -291,6 +292,9 @@ class RewardModelConfig(BaseConfig):
     reward_head_hidden: int | None = _opt(None, "Hidden width of the 2-layer reward head (default: the backbone's hidden size)")
     center_rewards_coefficient: float = _opt(0.0, "Weight of the reward-centring term mean((r_c + r_r)^2) (Eisenstein et al. 2023)")
     ensemble_size: int = _opt(1, "Train this many reward models (seeds seed, seed+1, ...) and save them as an ensemble")
+    ensemble_strategy: str = _opt("seeds", "How ensemble members differ: seeds (the same pairs in each member's own "
+                                  "order) | boosting (each member trains on the pairs resampled by how likely the "
+                                  "members before it are to rank them wrong)")
 
     stage: typing.ClassVar[str] = "rm"
 
@@ -298,6 +302,12 @@ class RewardModelConfig(BaseConfig):
         super()._validate()
         _check(self.center_rewards_coefficient >= 0, "center_rewards_coefficient", "must be >= 0")
         _check(self.ensemble_size >= 1, "ensemble_size", "must be >= 1")
+        _check_choice(self.ensemble_strategy, ENSEMBLE_STRATEGIES, "ensemble_strategy")
+        if self.ensemble_strategy == "boosting":
+            _check(self.ensemble_size >= 2, "ensemble_strategy",
+                   "must be seeds when ensemble_size is 1 (boosting needs ensemble_size >= 2)")
+            _check(not self.streaming, "ensemble_strategy",
+                   "must be seeds with streaming (boosting resamples the training pairs in memory; set streaming=false)")
         _check(self.reward_head_hidden is None or self.reward_head_hidden > 0, "reward_head_hidden", "must be > 0")
 
 
@@ -4567,6 +4577,18 @@ def reward_model_loss(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor
     return -F.logsigmoid(chosen_scores - rejected_scores - margin)
 
 
+def reward_boosting_weights(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor,
+                            margin: torch.Tensor | float | None = None) -> torch.Tensor:
+    """How much each pair should weigh for the next member of a boosted reward-model ensemble: the
+    negative gradient of the pairwise loss with respect to the ensemble's score difference,
+    sigmoid(-(chosen - rejected - margin)), i.e. the Bradley-Terry probability that the ensemble so far
+    ranks the pair wrong. Reweighting examples by the loss gradient is boosting as functional gradient
+    descent (Mason et al. 2000, AnyBoost; for the logistic loss, Friedman 2001's pseudo-residual).
+    Shapes: scores (B), margin (B) or scalar -> weights (B) in (0, 1)."""
+    margin = 0.0 if margin is None else margin
+    return torch.sigmoid(-(chosen_scores - rejected_scores - margin))
+
+
 def ewc_penalty(parameters: dict[str, torch.Tensor], anchors: dict[str, torch.Tensor],
                 fisher: dict[str, torch.Tensor], ewc_lambda: float) -> torch.Tensor:
     """Elastic weight consolidation, Kirkpatrick et al. 2017 eq. 3: lambda/2 * sum_i F_i (theta_i -
@@ -7979,14 +8001,29 @@ def _train_rm_ensemble(config: RewardModelConfig, devices: DeviceManager | None)
     """Members differ by seed (head init, data order) but share the base seed's train/validation split:
     with a split per member, each would train on pairs the others hold out, and the ensemble would have
     no held-out pairs left. Its eval metrics score the ensemble itself (the mean of the members' scores,
-    what downstream stages use), with each member's accuracy beside them."""
+    what downstream stages use), with each member's accuracy beside them.
+
+    With ``ensemble_strategy: boosting`` each member after the first trains on the training pairs drawn
+    again, with replacement, in proportion to ``reward_boosting_weights`` of the members before it: the
+    pairs they rank wrong or barely right. A reward model can settle on one check and stay blind to another
+    that it learns readily alone (the demo's: the units digit of a sum, not the tens); the next member is
+    pushed to learn the one it missed, and their mean covers both."""
     started, members = time.time(), []
     records = read_stage_records(config, STAGE_RECORD_KINDS[config.stage])
+    train_records = records[0]
+    score_sum = data_margin = torch.zeros(len(train_records or []))  # members' chosen - rejected on training pairs
     for k in range(config.ensemble_size):
-        member = dataclasses.replace(config, ensemble_size=1, seed=config.seed + k,
+        member = dataclasses.replace(config, ensemble_size=1, ensemble_strategy="seeds", seed=config.seed + k,
                                      output_dir=str(Path(config.output_dir) / f"member-{k}"))
         logger.info("reward-model ensemble: member %d of %d (seed %d)", k + 1, config.ensemble_size, member.seed)
-        members.append(_train_reward_model(member, devices, records))
+        member_records = records
+        if config.ensemble_strategy == "boosting" and k > 0:
+            weights = reward_boosting_weights(score_sum / k, torch.zeros_like(score_sum), data_margin)
+            member_records = (_boosting_resample(train_records, weights, score_sum > 0, member.seed), *records[1:])
+        members.append(_train_reward_model(member, devices, member_records))
+        if config.ensemble_strategy == "boosting" and k < config.ensemble_size - 1:
+            scores, data_margin = (t.cpu() for t in _reward_margins(config, member.output_dir, train_records, devices))
+            score_sum = score_sum + scores
     RewardEnsemble.write_manifest(config.output_dir, [f"member-{k}" for k in range(config.ensemble_size)])
     metrics = {"steps": sum(m.global_step for m in members),
                "train_loss": float(np.mean([m.metrics["train_loss"] for m in members])),
@@ -8001,28 +8038,48 @@ def _train_rm_ensemble(config: RewardModelConfig, devices: DeviceManager | None)
 
 
 @torch.no_grad()
-def _evaluate_reward_ensemble(config: RewardModelConfig, val_records: list[dict[str, Any]],
-                              devices: DeviceManager | None) -> dict[str, float]:
-    """Pairwise accuracy, loss and margin of the saved ensemble's mean score on the held-out pairs."""
+def _reward_margins(config: RewardModelConfig, directory: str | os.PathLike, records: list[dict[str, Any]],
+                    devices: DeviceManager | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A saved reward model's (or ensemble's mean) score of chosen minus rejected on each pair, and the
+    pairs' data margins (0 where the data has none). Every process scores all pairs. Shapes: -> (N), (N)."""
     from accelerate import PartialState
 
-    device = devices.device if devices else PartialState().device  # every process scores all pairs
-    ensemble = RewardEnsemble.from_pretrained(config.output_dir, dtype=_model_dtype(config), device=device,
+    device = devices.device if devices else PartialState().device
+    ensemble = RewardEnsemble.from_pretrained(str(directory), dtype=_model_dtype(config), device=device,
                                               attn_implementation=config.attn_implementation,
                                               trust_remote_code=config.trust_remote_code, cache_dir=config.cache_dir,
                                               is_trainable=False).eval()
-    pairs = PreferenceDataset(val_records, ensemble.tokenizer, ChatFormatter(ensemble.tokenizer, config.template),
+    pairs = PreferenceDataset(records, ensemble.tokenizer, ChatFormatter(ensemble.tokenizer, config.template),
                               cutoff_len=config.cutoff_len)
     collate = PreferenceCollator(ensemble.tokenizer.pad_token_id)
-    margins, losses = [], []
+    margins, data_margins = [], []
     for start in range(0, len(pairs), config.per_device_eval_batch_size):
         batch = collate([pairs[i] for i in range(start, min(start + config.per_device_eval_batch_size, len(pairs)))])
         chosen, rejected = ensemble(batch["input_ids"].to(device), batch["attention_mask"].to(device))[0].float().chunk(2)
         margins.append(chosen - rejected)
-        losses.append(reward_model_loss(chosen, rejected, batch.get("margin", torch.zeros(())).to(device)))
-    margin = torch.cat(margins)
-    return {"eval/loss": float(torch.cat(losses).mean()), "eval/accuracy": float((margin > 0).float().mean()),
+        data_margins.append(batch.get("margin", torch.zeros(len(chosen))).to(device).expand(len(chosen)))
+    return torch.cat(margins), torch.cat(data_margins)
+
+
+def _evaluate_reward_ensemble(config: RewardModelConfig, val_records: list[dict[str, Any]],
+                              devices: DeviceManager | None) -> dict[str, float]:
+    """Pairwise accuracy, loss and margin of the saved ensemble's mean score on the held-out pairs."""
+    margin, data_margin = _reward_margins(config, config.output_dir, val_records, devices)
+    losses = reward_model_loss(margin, torch.zeros_like(margin), data_margin)
+    return {"eval/loss": float(losses.mean()), "eval/accuracy": float((margin > 0).float().mean()),
             "eval/margin": float(margin.mean())}
+
+
+def _boosting_resample(records: list[dict[str, Any]], weights: torch.Tensor, ranked_right: torch.Tensor,
+                       seed: int) -> list[dict[str, Any]]:
+    """As many training pairs as before, drawn with replacement in proportion to ``weights`` (the members
+    so far's reward_boosting_weights); ``ranked_right`` (bool) only feeds the log line."""
+    drawn = torch.multinomial(weights.double(), len(records), replacement=True,
+                              generator=torch.Generator().manual_seed(seed)).tolist()
+    logger.info("boosting: %d training pairs drawn from %d distinct; %.0f%% of the weight is on the %d pairs the "
+                "members so far rank wrong", len(drawn), len(set(drawn)),
+                100 * float(weights[~ranked_right].sum() / weights.sum()), int((~ranked_right).sum()))
+    return [records[i] for i in drawn]
 
 
 def _train_policy_stage(config: BaseConfig, devices: DeviceManager | None, trainer_class: type[BaseTrainer]
@@ -8937,8 +8994,12 @@ def main(argv: list[str] | None = None) -> int:
     from rich.markup import escape
 
     args = _build_parser().parse_args(_llamafactory_argv(sys.argv[1:] if argv is None else list(argv)))
+    kernels = pin_cpu_kernels()  # before any torch operation, so that a run's numbers do not depend on the CPU model
     console = rich_console()
     setup_logging()
+    if kernels == "AVX2":
+        logger.info("CPU kernels: AVX2 paths, the same results on any x86-64 CPU at the same thread count "
+                    "(RLHF_CPU_KERNELS=native uses this CPU's widest)")
     if args.command == "merge":  # model_merging has its own one-line errors and exit status
         import model_merging
 

@@ -61,6 +61,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
+    rlhf.pin_cpu_kernels()  # the same figures on any x86-64 CPU (see README, 'The run is deterministic')
     torch.set_num_threads(args.threads)
     paths = args.policies.split(",")
     for path in paths:

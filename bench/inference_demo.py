@@ -326,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     output = Path(args.output).resolve() if args.output else None
     os.chdir(REPO)
+    io.pin_cpu_kernels()  # the same figures on any x86-64 CPU (see README, 'The run is deterministic')
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     random.seed(args.seed)

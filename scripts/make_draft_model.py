@@ -66,6 +66,10 @@ def build_init(args: argparse.Namespace, target: Path, init_dir: Path) -> int:
     import torch
     from transformers import AutoConfig, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+    sys.path.insert(0, str(REPO))
+    import inference_optimizations as io
+
+    io.pin_cpu_kernels()  # the same initial weights on any x86-64 CPU
     tokenizer = AutoTokenizer.from_pretrained(str(target))
     target_config = AutoConfig.from_pretrained(str(target))
     config = LlamaConfig(vocab_size=target_config.vocab_size, hidden_size=args.hidden,

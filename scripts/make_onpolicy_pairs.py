@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.skip < 0:
         parser.error(f"--skip {args.skip}: give the number of leading prompts to leave out (0 or more)")
+    io.pin_cpu_kernels()  # the same pairs on any x86-64 CPU
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(args.seed)
