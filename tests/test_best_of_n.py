@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -43,6 +44,20 @@ def test_scorer_equals_rlhf_reward_model(reward_dir):
     theirs = rlhf.LearnedReward.from_pretrained(reward_dir)(prompts, responses, [None] * 4)
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
     assert ours.shape == (4,)
+
+
+def test_scorer_of_an_ensemble_is_the_members_mean(tmp_path, tiny_model_dir, reward_dir):
+    """An rm stage's ensemble directory (ensemble.json + member directories) scores like rlhf's RewardEnsemble."""
+    shutil.copytree(reward_dir, tmp_path / "member-0")
+    rlhf.RewardModel.from_pretrained(str(tiny_model_dir), seed=5).save_pretrained(tmp_path / "member-1")
+    rlhf.RewardEnsemble.write_manifest(tmp_path, ["member-0", "member-1"])
+    prompts, responses = PROMPTS * 2, RESPONSES + ["14 + 7 = 20\nAnswer: 20", "no answer"]
+    ours = io.RewardModelScorer(tmp_path, batch_size=3)(prompts, responses)
+    members = [io.RewardModelScorer(tmp_path / f"member-{k}")(prompts, responses) for k in range(2)]
+    assert float((members[0] - members[1]).abs().min()) > 1e-4  # two different heads
+    torch.testing.assert_close(ours, (members[0] + members[1]) / 2, atol=1e-6, rtol=0)
+    theirs = rlhf.LearnedReward.from_pretrained(str(tmp_path))(prompts, responses, [None] * 4)
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
 
 
 def test_scorer_rejects_multi_label_classifier(tmp_path, tiny_model_dir):
@@ -142,6 +157,14 @@ def test_cli_reward_layout_problems(cli, tmp_path, reward_dir):
     assert_one_line_error(*cli("--reward", str(headless)),
                           r"--reward .*headless has reward_config\.json but no reward_head\.safetensors; save it again")
     assert_one_line_error(*cli("--reward", str(tmp_path / "nope")), r"^error: --reward \S+nope does not exist$")
+    ensemble = tmp_path / "ensemble"
+    ensemble.mkdir()
+    (ensemble / "ensemble.json").write_text(json.dumps({"members": []}))
+    assert_one_line_error(*cli("--reward", str(ensemble)), r"ensemble\.json lists no member directories; save the "
+                                                            r"ensemble again with rlhf's rm stage")
+    (ensemble / "ensemble.json").write_text(json.dumps({"members": ["member-0", "member-1"]}))
+    shutil.copytree(reward_dir, ensemble / "member-0")
+    assert_one_line_error(*cli("--reward", str(ensemble)), r"^error: --reward \S+ensemble/member-1 does not exist$")
     assert_one_line_error(*cli("--reward", str(tmp_path)), r"is not a model directory \(no config\.json, no reward_config")
 
 

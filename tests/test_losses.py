@@ -580,6 +580,24 @@ def test_reward_model_hand_values():
     assert rlhf.reward_model_loss(_t([2.0]), _t([1.0]), _t([1.0])).item() == pytest.approx(math.log(2), rel=1e-12)
 
 
+def test_reward_boosting_weights_are_the_pairwise_loss_gradient():
+    """sigmoid(-(c - r - m)): hand values, the independent formula 1 - exp(-loss) (loss = -log sigmoid(h),
+    so exp(-loss) = sigmoid(h)), and exactly minus the gradient of the summed loss in the score difference."""
+    # h = 0 -> 1/2; h = ln 3 -> 1/(1 + 3) = 1/4; h = -ln 3 -> 3/4; margin 1 on h = 1 -> 1/2
+    weights = rlhf.reward_boosting_weights(_t([0.0, math.log(3), 0.0, 1.0]), _t([0.0, 0.0, math.log(3), 0.0]),
+                                           _t([0.0, 0.0, 0.0, 1.0]))
+    torch.testing.assert_close(weights, _t([0.5, 0.25, 0.75, 0.5]), rtol=1e-12, atol=1e-12)
+    chosen, rejected, margin = _rand(170, 8, -5, 5), _rand(171, 8, -5, 5), _rand(172, 8, 0, 3)
+    expected = [1 - math.exp(_logsigmoid(a - b - m)) for a, b, m in zip(chosen, rejected, margin)]
+    torch.testing.assert_close(rlhf.reward_boosting_weights(_t(chosen), _t(rejected), _t(margin)), _t(expected),
+                               rtol=1e-9, atol=1e-12)
+    difference = _t([a - b for a, b in zip(chosen, rejected)], grad=True)
+    rlhf.reward_model_loss(difference, torch.zeros_like(difference), _t(margin)).sum().backward()
+    torch.testing.assert_close(-difference.grad, rlhf.reward_boosting_weights(_t(chosen), _t(rejected), _t(margin)))
+    extremes = rlhf.reward_boosting_weights(_t([1e4, -1e4], torch.float32), _t([-1e4, 1e4], torch.float32))
+    assert torch.isfinite(extremes).all() and extremes.tolist() == [0.0, 1.0]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, F64], ids=["fp32", "fp64"])
 def test_reward_model_finite_at_extremes_and_gradient_sign(dtype):
     chosen = _t([x for x in EXTREMES for _ in EXTREMES], dtype, grad=True)

@@ -382,6 +382,51 @@ def test_rm_ensemble_members_share_one_split_and_the_ensemble_itself_is_evaluate
     assert set(result.metrics) >= {"member_0/eval_accuracy", "member_1/eval_accuracy"}
 
 
+def test_boosted_rm_ensemble_draws_each_member_from_the_pairs_the_ones_before_rank_wrong(
+        tmp_path, llama_dir, demo_dir, monkeypatch):
+    """Member 1 trains on the training pairs drawn with replacement (seed 1) by sigmoid(-(member 0's chosen -
+    rejected score)), recomputed here from member 0 as saved; member 2 by the mean of members 0 and 1."""
+    trained_on = []
+
+    def recording(config, devices, records=None):
+        trained_on.append(records[0])
+        return real(config, devices, records)
+
+    real = rlhf._train_reward_model
+    monkeypatch.setattr(rlhf, "_train_reward_model", recording)
+    config = _config(rlhf.RewardModelConfig, tmp_path, llama_dir, demo_dir, ensemble_size=3, max_steps=3,
+                     max_samples=40, val_size=8, cutoff_len=64, per_device_train_batch_size=4,
+                     ensemble_strategy="boosting")
+    with captured_log() as log:
+        rlhf.train_rm(config)
+    train, _ = rlhf._split_validation(rlhf.load_records("demo_preference", demo_dir, "preference", max_samples=40), 8, 0)
+    assert trained_on[0] == train
+    margins = []
+    for k in range(2):
+        member = rlhf.RewardModel.from_pretrained(str(tmp_path / f"member-{k}")).eval()
+        batch = rlhf.PreferenceCollator(member.tokenizer.pad_token_id)(list(_pref_dataset(train, member.tokenizer)))
+        with torch.no_grad():
+            chosen, rejected = member(batch["input_ids"], batch["attention_mask"]).chunk(2)
+        margins.append(chosen - rejected)
+        weights = torch.sigmoid(-sum(margins) / len(margins)).double()
+        drawn = torch.multinomial(weights, len(train), replacement=True, generator=torch.Generator().manual_seed(k + 1))
+        assert trained_on[k + 1] == [train[i] for i in drawn.tolist()]
+    assert trained_on[1] != train and len(trained_on[1]) == len(train)
+    assert sum(r.getMessage().startswith("boosting: 32 training pairs drawn from") for r in log) == 2
+    assert json.loads((tmp_path / "ensemble.json").read_text()) == {"members": ["member-0", "member-1", "member-2"]}
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"ensemble_size": 1, "ensemble_strategy": "boosting"}, "'ensemble_strategy' must be seeds when ensemble_size is 1"),
+    ({"ensemble_size": 2, "ensemble_strategy": "boost"}, "ensemble_strategy.*seeds, boosting"),
+    ({"ensemble_size": 2, "ensemble_strategy": "boosting", "streaming": True, "max_steps": 5},
+     "ensemble_strategy.*set streaming=false"),
+])
+def test_ensemble_strategy_errors_name_the_field(overrides, message, tmp_path):
+    with pytest.raises(rlhf.RLHFInputError, match=message):
+        rlhf.RewardModelConfig(output_dir=str(tmp_path), **overrides)
+
+
 # -- 6. reference models -------------------------------------------------------------------------------------
 
 
