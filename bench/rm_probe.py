@@ -11,7 +11,12 @@ trained on. A pair counts as right when the chosen response scores higher. The
 log-likelihood column scores a response by log p(response | prompt) summed over its tokens under the SFT
 policy, the reward-model columns by the scalar head on the last token. Flaw kinds, read from the pair
 itself: ``format`` (the rejected response has no ``Answer:`` line, or its answer disagrees with its own
-last step) and ``arithmetic`` (a wrong result in a step, carried to the answer).
+last step) and ``arithmetic`` (a wrong result in a step, carried to the answer); the rows under each split
+them by the digit the first wrong number gets wrong: the demo's flaws are off by 1 or 2 (the units digit)
+or by 10 (the tens digit, e.g. ``66 + 3 = 59``, or the careless teacher's forgotten borrow).
+``--train-pairs N`` adds a column per reward model for its first N training pairs: a flaw kind it ranks
+no better there than on held-out pairs is one it did not learn, rather than one it learned and failed
+to carry over.
 
 A last row asks whether the reward model checks arithmetic it was never shown: one pair per held-out
 eval prompt (data/demo/eval.jsonl, whose facts no training file works out), the correct solution against
@@ -45,6 +50,31 @@ def flaw_kind(rejected: str) -> str:
     if not answer or (results and answer[-1] != results[-1]):
         return "format"
     return "arithmetic"
+
+
+def wrong_digit(chosen: str, rejected: str) -> str | None:
+    """Which digit the rejected response's first wrong number gets wrong: "tens" when it is off by a
+    multiple of 10, else "units"; None when every number it writes is right (a missing Answer line)."""
+    for right, wrong in zip(re.findall(r"-?\d+", chosen), re.findall(r"-?\d+", rejected)):
+        if right != wrong:
+            return "tens" if (int(wrong) - int(right)) % 10 == 0 else "units"
+    return None
+
+
+def flaw_rows(pairs: list[dict]) -> list[tuple[str, list[int]]]:
+    """(row label, indices of the pairs in that row): each flaw kind, then its split by wrong digit."""
+    kinds = [flaw_kind(p["rejected"]) for p in pairs]
+    digits = [wrong_digit(p["chosen"], p["rejected"]) for p in pairs]
+    rows = []
+    for kind in ("format", "arithmetic"):
+        rows.append((kind, [i for i, k in enumerate(kinds) if k == kind]))
+        if kind == "format":
+            rows.append(("  no Answer line", [i for i, k in enumerate(kinds) if k == kind and digits[i] is None]))
+        for digit in ("units", "tens"):
+            what = "Answer disagrees in the" if kind == "format" else "wrong"
+            rows.append((f"  {what} {digit} digit", [i for i, k in enumerate(kinds) if k == kind and digits[i] == digit]))
+    rows.append(("all", list(range(len(pairs)))))
+    return rows
 
 
 @torch.no_grad()
@@ -89,16 +119,21 @@ def main() -> int:
     parser.add_argument("--split-by-record", action="store_true",
                         help="a record-level split (val_split_by_prompt: false) instead of whole prompts")
     parser.add_argument("--seed", type=int, default=0, help="the rm stage's seed (it draws the held-out pairs)")
+    parser.add_argument("--train-pairs", type=int, default=0,
+                        help="also rank the first N training pairs with each reward model (default 0: none)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
+    if args.train_pairs < 0:
+        raise SystemExit(f"error: --train-pairs {args.train_pairs}: give a count of training pairs >= 0")
+    rlhf.pin_cpu_kernels()  # the same figures on any x86-64 CPU (see README, 'The run is deterministic')
     torch.set_num_threads(args.threads)
     for path in [args.policy, *args.reward_models.split(",")]:
         if not Path(path).is_dir():
             raise SystemExit(f"error: {path} does not exist; run `python rlhf.py pipeline --config configs/demo.yaml` first")
 
     records = rlhf.load_records(args.dataset, REPO / "data/demo", "preference")
-    _, held_out = rlhf._split_validation(records, args.val_size, args.seed, by_prompt=not args.split_by_record)
-    kinds = [flaw_kind(r["rejected"]) for r in held_out]
+    train, held_out = rlhf._split_validation(records, args.val_size, args.seed, by_prompt=not args.split_by_record)
+    train = train[:args.train_pairs]
     policy = rlhf.PolicyModel.from_pretrained(args.policy)
     policy.model.eval()
     formatter = rlhf.ChatFormatter(policy.tokenizer, "auto")
@@ -112,22 +147,31 @@ def main() -> int:
     sets = {"held_out": batches(held_out), "eval_slips": batches(eval_slips)}
     columns = {"SFT log-likelihood": {name: torch.cat([pairwise(log_likelihoods(policy, b)) for b in bs])
                                       for name, bs in sets.items()}}
+    train_columns = {}
     for path in args.reward_models.split(","):
-        reward_model = rlhf.RewardModel.from_pretrained(path)
-        reward_model.eval()
+        ensemble = rlhf.RewardEnsemble.from_pretrained(path).eval()  # a single reward model is an ensemble of one
+
+        def right(batch: dict[str, torch.Tensor], ensemble: rlhf.RewardEnsemble = ensemble) -> torch.Tensor:
+            return pairwise(ensemble(batch["input_ids"], batch["attention_mask"])[0])  # the members' mean score
+
         with torch.no_grad():
-            columns[f"reward model {path}"] = {
-                name: torch.cat([pairwise(reward_model(b["input_ids"], b["attention_mask"])) for b in bs])
-                for name, bs in sets.items()}
+            columns[f"reward model {path}"] = {name: torch.cat([right(b) for b in bs]) for name, bs in sets.items()}
+            if train:
+                train_columns[f"the same on {len(train)} training pairs"] = torch.cat([right(b) for b in batches(train)])
+
+    def share(right: torch.Tensor, indices: list[int]) -> str:
+        return f"{float(right[indices].float().mean()):.1%}" if indices else "-"
+
     rows = []
-    for kind in ("format", "arithmetic", "all"):
-        chosen = [i for i, k in enumerate(kinds) if kind == "all" or k == kind]
-        rows.append([kind, str(len(chosen))] + [f"{float(right['held_out'][chosen].float().mean()):.1%}"
-                                                for right in columns.values()])
+    for (label, held), (_, trained) in zip(flaw_rows(held_out), flaw_rows(train) if train else flaw_rows(held_out)):
+        rows.append([label, str(len(held))] + [share(right["held_out"], held) for right in columns.values()]
+                    + [share(right, trained) for right in train_columns.values()])
     rows.append(["arithmetic, eval prompts (held-out facts)", str(len(eval_slips))]
-                + [f"{float(right['eval_slips'].float().mean()):.1%}" for right in columns.values()])
-    print_table(["rejected flaw", "pairs", *columns], rows,
-                f"Held-out demo pairs ranked right (chosen above rejected), {len(held_out)} pairs", label_columns=2)
+                + [share(right["eval_slips"], list(range(len(eval_slips)))) for right in columns.values()]
+                + ["-"] * len(train_columns))
+    print_table(["rejected flaw", "pairs", *columns, *train_columns], rows,
+                f"Held-out demo pairs ranked right (chosen above rejected), {len(held_out)} pairs", label_columns=2,
+                min_width=160)
     return 0
 
 

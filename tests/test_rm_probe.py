@@ -1,0 +1,59 @@
+"""bench/rm_probe.py's flaw split: each held-out pair lands in the row of the digit its rejected answer gets
+wrong, checked against the demo generator's own record of the flaw it made."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def probe():
+    sys.path.insert(0, str(REPO / "bench"))  # rm_probe imports bench/tables.py and scripts/make_demo_data.py
+    spec = importlib.util.spec_from_file_location("rm_probe", REPO / "bench" / "rm_probe.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    ("chosen", "rejected", "kind", "digit"),
+    [
+        ("66 + 3 = 69\nAnswer: 69", "66 + 3 = 59\nAnswer: 59", "arithmetic", "tens"),
+        ("66 + 3 = 69\nAnswer: 69", "66 + 3 = 70\nAnswer: 70", "arithmetic", "units"),
+        ("52 - 4 = 48\nAnswer: 48", "52 - 4 = 48\nAnswer: 58", "format", "tens"),
+        ("52 - 4 = 48\nAnswer: 48", "52 - 4 = 48\nAnswer: 46", "format", "units"),
+        ("52 - 4 = 48\nAnswer: 48", "52 - 4 = 48", "format", None),
+        # the careless teacher's forgotten borrow, carried into the next step
+        ("Step 1: 52 - 7 = 45\nStep 2: 45 + 3 = 48\nAnswer: 48",
+         "Step 1: 52 - 7 = 55\nStep 2: 55 + 3 = 58\nAnswer: 58", "arithmetic", "tens"),
+        ("Step 1: 95 + 5 = 100\nStep 2: 100 - 1 = 99\nAnswer: 99",
+         "Step 1: 95 + 5 = 90\nStep 2: 90 - 1 = 89\nAnswer: 89", "arithmetic", "tens"),
+    ],
+)
+def test_flaw_kind_and_wrong_digit(probe, chosen, rejected, kind, digit):
+    assert probe.flaw_kind(rejected) == kind
+    assert probe.wrong_digit(chosen, rejected) == digit
+
+
+def test_flaw_rows_partition_the_demo_pairs(probe):
+    """Each kind's rows split it without overlap, and the digit rows agree with the slip the generator made
+    (its FLAW_DELTAS: 1 or 2 is the units digit, 10 the tens)."""
+    pairs = [json.loads(line) for line in (REPO / "data/demo/preference.jsonl").read_text().splitlines()]
+    rows = dict(probe.flaw_rows(pairs))
+    assert sorted(rows["all"]) == list(range(len(pairs)))
+    assert sorted(rows["format"] + rows["arithmetic"]) == rows["all"]
+    assert sorted(rows["  no Answer line"] + rows["  Answer disagrees in the units digit"]
+                  + rows["  Answer disagrees in the tens digit"]) == rows["format"]
+    assert sorted(rows["  wrong units digit"] + rows["  wrong tens digit"]) == rows["arithmetic"]
+    assert all(len(indices) > 20 for indices in rows.values())
+    for i in rows["  wrong tens digit"] + rows["  Answer disagrees in the tens digit"]:
+        assert "Answer:" in pairs[i]["rejected"]
+        last_right = int(pairs[i]["chosen"].rsplit(" ", 1)[1])
+        assert abs(int(pairs[i]["rejected"].rsplit(" ", 1)[1]) - last_right) == 10
