@@ -562,7 +562,7 @@ def test_demo_pipeline_config_loads(repo):
     pipeline = PipelineConfig.load(repo / "configs" / "demo.yaml")
     sft = pipeline.stage_config("sft")
     assert sft.dataset == "demo_sft" and sft.finetuning_type == "full"
-    assert sft.learning_rate == 1e-3 and sft.cutoff_len == 128 and sft.val_size == 200
+    assert sft.learning_rate == 1.5e-3 and sft.cutoff_len == 128 and sft.val_size == 200
     assert sft.report_to == [] and sft.output_dir == str(rlhf.Path("outputs/demo/sft"))
     assert pipeline.stages == ["sft", "rm", "dpo", "grpo", "eval", "best_of_n", "merge"]
     assert set(pipeline.capability_tests) == {"multistep"} and pipeline.capability_threshold == 0.05
@@ -571,6 +571,7 @@ def test_demo_pipeline_config_loads(repo):
     rm, dpo = pipeline.stage_config("rm"), pipeline.stage_config("dpo")
     assert isinstance(rm, rlhf.RewardModelConfig) and rm.dataset == "demo_rm" and rm.val_size == 200
     assert rm.val_split_by_prompt and not dpo.val_split_by_prompt and dpo.dataset == "demo_preference"
+    assert rm.ensemble_size == 4 and rm.ensemble_strategy == "boosting"
     assert isinstance(dpo, rlhf.DPOConfig) and dpo.pref_loss == "sigmoid" and dpo.precompute_ref_log_probs
     grpo = pipeline.stage_config("grpo")
     assert isinstance(grpo, rlhf.GRPOConfig) and grpo.reward_names() == ["exact_answer"] and grpo.beta == 0
