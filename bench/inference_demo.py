@@ -332,8 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     random.seed(args.seed)
     wall = time.perf_counter()
     for directory in (args.policy, args.reward) + (() if args.skip_mcts else (args.prm,)):
-        if not (Path(directory) / "config.json").exists():
-            raise SystemExit(f"error: {directory} holds no model (no config.json); train it first")
+        if not any((Path(directory) / name).exists() for name in ("config.json", io.RewardModelScorer.ENSEMBLE_FILE)):
+            raise SystemExit(f"error: {directory} holds no model (no config.json or ensemble.json); train it first")
 
     policy = Policy(args.policy, args.engine, args.max_new_tokens, args.batch_size)
     scorer = io.RewardModelScorer(args.reward, batch_size=256)
