@@ -211,3 +211,43 @@ def test_generation_under_bf16_autocast(engine, tiny_arch_dir, tiny_tokenizer, p
         reference = io.generate(model, prompts, params, pad_token_id=tiny_tokenizer.pad_token_id, eos_token_id=None,
                                 engine="eager")
     assert out.token_ids == reference.token_ids and all(len(t) == 10 for t in out.token_ids)
+
+
+def test_cache_argument_names_the_keyword_the_forward_takes():
+    """transformers 5.24 renamed ``past_key_values`` to ``cache``; a model whose forward knows only the old
+    name (older releases, custom models) gets the old one, and a PEFT-style wrapper defers to what it wraps."""
+    import inspect
+
+    class OldStyle(torch.nn.Module):
+        def forward(self, input_ids=None, past_key_values=None, use_cache=None):
+            return input_ids
+
+    class NewStyle(torch.nn.Module):
+        def forward(self, input_ids=None, cache=None, use_cache=None):
+            return input_ids
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def get_base_model(self):
+            return self.inner
+
+        def forward(self, *args, **kwargs):
+            return self.inner(*args, **kwargs)
+
+    marker = object()
+    assert io.cache_argument(OldStyle(), marker) == {"past_key_values": marker}
+    assert io.cache_argument(NewStyle(), marker) == {"cache": marker}
+    assert io.cache_argument(Wrapper(OldStyle()), marker) == {"past_key_values": marker}
+    from transformers import LlamaForCausalLM
+
+    expected = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
+    assert io.cache_argument(LlamaForCausalLM.__new__(LlamaForCausalLM), marker) == {expected: marker}
+
+    class Output:
+        cache = None
+        past_key_values = marker
+
+    assert io.returned_cache(Output()) is marker
