@@ -2229,6 +2229,10 @@ class EnsemblePolicy:
         self.models = list(models)
         self.tokenizer = tokenizer
         self.weights = [w / sum(weights) for w in weights]
+        # the keyword each forward takes its KV cache by: transformers 5.24 renamed past_key_values to cache
+        # (the old name warns, and goes in 5.40); looked up once here, not at every decoding step
+        self._cache_keywords = ["cache" if "cache" in inspect.signature(type(m).forward).parameters
+                                else "past_key_values" for m in self.models]
 
     @property
     def device(self) -> torch.device:
@@ -2256,11 +2260,9 @@ class EnsemblePolicy:
         """The weighted mean of the members' log-softmax at the last position, (B, V) float32."""
         total = None
         for slot, index in enumerate(members):
-            model = self.models[index]
-            # transformers 5.24 renamed past_key_values to cache (the old name warns, and goes in 5.40)
-            keyword = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
-            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                        **{keyword: caches[slot]})
+            keyword = self._cache_keywords[index]
+            out = self.models[index](input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                                     **{keyword: caches[slot]})
             caches[slot] = getattr(out, keyword)
             logprobs = torch.log_softmax(out.logits[:, -1, :].float(), dim=-1)
             if total is not None and logprobs.shape[-1] != total.shape[-1]:
