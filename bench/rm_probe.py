@@ -157,7 +157,8 @@ def main() -> int:
         with torch.no_grad():
             columns[f"reward model {path}"] = {name: torch.cat([right(b) for b in bs]) for name, bs in sets.items()}
             if train:
-                train_columns[f"{path} on {len(train)} training pairs"]  # one column per model = torch.cat([right(b) for b in batches(train)])
+                # one column per model, named by it
+                train_columns[f"{path} on {len(train)} training pairs"] = torch.cat([right(b) for b in batches(train)])
 
     def share(right: torch.Tensor, indices: list[int]) -> str:
         return f"{float(right[indices].float().mean()):.1%}" if indices else "-"

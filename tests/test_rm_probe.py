@@ -57,3 +57,18 @@ def test_flaw_rows_partition_the_demo_pairs(probe):
         assert "Answer:" in pairs[i]["rejected"]
         last_right = int(pairs[i]["chosen"].rsplit(" ", 1)[1])
         assert abs(int(pairs[i]["rejected"].rsplit(" ", 1)[1]) - last_right) == 10
+
+
+def test_main_prints_a_training_pair_column_per_reward_model(probe, tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """End to end on the tiny model: two reward models and --train-pairs give two training-pair columns."""
+    import rlhf
+
+    for seed in (1, 2):
+        rlhf.RewardModel.from_pretrained(str(tiny_model_dir), seed=seed).save_pretrained(tmp_path / f"rm-{seed}")
+    models = f"{tmp_path / 'rm-1'},{tmp_path / 'rm-2'}"
+    monkeypatch.setenv("COLUMNS", "1000")  # wide enough that no header is cut
+    monkeypatch.setattr(sys, "argv", ["rm_probe.py", "--policy", str(tiny_model_dir), "--reward-models", models,
+                                      "--train-pairs", "6", "--val-size", "20", "--threads", "1"])
+    assert probe.main() == 0
+    out = capsys.readouterr().out
+    assert out.count("on 6 training pairs") == 2, out
