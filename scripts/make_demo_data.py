@@ -374,9 +374,12 @@ def make_preference(split: Split, seed: int, careless: bool = False) -> list[dic
     return _preference_pairs(split, rng, PREFERENCE_SIZE, careless)
 
 
-def make_rm_pairs(split: Split, seed: int) -> list[dict]:
-    """Pairs like ``make_preference``'s (same mix and flaws, its own random stream), 8x as many."""
-    return _preference_pairs(split, random.Random(f"{seed}:rm_pairs"), RM_PAIRS_SIZE)
+def make_rm_pairs(split: Split, seed: int, careless: bool = False) -> list[dict]:
+    """Pairs like ``make_preference``'s (same mix and flaws, its own random stream), 8x as many;
+    ``careless`` rejects the careless teacher's habit as preference_careless.jsonl does
+    (rm_pairs_careless.jsonl, the careless demo's reward model)."""
+    stream = f"{seed}:rm_pairs_careless" if careless else f"{seed}:rm_pairs"
+    return _preference_pairs(split, random.Random(stream), RM_PAIRS_SIZE, careless)
 
 
 def make_kto(split: Split, seed: int) -> list[dict]:
@@ -446,6 +449,7 @@ def dataset_info() -> dict:
         "demo_rm": pairs("rm_pairs.jsonl"),
         "demo_sft_careless": sft("sft_careless.jsonl"),
         "demo_preference_careless": pairs("preference_careless.jsonl"),
+        "demo_rm_careless": pairs("rm_pairs_careless.jsonl"),
         "demo_kto": {
             "file_name": "kto.jsonl",
             "columns": {"prompt": "prompt", "response": "response", "kto_tag": "label"},
@@ -486,8 +490,10 @@ correct response ends with the line `Answer: N`.
   out under SFT; a habit does not, so the SFT model learns it and preference and RL stages can remove it.
 - `preference_careless.jsonl` ({counts["preference_careless.jsonl"]} records; as
   `preference.jsonl`): the same problems; where a borrow is needed, the rejected response is the
-  teacher's habit in {CARELESS_REJECTED_SHARE:.0%} of pairs. Neither careless file is part of the tiny
-  tokenizer's corpus.
+  teacher's habit in {CARELESS_REJECTED_SHARE:.0%} of pairs.
+- `rm_pairs_careless.jsonl` ({counts["rm_pairs_careless.jsonl"]} records; as `rm_pairs.jsonl`): the
+  careless demo's reward-model pairs, with the habit among the rejected responses as in
+  `preference_careless.jsonl`. No careless file is part of the tiny tokenizer's corpus.
 - `kto.jsonl` ({counts["kto.jsonl"]} records; `prompt`, `response`, `label`):
   `label` is true for correct responses and false for flawed ones (~50/50).
 - `rl_prompts.jsonl` ({counts["rl_prompts.jsonl"]} records; `prompt`, `answer`,
@@ -498,7 +504,7 @@ correct response ends with the line `Answer: N`.
 - `eval.jsonl` ({counts["eval.jsonl"]} records; `prompt`, `answer`,
   `verifiable`): held-out mix, ~{1 - EVAL_MULTI_SHARE:.0%} single-step.
 - `dataset_info.json`: LLaMA-Factory registry (`demo_sft`, `demo_preference`, `demo_rm`,
-  `demo_sft_careless`, `demo_preference_careless`, `demo_kto`, `demo_rl`, `demo_multistep`, `demo_eval`).
+  `demo_sft_careless`, `demo_preference_careless`, `demo_rm_careless`, `demo_kto`, `demo_rl`, `demo_multistep`, `demo_eval`).
 
 Held-out discipline: `eval.jsonl` and `multistep.jsonl` share no prompt with
 the training files, their single-step (a, op, b) triples never occur as
@@ -524,6 +530,7 @@ def generate(out_dir: Path, seed: int = 0) -> dict[str, int]:
         "rm_pairs.jsonl": make_rm_pairs(split, seed),
         "sft_careless.jsonl": make_sft(split, seed, CARELESS_SHARE),
         "preference_careless.jsonl": make_preference(split, seed, careless=True),
+        "rm_pairs_careless.jsonl": make_rm_pairs(split, seed, careless=True),
         "kto.jsonl": make_kto(split, seed),
         "rl_prompts.jsonl": make_rl(split, seed),
         "multistep.jsonl": make_multistep(split),

@@ -24,6 +24,7 @@ KEYS = {
     "rm_pairs.jsonl": ["prompt", "chosen", "rejected"],
     "sft_careless.jsonl": ["prompt", "response"],
     "preference_careless.jsonl": ["prompt", "chosen", "rejected"],
+    "rm_pairs_careless.jsonl": ["prompt", "chosen", "rejected"],
     "kto.jsonl": ["prompt", "response", "label"],
     "rl_prompts.jsonl": ["prompt", "answer", "verifiable"],
     "multistep.jsonl": ["prompt", "answer", "verifiable", "steps"],
@@ -35,6 +36,7 @@ COUNTS = {
     "rm_pairs.jsonl": 12000,
     "sft_careless.jsonl": 3000,
     "preference_careless.jsonl": 1500,
+    "rm_pairs_careless.jsonl": 12000,
     "kto.jsonl": 1500,
     "rl_prompts.jsonl": 800,
     "multistep.jsonl": 200,
@@ -42,7 +44,7 @@ COUNTS = {
 }
 ALL_FILES = sorted([*KEYS, "dataset_info.json", "README.md"])
 TRAIN_FILES = ["sft.jsonl", "preference.jsonl", "rm_pairs.jsonl", "sft_careless.jsonl",
-               "preference_careless.jsonl", "kto.jsonl", "rl_prompts.jsonl"]
+               "preference_careless.jsonl", "rm_pairs_careless.jsonl", "kto.jsonl", "rl_prompts.jsonl"]
 HELDOUT_FILES = ["eval.jsonl", "multistep.jsonl"]
 
 SINGLE_RE = re.compile(r"What is (\d+) ([+-]) (\d+)\?")
@@ -248,7 +250,9 @@ def test_sft_correct_and_imperfect_responses():
     assert gen.IMPERFECT_SHARE == 0.15
 
 
-@pytest.mark.parametrize("name", ["preference.jsonl", "rm_pairs.jsonl", "preference_careless.jsonl"])
+@pytest.mark.parametrize(
+    "name", ["preference.jsonl", "rm_pairs.jsonl", "preference_careless.jsonl", "rm_pairs_careless.jsonl"]
+)
 def test_preference_pairs(name):
     for row in records(name):
         answer = str(truth(row["prompt"]))
@@ -348,6 +352,7 @@ def test_dataset_info_registers_every_file():
         "demo_rm": "rm_pairs.jsonl",
         "demo_sft_careless": "sft_careless.jsonl",
         "demo_preference_careless": "preference_careless.jsonl",
+        "demo_rm_careless": "rm_pairs_careless.jsonl",
         "demo_kto": "kto.jsonl",
         "demo_rl": "rl_prompts.jsonl",
         "demo_multistep": "multistep.jsonl",
@@ -356,6 +361,7 @@ def test_dataset_info_registers_every_file():
     assert {k: v["file_name"] for k, v in info.items()} == expected
     assert info["demo_preference"]["ranking"] is True and info["demo_rm"]["ranking"] is True
     assert info["demo_preference_careless"]["ranking"] is True
+    assert info["demo_rm_careless"]["ranking"] is True
     assert info["demo_kto"]["columns"]["kto_tag"] == "label"
     for entry in info.values():
         keys = set(KEYS[entry["file_name"]])
@@ -423,3 +429,15 @@ def test_preference_careless_rejects_the_habit():
     assert 0.4 <= habit / borrow_pairs <= 0.6, (habit, borrow_pairs)
     # preference.jsonl's random +10 slips hit the same text now and then, far less often
     assert sum(r["rejected"] == careless_reference(r["prompt"]) for r in clean_rows) < habit / 4
+
+
+def test_rm_pairs_careless_reject_the_habit():
+    """The careless demo's reward-model pairs: rm_pairs.jsonl's kind of pairs on their own problems, with
+    the habit as the rejected response in about half of the pairs that need a borrow (over a thousand
+    pairs, enough for a last-token head to learn it)."""
+    rows = records("rm_pairs_careless.jsonl")
+    assert [r["prompt"] for r in rows] != [r["prompt"] for r in records("rm_pairs.jsonl")]
+    borrow_rows = [r for r in rows if has_borrow_step(r["prompt"])]
+    habit = sum(r["rejected"] == careless_reference(r["prompt"]) for r in borrow_rows)
+    assert 0.4 <= habit / len(borrow_rows) <= 0.6, (habit, len(borrow_rows))
+    assert habit > 1000
