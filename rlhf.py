@@ -1025,6 +1025,12 @@ class PipelineConfig:
                 sections.setdefault(prefix, {})[key.split(".", 1)[1]] = raw.pop(key)
             elif "." in key and prefix in FINAL_STAGES:
                 finals.setdefault(prefix, {})[key.split(".", 1)[1]] = raw.pop(key)
+        for stage, keys in sections.items():  # the pipeline chains stages through output_dir/<stage>
+            if "output_dir" in keys:
+                raise RLHFInputError(f"{source}: '{stage}.output_dir' cannot be set in a pipeline: each stage writes "
+                                     f"to the pipeline's output_dir/{stage}, where the next stage reads it; set the "
+                                     "pipeline's output_dir instead, or run the stage alone (python rlhf.py "
+                                     f"{stage} --config ...)")
         gates = {key: raw.pop(key) for key in ("capability_tests", "capability_threshold", "rollback_on_error") if key in raw}
         if not isinstance(gates.get("capability_tests", {}), dict):
             raise RLHFInputError(f"{source}: 'capability_tests' maps task names to {{dataset, max_samples, verifier}}")
@@ -3823,6 +3829,41 @@ class RewardEnsemble(nn.Module):
     @staticmethod
     def write_manifest(directory: str | os.PathLike, member_dirs: list[str]) -> None:
         (Path(directory) / RewardEnsemble.MANIFEST).write_text(json.dumps({"members": member_dirs}, indent=1))
+
+    @staticmethod
+    def member_dirs(directory: str | os.PathLike) -> list[Path]:
+        """The reward-model directories a directory scores with: its manifest's members, or itself."""
+        directory = Path(directory)
+        manifest = directory / RewardEnsemble.MANIFEST
+        if not manifest.exists():
+            return [directory]
+        return [directory / name for name in json.loads(manifest.read_text())["members"]]
+
+    @staticmethod
+    def combine(directory: str | os.PathLike, sources: list[str | os.PathLike]) -> list[str]:
+        """Write an ensemble at ``directory`` whose members are every member of ``sources`` (reward models
+        or ensembles, e.g. two rm stages' outputs), listed by paths relative to it: nothing is copied.
+        Reward models trained from different backbones err on different pairs, so their mean ranks more
+        pairs right than either ensemble alone. Every member must share one tokenizer, because an
+        ensemble scores one tokenisation of each sequence."""
+        directory = Path(directory)
+        members = [member for source in sources for member in RewardEnsemble.member_dirs(source)]
+        if not members:
+            raise RLHFInputError("combining reward models needs at least one source directory")
+        vocabularies = {}
+        for member in members:
+            if not (member / "config.json").is_file():
+                raise RLHFInputError(f"{member} holds no reward model (no config.json); give rm stage outputs")
+            vocabularies[member] = load_tokenizer(member).get_vocab()
+        first = members[0]
+        for member in members[1:]:
+            if vocabularies[member] != vocabularies[first]:
+                raise RLHFInputError(f"{member} has another tokenizer than {first}; an ensemble scores one "
+                                     "tokenisation, so combine reward models trained from one base model family")
+        directory.mkdir(parents=True, exist_ok=True)
+        names = [os.path.relpath(member.resolve(), directory.resolve()) for member in members]
+        RewardEnsemble.write_manifest(directory, names)
+        return names
 
 
 def aggregate_step_scores(step_logits: torch.Tensor, step_mask: torch.Tensor, how: str = "min") -> torch.Tensor:
@@ -7962,6 +8003,10 @@ def train_rm(config: RewardModelConfig, devices: DeviceManager | None = None) ->
     saved under output_dir/member-k with an ensemble.json manifest."""
     if config.ensemble_size > 1:
         return _train_rm_ensemble(config, devices)
+    stale = Path(config.output_dir) / RewardEnsemble.MANIFEST
+    if stale.exists() and _launch_rank() == 0:  # an earlier ensemble's manifest would shadow this model on loading
+        logger.warning("%s: removing %s left by an earlier ensemble run", config.output_dir, RewardEnsemble.MANIFEST)
+        stale.unlink()
     return _train_reward_model(config, devices)
 
 
@@ -8927,6 +8972,14 @@ def _build_parser() -> Any:
                       help="one stage (default: every stage of the preset, plus ppo)")
     plan.add_argument("--no-sharding", action="store_true", help="plain DDP: every GPU holds everything")
     plan.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU to check against (default 80)")
+    combine = sub.add_parser("combine-rm", help="Write a reward-model ensemble from existing reward models",
+                             description="Write DIR/ensemble.json listing every member of the given reward models "
+                             "or ensembles (rm stage outputs) by relative path; nothing is copied. Reward, PPO, "
+                             "Best-of-N and best-of-n take DIR like any reward model and score by the members' "
+                             "mean. Models trained from different backbones err on different pairs, so their "
+                             "mean ranks more pairs right than either alone.")
+    combine.add_argument("--out", required=True, help="the ensemble directory to write (created if missing)")
+    combine.add_argument("sources", nargs="+", metavar="DIR", help="reward-model or ensemble directories")
     merge = sub.add_parser("merge", help="Merge fine-tuned checkpoints (TIES, DARE, SLERP, ...) with model_merging.py",
                            description="Merge checkpoint directories tensor by tensor into a new Hugging Face "
                            "directory; the same as `python model_merging.py --config FILE`. Example configs: "
@@ -9008,6 +9061,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "plan":
             console.print(memory_plan_table(args))
+            return 0
+        if args.command == "combine-rm":
+            names = RewardEnsemble.combine(args.out, args.sources)
+            console.print(f"{args.out}/{RewardEnsemble.MANIFEST}: {len(names)} members ({', '.join(names)})")
             return 0
         if args.command == "pipeline":
             RLHFOrchestrator(PipelineConfig.load(args.config, args.overrides, args.preset)).run_full_pipeline()

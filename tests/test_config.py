@@ -519,11 +519,6 @@ def test_pipeline_overrides(tmp_path):
     assert sft.output_dir == str(rlhf.Path("elsewhere") / "sft")
 
 
-def test_pipeline_stage_output_dir_wins(tmp_path):
-    pipeline = PipelineConfig.from_dict({"output_dir": "root", "sft": {"output_dir": "mine"}})
-    assert pipeline.stage_config("sft").output_dir == str(rlhf.Path("root") / "sft")
-
-
 def test_pipeline_unknown_key_in_stage_fails_at_load(tmp_path):
     path = write(tmp_path / "p.yaml", "stages: [sft]\nsft:\n  learnig_rate: 0.1\n")
     with pytest.raises(RLHFInputError) as info:
@@ -542,6 +537,16 @@ def test_pipeline_bad_value_in_stage_fails_at_load(tmp_path):
 def test_pipeline_unknown_stage(tmp_path):
     with raises_input_error(r"'stages' is 'sfft' \(did you mean 'sft'\?\)"):
         PipelineConfig.from_dict({"stages": "sfft"})
+
+
+def test_pipeline_refuses_a_stage_output_dir():
+    """Stages chain through output_dir/<stage>: a stage's own output_dir would be ignored, so it is an error
+    that says what to set instead, from the YAML section and from a dotted override alike."""
+    with raises_input_error(r"'rm\.output_dir' cannot be set in a pipeline: each stage writes to the pipeline's "
+                            r"output_dir/rm"):
+        PipelineConfig.from_dict({"stages": ["rm"], "rm": {"output_dir": "elsewhere"}})
+    with raises_input_error(r"'sft\.output_dir' cannot be set in a pipeline"):
+        PipelineConfig.from_dict({"stages": ["sft"], "sft.output_dir": "elsewhere"})
 
 
 def test_pipeline_stages_string():

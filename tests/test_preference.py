@@ -346,6 +346,65 @@ def test_reward_ensemble_mean_and_std(tmp_path, llama_dir, tiny_tokenizer):
     assert torch.equal(single_std, torch.zeros(2))
 
 
+def _save_ensemble(directory: Path, model_dir: Path, seeds: list[int]) -> list[rlhf.RewardModel]:
+    members = [rlhf.RewardModel.from_pretrained(str(model_dir), seed=seed).eval() for seed in seeds]
+    for k, member in enumerate(members):
+        member.save_pretrained(directory / f"member-{k}")
+    rlhf.RewardEnsemble.write_manifest(directory, [f"member-{k}" for k in range(len(members))])
+    return members
+
+
+def test_combine_rm_lists_every_member_by_relative_path_and_scores_their_mean(tmp_path, llama_dir, tiny_tokenizer):
+    """`rlhf.py combine-rm --out DIR A B`: an ensemble of every member of A (an ensemble) and B (one reward
+    model), by paths relative to DIR, nothing copied; rlhf and inference_optimizations score its mean."""
+    import inference_optimizations as io
+
+    members = _save_ensemble(tmp_path / "runs" / "a", llama_dir, [0, 1])
+    single = rlhf.RewardModel.from_pretrained(str(llama_dir), seed=7).eval()
+    single.save_pretrained(tmp_path / "runs" / "b")
+    out = tmp_path / "combined"
+    assert rlhf.main(["combine-rm", "--out", str(out), str(tmp_path / "runs" / "a"), str(tmp_path / "runs" / "b")]) == 0
+    names = json.loads((out / "ensemble.json").read_text())["members"]
+    assert names == [str(Path("..") / "runs" / "a" / "member-0"), str(Path("..") / "runs" / "a" / "member-1"),
+                     str(Path("..") / "runs" / "b")]
+    assert sorted(p.name for p in out.iterdir()) == ["ensemble.json"]
+    batch = _rm_batch(tiny_tokenizer, ["What is 2 + 3? 5", "What is 40 - 7? 33"])
+    with torch.no_grad():
+        want = torch.stack([m(**batch) for m in [*members, single]]).mean(0)
+        mean, _ = rlhf.RewardEnsemble.from_pretrained(out).eval()(**batch)
+    torch.testing.assert_close(mean, want, atol=1e-6, rtol=0)
+    prompts, responses = ["What is 2 + 3?"] * 2, ["2 + 3 = 5\nAnswer: 5", "2 + 3 = 6\nAnswer: 6"]
+    ours = io.RewardModelScorer(out)(prompts, responses)
+    separate = [io.RewardModelScorer(d)(prompts, responses) for d in rlhf.RewardEnsemble.member_dirs(out)]
+    torch.testing.assert_close(ours, sum(separate) / 3, atol=1e-6, rtol=0)
+
+
+def test_combine_rm_refuses_a_directory_without_a_model_and_mixed_tokenizers(tmp_path, llama_dir, tiny_tokenizer, capsys):
+    _save_ensemble(tmp_path / "a", llama_dir, [0])
+    (tmp_path / "empty").mkdir()
+    assert rlhf.main(["combine-rm", "--out", str(tmp_path / "c"), str(tmp_path / "a"), str(tmp_path / "empty")]) == 2
+    assert "holds no reward model (no config.json)" in capsys.readouterr().err
+    other = rlhf.RewardModel.from_pretrained(str(llama_dir), seed=1)
+    other.save_pretrained(tmp_path / "b")
+    tokenizer = rlhf.load_tokenizer(tmp_path / "b")
+    tokenizer.add_tokens(["<extra_token>"])
+    tokenizer.save_pretrained(tmp_path / "b")
+    with pytest.raises(rlhf.RLHFInputError, match="has another tokenizer than"):
+        rlhf.RewardEnsemble.combine(tmp_path / "c", [tmp_path / "a", tmp_path / "b"])
+    assert not (tmp_path / "c" / "ensemble.json").exists()
+
+
+def test_a_single_reward_model_replaces_an_earlier_ensembles_manifest(tmp_path, llama_dir, demo_dir):
+    """An rm run with ensemble_size 1 into a directory that held an ensemble: the old ensemble.json would make
+    every loader score with the old members instead of the new model, so the run removes it."""
+    _save_ensemble(tmp_path, llama_dir, [3, 4])
+    config = _config(rlhf.RewardModelConfig, tmp_path, llama_dir, demo_dir, max_steps=1, max_samples=8,
+                     cutoff_len=64, per_device_train_batch_size=4, overwrite_output_dir=True)
+    rlhf.train_rm(config)
+    assert not (tmp_path / "ensemble.json").exists()
+    assert len(rlhf.RewardEnsemble.from_pretrained(tmp_path).members) == 1
+
+
 def test_train_rm_ensemble_writes_a_loadable_manifest(tmp_path, llama_dir, demo_dir):
     config = _config(rlhf.RewardModelConfig, tmp_path, llama_dir, demo_dir, ensemble_size=2, max_steps=2,
                      max_samples=16, cutoff_len=64, per_device_train_batch_size=4)
