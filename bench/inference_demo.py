@@ -9,7 +9,8 @@ The acceptance claims of the inference-time-compute issue, measured as hypothese
   1. Best-of-8 reranked by the trained reward model beats greedy accuracy (data/demo/eval.jsonl);
   2. MCTS with the process reward model as value function beats greedy on the multi-step problems
      (data/demo/multistep.jsonl);
-  3. adaptive allocation beats uniform allocation at the same total number of samples (eval);
+  3. adaptive allocation beats uniform allocation at the same total number of samples (eval), with the
+     answer picked by majority vote or by the reward model;
   4. confidence-based stopping saves samples at equal accuracy (eval).
 
 A response is correct when its last ``Answer: N`` equals the record's answer. Everything is decided
@@ -26,7 +27,9 @@ default 0.95, the paper's), which nothing is tuned for.
 How samples are shared (common random numbers): for each held-out prompt a pool of ``--pool`` i.i.d.
 samples is drawn once (one batched ``generate`` call per group of prompts, ``BestOfNSampler.candidates``).
 Best-of-8, the oracle and the majority vote use its first 8; uniform allocation takes the first k
-of a prompt's pool, adaptive allocation the pilot plus as many further pool samples as it is given;
+of a prompt's pool, adaptive allocation the pilot plus as many further pool samples as it is given
+(difficulty: the pilot's disagreement or reward-score spread under the vote, the best pilot score's
+shortfall below the median under reward-model reranking, which samples the Best-of-N pool);
 confidence stopping reads the pool one sample at a time and stops when ``ConfidenceBasedStopping``
 says so. Reading i.i.d. samples in order is the same in distribution as drawing them one by one,
 and it makes every comparison paired (the same samples on both sides), so differences come from the
@@ -290,6 +293,29 @@ def adaptive_vs_uniform(answers: list[list], scores: list[list[float]], truth: l
             "hard": sum(d > 0 for d in difficulty)}
 
 
+def adaptive_vs_uniform_reranked(scores: list[list[float]], ok: list[list[bool]], args) -> dict:
+    """Allocation for Best-of-N: each prompt's answer is its highest-scored sample. Difficulty is the reward
+    model's doubt about the pilot: how far the best pilot score falls below the median best pilot score over
+    the prompts (0 above it), so the samples go where no pilot answer looks right. Uses no labels."""
+    count = len(scores)
+    total = args.budget_per_prompt * count
+    best_pilot = [max(row[:args.pilot]) for row in scores]
+    middle = sorted(best_pilot)[count // 2]
+    difficulty = [max(0.0, middle - b) for b in best_pilot]
+    extra = io.AdaptiveComputeAllocator(total - args.pilot * count, min_per_prompt=0,
+                                        max_per_prompt=args.max_per_prompt - args.pilot).allocate(difficulty)
+    shares = [args.pilot + e for e in extra]
+    assert sum(shares) == total
+
+    def pick(row_scores: list[float], row_ok: list[bool], k: int) -> bool:
+        return row_ok[max(range(k), key=lambda i: row_scores[i])]
+
+    adaptive = [pick(s, o, k) for s, o, k in zip(scores, ok, shares)]
+    uniform = [pick(s, o, args.budget_per_prompt) for s, o in zip(scores, ok)]
+    return {"adaptive": adaptive, "uniform": uniform, "shares": shares, "total": total,
+            "hard": sum(d > 0 for d in difficulty)}
+
+
 def build_value_fn(prm_dir: str):
     import rlhf
 
@@ -474,6 +500,16 @@ def main(argv: list[str] | None = None) -> int:
             f"max {max(result['shares'])}/prompt; {delta_note(result['adaptive'], result['uniform'], args.seed, 'uniform')}",
             claim=3 if kind == "disagreement" else None, verdict=verdict(result["adaptive"], result["uniform"]),
             difficulty=kind, total_samples=result["total"])
+
+    bon_ok = [[correct(c, r["answer"]) for c in row] for r, row in zip(eval_records, bon_pool)]
+    result = adaptive_vs_uniform_reranked(bon_scores, bon_ok, args)
+    add(f"Uniform {k} + RM rerank", eval_name, f"{k} samples ({result['total']} total)", result["uniform"],
+        f"T {bon_t}; the highest-scored of the first {k}")
+    add("Adaptive + RM rerank", eval_name, f"{k} samples ({result['total']} total)", result["adaptive"],
+        f"T {bon_t}; pilot {args.pilot}, difficulty = the best pilot score's shortfall below the median; "
+        f"{result['hard']} prompts with difficulty > 0, max {max(result['shares'])}/prompt; "
+        f"{delta_note(result['adaptive'], result['uniform'], args.seed, 'uniform')}", claim=3,
+        verdict=verdict(result["adaptive"], result["uniform"]), difficulty="rm_shortfall", total_samples=result["total"])
 
     # -- 4. confidence stopping vs a fixed vote ------------------------------------------------------------------
     fixed = [vote(a[:args.n]) == t for a, t in zip(answers, truth)]

@@ -596,6 +596,19 @@ def test_careless_demo_config_loads(repo):
     assert {sft.dataset, dpo.dataset} <= set(info)
 
 
+def test_careless_reward_and_ppo_configs_load(repo):
+    """configs/rm_careless.yaml trains the careless demo's boosted reward models on the pairs that reject the
+    habit; configs/ppo_careless.yaml runs PPO on the learned reward alone, from the careless SFT model."""
+    rm = rlhf.load_config(rlhf.RewardModelConfig, repo / "configs" / "rm_careless.yaml")
+    assert rm.dataset == "demo_rm_careless" and rm.ensemble_size == 4 and rm.ensemble_strategy == "boosting"
+    assert rm.output_dir == "outputs/demo_careless/rm" and rm.val_split_by_prompt
+    ppo = rlhf.load_config(rlhf.PPOConfig, repo / "configs" / "ppo_careless.yaml")
+    assert ppo.model_name_or_path == "outputs/demo_careless/sft" and ppo.reward_funcs == []
+    assert ppo.reward_model == "outputs/demo_careless/rm_combined" and ppo.value_model.startswith("outputs/demo_careless/rm")
+    info = rlhf.json.loads((repo / "data" / "demo" / "dataset_info.json").read_text())
+    assert rm.dataset in info and info[rm.dataset]["ranking"] is True
+
+
 # ---------------------------------------------------------------- --help
 
 

@@ -1,0 +1,36 @@
+"""bench/inference_demo.py's allocation under reward-model reranking, on a case worked out by hand."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def demo():
+    sys.path.insert(0, str(REPO / "bench"))  # inference_demo imports bench/tables.py
+    spec = importlib.util.spec_from_file_location("inference_demo", REPO / "bench" / "inference_demo.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_adaptive_reranked_spends_the_budget_where_the_pilot_scores_low(demo):
+    """4 prompts, 2 samples each (8 in all), a 1-sample pilot. The best pilot scores are 5, 4, 1, 2; their
+    median (the upper middle, 4) leaves shortfalls 0, 0, 3, 2, so the 4 further samples go to the last two
+    prompts 3:2: 2.4 and 1.6 give 2 and 1, and the one left over is shared again 3:2 and goes to the larger
+    remainder (AdaptiveComputeAllocator). Each prompt answers with its highest-scored sample."""
+    scores = [[5, 0, 0, 0], [4, 0, 0, 0], [1, 2, 3, 0], [2, 1, 0, 3]]
+    ok = [[True, False, False, False], [True, False, False, False], [False, False, True, False],
+          [False, False, False, True]]
+    args = argparse.Namespace(budget_per_prompt=2, pilot=1, max_per_prompt=4)
+    result = demo.adaptive_vs_uniform_reranked(scores, ok, args)
+    assert result["shares"] == [1, 1, 4, 2] and result["total"] == 8 and result["hard"] == 2
+    assert result["adaptive"] == [True, True, True, False]  # prompt 3's right sample is its 4th, not reached
+    assert result["uniform"] == [True, True, False, False]  # the best of the first 2 samples
