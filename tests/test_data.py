@@ -351,6 +351,7 @@ def test_llamafactory_datasets(llamafactory_dir, name):
 DEMO_EXPECTED = {"demo_sft": ("sft", 3000), "demo_preference": ("preference", 1500),
                  "demo_rm": ("preference", 12000), "demo_kto": ("kto", 1500),
                  "demo_sft_careless": ("sft", 3000), "demo_preference_careless": ("preference", 1500),
+                 "demo_rm_careless": ("preference", 12000),
                  "demo_rl": ("prompt", 800), "demo_eval": ("prompt", 300), "demo_multistep": ("prompt", 200)}
 
 
