@@ -3819,12 +3819,8 @@ class RewardEnsemble(nn.Module):
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, **kwargs: Any) -> RewardEnsemble:
-        directory = Path(directory)
-        manifest = directory / cls.MANIFEST
-        if not manifest.exists():  # a single reward model is an ensemble of one
-            return cls([RewardModel.from_pretrained(str(directory), **kwargs)])
-        names = json.loads(manifest.read_text())["members"]
-        return cls([RewardModel.from_pretrained(str(directory / name), **kwargs) for name in names])
+        # a single reward model is an ensemble of one
+        return cls([RewardModel.from_pretrained(str(member), **kwargs) for member in cls.member_dirs(directory)])
 
     @staticmethod
     def write_manifest(directory: str | os.PathLike, member_dirs: list[str]) -> None:
@@ -3850,14 +3846,13 @@ class RewardEnsemble(nn.Module):
         members = [member for source in sources for member in RewardEnsemble.member_dirs(source)]
         if not members:
             raise RLHFInputError("combining reward models needs at least one source directory")
-        vocabularies = {}
         for member in members:
             if not (member / "config.json").is_file():
                 raise RLHFInputError(f"{member} holds no reward model (no config.json); give rm stage outputs")
-            vocabularies[member] = load_tokenizer(member).get_vocab()
         first = members[0]
+        vocabulary = load_tokenizer(first).get_vocab()
         for member in members[1:]:
-            if vocabularies[member] != vocabularies[first]:
+            if load_tokenizer(member).get_vocab() != vocabulary:
                 raise RLHFInputError(f"{member} has another tokenizer than {first}; an ensemble scores one "
                                      "tokenisation, so combine reward models trained from one base model family")
         directory.mkdir(parents=True, exist_ok=True)

@@ -230,6 +230,11 @@ def score_pool(scorer, prompts: list[str], pool: list[list[str]]) -> list[list[f
     return out
 
 
+def best_by_score(row_scores: list[float], row_ok: list[bool], k: int) -> bool:
+    """Whether the highest-scored of a prompt's first k samples is right (the first one on a tie)."""
+    return row_ok[max(range(k), key=lambda i: row_scores[i])]
+
+
 def pool_stats(records: list[dict], pool: list[list[str]], scores: list[list[float]], n: int) -> dict:
     """Accuracy of the first sample, Best-of-n by score, majority of n and oracle of n, plus how well
     the scores rank correct above wrong candidates (pairwise, within prompts that have both)."""
@@ -239,7 +244,7 @@ def pool_stats(records: list[dict], pool: list[list[str]], scores: list[list[flo
         row, row_scores = row[:n], row_scores[:n]
         ok = [correct(c, record["answer"]) for c in row]
         first.append(ok[0])
-        best.append(ok[max(range(n), key=lambda i: row_scores[i])])
+        best.append(best_by_score(row_scores, ok, n))
         major.append(vote([io._last_answer(c) for c in row]) == str(record["answer"]).strip())
         oracle.append(any(ok))
         right = [s for s, o in zip(row_scores, ok) if o]
@@ -274,19 +279,25 @@ def stopping_verdict(flags: list[bool], fixed: list[bool], mean_used: float, n: 
     return f"does NOT hold: {mean_used:.2f} samples, accuracy {pct(flags) - pct(fixed):+.1f} pts"
 
 
+def allocate(difficulty: list[float], args) -> tuple[list[int], int]:
+    """Each prompt's samples under adaptive allocation: the pilot, plus its share of the rest of the
+    uniform budget (budget_per_prompt per prompt) by difficulty, capped at max_per_prompt; and the total."""
+    total = args.budget_per_prompt * len(difficulty)
+    extra = io.AdaptiveComputeAllocator(total - args.pilot * len(difficulty), min_per_prompt=0,
+                                        max_per_prompt=args.max_per_prompt - args.pilot).allocate(difficulty)
+    shares = [args.pilot + e for e in extra]
+    assert sum(shares) == total
+    return shares, total
+
+
 def adaptive_vs_uniform(answers: list[list], scores: list[list[float]], truth: list[str], args,
                         difficulty_kind: str) -> dict:
-    count = len(truth)
-    total = args.budget_per_prompt * count
     pilot = [a[:args.pilot] for a in answers]
     if difficulty_kind == "disagreement":
         difficulty = [1.0 - io.answer_agreement(p)[1] for p in pilot]
     else:  # reward-model score spread over the pilot samples
         difficulty = [float(torch.tensor(s[:args.pilot]).std(unbiased=False)) for s in scores]
-    extra = io.AdaptiveComputeAllocator(total - args.pilot * count, min_per_prompt=0,
-                                        max_per_prompt=args.max_per_prompt - args.pilot).allocate(difficulty)
-    shares = [args.pilot + e for e in extra]
-    assert sum(shares) == total
+    shares, total = allocate(difficulty, args)
     adaptive = [vote(a[:k]) == t for a, k, t in zip(answers, shares, truth)]
     uniform = [vote(a[:args.budget_per_prompt]) == t for a, t in zip(answers, truth)]
     return {"adaptive": adaptive, "uniform": uniform, "shares": shares, "total": total,
@@ -297,21 +308,12 @@ def adaptive_vs_uniform_reranked(scores: list[list[float]], ok: list[list[bool]]
     """Allocation for Best-of-N: each prompt's answer is its highest-scored sample. Difficulty is the reward
     model's doubt about the pilot: how far the best pilot score falls below the median best pilot score over
     the prompts (0 above it), so the samples go where no pilot answer looks right. Uses no labels."""
-    count = len(scores)
-    total = args.budget_per_prompt * count
     best_pilot = [max(row[:args.pilot]) for row in scores]
-    middle = sorted(best_pilot)[count // 2]
+    middle = sorted(best_pilot)[len(scores) // 2]
     difficulty = [max(0.0, middle - b) for b in best_pilot]
-    extra = io.AdaptiveComputeAllocator(total - args.pilot * count, min_per_prompt=0,
-                                        max_per_prompt=args.max_per_prompt - args.pilot).allocate(difficulty)
-    shares = [args.pilot + e for e in extra]
-    assert sum(shares) == total
-
-    def pick(row_scores: list[float], row_ok: list[bool], k: int) -> bool:
-        return row_ok[max(range(k), key=lambda i: row_scores[i])]
-
-    adaptive = [pick(s, o, k) for s, o, k in zip(scores, ok, shares)]
-    uniform = [pick(s, o, args.budget_per_prompt) for s, o in zip(scores, ok)]
+    shares, total = allocate(difficulty, args)
+    adaptive = [best_by_score(s, o, k) for s, o, k in zip(scores, ok, shares)]
+    uniform = [best_by_score(s, o, args.budget_per_prompt) for s, o in zip(scores, ok)]
     return {"adaptive": adaptive, "uniform": uniform, "shares": shares, "total": total,
             "hard": sum(d > 0 for d in difficulty)}
 
