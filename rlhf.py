@@ -3833,7 +3833,12 @@ class RewardEnsemble(nn.Module):
         manifest = directory / RewardEnsemble.MANIFEST
         if not manifest.exists():
             return [directory]
-        return [directory / name for name in json.loads(manifest.read_text())["members"]]
+        try:
+            names = json.loads(manifest.read_text())["members"]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise RLHFInputError(f"{manifest}: not an ensemble manifest ({type(err).__name__}: {err}); it must be "
+                                 'JSON like {"members": ["member-0", "member-1"]}') from None
+        return [directory / name for name in names]
 
     @staticmethod
     def combine(directory: str | os.PathLike, sources: list[str | os.PathLike]) -> list[str]:

@@ -392,6 +392,10 @@ def test_combine_rm_refuses_a_directory_without_a_model_and_mixed_tokenizers(tmp
     with pytest.raises(rlhf.RLHFInputError, match="has another tokenizer than"):
         rlhf.RewardEnsemble.combine(tmp_path / "c", [tmp_path / "a", tmp_path / "b"])
     assert not (tmp_path / "c" / "ensemble.json").exists()
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "ensemble.json").write_text("{members: [")
+    assert rlhf.main(["combine-rm", "--out", str(tmp_path / "c"), str(tmp_path / "broken")]) == 2
+    assert "ensemble.json: not an ensemble manifest (JSONDecodeError" in capsys.readouterr().err
 
 
 def test_a_single_reward_model_replaces_an_earlier_ensembles_manifest(tmp_path, llama_dir, demo_dir):
