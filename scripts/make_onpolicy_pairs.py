@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import sys
 from pathlib import Path
 
@@ -27,13 +28,44 @@ sys.path.insert(0, str(REPO))
 import inference_optimizations as io  # noqa: E402
 
 
+def demo_answer(prompt: str) -> str | None:
+    """The answer of a demo prompt ('What is 52 - 7?', 'Compute 12 + 7 - 5.'), for files without one (sft.jsonl)."""
+    match = re.search(r"(\d+(?:\s*[-+]\s*\d+)+)", prompt)
+    if match is None:
+        return None
+    terms = re.findall(r"([-+]?)\s*(\d+)", match.group(1))
+    return str(sum(-int(n) if sign == "-" else int(n) for sign, n in terms))
+
+
+def load_prompts(paths: list[str], skip: int) -> list[dict]:
+    """Records with a prompt and an answer from every file, once each. The first ``skip`` lines of each file
+    are left out, and so are their prompts wherever else they appear."""
+    lines = {path: Path(path).read_text().splitlines() for path in paths}
+    seen = {json.loads(line)["prompt"] for path in paths for line in lines[path][:skip] if line.strip()}
+    records = []
+    for path in paths:
+        for number, line in enumerate(lines[path][skip:], start=skip + 1):
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            answer = record.get("answer", demo_answer(record.get("prompt", "")))
+            if answer is None:
+                raise SystemExit(f"{path}:{number}: no 'answer' and no arithmetic in the prompt to compute it from")
+            if record["prompt"] not in seen:
+                seen.add(record["prompt"])
+                records.append({"prompt": record["prompt"], "answer": str(answer)})
+    return records
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--policy", default="outputs/demo/sft", help="policy directory")
-    parser.add_argument("--prompts", default="data/demo/rl_prompts.jsonl", help="JSONL with prompt and answer")
+    parser.add_argument("--prompts", nargs="+", default=["data/demo/rl_prompts.jsonl"],
+                        help="JSONL files with a prompt and an answer (a demo prompt without one, as in sft.jsonl, "
+                             "gets the answer of its arithmetic); a prompt in several files is used once")
     parser.add_argument("--out", default="outputs/onpolicy_pairs", help="output directory")
     parser.add_argument("--skip", type=int, default=0,
-                        help="leave out the first N prompts (bench/inference_demo.py chooses its settings on the "
+                        help="leave out the first N prompts of each file, wherever they appear (bench/inference_demo.py chooses its settings on the "
                              "first 200 of rl_prompts.jsonl: pass --skip 200 to keep a reward model off them)")
     parser.add_argument("--samples", type=int, default=8, help="samples per prompt")
     parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature")
@@ -50,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(args.policy)
     model = AutoModelForCausalLM.from_pretrained(args.policy).eval()
-    records = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()][args.skip:]
+    records = load_prompts(args.prompts, args.skip)
     params = io.SamplingParams(max_new_tokens=64, temperature=args.temperature, n=args.samples, seed=args.seed,
                                stop_token_ids=io.stop_token_ids(tokenizer))
     pairs, mixed = [], 0

@@ -1,0 +1,54 @@
+"""scripts/make_onpolicy_pairs.py's prompt loading: answers computed for demo prompts that carry none
+(sft.jsonl), duplicates across files used once, and the skipped validation prompts kept out everywhere."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def script():
+    spec = importlib.util.spec_from_file_location("make_onpolicy_pairs", REPO / "scripts" / "make_onpolicy_pairs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(("prompt", "answer"), [("What is 52 - 7?", "45"), ("What is 95 + 5?", "100"),
+                                                ("Compute 12 + 7 - 5.", "14"), ("Compute 90 - 7 + 4 - 30.", "57"),
+                                                ("Say hello.", None)])
+def test_demo_answer(script, prompt, answer):
+    assert script.demo_answer(prompt) == answer
+
+
+def test_demo_answer_agrees_with_every_demo_file_that_has_answers(script):
+    for name in ("eval.jsonl", "rl_prompts.jsonl", "multistep.jsonl"):
+        for line in (REPO / "data/demo" / name).read_text().splitlines():
+            record = json.loads(line)
+            assert script.demo_answer(record["prompt"]) == str(record["answer"]), (name, record)
+
+
+def test_load_prompts_skips_dedupes_and_fills_answers(script, tmp_path):
+    first = tmp_path / "rl.jsonl"
+    first.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"prompt": "What is 52 - 7?", "answer": "45"}, {"prompt": "What is 10 + 3?", "answer": "13"}]))
+    second = tmp_path / "sft.jsonl"
+    second.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"prompt": "What is 61 - 2?", "response": "61 - 2 = 59"}, {"prompt": "What is 52 - 7?", "response": "x"},
+        {"prompt": "What is 10 + 3?", "response": "y"}, {"prompt": "Compute 1 + 2 + 3.", "response": "z"}]))
+    records = script.load_prompts([str(first), str(second)], skip=1)
+    # 52 - 7 is skipped in the first file and so kept out of the second; 61 - 2 is the second file's skipped line
+    assert records == [{"prompt": "What is 10 + 3?", "answer": "13"}, {"prompt": "Compute 1 + 2 + 3.", "answer": "6"}]
+
+
+def test_load_prompts_names_the_line_without_an_answer(script, tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"prompt": "Tell me a story."}) + "\n")
+    with pytest.raises(SystemExit, match=r"bad.jsonl:1: no 'answer'"):
+        script.load_prompts([str(path)], skip=0)
