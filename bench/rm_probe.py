@@ -21,6 +21,13 @@ to carry over.
 A last row asks whether the reward model checks arithmetic it was never shown: one pair per held-out
 eval prompt (data/demo/eval.jsonl, whose facts no training file works out), the correct solution against
 a slip made the way the demo data makes them (one step off by one of ``FLAW_DELTAS``, carried through).
+Two more rows probe the tens digit on the eval prompts' single-step subtractions: the correct answer
+against the careless teacher's habit where a borrow is needed (``52 - 7 = 55``), and against a borrow
+taken where none is needed (``83 - 3 = 70``). A reward model trained on pairs that reject the habit can
+learn "the lower tens digit is better" instead of the arithmetic; the second row shows it, and it is the
+answer RL on such a reward model drifts to (README, "The careless-teacher demo").
+
+    python bench/rm_probe.py --dataset demo_rm_careless --reward-models outputs/demo/rm,outputs/demo_careless/rm
 """
 
 from __future__ import annotations
@@ -105,6 +112,32 @@ def eval_slip_pairs(path: Path, seed: int) -> list[dict]:
     return records
 
 
+TENS_DIGIT_PROBES = {
+    "borrow, vs the habit (+10)": lambda a, op, b: op == "-" and a % 10 < b,
+    "no borrow, vs a borrow (-10)": lambda a, op, b: op == "-" and a % 10 >= b and a - b >= 10,
+}
+
+
+def tens_digit_pairs(path: Path) -> dict[str, list[dict]]:
+    """Single-step subtractions of the eval prompts, the correct answer against one 10 too high where a borrow
+    is needed (the careless teacher's habit) and one 10 too low where none is (a borrow taken that is not
+    there: the answer a reward model that learned "reject the higher tens digit" prefers)."""
+    pairs: dict[str, list[dict]] = {name: [] for name in TENS_DIGIT_PROBES}
+    for line in path.read_text().splitlines():
+        item = json.loads(line)
+        match = re.fullmatch(r"What is (\d+) ([+-]) (\d+)\?", item["prompt"])
+        if not match:
+            continue
+        a, op, b = int(match[1]), match[2], int(match[3])
+        right = a - b if op == "-" else a + b
+        for (name, applies), wrong in zip(TENS_DIGIT_PROBES.items(), (right + 10, right - 10)):
+            if applies(a, op, b):
+                pairs[name].append({"system": None, "messages": [{"role": "user", "content": item["prompt"]}],
+                                    "chosen": f"{a} {op} {b} = {right}\nAnswer: {right}",
+                                    "rejected": f"{a} {op} {b} = {wrong}\nAnswer: {wrong}"})
+    return pairs
+
+
 def pairwise(scores: torch.Tensor) -> torch.Tensor:
     chosen, rejected = scores.chunk(2)
     return chosen > rejected
@@ -144,7 +177,9 @@ def main() -> int:
         pairs = rlhf.PreferenceDataset(records, policy.tokenizer, formatter, cutoff_len=128)
         return [collate([pairs[i] for i in range(s, min(s + 50, len(pairs)))]) for s in range(0, len(pairs), 50)]
 
-    sets = {"held_out": batches(held_out), "eval_slips": batches(eval_slips)}
+    tens_digit = tens_digit_pairs(REPO / "data/demo/eval.jsonl")
+    sets = {"held_out": batches(held_out), "eval_slips": batches(eval_slips),
+            **{name: batches(pairs) for name, pairs in tens_digit.items()}}
     columns = {"SFT log-likelihood": {name: torch.cat([pairwise(log_likelihoods(policy, b)) for b in bs])
                                       for name, bs in sets.items()}}
     train_columns = {}
@@ -170,6 +205,10 @@ def main() -> int:
     rows.append(["arithmetic, eval prompts (held-out facts)", str(len(eval_slips))]
                 + [share(right["eval_slips"], list(range(len(eval_slips)))) for right in columns.values()]
                 + ["-"] * len(train_columns))
+    for name, pairs in tens_digit.items():
+        rows.append([f"eval, {name}", str(len(pairs))]
+                    + [share(right[name], list(range(len(pairs)))) for right in columns.values()]
+                    + ["-"] * len(train_columns))
     print_table(["rejected flaw", "pairs", *columns, *train_columns], rows,
                 f"Held-out demo pairs ranked right (chosen above rejected), {len(held_out)} pairs", label_columns=2,
                 min_width=160)

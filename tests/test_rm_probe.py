@@ -72,3 +72,25 @@ def test_main_prints_a_training_pair_column_per_reward_model(probe, tiny_model_d
     assert probe.main() == 0
     out = capsys.readouterr().out
     assert out.count("on 6 training pairs") == 2, out
+
+
+def test_tens_digit_pairs_are_the_habit_and_an_invented_borrow(probe):
+    """Every eval single-step subtraction lands in exactly one probe: a borrow problem against the habit
+    (10 too high), a problem without one against a borrow taken anyway (10 too low); the chosen answer is
+    the eval file's own."""
+    eval_path = REPO / "data/demo/eval.jsonl"
+    answers = {json.loads(line)["prompt"]: json.loads(line)["answer"] for line in eval_path.read_text().splitlines()}
+    pairs = probe.tens_digit_pairs(eval_path)
+    habit, invented = pairs["borrow, vs the habit (+10)"], pairs["no borrow, vs a borrow (-10)"]
+    assert len(habit) > 30 and len(invented) > 30
+    assert not {p["messages"][0]["content"] for p in habit} & {p["messages"][0]["content"] for p in invented}
+    for pair, delta in [(p, 10) for p in habit] + [(p, -10) for p in invented]:
+        prompt = pair["messages"][0]["content"]
+        right = int(pair["chosen"].rsplit(" ", 1)[1])
+        assert str(right) == answers[prompt] and " - " in prompt
+        assert int(pair["rejected"].rsplit(" ", 1)[1]) == right + delta
+    def needs_borrow(pair: dict) -> bool:  # "What is 52 - 7?": 2 units cannot give 7
+        words = pair["messages"][0]["content"].split()
+        return int(words[2]) % 10 < int(words[4].rstrip("?"))
+
+    assert all(needs_borrow(p) for p in habit) and not any(needs_borrow(p) for p in invented)
