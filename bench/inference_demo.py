@@ -17,7 +17,8 @@ A response is correct when its last ``Answer: N`` equals the record's answer. Ev
 before the held-out sets are touched, on a validation slice of data/demo/rl_prompts.jsonl (training
 prompts with answers, not held out): the sampling temperature of Best-of-N (best Best-of-8 + RM
 accuracy), the temperature of the voting methods (best majority-of-8 accuracy), the confidence-stopping
-setting (fewest mean samples at a validation accuracy no lower than the fixed 8-sample vote) and,
+setting (fewest mean samples at a validation accuracy no lower than the fixed 8-sample vote), the share
+of prompts that the "lowest-scored share" reranking rule gives its extra samples (``--flag-shares``) and,
 optionally (``--mcts-temperatures`` with several values), the MCTS temperature on the slice's
 multi-step prompts. Fixed settings can be given instead (``--temperature``, ``--vote-temperature``,
 ``--stop-agreement``/``--stop-min-samples``, one MCTS temperature): no sweep then. Confidence stopping
@@ -99,6 +100,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--budget-per-prompt", type=int, default=4,
                         help="total samples per prompt on average, pilot included, in both arms (default 4)")
     parser.add_argument("--max-per-prompt", type=int, default=16, help="adaptive cap per prompt, pilot included")
+    parser.add_argument("--flag-shares", type=floats, default=[0.1, 0.2, 0.33, 0.5],
+                        help="for the 'lowest-scored share' reranking rule: shares of the prompts (those whose best "
+                             "pilot score is lowest) that receive the extra samples, swept on validation (one value: fixed)")
     # confidence stopping
     parser.add_argument("--stop-agreement", type=floats, default=[0.6, 0.7, 0.8, 1.0],
                         help="agreement values to sweep on validation (one value: fixed)")
@@ -279,12 +283,14 @@ def stopping_verdict(flags: list[bool], fixed: list[bool], mean_used: float, n: 
     return f"does NOT hold: {mean_used:.2f} samples, accuracy {pct(flags) - pct(fixed):+.1f} pts"
 
 
-def allocate(difficulty: list[float], args) -> tuple[list[int], int]:
+def allocate(difficulty: list[float], args, max_per_prompt: int | None = None) -> tuple[list[int], int]:
     """Each prompt's samples under adaptive allocation: the pilot, plus its share of the rest of the
-    uniform budget (budget_per_prompt per prompt) by difficulty, capped at max_per_prompt; and the total."""
+    uniform budget (budget_per_prompt per prompt) by difficulty, capped at max_per_prompt (default
+    ``--max-per-prompt``); and the total."""
     total = args.budget_per_prompt * len(difficulty)
+    cap = max_per_prompt or args.max_per_prompt
     extra = io.AdaptiveComputeAllocator(total - args.pilot * len(difficulty), min_per_prompt=0,
-                                        max_per_prompt=args.max_per_prompt - args.pilot).allocate(difficulty)
+                                        max_per_prompt=cap - args.pilot).allocate(difficulty)
     shares = [args.pilot + e for e in extra]
     assert sum(shares) == total
     return shares, total
@@ -302,6 +308,25 @@ def adaptive_vs_uniform(answers: list[list], scores: list[list[float]], truth: l
     uniform = [vote(a[:args.budget_per_prompt]) == t for a, t in zip(answers, truth)]
     return {"adaptive": adaptive, "uniform": uniform, "shares": shares, "total": total,
             "hard": sum(d > 0 for d in difficulty)}
+
+
+def lowest_share_difficulty(scores: list[list[float]], share: float, pilot: int) -> list[float]:
+    """1.0 for the ``share`` of prompts whose best pilot score is lowest (ties by order), else 0.0: the extra
+    samples go, evenly, only where the reward model likes no pilot answer (compute-optimal allocation by a
+    verifier's difficulty estimate, Snell et al. 2024). Uses no labels."""
+    best_pilot = [max(row[:pilot]) for row in scores]
+    flagged = sorted(range(len(scores)), key=lambda i: best_pilot[i])[:round(share * len(scores))]
+    difficulty = [0.0] * len(scores)
+    for i in flagged:
+        difficulty[i] = 1.0
+    return difficulty
+
+
+def reranked_allocation(scores: list[list[float]], ok: list[list[bool]], difficulty: list[float], args,
+                        max_per_prompt: int) -> tuple[list[bool], list[int]]:
+    """Best-of-N by score under adaptive allocation with this difficulty: each prompt's flags and shares."""
+    shares, _ = allocate(difficulty, args, max_per_prompt)
+    return [best_by_score(s, o, k) for s, o, k in zip(scores, ok, shares)], shares
 
 
 def adaptive_vs_uniform_reranked(scores: list[list[float]], ok: list[list[bool]], args) -> dict:
@@ -385,12 +410,12 @@ def main(argv: list[str] | None = None) -> int:
                                                           validation)]
     temps = sorted({*([args.temperature] if args.temperature is not None else args.temperatures),
                     *([args.vote_temperature] if args.vote_temperature is not None else args.temperatures)})
-    val_pools, val_stats = {}, {}
+    val_pools, val_scores, val_stats = {}, {}, {}
     for temperature in temps:
         pool = timed(f"{args.n} samples at T {temperature} (validation)", policy.samples, val_prompts, args.n,
                      temperature, args.seed + 1)
-        val_pools[temperature] = pool
-        val_stats[temperature] = pool_stats(validation, pool, score_pool(scorer, val_prompts, pool), args.n)
+        val_pools[temperature], val_scores[temperature] = pool, score_pool(scorer, val_prompts, pool)
+        val_stats[temperature] = pool_stats(validation, pool, val_scores[temperature], args.n)
     sweeps["validation"] = {"prompts": len(validation), "file": args.validation, "greedy": pct(val_greedy),
                             "by_temperature": {str(t): {"first_sample": pct(s["first"]), "best_of_n_rm": pct(s["best"]),
                                                         "majority": pct(s["majority"]), "oracle": pct(s["oracle"]),
@@ -412,6 +437,12 @@ def main(argv: list[str] | None = None) -> int:
     stop = min(eligible, key=lambda g: (g["mean_samples"], -g["accuracy"]))
     sweeps["confidence_stopping"] = {"temperature": vote_t, "fixed_vote_accuracy": fixed_val, "grid": grid,
                                      "chosen": stop}
+    val_ok = [[correct(c, r["answer"]) for c in row] for r, row in zip(validation, val_pools[bon_t])]
+    share_accuracy = {str(share): pct(reranked_allocation(val_scores[bon_t], val_ok, lowest_share_difficulty(
+        val_scores[bon_t], share, args.pilot), args, min(args.max_per_prompt, args.n))[0]) for share in args.flag_shares}
+    flag_share = max(args.flag_shares, key=lambda s: (share_accuracy[str(s)], s))  # ties: spread wider
+    sweeps["adaptive_rerank"] = {"temperature": bon_t, "pool": args.n, "accuracy_by_share": share_accuracy,
+                                 "chosen": flag_share}
     print(f"validation ({len(validation)} prompts of {args.validation}): greedy {pct(val_greedy):.1f}%; "
           + "; ".join(f"T {t}: BoN-RM {pct(s['best']):.1f}% maj {pct(s['majority']):.1f}% oracle "
                       f"{pct(s['oracle']):.1f}% first {pct(s['first']):.1f}%" for t, s in val_stats.items())
@@ -512,6 +543,13 @@ def main(argv: list[str] | None = None) -> int:
         f"{result['hard']} prompts with difficulty > 0, max {max(result['shares'])}/prompt; "
         f"{delta_note(result['adaptive'], result['uniform'], args.seed, 'uniform')}", claim=3,
         verdict=verdict(result["adaptive"], result["uniform"]), difficulty="rm_shortfall", total_samples=result["total"])
+    flagged, shares = reranked_allocation(bon_scores, bon_ok, lowest_share_difficulty(bon_scores, flag_share, args.pilot),
+                                          args, args.max_per_prompt)
+    add("Adaptive + RM rerank (lowest-scored share)", eval_name, f"{k} samples ({result['total']} total)", flagged,
+        f"T {bon_t}; pilot {args.pilot}, the extra samples evenly to the {flag_share:.0%} of prompts whose best pilot "
+        f"score is lowest (share chosen on validation), max {max(shares)}/prompt; "
+        f"{delta_note(flagged, result['uniform'], args.seed, 'uniform')}", claim=3,
+        verdict=verdict(flagged, result["uniform"]), difficulty="rm_lowest_share", total_samples=result["total"])
 
     # -- 4. confidence stopping vs a fixed vote ------------------------------------------------------------------
     fixed = [vote(a[:args.n]) == t for a, t in zip(answers, truth)]
