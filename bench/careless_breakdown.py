@@ -17,7 +17,6 @@ groups can learn from.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from pathlib import Path
 
@@ -33,11 +32,6 @@ sys.path.insert(0, str(REPO / "scripts"))
 import make_demo_data as demo  # noqa: E402
 
 CLASSES = ("1-step", "1-step borrow", "multi", "multi borrow")
-
-
-def problem_of(prompt: str) -> demo.Problem:
-    numbers = re.findall(r"[+-]|\d+", prompt)
-    return demo.Problem(int(numbers[0]), tuple((numbers[i], int(numbers[i + 1])) for i in range(1, len(numbers), 2)))
 
 
 def class_of(problem: demo.Problem) -> str:
@@ -75,7 +69,7 @@ def main() -> int:
         records = rlhf.load_records(args.eval, REPO / "data/demo", "prompt")
     except rlhf.RLHFInputError as error:  # a missing file or a bad record: its file:line, in one line
         parser.error(f"--eval: {error}")
-    problems = [problem_of(r["messages"][0]["content"]) for r in records]
+    problems = [demo.Problem.from_prompt(r["messages"][0]["content"]) for r in records]
     classes = [class_of(p) for p in problems]
     habits = [str(demo.careless_steps(p)[-1][3]) if demo.has_borrow(p) else None for p in problems]
     borrow = [r for r, p in zip(records, problems) if demo.has_borrow(p)]

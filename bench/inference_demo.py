@@ -336,10 +336,9 @@ def adaptive_vs_uniform_reranked(scores: list[list[float]], ok: list[list[bool]]
     best_pilot = [max(row[:args.pilot]) for row in scores]
     middle = sorted(best_pilot)[len(scores) // 2]
     difficulty = [max(0.0, middle - b) for b in best_pilot]
-    shares, total = allocate(difficulty, args)
-    adaptive = [best_by_score(s, o, k) for s, o, k in zip(scores, ok, shares)]
+    adaptive, shares = reranked_allocation(scores, ok, difficulty, args, args.max_per_prompt)
     uniform = [best_by_score(s, o, args.budget_per_prompt) for s, o in zip(scores, ok)]
-    return {"adaptive": adaptive, "uniform": uniform, "shares": shares, "total": total,
+    return {"adaptive": adaptive, "uniform": uniform, "shares": shares, "total": sum(shares),
             "hard": sum(d > 0 for d in difficulty)}
 
 

@@ -98,8 +98,10 @@ def eval_slip_pairs(path: Path, seed: int) -> list[dict]:
     rng, records = random.Random(f"{seed}:eval-slips"), []
     for number, line in enumerate(path.read_text().splitlines(), start=1):
         item = json.loads(line)
-        numbers, ops = re.findall(r"\d+", item["prompt"]), re.findall(r" ([+-]) ", item["prompt"])
-        problem = demo.Problem(int(numbers[0]), tuple((op, int(b)) for op, b in zip(ops, numbers[1:])))
+        problem = demo.Problem.from_prompt(item["prompt"])
+        if problem is None:
+            raise SystemExit(f"error: {path}:{number}: '{item['prompt']}' is not a demo problem "
+                             "('What is 52 - 7?' or 'Compute 12 + 7 - 5.')")
         if str(problem.answer) != item["answer"]:
             raise SystemExit(f"error: {path}:{number}: '{item['prompt']}' works out to {problem.answer}, not "
                              f"{item['answer']}; regenerate the demo data (python scripts/make_demo_data.py)")
@@ -112,29 +114,28 @@ def eval_slip_pairs(path: Path, seed: int) -> list[dict]:
     return records
 
 
-TENS_DIGIT_PROBES = {
-    "borrow, vs the habit (+10)": lambda a, op, b: op == "-" and a % 10 < b,
-    "no borrow, vs a borrow (-10)": lambda a, op, b: op == "-" and a % 10 >= b and a - b >= 10,
-}
+HABIT_PROBE, INVENTED_BORROW_PROBE = "borrow, vs the habit (+10)", "no borrow, vs a borrow (-10)"
 
 
 def tens_digit_pairs(path: Path) -> dict[str, list[dict]]:
     """Single-step subtractions of the eval prompts, the correct answer against one 10 too high where a borrow
     is needed (the careless teacher's habit) and one 10 too low where none is (a borrow taken that is not
     there: the answer a reward model that learned "reject the higher tens digit" prefers)."""
-    pairs: dict[str, list[dict]] = {name: [] for name in TENS_DIGIT_PROBES}
+    pairs: dict[str, list[dict]] = {HABIT_PROBE: [], INVENTED_BORROW_PROBE: []}
     for line in path.read_text().splitlines():
         item = json.loads(line)
-        match = re.fullmatch(r"What is (\d+) ([+-]) (\d+)\?", item["prompt"])
-        if not match:
+        problem = demo.Problem.from_prompt(item["prompt"])
+        if problem is None or problem.is_multi or problem.ops[0][0] != "-":
             continue
-        a, op, b = int(match[1]), match[2], int(match[3])
-        right = a - b if op == "-" else a + b
-        for (name, applies), wrong in zip(TENS_DIGIT_PROBES.items(), (right + 10, right - 10)):
-            if applies(a, op, b):
-                pairs[name].append({"system": None, "messages": [{"role": "user", "content": item["prompt"]}],
-                                    "chosen": f"{a} {op} {b} = {right}\nAnswer: {right}",
-                                    "rejected": f"{a} {op} {b} = {wrong}\nAnswer: {wrong}"})
+        if demo.borrows(problem.first, "-", problem.ops[0][1]):
+            name, delta = HABIT_PROBE, 10
+        elif problem.answer >= 10:
+            name, delta = INVENTED_BORROW_PROBE, -10
+        else:
+            continue
+        slip = demo.solve(problem, 0, delta)
+        pairs[name].append({"system": None, "messages": [{"role": "user", "content": item["prompt"]}],
+                            "chosen": demo.correct_response(problem), "rejected": demo.render(problem, slip, slip[-1][3])})
     return pairs
 
 

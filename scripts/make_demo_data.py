@@ -121,6 +121,16 @@ class Problem:
     def answer(self) -> int:
         return solve(self)[-1][3]
 
+    @classmethod
+    def from_prompt(cls, prompt: str) -> Problem | None:
+        """The problem a demo prompt states (the inverse of ``prompt``), or None for any other text."""
+        match = re.fullmatch(r"What is (.+)\?|Compute (.+)\.", prompt.strip())
+        tokens = (match[1] or match[2]).split() if match else []
+        if len(tokens) < 3 or len(tokens) % 2 == 0 or not all(t.isdigit() for t in tokens[::2]) \
+                or not all(op in ("+", "-") for op in tokens[1::2]):
+            return None
+        return cls(int(tokens[0]), tuple((op, int(b)) for op, b in zip(tokens[1::2], tokens[2::2])))
+
 
 def solve(
     problem: Problem, error_step: int | None = None, delta: int = 0

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import re
 import sys
 from pathlib import Path
 
@@ -27,14 +26,14 @@ sys.path.insert(0, str(REPO))
 
 import inference_optimizations as io  # noqa: E402
 
+sys.path.insert(0, str(REPO / "scripts"))
+import make_demo_data as demo  # noqa: E402
+
 
 def demo_answer(prompt: str) -> str | None:
     """The answer of a demo prompt ('What is 52 - 7?', 'Compute 12 + 7 - 5.'), for files without one (sft.jsonl)."""
-    match = re.search(r"(\d+(?:\s*[-+]\s*\d+)+)", prompt)
-    if match is None:
-        return None
-    terms = re.findall(r"([-+]?)\s*(\d+)", match.group(1))
-    return str(sum(-int(n) if sign == "-" else int(n) for sign, n in terms))
+    problem = demo.Problem.from_prompt(prompt)
+    return None if problem is None else str(problem.answer)
 
 
 def load_prompts(paths: list[str], skip: int) -> list[dict]:
