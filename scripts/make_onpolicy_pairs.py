@@ -36,18 +36,36 @@ def demo_answer(prompt: str) -> str | None:
     return None if problem is None else str(problem.answer)
 
 
+def read_records(path: str) -> list[tuple[int, dict]]:
+    """(line number, record) for every non-blank line; a file that cannot be read, a line that is not JSON or
+    a record without a prompt is one error line naming the file (and line)."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as err:
+        raise SystemExit(f"{path}: cannot read it ({err.strerror}); give JSONL files with a 'prompt' per line") from None
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise SystemExit(f"{path}:{number}: not JSON ({err.msg}); one JSON object per line") from None
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+            raise SystemExit(f"{path}:{number}: no 'prompt' string in this record")
+        records.append((number, record))
+    return records
+
+
 def load_prompts(paths: list[str], skip: int) -> list[dict]:
     """Records with a prompt and an answer from every file, once each. The first ``skip`` lines of each file
     are left out, and so are their prompts wherever else they appear."""
-    lines = {path: Path(path).read_text().splitlines() for path in paths}
-    seen = {json.loads(line)["prompt"] for path in paths for line in lines[path][:skip] if line.strip()}
+    parsed = {path: read_records(path) for path in paths}
+    seen = {record["prompt"] for path in paths for _, record in parsed[path][:skip]}
     records = []
     for path in paths:
-        for number, line in enumerate(lines[path][skip:], start=skip + 1):
-            if not line.strip():
-                continue
-            record = json.loads(line)
-            answer = record.get("answer", demo_answer(record.get("prompt", "")))
+        for number, record in parsed[path][skip:]:
+            answer = record.get("answer", demo_answer(record["prompt"]))
             if answer is None:
                 raise SystemExit(f"{path}:{number}: no 'answer' and no arithmetic in the prompt to compute it from")
             if record["prompt"] not in seen:
@@ -74,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.skip < 0:
         parser.error(f"--skip {args.skip}: give the number of leading prompts to leave out (0 or more)")
+    if not (Path(args.policy) / "config.json").is_file():
+        parser.error(f"--policy {args.policy}: no model there (no config.json); give a directory saved by rlhf.py")
+    records = load_prompts(args.prompts, args.skip)  # bad input fails before the model loads
     io.pin_cpu_kernels()  # the same pairs on any x86-64 CPU
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -81,7 +102,6 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(args.policy)
     model = AutoModelForCausalLM.from_pretrained(args.policy).eval()
-    records = load_prompts(args.prompts, args.skip)
     params = io.SamplingParams(max_new_tokens=64, temperature=args.temperature, n=args.samples, seed=args.seed,
                                stop_token_ids=io.stop_token_ids(tokenizer))
     pairs, mixed = [], 0

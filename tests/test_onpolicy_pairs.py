@@ -52,3 +52,39 @@ def test_load_prompts_names_the_line_without_an_answer(script, tmp_path):
     path.write_text(json.dumps({"prompt": "Tell me a story."}) + "\n")
     with pytest.raises(SystemExit, match=r"bad.jsonl:1: no 'answer'"):
         script.load_prompts([str(path)], skip=0)
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ('{"prompt": "What is 1 + 2?"}\nnot json\n', r"bad.jsonl:2: not JSON"),
+    ('{"prompt": "What is 1 + 2?"}\n\n{"question": "What is 1 + 2?"}\n', r"bad.jsonl:3: no 'prompt' string"),
+    ('["What is 1 + 2?"]\n', r"bad.jsonl:1: no 'prompt' string"),
+])
+def test_load_prompts_names_the_bad_line(script, tmp_path, content, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content)
+    with pytest.raises(SystemExit, match=message):
+        script.load_prompts([str(path)], skip=0)
+
+
+def test_a_missing_prompt_file_is_one_line_from_the_command(tmp_path):
+    import subprocess
+    import sys
+
+    missing = tmp_path / "nowhere.jsonl"
+    (tmp_path / "config.json").write_text("{}")  # the prompts are read before the policy loads
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "make_onpolicy_pairs.py"), "--policy",
+                           str(tmp_path), "--prompts", str(missing)], capture_output=True, text=True)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.strip() == f"{missing}: cannot read it (No such file or directory); give JSONL files with a " \
+                                  "'prompt' per line"
+
+
+def test_a_directory_without_a_model_is_a_usage_error(tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "make_onpolicy_pairs.py"), "--policy", str(tmp_path)],
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1].endswith(f"--policy {tmp_path}: no model there (no config.json); "
+                                                         "give a directory saved by rlhf.py")
