@@ -11,7 +11,8 @@ takes more units than the minuend has (52 - 7); the habit answer is the result o
 without the borrow (52 - 7 = 55), as scripts/make_demo_data.py writes the careless demonstrations. With
 ``--sample-temperature``, each policy also draws ``--samples`` answers per borrow problem at that
 temperature: the per-sample accuracy and the share of problems where any sample is right are what GRPO's
-groups can learn from.
+groups can learn from. The last column compares each policy's greedy answers with the first policy's,
+prompt by prompt: how many it gets right that the first gets wrong, the reverse, and the exact McNemar p.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import sys
 from pathlib import Path
 
 import torch
-from tables import print_table  # bench/tables.py (the script's folder is on sys.path)
+from tables import mcnemar, print_table  # bench/tables.py (the script's folder is on sys.path)
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -74,6 +75,7 @@ def main() -> int:
     habits = [str(demo.careless_steps(p)[-1][3]) if demo.has_borrow(p) else None for p in problems]
     borrow = [r for r, p in zip(records, problems) if demo.has_borrow(p)]
     headers = ["policy", "held-out", *(f"{c} ({classes.count(c)})" for c in CLASSES), "habit"]
+    first_right: list[bool] = []
     if args.sample_temperature:
         headers += [f"borrow T {args.sample_temperature}", f"any of {args.samples}"]
     rows = []
@@ -95,7 +97,11 @@ def main() -> int:
             hits = [a == r["answer"] for a, r in zip(sampled, repeated)]
             groups = [hits[i:i + args.samples] for i in range(0, len(hits), args.samples)]
             row += [f"{sum(hits) / len(hits):.1%}", f"{sum(map(any, groups)) / len(groups):.1%}"]
+        first_right = first_right or right
+        better, worse, p = mcnemar(right, first_right)
+        row.append("" if right is first_right else f"{better} / {worse}, p={p:.2g}")
         rows.append(row)
+    headers.append(f"vs {Path(paths[0]).name}: better / worse")
     print_table(headers, rows, f"Held-out exact match by problem kind, {len(records)} prompts ({len(borrow)} need a borrow); "
                 "habit: greedy answers that are the forgotten borrow; borrow T / any of: sampled answers to the "
                 "borrow problems right, per sample / per problem", min_width=160)

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import random
 import sys
@@ -56,7 +55,7 @@ import time
 from pathlib import Path
 
 import torch
-from tables import print_table  # bench/tables.py (the script's folder is on sys.path)
+from tables import mcnemar, print_table  # bench/tables.py (the script's folder is on sys.path)
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -156,17 +155,6 @@ def bootstrap_delta(a: list[bool], b: list[bool], seed: int, resamples: int = 20
     diff = [int(x) - int(y) for x, y in zip(a, b, strict=True)]
     stats = sorted(sum(diff[rng.randrange(n)] for _ in range(n)) / n for _ in range(resamples))
     return 100 * sum(diff) / n, 100 * stats[int(0.025 * resamples)], 100 * stats[int(0.975 * resamples) - 1]
-
-
-def mcnemar(a: list[bool], b: list[bool]) -> tuple[int, int, float]:
-    """Discordant prompts (a right & b wrong, a wrong & b right) and the exact two-sided McNemar p-value."""
-    wins = sum(x and not y for x, y in zip(a, b, strict=True))
-    losses = sum(y and not x for x, y in zip(a, b, strict=True))
-    total = wins + losses
-    if not total:
-        return wins, losses, 1.0
-    tail = sum(math.comb(total, i) for i in range(min(wins, losses) + 1)) / 2 ** total
-    return wins, losses, min(1.0, 2 * tail)
 
 
 def delta_note(a: list[bool], b: list[bool], seed: int, versus: str) -> str:

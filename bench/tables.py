@@ -1,6 +1,9 @@
-"""The results table every bench script prints: rich when available, aligned plain text otherwise."""
+"""The results table every bench script prints (rich when available, aligned plain text otherwise), and the
+paired significance test the demo benches share."""
 
 from __future__ import annotations
+
+import math
 
 
 def print_table(headers: list[str], rows: list[list[str]], title: str, *, label_columns: int = 1,
@@ -22,3 +25,14 @@ def print_table(headers: list[str], rows: list[list[str]], title: str, *, label_
     for row in rows:
         table.add_row(*row)
     Console(width=max(min_width, Console().width)).print(table)
+
+
+def mcnemar(a: list[bool], b: list[bool]) -> tuple[int, int, float]:
+    """Discordant prompts (a right & b wrong, a wrong & b right) and the exact two-sided McNemar p-value."""
+    wins = sum(x and not y for x, y in zip(a, b, strict=True))
+    losses = sum(y and not x for x, y in zip(a, b, strict=True))
+    total = wins + losses
+    if not total:
+        return wins, losses, 1.0
+    tail = sum(math.comb(total, i) for i in range(min(wins, losses) + 1)) / 2 ** total
+    return wins, losses, min(1.0, 2 * tail)
