@@ -28,6 +28,10 @@ learn "the lower tens digit is better" instead of the arithmetic; the second row
 answer RL on such a reward model drifts to (README, "The careless-teacher demo").
 
     python bench/rm_probe.py --dataset demo_rm_careless --reward-models outputs/demo/rm,outputs/demo_careless/rm
+
+``--policy-pairs DIR ...`` adds a row per directory written by ``scripts/make_onpolicy_pairs.py``: a policy's
+own right answer against its own wrong one, on training prompts. These are the pairs RL meets: run it on
+the policy an RL stage produced to see whether the reward model ranks the answers that policy drifted to.
 """
 
 from __future__ import annotations
@@ -155,6 +159,9 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0, help="the rm stage's seed (it draws the held-out pairs)")
     parser.add_argument("--train-pairs", type=int, default=0,
                         help="also rank the first N training pairs with each reward model (default 0: none)")
+    parser.add_argument("--policy-pairs", nargs="*", default=[], metavar="DIR",
+                        help="directories written by scripts/make_onpolicy_pairs.py: a row each for a policy's own "
+                        "right-vs-wrong samples")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     if args.train_pairs < 0:
@@ -164,6 +171,10 @@ def main() -> int:
     for path in [args.policy, *args.reward_models.split(",")]:
         if not Path(path).is_dir():
             raise SystemExit(f"error: {path} does not exist; run `python rlhf.py pipeline --config configs/demo.yaml` first")
+    for path in args.policy_pairs:
+        if not (Path(path) / "dataset_info.json").is_file():
+            raise SystemExit(f"error: --policy-pairs {path}: no dataset_info.json there; write it with "
+                             "`python scripts/make_onpolicy_pairs.py --policy DIR --out {path}`")
 
     records = rlhf.load_records(args.dataset, REPO / "data/demo", "preference")
     train, held_out = rlhf._split_validation(records, args.val_size, args.seed, by_prompt=not args.split_by_record)
@@ -179,8 +190,14 @@ def main() -> int:
         return [collate([pairs[i] for i in range(s, min(s + 50, len(pairs)))]) for s in range(0, len(pairs), 50)]
 
     tens_digit = tens_digit_pairs(REPO / "data/demo/eval.jsonl")
+    try:
+        policy_pairs = {f"policy samples, {path}": rlhf.load_records("onpolicy_pairs", path, "preference")
+                        for path in args.policy_pairs}
+    except rlhf.RLHFInputError as error:  # a bad record in a pairs file: its file:line, in one line
+        raise SystemExit(f"error: --policy-pairs: {error}") from None
     sets = {"held_out": batches(held_out), "eval_slips": batches(eval_slips),
-            **{name: batches(pairs) for name, pairs in tens_digit.items()}}
+            **{name: batches(pairs) for name, pairs in tens_digit.items()},
+            **{name: batches(pairs) for name, pairs in policy_pairs.items()}}
     columns = {"SFT log-likelihood": {name: torch.cat([pairwise(log_likelihoods(policy, b)) for b in bs])
                                       for name, bs in sets.items()}}
     train_columns = {}
@@ -206,8 +223,10 @@ def main() -> int:
     rows.append(["arithmetic, eval prompts (held-out facts)", str(len(eval_slips))]
                 + [share(right["eval_slips"], list(range(len(eval_slips)))) for right in columns.values()]
                 + ["-"] * len(train_columns))
-    for name, pairs in tens_digit.items():
-        rows.append([f"eval, {name}", str(len(pairs))]
+    labelled = [*((name, f"eval, {name}", pairs) for name, pairs in tens_digit.items()),
+                *((name, name, pairs) for name, pairs in policy_pairs.items())]
+    for name, label, pairs in labelled:
+        rows.append([label, str(len(pairs))]
                     + [share(right[name], list(range(len(pairs)))) for right in columns.values()]
                     + ["-"] * len(train_columns))
     print_table(["rejected flaw", "pairs", *columns, *train_columns], rows,

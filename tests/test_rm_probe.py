@@ -60,18 +60,36 @@ def test_flaw_rows_partition_the_demo_pairs(probe):
 
 
 def test_main_prints_a_training_pair_column_per_reward_model(probe, tiny_model_dir, tmp_path, monkeypatch, capsys):
-    """End to end on the tiny model: two reward models and --train-pairs give two training-pair columns."""
+    """End to end on the tiny model: two reward models and --train-pairs give two training-pair columns;
+    --policy-pairs a row for a make_onpolicy_pairs directory, counting its pairs."""
     import rlhf
 
     for seed in (1, 2):
         rlhf.RewardModel.from_pretrained(str(tiny_model_dir), seed=seed).save_pretrained(tmp_path / f"rm-{seed}")
     models = f"{tmp_path / 'rm-1'},{tmp_path / 'rm-2'}"
+    pairs_dir = tmp_path / "pairs"
+    pairs_dir.mkdir()
+    pair = {"prompt": "What is 52 - 7?", "chosen": "52 - 7 = 45\nAnswer: 45", "rejected": "52 - 7 = 55\nAnswer: 55"}
+    (pairs_dir / "pairs.jsonl").write_text((json.dumps(pair) + "\n") * 3)
+    (pairs_dir / "dataset_info.json").write_text(json.dumps({"onpolicy_pairs": {
+        "file_name": "pairs.jsonl", "ranking": True,
+        "columns": {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected"}}}))
     monkeypatch.setenv("COLUMNS", "1000")  # wide enough that no header is cut
     monkeypatch.setattr(sys, "argv", ["rm_probe.py", "--policy", str(tiny_model_dir), "--reward-models", models,
-                                      "--train-pairs", "6", "--val-size", "20", "--threads", "1"])
+                                      "--train-pairs", "6", "--val-size", "20", "--threads", "1",
+                                      "--policy-pairs", str(pairs_dir)])
     assert probe.main() == 0
     out = capsys.readouterr().out
     assert out.count("on 6 training pairs") == 2, out
+    row = next(line for line in out.splitlines() if f"policy samples, {pairs_dir}" in line)
+    assert " 3 " in row
+
+
+def test_policy_pairs_without_a_pairs_directory_is_one_line(probe, tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["rm_probe.py", "--policy", str(tiny_model_dir), "--reward-models",
+                                      str(tiny_model_dir), "--policy-pairs", str(tmp_path)])
+    with pytest.raises(SystemExit, match=r"--policy-pairs .*no dataset_info.json there"):
+        probe.main()
 
 
 def test_tens_digit_pairs_are_the_habit_and_an_invented_borrow(probe):
