@@ -449,15 +449,18 @@ def main(argv: list[str] | None = None) -> int:
     bon = pool_stats(eval_records, bon_pool, bon_scores, args.n)
     rows: list[dict] = []
 
-    def add(method: str, dataset: str, budget: str, flags: list[bool], notes: str, **extra) -> None:
+    def add(method: str, dataset: str, budget: str, flags: list[bool], notes: str, **extra) -> int:
+        """A table row; the per-prompt flags go to --output, so bench/combine_seeds.py can pool runs. A claim row
+        names its baseline row (``versus``, an index into the rows)."""
         rows.append({"method": method, "prompts": dataset, "budget": budget, "accuracy": pct(flags),
-                     "n_prompts": len(flags), "notes": notes, **extra})
+                     "n_prompts": len(flags), "notes": notes, **extra, "correct": [bool(f) for f in flags]})
+        return len(rows) - 1
 
     eval_name = f"eval ({len(eval_records)})"
-    add("Greedy", eval_name, "1 sample", greedy, "baseline")
+    greedy_row = add("Greedy", eval_name, "1 sample", greedy, "baseline")
     add(f"Best-of-{args.n} + RM", eval_name, f"{args.n} samples", bon["best"],
         f"T {bon_t}; {delta_note(bon['best'], greedy, args.seed, 'greedy')}; RM ranks correct > wrong "
-        f"{100 * bon['pairwise']:.1f}% of pairs", claim=1, verdict=verdict(bon["best"], greedy),
+        f"{100 * bon['pairwise']:.1f}% of pairs", claim=1, versus=greedy_row, verdict=verdict(bon["best"], greedy),
         temperature=bon_t, rm_pairwise=bon["pairwise"])
     add("  first sample (context)", eval_name, "1 sample", bon["first"],
         f"T {bon_t}; per-sample accuracy {bon['sample_accuracy']:.1f}%")
@@ -486,11 +489,11 @@ def main(argv: list[str] | None = None) -> int:
             sweeps["mcts"] = {"prompts": len(val_ms), "accuracy_by_temperature": sweep, "chosen": mcts_t}
         mcts = timed("MCTS (multistep)", run_mcts, policy, value_fn, multistep, mcts_t, args)
         ms_name = f"multistep ({len(multistep)})"
-        add("Greedy", ms_name, "1 sample", ms_greedy, "baseline")
+        ms_greedy_row = add("Greedy", ms_name, "1 sample", ms_greedy, "baseline")
         add("MCTS + PRM value", ms_name, f"{mcts['policy_calls']:.1f} policy calls",
             mcts["correct"], f"T {mcts_t}, {args.mcts_expansions} expansions, max {args.mcts_max_nodes} nodes, c_puct "
             f"{args.mcts_c_puct}; {mcts['nodes']:.1f} nodes, {mcts['seconds'] / len(multistep):.2f} s/problem; "
-            f"{delta_note(mcts['correct'], ms_greedy, args.seed, 'greedy')}", claim=2,
+            f"{delta_note(mcts['correct'], ms_greedy, args.seed, 'greedy')}", claim=2, versus=ms_greedy_row,
             verdict=verdict(mcts["correct"], ms_greedy), temperature=mcts_t,
             **{k: v for k, v in mcts.items() if k != "correct"})
         ms_pool = timed(f"{args.n} samples at T {mcts_t} (multistep)", policy.samples, ms_prompts, args.n, mcts_t,
@@ -512,41 +515,42 @@ def main(argv: list[str] | None = None) -> int:
     for kind in ("disagreement", "rm_std"):
         result = adaptive_vs_uniform(answers, vote_scores, truth, args, kind)
         if kind == "disagreement":
-            add(f"Uniform {k} + majority", eval_name, f"{k} samples ({result['total']} total)", result["uniform"],
+            uniform_vote_row = add(f"Uniform {k} + majority", eval_name, f"{k} samples ({result['total']} total)", result["uniform"],
                 f"T {vote_t}; ties: first sample's answer")
         label = "pilot disagreement" if kind == "disagreement" else "RM score std of pilot (variant)"
         add("Adaptive + majority", eval_name, f"{k} samples ({result['total']} total)", result["adaptive"],
             f"T {vote_t}; pilot {args.pilot}, difficulty = {label}; {result['hard']} prompts with difficulty > 0, "
             f"max {max(result['shares'])}/prompt; {delta_note(result['adaptive'], result['uniform'], args.seed, 'uniform')}",
-            claim=3 if kind == "disagreement" else None, verdict=verdict(result["adaptive"], result["uniform"]),
+            claim=3 if kind == "disagreement" else None, versus=uniform_vote_row, verdict=verdict(result["adaptive"], result["uniform"]),
             difficulty=kind, total_samples=result["total"])
 
     bon_ok = [[correct(c, r["answer"]) for c in row] for r, row in zip(eval_records, bon_pool)]
     result = adaptive_vs_uniform_reranked(bon_scores, bon_ok, args)
-    add(f"Uniform {k} + RM rerank", eval_name, f"{k} samples ({result['total']} total)", result["uniform"],
-        f"T {bon_t}; the highest-scored of the first {k}")
+    uniform_rerank_row = add(f"Uniform {k} + RM rerank", eval_name, f"{k} samples ({result['total']} total)",
+                             result["uniform"], f"T {bon_t}; the highest-scored of the first {k}")
     add("Adaptive + RM rerank", eval_name, f"{k} samples ({result['total']} total)", result["adaptive"],
         f"T {bon_t}; pilot {args.pilot}, difficulty = the best pilot score's shortfall below the median; "
         f"{result['hard']} prompts with difficulty > 0, max {max(result['shares'])}/prompt; "
         f"{delta_note(result['adaptive'], result['uniform'], args.seed, 'uniform')}", claim=3,
-        verdict=verdict(result["adaptive"], result["uniform"]), difficulty="rm_shortfall", total_samples=result["total"])
+        versus=uniform_rerank_row, verdict=verdict(result["adaptive"], result["uniform"]), difficulty="rm_shortfall",
+        total_samples=result["total"])
     flagged, shares = reranked_allocation(bon_scores, bon_ok, lowest_share_difficulty(bon_scores, flag_share, args.pilot),
                                           args, args.max_per_prompt)
     add("Adaptive + RM rerank (lowest-scored share)", eval_name, f"{k} samples ({result['total']} total)", flagged,
         f"T {bon_t}; pilot {args.pilot}, the extra samples evenly to the {flag_share:.0%} of prompts whose best pilot "
         f"score is lowest (share chosen on validation), max {max(shares)}/prompt; "
-        f"{delta_note(flagged, result['uniform'], args.seed, 'uniform')}", claim=3,
+        f"{delta_note(flagged, result['uniform'], args.seed, 'uniform')}", claim=3, versus=uniform_rerank_row,
         verdict=verdict(flagged, result["uniform"]), difficulty="rm_lowest_share", total_samples=result["total"])
 
     # -- 4. confidence stopping vs a fixed vote ------------------------------------------------------------------
     fixed = [vote(a[:args.n]) == t for a, t in zip(answers, truth)]
     flags, used = confidence_stop(answers, truth, stop["agreement"], stop["min_samples"], args.n)
     mean_used = sum(used) / len(used)
-    add(f"Fixed {args.n} + majority", eval_name, f"{args.n} samples", fixed, f"T {vote_t}")
+    fixed_row = add(f"Fixed {args.n} + majority", eval_name, f"{args.n} samples", fixed, f"T {vote_t}")
     add("Confidence stopping + majority", eval_name, f"{mean_used:.2f} samples (mean)", flags,
         f"T {vote_t}; agreement {stop['agreement']}, min_samples {stop['min_samples']}, 1 sample/round, cap {args.n}; "
         f"saves {100 * (1 - mean_used / args.n):.0f}%; {delta_note(flags, fixed, args.seed, f'fixed {args.n}')}",
-        claim=4, verdict=stopping_verdict(flags, fixed, mean_used, args.n), mean_samples=mean_used)
+        claim=4, versus=fixed_row, verdict=stopping_verdict(flags, fixed, mean_used, args.n), mean_samples=mean_used)
     if args.stop_beta:  # a rule fixed in advance (nothing chosen on validation), reported beside the tuned one
         val_flags, val_used = confidence_stop(val_answers, val_truth, 1.0, 1, args.n, args.stop_beta)
         sweeps["confidence_stopping"]["beta_rule"] = {"threshold": args.stop_beta, "accuracy": pct(val_flags),
@@ -557,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
             f"T {vote_t}; Adaptive-Consistency (Aggarwal et al. 2023): stop when P(leading answer likelier than "
             f"the runner-up) >= {args.stop_beta}, fixed in advance; validation {pct(val_flags):.1f}% at "
             f"{sum(val_used) / len(val_used):.2f} samples; saves {100 * (1 - mean_used / args.n):.0f}%; "
-            f"{delta_note(flags, fixed, args.seed, f'fixed {args.n}')}", claim=4,
+            f"{delta_note(flags, fixed, args.seed, f'fixed {args.n}')}", claim=4, versus=fixed_row,
             verdict=stopping_verdict(flags, fixed, mean_used, args.n), mean_samples=mean_used)
 
     seconds = time.perf_counter() - wall

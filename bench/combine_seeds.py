@@ -1,0 +1,108 @@
+"""Pool several seeds of bench/inference_demo.py: each claim's accuracy averaged over the runs, tested per prompt.
+
+    for s in 0 1 2 3; do python bench/inference_demo.py ... --seed $s --output runs/seed$s.json; done
+    python bench/combine_seeds.py runs/seed*.json
+
+One run's verdict carries the luck of its seed: its samples, MCTS's expansions and the pools the allocation
+rules draw from. Here every prompt's outcome is averaged over the runs first (a prompt MCTS solves in 3
+of 4 seeds counts 0.75), and the difference from the claim's baseline row is tested over prompts, which
+are the independent units: a paired sign-flip permutation test of the mean difference (two-sided,
+``--resamples`` random flips, seeded). The runs must share the held-out prompts and every setting but
+``--seed``; the rows are matched by method and prompt set. Confidence-stopping rows also show the samples
+saved, which is their claim (at no lower accuracy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+from tables import print_table  # bench/tables.py (the script's folder is on sys.path)
+
+
+def sign_flip_p(differences: list[float], resamples: int, seed: int) -> float:
+    """Two-sided p of the mean paired difference under random sign flips (the +1 counts the observed flip)."""
+    observed = abs(sum(differences))
+    rng = random.Random(seed)
+    nonzero = [d for d in differences if d]
+    extreme = sum(abs(sum(d if rng.random() < 0.5 else -d for d in nonzero)) >= observed - 1e-12
+                  for _ in range(resamples))
+    return (extreme + 1) / (resamples + 1)
+
+
+def per_prompt_mean(runs: list[list[bool]]) -> list[float]:
+    return [sum(flags) / len(flags) for flags in zip(*runs, strict=True)]
+
+
+def load_runs(paths: list[str]) -> list[dict]:
+    runs = []
+    for path in paths:
+        try:
+            run = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise SystemExit(f"error: {path}: not an inference_demo --output file ({err})") from None
+        if not all("correct" in row for row in run.get("rows", [{}])):
+            raise SystemExit(f"error: {path}: its rows carry no per-prompt flags; rerun bench/inference_demo.py "
+                             "with this version to write them")
+        runs.append(run)
+    ignore = {"seed", "output"}
+    first = {k: v for k, v in runs[0]["settings"].items() if k not in ignore}
+    for path, run in zip(paths[1:], runs[1:]):
+        differ = sorted(k for k, v in run["settings"].items() if k not in ignore and first.get(k) != v)
+        if differ:
+            raise SystemExit(f"error: {path}: settings differ from {paths[0]} in {', '.join(differ)}; pool runs "
+                             "that differ only in --seed")
+    return runs
+
+
+def combine(runs: list[dict], resamples: int, seed: int) -> list[list[str]]:
+    """One table row per claim row of the first run: mean accuracy over the runs, each run's, and the test."""
+    table = []
+    for row in runs[0]["rows"]:
+        if not row.get("claim"):
+            continue
+        key = (row["method"], row["prompts"])
+        matched = [next((r for r in run["rows"] if (r["method"], r["prompts"]) == key), None) for run in runs]
+        if any(m is None for m in matched):
+            continue
+        method = per_prompt_mean([m["correct"] for m in matched])
+        base_rows = [run["rows"][m["versus"]] for run, m in zip(runs, matched)]
+        base = per_prompt_mean([b["correct"] for b in base_rows])
+        differences = [a - b for a, b in zip(method, base)]
+        mean = 100 * sum(differences) / len(differences)
+        p = sign_flip_p(differences, resamples, seed)
+        note = f"{mean:+.1f} pts, p={p:.2g}"
+        if row["claim"] == 4:
+            saved = 1 - sum(m["mean_samples"] for m in matched) / len(matched) / runs[0]["settings"]["n"]
+            note += f"; {100 * saved:.0f}% fewer samples"
+        verdict = "holds" if (mean > 0 and p < 0.05) or (row["claim"] == 4 and mean >= 0) else (
+            "not shown" if mean > 0 else "does not hold")
+        table.append([f"{row['claim']}", row["method"].strip(), row["prompts"], base_rows[0]["method"].strip(),
+                      f"{100 * sum(base) / len(base):.1f}%", f"{100 * sum(method) / len(method):.1f}%",
+                      " / ".join(f"{m['accuracy']:.1f}" for m in matched), note, verdict])
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", help="inference_demo.py --output files, one per seed")
+    parser.add_argument("--resamples", type=int, default=20000, help="random sign flips (default 20000)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sign flips")
+    args = parser.parse_args(argv)
+    if len(args.runs) < 2:
+        parser.error("give at least two runs to pool")
+    runs = load_runs(args.runs)
+    seeds = [run["settings"]["seed"] for run in runs]
+    table = combine(runs, args.resamples, args.seed)
+    print_table(["claim", "method", "prompts", "baseline", "baseline acc.", "mean acc.", "per seed", "vs baseline",
+                 "verdict"], table, f"{len(runs)} runs pooled (seeds {', '.join(map(str, seeds))}); per-prompt "
+                "outcomes averaged over the runs, paired sign-flip test over prompts", label_columns=3,
+                min_width=160)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
