@@ -9,6 +9,14 @@ pairs. A reward model or process reward model trained on these sees the mistakes
 makes, which the demo's synthetic slips (preference.jsonl) do not cover; step labels come from the
 arithmetic checker at training time (``prm_step_labeler: arithmetic``). Writes pairs.jsonl and a
 dataset_info.json registering it as ``onpolicy_pairs``.
+
+``--mix FILE ...`` also writes mixed.jsonl, registered as ``onpolicy_mixed``: the pairs of those files (say
+data/demo/rm_pairs_careless.jsonl) and the new ones, shuffled with ``--seed``, for a reward model that
+should learn both the synthetic flaws and the policy's own:
+
+    python scripts/make_onpolicy_pairs.py --policy outputs/demo_careless/sft \
+        --prompts data/demo/rl_prompts.jsonl data/demo/sft_careless.jsonl --skip 200 --samples 16 \
+        --temperature 0.6 --pairs-per-prompt 4 --mix data/demo/rm_pairs_careless.jsonl --out outputs/onpolicy_sft
 """
 
 from __future__ import annotations
@@ -74,6 +82,17 @@ def load_prompts(paths: list[str], skip: int) -> list[dict]:
     return records
 
 
+def read_pair_lines(path: str) -> list[str]:
+    """The lines of a pairs file, as written, each checked to hold a prompt, a chosen and a rejected string."""
+    lines = []
+    for number, record in read_records(path):
+        for key in ("chosen", "rejected"):
+            if not isinstance(record.get(key), str):
+                raise SystemExit(f"{path}:{number}: no '{key}' string in this record; --mix takes preference pairs")
+        lines.append(json.dumps(record) + "\n")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--policy", default="outputs/demo/sft", help="policy directory")
@@ -89,12 +108,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pairs-per-prompt", type=int, default=2, help="at most this many pairs per prompt")
     parser.add_argument("--batch-size", type=int, default=32, help="prompts per generate call")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mix", nargs="*", default=[], metavar="FILE",
+                        help="pairs files to mix with the new pairs into mixed.jsonl (dataset onpolicy_mixed), shuffled")
     args = parser.parse_args(argv)
     if args.skip < 0:
         parser.error(f"--skip {args.skip}: give the number of leading prompts to leave out (0 or more)")
     if not (Path(args.policy) / "config.json").is_file():
         parser.error(f"--policy {args.policy}: no model there (no config.json); give a directory saved by rlhf.py")
     records = load_prompts(args.prompts, args.skip)  # bad input fails before the model loads
+    mixed_in = [line for path in args.mix for line in read_pair_lines(path)]
     io.pin_cpu_kernels()  # the same pairs on any x86-64 CPU
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -124,10 +146,16 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
-    info = {"onpolicy_pairs": {"file_name": "pairs.jsonl", "ranking": True,
-                               "columns": {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected"}}}
+    columns = {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected"}
+    info = {"onpolicy_pairs": {"file_name": "pairs.jsonl", "ranking": True, "columns": columns}}
+    if args.mix:
+        lines = mixed_in + [json.dumps(p) + "\n" for p in pairs]
+        random.Random(args.seed).shuffle(lines)  # a fresh generator: the mix does not depend on how pairs were drawn
+        (out_dir / "mixed.jsonl").write_text("".join(lines))
+        info["onpolicy_mixed"] = {"file_name": "mixed.jsonl", "ranking": True, "columns": columns}
     (out_dir / "dataset_info.json").write_text(json.dumps(info, indent=2) + "\n")
-    print(f"{len(pairs)} pairs from {mixed} of {len(records)} prompts with both right and wrong samples -> {out_dir}")
+    print(f"{len(pairs)} pairs from {mixed} of {len(records)} prompts with both right and wrong samples -> {out_dir}"
+          + (f" (mixed.jsonl: with {len(mixed_in)} pairs of {', '.join(args.mix)})" if args.mix else ""))
     return 0
 
 

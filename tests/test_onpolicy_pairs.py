@@ -88,3 +88,35 @@ def test_a_directory_without_a_model_is_a_usage_error(tmp_path):
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1].endswith(f"--policy {tmp_path}: no model there (no config.json); "
                                                          "give a directory saved by rlhf.py")
+
+
+def test_mix_writes_the_given_pairs_and_the_new_ones_shuffled(script, tiny_model_dir, tmp_path):
+    """End to end on the tiny model: mixed.jsonl holds every line of the --mix files and every new pair, in
+    an order fixed by --seed, and dataset_info.json registers both files."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"What is {a} + 1?"}) + "\n" for a in range(20, 24)))
+    extra = tmp_path / "extra.jsonl"
+    given = [{"prompt": f"What is {a} - 7?", "chosen": f"{a} - 7 = {a - 7}\nAnswer: {a - 7}",
+              "rejected": f"{a} - 7 = {a + 3}\nAnswer: {a + 3}"} for a in range(50, 62)]
+    extra.write_text("".join(json.dumps(p) + "\n" for p in given))
+    outs = []
+    for name in ("a", "b"):
+        args = ["--policy", str(tiny_model_dir), "--prompts", str(prompts), "--samples", "4", "--temperature", "1.0",
+                "--mix", str(extra), "--out", str(tmp_path / name)]
+        assert script.main(args) == 0
+        outs.append(tmp_path / name)
+    new = (outs[0] / "pairs.jsonl").read_text().splitlines()
+    mixed = (outs[0] / "mixed.jsonl").read_text().splitlines()
+    assert sorted(mixed) == sorted([json.dumps(p) for p in given] + new)
+    assert mixed != [json.dumps(p) for p in given] + new  # shuffled
+    assert (outs[1] / "mixed.jsonl").read_text() == (outs[0] / "mixed.jsonl").read_text()
+    info = json.loads((outs[0] / "dataset_info.json").read_text())
+    assert info["onpolicy_mixed"]["file_name"] == "mixed.jsonl" and info["onpolicy_pairs"]["file_name"] == "pairs.jsonl"
+
+
+def test_a_mix_record_that_is_not_a_pair_names_its_line(script, tmp_path):
+    path = tmp_path / "sft.jsonl"
+    path.write_text(json.dumps({"prompt": "What is 1 + 1?", "chosen": "Answer: 2", "rejected": "Answer: 3"}) + "\n"
+                    + json.dumps({"prompt": "What is 1 + 2?", "response": "Answer: 3"}) + "\n")
+    with pytest.raises(SystemExit, match=r"sft.jsonl:2: no 'chosen' string"):
+        script.read_pair_lines(str(path))
