@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(["claim", "method", "prompts", "baseline", "baseline acc.", "mean acc.", "per seed", "vs baseline",
                  "verdict"], table, f"{len(runs)} runs pooled (seeds {', '.join(map(str, seeds))}); per-prompt "
                 "outcomes averaged over the runs, paired sign-flip test over prompts", label_columns=3,
-                min_width=160)
+                min_width=220)
     return 0
 
 

@@ -609,6 +609,16 @@ def test_careless_reward_and_ppo_configs_load(repo):
     assert rm.dataset in info and info[rm.dataset]["ranking"] is True
 
 
+def test_careless_verifier_config_is_rm_careless_from_the_clean_sft_model_on_the_mixed_pairs(repo):
+    """configs/rm_careless_verifier.yaml differs from rm_careless.yaml only in its start (the clean demo's SFT
+    model), its data (make_onpolicy_pairs' onpolicy_mixed) and where it writes."""
+    base = rlhf.load_config(rlhf.RewardModelConfig, repo / "configs" / "rm_careless.yaml")
+    verifier = rlhf.load_config(rlhf.RewardModelConfig, repo / "configs" / "rm_careless_verifier.yaml")
+    differ = {f.name for f in rlhf.dataclasses.fields(base) if getattr(base, f.name) != getattr(verifier, f.name)}
+    assert differ == {"model_name_or_path", "dataset", "dataset_dir", "output_dir"}
+    assert verifier.model_name_or_path == "outputs/demo/sft" and verifier.dataset == "onpolicy_mixed"
+
+
 # ---------------------------------------------------------------- --help
 
 
