@@ -365,6 +365,8 @@ def run_mcts(policy: Policy, value_fn, records: list[dict], temperature: float, 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     output = Path(args.output).resolve() if args.output else None
+    if output:
+        output.parent.mkdir(parents=True, exist_ok=True)  # before minutes of sampling, not after
     os.chdir(REPO)
     io.pin_cpu_kernels()  # the same figures on any x86-64 CPU (see README, 'The run is deterministic')
     torch.set_num_threads(args.threads)
