@@ -75,7 +75,7 @@ def main() -> int:
     habits = [str(demo.careless_steps(p)[-1][3]) if demo.has_borrow(p) else None for p in problems]
     borrow = [r for r, p in zip(records, problems) if demo.has_borrow(p)]
     headers = ["policy", "held-out", *(f"{c} ({classes.count(c)})" for c in CLASSES), "habit"]
-    first_right: list[bool] = []
+    first_right: list[bool] | None = None  # the first policy's greedy outcomes, the others' reference
     if args.sample_temperature:
         headers += [f"borrow T {args.sample_temperature}", f"any of {args.samples}"]
     rows = []
@@ -97,11 +97,14 @@ def main() -> int:
             hits = [a == r["answer"] for a, r in zip(sampled, repeated)]
             groups = [hits[i:i + args.samples] for i in range(0, len(hits), args.samples)]
             row += [f"{sum(hits) / len(hits):.1%}", f"{sum(map(any, groups)) / len(groups):.1%}"]
-        first_right = first_right or right
-        better, worse, p = mcnemar(right, first_right)
-        row.append("" if right is first_right else f"{better} / {worse}, p={p:.2g}")
+        if first_right is None:
+            first_right = right
+            row.append("")
+        else:
+            better, worse, p = mcnemar(right, first_right)
+            row.append(f"{better} / {worse}, p={p:.2g}")
         rows.append(row)
-    headers.append(f"vs {Path(paths[0]).name}: better / worse")
+    headers.append(f"vs {Path(paths[0]).name}: better / worse, McNemar p")
     print_table(headers, rows, f"Held-out exact match by problem kind, {len(records)} prompts ({len(borrow)} need a borrow); "
                 "habit: greedy answers that are the forgotten borrow; borrow T / any of: sampled answers to the "
                 "borrow problems right, per sample / per problem", min_width=160)

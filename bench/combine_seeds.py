@@ -8,7 +8,7 @@ rules draw from. Here every prompt's outcome is averaged over the runs first (a 
 of 4 seeds counts 0.75), and the difference from the claim's baseline row is tested over prompts, which
 are the independent units: a paired sign-flip permutation test of the mean difference (two-sided,
 ``--resamples`` random flips, seeded). The runs must share the held-out prompts and every setting but
-``--seed``; the rows are matched by method and prompt set. Confidence-stopping rows also show the samples
+``--seed``, with the same rows; each claim row is compared with its own baseline row. Confidence-stopping rows also show the samples
 saved, which is their claim (at no lower accuracy).
 """
 
@@ -38,48 +38,61 @@ def per_prompt_mean(runs: list[list[bool]]) -> list[float]:
 
 
 def load_runs(paths: list[str]) -> list[dict]:
+    """The runs, each checked to be an inference_demo --output file with per-prompt flags; they must differ
+    only in --seed (every other setting and the row layout the same) and not repeat a seed."""
     runs = []
     for path in paths:
         try:
             run = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as err:
             raise SystemExit(f"error: {path}: not an inference_demo --output file ({err})") from None
-        if not all("correct" in row for row in run.get("rows", [{}])):
+        if not isinstance(run, dict) or not isinstance(run.get("settings"), dict) or not run.get("rows"):
+            raise SystemExit(f"error: {path}: not an inference_demo --output file (no settings or rows)")
+        if not all(isinstance(row, dict) and "correct" in row for row in run["rows"]):
             raise SystemExit(f"error: {path}: its rows carry no per-prompt flags; rerun bench/inference_demo.py "
                              "with this version to write them")
         runs.append(run)
     ignore = {"seed", "output"}
-    first = {k: v for k, v in runs[0]["settings"].items() if k not in ignore}
+    first = runs[0]
     for path, run in zip(paths[1:], runs[1:]):
-        differ = sorted(k for k, v in run["settings"].items() if k not in ignore and first.get(k) != v)
+        keys = (set(first["settings"]) | set(run["settings"])) - ignore
+        differ = sorted(k for k in keys if first["settings"].get(k) != run["settings"].get(k))
         if differ:
             raise SystemExit(f"error: {path}: settings differ from {paths[0]} in {', '.join(differ)}; pool runs "
                              "that differ only in --seed")
+        layout = [[(r["method"], r["prompts"], r.get("versus"), len(r["correct"])) for r in x["rows"]] for x in (first, run)]
+        if layout[0] != layout[1]:
+            raise SystemExit(f"error: {path}: its rows are not those of {paths[0]} (method, prompts, baseline, "
+                             "prompt count); pool runs of the same version of bench/inference_demo.py")
+    seeds = [run["settings"].get("seed") for run in runs]
+    if len(set(seeds)) < len(seeds):
+        raise SystemExit(f"error: seeds {seeds}: a seed given twice would count its luck twice; give each run once")
     return runs
 
 
 def combine(runs: list[dict], resamples: int, seed: int) -> list[list[str]]:
-    """One table row per claim row of the first run: mean accuracy over the runs, each run's, and the test."""
+    """One table row per claim row: mean accuracy over the runs, each run's, and the test. Rows are matched by
+    position (load_runs checks the layouts agree)."""
     table = []
-    for row in runs[0]["rows"]:
+    for index, row in enumerate(runs[0]["rows"]):
         if not row.get("claim"):
             continue
-        key = (row["method"], row["prompts"])
-        matched = [next((r for r in run["rows"] if (r["method"], r["prompts"]) == key), None) for run in runs]
-        if any(m is None for m in matched):
-            continue
+        matched = [run["rows"][index] for run in runs]
+        base_rows = [run["rows"][row["versus"]] for run in runs]
         method = per_prompt_mean([m["correct"] for m in matched])
-        base_rows = [run["rows"][m["versus"]] for run, m in zip(runs, matched)]
         base = per_prompt_mean([b["correct"] for b in base_rows])
         differences = [a - b for a, b in zip(method, base)]
-        mean = 100 * sum(differences) / len(differences)
+        # the verdict compares integer counts: averages like k/3 are not exact in binary
+        ahead = sum(sum(m["correct"]) for m in matched) - sum(sum(b["correct"]) for b in base_rows)
+        mean = 100 * ahead / (len(runs) * len(method))
         p = sign_flip_p(differences, resamples, seed)
         note = f"{mean:+.1f} pts, p={p:.2g}"
-        if row["claim"] == 4:
+        if row["claim"] == 4:  # stopping: fewer samples at no lower accuracy, as inference_demo's stopping_verdict
             saved = 1 - sum(m["mean_samples"] for m in matched) / len(matched) / runs[0]["settings"]["n"]
             note += f"; {100 * saved:.0f}% fewer samples"
-        verdict = "holds" if (mean > 0 and p < 0.05) or (row["claim"] == 4 and mean >= 0) else (
-            "not shown" if mean > 0 else "does not hold")
+            verdict = "holds" if saved > 0 and ahead >= 0 else "does not hold"
+        else:
+            verdict = "holds" if ahead > 0 and p < 0.05 else ("not shown" if ahead > 0 else "does not hold")
         table.append([f"{row['claim']}", row["method"].strip(), row["prompts"], base_rows[0]["method"].strip(),
                       f"{100 * sum(base) / len(base):.1f}%", f"{100 * sum(method) / len(method):.1f}%",
                       " / ".join(f"{m['accuracy']:.1f}" for m in matched), note, verdict])
@@ -94,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if len(args.runs) < 2:
         parser.error("give at least two runs to pool")
+    if args.resamples < 1:
+        parser.error(f"--resamples {args.resamples}: give a number of random sign flips >= 1")
     runs = load_runs(args.runs)
     seeds = [run["settings"]["seed"] for run in runs]
     table = combine(runs, args.resamples, args.seed)

@@ -159,7 +159,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0, help="the rm stage's seed (it draws the held-out pairs)")
     parser.add_argument("--train-pairs", type=int, default=0,
                         help="also rank the first N training pairs with each reward model (default 0: none)")
-    parser.add_argument("--policy-pairs", nargs="*", default=[], metavar="DIR",
+    parser.add_argument("--policy-pairs", nargs="+", default=[], metavar="DIR",
                         help="directories written by scripts/make_onpolicy_pairs.py: a row each for a policy's own "
                         "right-vs-wrong samples")
     parser.add_argument("--threads", type=int, default=2)
@@ -174,7 +174,7 @@ def main() -> int:
     for path in args.policy_pairs:
         if not (Path(path) / "dataset_info.json").is_file():
             raise SystemExit(f"error: --policy-pairs {path}: no dataset_info.json there; write it with "
-                             "`python scripts/make_onpolicy_pairs.py --policy DIR --out {path}`")
+                             f"`python scripts/make_onpolicy_pairs.py --policy DIR --out {path}`")
 
     records = rlhf.load_records(args.dataset, REPO / "data/demo", "preference")
     train, held_out = rlhf._split_validation(records, args.val_size, args.seed, by_prompt=not args.split_by_record)

@@ -83,7 +83,8 @@ def load_prompts(paths: list[str], skip: int) -> list[dict]:
 
 
 def read_pair_lines(path: str) -> list[str]:
-    """The lines of a pairs file, as written, each checked to hold a prompt, a chosen and a rejected string."""
+    """The records of a pairs file as JSON lines (json.dumps, as the demo files are written), each checked to hold
+    a prompt, a chosen and a rejected string."""
     lines = []
     for number, record in read_records(path):
         for key in ("chosen", "rejected"):
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pairs-per-prompt", type=int, default=2, help="at most this many pairs per prompt")
     parser.add_argument("--batch-size", type=int, default=32, help="prompts per generate call")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--mix", nargs="*", default=[], metavar="FILE",
+    parser.add_argument("--mix", nargs="+", default=[], metavar="FILE",
                         help="pairs files to mix with the new pairs into mixed.jsonl (dataset onpolicy_mixed), shuffled")
     args = parser.parse_args(argv)
     if args.skip < 0:
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     model = AutoModelForCausalLM.from_pretrained(args.policy).eval()
     params = io.SamplingParams(max_new_tokens=64, temperature=args.temperature, n=args.samples, seed=args.seed,
                                stop_token_ids=io.stop_token_ids(tokenizer))
-    pairs, mixed = [], 0
+    pairs, contrasted = [], 0
     for start in range(0, len(records), args.batch_size):
         chunk = records[start:start + args.batch_size]
         out = io.generate(model, [io.chat_prompt_ids(tokenizer, r["prompt"]) for r in chunk], params,
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             wrong = [s for s in samples if io._last_answer(s) != str(record["answer"])]
             if not right or not wrong:
                 continue
-            mixed += 1
+            contrasted += 1
             combos = [(c, r) for c in right for r in wrong]
             for chosen, rejected in rng.sample(combos, min(args.pairs_per_prompt, len(combos))):
                 pairs.append({"prompt": record["prompt"], "chosen": chosen, "rejected": rejected})
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         (out_dir / "mixed.jsonl").write_text("".join(lines))
         info["onpolicy_mixed"] = {"file_name": "mixed.jsonl", "ranking": True, "columns": columns}
     (out_dir / "dataset_info.json").write_text(json.dumps(info, indent=2) + "\n")
-    print(f"{len(pairs)} pairs from {mixed} of {len(records)} prompts with both right and wrong samples -> {out_dir}"
+    print(f"{len(pairs)} pairs from {contrasted} of {len(records)} prompts with both right and wrong samples -> {out_dir}"
           + (f" (mixed.jsonl: with {len(mixed_in)} pairs of {', '.join(args.mix)})" if args.mix else ""))
     return 0
 

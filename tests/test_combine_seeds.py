@@ -60,3 +60,36 @@ def test_runs_that_differ_in_more_than_the_seed_are_refused(tmp_path):
     (tmp_path / "b.json").write_text(json.dumps(b))
     with pytest.raises(SystemExit, match="no per-prompt flags"):
         combine_seeds.load_runs(paths)
+
+
+def test_stopping_at_equal_accuracy_holds_with_three_runs():
+    """Claim 4 compares counts: with 3 runs per-prompt means like 1/3 are inexact floats, and equal accuracy must
+    still read as 'no lower'."""
+    base = [True, False, True, False, True]
+    runs = []
+    for seed, flags in enumerate([[False, True, True, False, True], [True, False, True, False, True],
+                                  [True, False, False, True, True]]):
+        data = run(seed, base, flags)
+        data["rows"][1].update(claim=4, method="Confidence stopping + majority", mean_samples=3.0)
+        runs.append(data)
+    (row,) = combine_seeds.combine(runs, 200, 0)
+    assert row[7].startswith("+0.0 pts") and row[7].endswith("62% fewer samples") and row[8] == "holds"
+
+
+def test_a_seed_twice_or_another_row_layout_is_refused(tmp_path):
+    greedy = [True, False, False, False]
+    a, b = run(0, greedy, greedy), run(0, greedy, greedy)
+    paths = []
+    for name, data in (("a.json", a), ("b.json", b)):
+        (tmp_path / name).write_text(json.dumps(data))
+        paths.append(str(tmp_path / name))
+    with pytest.raises(SystemExit, match="a seed given twice"):
+        combine_seeds.load_runs(paths)
+    b = run(1, greedy, greedy)
+    b["rows"][1]["method"] = "Something else"
+    (tmp_path / "b.json").write_text(json.dumps(b))
+    with pytest.raises(SystemExit, match="its rows are not those of"):
+        combine_seeds.load_runs(paths)
+    (tmp_path / "b.json").write_text("[1, 2]")
+    with pytest.raises(SystemExit, match="not an inference_demo --output file"):
+        combine_seeds.load_runs(paths)
