@@ -195,9 +195,9 @@ def main() -> int:
                         for path in args.policy_pairs}
     except rlhf.RLHFInputError as error:  # a bad record in a pairs file: its file:line, in one line
         raise SystemExit(f"error: --policy-pairs: {error}") from None
+    probes = {**{f"eval, {name}": pairs for name, pairs in tens_digit.items()}, **policy_pairs}  # a row each
     sets = {"held_out": batches(held_out), "eval_slips": batches(eval_slips),
-            **{name: batches(pairs) for name, pairs in tens_digit.items()},
-            **{name: batches(pairs) for name, pairs in policy_pairs.items()}}
+            **{name: batches(pairs) for name, pairs in probes.items()}}
     columns = {"SFT log-likelihood": {name: torch.cat([pairwise(log_likelihoods(policy, b)) for b in bs])
                                       for name, bs in sets.items()}}
     train_columns = {}
@@ -223,10 +223,8 @@ def main() -> int:
     rows.append(["arithmetic, eval prompts (held-out facts)", str(len(eval_slips))]
                 + [share(right["eval_slips"], list(range(len(eval_slips)))) for right in columns.values()]
                 + ["-"] * len(train_columns))
-    labelled = [*((name, f"eval, {name}", pairs) for name, pairs in tens_digit.items()),
-                *((name, name, pairs) for name, pairs in policy_pairs.items())]
-    for name, label, pairs in labelled:
-        rows.append([label, str(len(pairs))]
+    for name, pairs in probes.items():
+        rows.append([name, str(len(pairs))]
                     + [share(right[name], list(range(len(pairs)))) for right in columns.values()]
                     + ["-"] * len(train_columns))
     print_table(["rejected flaw", "pairs", *columns, *train_columns], rows,
