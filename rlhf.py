@@ -6499,6 +6499,8 @@ class _OnlineRLTrainer(_ReferenceTrainer):
     # -- subclass interface
     prompts_per_rollout: int
     steps_per_rollout: int
+    completions_per_prompt: int  # sampled for each prompt of a rollout
+    passes_per_rollout: int  # how many times the steps of one rollout train on each of its completions
 
     def _setup_model(self) -> None:
         super()._setup_model()
@@ -6519,6 +6521,7 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         config = self.config
         if isinstance(self.train_dataset, torch.utils.data.IterableDataset):
             self.sampler, self.total_steps = None, config.max_steps
+            logger.info("%s", self.rollout_plan())
             return
         if len(self.train_dataset) == 0:
             raise RLHFInputError("the prompt set is empty after preprocessing")
@@ -6526,6 +6529,16 @@ class _OnlineRLTrainer(_ReferenceTrainer):
                                              rank=self.devices.process_index, world_size=self.devices.num_processes)
         rollouts = math.ceil(config.num_train_epochs * self.sampler.batches_per_epoch)
         self.total_steps = config.max_steps if config.max_steps > 0 else max(1, rollouts * self.steps_per_rollout)
+        logger.info("%s", self.rollout_plan())
+
+    def rollout_plan(self) -> str:
+        """How many completions the run samples. max_steps counts optimizer steps, and a rollout feeds
+        steps_per_rollout of them, so PPO at ppo_epochs 4 samples a quarter of what 1 would in as many steps."""
+        rollouts = math.ceil(self.total_steps / self.steps_per_rollout)
+        per_rollout = self.prompts_per_rollout * self.completions_per_prompt * self.devices.num_processes
+        return (f"{self.stage}: {self.total_steps} optimizer steps = {rollouts} rollout{'s' * (rollouts != 1)} of "
+                f"{per_rollout} completions ({rollouts * per_rollout:,} sampled), each trained on "
+                f"{self.passes_per_rollout} time{'s' * (self.passes_per_rollout != 1)}")
 
     def _epoch(self) -> float:
         if self.sampler is None:
@@ -6715,6 +6728,14 @@ class GRPOTrainer(_OnlineRLTrainer):
     def steps_per_rollout(self) -> int:
         return self.config.num_iterations
 
+    @property
+    def completions_per_prompt(self) -> int:
+        return self.config.num_generations
+
+    @property
+    def passes_per_rollout(self) -> int:
+        return self.config.num_iterations
+
     @torch.no_grad()
     def make_rollout(self, prompts: list[dict[str, Any]]) -> Rollout:
         """Sample G completions per prompt, score them, and attach advantages and log-probs."""
@@ -6848,6 +6869,12 @@ class PPOTrainer(_OnlineRLTrainer):
     @property
     def steps_per_rollout(self) -> int:
         return self.config.ppo_epochs * self.config.ppo_buffer_size
+
+    completions_per_prompt = 1
+
+    @property
+    def passes_per_rollout(self) -> int:
+        return self.config.ppo_epochs
 
     def _setup_model(self) -> None:
         self.policy.prepare_for_training(self.config)

@@ -222,6 +222,10 @@ def test_rollout_schedule_is_ppo_epochs_seeded_permutations(tmp_path, tiny_model
                      ppo_buffer_size=2, ppo_epochs=3)
     trainer = _trainer(config, prompts, DigitShare())
     assert trainer.prompts_per_rollout == 8 and trainer.steps_per_rollout == 6
+    # max_steps counts optimizer steps: 2 steps of a 6-step rollout are one rollout of 8 completions
+    assert trainer.rollout_plan() == "ppo: 2 optimizer steps = 1 rollout of 8 completions (8 sampled), each trained on 3 times"
+    trainer.total_steps = 300
+    assert trainer.rollout_plan().startswith("ppo: 300 optimizer steps = 50 rollouts of 8 completions (400 sampled)")
     rollout = _fake_rollout(8)
     trainer.rollout_index = 5
     schedule = trainer.rollout_schedule(rollout)
