@@ -13,6 +13,13 @@ without the borrow (52 - 7 = 55), as scripts/make_demo_data.py writes the carele
 temperature: the per-sample accuracy and the share of problems where any sample is right are what GRPO's
 groups can learn from. The last column compares each policy's greedy answers with the first policy's,
 prompt by prompt: how many it gets right that the first gets wrong, the reverse, and the exact McNemar p.
+
+With ``--pool``, the policies after the first are runs of one recipe that differ only in their seed (say
+four PPO runs): a last row averages each prompt's outcome over them and tests the difference from the
+first policy over prompts with the paired sign-flip test of bench/combine_seeds.py. One run's McNemar
+carries its seed's luck; the pooled row is what a claim about the recipe rests on.
+
+    python bench/careless_breakdown.py --pool --policies outputs/demo_careless/sft,runs/ppo_seed0,runs/ppo_seed1
 """
 
 from __future__ import annotations
@@ -22,7 +29,9 @@ import sys
 from pathlib import Path
 
 import torch
-from tables import mcnemar, print_table  # bench/tables.py (the script's folder is on sys.path)
+
+# bench/tables.py (the script's folder is on sys.path)
+from tables import mcnemar, per_prompt_mean, print_table, sign_flip_p
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -45,6 +54,28 @@ def answers(policy: rlhf.PolicyModel, formatter: rlhf.ChatFormatter, records: li
     return [rlhf.extract_answer(policy.decode(ids)) for ids in completions]
 
 
+def share(outcomes: list[float]) -> str:
+    """The mean outcome as a percentage, or '-' for a kind of problem the prompts do not have."""
+    return f"{sum(outcomes) / len(outcomes):.1%}" if outcomes else "-"
+
+
+def pooled_row(outcomes: list[list[bool]], classes: list[str], habit_counts: list[int], args: argparse.Namespace,
+               sampled_columns: int) -> list[str]:
+    """The runs after the first, pooled: each prompt's outcome averaged over them, against the first policy."""
+    runs = outcomes[1:]
+    mean = per_prompt_mean(runs)
+    row = [f"mean of {len(runs)} runs", f"{sum(mean) / len(mean):.1%}"]
+    for name in CLASSES:
+        row.append(share([m for m, c in zip(mean, classes) if c == name]))
+    row.append(f"{sum(habit_counts[1:]) / len(runs):.1f}")
+    row += [""] * (sampled_columns - len(row))
+    # the points ahead from integer counts: averages like k/3 are not exact in binary
+    ahead = 100 * (sum(map(sum, runs)) - len(runs) * sum(outcomes[0])) / (len(runs) * len(mean))
+    p = sign_flip_p([m - b for m, b in zip(mean, outcomes[0])], args.resamples, args.seed)
+    row.append(f"{ahead:+.1f} pts, sign-flip p={p:.2g}")
+    return row
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--policies", default="outputs/demo_careless/sft,outputs/demo_careless/dpo,"
@@ -55,6 +86,10 @@ def main() -> int:
     parser.add_argument("--samples", type=int, default=8, help="samples per borrow problem (default 8)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--pool", action="store_true",
+                        help="the policies after the first are seeds of one recipe: add their pooled row, tested "
+                             "against the first policy over prompts (paired sign-flip test)")
+    parser.add_argument("--resamples", type=int, default=20000, help="sign flips for --pool's test")
     args = parser.parse_args()
     rlhf.pin_cpu_kernels()  # the same figures on any x86-64 CPU (see README, 'The run is deterministic')
     torch.set_num_threads(args.threads)
@@ -65,6 +100,10 @@ def main() -> int:
                          f"`python rlhf.py pipeline --config configs/demo_careless.yaml` first")
     if args.sample_temperature < 0 or args.samples < 1:
         parser.error("--sample-temperature must be >= 0 and --samples >= 1")
+    if args.pool and len(paths) < 2:
+        parser.error("--pool needs the baseline policy and at least one run of the recipe in --policies")
+    if args.resamples < 1:
+        parser.error("--resamples must be >= 1")
 
     try:
         records = rlhf.load_records(args.eval, REPO / "data/demo", "prompt")
@@ -78,7 +117,7 @@ def main() -> int:
     first_right: list[bool] | None = None  # the first policy's greedy outcomes, the others' reference
     if args.sample_temperature:
         headers += [f"borrow T {args.sample_temperature}", f"any of {args.samples}"]
-    rows = []
+    rows, outcomes, habit_counts = [], [], []
     for path in paths:
         policy = rlhf.PolicyModel.from_pretrained(path)
         policy.model.eval()
@@ -87,9 +126,10 @@ def main() -> int:
         right = [a == r["answer"] for a, r in zip(greedy, records)]
         row = [path, f"{sum(right) / len(right):.1%}"]
         for name in CLASSES:
-            hits = [ok for ok, c in zip(right, classes) if c == name]
-            row.append(f"{sum(hits) / len(hits):.1%}")
-        row.append(str(sum(a is not None and a == h for a, h in zip(greedy, habits))))
+            row.append(share([ok for ok, c in zip(right, classes) if c == name]))
+        habit_counts.append(sum(a is not None and a == h for a, h in zip(greedy, habits)))
+        row.append(str(habit_counts[-1]))
+        outcomes.append(right)
         if args.sample_temperature:
             torch.manual_seed(args.seed)
             repeated = [r for r in borrow for _ in range(args.samples)]
@@ -104,6 +144,8 @@ def main() -> int:
             better, worse, p = mcnemar(right, first_right)
             row.append(f"{better} / {worse}, p={p:.2g}")
         rows.append(row)
+    if args.pool:
+        rows.append(pooled_row(outcomes, classes, habit_counts, args, len(headers)))
     headers.append(f"vs {Path(paths[0]).name}: better / worse, McNemar p")
     print_table(headers, rows, f"Held-out exact match by problem kind, {len(records)} prompts ({len(borrow)} need a borrow); "
                 "habit: greedy answers that are the forgotten borrow; borrow T / any of: sampled answers to the "

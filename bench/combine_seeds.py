@@ -16,25 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 from pathlib import Path
 
-from tables import print_table  # bench/tables.py (the script's folder is on sys.path)
-
-
-def sign_flip_p(differences: list[float], resamples: int, seed: int) -> float:
-    """Two-sided p of the mean paired difference under random sign flips (the +1 counts the observed flip)."""
-    observed = abs(sum(differences))
-    rng = random.Random(seed)
-    nonzero = [d for d in differences if d]
-    extreme = sum(abs(sum(d if rng.random() < 0.5 else -d for d in nonzero)) >= observed - 1e-12
-                  for _ in range(resamples))
-    return (extreme + 1) / (resamples + 1)
-
-
-def per_prompt_mean(runs: list[list[bool]]) -> list[float]:
-    return [sum(flags) / len(flags) for flags in zip(*runs, strict=True)]
+from tables import per_prompt_mean, print_table, sign_flip_p  # bench/tables.py (the script's folder is on sys.path)
 
 
 def load_runs(paths: list[str]) -> list[dict]:

@@ -4,6 +4,7 @@ paired significance test the demo benches share."""
 from __future__ import annotations
 
 import math
+import random
 
 
 def print_table(headers: list[str], rows: list[list[str]], title: str, *, label_columns: int = 1,
@@ -36,3 +37,18 @@ def mcnemar(a: list[bool], b: list[bool]) -> tuple[int, int, float]:
         return wins, losses, 1.0
     tail = sum(math.comb(total, i) for i in range(min(wins, losses) + 1)) / 2 ** total
     return wins, losses, min(1.0, 2 * tail)
+
+
+def sign_flip_p(differences: list[float], resamples: int, seed: int) -> float:
+    """Two-sided p of the mean paired difference under random sign flips (the +1 counts the observed flip)."""
+    observed = abs(sum(differences))
+    rng = random.Random(seed)
+    nonzero = [d for d in differences if d]
+    extreme = sum(abs(sum(d if rng.random() < 0.5 else -d for d in nonzero)) >= observed - 1e-12
+                  for _ in range(resamples))
+    return (extreme + 1) / (resamples + 1)
+
+
+def per_prompt_mean(runs: list[list[bool]]) -> list[float]:
+    """Each prompt's outcome averaged over the runs (a prompt right in 3 of 4 runs counts 0.75)."""
+    return [sum(flags) / len(flags) for flags in zip(*runs, strict=True)]
