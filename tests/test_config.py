@@ -619,6 +619,22 @@ def test_careless_verifier_config_is_rm_careless_from_the_clean_sft_model_on_the
     assert verifier.model_name_or_path == "outputs/demo/sft" and verifier.dataset == "onpolicy_mixed"
 
 
+
+def test_careless_online_ppo_config_is_ppo_careless_at_grpos_budget_of_samples(repo):
+    """configs/ppo_careless_online.yaml is ppo_careless.yaml with GRPO's budget of samples (64 prompts per
+    rollout, each answer trained on once, 300 steps: 19,200 samples), the online loop's round-3 verifier and a
+    fixed KL coefficient."""
+    base = rlhf.load_config(rlhf.PPOConfig, repo / "configs" / "ppo_careless.yaml")
+    online = rlhf.load_config(rlhf.PPOConfig, repo / "configs" / "ppo_careless_online.yaml")
+    differ = {f.name for f in rlhf.dataclasses.fields(base) if getattr(base, f.name) != getattr(online, f.name)}
+    assert differ == {"reward_model", "value_model", "per_device_train_batch_size", "ppo_epochs", "learning_rate",
+                      "max_steps", "eval_steps", "save_steps", "output_dir", "adap_kl_ctrl", "init_kl_coef"}
+    assert not online.adap_kl_ctrl and online.init_kl_coef == 0.2
+    rollouts = online.max_steps // (online.ppo_epochs * online.ppo_buffer_size)
+    assert rollouts * online.per_device_train_batch_size * online.ppo_buffer_size == 19_200
+    assert online.reward_model == "outputs/demo_careless/rm_round3"
+    assert online.value_model == "outputs/demo_careless/rm_round3/member-0"
+
 # ---------------------------------------------------------------- --help
 
 
