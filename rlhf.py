@@ -6534,11 +6534,11 @@ class _OnlineRLTrainer(_ReferenceTrainer):
     def rollout_plan(self) -> str:
         """How many completions the run samples. max_steps counts optimizer steps, and a rollout feeds
         steps_per_rollout of them, so PPO at ppo_epochs 4 samples a quarter of what 1 would in as many steps."""
-        rollouts = math.ceil(self.total_steps / self.steps_per_rollout)
+        rollouts, passes = math.ceil(self.total_steps / self.steps_per_rollout), self.passes_per_rollout
         per_rollout = self.prompts_per_rollout * self.completions_per_prompt * self.devices.num_processes
         return (f"{self.stage}: {self.total_steps} optimizer steps = {rollouts} rollout{'s' * (rollouts != 1)} of "
                 f"{per_rollout} completions ({rollouts * per_rollout:,} sampled), each trained on "
-                f"{self.passes_per_rollout} time{'s' * (self.passes_per_rollout != 1)}")
+                + ("once" if passes == 1 else f"{passes} times"))
 
     def _epoch(self) -> float:
         if self.sampler is None:

@@ -16,7 +16,7 @@ prompt by prompt: how many it gets right that the first gets wrong, the reverse,
 
 With ``--pool``, the policies after the first are runs of one recipe that differ only in their seed (say
 four PPO runs): a last row averages each prompt's outcome over them and tests the difference from the
-first policy over prompts with the paired sign-flip test of bench/combine_seeds.py. One run's McNemar
+first policy over prompts with the paired sign-flip test (bench/tables.py, as bench/combine_seeds.py uses it). One run's McNemar
 carries its seed's luck; the pooled row is what a claim about the recipe rests on.
 
     python bench/careless_breakdown.py --pool --policies outputs/demo_careless/sft,runs/ppo_seed0,runs/ppo_seed1
@@ -59,8 +59,8 @@ def share(outcomes: list[float]) -> str:
     return f"{sum(outcomes) / len(outcomes):.1%}" if outcomes else "-"
 
 
-def pooled_row(outcomes: list[list[bool]], classes: list[str], habit_counts: list[int], args: argparse.Namespace,
-               sampled_columns: int) -> list[str]:
+def pooled_row(outcomes: list[list[bool]], classes: list[str], habit_counts: list[int], *, columns: int,
+               resamples: int, seed: int) -> list[str]:
     """The runs after the first, pooled: each prompt's outcome averaged over them, against the first policy."""
     runs = outcomes[1:]
     mean = per_prompt_mean(runs)
@@ -68,10 +68,10 @@ def pooled_row(outcomes: list[list[bool]], classes: list[str], habit_counts: lis
     for name in CLASSES:
         row.append(share([m for m, c in zip(mean, classes) if c == name]))
     row.append(f"{sum(habit_counts[1:]) / len(runs):.1f}")
-    row += [""] * (sampled_columns - len(row))
+    row += [""] * (columns - len(row))  # the sampled columns, which a pooled row leaves empty
     # the points ahead from integer counts: averages like k/3 are not exact in binary
     ahead = 100 * (sum(map(sum, runs)) - len(runs) * sum(outcomes[0])) / (len(runs) * len(mean))
-    p = sign_flip_p([m - b for m, b in zip(mean, outcomes[0])], args.resamples, args.seed)
+    p = sign_flip_p([m - b for m, b in zip(mean, outcomes[0])], resamples, seed)
     row.append(f"{ahead:+.1f} pts, sign-flip p={p:.2g}")
     return row
 
@@ -145,7 +145,8 @@ def main() -> int:
             row.append(f"{better} / {worse}, p={p:.2g}")
         rows.append(row)
     if args.pool:
-        rows.append(pooled_row(outcomes, classes, habit_counts, args, len(headers)))
+        rows.append(pooled_row(outcomes, classes, habit_counts, columns=len(headers), resamples=args.resamples,
+                               seed=args.seed))
     headers.append(f"vs {Path(paths[0]).name}: better / worse, McNemar p")
     print_table(headers, rows, f"Held-out exact match by problem kind, {len(records)} prompts ({len(borrow)} need a borrow); "
                 "habit: greedy answers that are the forgotten borrow; borrow T / any of: sampled answers to the "

@@ -3,7 +3,6 @@ the first policy, checked by hand and against exact enumeration of the sign flip
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import itertools
 import sys
@@ -28,8 +27,7 @@ def test_pooled_row_by_hand(breakdown):
     baseline = [True, True, False, True, False, False]
     run_a = [True, False, True, True, False, True]   # +2 prompts, -1
     run_b = [True, True, True, True, True, False]    # +2 prompts
-    args = argparse.Namespace(resamples=20000, seed=0)
-    row = breakdown.pooled_row([baseline, run_a, run_b], classes, [9, 3, 2], args, sampled_columns=7)
+    row = breakdown.pooled_row([baseline, run_a, run_b], classes, [9, 3, 2], columns=7, resamples=20000, seed=0)
     assert row[:7] == ["mean of 2 runs", "75.0%", "75.0%", "75.0%", "100.0%", "50.0%", "2.5"]
     # per prompt: 0, -0.5, +1, 0, +0.5, +0.5 -> +1.5 over 6 prompts = +25 points
     assert row[7].startswith("+25.0 pts, sign-flip p=")
@@ -41,8 +39,8 @@ def test_pooled_row_by_hand(breakdown):
 
 
 def test_pooled_row_pads_the_sampled_columns(breakdown):
-    args = argparse.Namespace(resamples=100, seed=0)
-    row = breakdown.pooled_row([[True, False], [True, False]], ["1-step", "multi"], [0, 0], args, sampled_columns=9)
+    row = breakdown.pooled_row([[True, False], [True, False]], ["1-step", "multi"], [0, 0], columns=9, resamples=100,
+                               seed=0)
     assert len(row) == 10 and row[7:9] == ["", ""] and row[3] == "-"  # no borrow problems here
     assert row[9] == "+0.0 pts, sign-flip p=1"
 

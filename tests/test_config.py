@@ -619,7 +619,6 @@ def test_careless_verifier_config_is_rm_careless_from_the_clean_sft_model_on_the
     assert verifier.model_name_or_path == "outputs/demo/sft" and verifier.dataset == "onpolicy_mixed"
 
 
-
 def test_careless_online_ppo_config_is_ppo_careless_at_grpos_budget_of_samples(repo):
     """configs/ppo_careless_online.yaml is ppo_careless.yaml with GRPO's budget of samples (64 prompts per
     rollout, each answer trained on once, 300 steps: 19,200 samples), the online loop's round-3 verifier and a
@@ -634,6 +633,7 @@ def test_careless_online_ppo_config_is_ppo_careless_at_grpos_budget_of_samples(r
     assert rollouts * online.per_device_train_batch_size * online.ppo_buffer_size == 19_200
     assert online.reward_model == "outputs/demo_careless/rm_round3"
     assert online.value_model == "outputs/demo_careless/rm_round3/member-0"
+
 
 # ---------------------------------------------------------------- --help
 

@@ -158,7 +158,7 @@ def test_accumulation_invariance_on_one_rollout(loss_type, tmp_path, tiny_model_
                              gradient_accumulation_steps=2, **common), prompts, Length())
     assert whole.prompts_per_rollout == split.prompts_per_rollout == 2
     assert whole.rollout_plan() == split.rollout_plan()  # accumulation changes neither the samples nor the steps
-    assert whole.rollout_plan() == "grpo: 2 optimizer steps = 2 rollouts of 8 completions (16 sampled), each trained on 1 time"
+    assert whole.rollout_plan() == "grpo: 2 optimizer steps = 2 rollouts of 8 completions (16 sampled), each trained on once"
     for seed in range(1, 20):  # seed 1 on the CPU; a GPU draws other samples, so look for a rollout that fits
         torch.manual_seed(seed)
         rollout = whole.make_rollout([prompts[0], prompts[5]])
