@@ -1464,6 +1464,9 @@ def _configure_wandb_offline() -> None:
         os.environ.setdefault("WANDB_MODE", "offline")
 
 
+SMOOTH_FROM_POINTS = 10  # a metric logged fewer times is plotted as its points alone
+
+
 def _ema(values: list[float], weight: float = 0.9) -> list[float]:
     smoothed, last = [], values[0] if values else 0.0
     for v in values:
@@ -1474,7 +1477,8 @@ def _ema(values: list[float], weight: float = 0.9) -> list[float]:
 
 def plot_metrics(history: list[dict[str, Any]], output_dir: str | os.PathLike,
                  keys: Iterable[str] | None = None) -> list[Path]:
-    """Save one PNG per metric (raw and smoothed against step); returns the files written."""
+    """Save one PNG per metric (raw, and smoothed when logged at least SMOOTH_FROM_POINTS times, against step);
+    returns the files written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -1488,9 +1492,12 @@ def plot_metrics(history: list[dict[str, Any]], output_dir: str | os.PathLike,
         if not points:
             continue
         steps, values = zip(*points)
+        # an average over a few sparse points (eval every 100 steps) lags far behind them and reads as the trend
+        smooth = len(points) >= SMOOTH_FROM_POINTS
         fig, ax = plt.subplots(figsize=(6, 4))
-        ax.plot(steps, values, color="#1f77b4", alpha=0.4 if len(points) > 1 else 1, marker="." if len(points) < 20 else None, label="raw")
-        if len(points) > 2:
+        ax.plot(steps, values, color="#1f77b4", alpha=0.4 if smooth else 1, marker="." if len(points) < 20 else None,
+                label="raw")
+        if smooth:
             ax.plot(steps, _ema(list(values)), color="#1f77b4", label="smoothed")
         ax.set_xlabel("step")
         ax.set_ylabel(key)

@@ -381,6 +381,23 @@ def test_training_logger_writes_jsonl_and_plots(tmp_path, devices):
         assert path.parent == tmp_path and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+
+def test_plots_smooth_only_metrics_logged_often_enough(tmp_path, monkeypatch):
+    """An average over three eval points lags far behind them (0.65, 0.71, 0.71 smoothed to 0.66), so a metric
+    logged fewer than SMOOTH_FROM_POINTS times is drawn as its points alone; a dense one gets the smoothed line."""
+    import matplotlib.pyplot as plt
+
+    figures = {}
+    monkeypatch.setattr(plt, "close", lambda fig: figures.setdefault(fig.axes[0].get_title(), fig))
+    many = rlhf.SMOOTH_FROM_POINTS
+    history = [{"step": s, "loss": 1.0 / s} for s in range(1, many + 1)]
+    history += [{"step": s, "eval/accuracy": a} for s, a in [(100, 0.65), (200, 0.71), (300, 0.71)]]
+    rlhf.plot_metrics(history, tmp_path)
+    labels = {key: [line.get_label() for line in fig.axes[0].get_lines()] for key, fig in figures.items()}
+    assert labels == {"loss": ["raw", "smoothed"], "eval/accuracy": ["raw"]}
+    raw = figures["eval/accuracy"].axes[0].get_lines()[0]
+    assert list(raw.get_ydata()) == [0.65, 0.71, 0.71] and raw.get_alpha() == 1
+
 def test_training_logger_no_plots_unless_asked_and_resume_trims_history(tmp_path, devices):
     config = rlhf.SFTConfig(output_dir=str(tmp_path), disable_progress_bar=True)
     first = rlhf.TrainingLogger(tmp_path, total_steps=4, devices=devices, config=config)
