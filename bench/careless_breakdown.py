@@ -114,7 +114,6 @@ def main() -> int:
     habits = [str(demo.careless_steps(p)[-1][3]) if demo.has_borrow(p) else None for p in problems]
     borrow = [r for r, p in zip(records, problems) if demo.has_borrow(p)]
     headers = ["policy", "held-out", *(f"{c} ({classes.count(c)})" for c in CLASSES), "habit"]
-    first_right: list[bool] | None = None  # the first policy's greedy outcomes, the others' reference
     if args.sample_temperature:
         headers += [f"borrow T {args.sample_temperature}", f"any of {args.samples}"]
     rows, outcomes, habit_counts = [], [], []
@@ -129,7 +128,6 @@ def main() -> int:
             row.append(share([ok for ok, c in zip(right, classes) if c == name]))
         habit_counts.append(sum(a is not None and a == h for a, h in zip(greedy, habits)))
         row.append(str(habit_counts[-1]))
-        outcomes.append(right)
         if args.sample_temperature:
             torch.manual_seed(args.seed)
             repeated = [r for r in borrow for _ in range(args.samples)]
@@ -137,12 +135,12 @@ def main() -> int:
             hits = [a == r["answer"] for a, r in zip(sampled, repeated)]
             groups = [hits[i:i + args.samples] for i in range(0, len(hits), args.samples)]
             row += [f"{sum(hits) / len(hits):.1%}", f"{sum(map(any, groups)) / len(groups):.1%}"]
-        if first_right is None:
-            first_right = right
-            row.append("")
-        else:
-            better, worse, p = mcnemar(right, first_right)
+        if outcomes:  # the first policy's greedy outcomes are the others' reference
+            better, worse, p = mcnemar(right, outcomes[0])
             row.append(f"{better} / {worse}, p={p:.2g}")
+        else:
+            row.append("")
+        outcomes.append(right)
         rows.append(row)
     if args.pool:
         rows.append(pooled_row(outcomes, classes, habit_counts, columns=len(headers), resamples=args.resamples,

@@ -7,10 +7,12 @@ No model is ever downloaded: every model is built from a config with the embedde
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import os
 import sys
 import tempfile
+import types
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,18 @@ import rlhf  # noqa: E402
 inference_optimizations.pin_cpu_kernels()
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
+
+
+def load_script(relative_path: str) -> types.ModuleType:
+    """Import a file of bench/ or scripts/, which are scripts rather than packages. bench/ goes on sys.path
+    first: its scripts import bench/tables.py (and scripts/make_demo_data.py, which they find themselves)."""
+    if str(REPO / "bench") not in sys.path:
+        sys.path.insert(0, str(REPO / "bench"))
+    path = REPO / relative_path
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 @pytest.fixture(scope="session")
 def repo() -> Path:

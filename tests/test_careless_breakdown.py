@@ -3,23 +3,19 @@ the first policy, checked by hand and against exact enumeration of the sign flip
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def breakdown():
-    sys.path.insert(0, str(REPO / "bench"))  # it imports bench/tables.py and scripts/make_demo_data.py
-    spec = importlib.util.spec_from_file_location("careless_breakdown", REPO / "bench" / "careless_breakdown.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench/careless_breakdown.py")
 
 
 def test_pooled_row_by_hand(breakdown):

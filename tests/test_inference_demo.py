@@ -3,22 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def demo():
-    sys.path.insert(0, str(REPO / "bench"))  # inference_demo imports bench/tables.py
-    spec = importlib.util.spec_from_file_location("inference_demo", REPO / "bench" / "inference_demo.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench/inference_demo.py")
 
 
 def test_adaptive_reranked_spends_the_budget_where_the_pilot_scores_low(demo):

@@ -3,21 +3,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from conftest import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("make_onpolicy_pairs", REPO / "scripts" / "make_onpolicy_pairs.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/make_onpolicy_pairs.py")
 
 
 @pytest.mark.parametrize(("prompt", "answer"), [("What is 52 - 7?", "45"), ("What is 95 + 5?", "100"),

@@ -3,23 +3,19 @@ wrong, checked against the demo generator's own record of the flaw it made."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def probe():
-    sys.path.insert(0, str(REPO / "bench"))  # rm_probe imports bench/tables.py and scripts/make_demo_data.py
-    spec = importlib.util.spec_from_file_location("rm_probe", REPO / "bench" / "rm_probe.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench/rm_probe.py")
 
 
 @pytest.mark.parametrize(
