@@ -10,7 +10,7 @@ bundled demo task, and on GPUs through accelerate.
 Table of contents (each section opens with a ``# ==== N. Title ====`` banner):
   0. Notation and registries — IGNORE_INDEX, RLHFInputError, TrainingStage
   1. Configs — BaseConfig, SFTConfig, RewardModelConfig, ProcessRewardModelConfig, DPOConfig, SimPOConfig, ORPOConfig, KTOConfig, OnlineRLConfig, GRPOConfig, PPOConfig, PipelineConfig, load_config, save_config, config_help, get_7b_model_config, get_70b_model_config, count_parameters, estimate_memory
-  2. Infrastructure — setup_logging, DeviceManager, weight_sharding, TrainingLogger, CheckpointManager, create_optimizer, EarlyStopping, apply_lora, apply_freeze, compile_model, select_attention_implementation
+  2. Infrastructure — setup_logging, logging_restored, DeviceManager, weight_sharding, TrainingLogger, CheckpointManager, create_optimizer, EarlyStopping, apply_lora, apply_freeze, compile_model, select_attention_implementation
   3. Data — load_records, ChatFormatter, CHAT_TEMPLATES, SFTDataset, StreamingSFTDataset, pack_sequences, SFTCollator, PreferenceDataset, StreamingPreferenceDataset, KTODataset, StreamingKTODataset, pack_rows, pack_preference_pairs, PreferenceBatch, PreferenceCollator, KTOBatch, KTOCollator, GRPODataset, StreamingGRPODataset, extract_answer, split_steps, arithmetic_step_labels, arithmetic_response_labels, encode_steps, ProcessPreferenceDataset, ProcessPreferenceCollator
   4. Models — token_log_probs, load_tokenizer, build_tiny_model, resolve_model_path, PolicyModel, state_under, RewardModel, RewardEnsemble, aggregate_step_scores, ProcessRewardModel, ValueModel, ActorCritic, select_informative_tokens, ContextCompressor, ReferenceModel, can_pack_pairs, tree_attention_mask, shared_prefix_log_probs, grouped_logits, grouped_packed_logits, grouped_prefix_logits, create_reference_model
   5. Losses and advantages — causal_lm_loss_sum, sequence_log_probs, dpo_loss, PREFERENCE_LOSSES, simpo_loss, orpo_loss, kto_loss, reward_model_loss, reward_boosting_weights, ewc_penalty, whiten, grpo_advantages, grpo_loss, compute_gae, ppo_policy_loss, ppo_value_loss, AdaptiveKLController, FixedKLController
@@ -147,7 +147,8 @@ class BaseConfig:
     additional_target: str | None = _opt(None, "Comma-separated extra modules trained in full and saved with the adapter (e.g. embed_tokens,lm_head)")
     freeze_trainable_layers: int = _opt(2, "With finetuning_type=freeze: train the last N blocks (negative: the first N)")
     gradient_checkpointing: bool = _opt(False, "Recompute activations in backward to save memory")
-    compile: bool = _opt(False, "torch.compile the model (falls back to eager with a warning if compilation fails)")
+    compile: bool = _opt(False, "torch.compile the model; a graph that fails to compile runs eagerly, with a warning "
+                                "(inside the model's calls only: torch's settings for the rest of the process are untouched)")
     # -- data
     dataset: str = _opt("", "Comma-separated dataset names from dataset_dir/dataset_info.json, or paths to JSON/JSONL/Parquet files or dataset directories")
     eval_dataset: str = _opt("", "Held-out prompts with an 'answer' (for exact-match accuracy), same syntax as dataset")
@@ -1188,7 +1189,9 @@ def rich_console(**kwargs: Any) -> Any:
 
 
 def setup_logging(level: str | int = "INFO", log_file: str | os.PathLike | None = None) -> logging.Logger:
-    """Rich console logging for the ``rlhf`` logger, plus an optional plain-text file."""
+    """Rich console logging for the ``rlhf`` logger, plus an optional plain-text file. It configures the process
+    (as a script's first line would); the stage runners call it inside :func:`logging_restored`, so their console
+    handler and log file last as long as the run."""
     from rich.logging import RichHandler
 
     root = logging.getLogger("rlhf")
@@ -1223,6 +1226,42 @@ def _quiet_library_progress_bars() -> None:
 
     transformers.utils.logging.disable_progress_bar()
     datasets.utils.logging.disable_progress_bar()
+
+
+@contextlib.contextmanager
+def logging_restored() -> Iterator[None]:
+    """Put the ``rlhf`` logger (level, propagation, handlers) and the progress-bar switches of transformers and
+    datasets back as they were, when the block ends. Every stage runner, the orchestrator and ``main`` run inside
+    it: ``setup_logging`` configures the console and the run's log file for the length of one run, and a caller's
+    own logging is as it was afterwards (a later message never lands in an earlier run's log file)."""
+    import datasets
+    import transformers
+
+    log = logging.getLogger("rlhf")
+    level, propagate, handlers = log.level, log.propagate, list(log.handlers)
+    bars = transformers.utils.logging.is_progress_bar_enabled(), datasets.utils.logging.is_progress_bar_enabled()
+    try:
+        yield
+    finally:
+        for handler in [h for h in log.handlers if h not in handlers]:
+            log.removeHandler(handler)
+            handler.close()
+        for handler in [h for h in handlers if h not in log.handlers]:
+            log.addHandler(handler)  # a file handler closed meanwhile reopens its file for appending
+        log.setLevel(level)
+        log.propagate = propagate
+        for module, enabled in zip((transformers, datasets), bars):
+            (module.utils.logging.enable_progress_bar if enabled else module.utils.logging.disable_progress_bar)()
+
+
+def _leaves_logging_as_found(run: Callable[..., Any]) -> Callable[..., Any]:
+    """``run`` inside :func:`logging_restored`."""
+    @functools.wraps(run)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with logging_restored():
+            return run(*args, **kwargs)
+
+    return call
 
 
 def set_seed(seed: int) -> None:
@@ -1458,10 +1497,12 @@ def weight_sharding(model: nn.Module) -> str:
     return ""
 
 
-def _configure_wandb_offline() -> None:
-    """wandb must work on machines without network or account: offline unless a key is set."""
-    if not os.environ.get("WANDB_API_KEY"):
-        os.environ.setdefault("WANDB_MODE", "offline")
+def _wandb_mode() -> dict[str, str]:
+    """wandb must work on machines without network or account: offline unless a key is set or the user chose a
+    WANDB_MODE. Passed to this run's ``wandb.init``, not exported, so the rest of the process is left as it was."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE"):
+        return {}
+    return {"mode": "offline"}
 
 
 SMOOTH_FROM_POINTS = 10  # a metric logged fewer times is plotted as its points alone
@@ -1532,12 +1573,11 @@ class TrainingLogger:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self._reload_history(start_step)
         if config.report_to:
-            if "wandb" in config.report_to:
-                _configure_wandb_offline()
             run = config.run_name or f"{config.stage}-{time.strftime('%Y%m%d-%H%M%S')}"
             flat = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in config.to_dict().items()}
+            wandb = {"name": run, "dir": str(self.output_dir), **_wandb_mode()}
             devices.accelerator.init_trackers(project_name=f"rlhf-{config.stage}", config=flat,
-                                              init_kwargs={"wandb": {"name": run, "dir": str(self.output_dir)}})
+                                              init_kwargs={"wandb": wandb})
         if not config.disable_progress_bar:
             self._start_progress(total_steps, start_step, description)
 
@@ -1955,19 +1995,33 @@ def apply_freeze(model: nn.Module, trainable_layers: int) -> nn.Module:
 
 
 def compile_model(model: nn.Module, enabled: bool = True, backend: str = "inductor") -> nn.Module:
-    """Opt-in ``torch.compile``; if compilation fails the model keeps running eagerly, with a warning."""
+    """Opt-in ``torch.compile``. A backend that cannot start leaves the model eager, with a warning; a graph that
+    fails to compile later runs eagerly too (dynamo's ``suppress_errors``), but only inside this model's own calls:
+    the setting is switched on around each call and back off after it, never left on for the process, where it
+    would hide compile errors in the caller's other code."""
     if not enabled:
         return model
-    import torch._dynamo
-
-    torch._dynamo.config.suppress_errors = True  # a graph that fails to compile runs eagerly instead
     try:
         compiled = torch.compile(model, backend=backend)
     except Exception as err:  # backend missing, unsupported platform: training must go on
         logger.warning("torch.compile failed (%s); continuing without compilation", str(err).splitlines()[0])
         return model
+    compiled.forward = _eager_on_compile_error(compiled.forward)
     logger.info("model compiled with torch.compile (backend=%s)", backend)
     return compiled
+
+
+def _eager_on_compile_error(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward`` with dynamo's ``suppress_errors`` on for the length of each call (a frame that fails to compile
+    runs eagerly) and the process's own value restored after it."""
+    import torch._dynamo
+
+    @functools.wraps(forward)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with torch._dynamo.config.patch(suppress_errors=True):
+            return forward(*args, **kwargs)
+
+    return call
 
 
 # ==== 3. Data ====
@@ -2639,6 +2693,20 @@ def _tokenizer_fingerprint(tokenizer: Any) -> str:
     return _fingerprint(tokenizer.name_or_path, len(tokenizer), sorted(tokenizer.get_vocab().items())[:2000:7])
 
 
+@contextlib.contextmanager
+def _environment_kept(*names: str) -> Iterator[None]:
+    """Put the environment variables ``names`` back as they were when a library call inside changed them."""
+    saved = {name: os.environ.get(name) for name in names}
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 class SFTDataset(torch.utils.data.Dataset):
     """Prompt/response records tokenised once (Hugging Face ``datasets``, cached on disk by content hash).
 
@@ -2660,9 +2728,10 @@ class SFTDataset(torch.utils.data.Dataset):
         cache.mkdir(parents=True, exist_ok=True)
         raw = Dataset.from_list([{"system": r["system"], "messages": r["messages"], "response": r["response"]}
                                  for r in records])
-        tokenized = raw.map(self._encode_batch, batched=True, remove_columns=raw.column_names, num_proc=num_proc,
-                            cache_file_name=str(cache / f"sft-{key}.arrow"), new_fingerprint=key,
-                            desc="tokenising")
+        with _environment_kept("TOKENIZERS_PARALLELISM"):  # datasets turns it off for the whole process when forking
+            tokenized = raw.map(self._encode_batch, batched=True, remove_columns=raw.column_names, num_proc=num_proc,
+                                cache_file_name=str(cache / f"sft-{key}.arrow"), new_fingerprint=key,
+                                desc="tokenising")
         status = tokenized["status"]
         self.stats = {"records": len(records), "truncated": status.count("truncated"), "dropped": status.count("dropped")}
         if self.stats["truncated"] or self.stats["dropped"]:
@@ -8004,6 +8073,7 @@ def _start_stage(config: BaseConfig, devices: DeviceManager | None, records: tup
     return records, devices
 
 
+@_leaves_logging_as_found
 def train_sft(config: SFTConfig, devices: DeviceManager | None = None) -> TrainResult:
     """Run the SFT stage from a config: load model and data, train, evaluate, save."""
     records, devices = _start_stage(config, devices)
@@ -8032,6 +8102,7 @@ def _preference_datasets(config: BaseConfig, records: tuple, tokenizer: Any, for
     return train, validation, eval_records
 
 
+@_leaves_logging_as_found
 def train_rm(config: RewardModelConfig, devices: DeviceManager | None = None) -> TrainResult:
     """Run the reward-model stage: one model, or ``ensemble_size`` members (seeds seed, seed+1, ...)
     saved under output_dir/member-k with an ensemble.json manifest."""
@@ -8057,6 +8128,7 @@ def _train_reward_model(config: RewardModelConfig, devices: DeviceManager | None
     return RewardModelTrainer(config, reward_model, train, eval_dataset=validation, devices=devices).train()
 
 
+@_leaves_logging_as_found
 def train_prm(config: ProcessRewardModelConfig, devices: DeviceManager | None = None) -> TrainResult:
     """Run the process-reward-model stage on preference pairs (step labels from the data or a labeler)."""
     records, devices = _start_stage(config, devices)
@@ -8172,11 +8244,13 @@ def _train_policy_stage(config: BaseConfig, devices: DeviceManager | None, train
                          formatter=formatter, devices=devices).train()
 
 
+@_leaves_logging_as_found
 def train_dpo(config: DPOConfig, devices: DeviceManager | None = None) -> TrainResult:
     """Run a DPO-family stage (dpo / simpo / orpo; pref_loss picks the loss)."""
     return _train_policy_stage(config, devices, SimPOTrainer if config.pref_loss == "simpo" else DPOTrainer)
 
 
+@_leaves_logging_as_found
 def train_kto(config: KTOConfig, devices: DeviceManager | None = None) -> TrainResult:
     """Run the KTO stage."""
     return _train_policy_stage(config, devices, KTOTrainer)
@@ -8198,6 +8272,7 @@ def _check_reward_answers(config: OnlineRLConfig, train_records: list[dict[str, 
         _check_answers(train_records, "dataset", config.dataset, "the exact_answer reward")
 
 
+@_leaves_logging_as_found
 def train_grpo(config: GRPOConfig, devices: DeviceManager | None = None) -> TrainResult:
     """Run the GRPO stage: reward functions from the config (RewardFunctionFactory), prompts, rollouts."""
     records, devices = _start_stage(config, devices)
@@ -8211,6 +8286,7 @@ def train_grpo(config: GRPOConfig, devices: DeviceManager | None = None) -> Trai
                        formatter=formatter, devices=devices).train()
 
 
+@_leaves_logging_as_found
 def train_ppo(config: PPOConfig, devices: DeviceManager | None = None) -> TrainResult:
     """Run the PPO stage: reward functions, a critic (value head on the policy, or value_model), a reference."""
     records, devices = _start_stage(config, devices)
@@ -8485,6 +8561,7 @@ class RLHFOrchestrator:
         self._compressor_for: str | None = None
 
     # -- training stages
+    @_leaves_logging_as_found
     def run_stage(self, stage: str) -> dict[str, Any]:
         """Run (or skip, if already complete) one stage; returns its report entry."""
         if stage in FINAL_STAGES:
@@ -8896,6 +8973,7 @@ class RLHFOrchestrator:
         return self._compressor(ratio).compress_ids(context_ids, ratio, keep_ids)
 
     # -- the whole pipeline
+    @_leaves_logging_as_found
     def run_full_pipeline(self) -> list[dict[str, Any]]:
         """Every stage in ``config.stages``; prints the pipeline table and writes report.json, report.md
         and pipeline_summary.png. Returns this run's entries."""
@@ -9075,6 +9153,7 @@ def _llamafactory_argv(argv: list[str]) -> list[str]:
     return argv
 
 
+@_leaves_logging_as_found
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; user mistakes print one line and exit with status 2."""
     from rich.console import Console

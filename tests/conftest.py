@@ -13,6 +13,7 @@ import os
 import sys
 import tempfile
 import types
+import warnings
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,70 @@ def load_script(relative_path: str) -> types.ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+_MISSING = object()
+
+
+def _torch_config_values(module_name: str) -> dict[str, object]:
+    """Every entry of a torch config module as code reads it (``getattr``): an entry that a ``delattr`` hid reads
+    as missing, which ``get_config_copy`` would not show."""
+    module = sys.modules.get(module_name)
+    if module is None:
+        return {}
+    with warnings.catch_warnings():  # reading a deprecated entry warns
+        warnings.simplefilter("ignore")
+        return {name: getattr(module, name, _MISSING) for name in module._config}
+
+
+# environment variables pytest sets per test, and ones torch's compiler records on its first use (its cache folders,
+# CUDA tool paths, internal flags) and the address of the service wandb starts: theirs, not a test's doing
+_SET_BY_OTHERS = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_", "_TORCHINDUCTOR_", "TRITON_", "WANDB_SERVICE")
+
+
+def _global_state() -> dict[str, object]:
+    """Process-wide settings a test, or a library call inside it, could leave changed for every later test."""
+    rlhf_logger = logging.getLogger("rlhf")
+    return {
+        "torch default dtype": torch.get_default_dtype(),
+        "torch grad mode": torch.is_grad_enabled(),
+        "torch inference mode": torch.is_inference_mode_enabled(),
+        "torch deterministic algorithms": torch.are_deterministic_algorithms_enabled(),
+        "torch anomaly detection": torch.is_anomaly_enabled(),
+        "torch float32 matmul precision": torch.get_float32_matmul_precision(),
+        "torch threads": torch.get_num_threads(),
+        "torch._dynamo.config": _torch_config_values("torch._dynamo.config"),
+        "torch._inductor.config": _torch_config_values("torch._inductor.config"),
+        "environment variables": {k: v for k, v in os.environ.items() if not k.startswith(_SET_BY_OTHERS)},
+        "'rlhf' logger": (rlhf_logger.level, rlhf_logger.propagate,  # pytest's own handlers come and go per phase
+                          [h for h in rlhf_logger.handlers if not type(h).__module__.startswith("_pytest")]),
+    }
+
+
+def _changes(before: dict[str, object], after: dict[str, object]) -> list[str]:
+    changed = []
+    for name, old in before.items():
+        new = after[name]
+        if isinstance(old, dict):
+            keys = sorted(k for k in old.keys() | new.keys() if old.get(k, _MISSING) is not new.get(k, _MISSING)
+                          and old.get(k, _MISSING) != new.get(k, _MISSING))
+            keys = [k for k in keys if not (name.startswith("torch._") and (k not in old or k not in new))]
+            if keys:
+                changed.append(f"{name}: {', '.join(map(str, keys))}")
+        elif old != new:
+            changed.append(f"{name}: {old!r} -> {new!r}")
+    return changed
+
+
+@pytest.fixture(autouse=True)
+def leaves_global_state_alone():
+    """Every test must leave the process as it found it, so the suite passes in any order: a setting one test
+    (or a library call) flips would otherwise change what every later test runs."""
+    before = _global_state()
+    yield
+    changed = _changes(before, _global_state())
+    if changed:
+        pytest.fail("the test changed process-wide state: " + "; ".join(changed), pytrace=False)
+
 
 @pytest.fixture(scope="session")
 def repo() -> Path:
@@ -129,6 +194,15 @@ def sft_model(tmp_path_factory, tiny_model_dir, demo_dir) -> Path:
     finally:
         torch.set_num_threads(previous)
     return out
+
+
+@pytest.fixture
+def keeps_torch_threads():
+    """For tests that run a script's main() in this process: the script sets the thread count for its process, as
+    an entry point may, and the test puts it back."""
+    previous = torch.get_num_threads()
+    yield
+    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ import copy
 import json
 import logging
 import math
+import os
 import random
 import shutil
 from pathlib import Path
@@ -307,10 +308,7 @@ def test_compile_model_disabled_returns_same_object():
     assert rlhf.compile_model(model, enabled=False) is model
 
 
-def test_compile_model_bad_backend_warns_and_keeps_working(monkeypatch):
-    import torch._dynamo
-
-    monkeypatch.setattr(torch._dynamo.config, "suppress_errors", torch._dynamo.config.suppress_errors)
+def test_compile_model_bad_backend_warns_and_keeps_working():
     model = _small_net()
     x = torch.randn(2, 4)
     want = model(x)
@@ -320,6 +318,29 @@ def test_compile_model_bad_backend_warns_and_keeps_working(monkeypatch):
     torch.testing.assert_close(out(x), want)
     out(x).sum().backward()
     assert model[0].weight.grad is not None
+
+
+def _backend_that_fails(graph_module, example_inputs):
+    raise RuntimeError("this graph cannot be compiled")
+
+
+def test_compiled_model_runs_a_graph_that_fails_to_compile_eagerly_without_changing_the_process():
+    import torch._dynamo
+
+    model, x = _small_net(), torch.randn(2, 4)
+    want = model(x)
+    try:
+        with pytest.raises(Exception, match="this graph cannot be compiled"):  # torch.compile alone: a hard error
+            torch.compile(_small_net(), backend=_backend_that_fails)(x)
+        torch._dynamo.reset()
+        out = rlhf.compile_model(model, enabled=True, backend=_backend_that_fails)
+        torch.testing.assert_close(out(x), want)  # the failed graph ran eagerly
+        assert torch._dynamo.config.suppress_errors is False  # only while the model ran, never for the process
+        torch._dynamo.reset()  # forget that the failed frame runs eagerly
+        with pytest.raises(Exception, match="this graph cannot be compiled"):  # so other compiled code still fails
+            torch.compile(_small_net(), backend=_backend_that_fails)(x)
+    finally:
+        torch._dynamo.reset()
 
 
 # -- TrainingLogger ----------------------------------------------------------------------------------------
@@ -361,6 +382,19 @@ def test_lockstep_share_splits_batches_round_robin_with_equal_turns(devices):
         shares = [Process(rank, processes).lockstep_share(7) for rank in range(processes)]
         assert len({len(share) for share in shares}) == 1  # the same number of forwards on every process
         assert sorted(index for share in shares for index, keep in share if keep) == list(range(7))
+
+
+def test_wandb_without_an_account_runs_offline_and_leaves_the_environment_alone(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    config = rlhf.SFTConfig(output_dir=str(tmp_path), report_to="wandb", disable_progress_bar=True)
+    devices = rlhf.DeviceManager(log_with=config.report_to, project_dir=tmp_path / "runs")
+    training_logger = rlhf.TrainingLogger(tmp_path, total_steps=1, devices=devices, config=config)
+    training_logger.log(1, {"loss": 1.0})
+    training_logger.close()
+    devices.accelerator.end_training()
+    assert list((tmp_path / "wandb").glob("offline-run-*"))
+    assert "WANDB_MODE" not in os.environ
 
 
 def test_training_logger_writes_jsonl_and_plots(tmp_path, devices):

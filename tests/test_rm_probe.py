@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from conftest import load_script
 
+pytestmark = pytest.mark.usefixtures("keeps_torch_threads")  # main() sets the thread count
+
 REPO = Path(__file__).resolve().parents[1]
 
 

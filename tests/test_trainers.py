@@ -8,6 +8,7 @@ model; runs are a handful of steps on the bundled demo data.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -138,6 +139,20 @@ def test_gradient_accumulation_is_equivalent_to_a_large_batch(tmp_path, llama_di
             torch.testing.assert_close(small[key], big[key], atol=1e-6, rtol=0, msg=f"{batch}x{accumulation} {key}")
     naive = _train_weights(tmp_path / "naive", llama_dir, dataset, 2, 4, trainer_cls=_NaiveMeanTrainer)
     assert max(float((naive[k] - big[k]).abs().max()) for k in big) > 1e-4  # measured: 2e-3
+
+
+def test_a_stage_run_leaves_logging_as_it_found_it(tmp_path, llama_dir, demo_dir):
+    import transformers
+
+    log = logging.getLogger("rlhf")
+    before = (log.level, log.propagate, list(log.handlers), transformers.utils.logging.is_progress_bar_enabled())
+    rlhf.train_sft(_config(tmp_path, llama_dir, demo_dir, max_steps=1))
+    after = (log.level, log.propagate, list(log.handlers), transformers.utils.logging.is_progress_bar_enabled())
+    assert after == before
+    log_file = tmp_path / "logs" / "sft.log"
+    assert "step 1: loss=" in log_file.read_text()  # the run's own lines are in its file
+    log.warning("a message after the run")
+    assert "a message after the run" not in log_file.read_text()  # which is closed when the run ends
 
 
 # -- (b) resume after an interruption equals an uninterrupted run (in-process) -------------------------
