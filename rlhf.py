@@ -1243,11 +1243,12 @@ def logging_restored() -> Iterator[None]:
     try:
         yield
     finally:
-        for handler in [h for h in log.handlers if h not in handlers]:
+        for handler in list(log.handlers):
             log.removeHandler(handler)
-            handler.close()
-        for handler in [h for h in handlers if h not in log.handlers]:
-            log.addHandler(handler)  # a file handler closed meanwhile reopens its file for appending
+            if handler not in handlers:
+                handler.close()
+        for handler in handlers:  # in their order; a file handler closed meanwhile reopens its file for appending
+            log.addHandler(handler)
         log.setLevel(level)
         log.propagate = propagate
         for module, enabled in zip((transformers, datasets), bars):

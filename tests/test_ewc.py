@@ -143,10 +143,15 @@ def test_ewc_keeps_sft_loss_lower_than_plain_dpo(sft_model, demo_dir, tmp_path):
 
 
 def test_resumed_run_keeps_the_original_anchor(sft_model, demo_dir, tmp_path):
-    from conftest import killed_after_checkpoint
-
     config = _dpo(sft_model, demo_dir, tmp_path, ewc_lambda=1000.0, max_steps=6, save_steps=3,
                   resume_from_checkpoint="auto")
+    with rlhf.logging_restored():  # _start_stage sets up the stage's logging, as a stage runner's body would
+        _resume_keeps_anchor(config, tmp_path, sft_model)
+
+
+def _resume_keeps_anchor(config: rlhf.DPOConfig, tmp_path: Path, sft_model: Path) -> None:
+    from conftest import killed_after_checkpoint
+
     records, devices = rlhf._start_stage(config, None)
 
     def trainer() -> rlhf.DPOTrainer:
