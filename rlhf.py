@@ -147,6 +147,9 @@ class BaseConfig:
     additional_target: str | None = _opt(None, "Comma-separated extra modules trained in full and saved with the adapter (e.g. embed_tokens,lm_head)")
     freeze_trainable_layers: int = _opt(2, "With finetuning_type=freeze: train the last N blocks (negative: the first N)")
     gradient_checkpointing: bool = _opt(False, "Recompute activations in backward to save memory")
+    disable_dropout: bool = _opt(True, "Zero the model's own dropout (its dropout layers and attention dropout), as TRL does: the "
+                                       "policy then equals its reference at the start and rollout log-probs equal the loss's; "
+                                       "lora_dropout still applies")
     compile: bool = _opt(False, "torch.compile the model; a graph that fails to compile runs eagerly, with a warning "
                                 "(inside the model's calls only: torch's settings for the rest of the process are untouched)")
     # -- data
@@ -4478,7 +4481,10 @@ def create_reference_model(config: BaseConfig, policy: PolicyModel) -> Reference
 
 
 def _prepare_backbone(model: nn.Module, config: BaseConfig) -> nn.Module:
-    """Apply the finetuning type (LoRA / OFT / freeze / full) and gradient checkpointing."""
+    """Apply ``disable_dropout``, the finetuning type (LoRA / OFT / freeze / full) and gradient checkpointing.
+    Dropout goes before the adapter is added, so that an explicit ``lora_dropout`` is kept."""
+    if config.disable_dropout:
+        disable_dropout(model)
     if config.finetuning_type in ("lora", "oft") and not hasattr(model, "peft_config"):
         model = apply_lora(model, config)
     elif config.finetuning_type == "freeze":
@@ -6542,11 +6548,15 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
 
 
 def disable_dropout(model: nn.Module) -> None:
-    """Set every dropout probability to 0 (as TRL does for online RL): stored rollout log-probs,
-    values and reference log-probs must come from the same deterministic function as the loss."""
+    """Set every dropout probability to 0 (TRL's ``disable_dropout``): stored rollout log-probs, values and
+    reference log-probs must come from the same deterministic function as the loss. Besides dropout layers,
+    transformers' attention modules keep their probability as a float, ``attention_dropout``, that they pass to
+    the attention kernel in training mode (Llama, Qwen, Mistral, Gemma, Phi-3, GPT-NeoX)."""
     for module in model.modules():
-        if isinstance(module, nn.Dropout):
+        if isinstance(module, nn.modules.dropout._DropoutNd):
             module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
 
 
 class _OnlineRLTrainer(_ReferenceTrainer):
@@ -6578,10 +6588,6 @@ class _OnlineRLTrainer(_ReferenceTrainer):
     steps_per_rollout: int
     completions_per_prompt: int  # sampled for each prompt of a rollout
     passes_per_rollout: int  # how many times the steps of one rollout train on each of its completions
-
-    def _setup_model(self) -> None:
-        super()._setup_model()
-        disable_dropout(self.policy.model)  # rollout log-probs and the loss must see the same function
 
     def _normalise_rewards(self, config: OnlineRLConfig) -> bool:
         return config.reward_normalize
@@ -6960,8 +6966,8 @@ class PPOTrainer(_OnlineRLTrainer):
                 self.critic.backbone.requires_grad_(True)
             self.critic.backbone = _prepare_backbone(self.critic.backbone, self.config)
         self.critic.head.requires_grad_(True)
-        disable_dropout(self.policy.model)
-        disable_dropout(self.critic)
+        if self.config.disable_dropout:  # the backbones' own dropout went in _prepare_backbone; this is the head's
+            disable_dropout(self.critic)
         self.actor_critic = ActorCritic(self.policy.model, self.critic).to(self.devices.device)
         self.model = self.devices.prepare(self.actor_critic)
         self._setup_sharding()
@@ -9202,6 +9208,17 @@ def main(argv: list[str] | None = None) -> int:
         Console(stderr=True).print("interrupted: run the same command again to resume from the last checkpoint "
                                    "(one stopped before its first save starts over)")
         return 130
+    finally:
+        _close_process_group()
+
+
+def _close_process_group() -> None:
+    """Close a launch's process group before the command returns. Left to interpreter shutdown, gloo's worker
+    threads can be destroyed while still joinable, which aborts a process that has finished its work ('terminate
+    called without an active exception', exit -6). Only the entry point does this: a library call inside the
+    user's own distributed script leaves their group alone."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ Models are the tiny Llama of conftest.py (``tiny_arch_dir("llama")``, exactness 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -1131,3 +1132,33 @@ def test_streaming_dpo_run_trains_and_refuses_precompute(tmp_path, llama_dir, de
                   precompute_ref_log_probs=True)
     with pytest.raises(rlhf.RLHFInputError, match="precompute_ref_log_probs"):
         rlhf.train_dpo(bad)
+
+
+# -- dropout -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("disable", [True, False])
+def test_first_dpo_loss_is_ln2_only_with_dropout_off(disable, tmp_path, tiny_arch_dir, demo_dir):
+    """GPT-2's config carries dropout 0.1 (embeddings, attention, residual). With the reference equal to the policy
+    every log-ratio is 0 and the sigmoid loss is -log sigmoid(0) = ln 2, unless dropout perturbs the policy's pass."""
+    model = tiny_arch_dir("gpt2")
+    assert rlhf.PolicyModel.from_pretrained(str(model)).model.config.resid_pdrop == 0.1
+    config = _config(rlhf.DPOConfig, tmp_path, model, demo_dir, max_steps=1, disable_dropout=disable)
+    rlhf.train_dpo(config)
+    first = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    if disable:
+        assert first["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    else:
+        assert abs(first["loss"] - math.log(2)) > 1e-4  # beta 0.1 scales the dropout noise in the log-ratios
+
+
+def test_disable_dropout_reaches_the_attention_kernels_probability():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                         vocab_size=50, attention_dropout=0.3))
+    rlhf.disable_dropout(model)
+    assert model.model.layers[0].self_attn.attention_dropout == 0.0  # a float passed to the kernel, no Dropout layer
+    model.train()
+    ids = torch.randint(0, 50, (1, 8))
+    torch.testing.assert_close(model(ids).logits, model(ids).logits)  # no randomness left in training mode
