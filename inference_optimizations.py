@@ -9,7 +9,7 @@ and confidence-based stopping.
 
 Public names: pin_cpu_kernels, select_attention_implementation, OptimizedAttention, SamplingParams, GenerationOutput, generate,
 GENERATION_ENGINES, cache_argument, returned_cache, PagedKVCache,
-chat_prompt_ids, chat_completion_ids, stop_token_ids, RewardModelScorer, BestOfNResult, BestOfNSampler,
+encode_at_boundaries, chat_prompt_ids, chat_completion_ids, chat_pair_ids, stop_token_ids, RewardModelScorer, BestOfNResult, BestOfNSampler,
 SpeculativeOutput, SpeculativeDecoder, MCTSNode, MCTSResult, puct_score, MCTSGenerator, answer_agreement, beta_majority_confidence, ConfidenceBasedStopping,
 AdaptiveComputeAllocator, main
 
@@ -30,8 +30,10 @@ import sys
 import time
 import weakref
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -1057,7 +1059,35 @@ def _generate(model: torch.nn.Module, prompts: list[list[int]], params: Sampling
 
 # -- chat rendering (standalone: the tokenizer's own chat template) -----------------------------------------------
 
-END_MARKERS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>")
+# end-of-turn markers of the major chat formats: ChatML (Qwen), Llama 3, Phi-3, GPT-style, Gemma 2/3, Gemma 4
+END_MARKERS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "<end_of_turn>", "<turn|>")
+
+
+def encode_at_boundaries(tokenizer, text: str, positions: Sequence[int]) -> tuple[list[int], list[int]]:
+    """Encode ``text`` whole, as ``apply_chat_template`` tokenises a rendered conversation (special tokens parsed,
+    nothing added), and map each character position to the number of tokens before it: the tokens that
+    ``text[:position]`` encodes to and the whole text shares. Encoding the pieces apart instead changes tokens at
+    the seam: a SentencePiece tokenizer starts the second piece with a spurious '▁' (Llama 2, Mistral v0.3,
+    Phi-3), a BPE can merge across it. A token that straddles a position counts after it.
+    Returns (ids, boundaries), one boundary per position."""
+    ids = _encode_plain(tokenizer, text)
+    boundaries = []
+    for position in positions:
+        if position <= 0 or position >= len(text):
+            boundaries.append(0 if position <= 0 else len(ids))
+            continue
+        head = _encode_plain(tokenizer, text[:position])
+        shared = 0
+        for a, b in zip(head, ids):
+            if a != b:
+                break
+            shared += 1
+        boundaries.append(shared)
+    return ids, boundaries
+
+
+def _encode_plain(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
 
 
 def _conversation(prompt: str, system: str | None) -> list[dict[str, str]]:
@@ -1074,20 +1104,37 @@ def chat_prompt_ids(tokenizer, prompt: str, system: str | None = None) -> list[i
 
 
 def chat_completion_ids(tokenizer, prompt: str, response: str, system: str | None = None) -> list[int]:
-    """Token ids of ``response`` as the template renders it after the prompt (end marker included),
-    tokenised apart from the prompt, as rlhf's trainers tokenise completions."""
+    """Token ids of ``response`` as the template renders it after the prompt (end marker included), cut from the
+    whole conversation encoded at once (``chat_pair_ids``), as rlhf's trainers encode completions."""
+    return chat_pair_ids(tokenizer, prompt, response, system)[1]
+
+
+def chat_pair_ids(tokenizer, prompt: str, response: str, system: str | None = None) -> tuple[list[int], list[int]]:
+    """(prompt ids, completion ids) whose concatenation is the whole conversation's encoding, which
+    ``apply_chat_template`` gives for it. The prompt is what the template renders for generation; a template that
+    renders the finished conversation without it as a prefix (Mistral-Nemo drops a system prompt there) gets the
+    prompt followed by the answer as the template writes it. Plain text when the tokenizer has no chat template."""
     if not getattr(tokenizer, "chat_template", None):
-        return tokenizer(response, add_special_tokens=False)["input_ids"]
+        ids, (cut,) = encode_at_boundaries(tokenizer, prompt + response, [len(prompt)])
+        return ids[:cut], ids[cut:]
     conversation = _conversation(prompt, system)
     head = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
     full = tokenizer.apply_chat_template(conversation + [{"role": "assistant", "content": response}], tokenize=False)
-    suffix = full[len(head):] if full.startswith(head) else response
-    return tokenizer(suffix, add_special_tokens=False)["input_ids"]
+    if not full.startswith(head):
+        at = full.rfind(response) if response else -1
+        full = head + (full[at:] if at >= 0 else response)
+    ids, (cut,) = encode_at_boundaries(tokenizer, full, [len(head)])
+    return ids[:cut], ids[cut:]
 
 
-def stop_token_ids(tokenizer) -> tuple[int, ...]:
-    """EOS plus the end-of-turn marker of the chat template, when the vocabulary has one."""
+def stop_token_ids(tokenizer, generation_config: Any = None) -> tuple[int, ...]:
+    """EOS, every id of the model's ``generation_config.eos_token_id`` (Llama 3.1 lists three, Gemma 3 its
+    end-of-turn token) and the end-of-turn marker of the chat template, when the vocabulary has one."""
     ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    listed = getattr(generation_config, "eos_token_id", None)
+    for token in [listed] if isinstance(listed, int) else list(listed or []):
+        if token not in ids:
+            ids.append(int(token))
     template = getattr(tokenizer, "chat_template", None) or ""
     for marker in END_MARKERS:
         if marker in template:
@@ -1160,8 +1207,7 @@ class RewardModelScorer:
     def __call__(self, prompts: list[str], responses: list[str]) -> torch.Tensor:
         if self.members:
             return torch.stack([member(prompts, responses) for member in self.members]).mean(0)
-        rows = [chat_prompt_ids(self.tokenizer, p, self.system) + chat_completion_ids(self.tokenizer, p, r, self.system)
-                for p, r in zip(prompts, responses, strict=True)]
+        rows = [sum(chat_pair_ids(self.tokenizer, p, r, self.system), []) for p, r in zip(prompts, responses, strict=True)]
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         scores = []
         for start in range(0, len(rows), self.batch_size):
@@ -1200,7 +1246,7 @@ class BestOfNSampler:
             raise ValueError("n must be >= 1")
         self.model, self.tokenizer, self.reward_fn, self.n = model, tokenizer, reward_fn, n
         base = params or SamplingParams()
-        stops = tuple(dict.fromkeys(base.stop_token_ids + stop_token_ids(tokenizer)))
+        stops = tuple(dict.fromkeys(base.stop_token_ids + stop_token_ids(tokenizer, getattr(model, 'generation_config', None))))
         self.params = SamplingParams(max_new_tokens=base.max_new_tokens, temperature=base.temperature, top_p=base.top_p,
                                      top_k=base.top_k, n=n, do_sample=base.do_sample, seed=base.seed,
                                      stop_token_ids=stops, stop_strings=base.stop_strings)
@@ -1546,7 +1592,7 @@ class MCTSGenerator:
         self.max_step_tokens, self.max_new_tokens = max_step_tokens, max_new_tokens
         self.temperature, self.top_p, self.stopping, self.answer_fn = temperature, top_p, stopping, answer_fn
         self.system, self.engine = system, engine
-        self.stops = stop_token_ids(tokenizer)
+        self.stops = stop_token_ids(tokenizer, getattr(model, 'generation_config', None))
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.generator = torch.Generator().manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,))))
 

@@ -60,7 +60,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from inference_optimizations import cache_argument, pin_cpu_kernels, returned_cache, select_attention_implementation
+from inference_optimizations import (
+    END_MARKERS,
+    cache_argument,
+    encode_at_boundaries,
+    pin_cpu_kernels,
+    returned_cache,
+    select_attention_implementation,
+    stop_token_ids,
+)
 
 __version__ = "0.1.0"
 logger = logging.getLogger("rlhf")
@@ -156,7 +164,10 @@ class BaseConfig:
     dataset: str = _opt("", "Comma-separated dataset names from dataset_dir/dataset_info.json, or paths to JSON/JSONL/Parquet files or dataset directories")
     eval_dataset: str = _opt("", "Held-out prompts with an 'answer' (for exact-match accuracy), same syntax as dataset")
     dataset_dir: str = _opt("data", "Folder holding dataset_info.json and the files it names")
-    template: str = _opt("auto", "Chat template: auto (the tokenizer's own, else 'default') | default | chatml | llama3 | qwen")
+    template: str = _opt("auto", "Chat template: auto (the model's own, else 'default') or a LLaMA-Factory name: llama3 | llama2 | "
+                                 "mistral | qwen | qwen3 | qwen3_nothink | gemma | gemma3 | phi | chatml | default | empty")
+    enable_thinking: bool | None = _opt(None, "Thinking switch of templates that have one (Qwen3): false puts an empty "
+                                              "reasoning block in the prompt, so answers train without one (default: the template's own)")
     cutoff_len: int = _opt(2048, "Maximum tokens per example; longer ones are truncated (or dropped if no target token survives), and counted")
     max_samples: int | None = _opt(None, "Use at most this many records from each dataset")
     val_size: float = _opt(0.0, "Hold out this share (0-1) or count (>=1) of training records for eval loss / perplexity")
@@ -2549,7 +2560,19 @@ def extract_answer(text: str) -> str | None:
     return found[-1] if found else None
 
 
-# -- chat templates: rendered by tokenizer.apply_chat_template with the Jinja source below.
+# -- chat templates: rendered by tokenizer.apply_chat_template with the Jinja source below. Names are LLaMA-Factory's;
+# each renders what its family's own template renders for system / user / assistant turns (tests compare them with
+# the real templates), so that a model trained with the name and served with its own template sees the same text.
+
+_SYSTEM_FIRST = ("{%- if messages and messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content'] %}"
+                 "{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}{%- endif %}")
+_QWEN3_ASSISTANT = (  # Qwen3: reasoning shown only after the last user query; the final turn always gets a block
+    "{%- set content = message['content'] %}{%- set reasoning = '' %}"
+    "{%- if '</think>' in content %}{%- set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1]"
+    ".lstrip('\\n') %}{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
+    "{%- if loop.index0 > ns.last_query and (loop.last or reasoning) %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}"
+    "{%- else %}{{- '<|im_start|>assistant\\n' + content }}{%- endif %}{{- '<|im_end|>\\n' }}")
 
 CHAT_TEMPLATES: dict[str, str] = {
     "default": (  # LLaMA-Factory's "default": plain Human/Assistant turns
@@ -2558,100 +2581,283 @@ CHAT_TEMPLATES: dict[str, str] = {
         "{% elif message['role'] == 'user' %}{{ 'Human: ' + message['content'] + '\\n' }}"
         "{% else %}{{ 'Assistant: ' + message['content'] + (eos_token or '') + '\\n' }}{% endif %}"
         "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"),
+    "empty": (  # LLaMA-Factory's "empty": the turns' text one after another, for base models
+        "{% for message in messages %}{{ message['content'] }}{% endfor %}"),
     "chatml": (
         "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
         "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"),
-    "qwen": (  # ChatML with Qwen's default system prompt
-        "{% if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
-        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"),
-    "llama3": (
-        "{{ '<|begin_of_text|>' }}{% for message in messages %}"
-        "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] + '<|eot_id|>' }}"
-        "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"),
+    "qwen": (  # Qwen2.5: ChatML with Qwen's default system prompt
+        "{%- if not messages or messages[0]['role'] != 'system' %}"
+        "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}"
+        "{%- endif %}{%- for message in messages %}"
+        "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+        "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"),
+    "qwen3": (  # Qwen3 (thinking models); enable_thinking=false puts an empty reasoning block in the prompt
+        "{%- set ns = namespace(last_query=messages|length - 1) %}"
+        "{%- for message in messages %}{%- if message['role'] == 'user' %}{%- set ns.last_query = loop.index0 %}"
+        "{%- endif %}{%- endfor %}"
+        "{%- for message in messages %}{%- if message['role'] == 'assistant' %}" + _QWEN3_ASSISTANT +
+        "{%- else %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{%- endif %}"
+        "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+        "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+        "{%- endif %}"),
+    "qwen3_nothink": (  # Qwen3 instruct models without a reasoning mode (2507): plain ChatML, no default system
+        "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+        "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"),
+    "llama3": (  # Llama 3 Instruct
+        "{%- for message in messages %}{%- if loop.first %}{{- bos_token }}{%- endif %}"
+        "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}"
+        "{%- endfor %}{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"),
+    "llama2": (  # Llama 2 chat: the system prompt in <<SYS>> inside the first [INST]; no generation header
+        _SYSTEM_FIRST + "{%- for message in loop_messages %}{%- if message['role'] == 'user' %}"
+        "{%- set content = message['content'] %}{%- if loop.first and system_message is defined %}"
+        "{%- set content = '<<SYS>>\\n' + system_message + '\\n<</SYS>>\\n\\n' + content %}{%- endif %}"
+        "{{- bos_token + '[INST] ' + content.strip() + ' [/INST]' }}"
+        "{%- else %}{{- ' ' + message['content'].strip() + ' ' + eos_token }}{%- endif %}{%- endfor %}"),
+    "mistral": (  # Mistral v0.3 (SentencePiece): the system prompt joins the last user turn, as mistral-common does
+        _SYSTEM_FIRST + "{%- set ns = namespace(last_user=-1) %}{%- for message in loop_messages %}"
+        "{%- if message['role'] == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}"
+        "{{- bos_token }}{%- for message in loop_messages %}{%- if message['role'] == 'user' %}"
+        "{%- if loop.index0 == ns.last_user and system_message is defined %}"
+        "{{- '[INST] ' + system_message + '\\n\\n' + message['content'] + '[/INST]' }}"
+        "{%- else %}{{- '[INST] ' + message['content'] + '[/INST]' }}{%- endif %}"
+        "{%- else %}{{- ' ' + message['content'] + eos_token }}{%- endif %}{%- endfor %}"),
+    "gemma": (  # Gemma 2 / 3: turns of 'user' and 'model'; a system prompt opens the first user turn
+        _SYSTEM_FIRST + "{{- bos_token }}{%- for message in loop_messages %}"
+        "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+        "{{- '<start_of_turn>' + role + '\\n' }}{%- if loop.first and system_message is defined %}"
+        "{{- system_message + '\\n\\n' }}{%- endif %}{{- message['content'] | trim + '<end_of_turn>\\n' }}"
+        "{%- endfor %}{%- if add_generation_prompt %}{{- '<start_of_turn>model\\n' }}{%- endif %}"),
+    "phi": (  # Phi-3 / 3.5: the conversation ends with the end-of-text token
+        "{%- for message in messages %}{%- if message['role'] != 'system' or message['content'] %}"
+        "{{- '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}{%- endif %}{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- else %}{{- eos_token }}{%- endif %}"),
 }
-TEMPLATE_END_MARKERS = {"chatml": "<|im_end|>", "qwen": "<|im_end|>", "llama3": "<|eot_id|>"}
+CHAT_TEMPLATES["gemma3"] = CHAT_TEMPLATES["gemma"]
+# The special tokens each built-in template writes: a tokenizer without one of them would spell it in several
+# ordinary tokens, and a model trained so never learns to emit its stop token.
+TEMPLATE_SPECIAL_TOKENS: dict[str, tuple[str, ...]] = {
+    "chatml": ("<|im_start|>", "<|im_end|>"), "qwen": ("<|im_start|>", "<|im_end|>"),
+    "qwen3": ("<|im_start|>", "<|im_end|>", "<think>", "</think>"), "qwen3_nothink": ("<|im_start|>", "<|im_end|>"),
+    "llama3": ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+    "gemma": ("<start_of_turn>", "<end_of_turn>"), "gemma3": ("<start_of_turn>", "<end_of_turn>"),
+    "phi": ("<|user|>", "<|assistant|>", "<|end|>"),
+}
+TEMPLATE_NEEDS = {"llama3": ("bos_token",), "llama2": ("bos_token", "eos_token"), "mistral": ("bos_token", "eos_token"),
+                  "gemma": ("bos_token",), "gemma3": ("bos_token",), "phi": ("eos_token",)}
+TEMPLATE_END_MARKERS = {"chatml": "<|im_end|>", "qwen": "<|im_end|>", "qwen3": "<|im_end|>", "qwen3_nothink": "<|im_end|>",
+                        "llama3": "<|eot_id|>", "gemma": "<end_of_turn>", "gemma3": "<end_of_turn>", "phi": "<|end|>"}
+_TURN_SENTINEL = "\ue000rlhf-turn\ue001"  # stands in for one turn's content to find where the template puts it
 
 
 class ChatFormatter:
     """Turns canonical records into token ids and loss labels through a chat template.
 
-    Prompt and response segments are tokenised separately so the prompt/response boundary is exact
-    whatever the tokenizer merges; labels are IGNORE_INDEX on prompt tokens unless ``train_on_prompt``.
+    A conversation is rendered whole and encoded once, so the tokens are the ones ``apply_chat_template`` gives for
+    it; the assistant turns are located in the rendered text and mapped to token positions
+    (``encode_at_boundaries``). Encoding prompt and response apart would change tokens at the seam (a SentencePiece
+    '\u2581' at the response's start). Labels are IGNORE_INDEX outside the trained turns unless ``train_on_prompt``.
+    ``enable_thinking`` is passed to templates that have the switch (Qwen3's); ``generation_config`` adds the
+    model's own stop tokens to the template's end-of-turn marker.
     """
 
-    def __init__(self, tokenizer: Any, template: str = "auto") -> None:
+    def __init__(self, tokenizer: Any, template: str = "auto", *, enable_thinking: bool | None = None,
+                 generation_config: Any = None) -> None:
         self.tokenizer = tokenizer
         own = getattr(tokenizer, "chat_template", None)
         if template == "auto":
             self.name, self.source = ("tokenizer", own) if own else ("default", CHAT_TEMPLATES["default"])
         elif template in CHAT_TEMPLATES:
             self.name, self.source = template, CHAT_TEMPLATES[template]
-        elif own:
-            logger.info("template '%s' is not built in; using the tokenizer's own chat template", template)
-            self.name, self.source = "tokenizer", own
+            self._check_tokenizer_has_markers()
         else:
-            raise RLHFInputError(f"config field 'template' is '{template}', which is not built in and the tokenizer "
-                                 f"has no chat template; valid: auto, {', '.join(CHAT_TEMPLATES)}")
-        self.stop_token_ids = self._stop_token_ids()
+            hint = difflib.get_close_matches(template, list(CHAT_TEMPLATES), n=1)
+            raise RLHFInputError(f"config field 'template' is '{template}', which is no template name"
+                                 + (f"; did you mean '{hint[0]}'?" if hint else "")
+                                 + f" valid: auto (the model's own), {', '.join(CHAT_TEMPLATES)}")
+        self.template_kwargs: dict[str, Any] = {}
+        if enable_thinking is not None:
+            if "enable_thinking" not in self.source:
+                raise RLHFInputError(f"config field 'enable_thinking': chat template '{self.name}' has no thinking "
+                                     f"switch; remove the field (or use a template that has one, such as qwen3)")
+            self.template_kwargs["enable_thinking"] = bool(enable_thinking)
+        self.stop_token_ids = self._stop_token_ids(generation_config)
 
-    def _stop_token_ids(self) -> list[int]:
-        ids = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
-        for marker in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>"):
-            if marker in self.source:
+    def _check_tokenizer_has_markers(self) -> None:
+        missing = [marker for marker in TEMPLATE_SPECIAL_TOKENS.get(self.name, ()) if not self._is_one_token(marker)]
+        missing += [f"a {need}" for need in TEMPLATE_NEEDS.get(self.name, ()) if getattr(self.tokenizer, need) is None]
+        if missing:
+            raise RLHFInputError(f"config field 'template': '{self.name}' writes {', '.join(missing)}, which this "
+                                 f"tokenizer ({getattr(self.tokenizer, 'name_or_path', '')}) lacks as one token; the model "
+                                 f"would never learn to stop. Use the model's own template (template: auto) or the "
+                                 f"name of its family")
+
+    def _is_one_token(self, marker: str) -> bool:
+        token = self.tokenizer.convert_tokens_to_ids(marker)
+        return (isinstance(token, int) and token != self.tokenizer.unk_token_id
+                and self.encode(marker) == [token])
+
+    def _stop_token_ids(self, generation_config: Any) -> list[int]:
+        ids = list(stop_token_ids(self.tokenizer, generation_config))
+        markers = [TEMPLATE_END_MARKERS[self.name]] if self.name in TEMPLATE_END_MARKERS else END_MARKERS
+        for marker in markers:
+            if marker in self.source and self._is_one_token(marker):
                 token = self.tokenizer.convert_tokens_to_ids(marker)
-                if isinstance(token, int) and token != self.tokenizer.unk_token_id and token not in ids:
+                if token not in ids:
                     ids.append(token)
         return ids
 
-    def render(self, system: str, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+    def saved_template(self) -> str:
+        """The template to save with a model trained through this formatter: its source, with the thinking switch
+        fixed as trained, so that Hugging Face or vLLM inference renders the prompts the model learned."""
+        if "enable_thinking" in self.template_kwargs:
+            return "{%- set enable_thinking = " + str(self.template_kwargs["enable_thinking"]).lower() + " %}" + self.source
+        return self.source
+
+    def render(self, system: str, messages: list[dict[str, str]], add_generation_prompt: bool,
+               location: str = "record") -> str:
+        from jinja2 import TemplateError
+
         conversation = ([{"role": "system", "content": system}] if system else []) + list(messages)
-        return self.tokenizer.apply_chat_template(conversation, chat_template=self.source, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+        try:
+            return self.tokenizer.apply_chat_template(conversation, chat_template=self.source, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt,
+                                                      **self.template_kwargs)
+        except TemplateError as err:
+            hint = " (its family's named template may accept it, e.g. template: gemma folds the system prompt " \
+                   "into the first turn)" if self.name == "tokenizer" else ""
+            raise RLHFInputError(f"{location}: chat template '{self.name}' refuses this record: {err}{hint}") from None
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
 
+    def prompt_text(self, record: dict[str, Any]) -> str:
+        return self.render(record["system"], record["messages"], True, record.get("location", "record"))
+
     def prompt_ids(self, record: dict[str, Any]) -> list[int]:
         """Tokens of the prompt with the assistant header appended, ready for generation."""
-        return self.encode(self.render(record["system"], record["messages"], add_generation_prompt=True))
+        return self.encode(self.prompt_text(record))
 
-    def completion_ids(self, record: dict[str, Any], completion: str) -> list[int]:
-        """Tokens of ``completion`` as the template renders it after the prompt (end marker included)."""
-        return self.encode(self.completion_text(record, completion))
+    def layout(self, record: dict[str, Any], final: str | None = None) -> tuple[str, list[tuple[int, int]]]:
+        """The conversation's text (with ``final`` as the last assistant turn) and the character span of every
+        assistant turn in it: from the end of the prompt that precedes the turn to the end of what the template
+        writes for it (its end-of-turn marker included). The text is the template's rendering of the whole
+        conversation; a template whose finished conversation does not start with its own prompt (Mistral-Nemo
+        drops the system prompt there) gets the prompt followed by the turn, which is what generation sees."""
+        system, messages, where = record["system"], record["messages"], record.get("location", "record")
+        prompt = self.render(system, messages, True, where)
+        spans = [self._history_span(record, prompt, i) for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if final is None:
+            return prompt, spans
+        turns = [*messages, {"role": "assistant", "content": final}]
+        whole = self.render(system, turns, False, where)
+        if not whole.startswith(prompt):
+            start, _ = self._content_span(record, turns, len(turns) - 1, whole, False)
+            whole = prompt + whole[start:]
+        if len(whole) == len(prompt):
+            raise RLHFInputError(f"{where}: chat template '{self.name}' writes nothing for the assistant's answer, so "
+                                 f"there is nothing to train on; choose another template")
+        return whole, [*spans, (len(prompt), len(whole))]
 
-    def completion_text(self, record: dict[str, Any], completion: str) -> str:
-        """What the template renders after the prompt for this assistant turn (end marker included)."""
-        prompt = self.render(record["system"], record["messages"], add_generation_prompt=True)
-        full = self.render(record["system"], record["messages"] + [{"role": "assistant", "content": completion}], False)
-        return self._suffix(full, prompt, record)
+    def _history_span(self, record: dict[str, Any], prompt: str, index: int) -> tuple[int, int]:
+        """Span of an earlier assistant turn inside the prompt's text (multi-turn data)."""
+        system, messages, where = record["system"], record["messages"], record.get("location", "record")
+        start, end = self._content_span(record, messages, index, prompt, True)
+        head = self.render(system, messages[:index], True, where)
+        if prompt.startswith(head) and len(head) <= start:
+            start = len(head)
+        marked = self.render(system, [*messages[:index], {"role": "assistant", "content": _TURN_SENTINEL}], False, where)
+        after = marked[marked.index(_TURN_SENTINEL) + len(_TURN_SENTINEL):]  # what ends a turn: its marker
+        return start, end + len(os.path.commonprefix([prompt[end:], after]))
 
-    def _suffix(self, full: str, prefix: str, record: dict[str, Any]) -> str:
-        if not full.startswith(prefix):
-            raise RLHFInputError(f"{record.get('location', 'record')}: chat template '{self.name}' renders a "
-                                 f"conversation that does not start with its own prompt; choose another template")
-        return full[len(prefix):]
+    def _content_span(self, record: dict[str, Any], turns: list[dict[str, str]], index: int, text: str,
+                      add_generation_prompt: bool) -> tuple[int, int]:
+        """Where turn ``index``'s content lies in ``text``: rendered again with a sentinel as that content, the text
+        before and after the sentinel must be the text around it."""
+        where = record.get("location", "record")
+        marked_turns = [*turns[:index], {**turns[index], "content": _TURN_SENTINEL}, *turns[index + 1:]]
+        marked = self.render(record["system"], marked_turns, add_generation_prompt, where)
+        at = marked.find(_TURN_SENTINEL)
+        tail = len(marked) - at - len(_TURN_SENTINEL)
+        if (at < 0 or marked.count(_TURN_SENTINEL) != 1 or text[:at] != marked[:at]
+                or text[len(text) - tail:] != marked[at + len(_TURN_SENTINEL):]):
+            raise RLHFInputError(f"{where}: chat template '{self.name}' does not write assistant turn {index + 1} "
+                                 f"where its text can be found, so its tokens cannot be told from the prompt's; "
+                                 f"choose another template")
+        return at, len(text) - tail
 
     def conversation(self, record: dict[str, Any], train_on_prompt: bool = False,
                      mask_history: bool = False) -> tuple[list[int], list[int]]:
-        """(input_ids, labels) for a whole conversation; every assistant turn is a target
-        (only the last one with ``mask_history``)."""
-        turns = record["messages"] + [{"role": "assistant", "content": record["response"]}]
-        assistant_at = [i for i, m in enumerate(turns) if m["role"] == "assistant"]
-        ids: list[int] = []
-        labels: list[int] = []
-        done = ""
-        for i in assistant_at:
-            prefix = self.render(record["system"], turns[:i], add_generation_prompt=True)
-            full = self.render(record["system"], turns[:i + 1], add_generation_prompt=False)
-            prompt_part = self.encode(self._suffix(prefix, done, record))
-            answer_part = self.encode(self._suffix(full, prefix, record))
-            trained = not mask_history or i == assistant_at[-1]
-            ids += prompt_part + answer_part
-            labels += (prompt_part if train_on_prompt else [IGNORE_INDEX] * len(prompt_part))
-            labels += answer_part if trained else [IGNORE_INDEX] * len(answer_part)
-            done = full
+        """(input_ids, labels) for a whole conversation ending with ``record['response']``; every assistant turn
+        is a target (only the last one with ``mask_history``)."""
+        text, spans = self.layout(record, record["response"])
+        ids, bounds = encode_at_boundaries(self.tokenizer, text, [p for span in spans for p in span])
+        if train_on_prompt:
+            labels = list(ids)
+        else:
+            labels = [IGNORE_INDEX] * len(ids)
+        trained = list(zip(bounds[0::2], bounds[1::2]))
+        for number, (start, end) in enumerate(trained):
+            if mask_history and number < len(trained) - 1:
+                labels[start:end] = [IGNORE_INDEX] * (end - start)
+            else:
+                labels[start:end] = ids[start:end]
         return ids, labels
+
+    def prompt_and_completion(self, record: dict[str, Any], completion: str) -> tuple[list[int], list[int]]:
+        """(prompt ids, completion ids) of the conversation that ends with ``completion``: one encoding cut where
+        the completion's turn starts, so the two together are the whole conversation's tokens."""
+        text, spans = self.layout(record, completion)
+        ids, (cut,) = encode_at_boundaries(self.tokenizer, text, [spans[-1][0]])
+        return ids[:cut], ids[cut:]
+
+    def completion_ids(self, record: dict[str, Any], completion: str) -> list[int]:
+        """Tokens of ``completion`` as the template renders it after the prompt (end marker included)."""
+        return self.prompt_and_completion(record, completion)[1]
+
+    def completion_text(self, record: dict[str, Any], completion: str) -> str:
+        """What the template renders after the prompt for this assistant turn (end marker included)."""
+        text, spans = self.layout(record, completion)
+        return text[spans[-1][0]:]
+
+    def preference_ids(self, record: dict[str, Any]) -> tuple[list[int], list[int], list[int]]:
+        """(prompt, chosen, rejected) ids: each side is its whole conversation's encoding; the prompt is the tokens
+        both share before their turns start (a token merged across the seam goes to the completions)."""
+        prompt, chosen = self.prompt_and_completion(record, record["chosen"])
+        prompt_r, rejected = self.prompt_and_completion(record, record["rejected"])
+        shared = len(os.path.commonprefix([prompt, prompt_r]))
+        return prompt[:shared], prompt[shared:] + chosen, prompt_r[shared:] + rejected
+
+
+@contextlib.contextmanager
+def saved_as_trained(model: nn.Module | None, tokenizer: Any, formatter: ChatFormatter | None) -> Iterator[None]:
+    """While a trained model is saved: the tokenizer carries the chat template training rendered with (a named
+    template, a fixed thinking switch) and the model's ``generation_config`` lists every stop token, so that
+    ``from_pretrained`` + ``apply_chat_template`` + ``generate`` (Hugging Face, vLLM) render the same prompts and
+    stop at the end of the turn. The objects are put back afterwards: training goes on with them as they were."""
+    if formatter is None:
+        yield
+        return
+    template = tokenizer.chat_template
+    generation = getattr(model, "generation_config", None)
+    eos = getattr(generation, "eos_token_id", None)
+    tokenizer.chat_template = formatter.saved_template()
+    if generation is not None:
+        stops = list(formatter.stop_token_ids)
+        generation.eos_token_id = stops[0] if len(stops) == 1 else stops
+    try:
+        yield
+    finally:
+        tokenizer.chat_template = template
+        if generation is not None:
+            generation.eos_token_id = eos
+
+
+def chat_formatter(tokenizer: Any, config: BaseConfig, model: nn.Module | None = None,
+                   template: str | None = None) -> ChatFormatter:
+    """The stage's ChatFormatter: its template and thinking switch, and the model's generation stop tokens."""
+    return ChatFormatter(tokenizer, template or config.template, enable_thinking=config.enable_thinking,
+                         generation_config=getattr(model, "generation_config", None))
 
 
 def truncate_example(ids: list[int], labels: list[int], cutoff_len: int) -> tuple[list[int], list[int], str]:
@@ -2922,8 +3128,7 @@ def truncate_prompt_and_responses(prompt_ids: list[int], responses: list[list[in
 
 
 def _encode_preference(formatter: ChatFormatter, record: dict[str, Any], cutoff_len: int) -> tuple[dict[str, Any], str]:
-    prompt = formatter.prompt_ids(record)
-    chosen, rejected = formatter.completion_ids(record, record["chosen"]), formatter.completion_ids(record, record["rejected"])
+    prompt, chosen, rejected = formatter.preference_ids(record)
     prompt, (chosen, rejected), status = truncate_prompt_and_responses(prompt, [chosen, rejected], cutoff_len)
     item = {"prompt_ids": prompt, "chosen_ids": chosen, "rejected_ids": rejected}
     if record.get("margin") is not None:
@@ -2932,7 +3137,7 @@ def _encode_preference(formatter: ChatFormatter, record: dict[str, Any], cutoff_
 
 
 def _encode_kto(formatter: ChatFormatter, record: dict[str, Any], cutoff_len: int) -> tuple[dict[str, Any], str]:
-    prompt, completion = formatter.prompt_ids(record), formatter.completion_ids(record, record["response"])
+    prompt, completion = formatter.prompt_and_completion(record, record["response"])
     prompt, (completion,), status = truncate_prompt_and_responses(prompt, [completion], cutoff_len)
     return {"prompt_ids": prompt, "completion_ids": completion, "label": bool(record["label"])}, status
 
@@ -3316,29 +3521,26 @@ STEP_LABELERS: dict[str, Callable[[list[str]], list[bool | None]] | None] = {"no
 
 def encode_steps(formatter: ChatFormatter, record: dict[str, Any], response: str, delimiter: str
                  ) -> tuple[list[int], list[int]]:
-    """Completion tokens as the template renders them, with each step tokenised on its own so that
-    its last token is known. Each step is found in the rendered text in turn (stripped, so templates
-    that trim the content still line up); the text between steps joins the step before it.
+    """Completion tokens as the template renders them (cut from the whole conversation's encoding), and the index
+    of each step's last token. Each step is found in the rendered turn in order (stripped, so templates that trim
+    the content still line up); step k runs to the start of step k + 1, so the text between steps (the delimiter)
+    joins the step before it, and the last step ends with its own text, before the end-of-turn marker.
     Returns (completion ids, index of each step's last token)."""
-    text = formatter.completion_text(record, response)
+    text, spans = formatter.layout(record, response)
+    turn_start = spans[-1][0]
+    turn = text[turn_start:]
     starts, cursor = [], 0
     for step in split_steps(response, delimiter):
-        found = text.find(step.strip(), cursor)
+        found = turn.find(step.strip(), cursor)
         if found < 0:
             raise RLHFInputError(f"{record.get('location', 'record')}: chat template '{formatter.name}' does not "
                                  f"render the response's steps verbatim; cannot place step {step.strip()[:40]!r}")
         starts.append(found)
         cursor = found + len(step.strip())
-    if not starts:
-        ids = formatter.encode(text)
-        return ids, [len(ids) - 1]
-    bounds = [0, *starts[1:], cursor]  # step k runs from its start to the next step's start (delimiter included)
-    ids = formatter.encode(text[:starts[0]])
-    ends: list[int] = []
-    for start, end in zip([starts[0], *starts[1:]], bounds[1:]):
-        ids += formatter.encode(text[start:end])
-        ends.append(len(ids) - 1)
-    return ids + formatter.encode(text[cursor:]), ends
+    step_ends = [*starts[1:], cursor] if starts else [len(turn)]
+    ids, bounds = encode_at_boundaries(formatter.tokenizer, text, [turn_start] + [turn_start + e for e in step_ends])
+    cut = bounds[0]
+    return ids[cut:], [max(bound - cut - 1, 0) for bound in bounds[1:]]
 
 
 def _encode_process_pair(formatter: ChatFormatter, record: dict[str, Any], cutoff_len: int, delimiter: str,
@@ -4960,10 +5162,10 @@ class LearnedReward:
     wants_records = True
 
     def __init__(self, model: RewardModel | RewardEnsemble, *, template: str = "auto", uncertainty_penalty: float = 0.0,
-                 batch_size: int = 32, cutoff_len: int | None = None) -> None:
+                 batch_size: int = 32, cutoff_len: int | None = None, enable_thinking: bool | None = None) -> None:
         self.model = model if isinstance(model, RewardEnsemble) else RewardEnsemble([model])
         self.model.requires_grad_(False).eval()
-        self.formatter = ChatFormatter(self.model.tokenizer, template)
+        self.formatter = ChatFormatter(self.model.tokenizer, template, enable_thinking=enable_thinking)
         self.uncertainty_penalty, self.batch_size, self.cutoff_len = uncertainty_penalty, batch_size, cutoff_len
         self.last_uncertainty = torch.zeros(0)
 
@@ -4976,7 +5178,8 @@ class LearnedReward:
         return cls(RewardEnsemble.from_pretrained(directory, device=device, is_trainable=False), **kwargs)
 
     def encode(self, record: dict[str, Any], completion: str) -> list[int]:
-        ids = self.formatter.prompt_ids(record) + self.formatter.completion_ids(record, completion)
+        prompt, answer = self.formatter.prompt_and_completion(record, completion)
+        ids = prompt + answer  # the conversation's own tokens, as the rm stage trained on them
         return ids[-self.cutoff_len:] if self.cutoff_len else ids
 
     @torch.no_grad()
@@ -5004,9 +5207,9 @@ class ProcessReward:
     wants_records = True
 
     def __init__(self, model: ProcessRewardModel, *, template: str = "auto", batch_size: int = 32,
-                 cutoff_len: int | None = None) -> None:
+                 cutoff_len: int | None = None, enable_thinking: bool | None = None) -> None:
         self.model = model.requires_grad_(False).eval()
-        self.formatter = ChatFormatter(model.tokenizer, template)
+        self.formatter = ChatFormatter(model.tokenizer, template, enable_thinking=enable_thinking)
         self.batch_size, self.cutoff_len = batch_size, cutoff_len
 
     def encode(self, record: dict[str, Any], completion: str) -> tuple[list[int], list[int], list[int]]:
@@ -5238,7 +5441,7 @@ class RewardFunctionFactory:
                 raise RLHFInputError("config field 'process_reward_model' is not set; give the prm stage's output directory")
             model = ProcessRewardModel.from_pretrained(config.process_reward_model, device=self.device, is_trainable=False)
             return ProcessReward(model, template=config.template, batch_size=config.per_device_eval_batch_size,
-                                 cutoff_len=config.cutoff_len)
+                                 cutoff_len=config.cutoff_len, enable_thinking=config.enable_thinking)
         if ":" in name:
             return self._import(name)
         raise RLHFInputError(f"config field 'reward_funcs': unknown reward '{name}'; valid: "
@@ -5252,7 +5455,8 @@ class RewardFunctionFactory:
             self._learned = LearnedReward.from_pretrained(
                 self.config.reward_model, device=self.device, template=self.config.template,
                 uncertainty_penalty=self.config.reward_uncertainty_penalty,
-                batch_size=self.config.per_device_eval_batch_size, cutoff_len=self.config.cutoff_len)
+                batch_size=self.config.per_device_eval_batch_size, cutoff_len=self.config.cutoff_len,
+                enable_thinking=self.config.enable_thinking)
         return self._learned
 
     @staticmethod
@@ -5733,7 +5937,7 @@ class BaseTrainer:
         started = time.time()
         records = load_records(config.ewc_dataset, config.dataset_dir, "sft", max_samples=config.ewc_samples,
                                skip_invalid=config.skip_invalid_records)
-        formatter = ChatFormatter(self.policy.tokenizer, config.template)
+        formatter = chat_formatter(self.policy.tokenizer, config, self.policy.model)
         examples = SFTDataset(records, self.policy.tokenizer, formatter, cutoff_len=config.cutoff_len,
                               cache_dir=config.cache_dir)
         collate = SFTCollator(self.policy.tokenizer.pad_token_id)
@@ -5755,9 +5959,12 @@ class BaseTrainer:
 
     def _save_model(self, directory: Path) -> None:
         """The trained model in Hugging Face layout (subclasses with other models override); a sharded model's
-        weights come from ``gathered_weights``."""
-        PolicyModel(self.devices.unwrap(self.policy.model), self.policy.tokenizer).save_pretrained(
-            directory, state_under(self.gathered_weights, self.policy_prefix))
+        weights come from ``gathered_weights``. It carries the chat template it was trained with and its stop
+        tokens (``saved_as_trained``)."""
+        model = self.devices.unwrap(self.policy.model)
+        with saved_as_trained(model, self.policy.tokenizer, getattr(self, "formatter", None)):
+            PolicyModel(model, self.policy.tokenizer).save_pretrained(directory, state_under(self.gathered_weights,
+                                                                                             self.policy_prefix))
 
     def _load_model(self, directory: Path) -> None:
         load_weights_into(self.devices.unwrap(self.policy.model), directory)
@@ -5988,7 +6195,7 @@ class SFTTrainer(BaseTrainer):
                  devices: DeviceManager | None = None) -> None:
         super().__init__(config, policy, train_dataset, eval_dataset=eval_dataset, devices=devices)
         self.eval_records = eval_records or []
-        self.formatter = formatter or ChatFormatter(policy.tokenizer, config.template)
+        self.formatter = formatter or chat_formatter(policy.tokenizer, config, policy.model)
 
     def loss_units(self, batch: dict[str, torch.Tensor]) -> int:
         return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
@@ -6130,9 +6337,10 @@ class RewardModelTrainer(BaseTrainer):
         return metrics
 
     def _save_model(self, directory: Path) -> None:
-        RewardModel(self.devices.unwrap(self.policy.model), self.policy.tokenizer).save_pretrained(
-            directory, chat_template=ChatFormatter(self.policy.tokenizer, self.config.template).source,
-            state_dict=self.gathered_weights)
+        formatter = chat_formatter(self.policy.tokenizer, self.config)
+        with saved_as_trained(None, self.policy.tokenizer, formatter):
+            RewardModel(self.devices.unwrap(self.policy.model), self.policy.tokenizer).save_pretrained(
+                directory, chat_template=formatter.saved_template(), state_dict=self.gathered_weights)
 
     def _load_model(self, directory: Path) -> None:
         RewardModel(self.devices.unwrap(self.policy.model), self.policy.tokenizer).load_weights(directory)
@@ -6326,7 +6534,7 @@ class DPOTrainer(_ReferenceTrainer):
                  formatter: ChatFormatter | None = None, devices: DeviceManager | None = None) -> None:
         self.stage = config.stage
         self.eval_records = eval_records or []
-        self.formatter = formatter or ChatFormatter(policy.tokenizer, config.template)
+        self.formatter = formatter or chat_formatter(policy.tokenizer, config, policy.model)
         self.bco_delta = 0.0  # BCO's running mean reward (Jung et al. 2024 sec. 3.2)
         self.bco_count = 0
         if config.uses_reference and reference is None:
@@ -6433,7 +6641,7 @@ class KTOTrainer(_ReferenceTrainer):
         if reference is None:
             raise RLHFInputError("KTO needs a reference model (see create_reference_model)")
         self.eval_records = eval_records or []
-        self.formatter = formatter or ChatFormatter(policy.tokenizer, config.template)
+        self.formatter = formatter or chat_formatter(policy.tokenizer, config, policy.model)
         super().__init__(config, policy, train_dataset, eval_dataset=eval_dataset, devices=devices,
                          collator=KTOCollator(policy.tokenizer.pad_token_id))
         self._setup_reference(reference, [train_dataset, eval_dataset])
@@ -6571,7 +6779,7 @@ class _OnlineRLTrainer(_ReferenceTrainer):
             raise RLHFInputError(f"{config.stage} needs a reference model here (see create_reference_model)"
                                  + (", or set beta=0" if config.stage == "grpo" else ""))
         self.eval_records = eval_records or []
-        self.formatter = formatter or ChatFormatter(policy.tokenizer, config.template)
+        self.formatter = formatter or chat_formatter(policy.tokenizer, config, policy.model)
         self.reward_fn = reward_fn
         self.normalizer = RunningRewardNormalizer() if self._normalise_rewards(config) else None
         self.rollout_metrics: dict[str, float] = {}
@@ -7146,9 +7354,10 @@ class RLHFEvaluator:
     Rewards are ``reward_fn(prompts, responses) -> Tensor[B]`` (``LearnedReward`` or any callable)."""
 
     def __init__(self, policy: PolicyModel, reference: PolicyModel | None = None, *, template: str = "auto",
-                 max_new_tokens: int = 64, batch_size: int = 32, seed: int = 0) -> None:
+                 max_new_tokens: int = 64, batch_size: int = 32, seed: int = 0, enable_thinking: bool | None = None) -> None:
         self.policy, self.reference = policy, reference
-        self.formatter = ChatFormatter(policy.tokenizer, template)
+        self.formatter = ChatFormatter(policy.tokenizer, template, enable_thinking=enable_thinking,
+                                       generation_config=policy.model.generation_config)
         self.max_new_tokens, self.batch_size, self.seed = max_new_tokens, batch_size, seed
 
     @staticmethod
@@ -7320,10 +7529,10 @@ class CapabilityTester:
                 verifiers[name] = RewardFunctionFactory._import(entry["verifier"])
         return cls(tasks, verifiers=verifiers, threshold=threshold, max_new_tokens=max_new_tokens)
 
-    def run(self, policy: PolicyModel, template: str = "auto") -> dict[str, float]:
+    def run(self, policy: PolicyModel, template: str = "auto", enable_thinking: bool | None = None) -> dict[str, float]:
         """Greedy accuracy of ``policy`` on every task."""
         evaluator = RLHFEvaluator(policy, template=template, max_new_tokens=self.max_new_tokens,
-                                  batch_size=self.batch_size)
+                                  batch_size=self.batch_size, enable_thinking=enable_thinking)
         return {name: evaluator.task_accuracy(records, self.verifiers.get(name)).get("task/accuracy", 0.0)
                 for name, records in self.tasks.items()}
 
@@ -7810,13 +8019,14 @@ class IterativeRefiner:
     def __init__(self, policy: PolicyModel, reward_fn: Callable, *, critic: Callable[[str, str], str] | None = None,
                  verifier: Callable | None = None, rounds: int = 2, num_candidates: int = 4,
                  min_improvement: float = 0.0, template: str = "auto", max_new_tokens: int = 64,
-                 temperature: float = 1.0, batch_size: int = 32, seed: int = 0) -> None:
+                 temperature: float = 1.0, batch_size: int = 32, seed: int = 0, enable_thinking: bool | None = None) -> None:
         if rounds < 0 or num_candidates < 1 or temperature <= 0:
             raise RLHFInputError(f"IterativeRefiner: rounds ({rounds}) must be >= 0, num_candidates ({num_candidates}) "
                                  f">= 1 and temperature ({temperature}) > 0")
         self.policy, self.reward_fn, self.critic, self.verifier = policy, reward_fn, critic, verifier
         self.rounds, self.num_candidates, self.min_improvement = rounds, num_candidates, min_improvement
-        self.formatter = ChatFormatter(policy.tokenizer, template)
+        self.formatter = ChatFormatter(policy.tokenizer, template, enable_thinking=enable_thinking,
+                                       generation_config=policy.model.generation_config)
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
         self.batch_size, self.seed = batch_size, seed
 
@@ -8086,7 +8296,7 @@ def train_sft(config: SFTConfig, devices: DeviceManager | None = None) -> TrainR
     records, devices = _start_stage(config, devices)
     policy = _load_policy(config, devices.device)
     _check_packing_supported(policy, config)
-    formatter = ChatFormatter(policy.tokenizer, config.template)
+    formatter = chat_formatter(policy.tokenizer, config, policy.model)
     train, validation, eval_records = build_sft_data(config, policy.tokenizer, formatter, devices, records)
     trainer = SFTTrainer(config, policy, train, eval_dataset=validation, eval_records=eval_records,
                          formatter=formatter, devices=devices)
@@ -8130,7 +8340,7 @@ def _train_reward_model(config: RewardModelConfig, devices: DeviceManager | None
                                                trust_remote_code=config.trust_remote_code, device=devices.device,
                                                cache_dir=config.cache_dir, head_hidden=config.reward_head_hidden,
                                                seed=config.seed)
-    formatter = ChatFormatter(reward_model.tokenizer, config.template)
+    formatter = chat_formatter(reward_model.tokenizer, config)
     train, validation, _ = _preference_datasets(config, records, reward_model.tokenizer, formatter, devices)
     return RewardModelTrainer(config, reward_model, train, eval_dataset=validation, devices=devices).train()
 
@@ -8145,7 +8355,7 @@ def train_prm(config: ProcessRewardModelConfig, devices: DeviceManager | None = 
                                                cache_dir=config.cache_dir, head_hidden=config.reward_head_hidden,
                                                seed=config.seed, step_delimiter=config.step_delimiter,
                                                aggregation=config.prm_aggregation)
-    formatter = ChatFormatter(model.tokenizer, config.template)
+    formatter = chat_formatter(model.tokenizer, config)
     train_records, val_records, _ = records
     if train_records is None:
         raise RLHFInputError("config field 'streaming': the prm stage reads its pairs in memory; set streaming=false")
@@ -8207,7 +8417,7 @@ def _reward_margins(config: RewardModelConfig, directory: str | os.PathLike, rec
                                               attn_implementation=config.attn_implementation,
                                               trust_remote_code=config.trust_remote_code, cache_dir=config.cache_dir,
                                               is_trainable=False).eval()
-    pairs = PreferenceDataset(records, ensemble.tokenizer, ChatFormatter(ensemble.tokenizer, config.template),
+    pairs = PreferenceDataset(records, ensemble.tokenizer, chat_formatter(ensemble.tokenizer, config),
                               cutoff_len=config.cutoff_len)
     collate = PreferenceCollator(ensemble.tokenizer.pad_token_id)
     margins, data_margins = [], []
@@ -8244,7 +8454,7 @@ def _train_policy_stage(config: BaseConfig, devices: DeviceManager | None, train
                         ) -> TrainResult:
     records, devices = _start_stage(config, devices)
     policy = _load_policy(config, devices.device)
-    formatter = ChatFormatter(policy.tokenizer, config.template)
+    formatter = chat_formatter(policy.tokenizer, config, policy.model)
     train, validation, eval_records = _preference_datasets(config, records, policy.tokenizer, formatter, devices)
     reference = create_reference_model(config, policy)
     return trainer_class(config, policy, train, eval_dataset=validation, reference=reference, eval_records=eval_records,
@@ -8286,7 +8496,7 @@ def train_grpo(config: GRPOConfig, devices: DeviceManager | None = None) -> Trai
     _check_reward_answers(config, records[0])
     reward_fn = RewardFunctionFactory(config, devices.device).build()  # a bad reward spec fails before the policy loads
     policy = _load_policy(config, devices.device)
-    formatter = ChatFormatter(policy.tokenizer, config.template)
+    formatter = chat_formatter(policy.tokenizer, config, policy.model)
     train, eval_records = _prompt_datasets(config, records, policy.tokenizer, formatter, devices)
     reference = create_reference_model(config, policy)
     return GRPOTrainer(config, policy, train, reward_fn=reward_fn, reference=reference, eval_records=eval_records,
@@ -8312,7 +8522,7 @@ def train_ppo(config: PPOConfig, devices: DeviceManager | None = None) -> TrainR
         critic, _ = ValueModel.from_pretrained(config.value_model, device=devices.device, seed=config.seed,
                                                dtype=_model_dtype(config), attn_implementation=config.attn_implementation,
                                                trust_remote_code=config.trust_remote_code, cache_dir=config.cache_dir)
-    formatter = ChatFormatter(policy.tokenizer, config.template)
+    formatter = chat_formatter(policy.tokenizer, config, policy.model)
     train, eval_records = _prompt_datasets(config, records, policy.tokenizer, formatter, devices)
     reference = create_reference_model(config, policy)
     return PPOTrainer(config, policy, train, reward_fn=reward_fn, reference=reference, critic=critic,
@@ -8688,7 +8898,8 @@ class RLHFOrchestrator:
     def _capabilities(self, model: str, config: BaseConfig) -> dict[str, float]:
         """Capability-test accuracy of a model directory, measured once per run."""
         if model not in self._capability_cache:
-            self._capability_cache[model] = self.tester.run(self._load_policy(model, config), template=config.template)
+            self._capability_cache[model] = self.tester.run(self._load_policy(model, config), template=config.template,
+                                                            enable_thinking=config.enable_thinking)
         return self._capability_cache[model]
 
     def _load_policy(self, model: str, config: BaseConfig) -> PolicyModel:
@@ -8743,7 +8954,9 @@ class RLHFOrchestrator:
             return None
         path = self._resolve_model(name, "reward_model")
         if path not in self._rewards:  # eval, best_of_n and merge score with the same model: load it once
-            self._rewards[path] = LearnedReward.from_pretrained(path, template=self._base_config().template)
+            base = self._base_config()
+            self._rewards[path] = LearnedReward.from_pretrained(path, template=base.template,
+                                                                enable_thinking=base.enable_thinking)
         learned = self._rewards[path]
         return lambda prompts, responses: learned(prompts, responses, [None] * len(prompts))
 
@@ -8755,7 +8968,7 @@ class RLHFOrchestrator:
         policy = self._load_policy(model, base)
         max_new_tokens = options.get("max_new_tokens") or base.eval_max_new_tokens
         evaluator = RLHFEvaluator(policy, reference, template=base.template, max_new_tokens=max_new_tokens,
-                                  batch_size=options["batch_size"], seed=base.seed)
+                                  batch_size=options["batch_size"], seed=base.seed, enable_thinking=base.enable_thinking)
         subset = records[:options["max_prompts"]]
         metrics: dict[str, float] = {}
         if accuracy:
@@ -8788,7 +9001,7 @@ class RLHFOrchestrator:
                     per_stage[stage].update({"kl/k1": 0.0, "kl/k3": 0.0})
         evaluator = RLHFEvaluator(self._load_policy(self.current_model, base), reference, template=base.template,
                                   max_new_tokens=options.get("max_new_tokens") or base.eval_max_new_tokens,
-                                  batch_size=options["batch_size"], seed=base.seed)
+                                  batch_size=options["batch_size"], seed=base.seed, enable_thinking=base.enable_thinking)
         subset = records[:options["max_prompts"]]
         final = evaluator.diversity(subset, options["samples_per_prompt"])
         if reference is not None and reward_fn is not None and self.current_model != reference_dir:
@@ -8810,7 +9023,7 @@ class RLHFOrchestrator:
         base = self._base_config()
         records = self._eval_records(options)[:options["max_prompts"]]
         policy = self._load_policy(self.current_model, base)
-        formatter = ChatFormatter(policy.tokenizer, base.template)
+        formatter = chat_formatter(policy.tokenizer, base, policy.model)
         policy.tokenizer.chat_template = formatter.source  # the sampler renders prompts as the policy was trained
         params = SamplingParams(max_new_tokens=options.get("max_new_tokens") or base.eval_max_new_tokens,
                                 temperature=options["temperature"], seed=options["seed"],

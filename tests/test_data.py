@@ -585,8 +585,8 @@ def test_skip_invalid_does_not_hide_broken_json(tmp_path):
 
 # ---------------------------------------------------------------- chat templates
 
-END_MARKERS = {"chatml": "<|im_end|>\n", "qwen": "<|im_end|>\n", "llama3": "<|eot_id|>", "auto": "<|im_end|>\n"}
-TEMPLATES = ("default", "chatml", "llama3", "qwen", "auto")
+END_MARKERS = {"chatml": "<|im_end|>\n", "qwen": "<|im_end|>\n", "qwen3_nothink": "<|im_end|>\n", "auto": "<|im_end|>\n"}
+TEMPLATES = ("default", "chatml", "qwen", "qwen3_nothink", "auto")  # the ones the tiny tokenizer can write
 
 
 def trained_text(tokenizer, template: str, response: str) -> str:
@@ -626,11 +626,12 @@ def test_auto_template_without_tokenizer_template(tiny_tokenizer):
         ChatFormatter(bare, "vicuna")
 
 
-def test_unknown_template_falls_back_to_tokenizer(tiny_tokenizer, caplog):
-    with rlhf_log(caplog):
-        formatter = ChatFormatter(tiny_tokenizer, "vicuna")
-    assert formatter.name == "tokenizer"
-    assert any("vicuna" in r.getMessage() for r in caplog.records)
+def test_unknown_template_is_an_error_with_a_suggestion(tiny_tokenizer):
+    with pytest.raises(rlhf.RLHFInputError, match="'qwen3_nothnk'.*did you mean 'qwen3_nothink'") as error:
+        ChatFormatter(tiny_tokenizer, "qwen3_nothnk")
+    assert "\n" not in str(error.value)
+    with pytest.raises(rlhf.RLHFInputError, match="'vicuna'.*valid: auto"):  # no fallback to the tokenizer's own
+        ChatFormatter(tiny_tokenizer, "vicuna")
 
 
 @pytest.mark.parametrize("system", ["", "You are terse."])
@@ -682,14 +683,36 @@ def test_multi_turn_masks(tiny_tokenizer, template):
     assert tiny_tokenizer.decode(history_answer) == decoded[0]
 
 
-def test_template_that_is_not_prefix_consistent(tiny_tokenizer):
+def test_template_whose_conversation_does_not_start_with_its_prompt_trains_what_generation_sees(tiny_tokenizer):
+    """Mistral-Nemo's template drops the system prompt from a finished conversation: the trained text is the
+    prompt as generation renders it, followed by the answer as the template writes it."""
     odd = copy.deepcopy(tiny_tokenizer)
     odd.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
                          "{% if add_generation_prompt %}<GEN>{% endif %}")
     formatter = ChatFormatter(odd, "auto")
     rec = {**record("q", "a"), "location": "f.jsonl:7"}
+    ids, labels = formatter.conversation(rec)
+    assert ids == odd("q<GEN>a", add_special_tokens=False)["input_ids"]
+    assert odd.decode([t for t, lab in zip(ids, labels) if lab != IGNORE_INDEX]) == "a"
+
+
+@pytest.mark.parametrize("source", [
+    "{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}{% endif %}{% endfor %}",  # drops answers
+    "{% for m in messages %}{{ m['content'] | upper }}{% endfor %}{% if add_generation_prompt %}:{% endif %}",
+])
+def test_template_that_hides_the_answer_is_an_error_naming_the_record(tiny_tokenizer, source):
+    odd = copy.deepcopy(tiny_tokenizer)
+    odd.chat_template = source
+    rec = {**record("q", "a"), "location": "f.jsonl:7"}
     with pytest.raises(RLHFInputError, match=r"^f\.jsonl:7: chat template 'tokenizer'"):
-        formatter.conversation(rec)
+        ChatFormatter(odd, "auto").conversation(rec)
+
+
+def test_template_whose_markers_the_tokenizer_lacks_is_an_error_naming_them(tiny_tokenizer):
+    with pytest.raises(RLHFInputError, match=r"'llama3' writes <\|start_header_id\|>, <\|end_header_id\|>, "
+                                             r"<\|eot_id\|>.*lacks"):
+        ChatFormatter(tiny_tokenizer, "llama3")
+    ChatFormatter(tiny_tokenizer, "chatml")  # the tiny tokenizer has ChatML's two
 
 
 # ---------------------------------------------------------------- truncation, SFTDataset, cache
