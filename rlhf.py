@@ -10,12 +10,12 @@ bundled demo task, and on GPUs through accelerate.
 Table of contents (each section opens with a ``# ==== N. Title ====`` banner):
   0. Notation and registries — IGNORE_INDEX, RLHFInputError, TrainingStage
   1. Configs — BaseConfig, SFTConfig, RewardModelConfig, ProcessRewardModelConfig, DPOConfig, SimPOConfig, ORPOConfig, KTOConfig, OnlineRLConfig, GRPOConfig, PPOConfig, PipelineConfig, load_config, save_config, config_help, get_7b_model_config, get_70b_model_config, count_parameters, estimate_memory
-  2. Infrastructure — setup_logging, logging_restored, DeviceManager, weight_sharding, TrainingLogger, CheckpointManager, create_optimizer, EarlyStopping, apply_lora, apply_freeze, compile_model, select_attention_implementation
-  3. Data — load_records, ChatFormatter, CHAT_TEMPLATES, SFTDataset, StreamingSFTDataset, pack_sequences, SFTCollator, PreferenceDataset, StreamingPreferenceDataset, KTODataset, StreamingKTODataset, pack_rows, pack_preference_pairs, PreferenceBatch, PreferenceCollator, KTOBatch, KTOCollator, GRPODataset, StreamingGRPODataset, extract_answer, split_steps, arithmetic_step_labels, arithmetic_response_labels, encode_steps, ProcessPreferenceDataset, ProcessPreferenceCollator
+  2. Infrastructure — setup_logging, logging_restored, DeviceManager, weight_sharding, TrainingLogger, CheckpointManager, create_optimizer, EarlyStopping, find_expert_parameter_names, apply_lora, apply_freeze, compile_model, select_attention_implementation
+  3. Data — load_records, ChatFormatter, CHAT_TEMPLATES, TEMPLATE_SPECIAL_TOKENS, saved_as_trained, chat_formatter, SFTDataset, StreamingSFTDataset, pack_sequences, SFTCollator, PreferenceDataset, StreamingPreferenceDataset, KTODataset, StreamingKTODataset, pack_rows, pack_preference_pairs, PreferenceBatch, PreferenceCollator, KTOBatch, KTOCollator, GRPODataset, StreamingGRPODataset, extract_answer, split_steps, arithmetic_step_labels, arithmetic_response_labels, encode_steps, ProcessPreferenceDataset, ProcessPreferenceCollator
   4. Models — token_log_probs, load_tokenizer, build_tiny_model, resolve_model_path, PolicyModel, state_under, RewardModel, RewardEnsemble, aggregate_step_scores, ProcessRewardModel, ValueModel, ActorCritic, select_informative_tokens, ContextCompressor, ReferenceModel, can_pack_pairs, tree_attention_mask, shared_prefix_log_probs, grouped_logits, grouped_packed_logits, grouped_prefix_logits, create_reference_model
-  5. Losses and advantages — causal_lm_loss_sum, sequence_log_probs, dpo_loss, PREFERENCE_LOSSES, simpo_loss, orpo_loss, kto_loss, reward_model_loss, reward_boosting_weights, ewc_penalty, whiten, grpo_advantages, grpo_loss, compute_gae, ppo_policy_loss, ppo_value_loss, AdaptiveKLController, FixedKLController
+  5. Losses and advantages — router_load_balancing_loss, causal_lm_loss_sum, sequence_log_probs, dpo_loss, PREFERENCE_LOSSES, simpo_loss, orpo_loss, kto_loss, reward_model_loss, reward_boosting_weights, ewc_penalty, whiten, grpo_advantages, grpo_loss, compute_gae, ppo_policy_loss, ppo_value_loss, AdaptiveKLController, FixedKLController
   6. Rewards — exact_answer_reward, format_reward, length_penalty, CompositeReward, LearnedReward, ProcessReward, HTTPReward, RewardAPIError, Principle, ConstitutionalRewardWrapper, RewardFunctionFactory, RunningRewardNormalizer, process_rewards
-  7. Trainers — BaseTrainer, TrainingDivergedError, SFTTrainer, PairScores, RewardModelTrainer, ProcessRewardModelTrainer, DPOTrainer, SimPOTrainer, KTOTrainer, precompute_ref_log_probs, Rollout, RolloutBuffer, token_entropy, disable_dropout, GRPOTrainer, PPOTrainer, TrainResult, close_loss_scaler_step
+  7. Trainers — RouterAuxLoss, BaseTrainer, TrainingDivergedError, SFTTrainer, PairScores, RewardModelTrainer, ProcessRewardModelTrainer, DPOTrainer, SimPOTrainer, KTOTrainer, precompute_ref_log_probs, Rollout, RolloutBuffer, token_entropy, disable_dropout, GRPOTrainer, PPOTrainer, TrainResult, close_loss_scaler_step
   8. Evaluation — kl_estimates, distinct_n, self_similarity, win_rate, RLHFEvaluator
   9. Self-improvement and safety — CapabilityReport, CapabilityTester, ElasticWeightConsolidation, repetition_rate, degeneration_rates, reward_hacking_flags, PERTURBATIONS, answer_consistency, validation_score, ValidationReport, AdversarialValidator, default_critique, RefinementResult, refinement_pairs, write_preference_jsonl, IterativeRefiner
   10. Orchestrator — train_sft, train_rm, train_prm, train_dpo, train_kto, train_grpo, train_ppo, read_report, append_report, data_fingerprint, pipeline_table, write_pipeline_report, RLHFOrchestrator
@@ -158,6 +158,9 @@ class BaseConfig:
     disable_dropout: bool = _opt(True, "Zero the model's own dropout (its dropout layers and attention dropout), as TRL does: the "
                                        "policy then equals its reference at the start and rollout log-probs equal the loss's; "
                                        "lora_dropout still applies")
+    router_aux_loss_coef: float | None = _opt(None, "Mixture-of-experts models: weight of the router's load-balancing loss, "
+                                                    "added to every trainer's loss and logged as moe/aux_loss (default: "
+                                                    "the model's own router_aux_loss_coef; 0: off)")
     compile: bool = _opt(False, "torch.compile the model; a graph that fails to compile runs eagerly, with a warning "
                                 "(inside the model's calls only: torch's settings for the rest of the process are untouched)")
     # -- data
@@ -626,6 +629,7 @@ LLAMAFACTORY_RENAMES: dict[str, tuple[str, dict[Any, Any] | None]] = {
     "infer_dtype": ("model_dtype", {"auto": "auto", "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}),
     "eval_dataset_dir": ("dataset_dir", None),
     "lora_targets": ("lora_target", None),
+    "moe_aux_loss_coef": ("router_aux_loss_coef", None),
 }
 LLAMAFACTORY_IGNORED: dict[str, str] = {
     "do_train": "rlhf always trains the stage it is asked to run",
@@ -1941,6 +1945,18 @@ def find_linear_module_names(model: nn.Module) -> list[str]:
     return sorted(names)
 
 
+def find_expert_parameter_names(model: nn.Module) -> list[str]:
+    """Fused expert weights of mixture-of-experts layers, as ``module.parameter`` (``experts.gate_up_proj``): the
+    3-D parameters (experts x out x in) a module holds itself. transformers 5 stores Mixtral's and Qwen3-MoE's
+    experts so, not as linear layers, so LoRA reaches them only through PEFT's ``target_parameters``."""
+    names = set()
+    for full_name, module in model.named_modules():
+        for name, parameter in module.named_parameters(recurse=False):
+            if parameter.ndim == 3:
+                names.add(f"{full_name.rsplit('.', 1)[-1]}.{name}")
+    return sorted(names)
+
+
 # PEFT refuses LoRA on Mamba's out_proj (its fused kernel reads the weight directly) and on conv1d.
 _PEFT_REFUSED_TARGETS = {"mamba": ("out_proj", "conv1d"), "mamba2": ("out_proj", "conv1d")}
 
@@ -1963,15 +1979,27 @@ def apply_lora(model: nn.Module, config: BaseConfig) -> nn.Module:
     from peft import LoraConfig, get_peft_model
     from transformers.pytorch_utils import Conv1D
 
-    available = find_linear_module_names(model)
+    available, experts = find_linear_module_names(model), find_expert_parameter_names(model)
     if config.lora_target.strip() == "all":
         targets = [t for t in available if t not in _PEFT_REFUSED_TARGETS.get(_model_type(model), ())]
+        parameters = experts
     else:
-        targets = [t.strip() for t in config.lora_target.split(",") if t.strip()]
+        named = [t.strip() for t in config.lora_target.split(",") if t.strip()]
+        expert_of = {e: e for e in experts} | {e.rsplit(".", 1)[-1]: e for e in experts if e.rsplit(".", 1)[-1] not in available}
+        parameters = [expert_of[t] for t in named if t in expert_of]  # 'experts.down_proj' or plain 'down_proj'
+        targets = [t for t in named if t not in expert_of]
         missing = [t for t in targets if t not in available]
         if missing:
             raise RLHFInputError(f"config field 'lora_target': {', '.join(missing)} not found in the model; "
-                                 f"linear layers are: {', '.join(available)} (or use 'all')")
+                                 f"linear layers are: {', '.join(available)}"
+                                 + (f"; expert weights: {', '.join(experts)}" if experts else "") + " (or use 'all')")
+    if parameters and config.finetuning_type == "oft":
+        raise RLHFInputError(f"config field 'finetuning_type': OFT cannot adapt the fused expert weights "
+                             f"({', '.join(parameters)}) of this mixture-of-experts model; use lora, or list the "
+                             f"linear layers in lora_target")
+    logger.info("%s targets: %s%s", config.finetuning_type.upper(), ", ".join(targets) or "no linear layer",
+                f"; expert weights {', '.join(parameters)} (each expert its own low-rank update; the router stays "
+                f"frozen)" if parameters else "")
     conv1d = any(isinstance(m, Conv1D) and n.rsplit(".", 1)[-1] in targets for n, m in model.named_modules())
     extra = [t.strip() for t in (config.additional_target or "").split(",") if t.strip()] or None
     if config.finetuning_type == "oft":  # orthogonal fine-tuning (Qiu et al. 2023): same targets, OFT blocks
@@ -1981,8 +2009,8 @@ def apply_lora(model: nn.Module, config: BaseConfig) -> nn.Module:
                             module_dropout=config.lora_dropout, task_type="CAUSAL_LM", fan_in_fan_out=conv1d)
     else:
         adapter = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
-                             target_modules=targets, modules_to_save=extra, task_type="CAUSAL_LM",
-                             fan_in_fan_out=conv1d)
+                             target_modules=targets, target_parameters=parameters or None, modules_to_save=extra,
+                             task_type="CAUSAL_LM", fan_in_fan_out=conv1d)
     try:
         with _peft_deprecation_quiet():
             return get_peft_model(model, adapter)
@@ -2752,12 +2780,26 @@ class ChatFormatter:
         turns = [*messages, {"role": "assistant", "content": final}]
         whole = self.render(system, turns, False, where)
         if not whole.startswith(prompt):
-            start, _ = self._content_span(record, turns, len(turns) - 1, whole, False)
-            whole = prompt + whole[start:]
+            whole = prompt + self._answer_text(record, final)
         if len(whole) == len(prompt):
             raise RLHFInputError(f"{where}: chat template '{self.name}' writes nothing for the assistant's answer, so "
                                  f"there is nothing to train on; choose another template")
         return whole, [*spans, (len(prompt), len(whole))]
+
+    def _answer_text(self, record: dict[str, Any], final: str) -> str:
+        """What the template writes for the answer after a prompt, for templates whose finished conversation
+        does not start with their prompt: taken where the template is consistent, the same conversation without
+        its system prompt, else a one-question conversation."""
+        where = record.get("location", "record")
+        answer = {"role": "assistant", "content": final}
+        for messages in (record["messages"], record["messages"][-1:]):
+            prompt = self.render("", messages, True, where)
+            whole = self.render("", [*messages, answer], False, where)
+            if whole.startswith(prompt):
+                return whole[len(prompt):]
+        raise RLHFInputError(f"{where}: chat template '{self.name}' renders a finished conversation that does not "
+                             f"start with its own prompt, so the answer's tokens cannot be told apart; choose another "
+                             f"template")
 
     def _history_span(self, record: dict[str, Any], prompt: str, index: int) -> tuple[int, int]:
         """Span of an earlier assistant turn inside the prompt's text (multi-turn data)."""
@@ -4706,6 +4748,26 @@ def _log_trainable(trainable: int, total: int, finetuning_type: str) -> None:
 # ==== 5. Losses and advantages ====
 
 
+def router_load_balancing_loss(router_logits: Sequence[torch.Tensor], top_k: int,
+                               attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Switch Transformer's auxiliary load-balancing loss (Fedus et al. 2022, eq. 4), as Mixtral and Qwen3-MoE
+    train with it: E * sum_e f_e * P_e over the tokens of every MoE layer, where f_e is the share of the top-k
+    routing slots that go to expert e (per slot) and P_e the mean router probability of e. It is top_k when
+    routing is uniform and grows as tokens crowd onto few experts. Padding tokens (mask 0) do not count.
+    Shapes: router_logits, one (B*T, E) per layer; attention_mask (B, T) -> scalar."""
+    logits = torch.cat([layer.float() for layer in router_logits], 0)  # (L*B*T, E)
+    experts = logits.shape[-1]
+    probabilities = logits.softmax(-1)
+    chosen = F.one_hot(probabilities.topk(top_k, -1).indices, experts).float()  # (N, k, E)
+    weight = torch.ones(logits.shape[0], device=logits.device)
+    if attention_mask is not None:
+        weight = attention_mask.reshape(-1).float().repeat(len(router_logits)).to(logits.device)
+    total = weight.sum().clamp_min(1.0)
+    slot_share = (chosen * weight[:, None, None]).sum(0) / total  # (k, E)
+    mean_probability = (probabilities * weight[:, None]).sum(0) / total  # (E)
+    return experts * (slot_share * mean_probability[None]).sum()
+
+
 def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Summed next-token cross-entropy over target tokens and how many there were.
 
@@ -5604,6 +5666,47 @@ class TrainResult:
         return entry
 
 
+class RouterAuxLoss:
+    """The router load-balancing loss of a mixture-of-experts model's training forwards, for the trainer to add
+    to its loss. A forward hook on the decoder computes it from ``router_logits`` (``router_load_balancing_loss``,
+    padding left out); where the causal-LM wrapper around it returns its own ``aux_loss`` (the model's formula),
+    that replaces it. A reward model's scorer calls the decoder alone, so it gets the first. Forwards without
+    gradients (rollouts, the reference, evaluation) are left out."""
+
+    def __init__(self, decoder: nn.Module, wrapper: nn.Module | None, coef: float, top_k: int) -> None:
+        self.coef, self.top_k = coef, top_k
+        self.losses: list[torch.Tensor] = []
+        decoder.register_forward_hook(self._from_router_logits, with_kwargs=True)
+        if wrapper is not None:
+            wrapper.register_forward_hook(self._models_own)
+
+    @classmethod
+    def attach(cls, model: nn.Module, config: BaseConfig) -> RouterAuxLoss | None:
+        """None unless ``model`` holds a mixture-of-experts model and the coefficient (``router_aux_loss_coef``,
+        default the model's own) is not 0."""
+        from transformers import PreTrainedModel
+
+        found = [m for m in model.modules() if isinstance(m, PreTrainedModel) and hasattr(m.config, "output_router_logits")]
+        if not found:
+            return None
+        coef = config.router_aux_loss_coef
+        coef = float(getattr(found[0].config, "router_aux_loss_coef", 0.0) if coef is None else coef)
+        if coef == 0.0:
+            return None
+        found[0].config.output_router_logits = True
+        top_k = int(getattr(found[0].config, "num_experts_per_tok", 2))
+        logger.info("mixture of experts: router load-balancing loss x %g added to the loss (moe/aux_loss)", coef)
+        return cls(found[-1], found[0] if len(found) > 1 else None, coef, top_k)
+
+    def _from_router_logits(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
+        if torch.is_grad_enabled() and getattr(output, "router_logits", None):
+            self.losses.append(router_load_balancing_loss(output.router_logits, self.top_k, kwargs.get("attention_mask")))
+
+    def _models_own(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if torch.is_grad_enabled() and getattr(output, "aux_loss", None) is not None and self.losses:
+            self.losses[-1] = output.aux_loss  # this forward's, from its decoder's hook just before
+
+
 class BaseTrainer:
     """One training loop for every stage: accumulation with the loss normalised over all accumulated
     micro-batches, clipping, scheduling, evaluation, atomic checkpoints, exact resume, early
@@ -5627,6 +5730,7 @@ class BaseTrainer:
         self.ewc: ElasticWeightConsolidation | None = None  # set up in train(), before resuming moves the weights
         self._setup_devices(devices)
         self._setup_model()
+        self.router_loss = RouterAuxLoss.attach(self.devices.unwrap(self.model), config)
         self._setup_schedule()
         self._setup_optimizer()
         self.checkpoints = CheckpointManager(self.output_dir, config.save_total_limit)
@@ -5822,9 +5926,15 @@ class BaseTrainer:
         losses = []
         for i, batch in enumerate(group):
             batch = self._to_device(batch)
+            if self.router_loss is not None:
+                self.router_loss.losses.clear()
             with self.devices.no_sync(self.model, skip=i < len(group) - 1), self.devices.autocast():
                 loss_sum, metrics = self.compute_loss(batch)
             objective = loss_sum * scale
+            if self.router_loss is not None and self.router_loss.losses:  # the step's mean, one share per micro-batch
+                aux = torch.stack(self.router_loss.losses).mean()
+                objective = objective + self.router_loss.coef * aux / len(group)
+                metrics = {**metrics, "moe/aux_loss": float(aux.detach())}
             if self.ewc is not None and i == len(group) - 1:  # once per step; identical on every process
                 penalty = self.ewc.penalty(self.devices.unwrap(self.model))
                 objective = objective + penalty

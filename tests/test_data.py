@@ -685,19 +685,23 @@ def test_multi_turn_masks(tiny_tokenizer, template):
 
 def test_template_whose_conversation_does_not_start_with_its_prompt_trains_what_generation_sees(tiny_tokenizer):
     """Mistral-Nemo's template drops the system prompt from a finished conversation: the trained text is the
-    prompt as generation renders it, followed by the answer as the template writes it."""
+    prompt as generation renders it, followed by the answer as the template writes it after a prompt."""
     odd = copy.deepcopy(tiny_tokenizer)
-    odd.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
-                         "{% if add_generation_prompt %}<GEN>{% endif %}")
+    odd.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                         "{% if add_generation_prompt %}{{ 'S:' + m['content'] + '\\n' }}{% endif %}"
+                         "{% elif m['role'] == 'user' %}{{ 'U:' + m['content'] + '\\n' }}"
+                         "{% else %}{{ 'A:' + m['content'] + '\\n' }}{% endif %}{% endfor %}"
+                         "{% if add_generation_prompt %}A:{% endif %}")
     formatter = ChatFormatter(odd, "auto")
-    rec = {**record("q", "a"), "location": "f.jsonl:7"}
+    rec = {**record("q", "a", system="be brief"), "location": "f.jsonl:7"}
     ids, labels = formatter.conversation(rec)
-    assert ids == odd("q<GEN>a", add_special_tokens=False)["input_ids"]
-    assert odd.decode([t for t, lab in zip(ids, labels) if lab != IGNORE_INDEX]) == "a"
+    assert ids == odd("S:be brief\nU:q\nA:a\n", add_special_tokens=False)["input_ids"]
+    assert odd.decode([t for t, lab in zip(ids, labels) if lab != IGNORE_INDEX]) == "a\n"
 
 
 @pytest.mark.parametrize("source", [
     "{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}{% endif %}{% endfor %}",  # drops answers
+    "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<GEN>{% endif %}",  # never a prefix
     "{% for m in messages %}{{ m['content'] | upper }}{% endfor %}{% if add_generation_prompt %}:{% endif %}",
 ])
 def test_template_that_hides_the_answer_is_an_error_naming_the_record(tiny_tokenizer, source):
