@@ -5668,17 +5668,22 @@ class TrainResult:
 
 class RouterAuxLoss:
     """The router load-balancing loss of a mixture-of-experts model's training forwards, for the trainer to add
-    to its loss. A forward hook on the decoder computes it from ``router_logits`` (``router_load_balancing_loss``,
-    padding left out); where the causal-LM wrapper around it returns its own ``aux_loss`` (the model's formula),
-    that replaces it. A reward model's scorer calls the decoder alone, so it gets the first. Forwards without
-    gradients (rollouts, the reference, evaluation) are left out."""
+    to its loss (``router_load_balancing_loss``, the Switch Transformer / Mixtral / Qwen3-MoE formula). Hooks on
+    each MoE block's router keep its logits while a grad-enabled forward of the decoder runs, and the decoder's
+    hooks turn them into one loss per forward with its padding left out. The model's own ``output_router_logits``
+    stays off: its causal-LM head would compute the loss again and cannot read the packed and tree attention masks
+    the preference and online-RL trainers use. Forwards without gradients (rollouts, the reference, evaluation)
+    and gradient checkpointing's recomputation in backward are left out."""
 
-    def __init__(self, decoder: nn.Module, wrapper: nn.Module | None, coef: float, top_k: int) -> None:
+    def __init__(self, decoder: nn.Module, routers: list[nn.Module], coef: float, top_k: int) -> None:
         self.coef, self.top_k = coef, top_k
         self.losses: list[torch.Tensor] = []
-        decoder.register_forward_hook(self._from_router_logits, with_kwargs=True)
-        if wrapper is not None:
-            wrapper.register_forward_hook(self._models_own)
+        self._logits: list[torch.Tensor] | None = None  # the running forward's, or None outside one
+        self._mask: torch.Tensor | None = None
+        decoder.register_forward_pre_hook(self._start, with_kwargs=True)
+        decoder.register_forward_hook(self._finish)
+        for router in routers:
+            router.register_forward_hook(self._keep)
 
     @classmethod
     def attach(cls, model: nn.Module, config: BaseConfig) -> RouterAuxLoss | None:
@@ -5686,25 +5691,32 @@ class RouterAuxLoss:
         default the model's own) is not 0."""
         from transformers import PreTrainedModel
 
-        found = [m for m in model.modules() if isinstance(m, PreTrainedModel) and hasattr(m.config, "output_router_logits")]
-        if not found:
+        routers = [m.gate for m in model.modules() if hasattr(m, "experts") and isinstance(getattr(m, "gate", None), nn.Module)]
+        decoders = [m for m in model.modules() if isinstance(m, PreTrainedModel)]
+        if not routers or not decoders:
             return None
         coef = config.router_aux_loss_coef
-        coef = float(getattr(found[0].config, "router_aux_loss_coef", 0.0) if coef is None else coef)
+        coef = float(getattr(decoders[0].config, "router_aux_loss_coef", 0.0) if coef is None else coef)
         if coef == 0.0:
             return None
-        found[0].config.output_router_logits = True
-        top_k = int(getattr(found[0].config, "num_experts_per_tok", 2))
+        top_k = int(getattr(routers[0], "top_k", getattr(decoders[0].config, "num_experts_per_tok", 2)))
         logger.info("mixture of experts: router load-balancing loss x %g added to the loss (moe/aux_loss)", coef)
-        return cls(found[-1], found[0] if len(found) > 1 else None, coef, top_k)
+        return cls(decoders[-1], routers, coef, top_k)
 
-    def _from_router_logits(self, module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
-        if torch.is_grad_enabled() and getattr(output, "router_logits", None):
-            self.losses.append(router_load_balancing_loss(output.router_logits, self.top_k, kwargs.get("attention_mask")))
+    def _start(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        if torch.is_grad_enabled():
+            mask = kwargs.get("attention_mask")
+            self._logits, self._mask = [], mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
 
-    def _models_own(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if torch.is_grad_enabled() and getattr(output, "aux_loss", None) is not None and self.losses:
-            self.losses[-1] = output.aux_loss  # this forward's, from its decoder's hook just before
+    def _keep(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self._logits is not None and torch.is_grad_enabled():
+            self._logits.append(output[0] if isinstance(output, tuple) else output)
+
+    def _finish(self, module: nn.Module, args: tuple, output: Any) -> None:
+        logits, mask, self._logits = self._logits, self._mask, None
+        if logits:
+            fits = mask is not None and mask.numel() == logits[0].shape[0]  # packed rows carry no (B, T) mask
+            self.losses.append(router_load_balancing_loss(logits, self.top_k, mask if fits else None))
 
 
 class BaseTrainer:

@@ -153,3 +153,17 @@ def test_router_loss_reaches_a_reward_model_backbone(moe_dir, demo_dir, tmp_path
     rlhf.train_rm(config)
     first = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     assert first["moe/aux_loss"] >= 1.0
+
+
+def test_router_loss_with_packed_preference_pairs_and_gradient_checkpointing(moe_dir, demo_dir, tmp_path):
+    """DPO runs chosen and rejected through shared-prefix rows with their own attention masks; checkpointing
+    re-runs each layer's routers in backward. Neither may change what the router loss sees."""
+    common = dict(model_name_or_path=str(moe_dir), dataset="demo_preference", dataset_dir=str(demo_dir), max_samples=8,
+                  cutoff_len=64, finetuning_type="lora", lora_rank=4, per_device_train_batch_size=4, max_steps=1,
+                  logging_steps=1, save_steps=0, disable_progress_bar=True, resume_from_checkpoint="none", seed=0)
+    values = []
+    for checkpointing in (False, True):
+        out = tmp_path / f"ckpt-{checkpointing}"
+        rlhf.train_dpo(rlhf.DPOConfig(**common, output_dir=str(out), gradient_checkpointing=checkpointing))
+        values.append(json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["moe/aux_loss"])
+    assert values[0] == pytest.approx(values[1], rel=1e-5) and values[0] >= 1.9
