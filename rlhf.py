@@ -35,6 +35,7 @@ import enum
 import functools
 import gc
 import hashlib
+import importlib.util
 import inspect
 import json
 import logging
@@ -49,6 +50,7 @@ import types
 import typing
 import uuid
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -155,6 +157,12 @@ class BaseConfig:
     additional_target: str | None = _opt(None, "Comma-separated extra modules trained in full and saved with the adapter (e.g. embed_tokens,lm_head)")
     freeze_trainable_layers: int = _opt(2, "With finetuning_type=freeze: train the last N blocks (negative: the first N)")
     gradient_checkpointing: bool = _opt(False, "Recompute activations in backward to save memory")
+    quantization_bit: int | None = _opt(None, "QLoRA: load the base model in 4 or 8 bits through bitsandbytes and train "
+                                              "adapters over it (finetuning_type lora); the reference is the quantised "
+                                              "base with the adapter off")
+    quantization_method: str = _opt("bnb", "Quantisation library: bnb (bitsandbytes), the only one supported")
+    quantization_type: str = _opt("nf4", "4-bit data type: nf4 (QLoRA's NormalFloat) | fp4")
+    double_quantization: bool = _opt(True, "4-bit: quantise the quantisation constants too (QLoRA's double quantisation)")
     disable_dropout: bool = _opt(True, "Zero the model's own dropout (its dropout layers and attention dropout), as TRL does: the "
                                        "policy then equals its reference at the start and rollout log-probs equal the loss's; "
                                        "lora_dropout still applies")
@@ -265,6 +273,12 @@ class BaseConfig:
         _check_choice(self.attn_implementation, ATTENTION_CHOICES, "attn_implementation")
         _check_choice(self.lr_scheduler_type, SCHEDULERS, "lr_scheduler_type")
         _check_choice(self.model_dtype, ("auto", "float32", "bfloat16", "float16"), "model_dtype")
+        if self.quantization_bit is not None:
+            _check(self.quantization_bit in (4, 8), "quantization_bit", f"must be 4 or 8, got {self.quantization_bit}")
+            _check_choice(self.quantization_method, ("bnb",), "quantization_method")
+            _check_choice(self.quantization_type, ("nf4", "fp4"), "quantization_type")
+            _check(self.finetuning_type in ("lora", "oft"), "quantization_bit",
+                   f"a quantised base trains adapters only; set finetuning_type: lora (it is {self.finetuning_type})")
         _check_choice(self.optim, ("adamw_torch", "adamw_torch_fused"), "optim")
         for target in self.report_to:
             _check_choice(target, REPORT_TARGETS + ("none", "all"), "report_to")
@@ -642,8 +656,6 @@ LLAMAFACTORY_IGNORED: dict[str, str] = {
     "overwrite_cache": "tokenised data is cached by a hash of the data, tokenizer and settings, so it never goes stale",
     "deepspeed": "launch with `accelerate launch --config_file configs/accelerate_*.yaml rlhf.py ...` to use DeepSpeed",
     "fsdp": "launch with an accelerate FSDP config file instead",
-    "quantization_bit": "quantised (QLoRA) training is not supported yet; the model loads unquantised",
-    "quantization_method": "quantised (QLoRA) training is not supported yet",
     "upcast_layernorm": "norm layers already stay in fp32 under autocast",
     "pure_bf16": "use bf16=true (mixed precision) or model_dtype=bfloat16",
     "enable_liger_kernel": "Liger kernels are not used; the loss is computed in torch",
@@ -1947,10 +1959,12 @@ def find_linear_module_names(model: nn.Module) -> list[str]:
 
 def find_expert_parameter_names(model: nn.Module) -> list[str]:
     """Fused expert weights of mixture-of-experts layers, as ``module.parameter`` (``experts.gate_up_proj``): the
-    3-D parameters (experts x out x in) a module holds itself. transformers 5 stores Mixtral's and Qwen3-MoE's
+    3-D parameters (experts x out x in) an experts module holds itself. transformers 5 stores Mixtral's and Qwen3-MoE's
     experts so, not as linear layers, so LoRA reaches them only through PEFT's ``target_parameters``."""
     names = set()
     for full_name, module in model.named_modules():
+        if "expert" not in type(module).__name__.lower():  # Qwen3MoeExperts, MixtralExperts; not Mamba's Conv1d
+            continue
         for name, parameter in module.named_parameters(recurse=False):
             if parameter.ndim == 3:
                 names.add(f"{full_name.rsplit('.', 1)[-1]}.{name}")
@@ -2978,8 +2992,8 @@ class SFTDataset(torch.utils.data.Dataset):
                            _tokenizer_fingerprint(tokenizer), formatter.source, cutoff_len, train_on_prompt, mask_history)
         cache = Path(cache_dir or _default_cache_dir()) / "tokenized"
         cache.mkdir(parents=True, exist_ok=True)
-        raw = Dataset.from_list([{"system": r["system"], "messages": r["messages"], "response": r["response"]}
-                                 for r in records])
+        raw = Dataset.from_list([{"system": r["system"], "messages": r["messages"], "response": r["response"],
+                                  "location": r.get("location", "record")} for r in records])
         with _environment_kept("TOKENIZERS_PARALLELISM"):  # datasets turns it off for the whole process when forking
             tokenized = raw.map(self._encode_batch, batched=True, remove_columns=raw.column_names, num_proc=num_proc,
                                 cache_file_name=str(cache / f"sft-{key}.arrow"), new_fingerprint=key,
@@ -3000,8 +3014,9 @@ class SFTDataset(torch.utils.data.Dataset):
 
     def _encode_batch(self, batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
         out: dict[str, list[Any]] = {"input_ids": [], "labels": [], "status": []}
-        for system, messages, response in zip(batch["system"], batch["messages"], batch["response"]):
-            record = {"system": system, "messages": messages, "response": response}
+        for system, messages, response, location in zip(batch["system"], batch["messages"], batch["response"],
+                                                        batch["location"]):
+            record = {"system": system, "messages": messages, "response": response, "location": location}
             ids, labels = self.formatter.conversation(record, self.train_on_prompt, self.mask_history)
             ids, labels, status = truncate_example(ids, labels, self.cutoff_len)
             out["input_ids"].append(ids)
@@ -3676,6 +3691,157 @@ def token_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     return torch.cat(chunks) if chunks else logits.new_zeros(targets.shape, dtype=torch.float32)
 
 
+CHUNKED_HEAD_MIN_VOCAB = 32_000  # real vocabularies (Llama 2's 32k and up); a small one's logits cost nothing
+
+
+class OutputHead:
+    """How a causal LM's output becomes the log-probs, entropies and mean logits the losses use.
+
+    With a small vocabulary (or a model this cannot verify) the model's own logits are used (``chunked`` is
+    False, ``scores`` are logits). With a real one (32k-262k tokens) the (B, T, V) logits are never made whole:
+    during the forward the output layer is swapped for one that keeps its input, so ``scores`` are the final
+    hidden states (B, T, H), and each reduction runs the output layer over a chunk of positions at a time under
+    activation checkpointing, so forward and backward hold one chunk's logits at most (the idea of Liger's and
+    Apple's fused linear-cross-entropy, in plain torch). The same code paths lay out ``scores`` either way: their
+    gathers and concatenations act on the leading dimensions only. Gemma's final logit soft-capping is applied here
+    instead of in the model; a model whose head this cannot reproduce (checked on a short input once) keeps its
+    own logits. Sharded (FSDP, ZeRO-3) and compiled models keep theirs too: their output layer's weights are only
+    whole inside its own forward."""
+
+    _cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def __init__(self, model: nn.Module | None = None, attribute: str = "", vocab: int = 0,
+                 softcap: float | None = None) -> None:
+        self.model, self.attribute, self.vocab, self.softcap = model, attribute, vocab, softcap
+        self.chunked = model is not None
+
+    @classmethod
+    def of(cls, model: nn.Module) -> OutputHead:
+        """The head for ``model`` (any wrapper: DDP, PEFT), decided and verified once per model."""
+        inner = _innermost_model(model.model if isinstance(model, PolicyModel) else model)
+        if inner not in cls._cache:
+            cls._cache[inner] = cls._decide(model, inner)
+        return cls._cache[inner]
+
+    @classmethod
+    def _decide(cls, model: nn.Module, inner: nn.Module) -> OutputHead:
+        output = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+        vocab = getattr(output, "out_features", 0) or 0
+        attribute = next((name for name, child in inner.named_children() if child is output), "")
+        if (vocab < CHUNKED_HEAD_MIN_VOCAB or not isinstance(output, nn.Linear) or not attribute
+                or hasattr(model, "_orig_mod") or any(hasattr(p, "ds_id") or type(p).__name__ == "DTensor"
+                                                     for p in output.parameters())):
+            return cls()
+        head = cls(inner, attribute, vocab, getattr(inner.config, "final_logit_softcapping", None))
+        if not head._reproduces(model):
+            logger.info("output layer of %s: its logits differ from a plain linear layer's; keeping the model's "
+                        "own (B, T, V) logits", type(inner).__name__)
+            return cls()
+        return head
+
+    @torch.no_grad()
+    def _reproduces(self, model: nn.Module) -> bool:
+        """Whether the chunked head gives the model's own logits, on a short input in eval mode (the Hugging Face
+        model inside the wrappers; an adapter's layers are in it)."""
+        inner, was_training = self.model, model.training
+        inner.eval()
+        try:
+            output = inner.get_output_embeddings()
+            ids = torch.arange(5, device=output.weight.device)[None] + 1
+            want = inner(input_ids=ids, use_cache=False).logits.float()
+            got = self._logits(self.scores(inner, input_ids=ids, use_cache=False)[0], output.weight, output.bias, 1.0)
+            return bool(torch.allclose(got, want, rtol=1e-3, atol=1e-3 * max(1.0, float(want.abs().max()))))
+        finally:
+            inner.train(was_training)
+
+    # -- the forward
+    def scores(self, model: nn.Module, **inputs: Any) -> tuple[torch.Tensor, Any]:
+        """Run ``model(**inputs)``; return (scores, the model's output). Scores: logits, or with a chunked head the
+        final hidden states (the output's ``logits`` are then a NaN placeholder that must not be read)."""
+        if not self.chunked:
+            out = model(**inputs)
+            return out.logits, out
+        keep = _HiddenStates(self.vocab)
+        original = getattr(self.model, self.attribute)
+        setattr(self.model, self.attribute, keep)
+        softcap = getattr(self.model.config, "final_logit_softcapping", None)
+        if softcap is not None:
+            self.model.config.final_logit_softcapping = None  # applied in _logits, to each chunk
+        try:
+            out = model(**inputs)
+        finally:
+            setattr(self.model, self.attribute, original)
+            if softcap is not None:
+                self.model.config.final_logit_softcapping = softcap
+        return keep.hidden, out
+
+    # -- reductions over the vocabulary
+    def log_probs(self, scores: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """log softmax(logits / temperature)[target] per position. Shapes: scores (..., V|H), targets (...) -> (...)."""
+        if not self.chunked:
+            logits = scores if temperature == 1.0 else scores.float() / temperature
+            return token_log_probs(logits, targets)
+        return self._per_position(scores, targets, temperature, "log_probs")
+
+    def entropy(self, scores: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """Entropy of each position's next-token distribution. Shapes: (..., V|H) -> (...)."""
+        if not self.chunked:
+            return token_entropy(scores if temperature == 1.0 else scores.float() / temperature)
+        return self._per_position(scores, None, temperature, "entropy")
+
+    def mean_logits(self, scores: torch.Tensor) -> torch.Tensor:
+        """Each position's logits averaged over the vocabulary, detached (a logged statistic). Shapes: -> (...)."""
+        if not self.chunked:
+            return scores.detach().float().mean(-1)
+        with torch.no_grad():
+            return self._per_position(scores.detach(), None, 1.0, "mean")
+
+    def _per_position(self, scores: torch.Tensor, targets: torch.Tensor | None, temperature: float,
+                      what: str) -> torch.Tensor:
+        output = self.model.get_output_embeddings()
+        flat = scores.reshape(-1, scores.shape[-1])
+        picked = targets.reshape(-1) if targets is not None else None
+        rows = max(1, LOG_SOFTMAX_CHUNK_ELEMENTS // self.vocab)
+        pieces = []
+        for start in range(0, flat.shape[0], rows):
+            args = (flat[start:start + rows], output.weight, output.bias, temperature, what,
+                    picked[start:start + rows] if picked is not None else None)
+            needs_grad = torch.is_grad_enabled() and (flat.requires_grad or output.weight.requires_grad)
+            pieces.append(torch.utils.checkpoint.checkpoint(self._reduce, *args, use_reentrant=False)
+                          if needs_grad else self._reduce(*args))
+        return torch.cat(pieces).reshape(scores.shape[:-1]) if pieces else flat.new_zeros(scores.shape[:-1])
+
+    def _reduce(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float,
+                what: str, targets: torch.Tensor | None) -> torch.Tensor:
+        logits = self._logits(hidden, weight, bias, temperature)
+        if what == "mean":
+            return logits.mean(-1)
+        normaliser = torch.logsumexp(logits, -1)
+        if what == "log_probs":
+            return logits.gather(-1, targets[:, None]).squeeze(-1) - normaliser
+        return normaliser - (logits.softmax(-1) * logits).sum(-1)
+
+    def _logits(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                temperature: float) -> torch.Tensor:
+        logits = F.linear(hidden, weight, bias).float()
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits / temperature if temperature != 1.0 else logits
+
+
+class _HiddenStates(nn.Module):
+    """Stands in for the output layer during a forward: keeps its input and returns a NaN view of the logits'
+    shape that takes no memory (a read of it would poison the loss, not pass silently)."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.vocab, self.hidden = vocab, None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.hidden = hidden
+        return hidden.new_full((1,), float("nan")).expand(*hidden.shape[:-1], self.vocab)
+
+
 @dataclass
 class LogProbs:
     """Log-probabilities of completion tokens. Shapes: per_token (B, T-1) zero outside the completion,
@@ -3810,9 +3976,32 @@ def _names_a_local_path(name: str) -> bool:
             or ("/" in name and Path(name.split("/")[0]).is_dir()))
 
 
+def quantization_config(config: BaseConfig) -> Any:
+    """The bitsandbytes settings of a QLoRA stage (``quantization_bit``), or None. Without bitsandbytes it is an
+    error, never an unquantised load: the run would use several times the memory it was sized for."""
+    if config.quantization_bit is None:
+        return None
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise RLHFInputError("config field 'quantization_bit' needs bitsandbytes: pip install bitsandbytes (its CPU "
+                             "backend runs 4- and 8-bit layers here; a CUDA GPU runs them fast)")
+    from transformers import BitsAndBytesConfig
+
+    compute = torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else torch.float32
+    if config.quantization_bit == 8:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=config.quantization_type,
+                              bnb_4bit_use_double_quant=config.double_quantization, bnb_4bit_compute_dtype=compute)
+
+
+def is_quantized(model: nn.Module) -> bool:
+    return bool(getattr(_innermost_model(model), "is_quantized", False))
+
+
 def load_causal_lm(path: str, *, dtype: str | torch.dtype = "float32", attn_implementation: str = "auto",
-                   trust_remote_code: bool = False, device: torch.device | str = "cpu") -> tuple[nn.Module, str]:
-    """``AutoModelForCausalLM`` with the best attention backend this model and device support."""
+                   trust_remote_code: bool = False, device: torch.device | str = "cpu",
+                   quantization: Any = None) -> tuple[nn.Module, str]:
+    """``AutoModelForCausalLM`` with the best attention backend this model and device support; ``quantization``
+    (``quantization_config``) loads its linear layers quantised, on ``device``."""
     from transformers import AutoModelForCausalLM
 
     if _names_a_local_path(path) and not Path(path).expanduser().exists():
@@ -3823,6 +4012,8 @@ def load_causal_lm(path: str, *, dtype: str | torch.dtype = "float32", attn_impl
                              f"a Hugging Face model; point it at a saved model (or an adapter) or use 'tiny'")
     implementation, reason = select_attention_implementation(attn_implementation, device)
     kwargs = dict(dtype=_torch_dtype(dtype), trust_remote_code=trust_remote_code)
+    if quantization is not None:
+        kwargs.update(quantization_config=quantization, device_map={"": torch.device(device)})
     try:
         try:
             model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=implementation, **kwargs)
@@ -3859,8 +4050,10 @@ class PolicyModel(nn.Module):
     @classmethod
     def from_pretrained(cls, name_or_path: str, *, dtype: str | torch.dtype = "float32", attn_implementation: str = "auto",
                         trust_remote_code: bool = False, device: torch.device | str = "cpu",
-                        cache_dir: str | os.PathLike | None = None, is_trainable: bool = True) -> PolicyModel:
-        """Load a model directory (or 'tiny'); a directory holding a PEFT adapter loads its base, then the adapter."""
+                        cache_dir: str | os.PathLike | None = None, is_trainable: bool = True,
+                        quantization: Any = None) -> PolicyModel:
+        """Load a model directory (or 'tiny'); a directory holding a PEFT adapter loads its base, then the adapter.
+        ``quantization``: load the base quantised (QLoRA, ``quantization_config``)."""
         path = resolve_model_path(name_or_path, cache_dir)
         adapter_config = Path(path) / "adapter_config.json"
         base_path = json.loads(adapter_config.read_text())["base_model_name_or_path"] if adapter_config.exists() else path
@@ -3869,14 +4062,17 @@ class PolicyModel(nn.Module):
                                  f"(base_model_name_or_path in adapter_config.json) does not exist; restore the base "
                                  f"there or edit adapter_config.json")
         model, implementation = load_causal_lm(base_path, dtype=dtype, attn_implementation=attn_implementation,
-                                               trust_remote_code=trust_remote_code, device=device)
+                                               trust_remote_code=trust_remote_code, device=device,
+                                               quantization=quantization)
         if adapter_config.exists():
             from peft import PeftModel
 
             with _peft_deprecation_quiet():
                 model = PeftModel.from_pretrained(model, path, is_trainable=is_trainable)
         tokenizer_path = path if (Path(path) / "tokenizer_config.json").exists() or not Path(path).exists() else base_path
-        return cls(model.to(device), load_tokenizer(tokenizer_path, trust_remote_code), implementation)
+        if quantization is None:  # a quantised model was placed by its device_map and refuses .to()
+            model = model.to(device)
+        return cls(model, load_tokenizer(tokenizer_path, trust_remote_code), implementation)
 
     @property
     def device(self) -> torch.device:
@@ -3910,13 +4106,12 @@ class PolicyModel(nn.Module):
         """Log-probs of the completion tokens: those whose ``labels`` are not IGNORE_INDEX (all real
         tokens after the first when ``labels`` is None).
         Shapes: input_ids, attention_mask, labels (B, T) -> LogProbs(per_token (B, T-1), summed (B), lengths (B))."""
-        logits = self(input_ids, attention_mask, position_ids).logits[:, :-1]
-        if temperature != 1.0:
-            logits = logits / temperature
+        head = OutputHead.of(self.model)
+        scores, _ = head.scores(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
         if labels is None:
             labels = input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX) if attention_mask is not None else input_ids
         mask = labels[:, 1:] != IGNORE_INDEX  # (B, T-1): target t+1 is predicted at position t
-        per_token = token_log_probs(logits, input_ids[:, 1:]) * mask
+        per_token = head.log_probs(scores[:, :-1], input_ids[:, 1:], temperature) * mask
         return LogProbs(per_token=per_token, summed=per_token.sum(-1), lengths=mask.sum(-1))
 
     @torch.no_grad()
@@ -4068,10 +4263,10 @@ class RewardModel(nn.Module):
     def from_pretrained(cls, name_or_path: str, *, dtype: str | torch.dtype = "float32", attn_implementation: str = "auto",
                         trust_remote_code: bool = False, device: torch.device | str = "cpu",
                         cache_dir: str | os.PathLike | None = None, head_hidden: int | None = None, seed: int = 0,
-                        is_trainable: bool = True) -> RewardModel:
+                        is_trainable: bool = True, quantization: Any = None) -> RewardModel:
         backbone = PolicyModel.from_pretrained(name_or_path, dtype=dtype, attn_implementation=attn_implementation,
                                                trust_remote_code=trust_remote_code, device=device,
-                                               cache_dir=cache_dir, is_trainable=is_trainable)
+                                               cache_dir=cache_dir, is_trainable=is_trainable, quantization=quantization)
         path = Path(resolve_model_path(name_or_path, cache_dir))
         saved = json.loads((path / cls.CONFIG_FILE).read_text()) if (path / cls.CONFIG_FILE).exists() else {}
         scorer = RewardScorer(backbone.model, head_hidden=saved.get("head_hidden", head_hidden), seed=seed)
@@ -4331,12 +4526,13 @@ class ActorCritic(nn.Module):
         self.policy, self.critic = policy_model, critic
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Shapes: (B, T) -> logits (B, T, V), values (B, T)."""
+        """Shapes: (B, T) -> the policy's OutputHead scores (B, T, V|H), values (B, T)."""
         shared = self.critic.shares_policy_backbone
-        out = self.policy(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, output_hidden_states=shared)
+        scores, out = OutputHead.of(self.policy).scores(self.policy, input_ids=input_ids, attention_mask=attention_mask,
+                                                        use_cache=False, output_hidden_states=shared)
         values = (self.critic(hidden_states=out.hidden_states[-1]) if shared
                   else self.critic(input_ids=input_ids, attention_mask=attention_mask))
-        return out.logits, values
+        return scores, values
 
 def _model_dtype(config: BaseConfig) -> str:
     if config.model_dtype != "auto":
@@ -4486,8 +4682,9 @@ def _packed_rows_logits(model: nn.Module, ids: torch.Tensor, position_ids: torch
     inner = _innermost_model(model)
     attention = tree_attention_mask(pair, branch, inner.config._attn_implementation,
                                     torch.float32 if torch.is_autocast_enabled(ids.device.type) else inner.dtype)
-    logits = model(input_ids=ids, attention_mask=attention, position_ids=position_ids, use_cache=False).logits
-    return logits.reshape(-1, logits.shape[-1])
+    scores, _ = OutputHead.of(model).scores(model, input_ids=ids, attention_mask=attention, position_ids=position_ids,
+                                            use_cache=False)
+    return scores.reshape(-1, scores.shape[-1])
 
 
 def _packed_pair_log_probs(model: nn.Module, batch: PreferenceBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -4495,8 +4692,12 @@ def _packed_pair_log_probs(model: nn.Module, batch: PreferenceBatch) -> tuple[to
                                batch["packed_branch"])  # (R*L, V)
     source = batch["packed_source"]  # (2B, C) slot of each token
     completion_ids, mask = batch["completion_input_ids"], batch["completion_attention_mask"]
-    per_token = _slot_log_probs(flat, source, completion_ids) * mask
-    mean_logits = (flat.detach().float().mean(-1)[source] * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    head = OutputHead.of(model)
+    if head.chunked:  # hidden states are H wide, not V: index them out to the targets directly
+        per_token = head.log_probs(flat[source], completion_ids) * mask
+    else:
+        per_token = _slot_log_probs(flat, source, completion_ids) * mask
+    mean_logits = (head.mean_logits(flat)[source] * mask).sum(-1) / mask.sum(-1).clamp(min=1)
     return per_token, mask.bool(), mean_logits
 
 
@@ -4519,14 +4720,17 @@ def _slot_log_probs(flat_logits: torch.Tensor, source: torch.Tensor, targets: to
     return total if total is not None else flat_logits.new_zeros(targets.shape, dtype=torch.float32)
 
 
-def _prefill_prompts(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Any:
+def _prefill_prompts(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, Any]:
     """One forward of left-padded prompts that keeps their KV cache, for completions to continue from.
-    Only the last position's logits are needed: the causal LM inside any wrappers (DDP, torch.compile,
-    PEFT) is asked for those alone when it takes ``logits_to_keep``, instead of (B, P, V) of them."""
+    Only the last position's scores are needed: the causal LM inside any wrappers (DDP, torch.compile,
+    PEFT) is asked for those alone when it takes ``logits_to_keep``, instead of (B, P, V) of them.
+    Returns (the last position's OutputHead scores (B, 1, V|H), the model's output)."""
     inner = _innermost_model(model)
     extra = {"logits_to_keep": 1} if _takes_logits_to_keep(type(inner)) else {}
-    return model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0),
-                 use_cache=True, **extra)
+    scores, out = OutputHead.of(model).scores(model, input_ids=prompt_ids, attention_mask=prompt_mask,
+                                              position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0), use_cache=True,
+                                              **extra)
+    return scores[:, -1:], out
 
 
 def shared_prefix_log_probs(model: nn.Module, batch: PreferenceBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -4546,7 +4750,7 @@ def shared_prefix_log_probs(model: nn.Module, batch: PreferenceBatch) -> tuple[t
     prompt_ids, prompt_mask = batch["prompt_input_ids"], batch["prompt_attention_mask"]
     completion_ids, completion_mask = batch["completion_input_ids"], batch["completion_attention_mask"]
     pairs = prompt_ids.shape[0]
-    prompt_out = _prefill_prompts(model, prompt_ids, prompt_mask)
+    prompt_last, prompt_out = _prefill_prompts(model, prompt_ids, prompt_mask)
     cache = returned_cache(prompt_out)
     cache.batch_repeat_interleave(2)  # rows p1, p1, p2, p2 ...: chosen and rejected of pair i follow each other
     order = torch.stack([torch.arange(pairs), torch.arange(pairs) + pairs], 1).reshape(-1).to(completion_ids.device)
@@ -4555,11 +4759,12 @@ def shared_prefix_log_probs(model: nn.Module, batch: PreferenceBatch) -> tuple[t
     longest = int((prompt_lengths + mask.sum(-1)).max())  # padding slots stay inside the longest row's positions
     positions = (prompt_lengths[:, None] + torch.arange(ids.shape[1], device=ids.device)).clamp(max=longest - 1)
     attention = torch.cat([prompt_mask.repeat_interleave(2, 0), mask], 1)
-    logits = model(input_ids=ids, attention_mask=attention, position_ids=positions, **cache_argument(model, cache),
-                   use_cache=True).logits  # (2B, C, V): position t predicts completion token t+1
-    logits = torch.cat([prompt_out.logits[:, -1:].repeat_interleave(2, 0), logits[:, :-1]], 1)  # predicts token t
-    per_token = token_log_probs(logits, ids) * mask
-    mean_logits = (logits.detach().float().mean(-1) * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    head = OutputHead.of(model)
+    scores, _ = head.scores(model, input_ids=ids, attention_mask=attention, position_ids=positions,
+                            **cache_argument(model, cache), use_cache=True)  # (2B, C, .): t predicts token t+1
+    scores = torch.cat([prompt_last.repeat_interleave(2, 0), scores[:, :-1]], 1)  # predicts token t
+    per_token = head.log_probs(scores, ids) * mask
+    mean_logits = (head.mean_logits(scores) * mask).sum(-1) / mask.sum(-1).clamp(min=1)
     back = torch.argsort(order)  # interleaved -> chosen rows, then rejected rows
     return per_token[back], mask[back].bool(), mean_logits[back]
 
@@ -4689,7 +4894,7 @@ def grouped_prefix_logits(model: nn.Module, input_ids: torch.Tensor, attention_m
     source = torch.arange(prompt_width, device=device) - (prompt_width - lengths[:, None])  # (U, P): left padding
     prompt_mask = (source >= 0).long()
     prompt_ids = input_ids[firsts].gather(1, source.clamp(min=0))  # padding columns repeat token 0, masked
-    prompt_out = _prefill_prompts(model, prompt_ids, prompt_mask)
+    prompt_last, prompt_out = _prefill_prompts(model, prompt_ids, prompt_mask)
     cache = returned_cache(prompt_out)
     cache.batch_select_indices(group)  # differentiable indexing: gradients of every row reach its prompt
     completion_width = max(1, int((attention_mask.sum(-1) - prompt_lengths).max()))
@@ -4698,9 +4903,10 @@ def grouped_prefix_logits(model: nn.Module, input_ids: torch.Tensor, attention_m
     inside = offsets.clamp(max=width - 1)
     completion_ids = input_ids.gather(1, inside)
     completion_mask = attention_mask.gather(1, inside) * (offsets < width)
-    logits = model(input_ids=completion_ids, attention_mask=torch.cat([prompt_mask[group], completion_mask], 1),
-                   position_ids=inside, **cache_argument(model, cache), use_cache=True).logits  # (N, C, V)
-    logits = torch.cat([prompt_out.logits[:, -1:][group], logits[:, :-1]], 1)  # column j predicts completion token j
+    logits, _ = OutputHead.of(model).scores(model, input_ids=completion_ids, position_ids=inside, use_cache=True,
+                                            attention_mask=torch.cat([prompt_mask[group], completion_mask], 1),
+                                            **cache_argument(model, cache))  # (N, C, V|H)
+    logits = torch.cat([prompt_last[group], logits[:, :-1]], 1)  # column j predicts completion token j
     back = (columns[:-1] + 1 - prompt_lengths[:, None]).clamp(0, completion_width - 1)  # (N, T-1)
     return logits.gather(1, back[..., None].expand(-1, -1, logits.shape[-1]))
 
@@ -4729,6 +4935,11 @@ def _prepare_backbone(model: nn.Module, config: BaseConfig) -> nn.Module:
     Dropout goes before the adapter is added, so that an explicit ``lora_dropout`` is kept."""
     if config.disable_dropout:
         disable_dropout(model)
+    if is_quantized(model) and not hasattr(model, "peft_config"):  # QLoRA (Dettmers et al. 2023), as PEFT prepares it:
+        from peft import prepare_model_for_kbit_training  # frozen base, norms and embeddings in fp32, input grads on
+
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=config.gradient_checkpointing,
+                                                gradient_checkpointing_kwargs={"use_reentrant": False})
     if config.finetuning_type in ("lora", "oft") and not hasattr(model, "peft_config"):
         model = apply_lora(model, config)
     elif config.finetuning_type == "freeze":
@@ -4779,6 +4990,16 @@ def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torc
     shifted_labels = labels[:, 1:].reshape(-1)
     loss = F.cross_entropy(shifted_logits, shifted_labels, ignore_index=IGNORE_INDEX, reduction="sum")
     return loss, int((shifted_labels != IGNORE_INDEX).sum())
+
+
+def causal_lm_loss_with(head: OutputHead, scores: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``causal_lm_loss_sum`` from an OutputHead's scores: with a chunked head only the target positions go
+    through the output layer, so neither the prompt's logits nor a whole (B, T, V) tensor is ever made."""
+    if not head.chunked:
+        return causal_lm_loss_sum(scores, labels)
+    targets = labels[:, 1:]
+    keep = targets != IGNORE_INDEX
+    return -head.log_probs(scores[:, :-1][keep], targets[keep]).sum(), int(keep.sum())
 
 
 # -- preference losses (DESIGN section 4). Each returns per-example losses [B]; the caller reduces.
@@ -6323,9 +6544,13 @@ class SFTTrainer(BaseTrainer):
         return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
 
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
-        logits = self.forward_policy(batch["input_ids"], batch.get("attention_mask"), batch.get("position_ids")).logits
-        loss_sum, _ = causal_lm_loss_sum(logits, batch["labels"])
-        return loss_sum, {}
+        return self._loss_sum(self.forward_policy, batch)[0], {}
+
+    def _loss_sum(self, policy: PolicyModel, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+        head = OutputHead.of(self.policy)
+        scores, _ = head.scores(policy, input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                                position_ids=batch.get("position_ids"))
+        return causal_lm_loss_with(head, scores, batch["labels"])
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -6346,9 +6571,7 @@ class SFTTrainer(BaseTrainer):
         for items, keep in self._eval_share(self.eval_dataset):
             batch = self._to_device(self.collator(items))
             with self.devices.autocast():
-                loss_sum, units = causal_lm_loss_sum(
-                    self.policy(batch["input_ids"], batch.get("attention_mask"), batch.get("position_ids")).logits,
-                    batch["labels"])
+                loss_sum, units = self._loss_sum(self.policy, batch)
             if keep:
                 total, count = total + float(loss_sum), count + units
         total, count = self.devices.sum_list_across_processes([total, count])
@@ -6530,11 +6753,13 @@ def _completion_forward(policy: PolicyModel, batch: PreferenceBatch, ld_alpha: f
         lengths = mask.sum(-1).clamp(min=1)
         return PolicyLogProbs(sequence_log_probs(per_token, mask, ld_alpha), per_token.sum(-1) / lengths, lengths,
                               mean_logits)
-    logits = policy(batch["input_ids"], batch["attention_mask"]).logits[:, :-1]
+    head = OutputHead.of(policy)
+    scores, _ = head.scores(policy, input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    scores = scores[:, :-1]
     mask = batch["labels"][:, 1:] != IGNORE_INDEX  # (2B, T-1)
-    per_token = token_log_probs(logits, batch["input_ids"][:, 1:]) * mask
+    per_token = head.log_probs(scores, batch["input_ids"][:, 1:]) * mask
     lengths = mask.sum(-1).clamp(min=1)
-    mean_logits = (logits.detach().float().mean(-1) * mask).sum(-1) / lengths
+    mean_logits = (head.mean_logits(scores) * mask).sum(-1) / lengths
     return PolicyLogProbs(sequence_log_probs(per_token, mask, ld_alpha), per_token.sum(-1) / lengths, lengths, mean_logits)
 
 
@@ -7105,8 +7330,10 @@ class _OnlineRLTrainer(_ReferenceTrainer):
 
     def _reference_logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         with self.reference._frozen():
-            logits = self.reference.model(batch["input_ids"], batch["attention_mask"]).logits[:, :-1]
-        return token_log_probs(logits.float() / self.config.temperature, batch["input_ids"][:, 1:])
+            model = self.reference.model
+            scores, _ = OutputHead.of(model).scores(model, input_ids=batch["input_ids"],
+                                                    attention_mask=batch["attention_mask"])
+            return OutputHead.of(model).log_probs(scores[:, :-1], batch["input_ids"][:, 1:], self.config.temperature)
 
     def _pop_rollout_metrics(self) -> dict[str, float]:
         metrics, self.rollout_metrics = self.rollout_metrics, {}  # rollout statistics count once per rollout
@@ -7186,23 +7413,24 @@ class GRPOTrainer(_OnlineRLTrainer):
         return (self.config.share_prompt and not self.config.gradient_checkpointing
                 and self.policy.model.config.model_type not in PREFIX_SHARING_EXCLUDED)
 
-    def _logits(self, model: PolicyModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _scores(self, model: PolicyModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """OutputHead scores of the positions that predict the next token. Shapes: -> (N, T-1, V|H)."""
         if self.shares_prompts and batch.get("prompt_lengths") is not None:
-            logits = grouped_logits(model.model, batch["input_ids"], batch["attention_mask"], batch["prompt_lengths"],
-                                    pad_token_id=self.policy.tokenizer.pad_token_id, pack=self.config.padding_free)
-        else:
-            logits = model(batch["input_ids"], batch["attention_mask"]).logits[:, :-1]
-        return logits.float() / self.config.temperature
+            return grouped_logits(model.model, batch["input_ids"], batch["attention_mask"], batch["prompt_lengths"],
+                                  pad_token_id=self.policy.tokenizer.pad_token_id, pack=self.config.padding_free)
+        scores, _ = OutputHead.of(model).scores(model, input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        return scores[:, :-1]
 
-    def _policy_logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self._logits(self.forward_policy, batch)
+    def _logps(self, model: PolicyModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Temperature-scaled log-probs of each next token, as sampled. Shapes: -> (N, T-1)."""
+        return OutputHead.of(model).log_probs(self._scores(model, batch), batch["input_ids"][:, 1:], self.config.temperature)
 
     def _reference_logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         with self.reference._frozen():
-            return token_log_probs(self._logits(self.reference.model, batch), batch["input_ids"][:, 1:])
+            return self._logps(self.reference.model, batch)
 
     def _policy_logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return token_log_probs(self._policy_logits(batch), batch["input_ids"][:, 1:])
+        return self._logps(self.forward_policy, batch)
 
     def loss_units(self, batch: dict[str, torch.Tensor]) -> int:
         loss_type = self.config.loss_type
@@ -7236,13 +7464,14 @@ class GRPOTrainer(_OnlineRLTrainer):
         rows = batch["input_ids"].shape[0]
         batch, token_share = self._rows_that_train(batch)
         batch = _trim_columns(batch)
-        logits = self._policy_logits(batch)
+        head = OutputHead.of(self.policy)
+        scores = self._scores(self.forward_policy, batch)
         mask = batch["labels"][:, 1:] != IGNORE_INDEX  # (N, T-1)
-        per_token = token_log_probs(logits, batch["input_ids"][:, 1:])
+        per_token = head.log_probs(scores, batch["input_ids"][:, 1:], config.temperature)
         loss, metrics = grpo_loss(per_token, batch.get("old_logps"), batch.get("ref_logps"), batch["advantages"], mask,
                                   epsilon_low=config.epsilon_low, epsilon_high=config.epsilon_high, beta=config.beta,
                                   loss_type=config.loss_type, max_completion_length=config.max_completion_length)
-        metrics["entropy"] = float(_masked_mean(token_entropy(logits.detach()), mask.float()))
+        metrics["entropy"] = float(_masked_mean(head.entropy(scores.detach(), config.temperature), mask.float()))
         metrics["skipped_rows_frac"] = 1.0 - batch["input_ids"].shape[0] / rows
         # every type but bnpo returns a sum over rows or tokens (times loss_units), which the skipped rows add
         # nothing to; bnpo's token mean is over the whole micro-batch, so it is rescaled to that many tokens
@@ -7303,10 +7532,13 @@ class PPOTrainer(_OnlineRLTrainer):
         self._setup_sharding()
         self.model.train()
 
-    def _forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Temperature-scaled logits and values for positions that predict the next token. Shapes: (N, T-1, V), (N, T-1)."""
-        logits, values = self.model(batch["input_ids"], batch["attention_mask"])
-        return logits[:, :-1].float() / self.config.temperature, values[:, :-1].float()
+    def _forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Temperature-scaled log-probs of each next token, the OutputHead scores they come from and the values,
+        for positions that predict the next token. Shapes: (N, T-1), (N, T-1, V|H), (N, T-1)."""
+        scores, values = self.model(batch["input_ids"], batch["attention_mask"])
+        scores = scores[:, :-1]
+        logps = OutputHead.of(self.policy).log_probs(scores, batch["input_ids"][:, 1:], self.config.temperature)
+        return logps, scores, values[:, :-1].float()
 
     @torch.no_grad()
     def make_rollout(self, prompts: list[dict[str, Any]]) -> Rollout:
@@ -7321,8 +7553,8 @@ class PPOTrainer(_OnlineRLTrainer):
         for batch in rollout.micro_batches(config.per_device_train_batch_size):
             batch = self._to_device(batch)
             with self.devices.autocast():
-                logits, value = self._forward(batch)
-                logps.append(token_log_probs(logits, batch["input_ids"][:, 1:]).cpu())
+                logp, _, value = self._forward(batch)
+                logps.append(logp.cpu())
                 values.append(value.cpu())
                 ref_logps.append(self._reference_logps(batch).cpu())
         rollout.old_logps, rollout.old_values, rollout.ref_logps = torch.cat(logps), torch.cat(values), torch.cat(ref_logps)
@@ -7362,14 +7594,15 @@ class PPOTrainer(_OnlineRLTrainer):
     def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
         config = self.config
         batch = _trim_columns(batch)
-        logits, values = self._forward(batch)
+        logps, scores, values = self._forward(batch)
         mask = batch["labels"][:, 1:] != IGNORE_INDEX
-        logps = token_log_probs(logits, batch["input_ids"][:, 1:])
         policy_loss, metrics = ppo_policy_loss(logps, batch["old_logps"], batch["advantages"], mask,
                                                clip_range=config.cliprange)
         value_loss = ppo_value_loss(values, batch["old_values"], batch["returns"], mask,
                                     clip_range_value=config.cliprange_value)
-        entropy = _masked_mean(token_entropy(logits), mask.float())
+        # the entropy bonus needs its gradient only when it is in the loss
+        entropy_scores = scores if config.entropy_coef else scores.detach()
+        entropy = _masked_mean(OutputHead.of(self.policy).entropy(entropy_scores, config.temperature), mask.float())
         loss = policy_loss + config.vf_coef * value_loss - config.entropy_coef * entropy
         value_clipped = (values - batch["old_values"]).abs() > config.cliprange_value
         metrics.update({"loss/policy": float(policy_loss.detach()), "loss/value": float(value_loss.detach()),
@@ -7694,8 +7927,9 @@ class ElasticWeightConsolidation:
         model.eval()  # dropout off: the Fisher of the model as it is, not of a random sub-network
         for batch in batches:
             model.zero_grad(set_to_none=True)
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
-            loss_sum, units = causal_lm_loss_sum(logits, batch["labels"])
+            head = OutputHead.of(model)
+            scores, _ = head.scores(model, input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"))
+            loss_sum, units = causal_lm_loss_with(head, scores, batch["labels"])
             if not units:
                 continue
             loss_sum.backward()  # the sequence's log-likelihood: the Fisher is of p(response | prompt)
@@ -8339,7 +8573,7 @@ def _load_policy(config: BaseConfig, device: torch.device | str, model: str | No
     return PolicyModel.from_pretrained(model or config.model_name_or_path, dtype=_model_dtype(config),
                                        attn_implementation=config.attn_implementation,
                                        trust_remote_code=config.trust_remote_code, device=device,
-                                       cache_dir=config.cache_dir)
+                                       cache_dir=config.cache_dir, quantization=quantization_config(config))
 
 
 def _refuse_other_stage_checkpoints(config: BaseConfig) -> None:
@@ -8461,7 +8695,7 @@ def _train_reward_model(config: RewardModelConfig, devices: DeviceManager | None
                                                attn_implementation=config.attn_implementation,
                                                trust_remote_code=config.trust_remote_code, device=devices.device,
                                                cache_dir=config.cache_dir, head_hidden=config.reward_head_hidden,
-                                               seed=config.seed)
+                                               seed=config.seed, quantization=quantization_config(config))
     formatter = chat_formatter(reward_model.tokenizer, config)
     train, validation, _ = _preference_datasets(config, records, reward_model.tokenizer, formatter, devices)
     return RewardModelTrainer(config, reward_model, train, eval_dataset=validation, devices=devices).train()
@@ -8476,7 +8710,7 @@ def train_prm(config: ProcessRewardModelConfig, devices: DeviceManager | None = 
                                                trust_remote_code=config.trust_remote_code, device=devices.device,
                                                cache_dir=config.cache_dir, head_hidden=config.reward_head_hidden,
                                                seed=config.seed, step_delimiter=config.step_delimiter,
-                                               aggregation=config.prm_aggregation)
+                                               aggregation=config.prm_aggregation, quantization=quantization_config(config))
     formatter = chat_formatter(model.tokenizer, config)
     train_records, val_records, _ = records
     if train_records is None:
@@ -8643,7 +8877,8 @@ def train_ppo(config: PPOConfig, devices: DeviceManager | None = None) -> TrainR
     if config.value_model:
         critic, _ = ValueModel.from_pretrained(config.value_model, device=devices.device, seed=config.seed,
                                                dtype=_model_dtype(config), attn_implementation=config.attn_implementation,
-                                               trust_remote_code=config.trust_remote_code, cache_dir=config.cache_dir)
+                                               trust_remote_code=config.trust_remote_code, cache_dir=config.cache_dir,
+                                               quantization=quantization_config(config))
     formatter = chat_formatter(policy.tokenizer, config, policy.model)
     train, eval_records = _prompt_datasets(config, records, policy.tokenizer, formatter, devices)
     reference = create_reference_model(config, policy)

@@ -444,3 +444,22 @@ def test_merge_command_runs_model_merging(tmp_path, capsys):
     torch.testing.assert_close(load_file(str(tmp_path / "out" / "model.safetensors"))["w"], torch.tensor([2.0, 0.0]))
     assert rlhf.main(["merge", "--config", str(config), "desnity=0.5"]) == 2
     assert "did you mean 'density'" in capsys.readouterr().err
+
+
+def test_a_template_that_refuses_a_record_is_one_line_naming_its_file_and_line(tmp_path, tiny_model_dir, monkeypatch,
+                                                                                 capsys):
+    """Gemma 2's own template raises 'System role not supported': the SFT stage reports it as file:line, no
+    jinja traceback."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    tokenizer = rlhf.load_tokenizer(model)
+    tokenizer.chat_template = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+                               "{% endif %}" + rlhf.CHAT_TEMPLATES["chatml"])
+    tokenizer.save_pretrained(model)
+    rows = [GOOD[0], {**GOOD[1], "system": "Be brief."}]
+    (tmp_path / "data.jsonl").write_text(_jsonl(*rows), encoding="utf-8")
+    status = _main_in(tmp_path, ["sft", "dataset=data.jsonl", "dataset_dir=.", "output_dir=out",
+                                 f"model_name_or_path={model}", *SMALL_RUN[1:]], monkeypatch)
+    error = capsys.readouterr().err
+    assert status == 2 and "Traceback" not in error
+    assert re.search(r"data\.jsonl:2: chat template 'tokenizer' refuses this record: System role not supported", error)

@@ -95,3 +95,28 @@ def test_reward_accuracy_win_rate_diversity_and_task_accuracy(policy):
         == {"task/accuracy": 0.5}
     everything = evaluator.evaluate(records, pairs=pairs, reward_fn=longer_is_better, samples_per_prompt=2)
     assert {"diversity/distinct_2", "task/accuracy", "kl/k1", "kl/k3", "win/win_rate", "reward/accuracy"} <= set(everything)
+
+
+def test_generation_stops_at_every_stop_token_of_the_generation_config(tiny_model_dir):
+    """A model whose generation_config lists an end-of-turn token besides EOS (Llama 3.1, Gemma 3) stops there in
+    rollouts and evaluation: the evaluator's stop set carries it."""
+    policy = rlhf.PolicyModel.from_pretrained(str(tiny_model_dir))
+    turn_end = policy.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    assert turn_end != policy.tokenizer.eos_token_id
+    records = rlhf.RLHFEvaluator.as_records(["What is 3 + 4?"])
+    prompt = rlhf.RLHFEvaluator(policy).formatter.prompt_ids(records[0])
+    head = policy.model.get_output_embeddings()
+    seen = []
+    handle = head.register_forward_hook(lambda module, args, out: seen.append(args[0][0, -1].detach()))
+    with torch.no_grad():
+        policy.model(torch.tensor([prompt]))
+        handle.remove()
+        head.weight.zero_()
+        head.weight[turn_end] = seen[0]  # the first token it generates is the end-of-turn token, logit |h|^2 > 0
+    plain = rlhf.RLHFEvaluator(policy, max_new_tokens=8)
+    assert turn_end not in plain.formatter.stop_token_ids
+    assert len(plain.complete(policy, records, sample=False)[0]) > 1  # runs past it
+    policy.model.generation_config.eos_token_id = [policy.tokenizer.eos_token_id, turn_end]
+    evaluator = rlhf.RLHFEvaluator(policy, max_new_tokens=8)
+    assert turn_end in evaluator.formatter.stop_token_ids
+    assert evaluator.complete(policy, records, sample=False)[0] == [turn_end]

@@ -64,3 +64,9 @@ def test_every_stage_runs_on_every_family(family, stage, family_models, tmp_path
     own = (model / "chat_template.jinja").read_text() if (model / "chat_template.jinja").exists() else None
     trained = own if template == "auto" else rlhf.CHAT_TEMPLATES[template]
     assert (out / "chat_template.jinja").read_text() == (trained or rlhf.CHAT_TEMPLATES["default"])
+    if stage == "sft-full":  # a full model saves its generation_config: every stop token, the model's own first
+        from transformers import GenerationConfig
+
+        saved = GenerationConfig.from_pretrained(out).eos_token_id
+        saved = [saved] if isinstance(saved, int) else saved
+        assert set(real_models.FAMILIES[family].eos_token_id) <= set(saved) and saved

@@ -1,0 +1,242 @@
+"""A real-sized model on this CPU: SFT and DPO steps of ours beside TRL's on a random-weight model shaped like
+Qwen3-0.6B (its real config: 28 layers, hidden 1024, grouped-query attention, tied embeddings, a 151,936-token
+vocabulary) with the real Qwen3 tokenizer and chat template (tests/real_models.py builds them offline).
+
+    python bench/bench_real_size.py                        # SFT and DPO, 3 steps each (1 warm-up), sequences of 512
+    python bench/bench_real_size.py --stages sft --steps 4
+
+Both trainers get the same work: full fine-tuning in fp32, batch ``--batch-size`` (SFT sequences, DPO pairs), no
+gradient accumulation, ``--seq-len`` tokens per sequence (prompt and answer each about half), the fused AdamW with a
+constant learning rate, clipping at 1.0, no gradient checkpointing, the same attention implementation, a live
+reference model for DPO (sigmoid loss, beta 0.1); TRL gets the records in its conversational prompt-completion
+format, so it renders them with the same chat template and trains on the answers only, as ours does. The data are
+the demo's arithmetic problems, several to a record, to reach the length.
+
+Each run is a subprocess of its own (bench_dpo's ``run_measured``), so its peak resident memory (ru_maxrss: Python,
+libraries, model, reference, optimizer state, activations) is its own. Seconds per step: ours, ``perf/step_seconds``;
+TRL, ``on_step_begin`` to ``on_step_end``; the first ``--warmup`` steps are dropped. Where ours differs in memory it
+is mostly the output layer: ours never holds a (batch, tokens, 151,936) logits tensor (rlhf.OutputHead), TRL does,
+with its gradient. The exit status is 0 whatever the figures (non-zero only if a run breaks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench_dpo import peak_rss_mib, rss_mib, run_measured, step_times  # bench/ is on sys.path
+from tables import print_table
+
+REPO = Path(__file__).resolve().parents[1]
+MARK = "BENCH_REAL_SIZE_RESULT "
+QWEN3_0_6B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                  num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rope_theta=1000000.0,
+                  rms_norm_eps=1e-6, tie_word_embeddings=True, vocab_size=151936)  # Qwen/Qwen3-0.6B config.json
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stages", default="sft,dpo", help="comma-separated: sft, dpo")
+    parser.add_argument("--impls", default="ours,trl", help="comma-separated: ours, trl")
+    parser.add_argument("--steps", type=int, default=3, help="optimizer steps per run")
+    parser.add_argument("--warmup", type=int, default=1, help="first steps left out of the timing")
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=1e-6)
+    parser.add_argument("--model-dir", default="", help="the random-weight model (default: built once, cached)")
+    parser.add_argument("--worker", choices=("ours", "trl"), help=argparse.SUPPRESS)
+    parser.add_argument("--stage", choices=("sft", "dpo"), help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", help=argparse.SUPPRESS)
+    parser.add_argument("--attn", default="sdpa", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+# -- the model and the data ---------------------------------------------------------------------------------------
+
+
+def build_model(directory: Path) -> Path:
+    """Qwen3-0.6B's shape with random weights and the real Qwen3 tokenizer, saved once."""
+    if (directory / "config.json").exists():
+        return directory
+    sys.path.insert(0, str(REPO / "tests"))
+    import real_models
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    tokenizer = real_models.load_tokenizer("qwen3")
+    torch.manual_seed(0)
+    config = Qwen3Config(**QWEN3_0_6B, bos_token_id=None, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+                         pad_token_id=tokenizer.pad_token_id)
+    model = AutoModelForCausalLM.from_config(config)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def records(tokenizer, seq_len: int, count: int) -> list[dict[str, str]]:
+    """Preference records of about ``seq_len`` tokens (prompt and answer each about half): demo pairs, numbered,
+    several to a record."""
+    pairs = [json.loads(line) for line in (REPO / "data" / "demo" / "preference.jsonl").read_text().splitlines() if line]
+    out, cursor = [], 0
+    for _ in range(count):
+        prompt, chosen, rejected = [], [], []
+        while len(tokenizer("\n".join(prompt) + "\n".join(chosen))["input_ids"]) < seq_len * 0.8:
+            pair = pairs[cursor % len(pairs)]
+            cursor += 1
+            number = len(prompt) + 1
+            prompt.append(f"{number}. {pair['prompt']}")
+            chosen.append(f"{number}. {pair['chosen']}")
+            rejected.append(f"{number}. {pair['rejected']}")
+        out.append({"prompt": "Solve each problem.\n" + "\n".join(prompt), "chosen": "\n".join(chosen),
+                    "rejected": "\n".join(rejected)})
+    return out
+
+
+# -- workers ------------------------------------------------------------------------------------------------------
+
+
+def run_ours(args: argparse.Namespace) -> dict:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    sys.path.insert(0, str(REPO))
+    import rlhf
+
+    base = rss_mib()
+    tokenizer = rlhf.load_tokenizer(args.model_dir)
+    rows = records(tokenizer, args.seq_len, args.steps * args.batch_size)
+    data = Path(args.workdir) / "data.jsonl"
+    data.write_text("".join(json.dumps(r if args.stage == "dpo" else {"prompt": r["prompt"], "response": r["chosen"]})
+                            + "\n" for r in rows))
+    common = dict(model_name_or_path=args.model_dir, dataset=str(data), dataset_dir=str(data.parent),
+                  cutoff_len=args.seq_len, per_device_train_batch_size=args.batch_size, max_steps=args.steps,
+                  learning_rate=args.lr, lr_scheduler_type="constant", optim="adamw_torch_fused", finetuning_type="full",
+                  attn_implementation=args.attn, output_dir=str(Path(args.workdir) / "ours"), save_steps=0,
+                  logging_steps=1, disable_progress_bar=True, report_to="none", seed=0, resume_from_checkpoint="none",
+                  template="qwen3")
+    started = time.perf_counter()
+    if args.stage == "sft":
+        result = rlhf.train_sft(rlhf.SFTConfig(**common))
+    else:
+        result = rlhf.train_dpo(rlhf.DPOConfig(**common, pref_beta=0.1, pref_loss="sigmoid"))
+    wall = time.perf_counter() - started
+    history = sorted((row for row in result.history if "perf/step_seconds" in row), key=lambda row: row["step"])
+    if len(history) != args.steps:
+        raise RuntimeError(f"ours logged {len(history)} timed steps, expected {args.steps}")
+    losses = [float(row["loss"]) for row in history if "loss" in row]
+    return {"step": [float(row["perf/step_seconds"]) for row in history][args.warmup:], "wall": wall, "rss_base": base,
+            "mean_loss": statistics.fmean(losses), "version": "rlhf",
+            "chunked_head": rlhf.OutputHead.of(rlhf.PolicyModel.from_pretrained(args.model_dir).model).chunked}
+
+
+def run_trl(args: argparse.Namespace) -> dict:
+    import datasets
+    import torch
+    import transformers
+    import trl
+    from transformers import AutoTokenizer, TrainerCallback
+
+    torch.set_num_threads(args.threads)
+    datasets.disable_progress_bars()
+    transformers.logging.set_verbosity_error()
+    base = rss_mib()
+
+    class StepTimer(TrainerCallback):
+        def __init__(self) -> None:
+            self.begins: list[float] = []
+            self.ends: list[float] = []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.begins.append(time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.ends.append(time.perf_counter())
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    rows = records(tokenizer, args.seq_len, args.steps * args.batch_size)
+    user = [{"role": "user", "content": r["prompt"]} for r in rows]
+    common = dict(output_dir=str(Path(args.workdir) / "trl"), seed=0, use_cpu=True, bf16=False, fp16=False,
+                  model_init_kwargs={"dtype": torch.float32, "attn_implementation": args.attn},
+                  max_length=args.seq_len, per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=1,
+                  max_steps=args.steps, learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0,
+                  optim="adamw_torch_fused", weight_decay=0.0, max_grad_norm=1.0, report_to=[], logging_strategy="no",
+                  save_strategy="no", eval_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+                  dataloader_pin_memory=False, gradient_checkpointing=False)
+    if args.stage == "sft":
+        dataset = datasets.Dataset.from_list([{"prompt": [u], "completion": [{"role": "assistant", "content": r["chosen"]}]}
+                                              for u, r in zip(user, rows)])
+        config = trl.SFTConfig(**common, packing=False, completion_only_loss=True)
+        trainer_class = trl.SFTTrainer
+    else:
+        dataset = datasets.Dataset.from_list([{"prompt": [u], "chosen": [{"role": "assistant", "content": r["chosen"]}],
+                                               "rejected": [{"role": "assistant", "content": r["rejected"]}]}
+                                              for u, r in zip(user, rows)])
+        config = trl.DPOConfig(**common, beta=0.1, loss_type=["sigmoid"])
+        trainer_class = trl.DPOTrainer
+    timer = StepTimer()
+    trainer = trainer_class(model=args.model_dir, args=config, train_dataset=dataset, processing_class=tokenizer,
+                            callbacks=[timer])
+    started = time.perf_counter()
+    output = trainer.train()
+    wall = time.perf_counter() - started
+    if len(timer.ends) != args.steps:
+        raise RuntimeError(f"TRL ran {len(timer.ends)} timed steps, expected {args.steps}")
+    return {**step_times(timer.begins, timer.ends, args.warmup), "wall": wall, "rss_base": base,
+            "mean_loss": output.training_loss, "version": f"trl {trl.__version__}", "chunked_head": False}
+
+
+def worker(args: argparse.Namespace) -> int:
+    result = (run_ours if args.worker == "ours" else run_trl)(args)
+    result.update(impl=args.worker, stage=args.stage, peak_rss=peak_rss_mib())
+    print(MARK + json.dumps(result), flush=True)
+    return 0
+
+
+# -- driver -------------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return worker(args)
+    model_dir = Path(args.model_dir) if args.model_dir else Path.home() / ".cache" / "rlhf" / "bench-qwen3-0.6b-random"
+    build_model(model_dir)
+    rows, failures = [], 0
+    for stage in [s.strip() for s in args.stages.split(",") if s.strip()]:
+        results = {}
+        for impl in [i.strip() for i in args.impls.split(",") if i.strip()]:
+            with tempfile.TemporaryDirectory(prefix=f"bench-real-{impl}-{stage}-") as tmp:
+                command = [sys.executable, str(Path(__file__).resolve()), "--worker", impl, "--stage", stage,
+                           "--model-dir", str(model_dir), "--workdir", tmp, "--steps", str(args.steps),
+                           "--warmup", str(args.warmup), "--batch-size", str(args.batch_size),
+                           "--seq-len", str(args.seq_len), "--threads", str(args.threads), "--lr", repr(args.lr)]
+                results[impl] = run_measured(command, args.threads, MARK)
+            if "error" in results[impl]:
+                failures += 1
+                print(f"{impl} {stage} failed:\n{results[impl]['error']}", file=sys.stderr)
+        for impl, result in results.items():
+            if "error" in result:
+                continue
+            seconds = statistics.median(result["step"])
+            other = results.get("trl" if impl == "ours" else "ours", {})
+            ratio = (f"{seconds / statistics.median(other['step']):.2f}x / "
+                     f"{result['peak_rss'] / other['peak_rss']:.2f}x") if impl == "ours" and "step" in other else ""
+            rows.append([stage, result["version"], f"{seconds:.1f}", f"{result['peak_rss'] / 1024:.1f}",
+                         "yes" if result.get("chunked_head") else "no", f"{result['mean_loss']:.3f}",
+                         f"{result['background']:.2f}", ratio])
+    print_table(["stage", "trainer", "s/step", "peak GiB", "chunked head", "mean loss", "bg cores",
+                 "ours/TRL time / memory"], rows,
+                f"Qwen3-0.6B shape (random weights, vocabulary 151,936), fp32 full fine-tuning, batch {args.batch_size}, "
+                f"{args.seq_len} tokens, {args.steps} steps ({args.warmup} warm-up), {args.threads} threads", label_columns=2)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
