@@ -129,23 +129,10 @@ def read_pairs(n: int) -> list[dict[str, str]]:
     return pairs
 
 
-def step_times(begins: list[float], ends: list[float], warmup: int) -> dict:
-    """Per-step seconds (begin -> end) and cycle seconds (previous end -> end) of the timed steps."""
-    cycles = [b - a for a, b in zip(ends, ends[1:])]  # cycles[k - 1] ends at step k
-    return {"step": [e - b for b, e in zip(begins, ends)][warmup:], "cycle": cycles[max(warmup - 1, 0):]}
-
-
-def run_trl(args: argparse.Namespace, precompute: bool) -> dict:
-    import datasets
-    import torch
-    import transformers
-    import trl
-    from transformers import AutoTokenizer, TrainerCallback
-
-    torch.set_num_threads(args.threads)
-    datasets.disable_progress_bars()
-    transformers.logging.set_verbosity_error()
-    base = rss_mib()
+def trl_step_timer():
+    """A transformers ``TrainerCallback`` that stamps each optimizer step's begin and end (``begins``, ``ends``):
+    TRL's seconds per step, for the benches that compare with it."""
+    from transformers import TrainerCallback
 
     class StepTimer(TrainerCallback):
         def __init__(self) -> None:
@@ -157,6 +144,27 @@ def run_trl(args: argparse.Namespace, precompute: bool) -> dict:
 
         def on_step_end(self, args, state, control, **kwargs):
             self.ends.append(time.perf_counter())
+
+    return StepTimer()
+
+
+def step_times(begins: list[float], ends: list[float], warmup: int) -> dict:
+    """Per-step seconds (begin -> end) and cycle seconds (previous end -> end) of the timed steps."""
+    cycles = [b - a for a, b in zip(ends, ends[1:])]  # cycles[k - 1] ends at step k
+    return {"step": [e - b for b, e in zip(begins, ends)][warmup:], "cycle": cycles[max(warmup - 1, 0):]}
+
+
+def run_trl(args: argparse.Namespace, precompute: bool) -> dict:
+    import datasets
+    import torch
+    import transformers
+    import trl
+    from transformers import AutoTokenizer
+
+    torch.set_num_threads(args.threads)
+    datasets.disable_progress_bars()
+    transformers.logging.set_verbosity_error()
+    base = rss_mib()
 
     precompute_seconds: list[float] = []
     inner = trl.DPOTrainer._precompute_ref_logps
@@ -190,7 +198,7 @@ def run_trl(args: argparse.Namespace, precompute: bool) -> dict:
         max_grad_norm=1.0, beta=args.beta, loss_type=["sigmoid"], precompute_ref_log_probs=precompute,
         report_to=[], logging_strategy="no", save_strategy="no", eval_strategy="no", disable_tqdm=True,
         dataloader_num_workers=0, dataloader_pin_memory=False)
-    timer = StepTimer()
+    timer = trl_step_timer()
     started = time.perf_counter()
     trainer = trl.DPOTrainer(model=args.model_dir, args=config, train_dataset=dataset, processing_class=tokenizer,
                              callbacks=[timer])

@@ -74,7 +74,7 @@ import time
 from pathlib import Path
 
 # bench/ (the script's folder) is on sys.path; bench_dpo has no side effects on import
-from bench_dpo import bench_setup, peak_rss_mib, rss_mib, run_measured
+from bench_dpo import bench_setup, peak_rss_mib, rss_mib, run_measured, trl_step_timer
 from tables import print_table
 
 REPO = Path(__file__).resolve().parents[1]
@@ -169,7 +169,7 @@ def run_trl(args: argparse.Namespace) -> dict:
     import torch
     import transformers
     import trl
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer
 
     torch.set_num_threads(args.threads)
     datasets.disable_progress_bars()
@@ -178,17 +178,6 @@ def run_trl(args: argparse.Namespace) -> dict:
     import rlhf
 
     base = rss_mib()
-
-    class StepTimer(TrainerCallback):
-        def __init__(self) -> None:
-            self.begins: list[float] = []
-            self.ends: list[float] = []
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.begins.append(time.perf_counter())
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.ends.append(time.perf_counter())
 
     generations: list[dict] = []
     inner = trl.GRPOTrainer._generate_single_turn  # the model.generate call (no vLLM, no continuous batching)
@@ -227,7 +216,7 @@ def run_trl(args: argparse.Namespace) -> dict:
         adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=1.0, logging_steps=1, report_to=[],
         save_strategy="no", eval_strategy="no", disable_tqdm=True, log_completions=False,
         dataloader_num_workers=0, dataloader_pin_memory=False)
-    timer = StepTimer()
+    timer = trl_step_timer()
     started = time.perf_counter()
     trainer = trl.GRPOTrainer(model=args.model_dir, reward_funcs=exact_answer, args=config, train_dataset=dataset,
                               processing_class=tokenizer, callbacks=[timer])

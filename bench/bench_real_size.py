@@ -13,8 +13,8 @@ format, so it renders them with the same chat template and trains on the answers
 the demo's arithmetic problems, several to a record, to reach the length.
 
 Each run is a subprocess of its own (bench_dpo's ``run_measured``), so its peak resident memory (ru_maxrss: Python,
-libraries, model, reference, optimizer state, activations) is its own. Seconds per step: ours, ``perf/step_seconds``;
-TRL, ``on_step_begin`` to ``on_step_end``; the first ``--warmup`` steps are dropped. Where ours differs in memory it
+libraries, model, reference, optimizer state, activations) is its own. Seconds per step: ours, ``_optimizer_step``
+(forward and backward of every micro-batch, clipping, the optimizer step); TRL, ``on_step_begin`` to ``on_step_end``; the first ``--warmup`` steps are dropped. Where ours differs in memory it
 is mostly the output layer: ours never holds a (batch, tokens, 151,936) logits tensor (rlhf.OutputHead), TRL does,
 with its gradient. The exit status is 0 whatever the figures (non-zero only if a run breaks).
 """
@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_dpo import peak_rss_mib, rss_mib, run_measured, step_times  # bench/ is on sys.path
+from bench_dpo import peak_rss_mib, rss_mib, run_measured, step_times, trl_step_timer  # bench/ is on sys.path
 from tables import print_table
 
 REPO = Path(__file__).resolve().parents[1]
@@ -110,6 +110,18 @@ def run_ours(args: argparse.Namespace) -> dict:
     import rlhf
 
     base = rss_mib()
+    begins: list[float] = []
+    ends: list[float] = []
+    inner_step = rlhf.BaseTrainer._optimizer_step
+
+    def timed_step(self, group, window):  # forward, backward, clipping and the optimizer step of one step
+        begins.append(time.perf_counter())
+        try:
+            return inner_step(self, group, window)
+        finally:
+            ends.append(time.perf_counter())
+
+    rlhf.BaseTrainer._optimizer_step = timed_step
     tokenizer = rlhf.load_tokenizer(args.model_dir)
     rows = records(tokenizer, args.seq_len, args.steps * args.batch_size)
     data = Path(args.workdir) / "data.jsonl"
@@ -127,11 +139,10 @@ def run_ours(args: argparse.Namespace) -> dict:
     else:
         result = rlhf.train_dpo(rlhf.DPOConfig(**common, pref_beta=0.1, pref_loss="sigmoid"))
     wall = time.perf_counter() - started
-    history = sorted((row for row in result.history if "perf/step_seconds" in row), key=lambda row: row["step"])
-    if len(history) != args.steps:
-        raise RuntimeError(f"ours logged {len(history)} timed steps, expected {args.steps}")
-    losses = [float(row["loss"]) for row in history if "loss" in row]
-    return {"step": [float(row["perf/step_seconds"]) for row in history][args.warmup:], "wall": wall, "rss_base": base,
+    if len(ends) != args.steps:
+        raise RuntimeError(f"ours ran {len(ends)} optimizer steps, expected {args.steps}")
+    losses = [float(row["loss"]) for row in result.history if "loss" in row]
+    return {**step_times(begins, ends, args.warmup), "wall": wall, "rss_base": base,
             "mean_loss": statistics.fmean(losses), "version": "rlhf",
             "chunked_head": rlhf.OutputHead.of(rlhf.PolicyModel.from_pretrained(args.model_dir).model).chunked}
 
@@ -141,23 +152,12 @@ def run_trl(args: argparse.Namespace) -> dict:
     import torch
     import transformers
     import trl
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer
 
     torch.set_num_threads(args.threads)
     datasets.disable_progress_bars()
     transformers.logging.set_verbosity_error()
     base = rss_mib()
-
-    class StepTimer(TrainerCallback):
-        def __init__(self) -> None:
-            self.begins: list[float] = []
-            self.ends: list[float] = []
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.begins.append(time.perf_counter())
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.ends.append(time.perf_counter())
 
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     rows = records(tokenizer, args.seq_len, args.steps * args.batch_size)
@@ -180,7 +180,7 @@ def run_trl(args: argparse.Namespace) -> dict:
                                               for u, r in zip(user, rows)])
         config = trl.DPOConfig(**common, beta=0.1, loss_type=["sigmoid"])
         trainer_class = trl.DPOTrainer
-    timer = StepTimer()
+    timer = trl_step_timer()
     trainer = trainer_class(model=args.model_dir, args=config, train_dataset=dataset, processing_class=tokenizer,
                             callbacks=[timer])
     started = time.perf_counter()
