@@ -2095,7 +2095,7 @@ ALPACA_COLUMNS = {"prompt": "instruction", "query": "input", "response": "output
                   "system": "system", "chosen": "chosen", "rejected": "rejected", "kto_tag": "kto_tag",
                   "answer": "answer", "verifiable": "verifiable"}
 SHAREGPT_COLUMNS = {"messages": "conversations", "system": "system", "chosen": "chosen", "rejected": "rejected",
-                    "kto_tag": "kto_tag", "answer": "answer", "verifiable": "verifiable"}
+                    "kto_tag": "kto_tag", "answer": "answer", "verifiable": "verifiable", "tools": "tools"}
 SHAREGPT_TAGS = {"role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt",
                  "observation_tag": "observation", "function_tag": "function_call", "system_tag": "system"}
 OPENAI_TAGS = {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant",
@@ -2387,10 +2387,10 @@ def _parse_sharegpt(raw: dict[str, Any], columns: dict[str, str], tags: dict[str
         first = turns[0] if turns and isinstance(turns[0], dict) else {}
         tags = OPENAI_TAGS if "role" in first else SHAREGPT_TAGS
     tags = {**SHAREGPT_TAGS, **tags}
-    roles = {tags["user_tag"]: "user", tags["observation_tag"]: "user", tags["assistant_tag"]: "assistant",
-             tags["function_tag"]: "assistant", tags["system_tag"]: "system"}
+    roles = {tags["user_tag"]: "user", tags["observation_tag"]: "tool", tags["assistant_tag"]: "assistant",
+             tags["function_tag"]: "function_call", tags["system_tag"]: "system"}
     system = _text(raw, cols["system"], location) or ""
-    messages = []
+    messages: list[dict[str, Any]] = []
     for number, turn in enumerate(turns, 1):
         if not isinstance(turn, dict) or tags["role_tag"] not in turn:
             raise RLHFInputError(f"{location}: message {number} has no '{tags['role_tag']}' key")
@@ -2402,18 +2402,70 @@ def _parse_sharegpt(raw: dict[str, Any], columns: dict[str, str], tags: dict[str
         if role == "system":
             system = content
             continue
+        # LLaMA-Factory's order: user or tool result, then assistant or function call, in turn
+        side = "user" if role in ("user", "tool") else "assistant"
         expected = "user" if len(messages) % 2 == 0 else "assistant"
-        if role != expected:
+        if side != expected:
             raise RLHFInputError(f"{location}: messages must alternate user/assistant; message {number} is "
                                  f"'{role}' where '{expected}' was expected")
-        messages.append({"role": role, "content": content})
+        messages.append(_tool_call_message(content, location, number) if role == "function_call"
+                        else {"role": role, "content": content})
+    _link_tool_results(messages)
     parsed = {"system": system, "messages": messages, "response": None}
     if messages and messages[-1]["role"] == "assistant":
-        parsed["response"] = messages.pop()["content"]
+        last = messages.pop()
+        parsed["response"] = last["content"] or json.dumps([c["function"] for c in last["tool_calls"]])
+        if last.get("tool_calls"):
+            parsed["response_message"] = last
+    if raw.get(cols["tools"]) not in (None, "", []):
+        parsed["tools"] = _parse_tools(raw[cols["tools"]], location, cols["tools"])
     for key in ("chosen", "rejected"):
         value = raw.get(cols[key])
         parsed[key] = None if value is None else _message_text(value, tags, location, key)
     return parsed
+
+
+def _tool_call_message(content: str, location: str, number: int) -> dict[str, Any]:
+    """An assistant message calling tools, from LLaMA-Factory's function_call turn: a JSON object (or list) of
+    {"name", "arguments"}. Each call gets an id (9 letters and digits, which Mistral's templates require)."""
+    try:
+        calls = json.loads(content)
+    except json.JSONDecodeError as err:
+        raise RLHFInputError(f"{location}: message {number} (a function call) is not JSON ({err.msg}); write it as "
+                             f'{{"name": ..., "arguments": {{...}}}}') from None
+    calls = calls if isinstance(calls, list) else [calls]
+    if not calls or not all(isinstance(c, dict) and isinstance(c.get("name"), str) and "arguments" in c for c in calls):
+        raise RLHFInputError(f"{location}: message {number} (a function call) must hold \"name\" and \"arguments\" "
+                             f"for each call")
+    digest = hashlib.sha256(f"{location}:{number}".encode()).hexdigest()
+    return {"role": "assistant", "content": "", "tool_calls": [
+        {"id": f"{digest[9 * i:9 * i + 9]}", "type": "function",
+         "function": {"name": c["name"], "arguments": c["arguments"]}} for i, c in enumerate(calls[:7])]}
+
+
+def _link_tool_results(messages: list[dict[str, Any]]) -> None:
+    """Give each tool result the id of the call it answers (the calls of the assistant turn before it, in
+    order), as chat templates that pair them expect."""
+    pending: list[str] = []
+    for message in messages:
+        if message.get("tool_calls"):
+            pending = [call["id"] for call in message["tool_calls"]]
+        elif message["role"] == "tool":
+            message["tool_call_id"] = pending.pop(0) if pending else ""
+
+
+def _parse_tools(value: Any, location: str, key: str) -> list[dict[str, Any]]:
+    """The tools a record offers (LLaMA-Factory's ``tools`` column: a JSON list of function schemas), in the
+    form chat templates take: ``[{"type": "function", "function": {name, description, parameters}}]``."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise RLHFInputError(f"{location}: field '{key}' is not JSON ({err.msg})") from None
+    value = [value] if isinstance(value, dict) else value
+    if not isinstance(value, list) or not all(isinstance(t, dict) and ("name" in t or "function" in t) for t in value):
+        raise RLHFInputError(f"{location}: field '{key}' must be a list of function schemas with a 'name'")
+    return [t if "function" in t else {"type": "function", "function": t} for t in value]
 
 
 def _parse_canonical(raw: dict[str, Any], location: str) -> dict[str, Any]:
@@ -2530,9 +2582,16 @@ def to_record(parsed: dict[str, Any], kind: str, location: str) -> dict[str, Any
 
     if not parsed["messages"] or not parsed["messages"][-1]["content"].strip():
         raise RLHFInputError(f"{location}: the prompt is empty")
+    if kind == "kto" and parsed.get("response_message"):
+        raise RLHFInputError(f"{location}: the answer is a function call; KTO records answer in text (tool calls "
+                             f"may come earlier in the conversation), SFT records may end with one")
     record = {"system": parsed["system"], "messages": parsed["messages"], "location": location}
+    if parsed.get("tools"):
+        record["tools"] = parsed["tools"]
     if kind == "sft":
         record["response"] = need("response", "response (completion)")
+        if parsed.get("response_message"):  # the answer is a call of the tools: rendered by the template as one
+            record["response_message"] = parsed["response_message"]
     elif kind == "preference":
         record["chosen"] = need("chosen", "'chosen' response")
         record["rejected"] = need("rejected", "'rejected' response")
@@ -2609,13 +2668,32 @@ def extract_answer(text: str) -> str | None:
 
 _SYSTEM_FIRST = ("{%- if messages and messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content'] %}"
                  "{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}{%- endif %}")
+_QWEN_TOOLS = (  # Qwen2.5 / Qwen3 (Hermes-style): the tool schemas in the system turn, calls and results in XML tags
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with "
+    "function signatures within <tools></tools> XML tags:\\n<tools>' }}{%- for tool in tools %}{{- '\\n' }}"
+    "{{- tool | tojson }}{%- endfor %}{{- '\\n</tools>\\n\\nFor each function call, return a json object with "
+    "function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": "
+    "<function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}")
+_QWEN3_TOOL_CALL = ("{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+                    "{{- '<tool_call>\\n{\"name\": \"' + tool_call.name + '\", \"arguments\": ' }}"
+                    "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}{%- else %}"
+                    "{{- tool_call.arguments | tojson }}{%- endif %}{{- '}\\n</tool_call>' }}")
+_QWEN25_TOOL_CALL = ("{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+                     "{{- '\\n<tool_call>\\n{\"name\": \"' + tool_call.name + '\", \"arguments\": ' }}"
+                     "{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}")
+_QWEN_TOOL_RESULT = ("{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}"
+                     "{%- endif %}{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+                     "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}")
 _QWEN3_ASSISTANT = (  # Qwen3: reasoning shown only after the last user query; the final turn always gets a block
     "{%- set content = message['content'] %}{%- set reasoning = '' %}"
     "{%- if '</think>' in content %}{%- set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1]"
     ".lstrip('\\n') %}{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
     "{%- if loop.index0 > ns.last_query and (loop.last or reasoning) %}"
     "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}"
-    "{%- else %}{{- '<|im_start|>assistant\\n' + content }}{%- endif %}{{- '<|im_end|>\\n' }}")
+    "{%- else %}{{- '<|im_start|>assistant\\n' + content }}{%- endif %}"
+    "{%- for tool_call in message['tool_calls'] or [] %}{%- if (loop.first and content) or not loop.first %}"
+    "{{- '\\n' }}{%- endif %}" + _QWEN3_TOOL_CALL + "{%- endfor %}{{- '<|im_end|>\\n' }}")
+_QWEN_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 
 CHAT_TEMPLATES: dict[str, str] = {
     "default": (  # LLaMA-Factory's "default": plain Human/Assistant turns
@@ -2629,17 +2707,30 @@ CHAT_TEMPLATES: dict[str, str] = {
     "chatml": (
         "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
         "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"),
-    "qwen": (  # Qwen2.5: ChatML with Qwen's default system prompt
-        "{%- if not messages or messages[0]['role'] != 'system' %}"
-        "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}"
-        "{%- endif %}{%- for message in messages %}"
-        "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "qwen": (  # Qwen2.5: ChatML with Qwen's default system prompt; tools in the system turn
+        "{%- set has_system = messages and messages[0]['role'] == 'system' %}"
+        "{%- if tools %}{{- '<|im_start|>system\\n' + (messages[0]['content'] if has_system else '"
+        + _QWEN_DEFAULT_SYSTEM + "') + '\\n\\n' }}" + _QWEN_TOOLS +
+        "{%- elif has_system %}{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+        "{%- else %}{{- '<|im_start|>system\\n" + _QWEN_DEFAULT_SYSTEM + "<|im_end|>\\n' }}{%- endif %}"
+        "{%- for message in messages %}{%- if message['role'] == 'system' and loop.first %}"
+        "{%- elif message['role'] == 'tool' %}" + _QWEN_TOOL_RESULT +
+        "{%- elif message['role'] == 'assistant' and message['tool_calls'] %}{{- '<|im_start|>assistant' }}"
+        "{%- if message['content'] %}{{- '\\n' + message['content'] }}{%- endif %}"
+        "{%- for tool_call in message['tool_calls'] %}" + _QWEN25_TOOL_CALL + "{%- endfor %}{{- '<|im_end|>\\n' }}"
+        "{%- else %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{%- endif %}"
         "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"),
     "qwen3": (  # Qwen3 (thinking models); enable_thinking=false puts an empty reasoning block in the prompt
+        "{%- set has_system = messages and messages[0]['role'] == 'system' %}"
+        "{%- if tools %}{{- '<|im_start|>system\\n' + (messages[0]['content'] + '\\n\\n' if has_system else '') }}"
+        + _QWEN_TOOLS +
+        "{%- elif has_system %}{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}{%- endif %}"
         "{%- set ns = namespace(last_query=messages|length - 1) %}"
         "{%- for message in messages %}{%- if message['role'] == 'user' %}{%- set ns.last_query = loop.index0 %}"
         "{%- endif %}{%- endfor %}"
-        "{%- for message in messages %}{%- if message['role'] == 'assistant' %}" + _QWEN3_ASSISTANT +
+        "{%- for message in messages %}{%- if message['role'] == 'system' and loop.first %}"
+        "{%- elif message['role'] == 'assistant' %}" + _QWEN3_ASSISTANT +
+        "{%- elif message['role'] == 'tool' %}" + _QWEN_TOOL_RESULT +
         "{%- else %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{%- endif %}"
         "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
         "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
@@ -2677,6 +2768,15 @@ CHAT_TEMPLATES: dict[str, str] = {
         "{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- else %}{{- eos_token }}{%- endif %}"),
 }
 CHAT_TEMPLATES["gemma3"] = CHAT_TEMPLATES["gemma"]
+# What the named templates write of a record with tools: Qwen's write the schemas, the calls and the results, as
+# Qwen2.5's and Qwen3's own templates do; ChatML and Gemma write a tool result as a 'tool' turn (LLaMA-Factory's
+# observation); the rest write none of them (a record that has them is an error there, not a silent loss).
+TEMPLATE_TOOL_SUPPORT: dict[str, dict[str, bool]] = {
+    "qwen": {"tools": True, "tool calls": True, "tool results": True},
+    "qwen3": {"tools": True, "tool calls": True, "tool results": True},
+    "chatml": {"tool results": True}, "qwen3_nothink": {"tool results": True},
+    "gemma": {"tool results": True}, "gemma3": {"tool results": True},
+}
 # The special tokens each built-in template writes: a tokenizer without one of them would spell it in several
 # ordinary tokens, and a model trained so never learns to emit its stop token.
 TEMPLATE_SPECIAL_TOKENS: dict[str, tuple[str, ...]] = {
@@ -2757,59 +2857,86 @@ class ChatFormatter:
             return "{%- set enable_thinking = " + str(self.template_kwargs["enable_thinking"]).lower() + " %}" + self.source
         return self.source
 
-    def render(self, system: str, messages: list[dict[str, str]], add_generation_prompt: bool,
-               location: str = "record") -> str:
+    def render(self, system: str, messages: list[dict[str, Any]], add_generation_prompt: bool,
+               location: str = "record", tools: list[dict[str, Any]] | None = None) -> str:
         from jinja2 import TemplateError
 
         conversation = ([{"role": "system", "content": system}] if system else []) + list(messages)
+        extra = {"tools": tools} if tools else {}
         try:
             return self.tokenizer.apply_chat_template(conversation, chat_template=self.source, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt,
-                                                      **self.template_kwargs)
+                                                      **extra, **self.template_kwargs)
         except TemplateError as err:
             hint = " (its family's named template may accept it, e.g. template: gemma folds the system prompt " \
                    "into the first turn)" if self.name == "tokenizer" else ""
             raise RLHFInputError(f"{location}: chat template '{self.name}' refuses this record: {err}{hint}") from None
 
+    def _render(self, record: dict[str, Any], messages: list[dict[str, Any]], add_generation_prompt: bool,
+                system: str | None = None) -> str:
+        return self.render(record["system"] if system is None else system, messages, add_generation_prompt,
+                           record.get("location", "record"), record.get("tools"))
+
+    def _check_tools(self, record: dict[str, Any], turns: list[dict[str, Any]]) -> None:
+        """A record with tools, tool calls or tool results needs a template that writes them: one that does not
+        would drop them without a word."""
+        needs = {"tools": bool(record.get("tools")), "tool calls": any(m.get("tool_calls") for m in turns),
+                 "tool results": any(m["role"] == "tool" for m in turns)}
+        if not any(needs.values()):
+            return
+        if self.name == "tokenizer":
+            writes = {"tools": "tools" in self.source, "tool calls": "tool_calls" in self.source,
+                      "tool results": "tool" in self.source}
+        else:
+            writes = dict.fromkeys(needs, False) | TEMPLATE_TOOL_SUPPORT.get(self.name, {})
+        missing = [what for what, needed in needs.items() if needed and not writes[what]]
+        if missing:
+            able = ", ".join(name for name, able in TEMPLATE_TOOL_SUPPORT.items() if all(able.values()))
+            raise RLHFInputError(f"{record.get('location', 'record')}: chat template '{self.name}' cannot write "
+                                 f"{' or '.join(missing)}; use the model's own template (template: auto) if it has "
+                                 f"them, or {able}")
+
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
 
     def prompt_text(self, record: dict[str, Any]) -> str:
-        return self.render(record["system"], record["messages"], True, record.get("location", "record"))
+        self._check_tools(record, record["messages"])
+        return self._render(record, record["messages"], True)
 
     def prompt_ids(self, record: dict[str, Any]) -> list[int]:
         """Tokens of the prompt with the assistant header appended, ready for generation."""
         return self.encode(self.prompt_text(record))
 
-    def layout(self, record: dict[str, Any], final: str | None = None) -> tuple[str, list[tuple[int, int]]]:
+    def layout(self, record: dict[str, Any], final: str | dict[str, Any] | None = None) -> tuple[str, list[tuple[int, int]]]:
         """The conversation's text (with ``final`` as the last assistant turn) and the character span of every
         assistant turn in it: from the end of the prompt that precedes the turn to the end of what the template
         writes for it (its end-of-turn marker included). The text is the template's rendering of the whole
         conversation; a template whose finished conversation does not start with its own prompt (Mistral-Nemo
         drops the system prompt there) gets the prompt followed by the turn, which is what generation sees."""
-        system, messages, where = record["system"], record["messages"], record.get("location", "record")
-        prompt = self.render(system, messages, True, where)
+        messages, where = record["messages"], record.get("location", "record")
+        answer = final if isinstance(final, dict) or final is None else {"role": "assistant", "content": final}
+        turns = [*messages, *([answer] if answer else [])]
+        self._check_tools(record, turns)
+        prompt = self._render(record, messages, True)
         spans = [self._history_span(record, prompt, i) for i, m in enumerate(messages) if m["role"] == "assistant"]
-        if final is None:
+        if answer is None:
             return prompt, spans
-        turns = [*messages, {"role": "assistant", "content": final}]
-        whole = self.render(system, turns, False, where)
+        whole = self._render(record, turns, False)
         if not whole.startswith(prompt):
-            whole = prompt + self._answer_text(record, final)
+            whole = prompt + self._answer_text(record, answer)
         if len(whole) == len(prompt):
             raise RLHFInputError(f"{where}: chat template '{self.name}' writes nothing for the assistant's answer, so "
                                  f"there is nothing to train on; choose another template")
         return whole, [*spans, (len(prompt), len(whole))]
 
-    def _answer_text(self, record: dict[str, Any], final: str) -> str:
+    def _answer_text(self, record: dict[str, Any], answer: dict[str, Any]) -> str:
         """What the template writes for the answer after a prompt, for templates whose finished conversation
         does not start with their prompt: taken where the template is consistent, the same conversation without
         its system prompt, else a one-question conversation."""
         where = record.get("location", "record")
-        answer = {"role": "assistant", "content": final}
         for messages in (record["messages"], record["messages"][-1:]):
-            prompt = self.render("", messages, True, where)
-            whole = self.render("", [*messages, answer], False, where)
+            prompt = self._render(record, messages, True, system="")
+            whole = self._render(record, [*messages, answer], False, system="")
             if whole.startswith(prompt):
                 return whole[len(prompt):]
         raise RLHFInputError(f"{where}: chat template '{self.name}' renders a finished conversation that does not "
@@ -2817,15 +2944,30 @@ class ChatFormatter:
                              f"template")
 
     def _history_span(self, record: dict[str, Any], prompt: str, index: int) -> tuple[int, int]:
-        """Span of an earlier assistant turn inside the prompt's text (multi-turn data)."""
-        system, messages, where = record["system"], record["messages"], record.get("location", "record")
-        start, end = self._content_span(record, messages, index, prompt, True)
-        head = self.render(system, messages[:index], True, where)
-        if prompt.startswith(head) and len(head) <= start:
+        """Span of an earlier assistant turn inside the prompt's text (multi-turn data). It starts where the
+        prompt for that turn ends (or, where the template writes the history otherwise, at its content) and ends
+        with the template's end-of-turn text: what it writes after an assistant turn's content, found from the
+        turn's start, so a turn that calls tools, with no content, is found too."""
+        messages = record["messages"]
+        head = self._render(record, messages[:index], True)
+        if prompt.startswith(head):
             start = len(head)
-        marked = self.render(system, [*messages[:index], {"role": "assistant", "content": _TURN_SENTINEL}], False, where)
-        after = marked[marked.index(_TURN_SENTINEL) + len(_TURN_SENTINEL):]  # what ends a turn: its marker
-        return start, end + len(os.path.commonprefix([prompt[end:], after]))
+        else:  # the history is written otherwise (Mistral moves the system prompt and tools to the last question):
+            # the turn starts after the message before it, whose text is verbatim, and what closes that message
+            _, previous_end = self._content_span(record, messages, index - 1, prompt, True)
+            closing = self._render(record, [*messages[:index - 1], {**messages[index - 1], "content": _TURN_SENTINEL}],
+                                   True)
+            closing = closing[closing.index(_TURN_SENTINEL) + len(_TURN_SENTINEL):]
+            start = previous_end + len(os.path.commonprefix([prompt[previous_end:], closing]))
+        marked = self._render(record, [*messages[:index], {"role": "assistant", "content": _TURN_SENTINEL}], False)
+        after = marked[marked.index(_TURN_SENTINEL) + len(_TURN_SENTINEL):]  # the end marker, as a last turn has it
+        marker = after.split("\n")[0] or after
+        at = prompt.find(marker, start) if marker else -1
+        if at < 0:
+            raise RLHFInputError(f"{record.get('location', 'record')}: chat template '{self.name}' writes no end "
+                                 f"marker after assistant turn {index + 1}, so where it ends cannot be told; "
+                                 f"choose another template")
+        return start, at + len(os.path.commonprefix([prompt[at:], after]))
 
     def _content_span(self, record: dict[str, Any], turns: list[dict[str, str]], index: int, text: str,
                       add_generation_prompt: bool) -> tuple[int, int]:
@@ -2833,7 +2975,7 @@ class ChatFormatter:
         before and after the sentinel must be the text around it."""
         where = record.get("location", "record")
         marked_turns = [*turns[:index], {**turns[index], "content": _TURN_SENTINEL}, *turns[index + 1:]]
-        marked = self.render(record["system"], marked_turns, add_generation_prompt, where)
+        marked = self._render(record, marked_turns, add_generation_prompt)
         at = marked.find(_TURN_SENTINEL)
         tail = len(marked) - at - len(_TURN_SENTINEL)
         if (at < 0 or marked.count(_TURN_SENTINEL) != 1 or text[:at] != marked[:at]
@@ -2847,7 +2989,7 @@ class ChatFormatter:
                      mask_history: bool = False) -> tuple[list[int], list[int]]:
         """(input_ids, labels) for a whole conversation ending with ``record['response']``; every assistant turn
         is a target (only the last one with ``mask_history``)."""
-        text, spans = self.layout(record, record["response"])
+        text, spans = self.layout(record, record.get("response_message") or record["response"])
         ids, bounds = encode_at_boundaries(self.tokenizer, text, [p for span in spans for p in span])
         if train_on_prompt:
             labels = list(ids)

@@ -1054,3 +1054,45 @@ def test_reward_model_config_splits_by_prompt(demo_dir):
     train, held, _ = rlhf.read_stage_records(config, "preference")
     prompt = lambda r: r["messages"][0]["content"]  # noqa: E731
     assert len(held) >= 200 and not {prompt(r) for r in train} & {prompt(r) for r in held}
+
+
+# ---------------------------------------------------------------- tools (LLaMA-Factory's function_call / observation)
+
+
+REAL_MODELS_DATA = Path(__file__).parent / "data" / "real_models"
+
+
+def test_tool_records_read_as_calls_results_and_schemas():
+    records = rlhf.load_records("real_tools", REAL_MODELS_DATA, "sft")
+    first, call_only = records[0], records[1]
+    assert [m["role"] for m in first["messages"]] == ["user", "assistant", "tool"]
+    call = first["messages"][1]["tool_calls"][0]
+    assert call["function"] == {"name": "add", "arguments": {"a": 12, "b": 7}} and len(call["id"]) == 9
+    assert first["messages"][2] == {"role": "tool", "content": "19", "tool_call_id": call["id"]}
+    assert first["response"] == "12 + 7 = 19." and "response_message" not in first
+    assert [t["function"]["name"] for t in first["tools"]] == ["add", "lookup_capital"]
+    assert call_only["response_message"]["tool_calls"][0]["function"]["name"] == "lookup_capital"
+    assert json.loads(call_only["response"]) == [{"name": "lookup_capital", "arguments": {"country": "France"}}]
+
+
+@pytest.mark.parametrize("turn,message", [
+    ({"from": "function_call", "value": "add(1, 2)"}, r"message 2 \(a function call\) is not JSON"),
+    ({"from": "function_call", "value": '{"arguments": {}}'}, r"message 2 \(a function call\) must hold \"name\" and \"arguments\""),
+])
+def test_a_bad_function_call_is_one_line_naming_its_line(tmp_path, turn, message):
+    row = {"conversations": [{"from": "human", "value": "hi"}, turn]}
+    (tmp_path / "tools.jsonl").write_text(json.dumps(row) + "\n")
+    with pytest.raises(RLHFInputError, match=r"tools\.jsonl:1: " + message):
+        rlhf.load_records(str(tmp_path / "tools.jsonl"), tmp_path, "sft")
+
+
+def test_bad_tools_and_a_kto_answer_that_calls_a_tool_are_errors(tmp_path):
+    row = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}], "tools": "[add]"}
+    (tmp_path / "a.jsonl").write_text(json.dumps(row) + "\n")
+    with pytest.raises(RLHFInputError, match=r"a\.jsonl:1: field 'tools' is not JSON"):
+        rlhf.load_records(str(tmp_path / "a.jsonl"), tmp_path, "sft")
+    call = {"from": "function_call", "value": '{"name": "add", "arguments": {"a": 1, "b": 2}}'}
+    (tmp_path / "b.jsonl").write_text(json.dumps({"conversations": [{"from": "human", "value": "hi"}, call],
+                                                  "label": True}) + "\n")
+    with pytest.raises(RLHFInputError, match=r"b\.jsonl:1: the answer is a function call"):
+        rlhf.load_records(str(tmp_path / "b.jsonl"), tmp_path, "kto")

@@ -5,6 +5,8 @@ equal mistral-common's reference encoder, and stop tokens include the model's ge
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import real_models
 
@@ -279,3 +281,83 @@ def test_no_spurious_leading_space_on_sentencepiece(tokenizers):
     assert completion == own_tokens(tokenizer, rec)[len(prompt):]
     assert completion[0] != apart[0]  # after the template's newline the answer starts without '▁'
     assert tokenizer.decode(completion[:2]) == "Sure"
+
+
+# -- tools: schemas, calls and results, where the template has them ---------------------------------------------
+
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]
+CALL = {"role": "assistant", "content": "", "tool_calls": [
+    {"id": "a1b2c3d4e", "type": "function", "function": {"name": "add", "arguments": {"a": 12, "b": 7}}}]}
+RESULT = {"role": "tool", "content": "19", "tool_call_id": "a1b2c3d4e"}
+TOOL_FAMILIES = {"qwen2.5": "qwen", "qwen3": "qwen3", "qwen3-moe": "qwen3", "llama3": None, "mistral-nemo": None}
+
+
+def tool_record(ends_with_call: bool) -> dict:
+    question = {"role": "user", "content": QUESTION}
+    if ends_with_call:  # the answer to train on is the call itself
+        return {"system": "", "messages": [question], "tools": TOOLS, "response": "", "response_message": CALL,
+                "location": "tools.jsonl:1"}
+    return {"system": "", "messages": [question, CALL, RESULT], "tools": TOOLS, "response": "12 + 7 = 19",
+            "location": "tools.jsonl:2"}
+
+
+def tool_conversation(rec: dict) -> list[dict]:
+    return rec["messages"] + [rec.get("response_message") or {"role": "assistant", "content": rec["response"]}]
+
+
+@pytest.mark.parametrize("ends_with_call", [False, True])
+@pytest.mark.parametrize("family", list(TOOL_FAMILIES))
+def test_tool_records_tokenize_as_the_models_own_template_writes_them(family, ends_with_call, tokenizers):
+    tokenizer = tokenizers(family)
+    rec = tool_record(ends_with_call)
+    ids, labels = ChatFormatter(tokenizer, "auto").conversation(rec)
+    text = tokenizer.apply_chat_template(tool_conversation(rec), tools=TOOLS, tokenize=False)
+    assert ids == tokenizer(text, add_special_tokens=False)["input_ids"]
+    call, end = {  # what each family's template writes for the call, and after a turn (whitespace aside)
+        "qwen2.5": ('<tool_call>{"name":"add","arguments":{"a":12,"b":7}}</tool_call>', "<|im_end|>"),
+        "llama3": ('{"name":"add","parameters":{"a":12,"b":7}}', "<|eot_id|>"),
+        "mistral-nemo": ('[TOOL_CALLS][{"name":"add","arguments":{"a":12,"b":7},"id":"a1b2c3d4e"}]', "</s>"),
+    }[family if family in ("llama3", "mistral-nemo") else "qwen2.5"]
+    final_think = "<think></think>" if family.startswith("qwen3") else ""  # Qwen3's last turn gets an empty block
+    want = [final_think + call + end] if ends_with_call else [call + end, final_think + "12+7=19" + end]
+    assert trained_runs(tokenizer, ids, labels) == want  # the calls and answers; the schemas and results never
+    name = TOOL_FAMILIES[family]
+    if name:  # the family's template name trains the same tokens
+        assert ChatFormatter(tokenizer, name).conversation(rec) == (ids, labels)
+
+
+@pytest.mark.parametrize("family,name", [("llama3", "llama3"), ("phi3.5", "auto"), ("qwen2.5", "chatml"),
+                                         ("mistral-v0.3", "mistral")])
+def test_a_template_that_cannot_write_tools_is_an_error_not_a_silent_loss(family, name, tokenizers):
+    with pytest.raises(RLHFInputError, match=r"^tools\.jsonl:2: chat template '\w+' cannot write tools"):
+        ChatFormatter(tokenizers(family), name).conversation(tool_record(False))
+
+
+@pytest.mark.parametrize("system", ["", "Use the tools when they help."])
+def test_mistral_nemo_tool_conversations_equal_mistral_commons_encoder(system, tokenizers):
+    """Nemo's own template writes the tools before the last question and the system prompt into it; a
+    conversation that calls a tool, reads its result, answers and goes on is encoded as mistral-common does."""
+    pytest.importorskip("mistral_common")
+    from mistral_common.protocol.instruct.messages import AssistantMessage, ToolMessage, UserMessage
+    from mistral_common.protocol.instruct.request import InstructRequest
+    from mistral_common.protocol.instruct.tool_calls import Function, FunctionCall, Tool, ToolCall
+    from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+
+    source = real_models.FAMILIES["mistral-nemo"].source.split(":", 1)[1]
+    reference = MistralTokenizer.from_file(str(real_models._unpacked("mistral-common") / source)).instruct_tokenizer
+    history = [{"role": "user", "content": QUESTION}, CALL, RESULT, {"role": "assistant", "content": "19."},
+               {"role": "user", "content": "Thanks!"}]
+    rec = {"system": system, "messages": history, "tools": TOOLS, "response": "You are welcome.",
+           "location": "nemo.jsonl:1"}
+    call = CALL["tool_calls"][0]
+    messages = [UserMessage(content=QUESTION),
+                AssistantMessage(tool_calls=[ToolCall(id=call["id"], function=FunctionCall(
+                    name="add", arguments=json.dumps(call["function"]["arguments"])))]),
+                ToolMessage(content="19", tool_call_id=call["id"]), AssistantMessage(content="19."),
+                UserMessage(content="Thanks!"), AssistantMessage(content="You are welcome.")]
+    tools = [Tool(function=Function(**TOOLS[0]["function"]))]
+    want = reference.encode_instruct(InstructRequest(messages=messages, available_tools=tools,
+                                                     system_prompt=system or None)).tokens
+    ids, labels = ChatFormatter(tokenizers("mistral-nemo"), "auto").conversation(rec)
+    assert ids == want
