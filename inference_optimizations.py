@@ -1117,12 +1117,15 @@ def chat_pair_ids(tokenizer, prompt: str, response: str, system: str | None = No
     if not getattr(tokenizer, "chat_template", None):
         ids, (cut,) = encode_at_boundaries(tokenizer, prompt + response, [len(prompt)])
         return ids[:cut], ids[cut:]
-    conversation = _conversation(prompt, system)
-    head = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-    full = tokenizer.apply_chat_template(conversation + [{"role": "assistant", "content": response}], tokenize=False)
-    if not full.startswith(head):
-        at = full.rfind(response) if response else -1
-        full = head + (full[at:] if at >= 0 else response)
+    answer = [{"role": "assistant", "content": response}]
+    head = tokenizer.apply_chat_template(_conversation(prompt, system), tokenize=False, add_generation_prompt=True)
+    full = tokenizer.apply_chat_template(_conversation(prompt, system) + answer, tokenize=False)
+    if not full.startswith(head):  # the answer as the template writes it after a prompt without the system prompt
+        bare = tokenizer.apply_chat_template(_conversation(prompt, None), tokenize=False, add_generation_prompt=True)
+        whole = tokenizer.apply_chat_template(_conversation(prompt, None) + answer, tokenize=False)
+        if not whole.startswith(bare):
+            raise ValueError("the chat template renders a finished conversation that does not start with its prompt")
+        full = head + whole[len(bare):]
     ids, (cut,) = encode_at_boundaries(tokenizer, full, [len(head)])
     return ids[:cut], ids[cut:]
 

@@ -2945,29 +2945,35 @@ class ChatFormatter:
 
     def _history_span(self, record: dict[str, Any], prompt: str, index: int) -> tuple[int, int]:
         """Span of an earlier assistant turn inside the prompt's text (multi-turn data). It starts where the
-        prompt for that turn ends (or, where the template writes the history otherwise, at its content) and ends
-        with the template's end-of-turn text: what it writes after an assistant turn's content, found from the
-        turn's start, so a turn that calls tools, with no content, is found too."""
+        prompt for that turn ends (or, where the template writes the history otherwise, after the message before
+        it and what closes that message), and ends after its content (or, for a turn that only calls tools, at its
+        end-of-turn marker) with the template's end-of-turn text."""
         messages = record["messages"]
         head = self._render(record, messages[:index], True)
         if prompt.startswith(head):
             start = len(head)
-        else:  # the history is written otherwise (Mistral moves the system prompt and tools to the last question):
-            # the turn starts after the message before it, whose text is verbatim, and what closes that message
+        else:  # the history is written otherwise (Mistral moves the system prompt and tools to the last question)
             _, previous_end = self._content_span(record, messages, index - 1, prompt, True)
-            closing = self._render(record, [*messages[:index - 1], {**messages[index - 1], "content": _TURN_SENTINEL}],
-                                   True)
-            closing = closing[closing.index(_TURN_SENTINEL) + len(_TURN_SENTINEL):]
-            start = previous_end + len(os.path.commonprefix([prompt[previous_end:], closing]))
-        marked = self._render(record, [*messages[:index], {"role": "assistant", "content": _TURN_SENTINEL}], False)
-        after = marked[marked.index(_TURN_SENTINEL) + len(_TURN_SENTINEL):]  # the end marker, as a last turn has it
-        marker = after.split("\n")[0] or after
+            start = previous_end + _matched(prompt[previous_end:], self._after(record, messages[:index - 1],
+                                                                                messages[index - 1], True))
+        after = self._after(record, messages[:index], {"role": "assistant", "content": ""}, False)
+        if messages[index]["content"]:
+            _, content_end = self._content_span(record, messages, index, prompt, True)
+            return start, content_end + _matched(prompt[content_end:], after)
+        marker = after.split("\n")[0] or after  # a turn of tool calls only: its end-of-turn marker
         at = prompt.find(marker, start) if marker else -1
         if at < 0:
             raise RLHFInputError(f"{record.get('location', 'record')}: chat template '{self.name}' writes no end "
                                  f"marker after assistant turn {index + 1}, so where it ends cannot be told; "
                                  f"choose another template")
-        return start, at + len(os.path.commonprefix([prompt[at:], after]))
+        return start, at + _matched(prompt[at:], after)
+
+    def _after(self, record: dict[str, Any], before: list[dict[str, Any]], message: dict[str, Any],
+               add_generation_prompt: bool) -> str:
+        """What the template writes after ``message``'s content when it is the last message: its end-of-turn
+        text (and, with ``add_generation_prompt``, the assistant header that follows)."""
+        marked = self._render(record, [*before, {**message, "content": _TURN_SENTINEL}], add_generation_prompt)
+        return marked[marked.index(_TURN_SENTINEL) + len(_TURN_SENTINEL):]
 
     def _content_span(self, record: dict[str, Any], turns: list[dict[str, str]], index: int, text: str,
                       add_generation_prompt: bool) -> tuple[int, int]:
@@ -3052,6 +3058,13 @@ def saved_as_trained(model: nn.Module | None, tokenizer: Any, formatter: ChatFor
             generation.eos_token_id = eos
 
 
+def _matched(text: str, expected: str) -> int:
+    """How much of ``expected`` starts ``text``: all of it, or up to the end of its last whole line, so that a
+    partial match never ends inside a marker ('<' of '<|im_end|>' against '<think>')."""
+    shared = len(os.path.commonprefix([text, expected]))
+    return shared if shared == len(expected) else expected.rfind("\n", 0, shared) + 1
+
+
 def chat_formatter(tokenizer: Any, config: BaseConfig, model: nn.Module | None = None,
                    template: str | None = None) -> ChatFormatter:
     """The stage's ChatFormatter: its template and thinking switch, and the model's generation stop tokens."""
@@ -3116,6 +3129,9 @@ def _environment_kept(*names: str) -> Iterator[None]:
                 os.environ[name] = value
 
 
+SFT_RECORD_KEYS = ("system", "messages", "response", "response_message", "tools")  # what an SFT example's tokens come from
+
+
 class SFTDataset(torch.utils.data.Dataset):
     """Prompt/response records tokenised once (Hugging Face ``datasets``, cached on disk by content hash).
 
@@ -3131,12 +3147,14 @@ class SFTDataset(torch.utils.data.Dataset):
 
         self.formatter, self.cutoff_len = formatter, cutoff_len
         self.train_on_prompt, self.mask_history = train_on_prompt, mask_history
-        key = _fingerprint("sft-v1", [{k: r[k] for k in ("system", "messages", "response")} for r in records],
+        key = _fingerprint("sft-v2", [{k: r.get(k) for k in SFT_RECORD_KEYS} for r in records],
                            _tokenizer_fingerprint(tokenizer), formatter.source, cutoff_len, train_on_prompt, mask_history)
         cache = Path(cache_dir or _default_cache_dir()) / "tokenized"
         cache.mkdir(parents=True, exist_ok=True)
-        raw = Dataset.from_list([{"system": r["system"], "messages": r["messages"], "response": r["response"],
-                                  "location": r.get("location", "record")} for r in records])
+        # one JSON string per record: Arrow would merge the records' nested tool calls into one schema, giving
+        # every message every key (tool arguments each other's names, as nulls)
+        raw = Dataset.from_list([{"record": json.dumps({k: r.get(k) for k in (*SFT_RECORD_KEYS, "location")})}
+                                 for r in records])
         with _environment_kept("TOKENIZERS_PARALLELISM"):  # datasets turns it off for the whole process when forking
             tokenized = raw.map(self._encode_batch, batched=True, remove_columns=raw.column_names, num_proc=num_proc,
                                 cache_file_name=str(cache / f"sft-{key}.arrow"), new_fingerprint=key,
@@ -3157,9 +3175,8 @@ class SFTDataset(torch.utils.data.Dataset):
 
     def _encode_batch(self, batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
         out: dict[str, list[Any]] = {"input_ids": [], "labels": [], "status": []}
-        for system, messages, response, location in zip(batch["system"], batch["messages"], batch["response"],
-                                                        batch["location"]):
-            record = {"system": system, "messages": messages, "response": response, "location": location}
+        for text in batch["record"]:
+            record = {k: v for k, v in json.loads(text).items() if v is not None}
             ids, labels = self.formatter.conversation(record, self.train_on_prompt, self.mask_history)
             ids, labels, status = truncate_example(ids, labels, self.cutoff_len)
             out["input_ids"].append(ids)
@@ -3855,13 +3872,20 @@ class OutputHead:
 
     def __init__(self, model: nn.Module | None = None, attribute: str = "", vocab: int = 0,
                  softcap: float | None = None) -> None:
-        self.model, self.attribute, self.vocab, self.softcap = model, attribute, vocab, softcap
+        # a weak reference: the cache's key is this model, and a value holding its key would keep it alive forever
+        self._model = weakref.ref(model) if model is not None else None
+        self.attribute, self.vocab, self.softcap = attribute, vocab, softcap
         self.chunked = model is not None
+
+    @property
+    def model(self) -> nn.Module:
+        return self._model()
 
     @classmethod
     def of(cls, model: nn.Module) -> OutputHead:
-        """The head for ``model`` (any wrapper: DDP, PEFT), decided and verified once per model."""
-        inner = _innermost_model(model.model if isinstance(model, PolicyModel) else model)
+        """The head for ``model`` (any wrapper: DDP, PEFT, torch.compile), decided and verified once per model."""
+        model = model.model if isinstance(model, PolicyModel) else model
+        inner = _innermost_model(model)
         if inner not in cls._cache:
             cls._cache[inner] = cls._decide(model, inner)
         return cls._cache[inner]
@@ -3872,8 +3896,8 @@ class OutputHead:
         vocab = getattr(output, "out_features", 0) or 0
         attribute = next((name for name, child in inner.named_children() if child is output), "")
         if (vocab < CHUNKED_HEAD_MIN_VOCAB or not isinstance(output, nn.Linear) or not attribute
-                or hasattr(model, "_orig_mod") or any(hasattr(p, "ds_id") or type(p).__name__ == "DTensor"
-                                                     for p in output.parameters())):
+                or _is_compiled(model) or any(hasattr(p, "ds_id") or type(p).__name__ == "DTensor"
+                                              for p in output.parameters())):
             return cls()
         head = cls(inner, attribute, vocab, getattr(inner.config, "final_logit_softcapping", None))
         if not head._reproduces(model):
@@ -3894,6 +3918,8 @@ class OutputHead:
             want = inner(input_ids=ids, use_cache=False).logits.float()
             got = self._logits(self.scores(inner, input_ids=ids, use_cache=False)[0], output.weight, output.bias, 1.0)
             return bool(torch.allclose(got, want, rtol=1e-3, atol=1e-3 * max(1.0, float(want.abs().max()))))
+        except Exception:  # a forward that reads its output layer itself (Mamba's reads lm_head.weight's dtype)
+            return False
         finally:
             inner.train(was_training)
 
@@ -3945,11 +3971,14 @@ class OutputHead:
         flat = scores.reshape(-1, scores.shape[-1])
         picked = targets.reshape(-1) if targets is not None else None
         rows = max(1, LOG_SOFTMAX_CHUNK_ELEMENTS // self.vocab)
+        weight, bias = output.weight, output.bias
+        if not flat.requires_grad:  # detached scores (a logged entropy): no gradient into the output layer either
+            weight, bias = weight.detach(), bias.detach() if bias is not None else None
         pieces = []
         for start in range(0, flat.shape[0], rows):
-            args = (flat[start:start + rows], output.weight, output.bias, temperature, what,
+            args = (flat[start:start + rows], weight, bias, temperature, what,
                     picked[start:start + rows] if picked is not None else None)
-            needs_grad = torch.is_grad_enabled() and (flat.requires_grad or output.weight.requires_grad)
+            needs_grad = torch.is_grad_enabled() and (flat.requires_grad or weight.requires_grad)
             pieces.append(torch.utils.checkpoint.checkpoint(self._reduce, *args, use_reentrant=False)
                           if needs_grad else self._reduce(*args))
         return torch.cat(pieces).reshape(scores.shape[:-1]) if pieces else flat.new_zeros(scores.shape[:-1])
@@ -4781,6 +4810,17 @@ def _takes_logits_to_keep(model_class: type) -> bool:
     return "logits_to_keep" in inspect.signature(model_class.forward).parameters
 
 
+def _is_compiled(model: nn.Module) -> bool:
+    """Whether torch.compile wrapped ``model`` or a wrapper inside it (DDP, PEFT)."""
+    seen, inner = set(), model
+    while inner is not None and id(inner) not in seen:
+        if hasattr(inner, "_orig_mod"):
+            return True
+        seen.add(id(inner))
+        inner = getattr(inner, "module", None) or (inner.get_base_model() if hasattr(inner, "get_base_model") else None)
+    return False
+
+
 def _innermost_model(model: nn.Module) -> nn.Module:
     """The Hugging Face model inside DDP, torch.compile and PEFT wrappers."""
     inner = model
@@ -5063,6 +5103,7 @@ def create_reference_model(config: BaseConfig, policy: PolicyModel) -> Reference
     if getattr(config, "ref_model", None):
         reference = PolicyModel.from_pretrained(config.ref_model, dtype=_model_dtype(config), device=policy.device,
                                                 attn_implementation=config.attn_implementation, is_trainable=False,
+                                                quantization=quantization_config(config),
                                                 trust_remote_code=config.trust_remote_code, cache_dir=config.cache_dir)
         reference.model.requires_grad_(False).eval()
         return ReferenceModel(reference)
@@ -6039,13 +6080,14 @@ class RouterAuxLoss:
     the preference and online-RL trainers use. Forwards without gradients (rollouts, the reference, evaluation)
     and gradient checkpointing's recomputation in backward are left out."""
 
-    def __init__(self, decoder: nn.Module, routers: list[nn.Module], coef: float, top_k: int) -> None:
+    def __init__(self, decoders: list[nn.Module], routers: list[nn.Module], coef: float, top_k: int) -> None:
         self.coef, self.top_k = coef, top_k
         self.losses: list[torch.Tensor] = []
         self._logits: list[torch.Tensor] | None = None  # the running forward's, or None outside one
         self._mask: torch.Tensor | None = None
-        decoder.register_forward_pre_hook(self._start, with_kwargs=True)
-        decoder.register_forward_hook(self._finish)
+        for decoder in decoders:
+            decoder.register_forward_pre_hook(self._start, with_kwargs=True)
+            decoder.register_forward_hook(self._finish)
         for router in routers:
             router.register_forward_hook(self._keep)
 
@@ -6056,16 +6098,20 @@ class RouterAuxLoss:
         from transformers import PreTrainedModel
 
         routers = [m.gate for m in model.modules() if hasattr(m, "experts") and isinstance(getattr(m, "gate", None), nn.Module)]
-        decoders = [m for m in model.modules() if isinstance(m, PreTrainedModel)]
-        if not routers or not decoders:
+        if not routers:
             return None
+        # each router's decoder: the innermost Hugging Face model holding it (a PPO critic may be another model)
+        owners = [min((m for m in model.modules() if isinstance(m, PreTrainedModel)
+                       and any(r is router for r in m.modules())), key=lambda m: sum(1 for _ in m.modules()))
+                  for router in routers]
+        decoders = list({id(m): m for m in owners}.values())
         coef = config.router_aux_loss_coef
         coef = float(getattr(decoders[0].config, "router_aux_loss_coef", 0.0) if coef is None else coef)
         if coef == 0.0:
             return None
         top_k = int(getattr(routers[0], "top_k", getattr(decoders[0].config, "num_experts_per_tok", 2)))
         logger.info("mixture of experts: router load-balancing loss x %g added to the loss (moe/aux_loss)", coef)
-        return cls(decoders[-1], routers, coef, top_k)
+        return cls(decoders, routers, coef, top_k)
 
     def _start(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         if torch.is_grad_enabled():

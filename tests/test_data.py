@@ -1096,3 +1096,17 @@ def test_bad_tools_and_a_kto_answer_that_calls_a_tool_are_errors(tmp_path):
                                                   "label": True}) + "\n")
     with pytest.raises(RLHFInputError, match=r"b\.jsonl:1: the answer is a function call"):
         rlhf.load_records(str(tmp_path / "b.jsonl"), tmp_path, "kto")
+
+
+@pytest.mark.parametrize("template", ["empty", "default"])
+def test_multi_turn_templates_without_an_end_marker_train_each_whole_answer(tiny_tokenizer, template):
+    """'empty' writes nothing after an answer and 'default' only a newline when the tokenizer has no EOS: each
+    earlier answer is trained up to its own end, multi-line answers whole."""
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    if template == "default":
+        tokenizer.eos_token = None
+    history = [user("What is 1 + 1?"), {"role": "assistant", "content": "line one\nline two"}]
+    rec = record("And 2 + 2?", "4", history=history)
+    ids, labels = ChatFormatter(tokenizer, template).conversation(rec)
+    runs = [tokenizer.decode(run) for run in label_segments(ids, labels)]
+    assert [run.strip() for run in runs] == ["line one\nline two", "4"]

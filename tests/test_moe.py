@@ -167,3 +167,15 @@ def test_router_loss_with_packed_preference_pairs_and_gradient_checkpointing(moe
         rlhf.train_dpo(rlhf.DPOConfig(**common, output_dir=str(out), gradient_checkpointing=checkpointing))
         values.append(json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["moe/aux_loss"])
     assert values[0] == pytest.approx(values[1], rel=1e-5) and values[0] >= 1.9
+
+
+def test_router_loss_follows_the_policy_when_a_separate_critic_is_another_model(moe_dir, llama_dir):
+    """PPO with value_model: the critic is a second Hugging Face model; the policy's routers still count."""
+    policy = rlhf.PolicyModel.from_pretrained(str(moe_dir))
+    critic, _ = rlhf.ValueModel.from_pretrained(str(llama_dir))
+    actor_critic = rlhf.ActorCritic(policy.model, critic)
+    router = rlhf.RouterAuxLoss.attach(actor_critic, rlhf.PPOConfig(output_dir="unused", router_aux_loss_coef=0.1,
+                                                                          reward_funcs=["length"]))
+    ids = torch.randint(5, 100, (2, 8))
+    actor_critic(ids, torch.ones_like(ids))
+    assert len(router.losses) == 1 and float(router.losses[0]) >= 1.9

@@ -187,3 +187,49 @@ def test_ppo_actor_critic_equals_the_full_logits():
         return head.log_probs(scores[:, :-1], ids[:, 1:]).sum() + values.sum()
 
     _assert_same(*_both(model, summed))
+
+
+# -- what a review found ------------------------------------------------------------------------------------------
+
+
+def test_the_decision_cache_does_not_keep_a_model_alive():
+    import gc
+    import weakref
+
+    model = _model()
+    assert rlhf.OutputHead.of(model).chunked
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None
+
+
+def test_a_model_whose_forward_reads_its_output_layer_keeps_its_logits():
+    """Mamba reads lm_head.weight's dtype in its forward: the swapped layer has none, so the head falls back."""
+    from transformers import AutoModelForCausalLM, MambaConfig
+
+    model = AutoModelForCausalLM.from_config(MambaConfig(vocab_size=VOCAB, hidden_size=32, state_size=8,
+                                                         num_hidden_layers=2, expand=2, conv_kernel=4))
+    assert not rlhf.OutputHead.of(model).chunked
+    ids = torch.randint(3, VOCAB, (1, 6))
+    out = rlhf.PolicyModel(model, tokenizer=None).compute_log_probs(ids, torch.ones_like(ids))
+    assert torch.isfinite(out.summed).all()
+    assert type(model.get_output_embeddings()).__name__ == "Linear"  # put back
+
+
+def test_a_detached_entropy_sends_no_gradient_into_the_output_layer():
+    model = _model()
+    head = rlhf.OutputHead.of(model)
+    scores, _ = head.scores(model, input_ids=torch.randint(3, VOCAB, (1, 6)))
+    entropy = head.entropy(scores.detach())
+    assert not entropy.requires_grad
+    assert model.get_output_embeddings().weight.grad is None
+
+
+def test_a_compiled_model_keeps_its_own_logits():
+    model = _model()
+    compiled = torch.compile(model, backend="eager")
+    try:
+        assert not rlhf.OutputHead.of(rlhf.PolicyModel(compiled, tokenizer=None)).chunked
+    finally:
+        torch._dynamo.reset()

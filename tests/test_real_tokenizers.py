@@ -6,6 +6,7 @@ equal mistral-common's reference encoder, and stop tokens include the model's ge
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import real_models
@@ -361,3 +362,41 @@ def test_mistral_nemo_tool_conversations_equal_mistral_commons_encoder(system, t
                                                      system_prompt=system or None)).tokens
     ids, labels = ChatFormatter(tokenizers("mistral-nemo"), "auto").conversation(rec)
     assert ids == want
+
+
+
+# -- what a review found ------------------------------------------------------------------------------------------
+
+
+def test_the_sft_dataset_keeps_tool_records_whole(tokenizers, tmp_path):
+    """The in-memory SFT set tokenises through Arrow: tools, calls and per-record argument names must come back
+    as they were (a column per field would give every call every record's argument names)."""
+    tokenizer = tokenizers("qwen2.5")
+    formatter = ChatFormatter(tokenizer, "qwen")
+    data = Path(__file__).parent / "data" / "real_models"
+    records = rlhf.load_records("real_tools", data, "sft")
+    dataset = rlhf.SFTDataset(records, tokenizer, formatter, cutoff_len=4096, cache_dir=tmp_path)
+    for index, rec in enumerate(records):
+        ids, labels = formatter.conversation(rec)
+        assert dataset[index]["input_ids"] == ids and dataset[index]["labels"] == labels
+
+
+def test_qwen3_thinking_off_with_an_empty_earlier_answer_never_trains_the_next_question(tokenizers):
+    tokenizer = tokenizers("qwen3")
+    rec = {"system": "", "messages": [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": ""},
+                                      {"role": "user", "content": "Q2"}], "response": "A2", "location": "q.jsonl:1"}
+    ids, labels = ChatFormatter(tokenizer, "qwen3", enable_thinking=False).conversation(rec)
+    runs = trained_runs(tokenizer, ids, labels)
+    assert runs == ["<|im_end|>", "A2<|im_end|>"] and not any("Q2" in run for run in runs)
+
+
+def test_chat_pair_ids_on_a_template_that_drops_the_system_prompt(tokenizers):
+    """Mistral-Nemo with a system prompt: the answer is what the template writes after the prompt, found without
+    searching for the answer's text (a one-letter answer is inside '</s>' too)."""
+    import inference_optimizations as io
+
+    tokenizer = tokenizers("mistral-nemo")
+    for response in ("s", "", "12 + 7 = 19"):
+        prompt, completion = io.chat_pair_ids(tokenizer, QUESTION, response, system="Be brief.")
+        assert tokenizer.decode(completion) == response + "</s>"
+        assert "Be brief." in tokenizer.decode(prompt)
