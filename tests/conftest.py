@@ -37,10 +37,12 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
 def load_script(relative_path: str) -> types.ModuleType:
-    """Import a file of bench/ or scripts/, which are scripts rather than packages. bench/ goes on sys.path
-    first: its scripts import bench/tables.py (and scripts/make_demo_data.py, which they find themselves)."""
-    if str(REPO / "bench") not in sys.path:
-        sys.path.insert(0, str(REPO / "bench"))
+    """Import a file of bench/, experiments/ or scripts/, which are scripts rather than packages. bench/ and
+    experiments/ go on sys.path first, as each is for a script run from it: the scripts import bench/tables.py
+    and experiments/stats.py (and the repository root and scripts/, which they put on sys.path themselves)."""
+    for folder in ("bench", "experiments"):
+        if str(REPO / folder) not in sys.path:
+            sys.path.insert(0, str(REPO / folder))
     path = REPO / relative_path
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)

@@ -584,58 +584,6 @@ def test_demo_pipeline_config_loads(repo):
     assert grpo.per_device_train_batch_size % grpo.num_generations == 0 and grpo.eval_dataset == "demo_eval"
 
 
-def test_careless_demo_config_loads(repo):
-    """The careless-teacher demo trains on the careless files and scores the same held-out prompts."""
-    pipeline = PipelineConfig.load(repo / "configs" / "demo_careless.yaml")
-    assert pipeline.stages == ["sft", "dpo", "grpo"]
-    sft, dpo, grpo = (pipeline.stage_config(name) for name in pipeline.stages)
-    assert sft.dataset == "demo_sft_careless" and dpo.dataset == "demo_preference_careless"
-    assert grpo.dataset == "demo_rl" and grpo.reward_names() == ["exact_answer"]
-    assert {sft.eval_dataset, dpo.eval_dataset, grpo.eval_dataset} == {"demo_eval"}
-    assert sft.output_dir == str(rlhf.Path("outputs/demo_careless/sft"))
-    info = rlhf.json.loads((repo / "data" / "demo" / "dataset_info.json").read_text())
-    assert {sft.dataset, dpo.dataset} <= set(info)
-
-
-def test_careless_reward_and_ppo_configs_load(repo):
-    """configs/rm_careless.yaml trains the careless demo's boosted reward models on the pairs that reject the
-    habit; configs/ppo_careless.yaml runs PPO on the learned reward alone, from the careless SFT model."""
-    rm = rlhf.load_config(rlhf.RewardModelConfig, repo / "configs" / "rm_careless.yaml")
-    assert rm.dataset == "demo_rm_careless" and rm.ensemble_size == 4 and rm.ensemble_strategy == "boosting"
-    assert rm.output_dir == "outputs/demo_careless/rm" and rm.val_split_by_prompt
-    ppo = rlhf.load_config(rlhf.PPOConfig, repo / "configs" / "ppo_careless.yaml")
-    assert ppo.model_name_or_path == "outputs/demo_careless/sft" and ppo.reward_funcs == []
-    assert ppo.reward_model == "outputs/demo_careless/rm_combined" and ppo.value_model.startswith("outputs/demo_careless/rm")
-    info = rlhf.json.loads((repo / "data" / "demo" / "dataset_info.json").read_text())
-    assert rm.dataset in info and info[rm.dataset]["ranking"] is True
-
-
-def test_careless_verifier_config_is_rm_careless_from_the_clean_sft_model_on_the_mixed_pairs(repo):
-    """configs/rm_careless_verifier.yaml differs from rm_careless.yaml only in its start (the clean demo's SFT
-    model), its data (make_onpolicy_pairs' onpolicy_mixed) and where it writes."""
-    base = rlhf.load_config(rlhf.RewardModelConfig, repo / "configs" / "rm_careless.yaml")
-    verifier = rlhf.load_config(rlhf.RewardModelConfig, repo / "configs" / "rm_careless_verifier.yaml")
-    differ = {f.name for f in rlhf.dataclasses.fields(base) if getattr(base, f.name) != getattr(verifier, f.name)}
-    assert differ == {"model_name_or_path", "dataset", "dataset_dir", "output_dir"}
-    assert verifier.model_name_or_path == "outputs/demo/sft" and verifier.dataset == "onpolicy_mixed"
-
-
-def test_careless_online_ppo_config_is_ppo_careless_at_grpos_budget_of_samples(repo):
-    """configs/ppo_careless_online.yaml is ppo_careless.yaml with GRPO's budget of samples (64 prompts per
-    rollout, each answer trained on once, 300 steps: 19,200 samples), the online loop's round-3 verifier and a
-    fixed KL coefficient."""
-    base = rlhf.load_config(rlhf.PPOConfig, repo / "configs" / "ppo_careless.yaml")
-    online = rlhf.load_config(rlhf.PPOConfig, repo / "configs" / "ppo_careless_online.yaml")
-    differ = {f.name for f in rlhf.dataclasses.fields(base) if getattr(base, f.name) != getattr(online, f.name)}
-    assert differ == {"reward_model", "value_model", "per_device_train_batch_size", "ppo_epochs", "learning_rate",
-                      "max_steps", "eval_steps", "save_steps", "output_dir", "adap_kl_ctrl", "init_kl_coef"}
-    assert not online.adap_kl_ctrl and online.init_kl_coef == 0.2
-    rollouts = online.max_steps // (online.ppo_epochs * online.ppo_buffer_size)
-    assert rollouts * online.per_device_train_batch_size * online.ppo_buffer_size == 19_200
-    assert online.reward_model == "outputs/demo_careless/rm_round3"
-    assert online.value_model == "outputs/demo_careless/rm_round3/member-0"
-
-
 # ---------------------------------------------------------------- --help
 
 

@@ -1,9 +1,9 @@
 """Where the careless-teacher demo's accuracy goes: held-out exact match of each policy, split by whether
 the problem needs a borrow, and how many greedy answers are the teacher's habit (the forgotten borrow).
 
-    python rlhf.py pipeline --config configs/demo_careless.yaml      # once: outputs/demo_careless/{sft,dpo,grpo}
-    python bench/careless_breakdown.py                               # those three policies
-    python bench/careless_breakdown.py --policies outputs/demo_careless/sft,outputs/grpo --sample-temperature 0.6
+    python rlhf.py pipeline --config experiments/configs/demo_careless.yaml   # once: outputs/demo_careless/{sft,dpo,grpo}
+    python experiments/careless_breakdown.py                                  # those three policies
+    python experiments/careless_breakdown.py --policies outputs/demo_careless/sft,outputs/grpo --sample-temperature 0.6
 
 Greedy answers to data/demo/eval.jsonl (300 prompts whose facts no training file works out), through the
 same generation path as the pipeline's evaluation. A problem "needs a borrow" when one of its subtractions
@@ -16,10 +16,10 @@ prompt by prompt: how many it gets right that the first gets wrong, the reverse,
 
 With ``--pool``, the policies after the first are runs of one recipe that differ only in their seed (say
 four PPO runs): a last row averages each prompt's outcome over them and tests the difference from the
-first policy over prompts with the paired sign-flip test (bench/tables.py, as bench/combine_seeds.py uses it). One run's McNemar
+first policy over prompts with the paired sign-flip test (experiments/stats.py, as experiments/combine_seeds.py uses it). One run's McNemar
 carries its seed's luck; the pooled row is what a claim about the recipe rests on.
 
-    python bench/careless_breakdown.py --pool --policies outputs/demo_careless/sft,runs/ppo_seed0,runs/ppo_seed1
+    python experiments/careless_breakdown.py --pool --policies outputs/demo_careless/sft,runs/ppo_seed0,runs/ppo_seed1
 """
 
 from __future__ import annotations
@@ -29,17 +29,15 @@ import sys
 from pathlib import Path
 
 import torch
-
-# bench/tables.py (the script's folder is on sys.path)
-from tables import mcnemar, per_prompt_mean, print_table, sign_flip_p
+from stats import mcnemar, per_prompt_mean, sign_flip_p  # experiments/stats.py (the script's folder is on sys.path)
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "bench"), str(REPO / "scripts")]  # rlhf, bench/tables.py, the demo generator
+
+import make_demo_data as demo  # noqa: E402
+from tables import print_table  # noqa: E402
 
 import rlhf  # noqa: E402
-
-sys.path.insert(0, str(REPO / "scripts"))
-import make_demo_data as demo  # noqa: E402
 
 CLASSES = ("1-step", "1-step borrow", "multi", "multi borrow")
 
@@ -97,7 +95,7 @@ def main() -> int:
     for path in paths:
         if not (Path(path) / "config.json").is_file():
             parser.error(f"--policies: {path} holds no saved model; run "
-                         f"`python rlhf.py pipeline --config configs/demo_careless.yaml` first")
+                         f"`python rlhf.py pipeline --config experiments/configs/demo_careless.yaml` first")
     if args.sample_temperature < 0 or args.samples < 1:
         parser.error("--sample-temperature must be >= 0 and --samples >= 1")
     if args.pool and len(paths) < 2:

@@ -1,6 +1,6 @@
 """On-policy preference pairs for a verifier (Math-Shepherd-style automatic supervision).
 
-    python scripts/make_onpolicy_pairs.py --policy outputs/demo/sft --out outputs/onpolicy_pairs
+    python experiments/make_onpolicy_pairs.py --policy outputs/demo/sft --out outputs/onpolicy_pairs
 
 Samples ``--samples`` responses per prompt of data/demo/rl_prompts.jsonl (not held out) from the
 policy, keeps prompts where some samples are right and some wrong (by the final ``Answer:`` line),
@@ -14,7 +14,7 @@ dataset_info.json registering it as ``onpolicy_pairs``.
 data/demo/rm_pairs_careless.jsonl) and the new ones, shuffled with ``--seed``, for a reward model that
 should learn both the synthetic flaws and the policy's own:
 
-    python scripts/make_onpolicy_pairs.py --policy outputs/demo_careless/sft \
+    python experiments/make_onpolicy_pairs.py --policy outputs/demo_careless/sft \
         --prompts data/demo/rl_prompts.jsonl data/demo/sft_careless.jsonl --skip 200 --samples 16 \
         --temperature 0.6 --pairs-per-prompt 4 --mix data/demo/rm_pairs_careless.jsonl --out outputs/onpolicy_sft
 """
@@ -30,12 +30,11 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "scripts")]  # inference_optimizations, the demo generator
+
+import make_demo_data as demo  # noqa: E402
 
 import inference_optimizations as io  # noqa: E402
-
-sys.path.insert(0, str(REPO / "scripts"))
-import make_demo_data as demo  # noqa: E402
 
 
 def demo_answer(prompt: str) -> str | None:
@@ -102,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                              "gets the answer of its arithmetic); a prompt in several files is used once")
     parser.add_argument("--out", default="outputs/onpolicy_pairs", help="output directory")
     parser.add_argument("--skip", type=int, default=0,
-                        help="leave out the first N prompts of each file, wherever they appear (bench/inference_demo.py chooses its settings on the "
+                        help="leave out the first N prompts of each file, wherever they appear (experiments/inference_demo.py chooses its settings on the "
                              "first 200 of rl_prompts.jsonl: pass --skip 200 to keep a reward model off them)")
     parser.add_argument("--samples", type=int, default=8, help="samples per prompt")
     parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature")

@@ -1,9 +1,9 @@
 """Model merging on the demo task: the demo pipeline's SFT, DPO and GRPO policies, their merges and ensembles,
 each scored on the 300 held-out prompts.
 
-    python rlhf.py pipeline --config configs/demo.yaml      # once: writes outputs/demo/{sft,dpo,grpo}
-    python bench/merge_demo.py                               # every merge in configs/merge_*.yaml + two ensembles
-    python bench/merge_demo.py --merges ties,dare_ties,slerp --no-ensembles --limit 100
+    python rlhf.py pipeline --config configs/demo.yaml   # once: writes outputs/demo/{sft,dpo,grpo}
+    python experiments/merge_demo.py                     # every merge in configs/merge_*.yaml + two ensembles
+    python experiments/merge_demo.py --merges ties,dare_ties,slerp --no-ensembles --limit 100
 
 Each merge runs from its example config (``configs/merge_<name>.yaml``: DPO and GRPO merged onto the SFT
 model, or interpolated between themselves for slerp and linear) into ``outputs/merged/<name>`` with
@@ -30,10 +30,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from tables import print_table  # bench/tables.py (the script's folder is on sys.path)
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "bench")]  # the modules, bench/tables.py
+
+from tables import print_table  # noqa: E402
 
 import inference_optimizations as io  # noqa: E402
 import model_merging as mm  # noqa: E402

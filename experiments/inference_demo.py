@@ -1,8 +1,8 @@
 """Inference-time compute on the demo task: Best-of-N, MCTS, adaptive allocation, confidence stopping.
 
-    python bench/inference_demo.py --output inference_demo.json     # everything: about 2 min on 2 cores
-    python bench/inference_demo.py --limit 50 --mcts-limit 10        # a quick run
-    python bench/inference_demo.py --threads 1 ...                   # on a busy machine (see --threads)
+    python experiments/inference_demo.py --output inference_demo.json   # everything: about 2 min on 2 cores
+    python experiments/inference_demo.py --limit 50 --mcts-limit 10     # a quick run
+    python experiments/inference_demo.py --threads 1 ...                # on a busy machine (see --threads)
 
 The acceptance claims of the inference-time-compute issue, measured as hypotheses on held-out prompts:
 
@@ -55,10 +55,12 @@ import time
 from pathlib import Path
 
 import torch
-from tables import mcnemar, print_table  # bench/tables.py (the script's folder is on sys.path)
+from stats import mcnemar  # experiments/stats.py (the script's folder is on sys.path)
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "bench")]  # inference_optimizations, bench/tables.py
+
+from tables import print_table  # noqa: E402
 
 import inference_optimizations as io  # noqa: E402
 
@@ -452,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
 
     def add(method: str, dataset: str, budget: str, flags: list[bool], notes: str, **extra) -> int:
-        """A table row; the per-prompt flags go to --output, so bench/combine_seeds.py can pool runs. A claim row
+        """A table row; the per-prompt flags go to --output, so experiments/combine_seeds.py can pool runs. A claim row
         names its baseline row (``versus``, an index into the rows)."""
         rows.append({"method": method, "prompts": dataset, "budget": budget, "accuracy": pct(flags),
                      "n_prompts": len(flags), "notes": notes, **extra, "correct": [bool(f) for f in flags]})

@@ -1,7 +1,7 @@
-"""Pool several seeds of bench/inference_demo.py: each claim's accuracy averaged over the runs, tested per prompt.
+"""Pool several seeds of experiments/inference_demo.py: each claim's accuracy averaged over the runs, tested per prompt.
 
-    for s in 0 1 2 3; do python bench/inference_demo.py ... --seed $s --output runs/seed$s.json; done
-    python bench/combine_seeds.py runs/seed*.json
+    for s in 0 1 2 3; do python experiments/inference_demo.py ... --seed $s --output runs/seed$s.json; done
+    python experiments/combine_seeds.py runs/seed*.json
 
 One run's verdict carries the luck of its seed: its samples, MCTS's expansions and the pools the allocation
 rules draw from. Here every prompt's outcome is averaged over the runs first (a prompt MCTS solves in 3
@@ -19,7 +19,10 @@ import json
 import sys
 from pathlib import Path
 
-from tables import per_prompt_mean, print_table, sign_flip_p  # bench/tables.py (the script's folder is on sys.path)
+from stats import per_prompt_mean, sign_flip_p  # experiments/stats.py (the script's folder is on sys.path)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from tables import print_table  # noqa: E402  bench/tables.py
 
 
 def load_runs(paths: list[str]) -> list[dict]:
@@ -34,7 +37,7 @@ def load_runs(paths: list[str]) -> list[dict]:
         if not isinstance(run, dict) or not isinstance(run.get("settings"), dict) or not run.get("rows"):
             raise SystemExit(f"error: {path}: not an inference_demo --output file (no settings or rows)")
         if not all(isinstance(row, dict) and "correct" in row for row in run["rows"]):
-            raise SystemExit(f"error: {path}: its rows carry no per-prompt flags; rerun bench/inference_demo.py "
+            raise SystemExit(f"error: {path}: its rows carry no per-prompt flags; rerun experiments/inference_demo.py "
                              "with this version to write them")
         runs.append(run)
     ignore = {"seed", "output"}
@@ -48,7 +51,7 @@ def load_runs(paths: list[str]) -> list[dict]:
         layout = [[(r["method"], r["prompts"], r.get("versus"), len(r["correct"])) for r in x["rows"]] for x in (first, run)]
         if layout[0] != layout[1]:
             raise SystemExit(f"error: {path}: its rows are not those of {paths[0]} (method, prompts, baseline, "
-                             "prompt count); pool runs of the same version of bench/inference_demo.py")
+                             "prompt count); pool runs of the same version of experiments/inference_demo.py")
     seeds = [run["settings"].get("seed") for run in runs]
     if len(set(seeds)) < len(seeds):
         raise SystemExit(f"error: seeds {seeds}: a seed given twice would count its luck twice; give each run once")

@@ -1,9 +1,9 @@
 """Where the demo reward model's missing accuracy is: the same held-out pairs ranked by the SFT model's
 own log-likelihood and by trained reward models, split by the kind of flaw in the rejected answer.
 
-    python rlhf.py pipeline --config configs/demo.yaml            # once: outputs/demo/{sft,rm}
-    python bench/rm_probe.py                                       # SFT log-likelihood and outputs/demo/rm
-    python bench/rm_probe.py --reward-models outputs/demo/rm,/tmp/rm_other
+    python rlhf.py pipeline --config configs/demo.yaml   # once: outputs/demo/{sft,rm}
+    python experiments/rm_probe.py                       # SFT log-likelihood and outputs/demo/rm
+    python experiments/rm_probe.py --reward-models outputs/demo/rm,/tmp/rm_other
 
 The held-out pairs are the rm stage's: ``val_size`` 200 of ``demo_rm`` held out by prompt
 (``val_split_by_prompt``) with ``seed`` 0, as ``configs/demo.yaml`` trains it, so no held-out prompt was
@@ -27,9 +27,9 @@ taken where none is needed (``83 - 3 = 70``). A reward model trained on pairs th
 learn "the lower tens digit is better" instead of the arithmetic; the second row shows it, and it is the
 answer RL on such a reward model drifts to (README, "The careless-teacher demo").
 
-    python bench/rm_probe.py --dataset demo_rm_careless --reward-models outputs/demo/rm,outputs/demo_careless/rm
+    python experiments/rm_probe.py --dataset demo_rm_careless --reward-models outputs/demo/rm,outputs/demo_careless/rm
 
-``--policy-pairs DIR ...`` adds a row per directory written by ``scripts/make_onpolicy_pairs.py``: a policy's
+``--policy-pairs DIR ...`` adds a row per directory written by ``experiments/make_onpolicy_pairs.py``: a policy's
 own right answer against its own wrong one, on training prompts. These are the pairs RL meets: run it on
 the policy an RL stage produced to see whether the reward model ranks the answers that policy drifted to.
 """
@@ -44,15 +44,14 @@ import sys
 from pathlib import Path
 
 import torch
-from tables import print_table  # bench/tables.py (the script's folder is on sys.path)
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "bench"), str(REPO / "scripts")]  # rlhf, bench/tables.py, the demo generator
+
+import make_demo_data as demo  # noqa: E402
+from tables import print_table  # noqa: E402
 
 import rlhf  # noqa: E402
-
-sys.path.insert(0, str(REPO / "scripts"))
-import make_demo_data as demo  # noqa: E402
 
 
 def flaw_kind(rejected: str) -> str:
@@ -160,7 +159,7 @@ def main() -> int:
     parser.add_argument("--train-pairs", type=int, default=0,
                         help="also rank the first N training pairs with each reward model (default 0: none)")
     parser.add_argument("--policy-pairs", nargs="+", default=[], metavar="DIR",
-                        help="directories written by scripts/make_onpolicy_pairs.py: a row each for a policy's own "
+                        help="directories written by experiments/make_onpolicy_pairs.py: a row each for a policy's own "
                         "right-vs-wrong samples")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
@@ -174,7 +173,7 @@ def main() -> int:
     for path in args.policy_pairs:
         if not (Path(path) / "dataset_info.json").is_file():
             raise SystemExit(f"error: --policy-pairs {path}: no dataset_info.json there; write it with "
-                             f"`python scripts/make_onpolicy_pairs.py --policy DIR --out {path}`")
+                             f"`python experiments/make_onpolicy_pairs.py --policy DIR --out {path}`")
 
     records = rlhf.load_records(args.dataset, REPO / "data/demo", "preference")
     train, held_out = rlhf._split_validation(records, args.val_size, args.seed, by_prompt=not args.split_by_record)
