@@ -664,6 +664,9 @@ SAFETENSORS_DTYPES = {
 }
 SAFETENSORS_CODES = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
 OUTPUT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# what rlhf saves beside a scoring model (reward head, process reward model, reward-model ensemble); a PPO policy's
+# value_head.safetensors is not one: the policy beside it merges as any other
+SCORER_FILES = ("reward_head.safetensors", "reward_config.json", "prm_config.json", "ensemble.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "vocab.txt", "spiece.model", "added_tokens.json",
                    "chat_template.jinja", "chat_template.json")
@@ -1845,6 +1848,11 @@ class ModelMerger:
         if not directory.is_dir():
             problem = "is a file, not a model directory" if directory.exists() else _not_found(directory)
             raise MergeError(f"{label}: {problem}")
+        scorer = next((name for name in SCORER_FILES if (directory / name).is_file()), None)
+        if scorer is not None:
+            raise MergeError(f"{label}: holds {scorer}, so it is a reward model (or an ensemble of them), not a policy: merging "
+                             f"its backbone would write a model without its head and without an output layer; merge "
+                             f"policies, and join reward models with `python rlhf.py combine-rm` instead")
         if (directory / "adapter_config.json").is_file():
             base_dir = self._lora_base(directory, label, lora_base)
             return LoraCheckpoint(directory, label, Checkpoint(base_dir, f"{label}'s base ({base_dir})"))

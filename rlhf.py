@@ -95,6 +95,11 @@ class RLHFInputError(ValueError):
     without a traceback; the message names the field or file:line and says how to fix it."""
 
 
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C during training, carrying what to run next for this config (resume, or how to keep the checkpoints
+    a config that starts over would delete). A KeyboardInterrupt still, so every handler of one sees it."""
+
+
 class TrainingStage(str, enum.Enum):
     """Pipeline stages, in the order the pipeline runs them."""
 
@@ -228,6 +233,7 @@ class BaseConfig:
     logging_dir: str | None = _opt(None, "Folder for this stage's text log, <stage>.log (default: output_dir/logs)")
     plot_loss: bool = _opt(False, "Save loss and metric curves as PNG files in output_dir")
     disable_progress_bar: bool = _opt(False, "Hide the rich progress bar (logs still print)")
+    progress_interval: float = _opt(30.0, "Seconds between plain progress lines (step/total, rate, ETA, last loss) when output is not a terminal (a pipe, a CI log, a file), where no bar is drawn")
     max_nonfinite_steps: int = _opt(5, "Steps in a row with a non-finite loss, reward or gradient (each skipped) before the run stops after a checkpoint")
     # -- protecting earlier skills (policy-optimisation stages: dpo, simpo, orpo, kto, grpo, ppo)
     ewc_lambda: float = _opt(0.0, "Elastic weight consolidation: lambda/2 * sum_i F_i (theta_i - theta0_i)^2 pulls trainable weights towards this stage's starting weights, F = diagonal Fisher on ewc_dataset (0: off)")
@@ -394,6 +400,9 @@ class DPOConfig(BaseConfig):
         _check(self.pref_ftx >= 0 and self.pref_bco_weight >= 0, "pref_ftx/pref_bco_weight", "must be >= 0")
         _check(0 <= self.dpo_label_smoothing < 0.5, "dpo_label_smoothing", "must be in [0, 0.5)")
         _check(self.ld_alpha is None or 0 <= self.ld_alpha <= 1, "ld_alpha", "must be in [0, 1] (or omit it)")
+        _check(not (self.ref_model and not self.uses_reference), "ref_model",
+               f"is unused: pref_loss '{self.pref_loss}' is reference-free; remove ref_model, or choose a loss with a "
+               f"reference (e.g. sigmoid)")
 
     @property
     def uses_reference(self) -> bool:
@@ -531,6 +540,8 @@ class GRPOConfig(OnlineRLConfig):
         _check(rollout % self.num_generations == 0, "per_device_train_batch_size",
                f"times gradient_accumulation_steps ({rollout}) must be a multiple of num_generations "
                f"({self.num_generations}): each step trains on whole groups of completions")
+        _check(not (self.ref_model and self.beta == 0), "ref_model",
+               "is unused: with beta 0 GRPO has no KL term and loads no reference; remove ref_model, or set beta > 0")
 
     @property
     def uses_reference(self) -> bool:
@@ -1540,12 +1551,17 @@ def _wandb_mode() -> dict[str, str]:
 SMOOTH_FROM_POINTS = 10  # a metric logged fewer times is plotted as its points alone
 
 
-def _ema(values: list[float], weight: float = 0.9) -> list[float]:
-    smoothed, last = [], values[0] if values else 0.0
-    for v in values:
-        last = weight * last + (1 - weight) * v
-        smoothed.append(last)
-    return smoothed
+def smoothed(values: list[float]) -> list[float]:
+    """A centred moving average whose window narrows symmetrically at both ends (to the point itself at the
+    first and last). An exponential average trails a falling loss and ends far above where the loss ended; a
+    centred one follows a trend, so the line never leaves the data it summarises."""
+    half = max(1, len(values) // 20)
+    out = []
+    for i in range(len(values)):
+        reach = min(half, i, len(values) - 1 - i)
+        window = values[i - reach:i + reach + 1]
+        out.append(sum(window) / len(window))
+    return out
 
 
 def plot_metrics(history: list[dict[str, Any]], output_dir: str | os.PathLike,
@@ -1571,7 +1587,7 @@ def plot_metrics(history: list[dict[str, Any]], output_dir: str | os.PathLike,
         ax.plot(steps, values, color="#1f77b4", alpha=0.4 if smooth else 1, marker="." if len(points) < 20 else None,
                 label="raw")
         if smooth:
-            ax.plot(steps, _ema(list(values)), color="#1f77b4", label="smoothed")
+            ax.plot(steps, smoothed(list(values)), color="#1f77b4", label="smoothed")
         ax.set_xlabel("step")
         ax.set_ylabel(key)
         ax.set_title(key)
@@ -1583,6 +1599,45 @@ def plot_metrics(history: list[dict[str, Any]], output_dir: str | os.PathLike,
         plt.close(fig)
         written.append(path)
     return written
+
+
+class PlainProgress:
+    """Progress as log lines, for output that is not a terminal: one line when ``interval`` seconds have passed
+    since the last (and one at the end) with step/total, the rate since this run started, the ETA and the last
+    logged loss. It mirrors the few calls ``TrainingLogger`` makes on rich's ``Progress``."""
+
+    def __init__(self, description: str, total: int, start: int, interval: float) -> None:
+        self.description, self.total, self.start, self.done, self.interval = description, total, start, start, interval
+        self.began = self.last_line = time.monotonic()
+        self.loss = "-"
+
+    def update(self, _task: Any = None, *, loss: str = "-", speed: str = "") -> None:
+        self.loss = loss
+
+    def advance(self, _task: Any = None, steps: int = 1) -> None:
+        self.done += steps
+        now = time.monotonic()
+        if now - self.last_line >= self.interval or self.done >= self.total:
+            self.last_line = now
+            logger.info("%s", self.line(now))
+
+    def line(self, now: float) -> str:
+        """'sft: step 120/600 (20%), 1.52 steps/s, eta 5m16s, loss 0.4123'."""
+        elapsed, finished = now - self.began, self.done - self.start
+        rate = finished / elapsed if elapsed > 0 else 0.0
+        eta = f"{_duration((self.total - self.done) / rate)}" if rate > 0 else "?"
+        speed = f"{rate:.2f} steps/s" if rate >= 0.1 else f"{1 / rate:.1f} s/step" if rate > 0 else "- steps/s"
+        return (f"{self.description}: step {self.done}/{self.total} ({100 * self.done / max(1, self.total):.0f}%), "
+                f"{speed}, eta {eta}, loss {self.loss}")
+
+    def stop(self) -> None:
+        pass
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s" if rest >= 60 else f"{rest}s"
 
 
 class TrainingLogger:
@@ -1627,6 +1682,8 @@ class TrainingLogger:
         self.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in self.history), encoding="utf-8")
 
     def _start_progress(self, total: int, start: int, description: str) -> None:
+        """rich's bar on a terminal; elsewhere (a pipe, a CI log, a file) rich draws nothing until the end, so a
+        plain line every ``progress_interval`` seconds shows the stage is alive."""
         from rich.progress import (
             BarColumn,
             MofNCompleteColumn,
@@ -1636,6 +1693,9 @@ class TrainingLogger:
             TimeRemainingColumn,
         )
 
+        if not rich_console().is_terminal:
+            self._progress, self._task = PlainProgress(description, total, start, self.config.progress_interval), None
+            return
         self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                                   TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[speed]}"),
                                   TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
@@ -2156,6 +2216,7 @@ def resolve_dataset(name: str, dataset_dir: str | os.PathLike) -> DatasetSpec:
         hint = difflib.get_close_matches(name, list(info), n=1)
         raise RLHFInputError(f"dataset '{name}' is not in {info_path}" + (f"; did you mean '{hint[0]}'?" if hint else ""))
     entry = info[name]
+    _check_dataset_entry(info_path, name, entry)
     spec = DatasetSpec(name=name, formatting=entry.get("formatting", "alpaca"), columns=entry.get("columns", {}),
                        tags=entry.get("tags", {}), ranking=bool(entry.get("ranking", False)))
     if "file_name" in entry:
@@ -2169,6 +2230,60 @@ def resolve_dataset(name: str, dataset_dir: str | os.PathLike) -> DatasetSpec:
     else:
         raise RLHFInputError(f"{info_path}: dataset '{name}' has no file_name or hf_hub_url")
     return spec
+
+
+DATASET_INFO_KEYS = ("file_name", "hf_hub_url", "formatting", "ranking", "subset", "split", "folder", "columns", "tags")
+DATASET_INFO_UNSUPPORTED = {  # LLaMA-Factory keys this loader cannot honour, and what to do instead
+    "ms_hub_url": "ModelScope is not supported; download the files and use file_name",
+    "om_hub_url": "Modelers is not supported; download the files and use file_name",
+    "script_url": "dataset loading scripts are not supported; use file_name or hf_hub_url",
+    "cloud_file_name": "cloud storage is not supported; copy the file here and use file_name",
+    "num_samples": "per-dataset sampling is not supported; use the config field max_samples",
+}
+DATASET_COLUMNS = {"alpaca": (*ALPACA_COLUMNS, "margin"), "sharegpt": (*SHAREGPT_COLUMNS, "margin")}
+MULTIMODAL_COLUMNS = ("images", "videos", "audios")
+
+
+def _check_dataset_entry(info_path: Path, name: str, entry: Any) -> None:
+    """Every key of a dataset_info.json entry is one this loader honours: a misspelt key ('colums') would
+    otherwise be skipped and the defaults read the file, wrongly or not at all."""
+    def fail(key: str, problem: str) -> None:
+        raise RLHFInputError(f"{info_path}:{_key_line(info_path, name, key)}: dataset '{name}': {problem}")
+
+    def did_you_mean(key: str, valid: Iterable[str]) -> str:
+        hint = difflib.get_close_matches(key, list(valid), n=1)
+        return f"did you mean '{hint[0]}'? " if hint else ""
+
+    if not isinstance(entry, dict):
+        fail(name, f"its entry must be an object like {{\"file_name\": \"data.json\"}}, not {type(entry).__name__}")
+    for key in entry:
+        if key in DATASET_INFO_UNSUPPORTED:
+            fail(key, f"'{key}': {DATASET_INFO_UNSUPPORTED[key]}")
+        if key not in DATASET_INFO_KEYS:
+            fail(key, f"unknown key '{key}'; {did_you_mean(key, DATASET_INFO_KEYS)}valid: {', '.join(DATASET_INFO_KEYS)}")
+    formatting = entry.get("formatting", "alpaca")
+    if formatting not in DATASET_COLUMNS:
+        fail("formatting", f"formatting '{formatting}' is not alpaca or sharegpt; {did_you_mean(str(formatting), DATASET_COLUMNS)}")
+    for group, valid in (("columns", DATASET_COLUMNS[formatting]), ("tags", tuple(SHAREGPT_TAGS))):
+        mapping = entry.get(group, {})
+        if not isinstance(mapping, dict):
+            fail(group, f"'{group}' must be an object mapping names to your file's keys")
+        for key in mapping:
+            if group == "columns" and key in MULTIMODAL_COLUMNS:
+                fail(key, f"column '{key}': multimodal data is not supported; train text-only records")
+            if key not in valid:
+                fail(key, f"unknown {group[:-1]} '{key}' for {formatting} data; {did_you_mean(key, valid)}valid: "
+                          f"{', '.join(valid)}")
+    if "tags" in entry and formatting != "sharegpt":
+        fail("tags", "'tags' apply to sharegpt data only; set \"formatting\": \"sharegpt\" or remove them")
+
+
+def _key_line(info_path: Path, name: str, key: str) -> int:
+    """The line of ``key`` inside dataset ``name``'s entry (for file:line messages; 1 when it cannot be told)."""
+    text = info_path.read_text(encoding="utf-8")
+    start = text.find(json.dumps(name))
+    at = text.find(json.dumps(key), start + 1) if start >= 0 and key != name else start
+    return text.count("\n", 0, at) + 1 if at >= 0 else 1
 
 
 def _line_starts(text: str) -> list[int]:
@@ -2349,6 +2464,10 @@ def _parse_label(value: Any, location: str, key: str) -> bool:
 
 def _parse_alpaca(raw: dict[str, Any], columns: dict[str, str], location: str) -> dict[str, Any]:
     cols = {**ALPACA_COLUMNS, **columns}
+    if cols["prompt"] not in raw:
+        raise RLHFInputError(f"{location}: record has no '{cols['prompt']}' field (it has: {', '.join(map(str, raw))}); "
+                             f"name your keys in the dataset's dataset_info.json entry, e.g. \"columns\": "
+                             f"{{\"prompt\": \"question\", \"response\": \"answer\"}}")
     prompt = _text(raw, cols["prompt"], location, required=True)
     query = _text(raw, cols["query"], location)
     if query:
@@ -2381,6 +2500,10 @@ def _message_text(message: Any, tags: dict[str, str], location: str, what: str) 
 def _parse_sharegpt(raw: dict[str, Any], columns: dict[str, str], tags: dict[str, str], location: str) -> dict[str, Any]:
     cols = {**SHAREGPT_COLUMNS, **columns}
     turns = raw.get(cols["messages"])
+    if cols["messages"] not in raw:
+        raise RLHFInputError(f"{location}: record has no '{cols['messages']}' field (it has: {', '.join(map(str, raw))}); "
+                             f"name the conversation's key in the dataset's dataset_info.json entry, e.g. "
+                             f"\"columns\": {{\"messages\": \"messages\"}}")
     if not isinstance(turns, list):
         raise RLHFInputError(f"{location}: field '{cols['messages']}' must be a list of messages")
     if tags is None:  # not registered: tell ShareGPT ({from, value}) from OpenAI ({role, content})
@@ -4171,16 +4294,17 @@ def is_quantized(model: nn.Module) -> bool:
 
 def load_causal_lm(path: str, *, dtype: str | torch.dtype = "float32", attn_implementation: str = "auto",
                    trust_remote_code: bool = False, device: torch.device | str = "cpu",
-                   quantization: Any = None) -> tuple[nn.Module, str]:
+                   quantization: Any = None, field: str = "model_name_or_path") -> tuple[nn.Module, str]:
     """``AutoModelForCausalLM`` with the best attention backend this model and device support; ``quantization``
-    (``quantization_config``) loads its linear layers quantised, on ``device``."""
+    (``quantization_config``) loads its linear layers quantised, on ``device``. ``field``: the config field that
+    named ``path``, for error messages."""
     from transformers import AutoModelForCausalLM
 
     if _names_a_local_path(path) and not Path(path).expanduser().exists():
-        raise RLHFInputError(f"config field 'model_name_or_path': '{path}' does not exist; give a saved model "
+        raise RLHFInputError(f"config field '{field}': '{path}' does not exist; give a saved model "
                              f"directory (check the path and the working directory {os.getcwd()}) or 'tiny'")
     if Path(path).is_dir() and not (Path(path) / "config.json").exists():
-        raise RLHFInputError(f"config field 'model_name_or_path': directory '{path}' has no config.json, so it is not "
+        raise RLHFInputError(f"config field '{field}': directory '{path}' has no config.json, so it is not "
                              f"a Hugging Face model; point it at a saved model (or an adapter) or use 'tiny'")
     implementation, reason = select_attention_implementation(attn_implementation, device)
     kwargs = dict(dtype=_torch_dtype(dtype), trust_remote_code=trust_remote_code)
@@ -4199,7 +4323,7 @@ def load_causal_lm(path: str, *, dtype: str | torch.dtype = "float32", attn_impl
             implementation = "eager"
             model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=implementation, **kwargs)
     except OSError as err:
-        raise RLHFInputError(f"config field 'model_name_or_path': cannot load '{path}' ({str(err).splitlines()[0][:160]}); "
+        raise RLHFInputError(f"config field '{field}': cannot load '{path}' ({str(err).splitlines()[0][:160]}); "
                              f"give a local Hugging Face model directory or 'tiny'") from None
     # an explicit request that cannot run here is worth a warning (Hugging Face would refuse it); auto is not
     if attn_implementation in ("auto", implementation):
@@ -4223,19 +4347,19 @@ class PolicyModel(nn.Module):
     def from_pretrained(cls, name_or_path: str, *, dtype: str | torch.dtype = "float32", attn_implementation: str = "auto",
                         trust_remote_code: bool = False, device: torch.device | str = "cpu",
                         cache_dir: str | os.PathLike | None = None, is_trainable: bool = True,
-                        quantization: Any = None) -> PolicyModel:
+                        quantization: Any = None, field: str = "model_name_or_path") -> PolicyModel:
         """Load a model directory (or 'tiny'); a directory holding a PEFT adapter loads its base, then the adapter.
         ``quantization``: load the base quantised (QLoRA, ``quantization_config``)."""
         path = resolve_model_path(name_or_path, cache_dir)
         adapter_config = Path(path) / "adapter_config.json"
         base_path = json.loads(adapter_config.read_text())["base_model_name_or_path"] if adapter_config.exists() else path
         if adapter_config.exists() and _names_a_local_path(base_path) and not Path(base_path).expanduser().exists():
-            raise RLHFInputError(f"config field 'model_name_or_path': {path} is an adapter whose base model {base_path} "
+            raise RLHFInputError(f"config field '{field}': {path} is an adapter whose base model {base_path} "
                                  f"(base_model_name_or_path in adapter_config.json) does not exist; restore the base "
                                  f"there or edit adapter_config.json")
         model, implementation = load_causal_lm(base_path, dtype=dtype, attn_implementation=attn_implementation,
                                                trust_remote_code=trust_remote_code, device=device,
-                                               quantization=quantization)
+                                               quantization=quantization, field=field)
         if adapter_config.exists():
             from peft import PeftModel
 
@@ -5102,6 +5226,7 @@ def create_reference_model(config: BaseConfig, policy: PolicyModel) -> Reference
         return None
     if getattr(config, "ref_model", None):
         reference = PolicyModel.from_pretrained(config.ref_model, dtype=_model_dtype(config), device=policy.device,
+                                                field="ref_model",
                                                 attn_implementation=config.attn_implementation, is_trainable=False,
                                                 quantization=quantization_config(config),
                                                 trust_remote_code=config.trust_remote_code, cache_dir=config.cache_dir)
@@ -6286,6 +6411,30 @@ class BaseTrainer:
 
     # -- the loop
     def train(self) -> TrainResult:
+        try:
+            return self._train()
+        except KeyboardInterrupt as interrupt:
+            progress = getattr(getattr(self, "training_logger", None), "_progress", None)
+            if progress is not None:
+                progress.stop()
+            raise TrainingInterrupted(self._resume_advice()) from interrupt
+
+    def _resume_advice(self) -> str:
+        """What to run after an interrupt, true for this config: a config that starts over would delete the
+        checkpoints the usual advice promises to resume from."""
+        latest = self.checkpoints.latest()
+        if latest is None:
+            return "interrupted before the first checkpoint: running the same command again starts over"
+        where = f"the last checkpoint is {latest}"
+        if self.config.overwrite_output_dir:
+            return (f"interrupted: {where}, but this config sets overwrite_output_dir=true, which deletes it on the "
+                    f"next run; to resume, run the same command with overwrite_output_dir=false")
+        if self.config.resume_from_checkpoint == "none":
+            return (f"interrupted: {where}, but this config sets resume_from_checkpoint=none, which deletes it on the "
+                    f"next run; to resume, run the same command with resume_from_checkpoint=auto")
+        return f"interrupted: {where}; run the same command again to resume from it"
+
+    def _train(self) -> TrainResult:
         started = time.time()
         self.ewc = self._setup_ewc()
         self._resume()
@@ -6306,10 +6455,10 @@ class BaseTrainer:
             self.global_step += 1
             self.micro_batches_done += len(group)
             self._stop_if_diverged()
-            self.training_logger.advance()
             final = self.global_step == self.total_steps
             if self.global_step % config.logging_steps == 0 or final:
                 self._log_window(window, step_metrics)
+            self.training_logger.advance()  # after the log, so that a progress line shows this step's loss
             if (config.eval_steps and self.global_step % config.eval_steps == 0) or final:
                 last_eval = self.evaluate()
                 if last_eval:
@@ -6557,14 +6706,15 @@ class BaseTrainer:
 
     def _resume(self) -> None:
         choice = self.config.resume_from_checkpoint
-        if self.config.overwrite_output_dir:
+        if self.config.overwrite_output_dir or choice == "none":
+            found = self.checkpoints.checkpoints()
+            if found:  # a fresh start must not roll or later resume into old steps; say so before deleting
+                key = "overwrite_output_dir=true" if self.config.overwrite_output_dir else "resume_from_checkpoint=none"
+                fix = "overwrite_output_dir=false" if self.config.overwrite_output_dir else "resume_from_checkpoint=auto"
+                logger.warning("%s: deleting %d checkpoint(s) in %s (the newest at step %s) and starting over; run "
+                               "with %s to resume from them instead", key, len(found), self.checkpoints.root,
+                               found[-1].name.removeprefix(CheckpointManager.prefix), fix)
             self.checkpoints.clear()
-            return
-        if choice == "none":
-            if self.checkpoints.checkpoints():  # a fresh start must not roll or later resume into old steps
-                logger.warning("resume_from_checkpoint=none: removing the earlier run's checkpoints in %s",
-                               self.checkpoints.root)
-                self.checkpoints.clear()
             return
         if choice == "auto":
             path = self._resume_newest_readable()
@@ -6659,7 +6809,7 @@ class BaseTrainer:
     # settings that say how long a run goes, where and how it reports and evaluates, not what it trains:
     # changing them is a normal resume (extending max_steps is the usual one)
     RESUME_NEUTRAL_FIELDS = frozenset({"output_dir", "logging_dir", "resume_from_checkpoint", "overwrite_output_dir",
-                                       "report_to", "run_name", "disable_progress_bar", "logging_steps", "save_steps",
+                                       "report_to", "run_name", "disable_progress_bar", "progress_interval", "logging_steps", "save_steps",
                                        "save_total_limit", "save_only_model", "eval_steps", "plot_loss", "max_steps",
                                        "num_train_epochs", "dataloader_num_workers", "preprocessing_num_workers",
                                        "ddp_timeout", "cache_dir", "eval_dataset", "per_device_eval_batch_size",
@@ -8816,11 +8966,26 @@ def _prepare_output_dir(config: BaseConfig) -> None:
             raise RLHFInputError(f"config field '{field_name}': {directory} is not writable; give a writable directory")
 
 
+_MODEL_FIELDS = ("model_name_or_path", "reward_model", "process_reward_model", "value_model", "ref_model")
+
+
+def check_model_paths(config: BaseConfig, skip: Iterable[str] = ()) -> None:
+    """Every model a config names by a local path exists (``skip``: ones a pipeline trains before they are read),
+    so a missing reference or reward model is found before the policy loads and trains, under its own field."""
+    skip = set(skip)
+    for field_name in _MODEL_FIELDS:
+        path = getattr(config, field_name, None)
+        if path and str(path) not in skip and _names_a_local_path(str(path)) and not Path(str(path)).expanduser().exists():
+            raise RLHFInputError(f"config field '{field_name}': '{path}' does not exist; give a saved model directory "
+                                 f"(check the path and the working directory {os.getcwd()})")
+
+
 def _start_stage(config: BaseConfig, devices: DeviceManager | None, records: tuple | None = None
                  ) -> tuple[tuple, DeviceManager]:
     """Output folder checks, logging, seed, records (validated before any model loads) and devices for one
     stage. ``records``: already read and split (a reward-model ensemble's members share one split)."""
     _prepare_output_dir(config)
+    check_model_paths(config)
     setup_logging(log_file=Path(config.logging_dir or Path(config.output_dir) / "logs") / f"{config.stage}.log")
     set_seed(config.seed)
     if getattr(config, "precompute_ref_log_probs", False) and config.streaming:
@@ -9147,9 +9312,8 @@ def data_fingerprint(config: BaseConfig) -> list[Any]:
 
 
 # config fields that change how a run looks, not what it computes
-_COSMETIC_FIELDS = ("disable_progress_bar", "report_to", "run_name", "logging_dir", "resume_from_checkpoint",
+_COSMETIC_FIELDS = ("disable_progress_bar", "progress_interval", "report_to", "run_name", "logging_dir", "resume_from_checkpoint",
                     "overwrite_output_dir", "plot_loss")
-_MODEL_FIELDS = ("model_name_or_path", "reward_model", "process_reward_model", "value_model", "ref_model")
 POLICY_OPTIMISATION_STAGES = ("dpo", "simpo", "orpo", "kto", "grpo", "ppo")
 STAGE_MARKER = "pipeline_stage.json"  # in output_dir/<stage>: the fingerprint it was started with, and whether it finished
 
@@ -9322,6 +9486,29 @@ class RLHFOrchestrator:
         self._sync: DeviceManager | None = None  # under a multi-process launch: barriers and the main process
         self._compressor_model: PolicyModel | None = None  # the policy ContextCompressor runs on, loaded once
         self._compressor_for: str | None = None
+
+    def check_inputs(self) -> None:
+        """Every stage's datasets and every model it names exist, checked before the first stage trains: a typo
+        in the last stage's dataset or reference model would otherwise surface after the earlier stages trained.
+        Models this pipeline trains (a later stage's input, ``rm`` as reward_model) are not checked."""
+        produced = {str(self.output_dir / stage) for stage in self.config.stages}
+        first_training_stage = next((s for s in self.config.stages if s in STAGE_CONFIGS), None)
+        for stage in self.config.stages:
+            if stage not in STAGE_CONFIGS:
+                continue
+            config = self.config.stage_config(stage)
+            where = f"{self.config.source} [{stage}]"
+            for field_name in ("dataset", "eval_dataset", "ewc_dataset"):
+                for name in [n.strip() for n in str(getattr(config, field_name, "") or "").split(",") if n.strip()]:
+                    try:
+                        resolve_dataset(name, config.dataset_dir)
+                    except RLHFInputError as err:
+                        raise RLHFInputError(f"{where}: config field '{field_name}': {err}") from None
+            trained_here = produced | ({str(config.model_name_or_path)} if stage != first_training_stage else set())
+            try:
+                check_model_paths(config, trained_here)
+            except RLHFInputError as err:
+                raise RLHFInputError(f"{where}: {err}") from None
 
     # -- training stages
     @_leaves_logging_as_found
@@ -9744,6 +9931,7 @@ class RLHFOrchestrator:
         """Every stage in ``config.stages``; prints the pipeline table and writes report.json, report.md
         and pipeline_summary.png. Returns this run's entries."""
         started = time.time()
+        self.check_inputs()
         if self.is_main_process:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             save_config(self.config, self.output_dir / "pipeline_config.yaml")
@@ -9949,11 +10137,12 @@ def main(argv: list[str] | None = None) -> int:
             RLHFOrchestrator(PipelineConfig.load(args.config, args.overrides, args.preset)).run_full_pipeline()
             return 0
         stage = args.command
-        if stage == "train":
-            stage = str(read_yaml(args.config).get("stage", ""))
+        if stage == "train":  # the trainer is the file's stage key, or stage=X on the command line (it wins)
+            given = [o.split("=", 1)[1].strip() for o in args.overrides if o.split("=", 1)[0].strip() == "stage"]
+            stage = given[-1] if given else str(read_yaml(args.config).get("stage", ""))
             if not stage:
                 raise RLHFInputError(f"{args.config} has no 'stage:' key, which picks the trainer; add a line "
-                                     f"stage: {' | '.join(STAGE_CONFIGS)}")
+                                     f"stage: {' | '.join(STAGE_CONFIGS)}, or give stage=sft (or another) after the file")
             if stage not in STAGE_CONFIGS:
                 raise RLHFInputError(f"{args.config}: 'stage' is '{stage}'; valid: {', '.join(STAGE_CONFIGS)}")
         entries = _run_single_stage(stage, args.config, args.overrides)
@@ -9963,9 +10152,11 @@ def main(argv: list[str] | None = None) -> int:
     except RLHFInputError as err:
         Console(stderr=True).print(f"[bold red]error:[/] {escape(str(err))}", markup=True, highlight=False, soft_wrap=True)
         return 2
-    except KeyboardInterrupt:
-        Console(stderr=True).print("interrupted: run the same command again to resume from the last checkpoint "
-                                   "(one stopped before its first save starts over)")
+    except KeyboardInterrupt as interrupt:
+        advice = (str(interrupt) if isinstance(interrupt, TrainingInterrupted) else
+                  "interrupted: run the same command again to resume from the last checkpoint (one stopped before "
+                  "its first save starts over)")
+        Console(stderr=True).print(advice, markup=False, highlight=False, soft_wrap=True)
         return 130
     finally:
         _close_process_group()
