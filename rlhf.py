@@ -8,14 +8,14 @@ bundled demo task, and on GPUs through accelerate.
     python rlhf.py sft --config configs/sft.yaml learning_rate=1e-4
 
 Table of contents (each section opens with a ``# ==== N. Title ====`` banner):
-  0. Notation and registries — IGNORE_INDEX, RLHFInputError, TrainingStage
+  0. Notation and registries — IGNORE_INDEX, RLHFInputError
   1. Configs — BaseConfig, SFTConfig, RewardModelConfig, ProcessRewardModelConfig, DPOConfig, SimPOConfig, ORPOConfig, KTOConfig, OnlineRLConfig, GRPOConfig, PPOConfig, PipelineConfig, load_config, save_config, config_help, get_7b_model_config, get_70b_model_config, count_parameters, estimate_memory
   2. Infrastructure — setup_logging, logging_restored, DeviceManager, weight_sharding, TrainingLogger, CheckpointManager, create_optimizer, EarlyStopping, find_expert_parameter_names, apply_lora, apply_freeze, compile_model, select_attention_implementation
   3. Data — load_records, ChatFormatter, CHAT_TEMPLATES, TEMPLATE_SPECIAL_TOKENS, saved_as_trained, chat_formatter, SFTDataset, StreamingSFTDataset, pack_sequences, SFTCollator, PreferenceDataset, StreamingPreferenceDataset, KTODataset, StreamingKTODataset, pack_rows, pack_preference_pairs, PreferenceBatch, PreferenceCollator, KTOBatch, KTOCollator, GRPODataset, StreamingGRPODataset, extract_answer, split_steps, arithmetic_step_labels, arithmetic_response_labels, encode_steps, ProcessPreferenceDataset, ProcessPreferenceCollator
   4. Models — token_log_probs, OutputHead, load_tokenizer, quantization_config, is_quantized, build_tiny_model, resolve_model_path, PolicyModel, state_under, RewardModel, RewardEnsemble, aggregate_step_scores, ProcessRewardModel, ValueModel, ActorCritic, select_informative_tokens, ContextCompressor, ReferenceModel, can_pack_pairs, tree_attention_mask, shared_prefix_log_probs, grouped_logits, grouped_packed_logits, grouped_prefix_logits, create_reference_model
   5. Losses and advantages — router_load_balancing_loss, causal_lm_loss_sum, causal_lm_loss_with, sequence_log_probs, dpo_loss, PREFERENCE_LOSSES, simpo_loss, orpo_loss, kto_loss, reward_model_loss, reward_boosting_weights, ewc_penalty, whiten, grpo_advantages, grpo_loss, compute_gae, ppo_policy_loss, ppo_value_loss, AdaptiveKLController, FixedKLController
   6. Rewards — exact_answer_reward, format_reward, length_penalty, CompositeReward, LearnedReward, ProcessReward, HTTPReward, RewardAPIError, Principle, ConstitutionalRewardWrapper, RewardFunctionFactory, RunningRewardNormalizer, process_rewards
-  7. Trainers — RouterAuxLoss, BaseTrainer, TrainingDivergedError, SFTTrainer, PairScores, RewardModelTrainer, ProcessRewardModelTrainer, DPOTrainer, SimPOTrainer, KTOTrainer, precompute_ref_log_probs, Rollout, RolloutBuffer, token_entropy, disable_dropout, GRPOTrainer, PPOTrainer, TrainResult, close_loss_scaler_step
+  7. Trainers — RouterAuxLoss, BaseTrainer, TrainingDivergedError, SFTTrainer, PairScores, RewardModelTrainer, ProcessRewardModelTrainer, DPOTrainer, KTOTrainer, precompute_ref_log_probs, Rollout, RolloutBuffer, token_entropy, disable_dropout, GRPOTrainer, PPOTrainer, TrainResult, close_loss_scaler_step
   8. Evaluation — kl_estimates, distinct_n, self_similarity, win_rate, RLHFEvaluator
   9. Self-improvement and safety — CapabilityReport, CapabilityTester, ElasticWeightConsolidation, repetition_rate, degeneration_rates, reward_hacking_flags, PERTURBATIONS, answer_consistency, validation_score, ValidationReport, AdversarialValidator, default_critique, RefinementResult, refinement_pairs, write_preference_jsonl, IterativeRefiner
   10. Orchestrator — train_sft, train_rm, train_prm, train_dpo, train_kto, train_grpo, train_ppo, read_report, append_report, data_fingerprint, pipeline_table, write_pipeline_report, RLHFOrchestrator
@@ -31,7 +31,6 @@ import contextlib
 import copy
 import dataclasses
 import difflib
-import enum
 import functools
 import gc
 import hashlib
@@ -98,20 +97,6 @@ class RLHFInputError(ValueError):
 class TrainingInterrupted(KeyboardInterrupt):
     """Ctrl-C during training, carrying what to run next for this config (resume, or how to keep the checkpoints
     a config that starts over would delete). A KeyboardInterrupt still, so every handler of one sees it."""
-
-
-class TrainingStage(str, enum.Enum):
-    """Pipeline stages, in the order the pipeline runs them."""
-
-    SFT = "sft"
-    RM = "rm"
-    PRM = "prm"
-    DPO = "dpo"
-    SIMPO = "simpo"
-    ORPO = "orpo"
-    KTO = "kto"
-    GRPO = "grpo"
-    PPO = "ppo"
 
 
 def _default_cache_dir() -> Path:
@@ -7307,12 +7292,6 @@ class DPOTrainer(_ReferenceTrainer):
         self.bco_delta, self.bco_count = state.get("bco_delta", 0.0), state.get("bco_count", 0)
 
 
-class SimPOTrainer(DPOTrainer):
-    """SimPO (Meng et al. 2024): DPOTrainer with pref_loss=simpo, no reference model."""
-
-    stage = "simpo"
-
-
 class KTOTrainer(_ReferenceTrainer):
     """KTO (Ethayarajh et al. 2024) on desirable/undesirable examples. Each batch also runs its
     mismatched (prompt, completion) pairs, whose policy/reference log-ratio gives the KL reference
@@ -9174,7 +9153,7 @@ def _train_policy_stage(config: BaseConfig, devices: DeviceManager | None, train
 @_leaves_logging_as_found
 def train_dpo(config: DPOConfig, devices: DeviceManager | None = None) -> TrainResult:
     """Run a DPO-family stage (dpo / simpo / orpo; pref_loss picks the loss)."""
-    return _train_policy_stage(config, devices, SimPOTrainer if config.pref_loss == "simpo" else DPOTrainer)
+    return _train_policy_stage(config, devices, DPOTrainer)
 
 
 @_leaves_logging_as_found
