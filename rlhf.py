@@ -6098,6 +6098,9 @@ def process_rewards(rewards: torch.Tensor, *, normalizer: RunningRewardNormalize
 # ==== 7. Trainers ====
 
 
+# ---- The training loop every stage shares: BaseTrainer ----
+
+
 def group_by_length(indices: list[int], lengths: Sequence[int], batch_size: int, megabatch: int = 50) -> list[int]:
     """Reorder a shuffled index list so each batch holds similar lengths: split it into chunks of
     ``megabatch`` batches and sort each chunk longest first (Hugging Face's LengthGroupedSampler).
@@ -6237,6 +6240,10 @@ class RouterAuxLoss:
         if logits:
             fits = mask is not None and mask.numel() == logits[0].shape[0]  # packed rows carry no (B, T) mask
             self.losses.append(router_load_balancing_loss(logits, self.top_k, mask if fits else None))
+
+
+def _format_metrics(metrics: dict[str, float]) -> str:
+    return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
 
 
 class BaseTrainer:
@@ -6846,8 +6853,53 @@ class BaseTrainer:
         self.devices.wait()
 
 
-def _format_metrics(metrics: dict[str, float]) -> str:
-    return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
+# ---- Shared by the policy trainers: held-out exact-match accuracy ----
+
+
+def _exact_match_counts(policy: PolicyModel, formatter: ChatFormatter, records: list[dict[str, Any]],
+                        max_new_tokens: int, batch_size: int, *, filler: Sequence[dict[str, Any]] = (),
+                        synced: bool = False) -> list[float]:
+    """(correct answers, answers with the Answer: line, completion tokens) over ``records``; the ``filler``
+    prompts are answered too (lockstep) and not counted."""
+    completions = policy.generate([formatter.prompt_ids(r) for r in [*records, *filler]], max_new_tokens=max_new_tokens,
+                                  stop_token_ids=formatter.stop_token_ids, batch_size=batch_size,
+                                  synced=synced)[:len(records)]
+    answers = [extract_answer(policy.decode(ids)) for ids in completions]
+    correct = sum(a is not None and a == r["answer"].strip() for a, r in zip(answers, records))
+    return [float(correct), float(sum(a is not None for a in answers)), float(sum(len(c) for c in completions))]
+
+
+def evaluate_exact_match(policy: PolicyModel, formatter: ChatFormatter, records: list[dict[str, Any]], *,
+                         max_new_tokens: int = 64, batch_size: int = 32,
+                         devices: DeviceManager | None = None, synced: bool = False) -> dict[str, float]:
+    """Greedy answers to prompts with a known ``answer``: exact-match accuracy and how often the
+    response had the ``Answer:`` line at all (format rate). With ``devices`` every process answers
+    every num_processes-th prompt and the counts are summed, so all processes return the figures of
+    the whole set (call it on every process; ``policy`` is the unwrapped model). ``synced``: its
+    weights are sharded across the processes (FSDP2, ZeRO-3), so every forward is a collective: each
+    process then answers as many prompts, a shorter share topped up with repeats that are not counted,
+    and decodes in lockstep."""
+    scored = [r for r in records if r.get("answer") is not None]
+    if not scored:
+        return {}
+    if devices is not None and devices.num_processes > 1:
+        mine = scored[devices.process_index::devices.num_processes]
+        share = math.ceil(len(scored) / devices.num_processes)
+        filler = [mine[-1] if mine else scored[0]] * (share - len(mine)) if synced else []
+        counts = (_exact_match_counts(policy, formatter, mine, max_new_tokens, batch_size, filler=filler, synced=synced)
+                  if mine or filler else [0.0] * 3)
+        correct, formatted, tokens = devices.sum_list_across_processes(counts)
+    else:
+        correct, formatted, tokens = _exact_match_counts(policy, formatter, scored, max_new_tokens, batch_size)
+    return {"eval/accuracy": correct / len(scored), "eval/format_rate": formatted / len(scored),
+            "eval/mean_completion_tokens": tokens / len(scored)}
+
+
+# ---- SFT ----
+#   config: SFTConfig (section 1)
+#   runner: train_sft (section 10)
+#   trainer: SFTTrainer.compute_loss
+#   loss: causal_lm_loss_with (section 5)
 
 
 class SFTTrainer(BaseTrainer):
@@ -6903,43 +6955,11 @@ class SFTTrainer(BaseTrainer):
         return {"eval/loss": mean, "eval/perplexity": math.exp(min(mean, 50.0))}
 
 
-def evaluate_exact_match(policy: PolicyModel, formatter: ChatFormatter, records: list[dict[str, Any]], *,
-                         max_new_tokens: int = 64, batch_size: int = 32,
-                         devices: DeviceManager | None = None, synced: bool = False) -> dict[str, float]:
-    """Greedy answers to prompts with a known ``answer``: exact-match accuracy and how often the
-    response had the ``Answer:`` line at all (format rate). With ``devices`` every process answers
-    every num_processes-th prompt and the counts are summed, so all processes return the figures of
-    the whole set (call it on every process; ``policy`` is the unwrapped model). ``synced``: its
-    weights are sharded across the processes (FSDP2, ZeRO-3), so every forward is a collective: each
-    process then answers as many prompts, a shorter share topped up with repeats that are not counted,
-    and decodes in lockstep."""
-    scored = [r for r in records if r.get("answer") is not None]
-    if not scored:
-        return {}
-    if devices is not None and devices.num_processes > 1:
-        mine = scored[devices.process_index::devices.num_processes]
-        share = math.ceil(len(scored) / devices.num_processes)
-        filler = [mine[-1] if mine else scored[0]] * (share - len(mine)) if synced else []
-        counts = (_exact_match_counts(policy, formatter, mine, max_new_tokens, batch_size, filler=filler, synced=synced)
-                  if mine or filler else [0.0] * 3)
-        correct, formatted, tokens = devices.sum_list_across_processes(counts)
-    else:
-        correct, formatted, tokens = _exact_match_counts(policy, formatter, scored, max_new_tokens, batch_size)
-    return {"eval/accuracy": correct / len(scored), "eval/format_rate": formatted / len(scored),
-            "eval/mean_completion_tokens": tokens / len(scored)}
-
-
-def _exact_match_counts(policy: PolicyModel, formatter: ChatFormatter, records: list[dict[str, Any]],
-                        max_new_tokens: int, batch_size: int, *, filler: Sequence[dict[str, Any]] = (),
-                        synced: bool = False) -> list[float]:
-    """(correct answers, answers with the Answer: line, completion tokens) over ``records``; the ``filler``
-    prompts are answered too (lockstep) and not counted."""
-    completions = policy.generate([formatter.prompt_ids(r) for r in [*records, *filler]], max_new_tokens=max_new_tokens,
-                                  stop_token_ids=formatter.stop_token_ids, batch_size=batch_size,
-                                  synced=synced)[:len(records)]
-    answers = [extract_answer(policy.decode(ids)) for ids in completions]
-    correct = sum(a is not None and a == r["answer"].strip() for a, r in zip(answers, records))
-    return [float(correct), float(sum(a is not None for a in answers)), float(sum(len(c) for c in completions))]
+# ---- Reward model ----
+#   config: RewardModelConfig (section 1)
+#   runner: train_rm (section 10; ensembles: _train_rm_ensemble)
+#   trainer: RewardModelTrainer.compute_loss -> _pair_losses
+#   loss: reward_model_loss (section 5)
 
 
 @dataclass
@@ -7015,6 +7035,13 @@ class RewardModelTrainer(BaseTrainer):
         RewardModel(self.devices.unwrap(self.policy.model), self.policy.tokenizer).load_weights(directory)
 
 
+# ---- Process reward model ----
+#   config: ProcessRewardModelConfig (section 1)
+#   runner: train_prm (section 10)
+#   trainer: ProcessRewardModelTrainer.compute_loss -> _pair_losses
+#   loss: reward_model_loss on aggregate_step_scores, plus step-label BCE (sections 5, 4)
+
+
 class ProcessRewardModelTrainer(RewardModelTrainer):
     """Process reward model training: the aggregated step scores of chosen and rejected are ranked
     pairwise (an outcome signal every preference pair has), and labelled steps add a binary
@@ -7057,6 +7084,9 @@ class ProcessRewardModelTrainer(RewardModelTrainer):
 
     def _load_model(self, directory: Path) -> None:
         RewardModel(self.devices.unwrap(self.policy.model), self.policy.tokenizer).load_weights(directory)
+
+
+# ---- Reference-model trainers, shared steps (DPO family, KTO; GRPO and PPO build on _ReferenceTrainer) ----
 
 
 @dataclass
@@ -7190,6 +7220,13 @@ class _ReferenceTrainer(BaseTrainer):
                 for k in keys}
 
 
+# ---- DPO family (DPO, IPO, hinge, robust, BCO, ..., SimPO, ORPO) ----
+#   config: DPOConfig, SimPOConfig, ORPOConfig (section 1)
+#   runner: train_dpo (section 10; the dpo, simpo and orpo stages)
+#   trainer: DPOTrainer.compute_loss -> pair_losses
+#   loss: dpo_loss / PREFERENCE_LOSSES, simpo_loss, orpo_loss (section 5)
+
+
 class DPOTrainer(_ReferenceTrainer):
     """The DPO family, ORPO and SimPO (``pref_loss``), with chosen and rejected in one forward.
 
@@ -7292,6 +7329,13 @@ class DPOTrainer(_ReferenceTrainer):
         self.bco_delta, self.bco_count = state.get("bco_delta", 0.0), state.get("bco_count", 0)
 
 
+# ---- KTO ----
+#   config: KTOConfig (section 1)
+#   runner: train_kto (section 10)
+#   trainer: KTOTrainer.compute_loss -> example_losses
+#   loss: kto_loss (section 5)
+
+
 class KTOTrainer(_ReferenceTrainer):
     """KTO (Ethayarajh et al. 2024) on desirable/undesirable examples. Each batch also runs its
     mismatched (prompt, completion) pairs, whose policy/reference log-ratio gives the KL reference
@@ -7353,6 +7397,9 @@ class KTOTrainer(_ReferenceTrainer):
         return {**self._mean_over(self.eval_dataset, metric_fn), **self._generation_eval()}
 
 
+# ---- Online RL, shared steps: rollouts, sampling, rewards (GRPO, PPO) ----
+
+
 @dataclass
 class Rollout:
     """One generation round of online RL, ready to train on: prompt + completion rows (right-padded,
@@ -7384,25 +7431,6 @@ class Rollout:
         fields = self.tensors()
         rows = order if order is not None else torch.arange(self.input_ids.shape[0])
         return [{k: v[rows[i:i + size]] for k, v in fields.items()} for i in range(0, len(rows), size)]
-
-
-class RolloutBuffer:
-    """PPO's experience buffer: one rollout of ``ppo_buffer_size`` mini-batches, replayed for
-    ``epochs`` passes, each pass in a fresh order drawn from ``seed`` and cut into micro-batches;
-    consecutive micro-batches of one mini-batch are accumulated into one optimizer step."""
-
-    def __init__(self, rollout: Rollout, *, micro_batch_size: int, epochs: int, seed: int) -> None:
-        self.rollout, self.micro_batch_size, self.epochs, self.seed = rollout, micro_batch_size, epochs, seed
-
-    def __len__(self) -> int:
-        return self.epochs * math.ceil(self.rollout.input_ids.shape[0] / self.micro_batch_size)
-
-    def micro_batches(self) -> list[dict[str, torch.Tensor]]:
-        out = []
-        for epoch in range(self.epochs):
-            order = torch.randperm(self.rollout.input_ids.shape[0], generator=torch.Generator().manual_seed(self.seed + epoch))
-            out += self.rollout.micro_batches(self.micro_batch_size, order)
-        return out
 
 
 SEQUENCE_KEYS = ("input_ids", "attention_mask", "labels")
@@ -7668,6 +7696,13 @@ class _OnlineRLTrainer(_ReferenceTrainer):
             self.normalizer.load_state_dict(state["reward_normalizer"])
 
 
+# ---- GRPO ----
+#   config: GRPOConfig, on OnlineRLConfig (section 1); rewards: RewardFunctionFactory (section 6)
+#   runner: train_grpo (section 10)
+#   trainer: GRPOTrainer.make_rollout (grpo_advantages) -> compute_loss
+#   loss: grpo_loss (section 5)
+
+
 class GRPOTrainer(_OnlineRLTrainer):
     """GRPO (Shao et al. 2024) with the later refinements TRL users know: each rollout samples
     ``num_generations`` completions per prompt, scores them with the reward functions, turns rewards
@@ -7796,6 +7831,32 @@ class GRPOTrainer(_OnlineRLTrainer):
         if config.loss_type == "bnpo":
             loss = loss * token_share
         return loss * self.loss_units(batch), {**metrics, **self._pop_rollout_metrics()}
+
+
+# ---- PPO ----
+#   config: PPOConfig, on OnlineRLConfig (section 1); rewards: RewardFunctionFactory (section 6)
+#   runner: train_ppo (section 10)
+#   trainer: PPOTrainer.make_rollout (KL penalty, compute_gae) -> compute_loss
+#   loss: ppo_policy_loss + ppo_value_loss; AdaptiveKLController / FixedKLController (section 5)
+
+
+class RolloutBuffer:
+    """PPO's experience buffer: one rollout of ``ppo_buffer_size`` mini-batches, replayed for
+    ``epochs`` passes, each pass in a fresh order drawn from ``seed`` and cut into micro-batches;
+    consecutive micro-batches of one mini-batch are accumulated into one optimizer step."""
+
+    def __init__(self, rollout: Rollout, *, micro_batch_size: int, epochs: int, seed: int) -> None:
+        self.rollout, self.micro_batch_size, self.epochs, self.seed = rollout, micro_batch_size, epochs, seed
+
+    def __len__(self) -> int:
+        return self.epochs * math.ceil(self.rollout.input_ids.shape[0] / self.micro_batch_size)
+
+    def micro_batches(self) -> list[dict[str, torch.Tensor]]:
+        out = []
+        for epoch in range(self.epochs):
+            order = torch.randperm(self.rollout.input_ids.shape[0], generator=torch.Generator().manual_seed(self.seed + epoch))
+            out += self.rollout.micro_batches(self.micro_batch_size, order)
+        return out
 
 
 class PPOTrainer(_OnlineRLTrainer):
