@@ -318,7 +318,7 @@ LLAMAFACTORY_EXPECTED = {"identity": ("sft", 91), "alpaca_en_demo": ("sft", 999)
 
 @pytest.fixture(scope="module")
 def llamafactory_dir(repo) -> Path:
-    return repo / "tests" / "data" / "llamafactory"  # bundled copies of LLaMA-Factory's demo files
+    return repo / "data"  # bundled copies of LLaMA-Factory's demo files, in LLaMA-Factory's data/ layout
 
 
 def test_every_llamafactory_file_is_covered(llamafactory_dir):

@@ -1,7 +1,8 @@
 """Preference training end to end: truncation, KTO's KL pairs, collators, reward models (save/load in
 full and adapter layouts, ensembles), reference models (adapter-disabled, frozen copy, precomputed),
 accumulation invariance, real learning for DPO / IPO / SimPO / ORPO / KTO / RM on the demo data, LLaMA-Factory's
-demo files and YAML configs (seed 001's blocks), and one-line errors for bad input.
+demo files (data/), and one-line errors for bad input. The example YAML configs (seed 001's blocks among
+them) run in test_examples.py.
 
 Models are the tiny Llama of conftest.py (``tiny_arch_dir("llama")``, exactness tests) or the embedded
 ``tiny`` model (learning and CLI runs); every run is a handful of optimizer steps.
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.one_thread
 
 @pytest.fixture(scope="module")
 def lf_dir(repo) -> Path:
-    return repo / "tests" / "data" / "llamafactory"
+    return repo / "data"  # LLaMA-Factory's demo files, bundled as in its data/
 
 
 @pytest.fixture(scope="module")
@@ -797,7 +798,7 @@ def _llamafactory_cases(lf_dir: Path) -> list[tuple[str, str]]:
     return cases
 
 
-LLAMAFACTORY_DIR = Path(__file__).resolve().parent / "data" / "llamafactory"
+LLAMAFACTORY_DIR = Path(__file__).resolve().parents[1] / "data"
 
 
 @pytest.mark.parametrize("dataset,stage", _llamafactory_cases(LLAMAFACTORY_DIR))
@@ -815,139 +816,7 @@ def test_llamafactory_demo_files_cover_dpo_and_kto():
     assert {stage for _, stage in _llamafactory_cases(LLAMAFACTORY_DIR)} == {"dpo", "rm", "kto"}
 
 
-# -- 10. LLaMA-Factory YAML: seed 001's RM / DPO / ORPO / SimPO / KTO blocks ------------------------------------
-# The blocks are copied from seed 001 ("RLHF / Preference Training Templates"); swapped: model_name_or_path
-# (Qwen/Qwen3-8B-Instruct), template (qwen3_nothink -> chatml), cutoff_len (2048 -> 64), output_dir; added:
-# dataset_dir and max_samples (and max_steps: 2 in the test runs). ORPO and SimPO are "stage: dpo" with the
-# DPO block's other keys, as seed 001 says. configs/llamafactory/*.yaml hold the same blocks for users.
-
-_DPO_HEAD = """\
-model_name_or_path: {model}
-trust_remote_code: true
-
-stage: dpo
-do_train: true
-finetuning_type: lora
-lora_rank: 8
-lora_target: all
-
-"""
-_DPO_TAIL = """
-dataset: dpo_en_demo
-dataset_dir: tests/data/llamafactory
-template: chatml
-cutoff_len: 64
-max_samples: 16
-
-output_dir: {output_dir}
-per_device_train_batch_size: 1
-gradient_accumulation_steps: 8
-learning_rate: 5.0e-6
-num_train_epochs: 3.0
-lr_scheduler_type: cosine
-warmup_ratio: 0.1
-bf16: true
-logging_steps: 10
-save_steps: 500
-plot_loss: true
-"""
-SEED_001_BLOCKS = {  # name -> (stage the report must show, YAML)
-    "rm": ("rm", """\
-model_name_or_path: {model}
-trust_remote_code: true
-
-stage: rm
-do_train: true
-finetuning_type: lora
-lora_rank: 8
-lora_target: all
-
-dataset: dpo_en_demo
-dataset_dir: tests/data/llamafactory
-template: chatml
-cutoff_len: 64
-max_samples: 16
-
-output_dir: {output_dir}
-per_device_train_batch_size: 1
-gradient_accumulation_steps: 8
-learning_rate: 5.0e-6
-num_train_epochs: 1.0
-bf16: true
-"""),
-    "dpo": ("dpo", _DPO_HEAD + "pref_beta: 0.1\npref_loss: sigmoid\n" + _DPO_TAIL),
-    "orpo": ("dpo", _DPO_HEAD + "pref_loss: orpo\npref_beta: 0.1\n" + _DPO_TAIL),
-    "simpo": ("dpo", _DPO_HEAD + "pref_loss: simpo\npref_beta: 2.0\nsimpo_gamma: 0.5\n" + _DPO_TAIL),
-    # seed 001 has per_device_train_batch_size: 1 x gradient_accumulation_steps: 8; rlhf's KTO needs >= 2 examples
-    # per micro-batch (test_kto_batch_size_one_is_a_config_error), so: 2 x 4, the same 8 per step
-    "kto": ("kto", """\
-model_name_or_path: {model}
-trust_remote_code: true
-
-stage: kto
-do_train: true
-finetuning_type: lora
-lora_rank: 8
-lora_target: all
-
-pref_beta: 0.1
-kto_chosen_weight: 1.0
-kto_rejected_weight: 1.0
-
-dataset: kto_en_demo
-dataset_dir: tests/data/llamafactory
-template: chatml
-cutoff_len: 64
-max_samples: 16
-
-output_dir: {output_dir}
-per_device_train_batch_size: 2
-gradient_accumulation_steps: 4
-learning_rate: 5.0e-6
-num_train_epochs: 3.0
-bf16: true
-"""),
-}
-LOSS_OF_BLOCK = {"dpo": "sigmoid", "orpo": "orpo", "simpo": "simpo"}
-
-
-@pytest.mark.parametrize("name", list(SEED_001_BLOCKS))
-def test_llamafactory_yaml_runs_both_ways(name, tmp_path, tiny_model_dir, repo, monkeypatch, capsys):
-    stage, block = SEED_001_BLOCKS[name]
-    plots = []  # plot_loss: true is honoured; rendering a dozen PNGs per run would cost seconds, so only record it
-    monkeypatch.setattr(rlhf, "plot_metrics", lambda history, output_dir, keys=None: plots.append(output_dir) or [])
-    monkeypatch.chdir(repo)  # dataset_dir is relative to the repository root, as in configs/llamafactory
-    for form in ("config", "train"):
-        output_dir = tmp_path / f"out-{form}"
-        path = tmp_path / f"{name}-{form}.yaml"
-        path.write_text(block.format(model=tiny_model_dir, output_dir=output_dir) + "max_steps: 2\n", encoding="utf-8")
-        argv = ["--config", str(path)] if form == "config" else ["train", str(path)]
-        status = rlhf.main(argv)
-        assert status == 0, capsys.readouterr().err
-        entries = json.loads((output_dir / "report.json").read_text())["stages"]
-        assert [(e["stage"], e["global_step"]) for e in entries] == [(stage, 2)]
-        saved = yaml.safe_load((output_dir / "config.yaml").read_text())
-        if name in LOSS_OF_BLOCK:
-            assert saved["pref_loss"] == LOSS_OF_BLOCK[name]
-        assert saved["finetuning_type"] == "lora" and saved["bf16"] is True
-        assert (output_dir / "adapter_model.safetensors").is_file()
-        if name == "rm":
-            assert (output_dir / "reward_head.safetensors").is_file()
-    assert plots == ([tmp_path / "out-config", tmp_path / "out-train"] if "plot_loss: true" in block else [])
-
-
-@pytest.mark.parametrize("name", list(SEED_001_BLOCKS))
-def test_llamafactory_example_configs_are_seed_001_blocks(name, repo):
-    stage, block = SEED_001_BLOCKS[name]
-    path = repo / "configs" / "llamafactory" / f"{name}.yaml"
-    text = path.read_text(encoding="utf-8")
-    assert text.startswith("#") and "seed 001" in text.split("\n\n")[0]
-    assert yaml.safe_load(text) == yaml.safe_load(block.format(model="tiny", output_dir=f"outputs/llamafactory/{name}"))
-    config = rlhf.load_config(rlhf.STAGE_CONFIGS[stage], str(path), [])
-    assert config.max_steps == -1 and config.model_name_or_path == "tiny"
-
-
-# -- 11. bad input ------------------------------------------------------------------------------------------------
+# -- 10. bad input ------------------------------------------------------------------------------------------------
 
 
 def test_preference_record_without_rejected_is_a_one_line_error(tmp_path, monkeypatch, capsys):
