@@ -15,10 +15,10 @@ Table of contents (each section opens with a ``# ==== N. Title ====`` banner):
   4. Models — token_log_probs, OutputHead, load_tokenizer, quantization_config, is_quantized, build_tiny_model, resolve_model_path, PolicyModel, state_under, RewardModel, RewardEnsemble, aggregate_step_scores, ProcessRewardModel, ValueModel, ActorCritic, select_informative_tokens, ContextCompressor, ReferenceModel, can_pack_pairs, tree_attention_mask, shared_prefix_log_probs, grouped_logits, grouped_packed_logits, grouped_prefix_logits, create_reference_model
   5. Losses and advantages — router_load_balancing_loss, causal_lm_loss_sum, causal_lm_loss_with, sequence_log_probs, dpo_loss, PREFERENCE_LOSSES, simpo_loss, orpo_loss, kto_loss, reward_model_loss, reward_boosting_weights, ewc_penalty, whiten, grpo_advantages, grpo_loss, compute_gae, ppo_policy_loss, ppo_value_loss, AdaptiveKLController, FixedKLController
   6. Rewards — exact_answer_reward, format_reward, length_penalty, CompositeReward, LearnedReward, ProcessReward, HTTPReward, RewardAPIError, Principle, ConstitutionalRewardWrapper, RewardFunctionFactory, RunningRewardNormalizer, process_rewards
-  7. Trainers — RouterAuxLoss, BaseTrainer, TrainingDivergedError, SFTTrainer, PairScores, RewardModelTrainer, ProcessRewardModelTrainer, DPOTrainer, KTOTrainer, precompute_ref_log_probs, Rollout, RolloutBuffer, token_entropy, disable_dropout, GRPOTrainer, PPOTrainer, TrainResult, close_loss_scaler_step
+  7. Trainers — close_loss_scaler_step, TrainingDivergedError, TrainResult, RouterAuxLoss, BaseTrainer, SFTTrainer, train_sft, PairScores, RewardModelTrainer, train_rm, ProcessRewardModelTrainer, train_prm, precompute_ref_log_probs, DPOTrainer, train_dpo, KTOTrainer, train_kto, Rollout, token_entropy, disable_dropout, GRPOTrainer, train_grpo, RolloutBuffer, PPOTrainer, train_ppo
   8. Evaluation — kl_estimates, distinct_n, self_similarity, win_rate, RLHFEvaluator
   9. Self-improvement and safety — CapabilityReport, CapabilityTester, ElasticWeightConsolidation, repetition_rate, degeneration_rates, reward_hacking_flags, PERTURBATIONS, answer_consistency, validation_score, ValidationReport, AdversarialValidator, default_critique, RefinementResult, refinement_pairs, write_preference_jsonl, IterativeRefiner
-  10. Orchestrator — train_sft, train_rm, train_prm, train_dpo, train_kto, train_grpo, train_ppo, read_report, append_report, data_fingerprint, pipeline_table, write_pipeline_report, RLHFOrchestrator
+  10. Orchestrator — read_report, append_report, data_fingerprint, pipeline_table, write_pipeline_report, RLHFOrchestrator
   11. CLI — main
 
 Notation used in ``Shapes:`` lines: B sequences in a batch, T tokens per sequence, V vocabulary size.
@@ -6895,9 +6895,214 @@ def evaluate_exact_match(policy: PolicyModel, formatter: ChatFormatter, records:
             "eval/mean_completion_tokens": tokens / len(scored)}
 
 
+# ---- Stage runners, shared steps ----
+# Each stage's runner (train_sft, train_rm, ...) follows its trainer: it checks output_dir and the models a
+# config names, reads and splits the records before any model loads, loads the model and trains.
+
+
+def _split_validation(records: list[dict[str, Any]], val_size: float, seed: int,
+                      by_prompt: bool = False) -> tuple[list, list]:
+    """A seeded random validation split of ``val_size`` records. ``by_prompt`` holds out whole prompts
+    (in a seeded random order, until at least ``val_size`` records are held out): with several pairs per
+    prompt, a record-level split leaves held-out prompts, and their chosen answers, in training."""
+    if not val_size:
+        return records, []
+    count = int(val_size) if val_size >= 1 else max(1, round(val_size * len(records)))
+    if count >= len(records):
+        raise RLHFInputError(f"config field 'val_size' ({val_size}) leaves no training records out of {len(records)}")
+    order = random.Random(seed).sample(range(len(records)), len(records))
+    if not by_prompt:
+        held = set(order[:count])
+    else:
+        prompts = [json.dumps([record.get("system"), record.get("messages")]) for record in records]
+        records_of: dict[str, list[int]] = {}
+        for i, prompt in enumerate(prompts):
+            records_of.setdefault(prompt, []).append(i)
+        held = set()
+        for i in order:  # each prompt comes up at its first record's place in the seeded order
+            if len(held) >= count:
+                break
+            held.update(records_of[prompts[i]])
+        if len(held) >= len(records):
+            raise RLHFInputError(f"config field 'val_size' ({val_size}) holds out every prompt with "
+                                 f"val_split_by_prompt; give a smaller val_size")
+    return [r for i, r in enumerate(records) if i not in held], [r for i, r in enumerate(records) if i in held]
+
+
+def _check_answers(records: list[dict[str, Any]] | None, field_name: str, dataset: str, needed_by: str,
+                   required: bool = True) -> None:
+    """Prompts scored against an 'answer': none at all is a config error when ``required`` (a reward that
+    would always be 0), else a warning; some missing is a warning with the count (those go unscored)."""
+    if not records:
+        return
+    missing = [r for r in records if r.get("answer") is None]
+    if len(missing) == len(records) and not required:
+        logger.warning("%s '%s' has no 'answer' in any of its %d records: %s is not measured", field_name, dataset,
+                       len(records), needed_by)
+    elif len(missing) == len(records):
+        raise RLHFInputError(f"config field '{field_name}': '{dataset}' has no 'answer' in any of its {len(records)} "
+                             f"records, and {needed_by} needs one per prompt; give prompts with answers "
+                             f"({{\"prompt\", \"answer\"}}, e.g. demo_eval / demo_rl)")
+    if missing:
+        logger.warning("%s '%s': %d of %d prompts have no 'answer' (e.g. %s); %s skips them", field_name, dataset,
+                       len(missing), len(records), missing[0]["location"], needed_by)
+
+
+def read_stage_records(config: BaseConfig, kind: str
+                       ) -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]], list[dict[str, Any]]]:
+    """(training, validation, held-out prompt) records of ``kind`` for one stage; see read_sft_records."""
+    eval_records = load_records(config.eval_dataset, config.dataset_dir, "prompt", max_samples=config.max_samples,
+                                skip_invalid=config.skip_invalid_records) if config.eval_dataset else []
+    # warn only: a pipeline's eval_dataset also feeds the eval stage, where prompts need no answers
+    _check_answers(eval_records, "eval_dataset", config.eval_dataset, "exact-match accuracy", required=False)
+    if config.streaming:
+        if getattr(config, "packing", False):
+            raise RLHFInputError("config fields 'streaming' and 'packing' cannot be combined yet; pack in memory or stream unpacked")
+        names = [n for n in config.dataset.split(",") if n.strip()]
+        if len(names) != 1:
+            raise RLHFInputError("config field 'dataset': streaming reads exactly one dataset")
+        resolve_dataset(names[0], config.dataset_dir)  # fail now on a missing file or unknown name
+        if not config.val_size:
+            return None, [], eval_records
+        if config.val_size < 1 or config.val_size != int(config.val_size):
+            raise RLHFInputError(f"config field 'val_size' ({config.val_size}): a stream has no known length, so "
+                                 f"give a record count (e.g. val_size=200), not a fraction")
+        # as in LLaMA-Factory: the stream's first val_size records are the validation set, training skips them
+        val_records = load_records(names[0], config.dataset_dir, kind, max_samples=int(config.val_size),
+                                   skip_invalid=config.skip_invalid_records)
+        return None, val_records, eval_records
+    records = load_records(config.dataset, config.dataset_dir, kind, max_samples=config.max_samples,
+                           skip_invalid=config.skip_invalid_records)
+    train_records, val_records = _split_validation(records, config.val_size, config.seed, config.val_split_by_prompt)
+    return train_records, val_records, eval_records
+
+
+STAGE_RECORD_KINDS = {"sft": "sft", "rm": "preference", "prm": "preference", "dpo": "preference", "simpo": "preference",
+                      "orpo": "preference", "kto": "kto", "grpo": "prompt", "ppo": "prompt"}
+
+
+def _streaming_dataset(cls: type[StreamingRecordDataset], config: BaseConfig, tokenizer: Any, formatter: ChatFormatter,
+                       devices: DeviceManager, **kwargs: Any) -> StreamingRecordDataset:
+    """The streaming twin of a stage's training set: the first dataset, sharded by rank, skipping the
+    first val_size records (they are the validation set, as in LLaMA-Factory)."""
+    spec = resolve_dataset(config.dataset.split(",")[0].strip(), config.dataset_dir)
+    return cls(spec, tokenizer, formatter, rank=devices.process_index, world_size=devices.num_processes,
+               buffer_size=config.buffer_size, seed=config.seed, skip_invalid=config.skip_invalid_records,
+               max_samples=config.max_samples, skip=int(config.val_size or 0), **kwargs)
+
+
+def _preference_datasets(config: BaseConfig, records: tuple, tokenizer: Any, formatter: ChatFormatter,
+                        devices: DeviceManager) -> tuple[Any, Any, list[dict[str, Any]]]:
+    """Preference / KTO training and validation sets (streaming twins when ``streaming``)."""
+    train_records, val_records, eval_records = records
+    kind = STAGE_RECORD_KINDS[config.stage]
+    dataset_class = {"preference": PreferenceDataset, "kto": KTODataset}[kind]
+    extra = {"seed": config.seed} if kind == "kto" else {}
+    validation = dataset_class(val_records, tokenizer, formatter, cutoff_len=config.cutoff_len, **extra) if val_records else None
+    if train_records is None:
+        stream_class = {"preference": StreamingPreferenceDataset, "kto": StreamingKTODataset}[kind]
+        train = _streaming_dataset(stream_class, config, tokenizer, formatter, devices, cutoff_len=config.cutoff_len)
+    else:
+        train = dataset_class(train_records, tokenizer, formatter, cutoff_len=config.cutoff_len, **extra)
+    return train, validation, eval_records
+
+
+def _load_policy(config: BaseConfig, device: torch.device | str, model: str | None = None) -> PolicyModel:
+    """The stage's model (or ``model``, another directory) loaded with the stage's dtype and attention."""
+    return PolicyModel.from_pretrained(model or config.model_name_or_path, dtype=_model_dtype(config),
+                                       attn_implementation=config.attn_implementation,
+                                       trust_remote_code=config.trust_remote_code, device=device,
+                                       cache_dir=config.cache_dir, quantization=quantization_config(config))
+
+
+def _refuse_other_stage_checkpoints(config: BaseConfig) -> None:
+    """The trainer refuses to resume another stage's checkpoint; say so before any model loads and before this
+    run's config.yaml replaces that run's."""
+    if config.overwrite_output_dir or config.resume_from_checkpoint != "auto":
+        return
+    found = _complete_checkpoints(Path(config.output_dir) / "checkpoints")
+    state_file = found[-1] / "trainer_state.json" if found else None
+    if state_file is not None and state_file.exists():
+        try:
+            saved = json.loads(state_file.read_text()).get("stage")
+        except (OSError, ValueError):  # a damaged checkpoint: resume reports it and falls back to an older one
+            return
+        if saved and saved != config.stage:
+            raise _other_stage_checkpoint_error(found[-1], saved, config.stage, explicit=False)
+
+
+RUN_MARKERS = ("checkpoints", "logs", "runs", "report.json", "pipeline_config.yaml", "pipeline_stage.json")
+
+
+def _holds_a_run(directory: Path) -> bool:
+    """Whether a directory holds an earlier run (ours, or a training config's): safe to write into."""
+    names = {p.name for p in directory.iterdir()}
+    if names & set(RUN_MARKERS):
+        return True
+    config_file = directory / "config.yaml"
+    return config_file.is_file() and "model_name_or_path" in config_file.read_text(errors="replace")
+
+
+def _prepare_output_dir(config: BaseConfig) -> None:
+    """Refuse an output_dir that is a file, cannot be written, or is someone else's non-empty folder
+    (a run writes config.yaml, README.md model cards and weights there, replacing what it finds)."""
+    out = Path(config.output_dir)  # as the run writes it
+    if out.exists() and not out.is_dir():
+        raise RLHFInputError(f"config field 'output_dir': {out} is a file; give a directory")
+    if out.is_dir() and not config.overwrite_output_dir and any(out.iterdir()) and not _holds_a_run(out):
+        found = ", ".join(sorted(p.name for p in out.iterdir())[:4])
+        raise RLHFInputError(f"config field 'output_dir': {out} is not empty and holds no earlier run ({found}, ...), "
+                             f"and a run would overwrite files there; choose another directory, or set "
+                             f"overwrite_output_dir=true to write into it anyway")
+    for field_name, directory in (("output_dir", out), ("logging_dir", config.logging_dir)):
+        if directory is None:
+            continue
+        try:
+            Path(directory).mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise RLHFInputError(f"config field '{field_name}': cannot create {directory} ({err.strerror or err}); "
+                                 f"give a writable directory") from None
+        if not os.access(directory, os.W_OK):
+            raise RLHFInputError(f"config field '{field_name}': {directory} is not writable; give a writable directory")
+
+
+_MODEL_FIELDS = ("model_name_or_path", "reward_model", "process_reward_model", "value_model", "ref_model")
+
+
+def check_model_paths(config: BaseConfig, skip: Iterable[str] = ()) -> None:
+    """Every model a config names by a local path exists (``skip``: ones a pipeline trains before they are read),
+    so a missing reference or reward model is found before the policy loads and trains, under its own field."""
+    skip = set(skip)
+    for field_name in _MODEL_FIELDS:
+        path = getattr(config, field_name, None)
+        if path and str(path) not in skip and _names_a_local_path(str(path)) and not Path(str(path)).expanduser().exists():
+            raise RLHFInputError(f"config field '{field_name}': '{path}' does not exist; give a saved model directory "
+                                 f"(check the path and the working directory {os.getcwd()})")
+
+
+def _start_stage(config: BaseConfig, devices: DeviceManager | None, records: tuple | None = None
+                 ) -> tuple[tuple, DeviceManager]:
+    """Output folder checks, logging, seed, records (validated before any model loads) and devices for one
+    stage. ``records``: already read and split (a reward-model ensemble's members share one split)."""
+    _prepare_output_dir(config)
+    check_model_paths(config)
+    setup_logging(log_file=Path(config.logging_dir or Path(config.output_dir) / "logs") / f"{config.stage}.log")
+    set_seed(config.seed)
+    if getattr(config, "precompute_ref_log_probs", False) and config.streaming:
+        raise RLHFInputError("config field 'precompute_ref_log_probs' needs an in-memory dataset; set streaming=false "
+                             "or precompute_ref_log_probs=false")
+    if records is None:
+        records = read_stage_records(config, STAGE_RECORD_KINDS[config.stage])
+    _refuse_other_stage_checkpoints(config)
+    devices = devices or DeviceManager(config.mixed_precision, config.report_to, Path(config.output_dir) / "runs",
+                                       config.ddp_timeout)
+    save_config(config, Path(config.output_dir) / "config.yaml")
+    return records, devices
+
+
 # ---- SFT ----
 #   config: SFTConfig (section 1)
-#   runner: train_sft (section 10)
+#   runner: train_sft
 #   trainer: SFTTrainer.compute_loss
 #   loss: causal_lm_loss_with (section 5)
 
@@ -6955,9 +7160,49 @@ class SFTTrainer(BaseTrainer):
         return {"eval/loss": mean, "eval/perplexity": math.exp(min(mean, 50.0))}
 
 
+def read_sft_records(config: SFTConfig) -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]], list[dict[str, Any]]]:
+    """Parse and validate the training, validation and held-out records. Runs before the model loads,
+    so a bad record fails in seconds. Streaming reads its training records lazily (returned as None)."""
+    return read_stage_records(config, "sft")
+
+
+def build_sft_data(config: SFTConfig, tokenizer: Any, formatter: ChatFormatter, devices: DeviceManager,
+                   records: tuple[list | None, list, list] | None = None
+                   ) -> tuple[Any, SFTDataset | None, list[dict[str, Any]]]:
+    """Training set (in memory or streaming), validation set, and held-out prompts for accuracy.
+    ``records`` is what :func:`read_sft_records` returned, if it already ran."""
+    train_records, val_records, eval_records = records or read_sft_records(config)
+    common = dict(cutoff_len=config.cutoff_len, train_on_prompt=config.train_on_prompt, mask_history=config.mask_history)
+    cached = dict(cache_dir=config.cache_dir, num_proc=config.preprocessing_num_workers, **common)
+    validation = SFTDataset(val_records, tokenizer, formatter, **cached) if val_records else None
+    if train_records is None:
+        return _streaming_dataset(StreamingSFTDataset, config, tokenizer, formatter, devices, **common), validation, eval_records
+    train = SFTDataset(train_records, tokenizer, formatter, packing=config.packing, **cached)
+    return train, validation, eval_records
+
+
+def _check_packing_supported(policy: PolicyModel, config: SFTConfig) -> None:
+    if config.packing and policy.model.config.model_type in ("mamba", "mamba2", "rwkv"):
+        raise RLHFInputError(f"config field 'packing': {policy.model.config.model_type} models carry state across "
+                             f"packed examples, so they would see each other; set packing=false")
+
+
+@_leaves_logging_as_found
+def train_sft(config: SFTConfig, devices: DeviceManager | None = None) -> TrainResult:
+    """Run the SFT stage from a config: load model and data, train, evaluate, save."""
+    records, devices = _start_stage(config, devices)
+    policy = _load_policy(config, devices.device)
+    _check_packing_supported(policy, config)
+    formatter = chat_formatter(policy.tokenizer, config, policy.model)
+    train, validation, eval_records = build_sft_data(config, policy.tokenizer, formatter, devices, records)
+    trainer = SFTTrainer(config, policy, train, eval_dataset=validation, eval_records=eval_records,
+                         formatter=formatter, devices=devices)
+    return trainer.train()
+
+
 # ---- Reward model ----
 #   config: RewardModelConfig (section 1)
-#   runner: train_rm (section 10; ensembles: _train_rm_ensemble)
+#   runner: train_rm (ensembles: _train_rm_ensemble)
 #   trainer: RewardModelTrainer.compute_loss -> _pair_losses
 #   loss: reward_model_loss (section 5)
 
@@ -7035,9 +7280,120 @@ class RewardModelTrainer(BaseTrainer):
         RewardModel(self.devices.unwrap(self.policy.model), self.policy.tokenizer).load_weights(directory)
 
 
+def _train_reward_model(config: RewardModelConfig, devices: DeviceManager | None, records: tuple | None = None
+                        ) -> TrainResult:
+    records, devices = _start_stage(config, devices, records)
+    reward_model = RewardModel.from_pretrained(config.model_name_or_path, dtype=_model_dtype(config),
+                                               attn_implementation=config.attn_implementation,
+                                               trust_remote_code=config.trust_remote_code, device=devices.device,
+                                               cache_dir=config.cache_dir, head_hidden=config.reward_head_hidden,
+                                               seed=config.seed, quantization=quantization_config(config))
+    formatter = chat_formatter(reward_model.tokenizer, config)
+    train, validation, _ = _preference_datasets(config, records, reward_model.tokenizer, formatter, devices)
+    return RewardModelTrainer(config, reward_model, train, eval_dataset=validation, devices=devices).train()
+
+
+def _boosting_resample(records: list[dict[str, Any]], weights: torch.Tensor, ranked_right: torch.Tensor,
+                       seed: int) -> list[dict[str, Any]]:
+    """As many training pairs as before, drawn with replacement in proportion to ``weights`` (the members
+    so far's reward_boosting_weights); ``ranked_right`` (bool) only feeds the log line."""
+    drawn = torch.multinomial(weights.double(), len(records), replacement=True,
+                              generator=torch.Generator().manual_seed(seed)).tolist()
+    logger.info("boosting: %d training pairs drawn from %d distinct; %.0f%% of the weight is on the %d pairs the "
+                "members so far rank wrong", len(drawn), len(set(drawn)),
+                100 * float(weights[~ranked_right].sum() / weights.sum()), int((~ranked_right).sum()))
+    return [records[i] for i in drawn]
+
+
+@torch.no_grad()
+def _reward_margins(config: RewardModelConfig, directory: str | os.PathLike, records: list[dict[str, Any]],
+                    devices: DeviceManager | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A saved reward model's (or ensemble's mean) score of chosen minus rejected on each pair, and the
+    pairs' data margins (0 where the data has none). Every process scores all pairs. Shapes: -> (N), (N)."""
+    from accelerate import PartialState
+
+    device = devices.device if devices else PartialState().device
+    ensemble = RewardEnsemble.from_pretrained(str(directory), dtype=_model_dtype(config), device=device,
+                                              attn_implementation=config.attn_implementation,
+                                              trust_remote_code=config.trust_remote_code, cache_dir=config.cache_dir,
+                                              is_trainable=False).eval()
+    pairs = PreferenceDataset(records, ensemble.tokenizer, chat_formatter(ensemble.tokenizer, config),
+                              cutoff_len=config.cutoff_len)
+    collate = PreferenceCollator(ensemble.tokenizer.pad_token_id)
+    margins, data_margins = [], []
+    for start in range(0, len(pairs), config.per_device_eval_batch_size):
+        batch = collate([pairs[i] for i in range(start, min(start + config.per_device_eval_batch_size, len(pairs)))])
+        chosen, rejected = ensemble(batch["input_ids"].to(device), batch["attention_mask"].to(device))[0].float().chunk(2)
+        margins.append(chosen - rejected)
+        data_margins.append(batch.get("margin", torch.zeros(len(chosen))).to(device).expand(len(chosen)))
+    return torch.cat(margins), torch.cat(data_margins)
+
+
+def _evaluate_reward_ensemble(config: RewardModelConfig, val_records: list[dict[str, Any]],
+                              devices: DeviceManager | None) -> dict[str, float]:
+    """Pairwise accuracy, loss and margin of the saved ensemble's mean score on the held-out pairs."""
+    margin, data_margin = _reward_margins(config, config.output_dir, val_records, devices)
+    losses = reward_model_loss(margin, torch.zeros_like(margin), data_margin)
+    return {"eval/loss": float(losses.mean()), "eval/accuracy": float((margin > 0).float().mean()),
+            "eval/margin": float(margin.mean())}
+
+
+def _train_rm_ensemble(config: RewardModelConfig, devices: DeviceManager | None) -> TrainResult:
+    """Members differ by seed (head init, data order) but share the base seed's train/validation split:
+    with a split per member, each would train on pairs the others hold out, and the ensemble would have
+    no held-out pairs left. Its eval metrics score the ensemble itself (the mean of the members' scores,
+    what downstream stages use), with each member's accuracy beside them.
+
+    With ``ensemble_strategy: boosting`` each member after the first trains on the training pairs drawn
+    again, with replacement, in proportion to ``reward_boosting_weights`` of the members before it: the
+    pairs they rank wrong or barely right. A reward model can settle on one check and stay blind to another
+    that it learns readily alone (the demo's: the units digit of a sum, not the tens); the next member is
+    pushed to learn the one it missed, and their mean covers both."""
+    started, members = time.time(), []
+    records = read_stage_records(config, STAGE_RECORD_KINDS[config.stage])
+    train_records = records[0]
+    score_sum = data_margin = torch.zeros(len(train_records or []))  # members' chosen - rejected on training pairs
+    for k in range(config.ensemble_size):
+        member = dataclasses.replace(config, ensemble_size=1, ensemble_strategy="seeds", seed=config.seed + k,
+                                     output_dir=str(Path(config.output_dir) / f"member-{k}"))
+        logger.info("reward-model ensemble: member %d of %d (seed %d)", k + 1, config.ensemble_size, member.seed)
+        member_records = records
+        if config.ensemble_strategy == "boosting" and k > 0:
+            weights = reward_boosting_weights(score_sum / k, torch.zeros_like(score_sum), data_margin)
+            member_records = (_boosting_resample(train_records, weights, score_sum > 0, member.seed), *records[1:])
+        members.append(_train_reward_model(member, devices, member_records))
+        if config.ensemble_strategy == "boosting" and k < config.ensemble_size - 1:
+            scores, data_margin = (t.cpu() for t in _reward_margins(config, member.output_dir, train_records, devices))
+            score_sum = score_sum + scores
+    RewardEnsemble.write_manifest(config.output_dir, [f"member-{k}" for k in range(config.ensemble_size)])
+    metrics = {"steps": sum(m.global_step for m in members),
+               "train_loss": float(np.mean([m.metrics["train_loss"] for m in members])),
+               **{f"member_{k}/eval_accuracy": m.eval.get("eval/accuracy", float("nan")) for k, m in enumerate(members)}}
+    evaluation = _evaluate_reward_ensemble(config, records[1], devices) if records[1] else {}
+    if evaluation:
+        logger.info("reward-model ensemble of %d: held-out pairwise accuracy %.1f%% (members %s)",
+                    config.ensemble_size, 100 * evaluation["eval/accuracy"],
+                    ", ".join(f"{100 * m.eval.get('eval/accuracy', float('nan')):.1f}%" for m in members))
+    return TrainResult("rm", Path(config.output_dir), members[-1].global_step, time.time() - started, metrics,
+                       evaluation, None, [], False)
+
+
+@_leaves_logging_as_found
+def train_rm(config: RewardModelConfig, devices: DeviceManager | None = None) -> TrainResult:
+    """Run the reward-model stage: one model, or ``ensemble_size`` members (seeds seed, seed+1, ...)
+    saved under output_dir/member-k with an ensemble.json manifest."""
+    if config.ensemble_size > 1:
+        return _train_rm_ensemble(config, devices)
+    stale = Path(config.output_dir) / RewardEnsemble.MANIFEST
+    if stale.exists() and _launch_rank() == 0:  # an earlier ensemble's manifest would shadow this model on loading
+        logger.warning("%s: removing %s left by an earlier ensemble run", config.output_dir, RewardEnsemble.MANIFEST)
+        stale.unlink()
+    return _train_reward_model(config, devices)
+
+
 # ---- Process reward model ----
 #   config: ProcessRewardModelConfig (section 1)
-#   runner: train_prm (section 10)
+#   runner: train_prm
 #   trainer: ProcessRewardModelTrainer.compute_loss -> _pair_losses
 #   loss: reward_model_loss on aggregate_step_scores, plus step-label BCE (sections 5, 4)
 
@@ -7084,6 +7440,26 @@ class ProcessRewardModelTrainer(RewardModelTrainer):
 
     def _load_model(self, directory: Path) -> None:
         RewardModel(self.devices.unwrap(self.policy.model), self.policy.tokenizer).load_weights(directory)
+
+
+@_leaves_logging_as_found
+def train_prm(config: ProcessRewardModelConfig, devices: DeviceManager | None = None) -> TrainResult:
+    """Run the process-reward-model stage on preference pairs (step labels from the data or a labeler)."""
+    records, devices = _start_stage(config, devices)
+    model = ProcessRewardModel.from_pretrained(config.model_name_or_path, dtype=_model_dtype(config),
+                                               attn_implementation=config.attn_implementation,
+                                               trust_remote_code=config.trust_remote_code, device=devices.device,
+                                               cache_dir=config.cache_dir, head_hidden=config.reward_head_hidden,
+                                               seed=config.seed, step_delimiter=config.step_delimiter,
+                                               aggregation=config.prm_aggregation, quantization=quantization_config(config))
+    formatter = chat_formatter(model.tokenizer, config)
+    train_records, val_records, _ = records
+    if train_records is None:
+        raise RLHFInputError("config field 'streaming': the prm stage reads its pairs in memory; set streaming=false")
+    common = dict(cutoff_len=config.cutoff_len, delimiter=config.step_delimiter, labeler=config.prm_step_labeler)
+    train = ProcessPreferenceDataset(train_records, model.tokenizer, formatter, **common)
+    validation = ProcessPreferenceDataset(val_records, model.tokenizer, formatter, **common) if val_records else None
+    return ProcessRewardModelTrainer(config, model, train, eval_dataset=validation, devices=devices).train()
 
 
 # ---- Reference-model trainers, shared steps (DPO family, KTO; GRPO and PPO build on _ReferenceTrainer) ----
@@ -7220,9 +7596,20 @@ class _ReferenceTrainer(BaseTrainer):
                 for k in keys}
 
 
+def _train_policy_stage(config: BaseConfig, devices: DeviceManager | None, trainer_class: type[BaseTrainer]
+                        ) -> TrainResult:
+    records, devices = _start_stage(config, devices)
+    policy = _load_policy(config, devices.device)
+    formatter = chat_formatter(policy.tokenizer, config, policy.model)
+    train, validation, eval_records = _preference_datasets(config, records, policy.tokenizer, formatter, devices)
+    reference = create_reference_model(config, policy)
+    return trainer_class(config, policy, train, eval_dataset=validation, reference=reference, eval_records=eval_records,
+                         formatter=formatter, devices=devices).train()
+
+
 # ---- DPO family (DPO, IPO, hinge, robust, BCO, ..., SimPO, ORPO) ----
 #   config: DPOConfig, SimPOConfig, ORPOConfig (section 1)
-#   runner: train_dpo (section 10; the dpo, simpo and orpo stages)
+#   runner: train_dpo (the dpo, simpo and orpo stages)
 #   trainer: DPOTrainer.compute_loss -> pair_losses
 #   loss: dpo_loss / PREFERENCE_LOSSES, simpo_loss, orpo_loss (section 5)
 
@@ -7329,9 +7716,15 @@ class DPOTrainer(_ReferenceTrainer):
         self.bco_delta, self.bco_count = state.get("bco_delta", 0.0), state.get("bco_count", 0)
 
 
+@_leaves_logging_as_found
+def train_dpo(config: DPOConfig, devices: DeviceManager | None = None) -> TrainResult:
+    """Run a DPO-family stage (dpo / simpo / orpo; pref_loss picks the loss)."""
+    return _train_policy_stage(config, devices, DPOTrainer)
+
+
 # ---- KTO ----
 #   config: KTOConfig (section 1)
-#   runner: train_kto (section 10)
+#   runner: train_kto
 #   trainer: KTOTrainer.compute_loss -> example_losses
 #   loss: kto_loss (section 5)
 
@@ -7395,6 +7788,12 @@ class KTOTrainer(_ReferenceTrainer):
             return {"loss": float(losses.mean()), **metrics}
 
         return {**self._mean_over(self.eval_dataset, metric_fn), **self._generation_eval()}
+
+
+@_leaves_logging_as_found
+def train_kto(config: KTOConfig, devices: DeviceManager | None = None) -> TrainResult:
+    """Run the KTO stage."""
+    return _train_policy_stage(config, devices, KTOTrainer)
 
 
 # ---- Online RL, shared steps: rollouts, sampling, rewards (GRPO, PPO) ----
@@ -7696,9 +8095,25 @@ class _OnlineRLTrainer(_ReferenceTrainer):
             self.normalizer.load_state_dict(state["reward_normalizer"])
 
 
+def _prompt_datasets(config: BaseConfig, records: tuple, tokenizer: Any, formatter: ChatFormatter,
+                     devices: DeviceManager) -> tuple[Any, list[dict[str, Any]]]:
+    """Online-RL prompts (streaming twin when ``streaming``) and the held-out prompts for accuracy."""
+    train_records, _, eval_records = records
+    if train_records is not None:
+        return GRPODataset(train_records, tokenizer, formatter, cutoff_len=config.cutoff_len), eval_records
+    return _streaming_dataset(StreamingGRPODataset, config, tokenizer, formatter, devices,
+                              cutoff_len=config.cutoff_len), eval_records
+
+
+def _check_reward_answers(config: OnlineRLConfig, train_records: list[dict[str, Any]] | None) -> None:
+    """exact_answer compares with each prompt's 'answer': without them every reward is 0 and nothing trains."""
+    if "exact_answer" in config.reward_names():
+        _check_answers(train_records, "dataset", config.dataset, "the exact_answer reward")
+
+
 # ---- GRPO ----
 #   config: GRPOConfig, on OnlineRLConfig (section 1); rewards: RewardFunctionFactory (section 6)
-#   runner: train_grpo (section 10)
+#   runner: train_grpo
 #   trainer: GRPOTrainer.make_rollout (grpo_advantages) -> compute_loss
 #   loss: grpo_loss (section 5)
 
@@ -7833,9 +8248,23 @@ class GRPOTrainer(_OnlineRLTrainer):
         return loss * self.loss_units(batch), {**metrics, **self._pop_rollout_metrics()}
 
 
+@_leaves_logging_as_found
+def train_grpo(config: GRPOConfig, devices: DeviceManager | None = None) -> TrainResult:
+    """Run the GRPO stage: reward functions from the config (RewardFunctionFactory), prompts, rollouts."""
+    records, devices = _start_stage(config, devices)
+    _check_reward_answers(config, records[0])
+    reward_fn = RewardFunctionFactory(config, devices.device).build()  # a bad reward spec fails before the policy loads
+    policy = _load_policy(config, devices.device)
+    formatter = chat_formatter(policy.tokenizer, config, policy.model)
+    train, eval_records = _prompt_datasets(config, records, policy.tokenizer, formatter, devices)
+    reference = create_reference_model(config, policy)
+    return GRPOTrainer(config, policy, train, reward_fn=reward_fn, reference=reference, eval_records=eval_records,
+                       formatter=formatter, devices=devices).train()
+
+
 # ---- PPO ----
 #   config: PPOConfig, on OnlineRLConfig (section 1); rewards: RewardFunctionFactory (section 6)
-#   runner: train_ppo (section 10)
+#   runner: train_ppo
 #   trainer: PPOTrainer.make_rollout (KL penalty, compute_gae) -> compute_loss
 #   loss: ppo_policy_loss + ppo_value_loss; AdaptiveKLController / FixedKLController (section 5)
 
@@ -8017,6 +8446,34 @@ class PPOTrainer(_OnlineRLTrainer):
         super()._load_extra_state(state)
         if "kl_coef" in state:
             self.kl_controller.value = state["kl_coef"]
+
+
+@_leaves_logging_as_found
+def train_ppo(config: PPOConfig, devices: DeviceManager | None = None) -> TrainResult:
+    """Run the PPO stage: reward functions, a critic (value head on the policy, or value_model), a reference."""
+    records, devices = _start_stage(config, devices)
+    _check_reward_answers(config, records[0])
+    reward_fn = RewardFunctionFactory(config, devices.device).build()
+    policy = _load_policy(config, devices.device)
+    critic = None
+    if not (config.value_model or config.ppo_score_norm) and config.finetuning_type == "full" and config.vf_coef > 0:
+        # Why warn: on the demo this layout took held-out accuracy from 93.7% to 75.0% in 200 steps, because
+        # the critic's regression on raw scores outweighs the policy term and retrains the shared body
+        logger.warning("PPO: the value head shares the policy's fully fine-tuned backbone (LLaMA-Factory's layout), "
+                       "so the value loss also trains the language model and can cost it accuracy; give "
+                       "value_model=DIR (a separate critic, e.g. the reward model, as InstructGPT and TRL do) or "
+                       "ppo_score_norm=true to keep the value targets small")
+    if config.value_model:
+        critic, _ = ValueModel.from_pretrained(config.value_model, device=devices.device, seed=config.seed,
+                                               dtype=_model_dtype(config), attn_implementation=config.attn_implementation,
+                                               trust_remote_code=config.trust_remote_code, cache_dir=config.cache_dir,
+                                               quantization=quantization_config(config))
+    formatter = chat_formatter(policy.tokenizer, config, policy.model)
+    train, eval_records = _prompt_datasets(config, records, policy.tokenizer, formatter, devices)
+    reference = create_reference_model(config, policy)
+    return PPOTrainer(config, policy, train, reward_fn=reward_fn, reference=reference, critic=critic,
+                      eval_records=eval_records, formatter=formatter, devices=devices).train()
+
 
 # ==== 8. Evaluation ====
 
@@ -8827,457 +9284,6 @@ class IterativeRefiner:
 
 
 # ==== 10. Orchestrator ====
-
-
-def _split_validation(records: list[dict[str, Any]], val_size: float, seed: int,
-                      by_prompt: bool = False) -> tuple[list, list]:
-    """A seeded random validation split of ``val_size`` records. ``by_prompt`` holds out whole prompts
-    (in a seeded random order, until at least ``val_size`` records are held out): with several pairs per
-    prompt, a record-level split leaves held-out prompts, and their chosen answers, in training."""
-    if not val_size:
-        return records, []
-    count = int(val_size) if val_size >= 1 else max(1, round(val_size * len(records)))
-    if count >= len(records):
-        raise RLHFInputError(f"config field 'val_size' ({val_size}) leaves no training records out of {len(records)}")
-    order = random.Random(seed).sample(range(len(records)), len(records))
-    if not by_prompt:
-        held = set(order[:count])
-    else:
-        prompts = [json.dumps([record.get("system"), record.get("messages")]) for record in records]
-        records_of: dict[str, list[int]] = {}
-        for i, prompt in enumerate(prompts):
-            records_of.setdefault(prompt, []).append(i)
-        held = set()
-        for i in order:  # each prompt comes up at its first record's place in the seeded order
-            if len(held) >= count:
-                break
-            held.update(records_of[prompts[i]])
-        if len(held) >= len(records):
-            raise RLHFInputError(f"config field 'val_size' ({val_size}) holds out every prompt with "
-                                 f"val_split_by_prompt; give a smaller val_size")
-    return [r for i, r in enumerate(records) if i not in held], [r for i, r in enumerate(records) if i in held]
-
-
-def _check_answers(records: list[dict[str, Any]] | None, field_name: str, dataset: str, needed_by: str,
-                   required: bool = True) -> None:
-    """Prompts scored against an 'answer': none at all is a config error when ``required`` (a reward that
-    would always be 0), else a warning; some missing is a warning with the count (those go unscored)."""
-    if not records:
-        return
-    missing = [r for r in records if r.get("answer") is None]
-    if len(missing) == len(records) and not required:
-        logger.warning("%s '%s' has no 'answer' in any of its %d records: %s is not measured", field_name, dataset,
-                       len(records), needed_by)
-    elif len(missing) == len(records):
-        raise RLHFInputError(f"config field '{field_name}': '{dataset}' has no 'answer' in any of its {len(records)} "
-                             f"records, and {needed_by} needs one per prompt; give prompts with answers "
-                             f"({{\"prompt\", \"answer\"}}, e.g. demo_eval / demo_rl)")
-    if missing:
-        logger.warning("%s '%s': %d of %d prompts have no 'answer' (e.g. %s); %s skips them", field_name, dataset,
-                       len(missing), len(records), missing[0]["location"], needed_by)
-
-
-def read_sft_records(config: SFTConfig) -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]], list[dict[str, Any]]]:
-    """Parse and validate the training, validation and held-out records. Runs before the model loads,
-    so a bad record fails in seconds. Streaming reads its training records lazily (returned as None)."""
-    return read_stage_records(config, "sft")
-
-
-def read_stage_records(config: BaseConfig, kind: str
-                       ) -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]], list[dict[str, Any]]]:
-    """(training, validation, held-out prompt) records of ``kind`` for one stage; see read_sft_records."""
-    eval_records = load_records(config.eval_dataset, config.dataset_dir, "prompt", max_samples=config.max_samples,
-                                skip_invalid=config.skip_invalid_records) if config.eval_dataset else []
-    # warn only: a pipeline's eval_dataset also feeds the eval stage, where prompts need no answers
-    _check_answers(eval_records, "eval_dataset", config.eval_dataset, "exact-match accuracy", required=False)
-    if config.streaming:
-        if getattr(config, "packing", False):
-            raise RLHFInputError("config fields 'streaming' and 'packing' cannot be combined yet; pack in memory or stream unpacked")
-        names = [n for n in config.dataset.split(",") if n.strip()]
-        if len(names) != 1:
-            raise RLHFInputError("config field 'dataset': streaming reads exactly one dataset")
-        resolve_dataset(names[0], config.dataset_dir)  # fail now on a missing file or unknown name
-        if not config.val_size:
-            return None, [], eval_records
-        if config.val_size < 1 or config.val_size != int(config.val_size):
-            raise RLHFInputError(f"config field 'val_size' ({config.val_size}): a stream has no known length, so "
-                                 f"give a record count (e.g. val_size=200), not a fraction")
-        # as in LLaMA-Factory: the stream's first val_size records are the validation set, training skips them
-        val_records = load_records(names[0], config.dataset_dir, kind, max_samples=int(config.val_size),
-                                   skip_invalid=config.skip_invalid_records)
-        return None, val_records, eval_records
-    records = load_records(config.dataset, config.dataset_dir, kind, max_samples=config.max_samples,
-                           skip_invalid=config.skip_invalid_records)
-    train_records, val_records = _split_validation(records, config.val_size, config.seed, config.val_split_by_prompt)
-    return train_records, val_records, eval_records
-
-
-def _streaming_dataset(cls: type[StreamingRecordDataset], config: BaseConfig, tokenizer: Any, formatter: ChatFormatter,
-                       devices: DeviceManager, **kwargs: Any) -> StreamingRecordDataset:
-    """The streaming twin of a stage's training set: the first dataset, sharded by rank, skipping the
-    first val_size records (they are the validation set, as in LLaMA-Factory)."""
-    spec = resolve_dataset(config.dataset.split(",")[0].strip(), config.dataset_dir)
-    return cls(spec, tokenizer, formatter, rank=devices.process_index, world_size=devices.num_processes,
-               buffer_size=config.buffer_size, seed=config.seed, skip_invalid=config.skip_invalid_records,
-               max_samples=config.max_samples, skip=int(config.val_size or 0), **kwargs)
-
-
-def build_sft_data(config: SFTConfig, tokenizer: Any, formatter: ChatFormatter, devices: DeviceManager,
-                   records: tuple[list | None, list, list] | None = None
-                   ) -> tuple[Any, SFTDataset | None, list[dict[str, Any]]]:
-    """Training set (in memory or streaming), validation set, and held-out prompts for accuracy.
-    ``records`` is what :func:`read_sft_records` returned, if it already ran."""
-    train_records, val_records, eval_records = records or read_sft_records(config)
-    common = dict(cutoff_len=config.cutoff_len, train_on_prompt=config.train_on_prompt, mask_history=config.mask_history)
-    cached = dict(cache_dir=config.cache_dir, num_proc=config.preprocessing_num_workers, **common)
-    validation = SFTDataset(val_records, tokenizer, formatter, **cached) if val_records else None
-    if train_records is None:
-        return _streaming_dataset(StreamingSFTDataset, config, tokenizer, formatter, devices, **common), validation, eval_records
-    train = SFTDataset(train_records, tokenizer, formatter, packing=config.packing, **cached)
-    return train, validation, eval_records
-
-
-def _check_packing_supported(policy: PolicyModel, config: SFTConfig) -> None:
-    if config.packing and policy.model.config.model_type in ("mamba", "mamba2", "rwkv"):
-        raise RLHFInputError(f"config field 'packing': {policy.model.config.model_type} models carry state across "
-                             f"packed examples, so they would see each other; set packing=false")
-
-
-STAGE_RECORD_KINDS = {"sft": "sft", "rm": "preference", "prm": "preference", "dpo": "preference", "simpo": "preference",
-                      "orpo": "preference", "kto": "kto", "grpo": "prompt", "ppo": "prompt"}
-
-
-def _load_policy(config: BaseConfig, device: torch.device | str, model: str | None = None) -> PolicyModel:
-    """The stage's model (or ``model``, another directory) loaded with the stage's dtype and attention."""
-    return PolicyModel.from_pretrained(model or config.model_name_or_path, dtype=_model_dtype(config),
-                                       attn_implementation=config.attn_implementation,
-                                       trust_remote_code=config.trust_remote_code, device=device,
-                                       cache_dir=config.cache_dir, quantization=quantization_config(config))
-
-
-def _refuse_other_stage_checkpoints(config: BaseConfig) -> None:
-    """The trainer refuses to resume another stage's checkpoint; say so before any model loads and before this
-    run's config.yaml replaces that run's."""
-    if config.overwrite_output_dir or config.resume_from_checkpoint != "auto":
-        return
-    found = _complete_checkpoints(Path(config.output_dir) / "checkpoints")
-    state_file = found[-1] / "trainer_state.json" if found else None
-    if state_file is not None and state_file.exists():
-        try:
-            saved = json.loads(state_file.read_text()).get("stage")
-        except (OSError, ValueError):  # a damaged checkpoint: resume reports it and falls back to an older one
-            return
-        if saved and saved != config.stage:
-            raise _other_stage_checkpoint_error(found[-1], saved, config.stage, explicit=False)
-
-
-RUN_MARKERS = ("checkpoints", "logs", "runs", "report.json", "pipeline_config.yaml", "pipeline_stage.json")
-
-
-def _holds_a_run(directory: Path) -> bool:
-    """Whether a directory holds an earlier run (ours, or a training config's): safe to write into."""
-    names = {p.name for p in directory.iterdir()}
-    if names & set(RUN_MARKERS):
-        return True
-    config_file = directory / "config.yaml"
-    return config_file.is_file() and "model_name_or_path" in config_file.read_text(errors="replace")
-
-
-def _prepare_output_dir(config: BaseConfig) -> None:
-    """Refuse an output_dir that is a file, cannot be written, or is someone else's non-empty folder
-    (a run writes config.yaml, README.md model cards and weights there, replacing what it finds)."""
-    out = Path(config.output_dir)  # as the run writes it
-    if out.exists() and not out.is_dir():
-        raise RLHFInputError(f"config field 'output_dir': {out} is a file; give a directory")
-    if out.is_dir() and not config.overwrite_output_dir and any(out.iterdir()) and not _holds_a_run(out):
-        found = ", ".join(sorted(p.name for p in out.iterdir())[:4])
-        raise RLHFInputError(f"config field 'output_dir': {out} is not empty and holds no earlier run ({found}, ...), "
-                             f"and a run would overwrite files there; choose another directory, or set "
-                             f"overwrite_output_dir=true to write into it anyway")
-    for field_name, directory in (("output_dir", out), ("logging_dir", config.logging_dir)):
-        if directory is None:
-            continue
-        try:
-            Path(directory).mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise RLHFInputError(f"config field '{field_name}': cannot create {directory} ({err.strerror or err}); "
-                                 f"give a writable directory") from None
-        if not os.access(directory, os.W_OK):
-            raise RLHFInputError(f"config field '{field_name}': {directory} is not writable; give a writable directory")
-
-
-_MODEL_FIELDS = ("model_name_or_path", "reward_model", "process_reward_model", "value_model", "ref_model")
-
-
-def check_model_paths(config: BaseConfig, skip: Iterable[str] = ()) -> None:
-    """Every model a config names by a local path exists (``skip``: ones a pipeline trains before they are read),
-    so a missing reference or reward model is found before the policy loads and trains, under its own field."""
-    skip = set(skip)
-    for field_name in _MODEL_FIELDS:
-        path = getattr(config, field_name, None)
-        if path and str(path) not in skip and _names_a_local_path(str(path)) and not Path(str(path)).expanduser().exists():
-            raise RLHFInputError(f"config field '{field_name}': '{path}' does not exist; give a saved model directory "
-                                 f"(check the path and the working directory {os.getcwd()})")
-
-
-def _start_stage(config: BaseConfig, devices: DeviceManager | None, records: tuple | None = None
-                 ) -> tuple[tuple, DeviceManager]:
-    """Output folder checks, logging, seed, records (validated before any model loads) and devices for one
-    stage. ``records``: already read and split (a reward-model ensemble's members share one split)."""
-    _prepare_output_dir(config)
-    check_model_paths(config)
-    setup_logging(log_file=Path(config.logging_dir or Path(config.output_dir) / "logs") / f"{config.stage}.log")
-    set_seed(config.seed)
-    if getattr(config, "precompute_ref_log_probs", False) and config.streaming:
-        raise RLHFInputError("config field 'precompute_ref_log_probs' needs an in-memory dataset; set streaming=false "
-                             "or precompute_ref_log_probs=false")
-    if records is None:
-        records = read_stage_records(config, STAGE_RECORD_KINDS[config.stage])
-    _refuse_other_stage_checkpoints(config)
-    devices = devices or DeviceManager(config.mixed_precision, config.report_to, Path(config.output_dir) / "runs",
-                                       config.ddp_timeout)
-    save_config(config, Path(config.output_dir) / "config.yaml")
-    return records, devices
-
-
-@_leaves_logging_as_found
-def train_sft(config: SFTConfig, devices: DeviceManager | None = None) -> TrainResult:
-    """Run the SFT stage from a config: load model and data, train, evaluate, save."""
-    records, devices = _start_stage(config, devices)
-    policy = _load_policy(config, devices.device)
-    _check_packing_supported(policy, config)
-    formatter = chat_formatter(policy.tokenizer, config, policy.model)
-    train, validation, eval_records = build_sft_data(config, policy.tokenizer, formatter, devices, records)
-    trainer = SFTTrainer(config, policy, train, eval_dataset=validation, eval_records=eval_records,
-                         formatter=formatter, devices=devices)
-    return trainer.train()
-
-
-def _preference_datasets(config: BaseConfig, records: tuple, tokenizer: Any, formatter: ChatFormatter,
-                        devices: DeviceManager) -> tuple[Any, Any, list[dict[str, Any]]]:
-    """Preference / KTO training and validation sets (streaming twins when ``streaming``)."""
-    train_records, val_records, eval_records = records
-    kind = STAGE_RECORD_KINDS[config.stage]
-    dataset_class = {"preference": PreferenceDataset, "kto": KTODataset}[kind]
-    extra = {"seed": config.seed} if kind == "kto" else {}
-    validation = dataset_class(val_records, tokenizer, formatter, cutoff_len=config.cutoff_len, **extra) if val_records else None
-    if train_records is None:
-        stream_class = {"preference": StreamingPreferenceDataset, "kto": StreamingKTODataset}[kind]
-        train = _streaming_dataset(stream_class, config, tokenizer, formatter, devices, cutoff_len=config.cutoff_len)
-    else:
-        train = dataset_class(train_records, tokenizer, formatter, cutoff_len=config.cutoff_len, **extra)
-    return train, validation, eval_records
-
-
-@_leaves_logging_as_found
-def train_rm(config: RewardModelConfig, devices: DeviceManager | None = None) -> TrainResult:
-    """Run the reward-model stage: one model, or ``ensemble_size`` members (seeds seed, seed+1, ...)
-    saved under output_dir/member-k with an ensemble.json manifest."""
-    if config.ensemble_size > 1:
-        return _train_rm_ensemble(config, devices)
-    stale = Path(config.output_dir) / RewardEnsemble.MANIFEST
-    if stale.exists() and _launch_rank() == 0:  # an earlier ensemble's manifest would shadow this model on loading
-        logger.warning("%s: removing %s left by an earlier ensemble run", config.output_dir, RewardEnsemble.MANIFEST)
-        stale.unlink()
-    return _train_reward_model(config, devices)
-
-
-def _train_reward_model(config: RewardModelConfig, devices: DeviceManager | None, records: tuple | None = None
-                        ) -> TrainResult:
-    records, devices = _start_stage(config, devices, records)
-    reward_model = RewardModel.from_pretrained(config.model_name_or_path, dtype=_model_dtype(config),
-                                               attn_implementation=config.attn_implementation,
-                                               trust_remote_code=config.trust_remote_code, device=devices.device,
-                                               cache_dir=config.cache_dir, head_hidden=config.reward_head_hidden,
-                                               seed=config.seed, quantization=quantization_config(config))
-    formatter = chat_formatter(reward_model.tokenizer, config)
-    train, validation, _ = _preference_datasets(config, records, reward_model.tokenizer, formatter, devices)
-    return RewardModelTrainer(config, reward_model, train, eval_dataset=validation, devices=devices).train()
-
-
-@_leaves_logging_as_found
-def train_prm(config: ProcessRewardModelConfig, devices: DeviceManager | None = None) -> TrainResult:
-    """Run the process-reward-model stage on preference pairs (step labels from the data or a labeler)."""
-    records, devices = _start_stage(config, devices)
-    model = ProcessRewardModel.from_pretrained(config.model_name_or_path, dtype=_model_dtype(config),
-                                               attn_implementation=config.attn_implementation,
-                                               trust_remote_code=config.trust_remote_code, device=devices.device,
-                                               cache_dir=config.cache_dir, head_hidden=config.reward_head_hidden,
-                                               seed=config.seed, step_delimiter=config.step_delimiter,
-                                               aggregation=config.prm_aggregation, quantization=quantization_config(config))
-    formatter = chat_formatter(model.tokenizer, config)
-    train_records, val_records, _ = records
-    if train_records is None:
-        raise RLHFInputError("config field 'streaming': the prm stage reads its pairs in memory; set streaming=false")
-    common = dict(cutoff_len=config.cutoff_len, delimiter=config.step_delimiter, labeler=config.prm_step_labeler)
-    train = ProcessPreferenceDataset(train_records, model.tokenizer, formatter, **common)
-    validation = ProcessPreferenceDataset(val_records, model.tokenizer, formatter, **common) if val_records else None
-    return ProcessRewardModelTrainer(config, model, train, eval_dataset=validation, devices=devices).train()
-
-
-def _train_rm_ensemble(config: RewardModelConfig, devices: DeviceManager | None) -> TrainResult:
-    """Members differ by seed (head init, data order) but share the base seed's train/validation split:
-    with a split per member, each would train on pairs the others hold out, and the ensemble would have
-    no held-out pairs left. Its eval metrics score the ensemble itself (the mean of the members' scores,
-    what downstream stages use), with each member's accuracy beside them.
-
-    With ``ensemble_strategy: boosting`` each member after the first trains on the training pairs drawn
-    again, with replacement, in proportion to ``reward_boosting_weights`` of the members before it: the
-    pairs they rank wrong or barely right. A reward model can settle on one check and stay blind to another
-    that it learns readily alone (the demo's: the units digit of a sum, not the tens); the next member is
-    pushed to learn the one it missed, and their mean covers both."""
-    started, members = time.time(), []
-    records = read_stage_records(config, STAGE_RECORD_KINDS[config.stage])
-    train_records = records[0]
-    score_sum = data_margin = torch.zeros(len(train_records or []))  # members' chosen - rejected on training pairs
-    for k in range(config.ensemble_size):
-        member = dataclasses.replace(config, ensemble_size=1, ensemble_strategy="seeds", seed=config.seed + k,
-                                     output_dir=str(Path(config.output_dir) / f"member-{k}"))
-        logger.info("reward-model ensemble: member %d of %d (seed %d)", k + 1, config.ensemble_size, member.seed)
-        member_records = records
-        if config.ensemble_strategy == "boosting" and k > 0:
-            weights = reward_boosting_weights(score_sum / k, torch.zeros_like(score_sum), data_margin)
-            member_records = (_boosting_resample(train_records, weights, score_sum > 0, member.seed), *records[1:])
-        members.append(_train_reward_model(member, devices, member_records))
-        if config.ensemble_strategy == "boosting" and k < config.ensemble_size - 1:
-            scores, data_margin = (t.cpu() for t in _reward_margins(config, member.output_dir, train_records, devices))
-            score_sum = score_sum + scores
-    RewardEnsemble.write_manifest(config.output_dir, [f"member-{k}" for k in range(config.ensemble_size)])
-    metrics = {"steps": sum(m.global_step for m in members),
-               "train_loss": float(np.mean([m.metrics["train_loss"] for m in members])),
-               **{f"member_{k}/eval_accuracy": m.eval.get("eval/accuracy", float("nan")) for k, m in enumerate(members)}}
-    evaluation = _evaluate_reward_ensemble(config, records[1], devices) if records[1] else {}
-    if evaluation:
-        logger.info("reward-model ensemble of %d: held-out pairwise accuracy %.1f%% (members %s)",
-                    config.ensemble_size, 100 * evaluation["eval/accuracy"],
-                    ", ".join(f"{100 * m.eval.get('eval/accuracy', float('nan')):.1f}%" for m in members))
-    return TrainResult("rm", Path(config.output_dir), members[-1].global_step, time.time() - started, metrics,
-                       evaluation, None, [], False)
-
-
-@torch.no_grad()
-def _reward_margins(config: RewardModelConfig, directory: str | os.PathLike, records: list[dict[str, Any]],
-                    devices: DeviceManager | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A saved reward model's (or ensemble's mean) score of chosen minus rejected on each pair, and the
-    pairs' data margins (0 where the data has none). Every process scores all pairs. Shapes: -> (N), (N)."""
-    from accelerate import PartialState
-
-    device = devices.device if devices else PartialState().device
-    ensemble = RewardEnsemble.from_pretrained(str(directory), dtype=_model_dtype(config), device=device,
-                                              attn_implementation=config.attn_implementation,
-                                              trust_remote_code=config.trust_remote_code, cache_dir=config.cache_dir,
-                                              is_trainable=False).eval()
-    pairs = PreferenceDataset(records, ensemble.tokenizer, chat_formatter(ensemble.tokenizer, config),
-                              cutoff_len=config.cutoff_len)
-    collate = PreferenceCollator(ensemble.tokenizer.pad_token_id)
-    margins, data_margins = [], []
-    for start in range(0, len(pairs), config.per_device_eval_batch_size):
-        batch = collate([pairs[i] for i in range(start, min(start + config.per_device_eval_batch_size, len(pairs)))])
-        chosen, rejected = ensemble(batch["input_ids"].to(device), batch["attention_mask"].to(device))[0].float().chunk(2)
-        margins.append(chosen - rejected)
-        data_margins.append(batch.get("margin", torch.zeros(len(chosen))).to(device).expand(len(chosen)))
-    return torch.cat(margins), torch.cat(data_margins)
-
-
-def _evaluate_reward_ensemble(config: RewardModelConfig, val_records: list[dict[str, Any]],
-                              devices: DeviceManager | None) -> dict[str, float]:
-    """Pairwise accuracy, loss and margin of the saved ensemble's mean score on the held-out pairs."""
-    margin, data_margin = _reward_margins(config, config.output_dir, val_records, devices)
-    losses = reward_model_loss(margin, torch.zeros_like(margin), data_margin)
-    return {"eval/loss": float(losses.mean()), "eval/accuracy": float((margin > 0).float().mean()),
-            "eval/margin": float(margin.mean())}
-
-
-def _boosting_resample(records: list[dict[str, Any]], weights: torch.Tensor, ranked_right: torch.Tensor,
-                       seed: int) -> list[dict[str, Any]]:
-    """As many training pairs as before, drawn with replacement in proportion to ``weights`` (the members
-    so far's reward_boosting_weights); ``ranked_right`` (bool) only feeds the log line."""
-    drawn = torch.multinomial(weights.double(), len(records), replacement=True,
-                              generator=torch.Generator().manual_seed(seed)).tolist()
-    logger.info("boosting: %d training pairs drawn from %d distinct; %.0f%% of the weight is on the %d pairs the "
-                "members so far rank wrong", len(drawn), len(set(drawn)),
-                100 * float(weights[~ranked_right].sum() / weights.sum()), int((~ranked_right).sum()))
-    return [records[i] for i in drawn]
-
-
-def _train_policy_stage(config: BaseConfig, devices: DeviceManager | None, trainer_class: type[BaseTrainer]
-                        ) -> TrainResult:
-    records, devices = _start_stage(config, devices)
-    policy = _load_policy(config, devices.device)
-    formatter = chat_formatter(policy.tokenizer, config, policy.model)
-    train, validation, eval_records = _preference_datasets(config, records, policy.tokenizer, formatter, devices)
-    reference = create_reference_model(config, policy)
-    return trainer_class(config, policy, train, eval_dataset=validation, reference=reference, eval_records=eval_records,
-                         formatter=formatter, devices=devices).train()
-
-
-@_leaves_logging_as_found
-def train_dpo(config: DPOConfig, devices: DeviceManager | None = None) -> TrainResult:
-    """Run a DPO-family stage (dpo / simpo / orpo; pref_loss picks the loss)."""
-    return _train_policy_stage(config, devices, DPOTrainer)
-
-
-@_leaves_logging_as_found
-def train_kto(config: KTOConfig, devices: DeviceManager | None = None) -> TrainResult:
-    """Run the KTO stage."""
-    return _train_policy_stage(config, devices, KTOTrainer)
-
-
-def _prompt_datasets(config: BaseConfig, records: tuple, tokenizer: Any, formatter: ChatFormatter,
-                     devices: DeviceManager) -> tuple[Any, list[dict[str, Any]]]:
-    """Online-RL prompts (streaming twin when ``streaming``) and the held-out prompts for accuracy."""
-    train_records, _, eval_records = records
-    if train_records is not None:
-        return GRPODataset(train_records, tokenizer, formatter, cutoff_len=config.cutoff_len), eval_records
-    return _streaming_dataset(StreamingGRPODataset, config, tokenizer, formatter, devices,
-                              cutoff_len=config.cutoff_len), eval_records
-
-
-def _check_reward_answers(config: OnlineRLConfig, train_records: list[dict[str, Any]] | None) -> None:
-    """exact_answer compares with each prompt's 'answer': without them every reward is 0 and nothing trains."""
-    if "exact_answer" in config.reward_names():
-        _check_answers(train_records, "dataset", config.dataset, "the exact_answer reward")
-
-
-@_leaves_logging_as_found
-def train_grpo(config: GRPOConfig, devices: DeviceManager | None = None) -> TrainResult:
-    """Run the GRPO stage: reward functions from the config (RewardFunctionFactory), prompts, rollouts."""
-    records, devices = _start_stage(config, devices)
-    _check_reward_answers(config, records[0])
-    reward_fn = RewardFunctionFactory(config, devices.device).build()  # a bad reward spec fails before the policy loads
-    policy = _load_policy(config, devices.device)
-    formatter = chat_formatter(policy.tokenizer, config, policy.model)
-    train, eval_records = _prompt_datasets(config, records, policy.tokenizer, formatter, devices)
-    reference = create_reference_model(config, policy)
-    return GRPOTrainer(config, policy, train, reward_fn=reward_fn, reference=reference, eval_records=eval_records,
-                       formatter=formatter, devices=devices).train()
-
-
-@_leaves_logging_as_found
-def train_ppo(config: PPOConfig, devices: DeviceManager | None = None) -> TrainResult:
-    """Run the PPO stage: reward functions, a critic (value head on the policy, or value_model), a reference."""
-    records, devices = _start_stage(config, devices)
-    _check_reward_answers(config, records[0])
-    reward_fn = RewardFunctionFactory(config, devices.device).build()
-    policy = _load_policy(config, devices.device)
-    critic = None
-    if not (config.value_model or config.ppo_score_norm) and config.finetuning_type == "full" and config.vf_coef > 0:
-        # Why warn: on the demo this layout took held-out accuracy from 93.7% to 75.0% in 200 steps, because
-        # the critic's regression on raw scores outweighs the policy term and retrains the shared body
-        logger.warning("PPO: the value head shares the policy's fully fine-tuned backbone (LLaMA-Factory's layout), "
-                       "so the value loss also trains the language model and can cost it accuracy; give "
-                       "value_model=DIR (a separate critic, e.g. the reward model, as InstructGPT and TRL do) or "
-                       "ppo_score_norm=true to keep the value targets small")
-    if config.value_model:
-        critic, _ = ValueModel.from_pretrained(config.value_model, device=devices.device, seed=config.seed,
-                                               dtype=_model_dtype(config), attn_implementation=config.attn_implementation,
-                                               trust_remote_code=config.trust_remote_code, cache_dir=config.cache_dir,
-                                               quantization=quantization_config(config))
-    formatter = chat_formatter(policy.tokenizer, config, policy.model)
-    train, eval_records = _prompt_datasets(config, records, policy.tokenizer, formatter, devices)
-    reference = create_reference_model(config, policy)
-    return PPOTrainer(config, policy, train, reward_fn=reward_fn, reference=reference, critic=critic,
-                      eval_records=eval_records, formatter=formatter, devices=devices).train()
 
 
 STAGE_RUNNERS: dict[str, Callable[[BaseConfig], TrainResult]] = {
