@@ -10,7 +10,7 @@ bundled demo task, and on GPUs through accelerate.
 Table of contents (each section opens with a ``# ==== N. Title ====`` banner):
   0. Notation and registries — IGNORE_INDEX, RLHFInputError
   1. Configs — BaseConfig, SFTConfig, RewardModelConfig, ProcessRewardModelConfig, DPOConfig, SimPOConfig, ORPOConfig, KTOConfig, OnlineRLConfig, GRPOConfig, PPOConfig, PipelineConfig, load_config, save_config, config_help, get_7b_model_config, get_70b_model_config, count_parameters, estimate_memory
-  2. Infrastructure — setup_logging, logging_restored, DeviceManager, weight_sharding, TrainingLogger, CheckpointManager, create_optimizer, EarlyStopping, find_expert_parameter_names, apply_lora, apply_freeze, compile_model, select_attention_implementation
+  2. Infrastructure — setup_logging, logging_restored, DeviceManager, weight_sharding, TrainingLogger, CheckpointManager, CheckpointingMixin, create_optimizer, EarlyStopping, find_expert_parameter_names, apply_lora, apply_freeze, compile_model, select_attention_implementation
   3. Data — load_records, ChatFormatter, CHAT_TEMPLATES, TEMPLATE_SPECIAL_TOKENS, saved_as_trained, chat_formatter, SFTDataset, StreamingSFTDataset, pack_sequences, SFTCollator, PreferenceDataset, StreamingPreferenceDataset, KTODataset, StreamingKTODataset, pack_rows, pack_preference_pairs, PreferenceBatch, PreferenceCollator, KTOBatch, KTOCollator, GRPODataset, StreamingGRPODataset, extract_answer, split_steps, arithmetic_step_labels, arithmetic_response_labels, encode_steps, ProcessPreferenceDataset, ProcessPreferenceCollator
   4. Models — token_log_probs, OutputHead, load_tokenizer, quantization_config, is_quantized, build_tiny_model, resolve_model_path, PolicyModel, state_under, RewardModel, RewardEnsemble, aggregate_step_scores, ProcessRewardModel, ValueModel, ActorCritic, select_informative_tokens, ContextCompressor, ReferenceModel, can_pack_pairs, tree_attention_mask, shared_prefix_log_probs, grouped_logits, grouped_packed_logits, grouped_prefix_logits, create_reference_model
   5. Losses and advantages — router_load_balancing_loss, causal_lm_loss_sum, causal_lm_loss_with, sequence_log_probs, dpo_loss, PREFERENCE_LOSSES, simpo_loss, orpo_loss, kto_loss, reward_model_loss, reward_boosting_weights, ewc_penalty, whiten, grpo_advantages, grpo_loss, compute_gae, ppo_policy_loss, ppo_value_loss, AdaptiveKLController, FixedKLController
@@ -1889,6 +1889,245 @@ class CheckpointManager:
         return aside
 
 
+def _checkpoint_read_errors() -> tuple[type[BaseException], ...]:
+    errors: tuple[type[BaseException], ...] = (OSError, ValueError, KeyError, RuntimeError)  # JSON errors are ValueErrors
+    try:
+        from safetensors import SafetensorError
+
+        return errors + (SafetensorError,)
+    except ImportError:
+        return errors
+
+
+CHECKPOINT_READ_ERRORS = _checkpoint_read_errors()  # what a damaged checkpoint file raises while it loads
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0][:160]}" if text else type(err).__name__
+
+
+class CheckpointingMixin:
+    """A trainer's checkpoints: model, optimizer, schedule, RNG and trainer state written atomically through
+    ``self.checkpoints`` (a CheckpointManager), resumed exactly (or from the newest readable one), and the
+    final model published at output_dir. Its host, BaseTrainer, supplies ``config``, ``devices``, ``model``,
+    ``optimizer``, ``scheduler``, ``sampler``, ``train_dataset``, ``early_stopping``, ``global_step``,
+    ``micro_batches_done``, ``stage``, ``output_dir`` and ``sharded``, and writes / reads the model itself in
+    Hugging Face layout (``_save_model`` / ``_load_model``)."""
+
+    gathered_weights: dict[str, torch.Tensor] | None = None  # a sharded model's weights while they are written
+
+    def _extra_state(self) -> dict[str, Any]:
+        """Trainer state beyond model/optimizer/schedule/RNG that exact resume needs (JSON)."""
+        return {}
+
+    def _load_extra_state(self, state: dict[str, Any]) -> None:
+        pass
+
+    SHARDED_WEIGHTS_FILE = "model_state.safetensors"
+
+    @contextlib.contextmanager
+    def _weights_gathered(self, optimizer: bool = False) -> Iterator[None]:
+        """A sharded model's weights (and with ``optimizer`` its FSDP2 optimizer state) gathered whole onto the main
+        process for the writes inside (every process enters: the gathers are collectives); nothing otherwise."""
+        self.gathered_weights = self.devices.full_state_dict(self.model) if self.sharded else None
+        gather_optimizer = optimizer and self.sharded and not self.config.save_only_model
+        self.gathered_optimizer = self.devices.full_optimizer_state(self.model, self.optimizer) if gather_optimizer else None
+        try:
+            yield
+        finally:
+            self.gathered_weights = self.gathered_optimizer = None
+
+    def _save_checkpoint(self) -> None:
+        with self._weights_gathered(optimizer=True):
+            if self.devices.is_main_process:
+                path = self.checkpoints.save(self.global_step, self._write_checkpoint)
+                logger.debug("checkpoint written: %s", path)
+        self.devices.wait()
+
+    def _write_checkpoint(self, directory: Path) -> None:
+        from safetensors.torch import save_file
+
+        # sharded: the gathered weights as the prepared module names them, which resume loads back into the shards,
+        # and (FSDP2) the gathered optimizer state keyed by parameter name; ZeRO-3's optimizer state is not gathered
+        model_only = self.config.save_only_model or (self.sharded and self.gathered_optimizer is None)
+        if self.sharded:
+            save_file({k: v.contiguous() for k, v in self.gathered_weights.items()}, str(directory / self.SHARDED_WEIGHTS_FILE))
+        else:
+            self._save_model(directory)
+        state = {"global_step": self.global_step, "micro_batches_done": self.micro_batches_done,
+                 "stage": self.stage, "config": self.config.to_dict(), "trainer": self._extra_state(),
+                 "early_stopping": self.early_stopping.state_dict() if self.early_stopping else None,
+                 "data": self.train_dataset.state_dict() if self.sampler is None else None,
+                 "model_only": model_only}
+        if not model_only:
+            optimizer_state = self.gathered_optimizer if self.sharded else self.optimizer.state_dict()
+            tensors, meta = optimizer_state_to_safetensors(optimizer_state)
+            save_file(tensors, str(directory / "optimizer.safetensors"))
+            (directory / "optimizer.json").write_text(json.dumps(meta))
+            (directory / "scheduler.json").write_text(json.dumps(self.scheduler.state_dict()))
+            rng_tensors, rng_meta = capture_rng_state()
+            save_file(rng_tensors, str(directory / "rng_state.safetensors"))
+            (directory / "rng_state.json").write_text(json.dumps(rng_meta))
+        (directory / "trainer_state.json").write_text(json.dumps(state, indent=1, default=str))
+
+    def _resume(self) -> None:
+        choice = self.config.resume_from_checkpoint
+        if self.config.overwrite_output_dir or choice == "none":
+            found = self.checkpoints.checkpoints()
+            if found:  # a fresh start must not roll or later resume into old steps; say so before deleting
+                key = "overwrite_output_dir=true" if self.config.overwrite_output_dir else "resume_from_checkpoint=none"
+                fix = "overwrite_output_dir=false" if self.config.overwrite_output_dir else "resume_from_checkpoint=auto"
+                logger.warning("%s: deleting %d checkpoint(s) in %s (the newest at step %s) and starting over; run "
+                               "with %s to resume from them instead", key, len(found), self.checkpoints.root,
+                               found[-1].name.removeprefix(CheckpointManager.prefix), fix)
+            self.checkpoints.clear()
+            return
+        if choice == "auto":
+            path = self._resume_newest_readable()
+            if path is None:
+                return
+        else:
+            path = Path(choice)
+            if not path.exists():
+                raise RLHFInputError(f"config field 'resume_from_checkpoint': {path} does not exist; give a "
+                                     f"checkpoint directory, 'auto' or 'none'")
+            if not (path / "COMPLETE").exists():
+                raise RLHFInputError(f"config field 'resume_from_checkpoint': {path} is not a complete checkpoint "
+                                     f"(no COMPLETE marker: not a checkpoint, or interrupted while saving)")
+            problem = self._load_readable_checkpoint(path)
+            if problem:
+                raise RLHFInputError(f"config field 'resume_from_checkpoint': {path} cannot be read ({problem}); "
+                                     f"resume from another checkpoint or set resume_from_checkpoint=none")
+        logger.info("resumed from %s at step %d", path, self.global_step)
+
+    def _load_readable_checkpoint(self, path: Path) -> str | None:
+        """Load ``path``; what was wrong with its files when one is damaged (None when it loaded). Another
+        stage's checkpoint is the user's mistake, not damage, and stays an error."""
+        try:
+            self._load_checkpoint(path)
+        except RLHFInputError:
+            raise
+        except CHECKPOINT_READ_ERRORS as err:
+            return _one_line(err)
+        return None
+
+    def _resume_newest_readable(self) -> Path | None:
+        """Auto-resume: the newest complete checkpoint that loads. One whose files are damaged (a disk error,
+        a hand edit) is reported and the one before it tried, so a bad file costs save_steps, not the run.
+        Loading overwrites everything a checkpoint holds, so a failed partial load leaves nothing behind."""
+        found = self.checkpoints.checkpoints()
+        incomplete = sorted(p.name for p in self.checkpoints.root.glob(f"{self.checkpoints.prefix}*")
+                            if p.is_dir() and p not in found) if self.checkpoints.root.is_dir() else []
+        if incomplete:
+            logger.info("skipping %s: no COMPLETE marker (interrupted while saving)", ", ".join(incomplete))
+        failures = []
+        for path in reversed(found):
+            problem = self._load_readable_checkpoint(path)
+            if problem is None:
+                if failures:
+                    logger.warning("resumed from the older %s because %s", path.name, "; ".join(failures))
+                return path
+            failures.append(f"{path.name} cannot be read ({problem})")
+        if failures:
+            raise RLHFInputError(f"no checkpoint in {self.checkpoints.root} can be read: {'; '.join(failures)}; "
+                                 f"set resume_from_checkpoint=none to start over")
+        return None
+
+    def _load_checkpoint(self, path: Path) -> None:
+        from safetensors.torch import load_file
+
+        state = json.loads((path / "trainer_state.json").read_text())
+        self._check_resumable(path, state)
+        sharded_weights = path / self.SHARDED_WEIGHTS_FILE
+        if sharded_weights.exists():  # written by a sharded run: every process reads it and keeps its shard
+            self.devices.load_full_state_dict(self.model, load_file(str(sharded_weights)))
+        elif self.sharded:
+            raise RLHFInputError(f"{path} was written by a run whose weights were not sharded across processes; resume "
+                                 f"it with the same launch configuration, or start from its weights "
+                                 f"(model_name_or_path={path})")
+        else:
+            self._load_model(path)
+        self._load_extra_state(state.get("trainer") or {})
+        self.global_step, self.micro_batches_done = state["global_step"], state["micro_batches_done"]
+        if self.early_stopping and state.get("early_stopping"):
+            self.early_stopping.load_state_dict(state["early_stopping"])
+        if self.sampler is None and state.get("data"):
+            self.train_dataset.load_state_dict(state["data"])
+        if state.get("model_only"):
+            logger.warning("%s holds weights only (save_only_model, or weights sharded by ZeRO-3): the "
+                           "optimizer's moments restart and the schedule continues from step %d", path, self.global_step)
+            with warnings.catch_warnings():  # stepping the schedule to where it was, before any optimizer step
+                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+                for _ in range(self.global_step):
+                    self.scheduler.step()
+            return
+        meta = json.loads((path / "optimizer.json").read_text())
+        optimizer_state = optimizer_state_from_safetensors(load_file(str(path / "optimizer.safetensors")), meta)
+        # keyed by parameter name when a sharded run gathered it (into shards again, or whole parameters); by index
+        # otherwise, which a sharded run never gets here with: its weights check above refused the checkpoint
+        if isinstance(optimizer_state["param_groups"][0]["params"][0], str):
+            self.devices.load_full_optimizer_state(self.model, self.optimizer, optimizer_state)
+        else:
+            self.optimizer.load_state_dict(optimizer_state)
+        self.scheduler.load_state_dict(json.loads((path / "scheduler.json").read_text()))
+        restore_rng_state(load_file(str(path / "rng_state.safetensors")), json.loads((path / "rng_state.json").read_text()))
+
+    # settings that say how long a run goes, where and how it reports and evaluates, not what it trains:
+    # changing them is a normal resume (extending max_steps is the usual one)
+    RESUME_NEUTRAL_FIELDS = frozenset({"output_dir", "logging_dir", "resume_from_checkpoint", "overwrite_output_dir",
+                                       "report_to", "run_name", "disable_progress_bar", "progress_interval", "logging_steps", "save_steps",
+                                       "save_total_limit", "save_only_model", "eval_steps", "plot_loss", "max_steps",
+                                       "num_train_epochs", "dataloader_num_workers", "preprocessing_num_workers",
+                                       "ddp_timeout", "cache_dir", "eval_dataset", "per_device_eval_batch_size",
+                                       "eval_max_new_tokens", "eval_before_training"})
+
+    # settings that decide which parameters a checkpoint holds: its weights and optimizer state fit no others
+    RESUME_STRUCTURAL_FIELDS = ("finetuning_type", "lora_rank", "lora_target", "additional_target",
+                                "freeze_trainable_layers")
+
+    def _check_resumable(self, path: Path, state: dict[str, Any]) -> None:
+        """Refuse another stage's checkpoint (its files and optimizer do not fit this trainer); warn when the
+        settings changed since it was written, since the optimizer and schedule continue from it regardless."""
+        stage = state.get("stage")
+        if stage and stage != self.stage:
+            raise _other_stage_checkpoint_error(path, stage, self.stage, self.config.resume_from_checkpoint != "auto")
+        saved, now = state.get("config") or {}, json.loads(json.dumps(self.config.to_dict(), default=str))
+
+        def changes(keys: Iterable[str]) -> list[str]:
+            return [f"{key} {saved[key]!r} -> {now[key]!r}" for key in keys if key in saved and key in now
+                    and saved[key] != now[key]]
+
+        structural = changes(k for k in self.RESUME_STRUCTURAL_FIELDS
+                             if k != "freeze_trainable_layers" or now.get("finetuning_type") == "freeze")
+        if structural:
+            raise _changed_structure_error(path, structural, self.config.resume_from_checkpoint != "auto")
+        length = changes(("max_steps", "num_train_epochs"))
+        if length:
+            logger.info("resuming %s with a new length: %s", path, "; ".join(length))
+        changed = changes(key for key in sorted(now) if key not in self.RESUME_NEUTRAL_FIELDS)
+        if changed:
+            logger.warning("resuming %s with settings changed since it was written: %s%s. The run continues from the "
+                           "checkpoint; to train from scratch with the new settings set resume_from_checkpoint=none or "
+                           "another output_dir", path, "; ".join(changed[:6]),
+                           f" (and {len(changed) - 6} more)" if len(changed) > 6 else "")
+
+    def _save_final_model(self) -> None:
+        """The trained model in Hugging Face layout at output_dir, published file by file with renames."""
+        with self._weights_gathered():
+            if self.devices.is_main_process:
+                tmp = self.output_dir / f".tmp-final-{uuid.uuid4().hex[:8]}"
+                self._save_model(tmp)
+                _fsync_tree(tmp)
+                for item in tmp.iterdir():
+                    target = self.output_dir / item.name
+                    if item.is_dir() and target.is_dir():  # os.replace cannot overwrite a non-empty directory
+                        shutil.rmtree(target)
+                    os.replace(item, target)
+                tmp.rmdir()
+        self.devices.wait()
+
+
 def _scheduler_kwargs(name: str, warmup: int, num_training_steps: int) -> dict[str, Any]:
     """The extra arguments two transformers schedules require, with the usual defaults: cosine decays
     to 10% of the peak rate; warmup-stable-decay spends its last 10% of steps decaying."""
@@ -1907,24 +2146,6 @@ def _fused_optimizer_devices() -> tuple[str, ...]:
         return tuple(_get_fused_kernels_supported_devices())
     except ImportError:  # a torch without the helper: the devices every recent release covers
         return ("cpu", "cuda")
-
-
-def _checkpoint_read_errors() -> tuple[type[BaseException], ...]:
-    errors: tuple[type[BaseException], ...] = (OSError, ValueError, KeyError, RuntimeError)  # JSON errors are ValueErrors
-    try:
-        from safetensors import SafetensorError
-
-        return errors + (SafetensorError,)
-    except ImportError:
-        return errors
-
-
-CHECKPOINT_READ_ERRORS = _checkpoint_read_errors()  # what a damaged checkpoint file raises while it loads
-
-
-def _one_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0][:160]}" if text else type(err).__name__
 
 
 def create_optimizer(model: nn.Module, config: BaseConfig, num_training_steps: int
@@ -6246,7 +6467,7 @@ def _format_metrics(metrics: dict[str, float]) -> str:
     return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
 
 
-class BaseTrainer:
+class BaseTrainer(CheckpointingMixin):
     """One training loop for every stage: accumulation with the loss normalised over all accumulated
     micro-batches, clipping, scheduling, evaluation, atomic checkpoints, exact resume, early
     stopping and logging. Subclasses supply ``compute_loss`` and ``loss_units`` (and ``evaluate``)."""
@@ -6625,10 +6846,9 @@ class BaseTrainer:
                     config.ewc_dataset, time.time() - started, config.ewc_lambda)
         return ewc
 
-    # -- checkpoints
+    # -- the model a checkpoint holds (saving and resuming it: CheckpointingMixin, section 2)
     policy_prefix = ""  # where the policy's weights sit in the prepared module's state dict
     sharded = False  # set by _setup_sharding once the model is prepared
-    gathered_weights: dict[str, torch.Tensor] | None = None  # a sharded model's weights while they are written
 
     def _save_model(self, directory: Path) -> None:
         """The trained model in Hugging Face layout (subclasses with other models override); a sharded model's
@@ -6641,216 +6861,6 @@ class BaseTrainer:
 
     def _load_model(self, directory: Path) -> None:
         load_weights_into(self.devices.unwrap(self.policy.model), directory)
-
-    def _extra_state(self) -> dict[str, Any]:
-        """Trainer state beyond model/optimizer/schedule/RNG that exact resume needs (JSON)."""
-        return {}
-
-    def _load_extra_state(self, state: dict[str, Any]) -> None:
-        pass
-
-    SHARDED_WEIGHTS_FILE = "model_state.safetensors"
-
-    @contextlib.contextmanager
-    def _weights_gathered(self, optimizer: bool = False) -> Iterator[None]:
-        """A sharded model's weights (and with ``optimizer`` its FSDP2 optimizer state) gathered whole onto the main
-        process for the writes inside (every process enters: the gathers are collectives); nothing otherwise."""
-        self.gathered_weights = self.devices.full_state_dict(self.model) if self.sharded else None
-        gather_optimizer = optimizer and self.sharded and not self.config.save_only_model
-        self.gathered_optimizer = self.devices.full_optimizer_state(self.model, self.optimizer) if gather_optimizer else None
-        try:
-            yield
-        finally:
-            self.gathered_weights = self.gathered_optimizer = None
-
-    def _save_checkpoint(self) -> None:
-        with self._weights_gathered(optimizer=True):
-            if self.devices.is_main_process:
-                path = self.checkpoints.save(self.global_step, self._write_checkpoint)
-                logger.debug("checkpoint written: %s", path)
-        self.devices.wait()
-
-    def _write_checkpoint(self, directory: Path) -> None:
-        from safetensors.torch import save_file
-
-        # sharded: the gathered weights as the prepared module names them, which resume loads back into the shards,
-        # and (FSDP2) the gathered optimizer state keyed by parameter name; ZeRO-3's optimizer state is not gathered
-        model_only = self.config.save_only_model or (self.sharded and self.gathered_optimizer is None)
-        if self.sharded:
-            save_file({k: v.contiguous() for k, v in self.gathered_weights.items()}, str(directory / self.SHARDED_WEIGHTS_FILE))
-        else:
-            self._save_model(directory)
-        state = {"global_step": self.global_step, "micro_batches_done": self.micro_batches_done,
-                 "stage": self.stage, "config": self.config.to_dict(), "trainer": self._extra_state(),
-                 "early_stopping": self.early_stopping.state_dict() if self.early_stopping else None,
-                 "data": self.train_dataset.state_dict() if self.sampler is None else None,
-                 "model_only": model_only}
-        if not model_only:
-            optimizer_state = self.gathered_optimizer if self.sharded else self.optimizer.state_dict()
-            tensors, meta = optimizer_state_to_safetensors(optimizer_state)
-            save_file(tensors, str(directory / "optimizer.safetensors"))
-            (directory / "optimizer.json").write_text(json.dumps(meta))
-            (directory / "scheduler.json").write_text(json.dumps(self.scheduler.state_dict()))
-            rng_tensors, rng_meta = capture_rng_state()
-            save_file(rng_tensors, str(directory / "rng_state.safetensors"))
-            (directory / "rng_state.json").write_text(json.dumps(rng_meta))
-        (directory / "trainer_state.json").write_text(json.dumps(state, indent=1, default=str))
-
-    def _resume(self) -> None:
-        choice = self.config.resume_from_checkpoint
-        if self.config.overwrite_output_dir or choice == "none":
-            found = self.checkpoints.checkpoints()
-            if found:  # a fresh start must not roll or later resume into old steps; say so before deleting
-                key = "overwrite_output_dir=true" if self.config.overwrite_output_dir else "resume_from_checkpoint=none"
-                fix = "overwrite_output_dir=false" if self.config.overwrite_output_dir else "resume_from_checkpoint=auto"
-                logger.warning("%s: deleting %d checkpoint(s) in %s (the newest at step %s) and starting over; run "
-                               "with %s to resume from them instead", key, len(found), self.checkpoints.root,
-                               found[-1].name.removeprefix(CheckpointManager.prefix), fix)
-            self.checkpoints.clear()
-            return
-        if choice == "auto":
-            path = self._resume_newest_readable()
-            if path is None:
-                return
-        else:
-            path = Path(choice)
-            if not path.exists():
-                raise RLHFInputError(f"config field 'resume_from_checkpoint': {path} does not exist; give a "
-                                     f"checkpoint directory, 'auto' or 'none'")
-            if not (path / "COMPLETE").exists():
-                raise RLHFInputError(f"config field 'resume_from_checkpoint': {path} is not a complete checkpoint "
-                                     f"(no COMPLETE marker: not a checkpoint, or interrupted while saving)")
-            problem = self._load_readable_checkpoint(path)
-            if problem:
-                raise RLHFInputError(f"config field 'resume_from_checkpoint': {path} cannot be read ({problem}); "
-                                     f"resume from another checkpoint or set resume_from_checkpoint=none")
-        logger.info("resumed from %s at step %d", path, self.global_step)
-
-    def _load_readable_checkpoint(self, path: Path) -> str | None:
-        """Load ``path``; what was wrong with its files when one is damaged (None when it loaded). Another
-        stage's checkpoint is the user's mistake, not damage, and stays an error."""
-        try:
-            self._load_checkpoint(path)
-        except RLHFInputError:
-            raise
-        except CHECKPOINT_READ_ERRORS as err:
-            return _one_line(err)
-        return None
-
-    def _resume_newest_readable(self) -> Path | None:
-        """Auto-resume: the newest complete checkpoint that loads. One whose files are damaged (a disk error,
-        a hand edit) is reported and the one before it tried, so a bad file costs save_steps, not the run.
-        Loading overwrites everything a checkpoint holds, so a failed partial load leaves nothing behind."""
-        found = self.checkpoints.checkpoints()
-        incomplete = sorted(p.name for p in self.checkpoints.root.glob(f"{self.checkpoints.prefix}*")
-                            if p.is_dir() and p not in found) if self.checkpoints.root.is_dir() else []
-        if incomplete:
-            logger.info("skipping %s: no COMPLETE marker (interrupted while saving)", ", ".join(incomplete))
-        failures = []
-        for path in reversed(found):
-            problem = self._load_readable_checkpoint(path)
-            if problem is None:
-                if failures:
-                    logger.warning("resumed from the older %s because %s", path.name, "; ".join(failures))
-                return path
-            failures.append(f"{path.name} cannot be read ({problem})")
-        if failures:
-            raise RLHFInputError(f"no checkpoint in {self.checkpoints.root} can be read: {'; '.join(failures)}; "
-                                 f"set resume_from_checkpoint=none to start over")
-        return None
-
-    def _load_checkpoint(self, path: Path) -> None:
-        from safetensors.torch import load_file
-
-        state = json.loads((path / "trainer_state.json").read_text())
-        self._check_resumable(path, state)
-        sharded_weights = path / self.SHARDED_WEIGHTS_FILE
-        if sharded_weights.exists():  # written by a sharded run: every process reads it and keeps its shard
-            self.devices.load_full_state_dict(self.model, load_file(str(sharded_weights)))
-        elif self.sharded:
-            raise RLHFInputError(f"{path} was written by a run whose weights were not sharded across processes; resume "
-                                 f"it with the same launch configuration, or start from its weights "
-                                 f"(model_name_or_path={path})")
-        else:
-            self._load_model(path)
-        self._load_extra_state(state.get("trainer") or {})
-        self.global_step, self.micro_batches_done = state["global_step"], state["micro_batches_done"]
-        if self.early_stopping and state.get("early_stopping"):
-            self.early_stopping.load_state_dict(state["early_stopping"])
-        if self.sampler is None and state.get("data"):
-            self.train_dataset.load_state_dict(state["data"])
-        if state.get("model_only"):
-            logger.warning("%s holds weights only (save_only_model, or weights sharded by ZeRO-3): the "
-                           "optimizer's moments restart and the schedule continues from step %d", path, self.global_step)
-            with warnings.catch_warnings():  # stepping the schedule to where it was, before any optimizer step
-                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
-                for _ in range(self.global_step):
-                    self.scheduler.step()
-            return
-        meta = json.loads((path / "optimizer.json").read_text())
-        optimizer_state = optimizer_state_from_safetensors(load_file(str(path / "optimizer.safetensors")), meta)
-        # keyed by parameter name when a sharded run gathered it (into shards again, or whole parameters); by index
-        # otherwise, which a sharded run never gets here with: its weights check above refused the checkpoint
-        if isinstance(optimizer_state["param_groups"][0]["params"][0], str):
-            self.devices.load_full_optimizer_state(self.model, self.optimizer, optimizer_state)
-        else:
-            self.optimizer.load_state_dict(optimizer_state)
-        self.scheduler.load_state_dict(json.loads((path / "scheduler.json").read_text()))
-        restore_rng_state(load_file(str(path / "rng_state.safetensors")), json.loads((path / "rng_state.json").read_text()))
-
-    # settings that say how long a run goes, where and how it reports and evaluates, not what it trains:
-    # changing them is a normal resume (extending max_steps is the usual one)
-    RESUME_NEUTRAL_FIELDS = frozenset({"output_dir", "logging_dir", "resume_from_checkpoint", "overwrite_output_dir",
-                                       "report_to", "run_name", "disable_progress_bar", "progress_interval", "logging_steps", "save_steps",
-                                       "save_total_limit", "save_only_model", "eval_steps", "plot_loss", "max_steps",
-                                       "num_train_epochs", "dataloader_num_workers", "preprocessing_num_workers",
-                                       "ddp_timeout", "cache_dir", "eval_dataset", "per_device_eval_batch_size",
-                                       "eval_max_new_tokens", "eval_before_training"})
-
-    # settings that decide which parameters a checkpoint holds: its weights and optimizer state fit no others
-    RESUME_STRUCTURAL_FIELDS = ("finetuning_type", "lora_rank", "lora_target", "additional_target",
-                                "freeze_trainable_layers")
-
-    def _check_resumable(self, path: Path, state: dict[str, Any]) -> None:
-        """Refuse another stage's checkpoint (its files and optimizer do not fit this trainer); warn when the
-        settings changed since it was written, since the optimizer and schedule continue from it regardless."""
-        stage = state.get("stage")
-        if stage and stage != self.stage:
-            raise _other_stage_checkpoint_error(path, stage, self.stage, self.config.resume_from_checkpoint != "auto")
-        saved, now = state.get("config") or {}, json.loads(json.dumps(self.config.to_dict(), default=str))
-
-        def changes(keys: Iterable[str]) -> list[str]:
-            return [f"{key} {saved[key]!r} -> {now[key]!r}" for key in keys if key in saved and key in now
-                    and saved[key] != now[key]]
-
-        structural = changes(k for k in self.RESUME_STRUCTURAL_FIELDS
-                             if k != "freeze_trainable_layers" or now.get("finetuning_type") == "freeze")
-        if structural:
-            raise _changed_structure_error(path, structural, self.config.resume_from_checkpoint != "auto")
-        length = changes(("max_steps", "num_train_epochs"))
-        if length:
-            logger.info("resuming %s with a new length: %s", path, "; ".join(length))
-        changed = changes(key for key in sorted(now) if key not in self.RESUME_NEUTRAL_FIELDS)
-        if changed:
-            logger.warning("resuming %s with settings changed since it was written: %s%s. The run continues from the "
-                           "checkpoint; to train from scratch with the new settings set resume_from_checkpoint=none or "
-                           "another output_dir", path, "; ".join(changed[:6]),
-                           f" (and {len(changed) - 6} more)" if len(changed) > 6 else "")
-
-    def _save_final_model(self) -> None:
-        """The trained model in Hugging Face layout at output_dir, published file by file with renames."""
-        with self._weights_gathered():
-            if self.devices.is_main_process:
-                tmp = self.output_dir / f".tmp-final-{uuid.uuid4().hex[:8]}"
-                self._save_model(tmp)
-                _fsync_tree(tmp)
-                for item in tmp.iterdir():
-                    target = self.output_dir / item.name
-                    if item.is_dir() and target.is_dir():  # os.replace cannot overwrite a non-empty directory
-                        shutil.rmtree(target)
-                    os.replace(item, target)
-                tmp.rmdir()
-        self.devices.wait()
 
 
 # ---- Shared by the policy trainers: held-out exact-match accuracy ----
