@@ -10,7 +10,7 @@ bundled demo task, and on GPUs through accelerate.
 Table of contents (each section opens with a ``# ==== N. Title ====`` banner):
   0. Notation and registries — IGNORE_INDEX, RLHFInputError
   1. Configs — BaseConfig, SFTConfig, RewardModelConfig, ProcessRewardModelConfig, DPOConfig, SimPOConfig, ORPOConfig, KTOConfig, OnlineRLConfig, GRPOConfig, PPOConfig, PipelineConfig, load_config, save_config, config_help, get_7b_model_config, get_70b_model_config, count_parameters, estimate_memory
-  2. Infrastructure — setup_logging, logging_restored, DeviceManager, weight_sharding, TrainingLogger, CheckpointManager, CheckpointingMixin, create_optimizer, EarlyStopping, find_expert_parameter_names, apply_lora, apply_freeze, compile_model, select_attention_implementation
+  2. Infrastructure — setup_logging, logging_restored, weight_sharding, DeviceManager, TrainingLogger, CheckpointManager, CheckpointingMixin, create_optimizer, EarlyStopping, find_expert_parameter_names, apply_lora, apply_freeze, compile_model, select_attention_implementation
   3. Data — load_records, ChatFormatter, CHAT_TEMPLATES, TEMPLATE_SPECIAL_TOKENS, saved_as_trained, chat_formatter, SFTDataset, StreamingSFTDataset, pack_sequences, SFTCollator, PreferenceDataset, StreamingPreferenceDataset, KTODataset, StreamingKTODataset, pack_rows, pack_preference_pairs, PreferenceBatch, PreferenceCollator, KTOBatch, KTOCollator, GRPODataset, StreamingGRPODataset, extract_answer, split_steps, arithmetic_step_labels, arithmetic_response_labels, encode_steps, ProcessPreferenceDataset, ProcessPreferenceCollator
   4. Models — token_log_probs, OutputHead, load_tokenizer, quantization_config, is_quantized, build_tiny_model, resolve_model_path, PolicyModel, state_under, RewardModel, RewardEnsemble, aggregate_step_scores, ProcessRewardModel, ValueModel, ActorCritic, select_informative_tokens, ContextCompressor, ReferenceModel, can_pack_pairs, tree_attention_mask, shared_prefix_log_probs, grouped_logits, grouped_packed_logits, grouped_prefix_logits, create_reference_model
   5. Losses and advantages — router_load_balancing_loss, causal_lm_loss_sum, causal_lm_loss_with, sequence_log_probs, dpo_loss, PREFERENCE_LOSSES, simpo_loss, orpo_loss, kto_loss, reward_model_loss, reward_boosting_weights, ewc_penalty, whiten, grpo_advantages, grpo_loss, compute_gae, ppo_policy_loss, ppo_value_loss, AdaptiveKLController, FixedKLController
@@ -1299,6 +1299,22 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def weight_sharding(model: nn.Module) -> str:
+    """How a model prepared by accelerate splits its weights across processes: ``fsdp1`` (the FSDP v1
+    wrapper), ``fsdp2`` (``fully_shard``, applied in place), ``zero3`` (DeepSpeed ZeRO-3 partitioned
+    parameters) or '' (every process holds them whole: one process, DDP, ZeRO-1/2)."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    modules = list(model.modules())
+    if any(isinstance(m, FullyShardedDataParallel) for m in modules):
+        return "fsdp1"
+    if any(isinstance(m, FSDPModule) for m in modules):
+        return "fsdp2"
+    if any(hasattr(p, "ds_id") for p in model.parameters()):  # ZeRO-3 marks the parameters it partitions
+        return "zero3"
+    return ""
+
+
 class DeviceManager:
     """Device, mixed precision, gradient scaling, clipping and process layout, over ``accelerate``.
 
@@ -1507,22 +1523,6 @@ class DeviceManager:
         processes = self.num_processes
         turns = range(self.process_index, math.ceil(count / processes) * processes, processes)
         return [(min(index, count - 1), index < count) for index in turns]
-
-
-def weight_sharding(model: nn.Module) -> str:
-    """How a model prepared by accelerate splits its weights across processes: ``fsdp1`` (the FSDP v1
-    wrapper), ``fsdp2`` (``fully_shard``, applied in place), ``zero3`` (DeepSpeed ZeRO-3 partitioned
-    parameters) or '' (every process holds them whole: one process, DDP, ZeRO-1/2)."""
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-
-    modules = list(model.modules())
-    if any(isinstance(m, FullyShardedDataParallel) for m in modules):
-        return "fsdp1"
-    if any(isinstance(m, FSDPModule) for m in modules):
-        return "fsdp2"
-    if any(hasattr(p, "ds_id") for p in model.parameters()):  # ZeRO-3 marks the parameters it partitions
-        return "zero3"
-    return ""
 
 
 def _wandb_mode() -> dict[str, str]:
