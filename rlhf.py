@@ -2152,9 +2152,9 @@ def create_optimizer(model: nn.Module, config: BaseConfig, num_training_steps: i
                      ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     """AdamW over trainable parameters (no weight decay on biases and norms) and a transformers schedule.
     ``optim: adamw_torch_fused`` takes the fused kernel where the parameters' device and dtype have it
-    (CPU, CUDA): about 5x faster per step than the per-tensor loop on the tiny model's 38 tensors. It is
-    not the default because it rounds differently, and on the demo that alone moved where SFT lands
-    (held-out exact match 68.7% per tensor, 96.7% fused; its arithmetic is learned in a sudden jump)."""
+    (CPU, CUDA): one pass over every tensor instead of a loop over them, several times faster per step on
+    small models, whose step time is the loop's overhead. It is not the default because it rounds
+    differently, and where a skill is learned in a sudden jump that alone can move where a run lands."""
     from transformers import get_scheduler
 
     decay, no_decay = [], []
@@ -4705,9 +4705,8 @@ def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
 
 def scalar_head(head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """A reward or value head applied in its own precision (float32), outside autocast: under bf16 mixed
-    precision its output would keep 8 bits of mantissa, so rewards a few hundredths apart tie or swap (the
-    demo reward model ranked 53.5% of its held-out pairs with bf16=true against 62.5% in float32, at the
-    same eval loss). Shapes: (..., H) -> (...)."""
+    precision its output would keep 8 bits of mantissa, so rewards a few hundredths apart tie or swap, which
+    costs pairwise accuracy without showing in the loss. Shapes: (..., H) -> (...)."""
     with torch.autocast(hidden.device.type, enabled=False):
         return head(hidden.to(next(head.parameters()).dtype)).squeeze(-1)
 
@@ -5217,8 +5216,8 @@ def _packed_pair_log_probs(model: nn.Module, batch: PreferenceBatch) -> tuple[to
 def _slot_log_probs(flat_logits: torch.Tensor, source: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """log softmax(flat_logits[source])[targets], normalising each packed slot once where it stands.
     Indexing the (slots, V) logits out to every target first would copy a vocabulary-wide row per
-    target, and its backward scatters those rows back one by one (1.7% of the demo's packed DPO
-    forward+backward). Slots go through in chunks of rows as in token_log_probs; the values are the same.
+    target, and its backward scatters those rows back one by one. Slots go through in chunks of rows
+    as in token_log_probs; the values are the same.
     Shapes: flat_logits (S, V), source and targets (N, C) -> (N, C)."""
     slots, vocab = flat_logits.shape
     rows_per_chunk = max(1, LOG_SOFTMAX_CHUNK_ELEMENTS // max(vocab, 1))
@@ -8020,7 +8019,7 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         """``generation_engine`` for a rollout of ``rows`` completions. The engine's own ``auto`` compiles a
         shape only after it has decoded AUTO_COMPILE_AFTER_TOKENS tokens uncompiled, since it cannot know the
         work ahead; the trainer does, so a run planned to decode at least that many compiles from its first
-        rollout (the demo's GRPO used to decode its first 60 of 150 steps uncompiled)."""
+        rollout (else a short run decodes a large share of its rollouts uncompiled)."""
         from inference_optimizations import AUTO_COMPILE_AFTER_TOKENS
 
         engine = self.config.generation_engine
@@ -8467,8 +8466,8 @@ def train_ppo(config: PPOConfig, devices: DeviceManager | None = None) -> TrainR
     policy = _load_policy(config, devices.device)
     critic = None
     if not (config.value_model or config.ppo_score_norm) and config.finetuning_type == "full" and config.vf_coef > 0:
-        # Why warn: on the demo this layout took held-out accuracy from 93.7% to 75.0% in 200 steps, because
-        # the critic's regression on raw scores outweighs the policy term and retrains the shared body
+        # Why warn: the critic's regression on raw scores can outweigh the policy term and retrain the shared
+        # body, so the policy loses accuracy it had
         logger.warning("PPO: the value head shares the policy's fully fine-tuned backbone (LLaMA-Factory's layout), "
                        "so the value loss also trains the language model and can cost it accuracy; give "
                        "value_model=DIR (a separate critic, e.g. the reward model, as InstructGPT and TRL do) or "
@@ -8752,8 +8751,8 @@ class ElasticWeightConsolidation:
     own); ``penalty`` is :func:`ewc_penalty` on the current weights. Only trainable parameters take
     part (with LoRA: the adapter weights).
 
-    Scale: Fisher entries are small, so useful ``ewc_lambda`` values are large (the demo's DPO keeps
-    most of its SFT likelihood at 1e4); watch the logged ``ewc/penalty`` against the stage's loss."""
+    Scale: Fisher entries are small, so useful ``ewc_lambda`` values are large (1e4 is a start for a
+    small model); watch the logged ``ewc/penalty`` against the stage's loss."""
 
     FILE = "ewc.safetensors"
 
