@@ -108,7 +108,7 @@ def _default_cache_dir() -> Path:
 
 
 def _opt(default: Any, help: str, **kwargs: Any) -> Any:
-    """A dataclass field whose one-line help feeds ``--help`` and the README table."""
+    """A dataclass field whose one-line help feeds ``--help`` and docs/configuration.md."""
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help}, **kwargs)
     return field(default=default, metadata={"help": help}, **kwargs)
@@ -139,7 +139,7 @@ class BaseConfig:
     trust_remote_code: bool = _opt(False, "Allow custom modelling code shipped with the model (off: it runs arbitrary Python)")
     attn_implementation: str = _opt("auto", "auto (flash_attention_2 -> sdpa -> eager) | flash_attention_2 | sdpa | eager")
     model_dtype: str = _opt("auto", "Weights dtype on load: auto (fp32 for full/freeze, bf16/fp16 base for lora when mixed precision is on) | float32 | bfloat16 | float16")
-    finetuning_type: str = _opt("lora", "full | lora | freeze (train only the last freeze_trainable_layers blocks)")
+    finetuning_type: str = _opt("lora", "full | lora | oft (orthogonal fine-tuning on the LoRA targets) | freeze (train only the last freeze_trainable_layers blocks)")
     lora_rank: int = _opt(8, "LoRA rank r")
     lora_alpha: int | None = _opt(None, "LoRA alpha (default: 2 * lora_rank, as LLaMA-Factory)")
     lora_dropout: float = _opt(0.0, "Dropout on the LoRA branch")
@@ -189,7 +189,7 @@ class BaseConfig:
     adam_beta1: float = _opt(0.9, "AdamW beta1")
     adam_beta2: float = _opt(0.999, "AdamW beta2")
     adam_epsilon: float = _opt(1e-8, "AdamW epsilon")
-    optim: str = _opt("adamw_torch", "AdamW kernel, Hugging Face's names: adamw_torch (per tensor) | adamw_torch_fused (one fused pass, ~5x faster steps on small models; where the device has it)")
+    optim: str = _opt("adamw_torch", "AdamW kernel, Hugging Face's names: adamw_torch (per tensor) | adamw_torch_fused (one fused pass over all tensors: far fewer kernel launches, so much faster steps for models of many small tensors; where the device has it)")
     max_grad_norm: float = _opt(1.0, "Clip the global gradient norm to this (0: no clipping)")
     per_device_train_batch_size: int = _opt(8, "Micro-batch size per device")
     per_device_eval_batch_size: int = _opt(16, "Batch size for evaluation and generation")
@@ -650,7 +650,7 @@ LLAMAFACTORY_IGNORED: dict[str, str] = {
     "save_strategy": "checkpoints are written every save_steps",
     "logging_strategy": "metrics are logged every logging_steps",
     "overwrite_cache": "tokenised data is cached by a hash of the data, tokenizer and settings, so it never goes stale",
-    "deepspeed": "launch with `accelerate launch --config_file configs/accelerate_*.yaml rlhf.py ...` to use DeepSpeed",
+    "deepspeed": "launch with `accelerate launch --config_file configs/accelerate/deepspeed_zero3.yaml rlhf.py ...` to use DeepSpeed",
     "fsdp": "launch with an accelerate FSDP config file instead",
     "upcast_layernorm": "norm layers already stay in fp32 under autocast",
     "pure_bf16": "use bf16=true (mixed precision) or model_dtype=bfloat16",
@@ -904,7 +904,7 @@ def save_config(config: BaseConfig | PipelineConfig, path: str | os.PathLike) ->
 
 
 def config_help(cls: type[BaseConfig]) -> str:
-    """One line per field: name, type, default, help — for ``--help`` and the README."""
+    """One line per field: name, type, default, help — for ``--help`` (docs/configuration.md is written from the same help)."""
     hints = _field_types(cls)
     rows = []
     for f in dataclasses.fields(cls):
@@ -2419,8 +2419,7 @@ def resolve_dataset(name: str, dataset_dir: str | os.PathLike) -> DatasetSpec:
         raise RLHFInputError(f"{info_path} must be a JSON object of name: entry (LLaMA-Factory's layout), "
                              f"not a {type(info).__name__}")
     if name not in info:
-        hint = difflib.get_close_matches(name, list(info), n=1)
-        raise RLHFInputError(f"dataset '{name}' is not in {info_path}" + (f"; did you mean '{hint[0]}'?" if hint else ""))
+        raise RLHFInputError(f"dataset '{name}' is not in {info_path}; {_where_registered(name, Path(dataset_dir), info)}")
     entry = info[name]
     _check_dataset_entry(info_path, name, entry)
     spec = DatasetSpec(name=name, formatting=entry.get("formatting", "alpaca"), columns=entry.get("columns", {}),
@@ -2436,6 +2435,17 @@ def resolve_dataset(name: str, dataset_dir: str | os.PathLike) -> DatasetSpec:
     else:
         raise RLHFInputError(f"{info_path}: dataset '{name}' has no file_name or hf_hub_url")
     return spec
+
+
+def _where_registered(name: str, dataset_dir: Path, info: dict[str, Any]) -> str:
+    """The fix for a name missing from dataset_dir's registry: a folder below that registers it (the demo's names
+    live in data/demo), else the closest registered name."""
+    for nested in sorted(dataset_dir.glob("*/dataset_info.json")):
+        with contextlib.suppress(OSError, ValueError):
+            if name in json.loads(nested.read_text(encoding="utf-8")):
+                return f"{nested} registers it: set dataset_dir={nested.parent}"
+    hint = difflib.get_close_matches(name, list(info), n=1)
+    return f"did you mean '{hint[0]}'?" if hint else "register it there, or give a file path"
 
 
 DATASET_INFO_KEYS = ("file_name", "hf_hub_url", "formatting", "ranking", "subset", "split", "folder", "columns", "tags")
@@ -7094,7 +7104,6 @@ def _start_stage(config: BaseConfig, devices: DeviceManager | None, records: tup
     """Output folder checks, logging, seed, records (validated before any model loads) and devices for one
     stage. ``records``: already read and split (a reward-model ensemble's members share one split)."""
     _prepare_output_dir(config)
-    check_model_paths(config)
     setup_logging(log_file=Path(config.logging_dir or Path(config.output_dir) / "logs") / f"{config.stage}.log")
     set_seed(config.seed)
     if getattr(config, "precompute_ref_log_probs", False) and config.streaming:
@@ -7102,6 +7111,7 @@ def _start_stage(config: BaseConfig, devices: DeviceManager | None, records: tup
                              "or precompute_ref_log_probs=false")
     if records is None:
         records = read_stage_records(config, STAGE_RECORD_KINDS[config.stage])
+    check_model_paths(config)  # after the records: a data error names its file:line whatever the model
     _refuse_other_stage_checkpoints(config)
     devices = devices or DeviceManager(config.mixed_precision, config.report_to, Path(config.output_dir) / "runs",
                                        config.ddp_timeout)

@@ -235,3 +235,10 @@ def test_plain_progress_waits_for_its_interval():
         progress.advance()
     assert [r.getMessage().split(",")[0] for r in records] == ["dpo: step 100/100 (100%)"]  # ... or the end
     assert records[0].getMessage().endswith("loss 0.6931")
+
+
+def test_a_name_registered_in_a_subfolder_says_which_dataset_dir(repo):
+    """The demo's names live in data/demo: with dataset_dir 'data' (LLaMA-Factory's files) the fix is the folder,
+    not the closest name in data/dataset_info.json."""
+    with pytest.raises(rlhf.RLHFInputError, match=r"data/demo/dataset_info\.json registers it: set dataset_dir=\S*data/demo"):
+        rlhf.resolve_dataset("demo_sft", str(repo / "data"))
