@@ -1976,11 +1976,12 @@ class CheckpointingMixin:
         if self.config.overwrite_output_dir or choice == "none":
             found = self.checkpoints.checkpoints()
             if found:  # a fresh start must not roll or later resume into old steps; say so before deleting
-                key = "overwrite_output_dir=true" if self.config.overwrite_output_dir else "resume_from_checkpoint=none"
-                fix = "overwrite_output_dir=false" if self.config.overwrite_output_dir else "resume_from_checkpoint=auto"
-                logger.warning("%s: deleting %d checkpoint(s) in %s (the newest at step %s) and starting over; run "
-                               "with %s to resume from them instead", key, len(found), self.checkpoints.root,
-                               found[-1].name.removeprefix(CheckpointManager.prefix), fix)
+                # (resume_from_checkpoint=none may be the pipeline's, for a stage whose config changed: no advice)
+                overwrite = self.config.overwrite_output_dir
+                logger.warning("%s: deleting %d checkpoint(s) in %s (the newest at step %s) and starting over%s",
+                               "overwrite_output_dir=true" if overwrite else "resume_from_checkpoint=none", len(found),
+                               self.checkpoints.root, found[-1].name.removeprefix(CheckpointManager.prefix),
+                               "; run with overwrite_output_dir=false to resume from them instead" if overwrite else "")
             self.checkpoints.clear()
             return
         if choice == "auto":

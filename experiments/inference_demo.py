@@ -73,8 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         return [int(x) for x in text.split(",") if x.strip()]
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--policy", default="outputs/demo/sft", help="policy model directory")
-    parser.add_argument("--reward", default="outputs/demo/rm", help="outcome reward model saved by rlhf's rm stage")
+    parser.add_argument("--policy", default="outputs/demo_ensemble/sft", help="policy model directory")
+    parser.add_argument("--reward", default="outputs/demo_ensemble/rm", help="outcome reward model saved by rlhf's rm stage")
     parser.add_argument("--prm", default="outputs/prm", help="process reward model saved by rlhf's prm stage")
     parser.add_argument("--eval", default="data/demo/eval.jsonl", help="held-out prompts with answers")
     parser.add_argument("--multistep", default="data/demo/multistep.jsonl", help="held-out multi-step problems")

@@ -1,6 +1,6 @@
 """On-policy preference pairs for a verifier (Math-Shepherd-style automatic supervision).
 
-    python experiments/make_onpolicy_pairs.py --policy outputs/demo/sft --out outputs/onpolicy_pairs
+    python experiments/make_onpolicy_pairs.py --policy outputs/demo_ensemble/sft --out outputs/onpolicy_pairs
 
 Samples ``--samples`` responses per prompt of data/demo/rl_prompts.jsonl (not held out) from the
 policy, keeps prompts where some samples are right and some wrong (by the final ``Answer:`` line),
@@ -95,7 +95,7 @@ def read_pair_lines(path: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--policy", default="outputs/demo/sft", help="policy directory")
+    parser.add_argument("--policy", default="outputs/demo_ensemble/sft", help="policy directory")
     parser.add_argument("--prompts", nargs="+", default=["data/demo/rl_prompts.jsonl"],
                         help="JSONL files with a prompt and an answer (a demo prompt without one, as in sft.jsonl, "
                              "gets the answer of its arithmetic); a prompt in several files is used once")

@@ -1,7 +1,7 @@
 """Model merging on the demo task: the demo pipeline's SFT, DPO and GRPO policies, their merges and ensembles,
 each scored on the 300 held-out prompts.
 
-    python rlhf.py pipeline --config configs/demo.yaml   # once: writes outputs/demo/{sft,dpo,grpo}
+    python rlhf.py pipeline --config configs/demo_ensemble.yaml   # once: writes outputs/demo_ensemble/{sft,dpo,grpo}
     python experiments/merge_demo.py                     # every merge in configs/merge_*.yaml + two ensembles
     python experiments/merge_demo.py --merges ties,dare_ties,slerp --no-ensembles --limit 100
 
@@ -46,7 +46,7 @@ MERGES = ("ties", "dare_ties", "slerp", "slerp-t0.5", "task_arithmetic", "linear
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--demo-dir", default="outputs/demo", help="the demo pipeline's output (sft, dpo, grpo)")
+    parser.add_argument("--demo-dir", default="outputs/demo_ensemble", help="the demo pipeline's output (sft, dpo, grpo)")
     parser.add_argument("--eval", default="data/demo/eval.jsonl", help="held-out prompts with answers")
     parser.add_argument("--merges", default=",".join(MERGES), help=f"comma-separated from {', '.join(MERGES)}")
     parser.add_argument("--no-ensembles", action="store_true", help="skip the two ensemble rows")
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     missing = [d for d in INPUTS if not (demo / d / "config.json").is_file()]
     if missing:
         print(f"error: {', '.join(str(demo / d) for d in missing)} missing; run python rlhf.py pipeline --config "
-              "configs/demo.yaml first", file=sys.stderr)
+              "configs/demo_ensemble.yaml first", file=sys.stderr)
         return 2
     records = [json.loads(line) for line in Path(args.eval).read_text().splitlines() if line.strip()]
     records = records[:args.limit] if args.limit else records

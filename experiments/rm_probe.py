@@ -1,12 +1,12 @@
 """Where the demo reward model's missing accuracy is: the same held-out pairs ranked by the SFT model's
 own log-likelihood and by trained reward models, split by the kind of flaw in the rejected answer.
 
-    python rlhf.py pipeline --config configs/demo.yaml   # once: outputs/demo/{sft,rm}
-    python experiments/rm_probe.py                       # SFT log-likelihood and outputs/demo/rm
-    python experiments/rm_probe.py --reward-models outputs/demo/rm,/tmp/rm_other
+    python rlhf.py pipeline --config configs/demo_ensemble.yaml   # once: outputs/demo_ensemble/{sft,rm}
+    python experiments/rm_probe.py                       # SFT log-likelihood and outputs/demo_ensemble/rm
+    python experiments/rm_probe.py --reward-models outputs/demo_ensemble/rm,/tmp/rm_other
 
 The held-out pairs are the rm stage's: ``val_size`` 200 of ``demo_rm`` held out by prompt
-(``val_split_by_prompt``) with ``seed`` 0, as ``configs/demo.yaml`` trains it, so no held-out prompt was
+(``val_split_by_prompt``) with ``seed`` 0, as ``configs/demo_ensemble.yaml`` trains it, so no held-out prompt was
 trained on. A pair counts as right when the chosen response scores higher. The
 log-likelihood column scores a response by log p(response | prompt) summed over its tokens under the SFT
 policy, the reward-model columns by the scalar head on the last token. Flaw kinds, read from the pair
@@ -27,7 +27,7 @@ taken where none is needed (``83 - 3 = 70``). A reward model trained on pairs th
 learn "the lower tens digit is better" instead of the arithmetic; the second row shows it, and it is the
 answer RL on such a reward model drifts to (README, "The careless-teacher demo").
 
-    python experiments/rm_probe.py --dataset demo_rm_careless --reward-models outputs/demo/rm,outputs/demo_careless/rm
+    python experiments/rm_probe.py --dataset demo_rm_careless --reward-models outputs/demo_ensemble/rm,outputs/demo_careless/rm
 
 ``--policy-pairs DIR ...`` adds a row per directory written by ``experiments/make_onpolicy_pairs.py``: a policy's
 own right answer against its own wrong one, on training prompts. These are the pairs RL meets: run it on
@@ -149,8 +149,8 @@ def pairwise(scores: torch.Tensor) -> torch.Tensor:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--policy", default="outputs/demo/sft", help="the SFT policy (default outputs/demo/sft)")
-    parser.add_argument("--reward-models", default="outputs/demo/rm", help="comma-separated reward model directories")
+    parser.add_argument("--policy", default="outputs/demo_ensemble/sft", help="the SFT policy (default outputs/demo_ensemble/sft)")
+    parser.add_argument("--reward-models", default="outputs/demo_ensemble/rm", help="comma-separated reward model directories")
     parser.add_argument("--dataset", default="demo_rm", help="the rm stage's dataset (default demo_rm)")
     parser.add_argument("--val-size", type=int, default=200, help="held-out pairs, as the rm stage's val_size")
     parser.add_argument("--split-by-record", action="store_true",
@@ -169,7 +169,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     for path in [args.policy, *args.reward_models.split(",")]:
         if not Path(path).is_dir():
-            raise SystemExit(f"error: {path} does not exist; run `python rlhf.py pipeline --config configs/demo.yaml` first")
+            raise SystemExit(f"error: {path} does not exist; run `python rlhf.py pipeline --config configs/demo_ensemble.yaml` first")
     for path in args.policy_pairs:
         if not (Path(path) / "dataset_info.json").is_file():
             raise SystemExit(f"error: --policy-pairs {path}: no dataset_info.json there; write it with "

@@ -419,8 +419,8 @@ def test_every_stage_help_lists_its_fields(stage, capsys):
 def test_example_stage_configs_load(repo, name):
     config = rlhf.load_config(rlhf.STAGE_CONFIGS[name], repo / "configs" / f"{name}.yaml")
     assert config.stage == name
-    if name == "ppo":  # a separate critic (a member of the boosted rm ensemble): a head on the policy retrains it
-        assert config.value_model == "outputs/demo/rm/member-0"
+    if name == "ppo":  # a separate critic (the demo's reward model): a head on the policy retrains it
+        assert config.value_model == "outputs/demo/rm"
     if name == "prm":  # the reward model's 12,000 pairs, held out by prompt, labelled by the demo's verifier
         assert (config.dataset, config.val_split_by_prompt, config.prm_step_labeler) == ("demo_rm", True, "arithmetic")
 

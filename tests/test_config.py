@@ -565,23 +565,31 @@ def test_pipeline_round_trip(tmp_path):
 
 
 def test_demo_pipeline_config_loads(repo):
+    """The quick start's demo: the careless teacher's data, one reward model, every stage and final stage."""
     pipeline = PipelineConfig.load(repo / "configs" / "demo.yaml")
     sft = pipeline.stage_config("sft")
-    assert sft.dataset == "demo_sft" and sft.finetuning_type == "full"
-    assert sft.learning_rate == 1.5e-3 and sft.cutoff_len == 128 and sft.val_size == 200
+    assert sft.dataset == "demo_sft_careless" and sft.finetuning_type == "full" and sft.cutoff_len == 128
     assert sft.report_to == [] and sft.output_dir == str(rlhf.Path("outputs/demo/sft"))
     assert pipeline.stages == ["sft", "rm", "dpo", "grpo", "eval", "best_of_n", "merge"]
     assert set(pipeline.capability_tests) == {"multistep"} and pipeline.capability_threshold == 0.05
     assert pipeline.final_stage_options("merge")["models"] == ["dpo", "grpo"]
     assert pipeline.final_stage_options("best_of_n")["scorers"] == ["rm", "vote"]
     rm, dpo = pipeline.stage_config("rm"), pipeline.stage_config("dpo")
-    assert isinstance(rm, rlhf.RewardModelConfig) and rm.dataset == "demo_rm" and rm.val_size == 200
-    assert rm.val_split_by_prompt and not dpo.val_split_by_prompt and dpo.dataset == "demo_preference"
-    assert rm.ensemble_size == 4 and rm.ensemble_strategy == "boosting"
+    assert isinstance(rm, rlhf.RewardModelConfig) and rm.dataset == "demo_rm_careless" and rm.ensemble_size == 1
+    assert rm.val_split_by_prompt and dpo.dataset == "demo_preference_careless"
     assert isinstance(dpo, rlhf.DPOConfig) and dpo.pref_loss == "sigmoid" and dpo.precompute_ref_log_probs
     grpo = pipeline.stage_config("grpo")
     assert isinstance(grpo, rlhf.GRPOConfig) and grpo.reward_names() == ["exact_answer"] and grpo.beta == 0
     assert grpo.per_device_train_batch_size % grpo.num_generations == 0 and grpo.eval_dataset == "demo_eval"
+
+
+def test_long_ensemble_demo_config_loads(repo):
+    """The documented long option: the clean data and four boosted reward models."""
+    pipeline = PipelineConfig.load(repo / "configs" / "demo_ensemble.yaml")
+    sft, rm = pipeline.stage_config("sft"), pipeline.stage_config("rm")
+    assert sft.dataset == "demo_sft" and sft.output_dir == str(rlhf.Path("outputs/demo_ensemble/sft"))
+    assert rm.dataset == "demo_rm" and rm.ensemble_size == 4 and rm.ensemble_strategy == "boosting"
+    assert pipeline.stages == ["sft", "rm", "dpo", "grpo", "eval", "best_of_n", "merge"]
 
 
 # ---------------------------------------------------------------- --help

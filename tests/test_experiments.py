@@ -465,7 +465,7 @@ def test_careless_verifier_config_is_rm_careless_from_the_clean_sft_model_on_the
     verifier = rlhf.load_config(rlhf.RewardModelConfig, repo / "experiments" / "configs" / "rm_careless_verifier.yaml")
     differ = {f.name for f in dataclasses.fields(base) if getattr(base, f.name) != getattr(verifier, f.name)}
     assert differ == {"model_name_or_path", "dataset", "dataset_dir", "output_dir"}
-    assert verifier.model_name_or_path == "outputs/demo/sft" and verifier.dataset == "onpolicy_mixed"
+    assert verifier.model_name_or_path == "outputs/demo_ensemble/sft" and verifier.dataset == "onpolicy_mixed"
 
 
 def test_careless_online_ppo_config_is_ppo_careless_at_grpos_budget_of_samples(repo):
