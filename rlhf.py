@@ -1669,6 +1669,9 @@ class TrainingLogger:
     def _start_progress(self, total: int, start: int, description: str) -> None:
         """rich's bar on a terminal; elsewhere (a pipe, a CI log, a file) rich draws nothing until the end, so a
         plain line every ``progress_interval`` seconds shows the stage is alive."""
+        if not rich_console().is_terminal:
+            self._progress, self._task = PlainProgress(description, total, start, self.config.progress_interval), None
+            return
         from rich.progress import (
             BarColumn,
             MofNCompleteColumn,
@@ -1678,9 +1681,6 @@ class TrainingLogger:
             TimeRemainingColumn,
         )
 
-        if not rich_console().is_terminal:
-            self._progress, self._task = PlainProgress(description, total, start, self.config.progress_interval), None
-            return
         self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                                   TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[speed]}"),
                                   TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
@@ -9366,14 +9366,21 @@ def _file_fingerprint(path: Path) -> list[Any]:
     return [str(path), stat.st_size, stat.st_mtime_ns]  # a large file: size and time rather than a full read
 
 
+def _dataset_names(config: BaseConfig) -> Iterator[tuple[str, str]]:
+    """(field, name) for every dataset a stage reads: its comma-separated dataset, eval_dataset and ewc_dataset."""
+    for field_name in ("dataset", "eval_dataset", "ewc_dataset"):
+        for name in str(getattr(config, field_name, "") or "").split(","):
+            if name.strip():
+                yield field_name, name.strip()
+
+
 def data_fingerprint(config: BaseConfig) -> list[Any]:
     """The content (and registry entry) of every dataset a stage reads."""
     parts = []
-    for field_name in ("dataset", "eval_dataset", "ewc_dataset"):
-        for name in [n.strip() for n in str(getattr(config, field_name, "") or "").split(",") if n.strip()]:
-            spec = resolve_dataset(name, config.dataset_dir)
-            parts.append([field_name, name, spec.formatting, spec.columns, spec.tags, spec.ranking, spec.hub,
-                          str(spec.hf_dir), [_file_fingerprint(f) for f in spec.files]])
+    for field_name, name in _dataset_names(config):
+        spec = resolve_dataset(name, config.dataset_dir)
+        parts.append([field_name, name, spec.formatting, spec.columns, spec.tags, spec.ranking, spec.hub,
+                      str(spec.hf_dir), [_file_fingerprint(f) for f in spec.files]])
     return parts
 
 
@@ -9564,12 +9571,11 @@ class RLHFOrchestrator:
                 continue
             config = self.config.stage_config(stage)
             where = f"{self.config.source} [{stage}]"
-            for field_name in ("dataset", "eval_dataset", "ewc_dataset"):
-                for name in [n.strip() for n in str(getattr(config, field_name, "") or "").split(",") if n.strip()]:
-                    try:
-                        resolve_dataset(name, config.dataset_dir)
-                    except RLHFInputError as err:
-                        raise RLHFInputError(f"{where}: config field '{field_name}': {err}") from None
+            for field_name, name in _dataset_names(config):
+                try:
+                    resolve_dataset(name, config.dataset_dir)
+                except RLHFInputError as err:
+                    raise RLHFInputError(f"{where}: config field '{field_name}': {err}") from None
             trained_here = produced | ({str(config.model_name_or_path)} if stage != first_training_stage else set())
             try:
                 check_model_paths(config, trained_here)
