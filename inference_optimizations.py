@@ -3,13 +3,16 @@
 This module never imports ``rlhf``: rewards, process rewards and values come in as plain callables,
 so it is usable on its own. It holds what training shares with it (the CPU kernel pinning that makes runs
 repeatable across x86 machines, the attention-backend choice), the
-generation engine (batched sampling over a static, dynamic or paged KV cache), and the inference-time
+generation engine (batched sampling over a static, dynamic or paged KV cache), vLLM behind the same interface
+(in this process or behind an HTTP server, with weight sync), and the inference-time
 compute built on it: Best-of-N, speculative decoding, MCTS over reasoning steps, adaptive allocation
 and confidence-based stopping.
 
 Public names: pin_cpu_kernels, select_attention_implementation, OptimizedAttention, SamplingParams, GenerationOutput, generate,
 GENERATION_ENGINES, cache_argument, returned_cache, PagedKVCache,
 encode_at_boundaries, chat_prompt_ids, chat_completion_ids, chat_pair_ids, stop_token_ids, RewardModelScorer, BestOfNResult, BestOfNSampler,
+VLLM_MODES, vllm_missing, vllm_sampling_params, VLLMEngine, VLLMServer, VLLMClient, VLLMServerError, vllm_serve,
+iter_safetensors, save_weight_shards,
 SpeculativeOutput, SpeculativeDecoder, MCTSNode, MCTSResult, puct_score, MCTSGenerator, answer_agreement, beta_majority_confidence, ConfidenceBasedStopping,
 AdaptiveComputeAllocator, main
 
@@ -1201,8 +1204,10 @@ class VLLMEngine:
     def load_weights(self, named_tensors) -> None:
         """Reload the full weights in place from (Hugging Face name, tensor) pairs, consumed one at a time: a
         generator that yields each tensor when asked keeps a sync's extra memory to about one tensor. Stale
-        prefix-cache entries are dropped (a long prompt would otherwise reuse KV from the old weights)."""
+        prefix-cache entries are dropped (a long prompt would otherwise reuse KV from the old weights), and so
+        is any LoRA adapter loaded before."""
         self.wake_up()
+        self.adapter = None  # new full weights: a LoRA adapter loaded before belongs to the old ones
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
         self.llm.collective_rpc(_refresh_tied_output_layer)
         self.reset_cache()
@@ -1325,8 +1330,8 @@ class VLLMServer:
         if path == "/generate":
             output = engine.generate(request["prompts"], SamplingParams(**{
                 k: tuple(v) if k in ("stop_token_ids", "stop_strings") else v for k, v in request["params"].items()}))
-            return {"token_ids": output.token_ids, "logprobs": output.logprobs,
-                    "finish_reasons": output.finish_reasons, "prompt_index": output.prompt_index}
+            return {"token_ids": output.token_ids, "logprobs": output.logprobs, "finish_reasons": output.finish_reasons,
+                    "prompt_index": output.prompt_index, "weight_version": self.weight_version}
         if path == "/load_weights":
             engine.load_weights(iter_safetensors(request["path"]))
         elif path == "/load_adapter":
@@ -1358,7 +1363,8 @@ class VLLMClient:
         shm = Path("/dev/shm")
         self.sync_dir = Path(sync_dir) if sync_dir else Path(tempfile.mkdtemp(
             prefix="rlhf-vllm-sync-", dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else None))
-        self.adapter_version = 0
+        self.last_load: tuple[str, str] | None = None  # the endpoint and folder of the last weights sent
+        self.weight_version = 0  # the server's count of loads once it had ours
 
     def _request(self, path: str, body: dict | None = None) -> dict:
         import urllib.error
@@ -1388,15 +1394,26 @@ class VLLMClient:
         return self._request("/health")
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> GenerationOutput:
-        answer = self._request("/generate", {"prompts": [list(p) for p in prompts], "params": dataclasses.asdict(params)})
+        """Sample on the server. A server restarted since our last weights (its load count went back) is sent
+        them again from the sync folder first, so no rollout comes from the weights it started with."""
+        body = {"prompts": [list(p) for p in prompts], "params": dataclasses.asdict(params)}
+        answer = self._request("/generate", body)
+        if self.last_load is not None and answer.get("weight_version", 0) < self.weight_version:
+            logger.warning("vLLM server %s restarted: sending it the current weights again", self.url)
+            self._load(*self.last_load)
+            answer = self._request("/generate", body)
         return GenerationOutput(answer["token_ids"], answer["logprobs"], answer["finish_reasons"], answer["prompt_index"])
+
+    def _load(self, endpoint: str, path: str) -> None:
+        self.weight_version = self._request(endpoint, {"path": path})["weight_version"]
+        self.last_load = (endpoint, path)
 
     def load_weights(self, named_tensors) -> None:
         save_weight_shards(named_tensors, self.sync_dir / "weights")
-        self._request("/load_weights", {"path": str(self.sync_dir / "weights")})
+        self._load("/load_weights", str(self.sync_dir / "weights"))
 
     def load_adapter(self, directory: str | os.PathLike) -> None:
-        self._request("/load_adapter", {"path": str(directory)})
+        self._load("/load_adapter", str(directory))
 
     def reset_cache(self) -> None:
         self._request("/reset_prefix_cache", {})

@@ -13,7 +13,7 @@ Table of contents (each section opens with a ``# ==== N. Title ====`` banner):
   2. Infrastructure — setup_logging, logging_restored, weight_sharding, DeviceManager, TrainingLogger, CheckpointManager, CheckpointingMixin, create_optimizer, EarlyStopping, find_expert_parameter_names, apply_lora, apply_freeze, compile_model, select_attention_implementation
   3. Data — load_records, ChatFormatter, CHAT_TEMPLATES, TEMPLATE_SPECIAL_TOKENS, saved_as_trained, chat_formatter, SFTDataset, StreamingSFTDataset, pack_sequences, SFTCollator, PreferenceDataset, StreamingPreferenceDataset, KTODataset, StreamingKTODataset, pack_rows, pack_preference_pairs, PreferenceBatch, PreferenceCollator, KTOBatch, KTOCollator, GRPODataset, StreamingGRPODataset, extract_answer, split_steps, arithmetic_step_labels, arithmetic_response_labels, encode_steps, ProcessPreferenceDataset, ProcessPreferenceCollator
   4. Models — token_log_probs, OutputHead, load_tokenizer, quantization_config, is_quantized, build_tiny_model, resolve_model_path, PolicyModel, state_under, RewardModel, RewardEnsemble, aggregate_step_scores, ProcessRewardModel, ValueModel, ActorCritic, select_informative_tokens, ContextCompressor, ReferenceModel, can_pack_pairs, tree_attention_mask, shared_prefix_log_probs, grouped_logits, grouped_packed_logits, grouped_prefix_logits, create_reference_model
-  5. Losses and advantages — router_load_balancing_loss, causal_lm_loss_sum, causal_lm_loss_with, sequence_log_probs, dpo_loss, PREFERENCE_LOSSES, simpo_loss, orpo_loss, kto_loss, reward_model_loss, reward_boosting_weights, ewc_penalty, whiten, grpo_advantages, grpo_loss, compute_gae, ppo_policy_loss, ppo_value_loss, AdaptiveKLController, FixedKLController
+  5. Losses and advantages — router_load_balancing_loss, causal_lm_loss_sum, causal_lm_loss_with, sequence_log_probs, dpo_loss, PREFERENCE_LOSSES, simpo_loss, orpo_loss, kto_loss, reward_model_loss, reward_boosting_weights, ewc_penalty, whiten, grpo_advantages, rollout_importance_weights, grpo_loss, compute_gae, ppo_policy_loss, ppo_value_loss, AdaptiveKLController, FixedKLController
   6. Rewards — exact_answer_reward, format_reward, length_penalty, CompositeReward, LearnedReward, ProcessReward, HTTPReward, RewardAPIError, Principle, ConstitutionalRewardWrapper, RewardFunctionFactory, RunningRewardNormalizer, process_rewards
   7. Trainers — close_loss_scaler_step, TrainingDivergedError, TrainResult, RouterAuxLoss, BaseTrainer, SFTTrainer, train_sft, PairScores, RewardModelTrainer, train_rm, ProcessRewardModelTrainer, train_prm, precompute_ref_log_probs, DPOTrainer, train_dpo, KTOTrainer, train_kto, Rollout, token_entropy, disable_dropout, GRPOTrainer, train_grpo, RolloutBuffer, PPOTrainer, train_ppo
   8. Evaluation — kl_estimates, distinct_n, self_similarity, win_rate, RLHFEvaluator
@@ -8260,9 +8260,7 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         model = self.devices.unwrap(self.policy.model)
         model = getattr(model, "_orig_mod", model)
         if self.policy.is_peft:
-            base = model.get_base_model()
-            state = {k.replace(".base_layer.", "."): v for k, v in base.state_dict().items() if "lora_" not in k}
-            base.save_pretrained(directory, state_dict=state)
+            model.get_base_model().save_pretrained(directory, state_dict=dict(self._base_weights()))
         else:
             model.save_pretrained(directory)
         self.policy.tokenizer.save_pretrained(directory)
@@ -8278,6 +8276,16 @@ class _OnlineRLTrainer(_ReferenceTrainer):
             seen.add(tensor.data_ptr())
             yield name, tensor.detach()
 
+    def _base_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """A LoRA policy's frozen base weights under the base model's own names."""
+        model = self.devices.unwrap(self.policy.model)
+        base = getattr(model, "_orig_mod", model).get_base_model()
+        seen: set[int] = set()
+        for name, tensor in base.state_dict().items():
+            if "lora_" not in name and tensor.data_ptr() not in seen:  # tied weights once
+                seen.add(tensor.data_ptr())
+                yield name.replace(".base_layer.", "."), tensor.detach()
+
     def _sync_engine(self) -> None:
         """Give the engine the weights of the current optimizer step (once per step): a LoRA policy's adapter
         alone (megabytes), else the full weights, streamed one tensor at a time. With several processes the main
@@ -8289,6 +8297,8 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         started = time.time()
         syncs = self.config.vllm_mode == "colocate" or self.devices.is_main_process
         if syncs and self.policy.is_peft:
+            if self.config.vllm_mode == "server" and self.engine_step < 0:  # a shared server may hold another
+                self.engine.load_weights(self._base_weights())  # run's weights: this run's base goes first, once
             self._sync_adapter()
         elif syncs:
             self.engine.load_weights(self._named_weights())

@@ -4,6 +4,7 @@ pipeline configs and the ``--help`` table. No model is built here; every test is
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
 import re
 import textwrap
@@ -692,3 +693,21 @@ def test_optim_picks_the_adamw_kernel():
     assert not plain.defaults["fused"] and fused.defaults["fused"]
     with raises_input_error(r"'optim' is 'adamw_8bit'.*valid: adamw_torch, adamw_torch_fused"):
         SFTConfig(optim="adamw_8bit")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_use_vllm_without_vllm_names_the_install_command():
+    with pytest.raises(rlhf.RLHFInputError, match=r"config field 'use_vllm' vLLM is not installed: pip install "
+                                                  r"'rlhf\[vllm\]' \(GPU\), or on a CPU-only machine "
+                                                  r"scripts/install_vllm_cpu.sh"):
+        rlhf.GRPOConfig(reward_funcs=["format"], use_vllm=True)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"min_p": 0.1}, "are sampled by vLLM only"),
+    ({"repetition_penalty": 1.1}, "are sampled by vLLM only"),
+    ({"async_rollouts": True}, "set use_vllm: true and vllm_mode: server"),
+])
+def test_vllm_only_options_without_use_vllm_are_refused(overrides, message):
+    with pytest.raises(rlhf.RLHFInputError, match=message):
+        rlhf.GRPOConfig(reward_funcs=["format"], **overrides)

