@@ -1237,6 +1237,20 @@ class VLLMEngine:
             self.asleep = False
 
 
+def vllm_engine_for(model_dir: str | os.PathLike, **options) -> VLLMEngine:
+    """A VLLMEngine serving a saved model: a Hugging Face directory, or a PEFT adapter directory (the engine then
+    loads the adapter's base and applies the adapter as a LoRA request, unmerged)."""
+    adapter_config = Path(model_dir) / "adapter_config.json"
+    if not adapter_config.is_file():
+        return VLLMEngine(str(model_dir), **options)
+    settings = json.loads(adapter_config.read_text())
+    rank = int(settings.get("r") or 8)
+    engine = VLLMEngine(settings["base_model_name_or_path"], enable_lora=True,
+                        max_lora_rank=max(8, 1 << (rank - 1).bit_length()), **options)
+    engine.load_adapter(model_dir)
+    return engine
+
+
 def iter_safetensors(directory: str | os.PathLike):
     """(name, tensor) pairs of every .safetensors file in ``directory``, read one tensor at a time."""
     from safetensors import safe_open
@@ -1651,8 +1665,11 @@ class BestOfNSampler:
     """Best-of-N: N candidates per prompt from one batched ``generate`` call (the N samples share the
     prompt's prefill), reranked by ``reward_fn(prompts, responses) -> Tensor[B]``."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer, reward_fn, *, n: int = 8, params: SamplingParams | None = None,
-                 engine: str = "auto", prompts_per_batch: int = 16, system: str | None = None) -> None:
+    def __init__(self, model: torch.nn.Module | None, tokenizer, reward_fn, *, n: int = 8,
+                 params: SamplingParams | None = None, engine: Any = "auto", prompts_per_batch: int = 16,
+                 system: str | None = None) -> None:
+        """``engine``: one of GENERATION_ENGINES, sampling from ``model``; or a rollout engine object
+        (VLLMEngine, VLLMClient) with its own copy of the weights, when ``model`` may be None."""
         if n < 1:
             raise ValueError("n must be >= 1")
         self.model, self.tokenizer, self.reward_fn, self.n = model, tokenizer, reward_fn, n
@@ -1667,18 +1684,21 @@ class BestOfNSampler:
         """N decoded responses per prompt (special tokens removed)."""
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         out: list[list[str]] = []
-        was_training = self.model.training
-        self.model.eval()
+        ours = isinstance(self.engine, str)
+        was_training = self.model.training if ours else False
+        if ours:
+            self.model.eval()
         try:
             for start in range(0, len(prompts), self.prompts_per_batch):
                 chunk = prompts[start:start + self.prompts_per_batch]
                 ids = [chat_prompt_ids(self.tokenizer, p, self.system) for p in chunk]
-                result = generate(self.model, ids, self.params, pad_token_id=pad, tokenizer=self.tokenizer,
-                                  engine=self.engine)
+                result = (generate(self.model, ids, self.params, pad_token_id=pad, tokenizer=self.tokenizer,
+                                   engine=self.engine) if ours else self.engine.generate(ids, self.params))
                 texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in result.token_ids]
                 out += [texts[i * self.n:(i + 1) * self.n] for i in range(len(chunk))]
         finally:
-            self.model.train(was_training)
+            if ours:
+                self.model.train(was_training)
         return out
 
     def __call__(self, prompts: list[str]) -> BestOfNResult:
@@ -2472,15 +2492,18 @@ def _best_of_n_command(args) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(args.seed)
+    if args.vllm and vllm_missing():
+        raise _UsageError(f"--vllm: {vllm_missing()}")
     with _loading("--policy", args.policy):
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
-        model = AutoModelForCausalLM.from_pretrained(args.policy)
-    model = model.to(args.device).eval()
+        model = None if args.vllm else AutoModelForCausalLM.from_pretrained(args.policy).to(args.device).eval()
+        engine = vllm_engine_for(args.policy, seed=args.seed) if args.vllm else "auto"
     with _loading("--reward", args.reward):
         scorer = RewardModelScorer(args.reward, device=args.device, batch_size=args.batch_size * args.n)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
-    sampler = BestOfNSampler(model, tokenizer, scorer, n=args.n, params=params, prompts_per_batch=args.batch_size)
+    sampler = BestOfNSampler(model, tokenizer, scorer, n=args.n, params=params, prompts_per_batch=args.batch_size,
+                             engine=engine)
     prompts = [r["prompt"] for r in records]
     started = time.time()
     result = sampler(prompts)
@@ -2538,6 +2561,8 @@ def main(argv: list[str] | None = None) -> int:
     best.add_argument("--batch-size", type=int, default=16, help="prompts per generate call (default 16)")
     best.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda (cuda:N for one GPU); default: cuda when a GPU is present, else cpu")
     best.add_argument("--output", help="write the JSON lines to this file (its directory is created) instead of stdout")
+    best.add_argument("--vllm", action="store_true", help="sample with vLLM (in this process; a LoRA adapter "
+                      "directory is served over its base) instead of our engine; install: docs/vllm.md")
     args = parser.parse_args(argv)
     try:
         return _best_of_n_command(args)

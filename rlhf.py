@@ -634,11 +634,11 @@ FINAL_STAGE_OPTIONS: dict[str, dict[str, Any]] = {
     # every adopted policy: held-out accuracy, mean reward of greedy answers, KL to the reference on samples;
     # the final policy also: diversity, win rate over the reference, reward accuracy on ``pairs``
     "eval": {"prompts": None, "max_prompts": 100, "samples_per_prompt": 2, "reward_model": "rm", "reference": "sft",
-             "pairs": None, "max_pairs": 200, "max_new_tokens": None, "batch_size": 100},
+             "pairs": None, "max_pairs": 200, "max_new_tokens": None, "batch_size": 100, "use_vllm": False},
     # n samples per prompt from the final policy, reranked by each scorer: rm (the reward model) or vote
     # (self-consistency: the most frequent answer, Wang et al. 2023)
     "best_of_n": {"n": 8, "prompts": None, "max_prompts": 100, "temperature": 1.0, "scorers": ["rm", "vote"],
-                  "reward_model": "rm", "max_new_tokens": None, "seed": 0},
+                  "reward_model": "rm", "max_new_tokens": None, "seed": 0, "use_vllm": False},
     # model_merging.MergeConfig keys; models default to every adopted policy-optimisation stage
     "merge": {"method": "ties", "models": None, "base_model": "sft", "density": 0.5, "evaluate": True},
 }
@@ -661,11 +661,13 @@ FINAL_STAGE_HELP: dict[str, dict[str, str]] = {  # what `pipeline --help` says a
              "reference": "the policy KL is measured against", "pairs": "preference pairs for the reward "
              "model's pairwise accuracy (optional)", "max_pairs": "pairs read from pairs",
              "max_new_tokens": "generation length (default: eval_max_new_tokens)",
-             "batch_size": "prompts per generation batch"},
+             "batch_size": "prompts per generation batch",
+             "use_vllm": "generate with vLLM (one engine per policy scored; install: docs/vllm.md)"},
     "best_of_n": {"n": "samples per prompt", "prompts": "as in eval", "max_prompts": "prompts used",
                   "temperature": "sampling temperature", "scorers": "rm (the reward model) and/or vote (the most "
                   "frequent answer)", "reward_model": "the model behind the rm scorer",
-                  "max_new_tokens": "generation length (default: eval_max_new_tokens)", "seed": "sampling seed"},
+                  "max_new_tokens": "generation length (default: eval_max_new_tokens)", "seed": "sampling seed",
+                  "use_vllm": "sample with vLLM (install: docs/vllm.md)"},
     "merge": {"method": "a model_merging method (ties, dare_ties, slerp, linear, ...)",
               "models": "the policies to merge (default: every adopted preference or RL stage)",
               "base_model": "the model they were fine-tuned from", "density": "share of each task vector kept",
@@ -1029,6 +1031,13 @@ class PipelineConfig:
             least = 1 if kind == "count" else 0  # a seed may be 0
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
                 raise RLHFInputError(f"{where(key)} must be a whole number of at least {least}, got {value!r}")
+        if "use_vllm" in options:
+            if not isinstance(options["use_vllm"], bool):
+                raise RLHFInputError(f"{where('use_vllm')} must be true or false, got {options['use_vllm']!r}")
+            from inference_optimizations import vllm_missing
+
+            if options["use_vllm"] and vllm_missing():
+                raise RLHFInputError(f"{where('use_vllm')}: {vllm_missing()}")
         if "scorers" in options:
             scorers = options["scorers"]
             if not (isinstance(scorers, (list, tuple)) and scorers and set(scorers) <= {"rm", "vote"}):
@@ -10056,8 +10065,18 @@ class RLHFOrchestrator:
                                                             enable_thinking=config.enable_thinking)
         return self._capability_cache[model]
 
-    def _load_policy(self, model: str, config: BaseConfig) -> PolicyModel:
-        return _load_policy(config, "cuda" if torch.cuda.is_available() else "cpu", model)
+    def _load_policy(self, model: str, config: BaseConfig, *, use_vllm: bool = False) -> PolicyModel:
+        """The policy saved in ``model``; with ``use_vllm`` its generate() samples with a vLLM engine of its own
+        (the engine of the policy loaded before is shut down first: one holds the device at a time)."""
+        policy = _load_policy(config, "cuda" if torch.cuda.is_available() else "cpu", model)
+        if use_vllm:
+            from inference_optimizations import vllm_engine_for
+
+            self._vllm_policy = None  # the previous engine's memory goes before the next one starts
+            gc.collect()
+            policy.rollout_engine = vllm_engine_for(model, seed=config.seed)
+            self._vllm_policy = policy
+        return policy
 
     def run_sft(self) -> dict[str, Any]:
         return self.run_stage("sft")
@@ -10119,7 +10138,7 @@ class RLHFOrchestrator:
         """Mean reward of greedy answers and KL to the reference on samples (first max_prompts prompts),
         and with ``accuracy`` the exact-match accuracy on every held-out prompt, as the trainers measure it."""
         base = self._base_config()
-        policy = self._load_policy(model, base)
+        policy = self._load_policy(model, base, use_vllm=options["use_vllm"])
         max_new_tokens = options.get("max_new_tokens") or base.eval_max_new_tokens
         evaluator = RLHFEvaluator(policy, reference, template=base.template, max_new_tokens=max_new_tokens,
                                   batch_size=options["batch_size"], seed=base.seed, enable_thinking=base.enable_thinking)
@@ -10153,7 +10172,8 @@ class RLHFOrchestrator:
                                                         options, accuracy=False)
                 if path == reference_dir:
                     per_stage[stage].update({"kl/k1": 0.0, "kl/k3": 0.0})
-        evaluator = RLHFEvaluator(self._load_policy(self.current_model, base), reference, template=base.template,
+        evaluator = RLHFEvaluator(self._load_policy(self.current_model, base, use_vllm=options["use_vllm"]), reference,
+                                  template=base.template,
                                   max_new_tokens=options.get("max_new_tokens") or base.eval_max_new_tokens,
                                   batch_size=options["batch_size"], seed=base.seed, enable_thinking=base.enable_thinking)
         subset = records[:options["max_prompts"]]
@@ -10176,14 +10196,15 @@ class RLHFOrchestrator:
             _check_choice(scorer, ("rm", "vote"), "best_of_n.scorers")
         base = self._base_config()
         records = self._eval_records(options)[:options["max_prompts"]]
-        policy = self._load_policy(self.current_model, base)
+        policy = self._load_policy(self.current_model, base, use_vllm=options["use_vllm"])
         formatter = chat_formatter(policy.tokenizer, base, policy.model)
         policy.tokenizer.chat_template = formatter.source  # the sampler renders prompts as the policy was trained
         params = SamplingParams(max_new_tokens=options.get("max_new_tokens") or base.eval_max_new_tokens,
                                 temperature=options["temperature"], seed=options["seed"],
                                 stop_token_ids=tuple(formatter.stop_token_ids))
         prompts = [r["messages"][-1]["content"] for r in records]
-        sampler = BestOfNSampler(policy.model, policy.tokenizer, None, n=options["n"], params=params)
+        sampler = BestOfNSampler(policy.model, policy.tokenizer, None, n=options["n"], params=params,
+                                 engine=policy.rollout_engine or "auto")
         candidates = sampler.candidates(prompts)
         answers = [[extract_answer(c) for c in row] for row in candidates]
         truth = [str(r["answer"]).strip() for r in records]

@@ -281,6 +281,59 @@ def test_online_evaluation_answers_with_the_engine(tmp_path, tiny_model_dir, dat
         trainer._close_engine()
 
 
+# -- Best-of-N and the pipeline's final stages ----------------------------------------------------------------------
+
+
+def test_best_of_n_command_samples_with_vllm(tmp_path, tiny_model_dir, capsys):
+    reward = tmp_path / "rm"
+    rlhf.RewardModel.from_pretrained(str(tiny_model_dir), seed=3).save_pretrained(reward)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p, "answer": "21"}) + "\n" for p in ["What is 14 + 7?", "Hi?"]))
+    outputs = {}
+    for name, extra in (("vllm", ["--vllm"]), ("again", ["--vllm"])):
+        out = tmp_path / f"{name}.jsonl"
+        assert io.main(["best-of-n", "--policy", str(tiny_model_dir), "--reward", str(reward), "--prompts",
+                        str(prompts), "-n", "3", "--max-new-tokens", "6", "--output", str(out), *extra]) == 0
+        outputs[name] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert all(len(r["candidates"]) == 3 and r["best"] == r["candidates"][r["best_index"]] for r in outputs["vllm"])
+    assert outputs["vllm"] == outputs["again"]  # the seed reproduces vLLM's samples
+    assert "accuracy of the best" in capsys.readouterr().err
+
+
+def test_a_lora_adapter_directory_is_served_over_its_base(tmp_path, tiny_model_dir, tiny_tokenizer, prompt_ids):
+    config = rlhf.SFTConfig(model_name_or_path=str(tiny_model_dir), finetuning_type="lora", lora_rank=8)
+    policy = rlhf.PolicyModel.from_pretrained(str(tiny_model_dir))
+    policy.model = rlhf.apply_lora(policy.model, config)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in policy.model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.3)
+    policy.save_pretrained(tmp_path / "adapter")
+    engine = io.vllm_engine_for(tmp_path / "adapter")
+    params = io.SamplingParams(max_new_tokens=12, do_sample=False, stop_token_ids=io.stop_token_ids(tiny_tokenizer))
+    ours = io.generate(policy.model.eval(), prompt_ids, params, pad_token_id=tiny_tokenizer.pad_token_id)
+    assert engine.generate(prompt_ids, params).token_ids == ours.token_ids
+
+
+def test_pipeline_eval_and_best_of_n_with_vllm_match_our_engine(tmp_path, tiny_model_dir, demo_dir):
+    """Greedy answers are the same whichever engine gives them, so the accuracies agree exactly."""
+    results = {}
+    for use_vllm in (False, True):
+        raw = {"stages": ["sft", "eval", "best_of_n"], "output_dir": str(tmp_path / f"run-{use_vllm}"),
+               "model_name_or_path": str(tiny_model_dir), "dataset_dir": str(demo_dir), "cutoff_len": 96, "seed": 0,
+               "finetuning_type": "full", "max_samples": 16, "per_device_train_batch_size": 8, "save_steps": 0,
+               "disable_progress_bar": True, "eval_max_new_tokens": 16, "eval_dataset": "demo_eval",
+               "sft": {"dataset": "demo_sft", "max_steps": 2},
+               "eval": {"max_prompts": 4, "reward_model": None, "reference": None, "use_vllm": use_vllm},
+               "best_of_n": {"n": 2, "max_prompts": 4, "scorers": ["vote"], "use_vllm": use_vllm}}
+        history = rlhf.RLHFOrchestrator(rlhf.PipelineConfig.from_dict(raw, source="test.yaml")).run_full_pipeline()
+        results[use_vllm] = {entry["stage"]: entry for entry in history}
+    assert all(entry["status"] == "completed" for entry in results[True].values())
+    assert results[True]["best_of_n"]["metrics"]["accuracy/greedy"] == results[False]["best_of_n"]["metrics"]["accuracy/greedy"]
+    assert results[True]["eval"]["metrics"]["final"].keys() == results[False]["eval"]["metrics"]["final"].keys()
+
+
 # -- server mode: a real `rlhf.py vllm-serve` process -------------------------------------------------------------------
 
 
