@@ -13,7 +13,7 @@ Table of contents (each section opens with a ``# ==== N. Title ====`` banner):
   2. Infrastructure — setup_logging, logging_restored, weight_sharding, DeviceManager, TrainingLogger, CheckpointManager, CheckpointingMixin, create_optimizer, EarlyStopping, find_expert_parameter_names, apply_lora, apply_freeze, compile_model, select_attention_implementation
   3. Data — load_records, ChatFormatter, CHAT_TEMPLATES, TEMPLATE_SPECIAL_TOKENS, saved_as_trained, chat_formatter, SFTDataset, StreamingSFTDataset, pack_sequences, SFTCollator, PreferenceDataset, StreamingPreferenceDataset, KTODataset, StreamingKTODataset, pack_rows, pack_preference_pairs, PreferenceBatch, PreferenceCollator, KTOBatch, KTOCollator, GRPODataset, StreamingGRPODataset, extract_answer, split_steps, arithmetic_step_labels, arithmetic_response_labels, encode_steps, ProcessPreferenceDataset, ProcessPreferenceCollator
   4. Models — token_log_probs, OutputHead, load_tokenizer, quantization_config, is_quantized, build_tiny_model, resolve_model_path, PolicyModel, state_under, RewardModel, RewardEnsemble, aggregate_step_scores, ProcessRewardModel, ValueModel, ActorCritic, select_informative_tokens, ContextCompressor, ReferenceModel, can_pack_pairs, tree_attention_mask, shared_prefix_log_probs, grouped_logits, grouped_packed_logits, grouped_prefix_logits, create_reference_model
-  5. Losses and advantages — router_load_balancing_loss, causal_lm_loss_sum, causal_lm_loss_with, sequence_log_probs, dpo_loss, PREFERENCE_LOSSES, simpo_loss, orpo_loss, kto_loss, reward_model_loss, reward_boosting_weights, ewc_penalty, whiten, grpo_advantages, rollout_importance_weights, grpo_loss, compute_gae, ppo_policy_loss, ppo_value_loss, AdaptiveKLController, FixedKLController
+  5. Losses and advantages — router_load_balancing_loss, causal_lm_loss_sum, causal_lm_loss_with, sequence_log_probs, dpo_loss, PREFERENCE_LOSSES, simpo_loss, orpo_loss, kto_loss, reward_model_loss, reward_boosting_weights, ewc_penalty, whiten, grpo_advantages, rloo_advantages, reinforce_pp_advantages, overlong_penalty, rollout_importance_weights, grpo_loss, compute_gae, ppo_policy_loss, ppo_value_loss, AdaptiveKLController, FixedKLController
   6. Rewards — exact_answer_reward, format_reward, length_penalty, CompositeReward, LearnedReward, ProcessReward, HTTPReward, RewardAPIError, Principle, ConstitutionalRewardWrapper, RewardFunctionFactory, RunningRewardNormalizer, process_rewards
   7. Trainers — close_loss_scaler_step, TrainingDivergedError, TrainResult, RouterAuxLoss, BaseTrainer, SFTTrainer, train_sft, PairScores, RewardModelTrainer, train_rm, ProcessRewardModelTrainer, train_prm, precompute_ref_log_probs, DPOTrainer, train_dpo, KTOTrainer, train_kto, Rollout, token_entropy, disable_dropout, GRPOTrainer, train_grpo, RolloutBuffer, PPOTrainer, train_ppo
   8. Evaluation — kl_estimates, distinct_n, self_similarity, win_rate, RLHFEvaluator
@@ -125,7 +125,9 @@ FINETUNING_TYPES = ("full", "lora", "oft", "freeze")
 # Section 5's PREFERENCE_LOSSES implements exactly these (a test keeps the two in step).
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "kto_pair", "robust", "bco_pair", "exo_pair", "nca_pair", "sppo_hard",
                   "apo_zero", "apo_down")
-GRPO_LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo")  # section 5's grpo_loss aggregations
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo")  # section 5's grpo_loss aggregations
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")  # sequence: GSPO
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")  # critic-free; PPO's is GAE
 REWARD_SCALES = ("group", "batch", "none")
 IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # section 5
 VLLM_OLD_LOGPROBS = ("trainer", "engine")
@@ -289,7 +291,7 @@ class BaseConfig:
                "a stream's validation set is its first val_size records; turn one of them off")
         _check(self.ewc_lambda >= 0 and self.ewc_samples > 0, "ewc_lambda/ewc_samples", "must be >= 0 / > 0")
         if self.ewc_lambda:
-            _check(self.stage in ("dpo", "simpo", "orpo", "kto", "grpo", "ppo"), "ewc_lambda",
+            _check(self.stage in ("dpo", "simpo", "orpo", "kto", "grpo", "rloo", "reinforce_pp", "ppo"), "ewc_lambda",
                    "only applies to policy-optimisation stages (dpo, simpo, orpo, kto, grpo, ppo); set it to 0 here")
             _check(bool(self.ewc_dataset.strip()), "ewc_dataset", "must name the SFT dataset EWC protects when ewc_lambda > 0")
 
@@ -464,6 +466,8 @@ class OnlineRLConfig(BaseConfig):
     reward_normalize: bool = _opt(False, "Normalise rewards by a running mean/std before computing advantages")
     reward_clip: float | None = _opt(None, "Clip (normalised) rewards to [-reward_clip, reward_clip]")
     ref_model: str | None = _opt(None, "Reference model directory (default: the starting model; LoRA uses the adapter-disabled base)")
+    overlong_buffer_len: int = _opt(0, "DAPO's overlong shaping: completions longer than max_completion_length minus this many tokens lose reward linearly (0: off)")
+    overlong_penalty_factor: float = _opt(1.0, "The penalty at max_completion_length (and beyond) of the overlong shaping")
     min_p: float = _opt(0.0, "Sample only tokens with probability >= min_p times the most likely one's (vLLM engine)")
     repetition_penalty: float = _opt(1.0, "Penalise tokens already in the prompt or completion (> 1; vLLM engine)")
     use_vllm: bool = _opt(False, "Sample rollouts (and the online evaluation's answers) with vLLM instead of our engine; install: docs/vllm.md")
@@ -500,6 +504,9 @@ class OnlineRLConfig(BaseConfig):
                "need a positive timeout and at least one attempt")
         _check(self.reward_clip is None or self.reward_clip > 0, "reward_clip", "must be > 0 (or omit it)")
         _check(self.reward_uncertainty_penalty >= 0, "reward_uncertainty_penalty", "must be >= 0")
+        _check(0 <= self.overlong_buffer_len < self.max_completion_length, "overlong_buffer_len",
+               f"must be >= 0 and below max_completion_length ({self.max_completion_length})")
+        _check(self.overlong_penalty_factor >= 0, "overlong_penalty_factor", "must be >= 0")
         self._validate_sampling_engine()
 
     def _validate_sampling_engine(self) -> None:
@@ -554,7 +561,11 @@ class GRPOConfig(OnlineRLConfig):
     beta: float = _opt(0.04, "Weight of the k3 KL penalty to the reference model (0: no reference model is loaded)")
     epsilon_low: float = _opt(0.2, "Lower clip range of the probability ratio")
     epsilon_high: float | None = _opt(None, "Upper clip range (DAPO's clip-higher; default: epsilon_low)")
-    loss_type: str = _opt("grpo", "Aggregation: grpo (per-sequence mean) | bnpo (per-micro-batch token mean) | dapo (token mean over the step) | dr_grpo (sum / (B * max_completion_length))")
+    loss_type: str = _opt("grpo", "Aggregation: grpo (per-sequence mean) | bnpo (per-micro-batch token mean) | dapo (token mean over the step) | dr_grpo (sum / (B * max_completion_length)) | cispo (MiniMax-M1: clipped importance weight times log-prob, token mean)")
+    advantage_estimator: str = _opt("grpo", "grpo (group mean and std) | rloo (mean of the other completions) | reinforce_pp (token returns, KL in the reward, whitened over the batch) | reinforce_pp_baseline (group mean subtracted first)")
+    importance_sampling_level: str = _opt("token", "token: a ratio per token | sequence: GSPO's length-normalised sequence ratio (use epsilon_low ~3e-4, epsilon_high ~4e-4)")
+    dynamic_sampling: bool = _opt(False, "DAPO: drop groups whose completions all scored alike and sample more prompts until the rollout holds its number of informative groups")
+    max_sampling_rounds: int = _opt(3, "dynamic_sampling: sampling rounds per rollout at most; groups still missing then are left out of the loss")
     scale_rewards: str = _opt("group", "Divide centred rewards by the group's std (group), the batch's (batch) or nothing (none, Dr. GRPO)")
     num_iterations: int = _opt(1, "Optimizer steps per rollout (mu); > 1 reuses it with stored old log-probs and clipping")
     mask_truncated_completions: bool = _opt(False, "Leave completions that hit max_completion_length out of the loss (DAPO)")
@@ -571,11 +582,24 @@ class GRPOConfig(OnlineRLConfig):
 
     def _validate(self) -> None:
         super()._validate()
-        _check(self.num_generations >= 2, "num_generations", "must be >= 2 (advantages compare completions of one prompt)")
+        _check(self.num_generations >= 2, "num_generations", "must be >= 2 (advantages compare completions of one prompt"
+               + ("; dynamic_sampling keeps groups whose completions scored differently)" if self.dynamic_sampling else ")"))
+        _check(self.max_sampling_rounds >= 1, "max_sampling_rounds", "must be >= 1")
+        _check(not (self.dynamic_sampling and self.streaming), "dynamic_sampling",
+               "draws extra prompts at random from the prompt set, which a streaming dataset cannot do: set streaming: false")
         _check(self.beta >= 0 and self.epsilon_low > 0 and self.epsilon_high > 0, "beta/epsilon_low/epsilon_high",
                "need beta >= 0 and positive clip ranges")
         _check_choice(self.loss_type, GRPO_LOSS_TYPES, "loss_type")
         _check_choice(self.scale_rewards, REWARD_SCALES, "scale_rewards")
+        _check(self.advantage_estimator != "gae", "advantage_estimator",
+               "gae learns a critic: use the ppo stage (grpo, rloo and reinforce_pp are critic-free)")
+        _check_choice(self.advantage_estimator, ADVANTAGE_ESTIMATORS, "advantage_estimator")
+        _check_choice(self.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS, "importance_sampling_level")
+        _check(not (self.advantage_estimator.startswith("reinforce_pp") and self.scale_rewards != "none"),
+               "scale_rewards", f"must be none with advantage_estimator {self.advantage_estimator}: REINFORCE++ "
+               f"whitens its token returns over the whole batch instead")
+        _check(not (self.loss_type == "cispo" and self.importance_sampling_level == "sequence"), "loss_type",
+               "cispo clips each token's importance weight: use importance_sampling_level token")
         _check(self.num_iterations >= 1, "num_iterations", "must be >= 1")
         rollout = self.per_device_train_batch_size * self.gradient_accumulation_steps
         _check(rollout % self.num_generations == 0, "per_device_train_batch_size",
@@ -587,6 +611,28 @@ class GRPOConfig(OnlineRLConfig):
     @property
     def uses_reference(self) -> bool:
         return self.beta > 0
+
+
+@dataclass
+class RLOOConfig(GRPOConfig):
+    """RLOO (Ahmadian et al. 2024): GRPO's trainer with leave-one-out baselines, advantages not scaled."""
+
+    advantage_estimator: str = _opt("rloo", "grpo | rloo | reinforce_pp | reinforce_pp_baseline (see the grpo stage)")
+    scale_rewards: str = _opt("none", "Divide the advantages by the group's std (group), the batch's (batch) or nothing (none)")
+
+    stage: typing.ClassVar[str] = "rloo"
+
+
+@dataclass
+class ReinforcePPConfig(GRPOConfig):
+    """REINFORCE++ (Hu et al. 2025): token returns with the KL to the reference in the reward (beta is its
+    coefficient), whitened over the batch; no critic."""
+
+    advantage_estimator: str = _opt("reinforce_pp", "reinforce_pp | reinforce_pp_baseline (group mean first) | grpo | rloo")
+    scale_rewards: str = _opt("none", "Must stay none: REINFORCE++ whitens its returns over the batch")
+    beta: float = _opt(0.01, "Coefficient of the per-token KL penalty in the reward (k1 against the reference; 0: none)")
+
+    stage: typing.ClassVar[str] = "reinforce_pp"
 
 
 @dataclass
@@ -625,7 +671,8 @@ class PPOConfig(OnlineRLConfig):
 STAGE_CONFIGS: dict[str, type[BaseConfig]] = {"sft": SFTConfig, "rm": RewardModelConfig,
                                               "prm": ProcessRewardModelConfig, "dpo": DPOConfig,
                                               "simpo": SimPOConfig, "orpo": ORPOConfig, "kto": KTOConfig,
-                                              "grpo": GRPOConfig, "ppo": PPOConfig}
+                                              "grpo": GRPOConfig, "rloo": RLOOConfig,
+                                              "reinforce_pp": ReinforcePPConfig, "ppo": PPOConfig}
 
 # Stages the orchestrator runs after training, on the trained models. A model is named by the stage that
 # produced it ("sft", "rm", ...) or by a directory; prompts default to the pipeline's eval_dataset.
@@ -5852,6 +5899,8 @@ def whiten(x: torch.Tensor, mask: torch.Tensor | None = None, shift_mean: bool =
     if sum_across_processes is not None:
         squares = x.new_tensor(sum_across_processes([float(squares)])[0])
     var = squares / (count - 1).clamp(min=1)
+    if var <= (1e-6 * mean.abs()) ** 2:  # a constant (up to float rounding) has no spread to scale: all at the mean
+        return torch.zeros_like(x) if shift_mean else torch.ones_like(x) * mean
     whitened = (x - mean) * torch.rsqrt(var + 1e-8)
     return whitened if shift_mean else whitened + mean
 
@@ -5871,6 +5920,61 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, *, scale: str = "gro
         return centred
     std = grouped.std(-1, keepdim=True).expand_as(grouped).reshape(-1) if scale == "group" else rewards.std()
     return centred / (std + 1e-4)
+
+
+def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """REINFORCE leave-one-out (Kool et al. 2019; Ahmadian et al. 2024, "Back to basics", eq. 7): each reward
+    minus the mean of the other G - 1 rewards of its group, an unbiased baseline because it does not depend on
+    the completion it scores; equal to G / (G - 1) times the reward minus the group's mean.
+    Shapes: rewards (B*G) with each prompt's G completions contiguous -> (B*G)."""
+    if group_size < 2 or rewards.numel() % group_size:
+        raise RLHFInputError(f"{rewards.numel()} rewards do not split into groups of {group_size} (RLOO needs G >= 2)")
+    grouped = rewards.view(-1, group_size)  # (B, G)
+    others = (grouped.sum(-1, keepdim=True) - grouped) / (group_size - 1)
+    return (grouped - others).reshape(-1)
+
+
+def overlong_penalty(lengths: torch.Tensor, max_completion_length: int, buffer_len: int,
+                     penalty_factor: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), a reward added to each completion: 0 up to
+    L_max - buffer tokens, then falling linearly to -penalty_factor at L_max, -penalty_factor beyond.
+    Shapes: lengths (B) -> (B)."""
+    lengths = lengths.to(torch.float32)
+    if buffer_len <= 0:
+        return torch.zeros_like(lengths)
+    start = max_completion_length - buffer_len
+    return -penalty_factor * ((lengths - start) / buffer_len).clamp(0.0, 1.0)
+
+
+def _scaled(advantages: torch.Tensor, group_size: int, scale: str) -> torch.Tensor:
+    """Advantages divided by their group's std (``group``), the batch's (``batch``) or kept (``none``), + 1e-4."""
+    if scale == "none":
+        return advantages
+    grouped = advantages.view(-1, group_size)
+    std = grouped.std(-1, keepdim=True).expand_as(grouped).reshape(-1) if scale == "group" else advantages.std()
+    return advantages / (std + 1e-4)
+
+
+def reinforce_pp_advantages(scores: torch.Tensor, mask: torch.Tensor, *, kl: torch.Tensor | None = None,
+                            kl_coef: float = 0.0, group_size: int | None = None,
+                            sum_across_processes: Callable[[list[float]], list[float]] | None = None) -> torch.Tensor:
+    """REINFORCE++ (Hu et al. 2025): per-token rewards -kl_coef * kl, with the sequence's score added at its last
+    completion token; each token's advantage is its return-to-go (gamma 1), whitened over every valid token of
+    the batch (every process's tokens with ``sum_across_processes``). With ``group_size`` the group's mean score
+    is subtracted first (REINFORCE++-baseline), which removes the prompt's difficulty before the global whitening.
+    Shapes: scores (B), mask and kl (B, T) -> advantages (B, T), zero outside the mask."""
+    mask = mask.to(torch.float32)
+    scores = scores.to(torch.float32)
+    if group_size:
+        if scores.numel() % group_size:
+            raise RLHFInputError(f"{scores.numel()} scores do not split into groups of {group_size}")
+        grouped = scores.view(-1, group_size)
+        scores = (grouped - grouped.mean(-1, keepdim=True)).reshape(-1)
+    rewards = -kl_coef * kl.to(torch.float32) * mask if kl is not None else torch.zeros_like(mask)
+    last = mask.shape[1] - 1 - mask.flip(1).argmax(1)  # each row's last completion token
+    rewards[torch.arange(len(scores)), last] += scores * mask.any(-1)
+    returns = (rewards * mask).flip(1).cumsum(1).flip(1)  # sum_{s >= t} r_s
+    return whiten(returns, mask, sum_across_processes=sum_across_processes) * mask
 
 
 def rollout_importance_weights(trainer_logps: torch.Tensor, engine_logps: torch.Tensor, mask: torch.Tensor, *,
@@ -5911,8 +6015,8 @@ def rollout_importance_weights(trainer_logps: torch.Tensor, engine_logps: torch.
 def grpo_loss(per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor | None,
               ref_per_token_logps: torch.Tensor | None, advantages: torch.Tensor, completion_mask: torch.Tensor, *,
               epsilon_low: float = 0.2, epsilon_high: float = 0.2, beta: float = 0.04, loss_type: str = "grpo",
-              max_completion_length: int | None = None,
-              importance_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+              max_completion_length: int | None = None, importance_weights: torch.Tensor | None = None,
+              importance_sampling_level: str = "token") -> tuple[torch.Tensor, dict[str, float]]:
     """The clipped GRPO objective, Shao et al. 2024 eq. 3, per token: -min(rho A, clip(rho, 1 -
     eps_low, 1 + eps_high) A) + beta * KL, with the k3 estimator KL = exp(ref - logp) - (ref - logp) - 1
     (Schulman 2020). Aggregation: ``grpo`` averages each sequence then the batch; ``bnpo`` / ``dapo``
@@ -5920,15 +6024,31 @@ def grpo_loss(per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor |
     B * max_completion_length. ``old_per_token_logps`` None means on-policy (rho = 1 with gradient).
     ``importance_weights`` (rollout_importance_weights) scale each token's policy term: the rollout was
     sampled by another engine than the one whose log-probs the ratio uses.
-    Shapes: log-probs, mask and importance weights (B, T), advantages (B) -> scalar loss, metrics."""
+    ``importance_sampling_level`` ``sequence`` is GSPO (Zheng et al. 2025, eq. 7 and its GSPO-token form):
+    every token of a sequence gets the length-normalised sequence ratio exp(mean_t(logp - old)) as its value,
+    with the gradient through its own log-prob, sg[s_i] * pi_t / sg[pi_t]; it is clipped like the token ratio.
+    ``loss_type`` ``cispo`` (MiniMax-M1, 2025) keeps every token's gradient and clips the importance weight
+    instead: -sg(clip(rho, 1 - eps_low, 1 + eps_high)) * A * logp, aggregated as ``dapo`` (token mean).
+    Advantages may be per token (B, T), as REINFORCE++'s are.
+    Shapes: log-probs, mask and importance weights (B, T), advantages (B) or (B, T) -> scalar loss, metrics."""
     if loss_type not in GRPO_LOSS_TYPES:
         raise RLHFInputError(f"unknown GRPO loss_type '{loss_type}'; valid: {', '.join(GRPO_LOSS_TYPES)}")
+    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise RLHFInputError(f"unknown importance_sampling_level '{importance_sampling_level}'; valid: "
+                             f"{', '.join(IMPORTANCE_SAMPLING_LEVELS)}")
     mask = completion_mask.to(per_token_logps.dtype)
     old = per_token_logps.detach() if old_per_token_logps is None else old_per_token_logps
-    ratio = torch.exp(_clamped_log_ratio(per_token_logps, old))
-    advantage = advantages[:, None]
+    log_ratio = _clamped_log_ratio(per_token_logps, old)
+    if importance_sampling_level == "sequence":  # GSPO-token: value sg[s_i], gradient through each log pi_t
+        sequence = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+        log_ratio = sequence.detach() + per_token_logps - per_token_logps.detach()
+    ratio = torch.exp(log_ratio)
+    advantage = advantages[:, None] if advantages.dim() == 1 else advantages
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
-    per_token_loss = -torch.min(ratio * advantage, clipped * advantage)
+    if loss_type == "cispo":
+        per_token_loss = -clipped.detach() * advantage * per_token_logps
+    else:
+        per_token_loss = -torch.min(ratio * advantage, clipped * advantage)
     if importance_weights is not None:
         per_token_loss = per_token_loss * importance_weights
     metrics: dict[str, float] = {}
@@ -5939,7 +6059,7 @@ def grpo_loss(per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor |
         metrics["kl"] = float(_masked_mean(kl.detach(), mask))
     if loss_type == "grpo":
         loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
-    elif loss_type in ("bnpo", "dapo"):
+    elif loss_type in ("bnpo", "dapo", "cispo"):
         loss = _masked_mean(per_token_loss, mask)
     else:
         length = max_completion_length or per_token_logps.shape[1]
@@ -7126,7 +7246,8 @@ def read_stage_records(config: BaseConfig, kind: str
 
 
 STAGE_RECORD_KINDS = {"sft": "sft", "rm": "preference", "prm": "preference", "dpo": "preference", "simpo": "preference",
-                      "orpo": "preference", "kto": "kto", "grpo": "prompt", "ppo": "prompt"}
+                      "orpo": "preference", "kto": "kto", "grpo": "prompt", "rloo": "prompt", "reinforce_pp": "prompt",
+                      "ppo": "prompt"}
 
 
 def _streaming_dataset(cls: type[StreamingRecordDataset], config: BaseConfig, tokenizer: Any, formatter: ChatFormatter,
@@ -7952,7 +8073,7 @@ class Rollout:
     """One generation round of online RL, ready to train on: prompt + completion rows (right-padded,
     labels IGNORE_INDEX on prompts) and what the loss compares against. Shapes: input_ids,
     attention_mask, labels (N, T); per-token fields (N, T-1) aligned with the shifted labels;
-    GRPO's advantages are per sequence (N), PPO's per token."""
+    GRPO's and RLOO's advantages are per sequence (N), REINFORCE++'s and PPO's per token."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
@@ -8025,7 +8146,7 @@ class _OnlineRLTrainer(_ReferenceTrainer):
                  formatter: ChatFormatter | None = None, devices: DeviceManager | None = None) -> None:
         if getattr(config, "uses_reference", True) and reference is None:
             raise RLHFInputError(f"{config.stage} needs a reference model here (see create_reference_model)"
-                                 + (", or set beta=0" if config.stage == "grpo" else ""))
+                                 + (", or set beta=0" if isinstance(config, GRPOConfig) else ""))
         self.eval_records = eval_records or []
         self.formatter = formatter or chat_formatter(policy.tokenizer, config, policy.model)
         self.reward_fn = reward_fn
@@ -8403,6 +8524,11 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         texts = [self.policy.decode(ids) for ids in completions]
         prompts = [r["messages"][-1]["content"] if r.get("messages") else "" for r in records]
         rewards = _call_reward(self.reward_fn, prompts, texts, [r.get("answer") for r in records], records)
+        if self.config.overlong_buffer_len:  # DAPO: long completions lose reward before they hit the limit
+            shaping = overlong_penalty(torch.tensor([len(c) for c in completions]), self.config.max_completion_length,
+                                       self.config.overlong_buffer_len, self.config.overlong_penalty_factor)
+            rewards = rewards.to(torch.float32) + shaping
+            self.rollout_metrics["rewards/overlong/mean"] = float(shaping.mean())
         for name, scores in getattr(self.reward_fn, "last_components", {}).items():
             self.rollout_metrics[f"rewards/{name}/mean"] = float(scores.mean())
             self.rollout_metrics[f"rewards/{name}/std"] = float(scores.std()) if scores.numel() > 1 else 0.0
@@ -8487,6 +8613,10 @@ class GRPOTrainer(_OnlineRLTrainer):
 
     stage = "grpo"
 
+    def __init__(self, config: GRPOConfig, *args: Any, **kwargs: Any) -> None:
+        self.stage = config.stage  # grpo, rloo or reinforce_pp: one trainer, the estimator is the config's
+        super().__init__(config, *args, **kwargs)
+
     @property
     def prompts_per_rollout(self) -> int:
         config = self.config
@@ -8508,35 +8638,103 @@ class GRPOTrainer(_OnlineRLTrainer):
     def make_rollout(self, prompts: list[dict[str, Any]]) -> Rollout:
         """Sample G completions per prompt, score them, and attach advantages and log-probs."""
         config, group = self.config, self.config.num_generations
-        output = self._sample(prompts, group)
-        records = [prompts[i // group] for i in range(len(output.token_ids))]
-        # the reward normaliser and batch-scaled advantages see every process's rewards, as one process
-        # with the whole batch would; each process keeps its own rows (a prompt's group is on one process)
-        rewards = self.devices.gather(self._score(records, output.token_ids))  # (processes * B*G)
+        if config.dynamic_sampling:
+            records, output, rewards, uninformative = self._sample_informative_groups(prompts)
+        else:
+            output = self._sample(prompts, group)
+            records = [prompts[i // group] for i in range(len(output.token_ids))]
+            # the reward normaliser and batch-scaled advantages see every process's rewards, as one process
+            # with the whole batch would; each process keeps its own rows (a prompt's group is on one process)
+            rewards, uninformative = self.devices.gather(self._score(records, output.token_ids)), None  # (P * B*G)
         grouped_std = rewards.view(-1, group).std(-1)
         self.rollout_metrics.update({"reward_std": float(grouped_std.mean()),
                                      "frac_reward_zero_std": float((grouped_std < 1e-6).float().mean())})
         rewards = process_rewards(rewards, normalizer=self.normalizer, clip=config.reward_clip)
         # DAPO: a completion cut off at the length limit says nothing reliable about its reward
         masked = [r == "length" for r in output.finish_reasons] if config.mask_truncated_completions else None
+        if uninformative is not None:  # dynamic sampling ran out of rounds: those groups stay out of the loss
+            masked = [m or u for m, u in zip(masked or [False] * len(uninformative), uninformative)]
         rollout = self._rows(records, output.token_ids, masked)
-        advantages = grpo_advantages(rewards, group, scale=config.scale_rewards)
-        rollout.advantages = advantages.view(self.devices.num_processes, -1)[self.devices.process_index]
-        # with vLLM the trainer's own log-probs are the old ones (one extra forward) unless the engine's are asked for
-        trainer_old = config.num_iterations > 1 or (config.use_vllm and config.vllm_old_logprobs == "trainer")
-        if not trainer_old and self.reference is None and not config.use_vllm:
-            return rollout  # on-policy without KL: the loss needs no stored log-probs
+        token_level = config.advantage_estimator.startswith("reinforce_pp")
+        if not token_level:
+            advantages = (grpo_advantages(rewards, group, scale=config.scale_rewards) if config.advantage_estimator == "grpo"
+                          else _scaled(rloo_advantages(rewards, group), group, config.scale_rewards))
+            rollout.advantages = advantages.view(self.devices.num_processes, -1)[self.devices.process_index]
+        # the trainer's own log-probs are the old ones when a rollout trains several steps, when vLLM sampled it
+        # (one extra forward) unless the engine's are asked for, and for REINFORCE++'s KL reward
+        trainer_old = (config.num_iterations > 1 or (config.use_vllm and config.vllm_old_logprobs == "trainer")
+                       or (token_level and self.reference is not None))
+        if trainer_old or self.reference is not None or config.use_vllm:
+            self._attach_log_probs(rollout, output, trainer_old)
+        if token_level:  # REINFORCE++: the KL to the reference goes into the reward, not the loss
+            kl = rollout.old_logps - rollout.ref_logps if rollout.ref_logps is not None else None
+            rollout.advantages = reinforce_pp_advantages(
+                rewards.view(self.devices.num_processes, -1)[self.devices.process_index], rollout.completion_mask,
+                kl=kl, kl_coef=config.beta, group_size=group if config.advantage_estimator.endswith("baseline") else None,
+                sum_across_processes=self.devices.sum_list_across_processes)
+            rollout.ref_logps = None
+            if config.num_iterations == 1 and not config.use_vllm:
+                rollout.old_logps = None  # on-policy: the loss needs no stored log-probs
+        return rollout
+
+    def _sample_informative_groups(self, prompts: list[dict[str, Any]]) -> tuple[list, Any, torch.Tensor, list[bool]]:
+        """DAPO's dynamic sampling (Yu et al. 2025, sec. 3.2): a group whose completions all scored alike has zero
+        advantage and teaches nothing, so it is dropped and more prompts are sampled, drawn at random from the prompt
+        set with a generator seeded by the rollout (a resume draws the same), until this rollout holds as many
+        informative groups as it has prompts or ``max_sampling_rounds`` rounds have run; processes decide together,
+        since scoring gathers across them. Groups still missing are filled with dropped ones, marked to stay out of
+        the loss. Returns the kept records (one per completion), their GenerationOutput, every process's rewards and
+        which completions are such fillers."""
+        from inference_optimizations import GenerationOutput
+
+        config, group, needed = self.config, self.config.num_generations, len(prompts)
+        draw = torch.Generator().manual_seed((config.seed * 1_000_003 + self.rollout_index) * 7919 + self.devices.process_index)
+        kept: list[tuple] = []  # (record, token_ids, logprobs, finish_reasons, rewards) per informative group
+        dropped: list[tuple] = []
+        candidates, rounds, sampled = prompts, 0, 0
+        while True:
+            rounds += 1
+            output = self._sample(candidates, group)
+            records = [candidates[i // group] for i in range(len(output.token_ids))]
+            rewards = self._score(records, output.token_ids)  # raw: whether a group varies is decided before shaping
+            if rounds == 1:  # the policy's reward as sampled, comparable with a run without dynamic sampling
+                first_round_reward = self.rollout_metrics["reward"]
+            for g in range(len(candidates)):
+                rows = slice(g * group, (g + 1) * group)
+                entry = (candidates[g], output.token_ids[rows], output.logprobs[rows], output.finish_reasons[rows],
+                         rewards[rows])
+                (kept if float(rewards[rows].std()) > 1e-6 else dropped).append(entry)
+            sampled += len(candidates)
+            missing = max(0, needed - len(kept))
+            if not self.devices.sum_list_across_processes([float(missing)])[0] or rounds >= config.max_sampling_rounds:
+                break
+            picks = torch.randint(len(self.train_dataset), (max(missing, 1),), generator=draw).tolist()
+            candidates = [self.train_dataset[i] for i in picks]
+        chosen = kept[:needed] + dropped[:max(0, needed - len(kept))]
+        fillers = [i >= len(kept) for i, _ in enumerate(chosen) for _ in range(group)]
+        self.rollout_metrics.update({"dynamic_sampling/rounds": float(rounds),
+                                     "dynamic_sampling/dropped_frac": 1.0 - len(kept) / max(sampled, 1),
+                                     "dynamic_sampling/filler_frac": sum(fillers) / max(len(fillers), 1)})
+        output = GenerationOutput([t for c in chosen for t in c[1]], [lp for c in chosen for lp in c[2]],
+                                  [r for c in chosen for r in c[3]], [i for i, _ in enumerate(chosen) for _ in range(group)])
+        records = [c[0] for c in chosen for _ in range(group)]
+        rewards = self.devices.gather(torch.cat([c[4] for c in chosen]))
+        self.rollout_metrics.update({"reward": first_round_reward, "dynamic_sampling/kept_reward": float(rewards.mean())})
+        return records, output, rewards, fillers
+
+    def _attach_log_probs(self, rollout: Rollout, output: Any, trainer_old: bool) -> None:
+        """The rollout's old log-probs (a forward of the policy as it sampled), reference log-probs, and with vLLM
+        the engine/trainer correction."""
+        config = self.config
         parts = [self._to_device(b) for b in rollout.micro_batches(config.per_device_train_batch_size)]
-        sampled = []
+        sampled: list[torch.Tensor] = []
         with self.devices.autocast():
             if trainer_old:
-                old = [self._policy_logps(b, sampled) for b in parts]
-                rollout.old_logps = torch.cat([o.cpu() for o in old])
+                rollout.old_logps = torch.cat([self._policy_logps(b, sampled).cpu() for b in parts])
             if self.reference is not None:
                 rollout.ref_logps = torch.cat([self._reference_logps(b).cpu() for b in parts])
         if config.use_vllm:
             self._engine_correction(rollout, output, torch.cat(sampled) if sampled else None)
-        return rollout
 
     def rollout_schedule(self, rollout: Rollout) -> list[dict[str, torch.Tensor]]:
         return rollout.micro_batches(self.config.per_device_train_batch_size) * self.config.num_iterations
@@ -8576,7 +8774,7 @@ class GRPOTrainer(_OnlineRLTrainer):
         loss_type = self.config.loss_type
         if loss_type == "grpo":
             return batch["input_ids"].shape[0]
-        if loss_type == "dapo":  # normalised by the completion tokens of the whole step
+        if loss_type in ("dapo", "cispo"):  # normalised by the completion tokens of the whole step
             return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
         if loss_type == "dr_grpo":
             return batch["input_ids"].shape[0] * self.config.max_completion_length
@@ -8592,7 +8790,8 @@ class GRPOTrainer(_OnlineRLTrainer):
         if not self.config.skip_zero_gradient_rows or batch.get("ref_logps") is not None:
             return batch, 1.0
         tokens = (batch["labels"][:, 1:] != IGNORE_INDEX).sum(-1)
-        trains = (batch["advantages"] != 0) & (tokens > 0)
+        advantages = batch["advantages"]
+        trains = (advantages != 0 if advantages.dim() == 1 else (advantages != 0).any(-1)) & (tokens > 0)
         if bool(trains.all()):
             return batch, 1.0
         keep = trains.nonzero().squeeze(-1) if bool(trains.any()) else torch.zeros(1, dtype=torch.long, device=trains.device)
@@ -8611,7 +8810,8 @@ class GRPOTrainer(_OnlineRLTrainer):
         loss, metrics = grpo_loss(per_token, batch.get("old_logps"), batch.get("ref_logps"), batch["advantages"], mask,
                                   epsilon_low=config.epsilon_low, epsilon_high=config.epsilon_high, beta=config.beta,
                                   loss_type=config.loss_type, max_completion_length=config.max_completion_length,
-                                  importance_weights=batch.get("importance_weights"))
+                                  importance_weights=batch.get("importance_weights"),
+                                  importance_sampling_level=config.importance_sampling_level)
         metrics["entropy"] = float(_masked_mean(head.entropy(scores.detach(), config.temperature), mask.float()))
         metrics["skipped_rows_frac"] = 1.0 - batch["input_ids"].shape[0] / rows
         # every type but bnpo returns a sum over rows or tokens (times loss_units), which the skipped rows add
@@ -9666,9 +9866,9 @@ class IterativeRefiner:
 
 STAGE_RUNNERS: dict[str, Callable[[BaseConfig], TrainResult]] = {
     "sft": train_sft, "rm": train_rm, "prm": train_prm, "dpo": train_dpo, "simpo": train_dpo, "orpo": train_dpo, "kto": train_kto,
-    "grpo": train_grpo, "ppo": train_ppo}
+    "grpo": train_grpo, "rloo": train_grpo, "reinforce_pp": train_grpo, "ppo": train_ppo}
 # stages whose output is a policy the next stage starts from (rm produces a scorer instead)
-POLICY_STAGES = ("sft", "dpo", "simpo", "orpo", "kto", "grpo", "ppo")
+POLICY_STAGES = ("sft", "dpo", "simpo", "orpo", "kto", "grpo", "rloo", "reinforce_pp", "ppo")
 
 
 def read_report(output_dir: str | os.PathLike) -> dict[str, Any]:
@@ -9745,7 +9945,7 @@ def data_fingerprint(config: BaseConfig) -> list[Any]:
 # config fields that change how a run looks, not what it computes
 _COSMETIC_FIELDS = ("disable_progress_bar", "progress_interval", "report_to", "run_name", "logging_dir", "resume_from_checkpoint",
                     "overwrite_output_dir", "plot_loss")
-POLICY_OPTIMISATION_STAGES = ("dpo", "simpo", "orpo", "kto", "grpo", "ppo")
+POLICY_OPTIMISATION_STAGES = ("dpo", "simpo", "orpo", "kto", "grpo", "rloo", "reinforce_pp", "ppo")
 STAGE_MARKER = "pipeline_stage.json"  # in output_dir/<stage>: the fingerprint it was started with, and whether it finished
 
 

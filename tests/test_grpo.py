@@ -753,3 +753,81 @@ def test_auto_engine_compiles_from_the_first_rollout_when_the_run_is_long_enough
     assert engine("auto", 2 * (enough - 1), iterations=2) == "auto"
     assert engine("auto", -1) == "auto"  # streaming prompts without max_steps: the work ahead is unknown
     assert engine("static", 10_000) == "static" and engine("eager", 10_000) == "eager"
+
+
+# -- the 2025-26 family: RLOO, REINFORCE++, GSPO, CISPO, DAPO sampling --------------------------------------------------
+
+
+class HalfConstant(DigitShare):
+    """Constant (0.5) for prompts with an even length, digit share otherwise: half the groups are uninformative."""
+
+    def __call__(self, prompts, completions, answers):
+        self.calls += 1
+        return torch.tensor([0.5 if len(p) % 2 == 0 else sum(ch.isdigit() for ch in c) / max(len(c), 1) + 0.01 * len(c)
+                             for p, c in zip(prompts, completions)])
+
+
+def test_dynamic_sampling_never_trains_on_a_zero_variance_group(tmp_path, tiny_model_dir, prompts):
+    config = _config(tmp_path, tiny_model_dir, dynamic_sampling=True, max_sampling_rounds=4, max_steps=1)
+    trainer = _trainer(config, prompts, HalfConstant())
+    trainer.rollout_index = 0
+    rollout = trainer.make_rollout([prompts[i] for i in range(2)])
+    group = config.num_generations
+    trained = rollout.completion_mask.any(-1).view(-1, group)  # (groups, G): rows in the loss
+    for g, advantages in enumerate(rollout.advantages.view(-1, group)):
+        if bool(trained[g].any()):
+            assert float(advantages.abs().sum()) > 0, g  # every group in the loss varies
+        else:
+            assert trainer.rollout_metrics["dynamic_sampling/filler_frac"] > 0
+    metrics = trainer.rollout_metrics
+    assert metrics["dynamic_sampling/rounds"] >= 1 and 0 <= metrics["dynamic_sampling/dropped_frac"] < 1
+    # the same rollout again (as a resume samples it) draws the same extra prompts
+    again = _trainer(config, prompts, HalfConstant())
+    again.rollout_index = 0
+    assert torch.equal(again.make_rollout([prompts[i] for i in range(2)]).input_ids, rollout.input_ids)
+
+
+@pytest.mark.parametrize("overrides", [
+    {"advantage_estimator": "rloo", "scale_rewards": "none"},
+    {"advantage_estimator": "reinforce_pp", "scale_rewards": "none", "beta": 0.01},
+    {"advantage_estimator": "reinforce_pp_baseline", "scale_rewards": "none"},
+    {"importance_sampling_level": "sequence", "epsilon_low": 3e-4, "epsilon_high": 4e-4, "num_iterations": 2},
+    {"loss_type": "cispo", "num_iterations": 2},
+    {"dynamic_sampling": True, "overlong_buffer_len": 4, "loss_type": "dapo"},
+], ids=["rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", "cispo", "dapo"])
+def test_every_estimator_and_loss_learns_a_simple_reward(tmp_path, tiny_model_dir, prompts, overrides):
+    reward = DigitShare()
+    config = _config(tmp_path, tiny_model_dir, max_steps=30, learning_rate=3e-3, **overrides)
+    rewards = [row["reward"] for row in _rows(_trainer(config, prompts, reward).train()) if "reward" in row]
+    first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
+    assert last > first + 0.2, rewards
+
+
+def test_rloo_and_reinforce_pp_are_stages_of_their_own(tmp_path, tiny_model_dir, demo_dir, capsys):
+    config_file = tmp_path / "online.yaml"
+    config_file.write_text(f"model_name_or_path: {tiny_model_dir}\ndataset: demo_rl\ndataset_dir: {demo_dir}\n"
+                           "reward_funcs: [exact_answer]\nnum_generations: 2\nper_device_train_batch_size: 4\n"
+                           "max_completion_length: 8\nmax_steps: 1\nmax_samples: 8\nreport_to: none\n"
+                           "disable_progress_bar: true\n")
+    for stage in ("rloo", "reinforce_pp"):
+        code = rlhf.main([stage, "--config", str(config_file), f"output_dir={tmp_path / stage}"])
+        assert code == 0, capsys.readouterr().err
+        state = json.loads((tmp_path / stage / "report.json").read_text())
+        assert state["stages"][-1]["stage"] == stage
+    config = rlhf.STAGE_CONFIGS["reinforce_pp"](reward_funcs=["format"])
+    assert (config.advantage_estimator, config.scale_rewards, config.beta) == ("reinforce_pp", "none", 0.01)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"advantage_estimator": "gae"}, "gae learns a critic: use the ppo stage"),
+    ({"advantage_estimator": "rlo"}, "did you mean 'rloo'"),
+    ({"advantage_estimator": "reinforce_pp"}, "must be none with advantage_estimator reinforce_pp"),
+    ({"importance_sampling_level": "seq"}, "importance_sampling_level"),
+    ({"loss_type": "cispo", "importance_sampling_level": "sequence"}, "cispo clips each token"),
+    ({"dynamic_sampling": True, "streaming": True, "max_steps": 5}, "cannot do: set streaming: false"),
+    ({"overlong_buffer_len": 64}, "below max_completion_length"),
+    ({"dynamic_sampling": True, "num_generations": 1, "per_device_train_batch_size": 1}, "dynamic_sampling keeps"),
+])
+def test_bad_estimator_and_sampling_settings_are_one_line(overrides, message):
+    with pytest.raises(rlhf.RLHFInputError, match=message):
+        rlhf.GRPOConfig(reward_funcs=["format"], max_completion_length=64, **overrides)

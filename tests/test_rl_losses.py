@@ -39,14 +39,14 @@ def _grpo_reference(logp, old, ref, adv, mask, eps_low, eps_high, beta, loss_typ
         for t in range(len(logp[b])):
             ratio = math.exp(logp[b][t] - old[b][t])
             clipped = min(max(ratio, 1 - eps_low), 1 + eps_high)
-            loss = -min(ratio * adv[b], clipped * adv[b])
+            loss = -clipped * adv[b] * logp[b][t] if loss_type == "cispo" else -min(ratio * adv[b], clipped * adv[b])
             kl = math.exp(ref[b][t] - logp[b][t]) - (ref[b][t] - logp[b][t]) - 1
             row.append(loss + beta * kl)
         rows.append(row)
     masked = [[rows[b][t] for t in range(len(rows[b])) if mask[b][t]] for b in range(len(rows))]
     if loss_type == "grpo":
         return sum(sum(r) / max(len(r), 1) for r in masked) / len(masked)
-    if loss_type in ("bnpo", "dapo"):
+    if loss_type in ("bnpo", "dapo", "cispo"):
         return sum(sum(r) for r in masked) / sum(len(r) for r in masked)
     return sum(sum(r) for r in masked) / (len(masked) * max_len)
 
@@ -236,3 +236,120 @@ def test_sampled_log_probs_renormalise_over_the_kept_tokens(truncation):
     mass = float(probs[:kept].sum())
     want = [math.log(p / mass) if i < kept else -math.inf for i, p in enumerate(probs.tolist())]
     assert got.tolist() == pytest.approx(want, rel=1e-5)
+
+
+# -- RLOO and REINFORCE++ advantages ------------------------------------------------------------------------------------
+
+
+def test_rloo_advantages_by_hand():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 3.0, 3.0, 3.0])  # two groups of 3
+    # 1 - (0 + 0) / 2 = 1; 0 - (1 + 0) / 2 = -0.5 twice; the second group is all equal: 0
+    torch.testing.assert_close(rlhf.rloo_advantages(rewards, 3), torch.tensor([1.0, -0.5, -0.5, 0.0, 0.0, 0.0]))
+    # the independent form: G / (G - 1) (r - mean)
+    rewards = torch.randn(24)
+    grouped = rewards.view(-1, 4)
+    want = (4 / 3 * (grouped - grouped.mean(-1, keepdim=True))).reshape(-1)
+    torch.testing.assert_close(rlhf.rloo_advantages(rewards, 4), want)
+    with pytest.raises(rlhf.RLHFInputError, match="groups of 4"):
+        rlhf.rloo_advantages(torch.ones(6), 4)
+
+
+def _reinforce_pp_by_hand(scores, mask, kl, kl_coef, group):
+    """Token by token: rewards, returns-to-go, whitening with the unbiased variance, as loops."""
+    scores = [float(s) for s in scores]
+    if group:
+        for start in range(0, len(scores), group):
+            mean = sum(scores[start:start + group]) / group
+            scores[start:start + group] = [s - mean for s in scores[start:start + group]]
+    returns = []
+    for row, score in enumerate(scores):
+        valid = [t for t in range(mask.shape[1]) if mask[row, t]]
+        rewards = {t: -kl_coef * float(kl[row, t]) for t in valid}
+        if valid:
+            rewards[valid[-1]] += score
+        returns.append({t: sum(r for s, r in rewards.items() if s >= t) for t in valid})
+    flat = [v for row in returns for v in row.values()]
+    mean = sum(flat) / len(flat)
+    std = (sum((v - mean) ** 2 for v in flat) / (len(flat) - 1)) ** 0.5
+    out = torch.zeros(mask.shape)
+    for row, values in enumerate(returns):
+        for t, v in values.items():
+            out[row, t] = (v - mean) / std
+    return out
+
+
+@pytest.mark.parametrize("group", [None, 2])
+def test_reinforce_pp_advantages_against_loops(group):
+    torch.manual_seed(0)
+    scores, kl = torch.tensor([1.0, 0.0, 0.5, 2.0]), torch.rand(4, 5) * 0.2
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [0, 1, 1, 0, 0], [1, 0, 0, 0, 0]], dtype=torch.bool)
+    got = rlhf.reinforce_pp_advantages(scores, mask, kl=kl, kl_coef=0.1, group_size=group)
+    torch.testing.assert_close(got, _reinforce_pp_by_hand(scores, mask, kl, 0.1, group), atol=1e-4, rtol=1e-4)
+    # without KL every token of a row has the row's score as its return: a row's advantage is constant
+    plain = rlhf.reinforce_pp_advantages(scores, mask)
+    assert torch.allclose(plain[0, :3], plain[0, 0].expand(3))
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"])
+def test_all_equal_rewards_give_zero_advantage_for_every_estimator(estimator):
+    rewards, mask = torch.full((8,), 0.3), torch.ones(8, 6, dtype=torch.bool)
+    mask[3, 4:] = False
+    advantages = {"grpo": lambda: rlhf.grpo_advantages(rewards, 4),
+                  "rloo": lambda: rlhf.rloo_advantages(rewards, 4),
+                  "reinforce_pp": lambda: rlhf.reinforce_pp_advantages(rewards, mask),
+                  "reinforce_pp_baseline": lambda: rlhf.reinforce_pp_advantages(rewards, mask, group_size=4)}[estimator]()
+    assert torch.equal(advantages, torch.zeros_like(advantages))
+
+
+# -- GSPO and CISPO ----------------------------------------------------------------------------------------------------
+
+
+def test_gspo_sequence_ratio_equals_the_sequence_level_objective():
+    """GSPO-token's per-token form, averaged per sequence, has the value and gradient of the sequence-level
+    objective: -min(s A, clip(s) A) with s = exp(mean_t(logp - old)), averaged over sequences."""
+    torch.manual_seed(0)
+    logps = (torch.randn(3, 5) * 0.3 - 1).requires_grad_()
+    old = logps.detach() + torch.tensor([[0.0002], [0.001], [0.0]]) + torch.randn(3, 5) * 1e-4
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]], dtype=torch.bool)
+    advantages = torch.tensor([1.0, -0.5, 2.0])
+    loss, _ = rlhf.grpo_loss(logps, old, None, advantages, mask, epsilon_low=3e-4, epsilon_high=4e-4, beta=0.0,
+                             importance_sampling_level="sequence")
+    loss.backward()
+    got = logps.grad.clone()
+    logps.grad = None
+    m = mask.float()
+    s = torch.exp(((logps - old) * m).sum(-1) / m.sum(-1))
+    want = (-torch.min(s * advantages, s.clamp(1 - 3e-4, 1 + 4e-4) * advantages)).mean()
+    want.backward()
+    assert float(loss.detach()) == pytest.approx(float(want.detach()), rel=1e-6)
+    torch.testing.assert_close(got, logps.grad)
+    assert got[1].abs().sum() == 0  # row 1: s = e^-0.001 < 1 - 3e-4 with A < 0: clipped, no gradient
+
+
+def test_cispo_clips_the_weight_and_keeps_every_tokens_gradient():
+    logps = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    old = torch.tensor([[-1.5, -2.0]])  # ratio e^0.5 = 1.65 on the first token, 1 on the second
+    loss, metrics = rlhf.grpo_loss(logps, old, None, torch.tensor([2.0]), torch.ones(1, 2, dtype=torch.bool),
+                                   epsilon_low=0.2, epsilon_high=0.28, beta=0.0, loss_type="cispo")
+    # -sg(clip(rho)) A logp, token mean: (-(1.28 * 2 * -1) - (1 * 2 * -2)) / 2
+    assert float(loss.detach()) == pytest.approx((1.28 * 2 * 1 + 1 * 2 * 2) / 2)
+    loss.backward()
+    torch.testing.assert_close(logps.grad, torch.tensor([[-1.28 * 2 / 2, -2 / 2]]))  # the clipped token still learns
+    assert metrics["clip_ratio/high_mean"] == 0.5
+
+
+def test_grpo_loss_takes_per_token_advantages():
+    logps = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    advantages = torch.tensor([[1.0, -1.0, 0.5]])
+    loss, _ = rlhf.grpo_loss(logps, None, None, advantages, torch.ones(1, 3, dtype=torch.bool), beta=0.0,
+                             loss_type="dapo")
+    loss.backward()
+    torch.testing.assert_close(logps.grad, -advantages / 3)
+
+
+def test_overlong_penalty_by_hand():
+    # L_max 10, buffer 4: no penalty up to 6 tokens, then -0.25 per token down to -1 at 10, -1 beyond; factor 0.5
+    lengths = torch.tensor([3, 6, 7, 8, 10, 12])
+    torch.testing.assert_close(rlhf.overlong_penalty(lengths, 10, 4, 0.5),
+                               torch.tensor([0.0, 0.0, -0.125, -0.25, -0.5, -0.5]))
+    assert torch.equal(rlhf.overlong_penalty(lengths, 10, 0), torch.zeros(6))  # buffer 0: off

@@ -385,6 +385,20 @@ def test_server_generates_what_the_colocated_engine_does(server, engine, tiny_to
     assert client.health()["status"] == "ok"
 
 
+def test_two_clients_at_once_get_what_each_would_alone(server, tiny_tokenizer, prompt_ids):
+    """Requests from several trainer processes arrive together; the server runs one engine call at a time, so each
+    gets the samples its own seed gives."""
+    import concurrent.futures
+
+    port, _ = server
+    stops = io.stop_token_ids(tiny_tokenizer)
+    params = [io.SamplingParams(max_new_tokens=12, n=2, seed=seed, stop_token_ids=stops) for seed in (1, 2, 3, 4)]
+    alone = [io.VLLMClient("127.0.0.1", port).generate(prompt_ids, p).token_ids for p in params]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(lambda p: io.VLLMClient("127.0.0.1", port).generate(prompt_ids, p).token_ids, params))
+    assert together == alone
+
+
 def test_grpo_in_server_mode_matches_colocate_and_two_trainers_share_the_server(tmp_path, server, tiny_model_dir,
                                                                                  dataset):
     port, _ = server
