@@ -291,7 +291,8 @@ class BaseConfig:
                "a stream's validation set is its first val_size records; turn one of them off")
         _check(self.ewc_lambda >= 0 and self.ewc_samples > 0, "ewc_lambda/ewc_samples", "must be >= 0 / > 0")
         if self.ewc_lambda:
-            _check(self.stage in ("dpo", "simpo", "orpo", "kto", "grpo", "rloo", "reinforce_pp", "ppo"), "ewc_lambda",
+            _check(self.stage in ("dpo", "simpo", "orpo", "kto", "grpo", "rloo", "reinforce_pp", "online_dpo", "ppo"),
+                   "ewc_lambda",
                    "only applies to policy-optimisation stages (dpo, simpo, orpo, kto, grpo, ppo); set it to 0 here")
             _check(bool(self.ewc_dataset.strip()), "ewc_dataset", "must name the SFT dataset EWC protects when ewc_lambda > 0")
 
@@ -636,6 +637,30 @@ class ReinforcePPConfig(GRPOConfig):
 
 
 @dataclass
+class OnlineDPOConfig(OnlineRLConfig):
+    """Online DPO (Guo et al. 2024, "Direct language model alignment from online AI feedback"): two samples per
+    prompt from the current policy, ranked by the reward functions, trained with a DPO-family loss."""
+
+    pref_beta: float = _opt(0.1, "beta of the DPO-family loss (SimPO: reward scale, e.g. 2.0)")
+    pref_loss: str = _opt("sigmoid", "Loss on each ranked pair: " + " | ".join(DPO_LOSS_TYPES) + " | simpo")
+    dpo_label_smoothing: float = _opt(0.0, "Label-flip rate for cDPO / robust / exo (0 to 0.5)")
+    simpo_gamma: float = _opt(0.5, "SimPO target reward margin gamma")
+
+    stage: typing.ClassVar[str] = "online_dpo"
+
+    def _validate(self) -> None:
+        super()._validate()
+        _check(self.pref_loss != "orpo", "pref_loss", "orpo is not offered online: use sigmoid (DPO) or simpo")
+        _check_choice(self.pref_loss, DPO_LOSS_TYPES + ("simpo",), "pref_loss")
+        _check(self.pref_beta > 0, "pref_beta", "must be > 0")
+        _check(0 <= self.dpo_label_smoothing < 0.5, "dpo_label_smoothing", "must be in [0, 0.5)")
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.pref_loss != "simpo"
+
+
+@dataclass
 class PPOConfig(OnlineRLConfig):
     """PPO with a learned critic (Ziegler et al. 2019, Ouyang et al. 2022): per-token KL penalty in the
     reward, GAE advantages, clipped policy and value losses; LLaMA-Factory's ppo_* options."""
@@ -672,7 +697,8 @@ STAGE_CONFIGS: dict[str, type[BaseConfig]] = {"sft": SFTConfig, "rm": RewardMode
                                               "prm": ProcessRewardModelConfig, "dpo": DPOConfig,
                                               "simpo": SimPOConfig, "orpo": ORPOConfig, "kto": KTOConfig,
                                               "grpo": GRPOConfig, "rloo": RLOOConfig,
-                                              "reinforce_pp": ReinforcePPConfig, "ppo": PPOConfig}
+                                              "reinforce_pp": ReinforcePPConfig, "online_dpo": OnlineDPOConfig,
+                                              "ppo": PPOConfig}
 
 # Stages the orchestrator runs after training, on the trained models. A model is named by the stage that
 # produced it ("sft", "rm", ...) or by a directory; prompts default to the pipeline's eval_dataset.
@@ -7247,7 +7273,7 @@ def read_stage_records(config: BaseConfig, kind: str
 
 STAGE_RECORD_KINDS = {"sft": "sft", "rm": "preference", "prm": "preference", "dpo": "preference", "simpo": "preference",
                       "orpo": "preference", "kto": "kto", "grpo": "prompt", "rloo": "prompt", "reinforce_pp": "prompt",
-                      "ppo": "prompt"}
+                      "online_dpo": "prompt", "ppo": "prompt"}
 
 
 def _streaming_dataset(cls: type[StreamingRecordDataset], config: BaseConfig, tokenizer: Any, formatter: ChatFormatter,
@@ -8085,6 +8111,8 @@ class Rollout:
     returns: torch.Tensor | None = None
     prompt_lengths: torch.Tensor | None = None  # (N) prompt tokens at the start of each row
     importance_weights: torch.Tensor | None = None  # (N, T-1) engine/trainer mismatch correction (use_vllm)
+    pair_weights: torch.Tensor | None = None  # (N) online DPO: 1 for a ranked pair's rows, 0 for a tie's
+    ref_summed: torch.Tensor | None = None  # (N) online DPO: each row's summed reference log-prob
     problem: str = ""  # non-finite rewards: every step trained on this rollout skips its update
 
     @property
@@ -8499,6 +8527,21 @@ class _OnlineRLTrainer(_ReferenceTrainer):
             metrics = {k: v for k, v in metrics.items() if not k.startswith("is_")}
         self.rollout_metrics.update({f"vllm/{k}": v for k, v in metrics.items()})
 
+    def _engine_gap(self, rollout: Rollout, output: Any) -> dict[str, float]:
+        """The engine/trainer log-prob mismatch on a rollout, for trainers whose loss takes no correction."""
+        sampled = []
+        with torch.no_grad(), self.devices.autocast():
+            for batch in rollout.micro_batches(self.config.per_device_train_batch_size):
+                batch = _trim_columns(self._to_device(batch))
+                scores, _ = OutputHead.of(self.policy).scores(self.policy, input_ids=batch["input_ids"],
+                                                              attention_mask=batch["attention_mask"])
+                full = OutputHead.of(self.policy).log_probs(scores[:, :-1], batch["input_ids"][:, 1:], self.config.temperature)
+                trainer = self._trainer_sampled_logps(scores[:, :-1], batch["input_ids"], full)
+                sampled.append(F.pad(trainer.cpu(), (0, rollout.labels.shape[1] - 1 - trainer.shape[1])))
+        _, metrics = rollout_importance_weights(torch.cat(sampled), self._engine_logps(rollout, output),
+                                                rollout.completion_mask)
+        return {k: v for k, v in metrics.items() if not k.startswith("is_")}
+
     def _trainer_sampled_logps(self, scores: torch.Tensor, input_ids: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
         """The trainer's log-probs under the sampler's narrowed distribution (``full`` when it samples from all)."""
         config = self.config
@@ -8833,6 +8876,98 @@ def train_grpo(config: GRPOConfig, devices: DeviceManager | None = None) -> Trai
     reference = create_reference_model(config, policy)
     return GRPOTrainer(config, policy, train, reward_fn=reward_fn, reference=reference, eval_records=eval_records,
                        formatter=formatter, devices=devices).train()
+
+
+# ---- Online DPO ----
+#   config: OnlineDPOConfig, on OnlineRLConfig (section 1); rewards: RewardFunctionFactory (section 6)
+#   runner: train_online_dpo
+#   trainer: OnlineDPOTrainer.make_rollout (two samples per prompt, ranked) -> compute_loss
+#   loss: dpo_loss / PREFERENCE_LOSSES, simpo_loss (section 5)
+
+
+class OnlineDPOTrainer(_OnlineRLTrainer):
+    """Online DPO (Guo et al. 2024; TRL's OnlineDPOTrainer): each step samples two completions per prompt from
+    the current policy, ranks them with the reward functions (a reward model, rules or an API judge), and trains
+    the DPO-family loss on the ranked pair against the reference. A pair scored alike carries no preference and
+    stays out of the loss. per_device_train_batch_size counts pairs (prompts)."""
+
+    stage = "online_dpo"
+    completions_per_prompt = 2
+    steps_per_rollout = 1
+    passes_per_rollout = 1
+
+    @property
+    def prompts_per_rollout(self) -> int:
+        return self.config.per_device_train_batch_size * self.config.gradient_accumulation_steps
+
+    @torch.no_grad()
+    def make_rollout(self, prompts: list[dict[str, Any]]) -> Rollout:
+        """Rows ordered so that each micro-batch holds its pairs' chosen rows, then their rejected ones."""
+        config, size = self.config, self.config.per_device_train_batch_size
+        output = self._sample(prompts, 2)
+        records = [prompts[i // 2] for i in range(len(output.token_ids))]
+        scores = self._score(records, output.token_ids).view(-1, 2)  # (B, 2)
+        second = (scores[:, 1] > scores[:, 0]).long()
+        chosen, rejected = torch.arange(len(prompts)) * 2 + second, torch.arange(len(prompts)) * 2 + 1 - second
+        order = torch.cat([torch.cat([chosen[i:i + size], rejected[i:i + size]]) for i in range(0, len(prompts), size)])
+        output = dataclasses.replace(output, **{name: [getattr(output, name)[i] for i in order] for name in
+                                                ("token_ids", "logprobs", "finish_reasons", "prompt_index")})
+        rollout = self._rows([records[i] for i in order], output.token_ids)
+        decided = (scores[:, 0] != scores[:, 1]).float()
+        rollout.pair_weights = torch.cat([decided[i:i + size].repeat(2) for i in range(0, len(prompts), size)])
+        self.rollout_metrics.update({"online_dpo/ties_frac": 1.0 - float(decided.mean()),
+                                     "online_dpo/score_margin": float((scores.max(-1).values - scores.min(-1).values).mean())})
+        if self.reference is not None:
+            with self.devices.autocast():
+                rollout.ref_summed = torch.cat([_reference_logps(self.reference, _trim_columns(self._to_device(b))).cpu()
+                                                for b in rollout.micro_batches(2 * size)])
+        if config.use_vllm:  # the correction has no place in a sequence-level loss: report the mismatch only
+            self.rollout_metrics.update({f"vllm/{k}": v for k, v in self._engine_gap(rollout, output).items()})
+        return rollout
+
+    def rollout_schedule(self, rollout: Rollout) -> list[dict[str, torch.Tensor]]:
+        return rollout.micro_batches(2 * self.config.per_device_train_batch_size)
+
+    def loss_units(self, batch: dict[str, torch.Tensor]) -> int:
+        return batch["input_ids"].shape[0] // 2
+
+    def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        config = self.config
+        batch = _trim_columns(batch)
+        out = _completion_forward(self.forward_policy, batch)
+        weights = batch["pair_weights"].chunk(2)[0]
+        if config.pref_loss == "simpo":
+            chosen_avg, rejected_avg = out.averaged.chunk(2)
+            losses, chosen_rewards, rejected_rewards = simpo_loss(chosen_avg, rejected_avg, beta=config.pref_beta,
+                                                                  gamma=config.simpo_gamma,
+                                                                  label_smoothing=config.dpo_label_smoothing)
+        else:
+            policy_chosen, policy_rejected = out.summed.chunk(2)
+            ref_chosen, ref_rejected = batch["ref_summed"].chunk(2)
+            chosen_lengths, rejected_lengths = out.lengths.chunk(2)
+            losses, chosen_rewards, rejected_rewards = dpo_loss(
+                policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=config.pref_beta, loss_type=config.pref_loss,
+                label_smoothing=config.dpo_label_smoothing, chosen_lengths=chosen_lengths, rejected_lengths=rejected_lengths)
+        ranked = weights.bool()
+        metrics = {"rewards/chosen": float(chosen_rewards[ranked].mean()) if ranked.any() else 0.0,
+                   "rewards/margins": float((chosen_rewards - rejected_rewards)[ranked].mean()) if ranked.any() else 0.0,
+                   "rewards/accuracies": float((chosen_rewards > rejected_rewards)[ranked].float().mean())
+                   if ranked.any() else 0.0}
+        return (losses * weights).sum(), {**metrics, **self._pop_rollout_metrics()}
+
+
+@_leaves_logging_as_found
+def train_online_dpo(config: OnlineDPOConfig, devices: DeviceManager | None = None) -> TrainResult:
+    """Run the online DPO stage: reward functions rank two fresh samples per prompt."""
+    records, devices = _start_stage(config, devices)
+    _check_reward_answers(config, records[0])
+    reward_fn = RewardFunctionFactory(config, devices.device).build()
+    policy = _load_policy(config, devices.device)
+    formatter = chat_formatter(policy.tokenizer, config, policy.model)
+    train, eval_records = _prompt_datasets(config, records, policy.tokenizer, formatter, devices)
+    reference = create_reference_model(config, policy) if config.uses_reference else None
+    return OnlineDPOTrainer(config, policy, train, reward_fn=reward_fn, reference=reference, eval_records=eval_records,
+                            formatter=formatter, devices=devices).train()
 
 
 # ---- PPO ----
@@ -9866,9 +10001,9 @@ class IterativeRefiner:
 
 STAGE_RUNNERS: dict[str, Callable[[BaseConfig], TrainResult]] = {
     "sft": train_sft, "rm": train_rm, "prm": train_prm, "dpo": train_dpo, "simpo": train_dpo, "orpo": train_dpo, "kto": train_kto,
-    "grpo": train_grpo, "rloo": train_grpo, "reinforce_pp": train_grpo, "ppo": train_ppo}
+    "grpo": train_grpo, "rloo": train_grpo, "reinforce_pp": train_grpo, "online_dpo": train_online_dpo, "ppo": train_ppo}
 # stages whose output is a policy the next stage starts from (rm produces a scorer instead)
-POLICY_STAGES = ("sft", "dpo", "simpo", "orpo", "kto", "grpo", "rloo", "reinforce_pp", "ppo")
+POLICY_STAGES = ("sft", "dpo", "simpo", "orpo", "kto", "grpo", "rloo", "reinforce_pp", "online_dpo", "ppo")
 
 
 def read_report(output_dir: str | os.PathLike) -> dict[str, Any]:
@@ -9945,7 +10080,7 @@ def data_fingerprint(config: BaseConfig) -> list[Any]:
 # config fields that change how a run looks, not what it computes
 _COSMETIC_FIELDS = ("disable_progress_bar", "progress_interval", "report_to", "run_name", "logging_dir", "resume_from_checkpoint",
                     "overwrite_output_dir", "plot_loss")
-POLICY_OPTIMISATION_STAGES = ("dpo", "simpo", "orpo", "kto", "grpo", "rloo", "reinforce_pp", "ppo")
+POLICY_OPTIMISATION_STAGES = ("dpo", "simpo", "orpo", "kto", "grpo", "rloo", "reinforce_pp", "online_dpo", "ppo")
 STAGE_MARKER = "pipeline_stage.json"  # in output_dir/<stage>: the fingerprint it was started with, and whether it finished
 
 
