@@ -13,7 +13,7 @@ Table of contents (each section opens with a ``# ==== N. Title ====`` banner):
   2. Infrastructure — setup_logging, logging_restored, weight_sharding, DeviceManager, TrainingLogger, CheckpointManager, CheckpointingMixin, create_optimizer, EarlyStopping, find_expert_parameter_names, apply_lora, apply_freeze, compile_model, select_attention_implementation
   3. Data — load_records, ChatFormatter, CHAT_TEMPLATES, TEMPLATE_SPECIAL_TOKENS, saved_as_trained, chat_formatter, SFTDataset, StreamingSFTDataset, pack_sequences, SFTCollator, PreferenceDataset, StreamingPreferenceDataset, KTODataset, StreamingKTODataset, pack_rows, pack_preference_pairs, PreferenceBatch, PreferenceCollator, KTOBatch, KTOCollator, GRPODataset, StreamingGRPODataset, extract_answer, split_steps, arithmetic_step_labels, arithmetic_response_labels, encode_steps, ProcessPreferenceDataset, ProcessPreferenceCollator
   4. Models — token_log_probs, OutputHead, load_tokenizer, quantization_config, is_quantized, build_tiny_model, resolve_model_path, PolicyModel, state_under, RewardModel, RewardEnsemble, aggregate_step_scores, ProcessRewardModel, ValueModel, ActorCritic, select_informative_tokens, ContextCompressor, ReferenceModel, can_pack_pairs, tree_attention_mask, shared_prefix_log_probs, grouped_logits, grouped_packed_logits, grouped_prefix_logits, create_reference_model
-  5. Losses and advantages — router_load_balancing_loss, causal_lm_loss_sum, causal_lm_loss_with, sequence_log_probs, dpo_loss, PREFERENCE_LOSSES, simpo_loss, orpo_loss, kto_loss, reward_model_loss, reward_boosting_weights, ewc_penalty, whiten, grpo_advantages, rloo_advantages, reinforce_pp_advantages, overlong_penalty, rollout_importance_weights, grpo_loss, compute_gae, ppo_policy_loss, ppo_value_loss, AdaptiveKLController, FixedKLController
+  5. Losses and advantages — router_load_balancing_loss, causal_lm_loss_sum, causal_lm_loss_with, sequence_log_probs, dpo_loss, PREFERENCE_LOSSES, simpo_loss, orpo_loss, kto_loss, reward_model_loss, reward_boosting_weights, ewc_penalty, whiten, grpo_advantages, rloo_advantages, reinforce_pp_advantages, overlong_penalty, generalized_jsd_loss, rollout_importance_weights, grpo_loss, compute_gae, ppo_policy_loss, ppo_value_loss, AdaptiveKLController, FixedKLController
   6. Rewards — exact_answer_reward, format_reward, length_penalty, CompositeReward, LearnedReward, ProcessReward, HTTPReward, RewardAPIError, Principle, ConstitutionalRewardWrapper, RewardFunctionFactory, RunningRewardNormalizer, process_rewards
   7. Trainers — close_loss_scaler_step, TrainingDivergedError, TrainResult, RouterAuxLoss, BaseTrainer, SFTTrainer, train_sft, PairScores, RewardModelTrainer, train_rm, ProcessRewardModelTrainer, train_prm, precompute_ref_log_probs, DPOTrainer, train_dpo, KTOTrainer, train_kto, Rollout, token_entropy, disable_dropout, GRPOTrainer, train_grpo, RolloutBuffer, PPOTrainer, train_ppo
   8. Evaluation — kl_estimates, distinct_n, self_similarity, win_rate, RLHFEvaluator
@@ -291,7 +291,8 @@ class BaseConfig:
                "a stream's validation set is its first val_size records; turn one of them off")
         _check(self.ewc_lambda >= 0 and self.ewc_samples > 0, "ewc_lambda/ewc_samples", "must be >= 0 / > 0")
         if self.ewc_lambda:
-            _check(self.stage in ("dpo", "simpo", "orpo", "kto", "grpo", "rloo", "reinforce_pp", "online_dpo", "ppo"),
+            _check(self.stage in ("dpo", "simpo", "orpo", "kto", "grpo", "rloo", "reinforce_pp", "online_dpo", "distill",
+                                  "ppo"),
                    "ewc_lambda",
                    "only applies to policy-optimisation stages (dpo, simpo, orpo, kto, grpo, ppo); set it to 0 here")
             _check(bool(self.ewc_dataset.strip()), "ewc_dataset", "must name the SFT dataset EWC protects when ewc_lambda > 0")
@@ -489,6 +490,7 @@ class OnlineRLConfig(BaseConfig):
     async_rollouts: bool = _opt(False, "server mode: sample the next rollout while this one trains (one step off-policy; corrected by importance sampling)")
 
     stage: typing.ClassVar[str] = "online"
+    scored_by_rewards: typing.ClassVar[bool] = True  # False: distillation, whose signal is a teacher
 
     def _validate(self) -> None:
         super()._validate()
@@ -497,7 +499,10 @@ class OnlineRLConfig(BaseConfig):
                "need temperature > 0, 0 < top_p <= 1 and top_k >= 0")
         _check_choice(self.reward_model_type, ("full", "lora", "api"), "reward_model_type")
         _check_choice(self.generation_engine, ("auto", "compiled", "static", "eager"), "generation_engine")
-        _check(bool(self.reward_names()), "reward_funcs",
+        if not self.scored_by_rewards:
+            _check(not self.reward_names(), "reward_funcs",
+                   f"is unused by the {self.stage} stage (the teacher is its signal): remove it")
+        _check(bool(self.reward_names()) or not self.scored_by_rewards, "reward_funcs",
                "is empty: name at least one, e.g. reward_funcs=exact_answer,format (or set reward_model)")
         _check(not self.reward_weights or len(self.reward_weights) == len(self.reward_names()), "reward_weights",
                f"needs one weight per reward function ({', '.join(self.reward_names())})")
@@ -661,6 +666,29 @@ class OnlineDPOConfig(OnlineRLConfig):
 
 
 @dataclass
+class DistillConfig(OnlineRLConfig):
+    """On-policy distillation (GKD, Agarwal et al. 2024): the student learns the teacher's token distributions on
+    its own samples (a share lmbda of the steps) and on the dataset's responses (or the teacher's, seq_kd)."""
+
+    teacher_model: str | None = _opt(None, "The teacher: a model directory with the student's tokenizer (never trained)")
+    teacher_model_dtype: str = _opt("auto", "The teacher's dtype: auto (as the student's base) | float32 | bfloat16 | float16")
+    lmbda: float = _opt(0.5, "Share of steps that train on the student's own samples (on-policy); the rest on the dataset's responses")
+    beta: float = _opt(0.5, "Generalised Jensen-Shannon interpolation: 0 forward KL(teacher || student), 1 reverse KL(student || teacher)")
+    seq_kd: bool = _opt(False, "Off-policy steps train on the teacher's own samples instead of the dataset's responses (sequence-level KD)")
+
+    stage: typing.ClassVar[str] = "distill"
+    scored_by_rewards: typing.ClassVar[bool] = False
+    uses_reference: typing.ClassVar[bool] = False
+
+    def _validate(self) -> None:
+        super()._validate()
+        _check(bool(self.teacher_model), "teacher_model", "is required: the model to distil from (a directory)")
+        _check(0 <= self.lmbda <= 1 and 0 <= self.beta <= 1, "lmbda/beta", "must each lie in [0, 1]")
+        _check_choice(self.teacher_model_dtype, ("auto", "float32", "bfloat16", "float16"), "teacher_model_dtype")
+        _check(not self.streaming, "streaming", "is not offered for distill yet: set streaming: false")
+
+
+@dataclass
 class PPOConfig(OnlineRLConfig):
     """PPO with a learned critic (Ziegler et al. 2019, Ouyang et al. 2022): per-token KL penalty in the
     reward, GAE advantages, clipped policy and value losses; LLaMA-Factory's ppo_* options."""
@@ -698,7 +726,7 @@ STAGE_CONFIGS: dict[str, type[BaseConfig]] = {"sft": SFTConfig, "rm": RewardMode
                                               "simpo": SimPOConfig, "orpo": ORPOConfig, "kto": KTOConfig,
                                               "grpo": GRPOConfig, "rloo": RLOOConfig,
                                               "reinforce_pp": ReinforcePPConfig, "online_dpo": OnlineDPOConfig,
-                                              "ppo": PPOConfig}
+                                              "distill": DistillConfig, "ppo": PPOConfig}
 
 # Stages the orchestrator runs after training, on the trained models. A model is named by the stage that
 # produced it ("sft", "rm", ...) or by a directory; prompts default to the pipeline's eval_dataset.
@@ -3973,6 +4001,21 @@ class GRPODataset(_EncodedRecords):
         return [len(item["prompt_ids"]) for item in self.items]
 
 
+class DistillDataset(GRPODataset):
+    """Prompts for distillation with the dataset's response to each (SFT records: their ``response``, or a last
+    turn that is the assistant's). Items: GRPODataset's plus ``response``, the text of that turn."""
+
+    def _encode(self, record: dict[str, Any]) -> tuple[dict[str, Any], str]:
+        messages, response = record["messages"], record.get("response")
+        if response is None and messages and messages[-1].get("role") == "assistant":
+            messages, response = messages[:-1], messages[-1]["content"]
+        if not isinstance(response, str):
+            raise RLHFInputError(f"{record.get('location', 'record')}: a distill record needs the assistant's response "
+                                 f"(the off-policy steps train on it)")
+        item, status = _encode_prompt(self.formatter, {**record, "messages": messages}, self.cutoff_len)
+        return {**item, "response": response}, status
+
+
 class StreamingGRPODataset(StreamingRecordDataset):
     """Online-RL prompts streamed from disk (items as in :class:`GRPODataset`); resumable."""
 
@@ -6003,6 +6046,24 @@ def reinforce_pp_advantages(scores: torch.Tensor, mask: torch.Tensor, *, kl: tor
     return whiten(returns, mask, sum_across_processes=sum_across_processes) * mask
 
 
+def generalized_jsd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, *, beta: float = 0.5,
+                         temperature: float = 1.0) -> torch.Tensor:
+    """GKD's divergence per position (Agarwal et al. 2024, eq. 1), between the temperature-scaled token
+    distributions of teacher T and student S: beta = 0 is the forward KL(T || S), beta = 1 the reverse KL(S || T),
+    and in between the generalised Jensen-Shannon divergence beta KL(T || M) + (1 - beta) KL(S || M) with the
+    mixture M = beta T + (1 - beta) S (TRL's GKDTrainer convention). Shapes: logits (..., V) -> (...)."""
+    student = torch.log_softmax(student_logits.float() / temperature, -1)
+    teacher = torch.log_softmax(teacher_logits.float() / temperature, -1)
+    if beta == 0:
+        return (teacher.exp() * (teacher - student)).sum(-1)
+    if beta == 1:
+        return (student.exp() * (student - teacher)).sum(-1)
+    mixture = torch.logsumexp(torch.stack([student + math.log(1 - beta), teacher + math.log(beta)]), 0)
+    kl_teacher = (teacher.exp() * (teacher - mixture)).sum(-1)
+    kl_student = (student.exp() * (student - mixture)).sum(-1)
+    return beta * kl_teacher + (1 - beta) * kl_student
+
+
 def rollout_importance_weights(trainer_logps: torch.Tensor, engine_logps: torch.Tensor, mask: torch.Tensor, *,
                                cap: float = 2.0, mode: str = "token_truncate") -> tuple[torch.Tensor, dict[str, float]]:
     """Importance weights for rollouts sampled by an engine (vLLM) whose probabilities differ from the
@@ -7273,7 +7334,7 @@ def read_stage_records(config: BaseConfig, kind: str
 
 STAGE_RECORD_KINDS = {"sft": "sft", "rm": "preference", "prm": "preference", "dpo": "preference", "simpo": "preference",
                       "orpo": "preference", "kto": "kto", "grpo": "prompt", "rloo": "prompt", "reinforce_pp": "prompt",
-                      "online_dpo": "prompt", "ppo": "prompt"}
+                      "online_dpo": "prompt", "distill": "sft", "ppo": "prompt"}
 
 
 def _streaming_dataset(cls: type[StreamingRecordDataset], config: BaseConfig, tokenizer: Any, formatter: ChatFormatter,
@@ -7361,7 +7422,7 @@ def _prepare_output_dir(config: BaseConfig) -> None:
             raise RLHFInputError(f"config field '{field_name}': {directory} is not writable; give a writable directory")
 
 
-_MODEL_FIELDS = ("model_name_or_path", "reward_model", "process_reward_model", "value_model", "ref_model")
+_MODEL_FIELDS = ("model_name_or_path", "reward_model", "process_reward_model", "value_model", "ref_model", "teacher_model")
 
 
 def check_model_paths(config: BaseConfig, skip: Iterable[str] = ()) -> None:
@@ -8970,6 +9031,107 @@ def train_online_dpo(config: OnlineDPOConfig, devices: DeviceManager | None = No
                             formatter=formatter, devices=devices).train()
 
 
+# ---- On-policy distillation (GKD) ----
+#   config: DistillConfig, on OnlineRLConfig (section 1)
+#   runner: train_distill
+#   trainer: DistillTrainer.make_rollout (student, teacher or dataset responses) -> compute_loss
+#   loss: generalized_jsd_loss (section 5)
+
+
+class DistillTrainer(_OnlineRLTrainer):
+    """GKD (Agarwal et al. 2024; TRL's GKDTrainer): each step's responses are, with probability lmbda, the
+    student's own samples (on-policy: the student learns from its own mistakes), else the dataset's responses or
+    with seq_kd the teacher's samples; the loss is the generalised Jensen-Shannon divergence between the teacher's
+    and the student's next-token distributions on every response token. The teacher is frozen."""
+
+    stage = "distill"
+    completions_per_prompt = 1
+    steps_per_rollout = 1
+    passes_per_rollout = 1
+
+    def __init__(self, config: DistillConfig, policy: PolicyModel, train_dataset: Any, *, teacher: PolicyModel,
+                 eval_records: list[dict[str, Any]] | None = None, formatter: ChatFormatter | None = None,
+                 devices: DeviceManager | None = None) -> None:
+        check_same_vocabulary(teacher.tokenizer, policy.tokenizer, "teacher_model")
+        super().__init__(config, policy, train_dataset, reward_fn=None, eval_records=eval_records, formatter=formatter,
+                         devices=devices)
+        self.teacher = teacher.to(self.devices.device).eval().requires_grad_(False)
+
+    @property
+    def prompts_per_rollout(self) -> int:
+        return self.config.per_device_train_batch_size * self.config.gradient_accumulation_steps
+
+    @torch.no_grad()
+    def make_rollout(self, prompts: list[dict[str, Any]]) -> Rollout:
+        config = self.config
+        draw = torch.Generator().manual_seed(config.seed * 1_000_003 + self.rollout_index)  # a resume draws alike
+        on_policy = float(torch.rand((), generator=draw)) < config.lmbda
+        if on_policy:
+            completions = self._sample(prompts, 1).token_ids
+        elif config.seq_kd:
+            completions = self._teacher_samples(prompts)
+        else:
+            completions = [self.formatter.prompt_and_completion(p, p["response"])[1] for p in prompts]
+        self.rollout_metrics["distill/on_policy"] = float(on_policy)
+        return self._rows(prompts, completions)
+
+    def _teacher_samples(self, prompts: list[dict[str, Any]]) -> list[list[int]]:
+        from inference_optimizations import generate as generate_tokens
+
+        params = self._sampling_params(1, self.rollout_index)  # seeded by the rollout: a resume samples alike
+        params = dataclasses.replace(params, seed=params.seed if params.seed is not None else
+                                     self.config.seed * 1_000_003 + self.rollout_index)
+        return generate_tokens(self.teacher.model, [p["prompt_ids"] for p in prompts], params,
+                               pad_token_id=self.policy.tokenizer.pad_token_id).token_ids
+
+    def rollout_schedule(self, rollout: Rollout) -> list[dict[str, torch.Tensor]]:
+        return rollout.micro_batches(self.config.per_device_train_batch_size)
+
+    def loss_units(self, batch: dict[str, torch.Tensor]) -> int:
+        return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+    def compute_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        config = self.config
+        batch = _trim_columns(batch)
+        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+        student = self.forward_policy.model(**inputs).logits[:, :-1]
+        with torch.no_grad():
+            teacher = self.teacher.model(**inputs).logits[:, :-1]
+        vocab = len(self.policy.tokenizer)  # either model may pad its output layer past the shared vocabulary
+        mask = (batch["labels"][:, 1:] != IGNORE_INDEX).float()
+        per_token = generalized_jsd_loss(student[..., :vocab], teacher[..., :vocab], beta=config.beta,
+                                         temperature=config.temperature)
+        metrics = {"distill/divergence": float(_masked_mean(per_token.detach(), mask))}
+        return (per_token * mask).sum(), {**metrics, **self._pop_rollout_metrics()}
+
+
+def check_same_vocabulary(teacher_tokenizer: Any, student_tokenizer: Any, field_name: str) -> None:
+    """Distillation compares token distributions position by position: both models must share the tokenizer."""
+    teacher, student = teacher_tokenizer.get_vocab(), student_tokenizer.get_vocab()
+    if teacher != student:
+        differ = len(set(teacher.items()) ^ set(student.items()))
+        raise RLHFInputError(f"config field '{field_name}': its tokenizer differs from the student's ({len(teacher)} vs "
+                             f"{len(student)} tokens, {differ} entries differ); distillation compares the two models' "
+                             f"next-token distributions, so the teacher must use the student's tokenizer")
+
+
+@_leaves_logging_as_found
+def train_distill(config: DistillConfig, devices: DeviceManager | None = None) -> TrainResult:
+    """Run the distill stage: the student (model_name_or_path) learns the teacher's distributions."""
+    (train_records, _, eval_records), devices = _start_stage(config, devices)
+    policy = _load_policy(config, devices.device)
+    dtype = _model_dtype(config) if config.teacher_model_dtype == "auto" else config.teacher_model_dtype
+    teacher = PolicyModel.from_pretrained(config.teacher_model, dtype=dtype, attn_implementation=config.attn_implementation,
+                                          trust_remote_code=config.trust_remote_code, device=devices.device,
+                                          cache_dir=config.cache_dir, is_trainable=False, field="teacher_model")
+    formatter = chat_formatter(policy.tokenizer, config, policy.model)
+    train = DistillDataset(train_records, policy.tokenizer, formatter, cutoff_len=config.cutoff_len)
+    eval_prompts = [{**r, "messages": r["messages"][:-1]} if r["messages"][-1].get("role") == "assistant" else r
+                    for r in eval_records or []]
+    return DistillTrainer(config, policy, train, teacher=teacher, eval_records=eval_prompts, formatter=formatter,
+                          devices=devices).train()
+
+
 # ---- PPO ----
 #   config: PPOConfig, on OnlineRLConfig (section 1); rewards: RewardFunctionFactory (section 6)
 #   runner: train_ppo
@@ -10001,9 +10163,10 @@ class IterativeRefiner:
 
 STAGE_RUNNERS: dict[str, Callable[[BaseConfig], TrainResult]] = {
     "sft": train_sft, "rm": train_rm, "prm": train_prm, "dpo": train_dpo, "simpo": train_dpo, "orpo": train_dpo, "kto": train_kto,
-    "grpo": train_grpo, "rloo": train_grpo, "reinforce_pp": train_grpo, "online_dpo": train_online_dpo, "ppo": train_ppo}
+    "grpo": train_grpo, "rloo": train_grpo, "reinforce_pp": train_grpo, "online_dpo": train_online_dpo,
+    "distill": train_distill, "ppo": train_ppo}
 # stages whose output is a policy the next stage starts from (rm produces a scorer instead)
-POLICY_STAGES = ("sft", "dpo", "simpo", "orpo", "kto", "grpo", "rloo", "reinforce_pp", "online_dpo", "ppo")
+POLICY_STAGES = ("sft", "dpo", "simpo", "orpo", "kto", "grpo", "rloo", "reinforce_pp", "online_dpo", "distill", "ppo")
 
 
 def read_report(output_dir: str | os.PathLike) -> dict[str, Any]:
@@ -10080,7 +10243,8 @@ def data_fingerprint(config: BaseConfig) -> list[Any]:
 # config fields that change how a run looks, not what it computes
 _COSMETIC_FIELDS = ("disable_progress_bar", "progress_interval", "report_to", "run_name", "logging_dir", "resume_from_checkpoint",
                     "overwrite_output_dir", "plot_loss")
-POLICY_OPTIMISATION_STAGES = ("dpo", "simpo", "orpo", "kto", "grpo", "rloo", "reinforce_pp", "online_dpo", "ppo")
+POLICY_OPTIMISATION_STAGES = ("dpo", "simpo", "orpo", "kto", "grpo", "rloo", "reinforce_pp", "online_dpo", "distill",
+                              "ppo")
 STAGE_MARKER = "pipeline_stage.json"  # in output_dir/<stage>: the fingerprint it was started with, and whether it finished
 
 

@@ -245,7 +245,7 @@ BAD_INPUT = {
     "missing_config": [r"missing\.yaml", r"does not exist"],
     "invalid_yaml": [r"invalid\.yaml:3\b", r"invalid YAML"],
     "stage_mismatch": [r"stage_dpo\.yaml", r"\bstage\b", r"\bdpo\b", r"'sft'"],
-    "train_unknown_stage": [r"stage_unknown\.yaml", r"'stage'", r"'rlhf_magic'", r"valid: sft, rm, prm, dpo, .*grpo, ppo"],
+    "train_unknown_stage": [r"stage_unknown\.yaml", r"'stage'", r"'rlhf_magic'", r"valid: sft, rm, prm, dpo, .*grpo, .*ppo"],
     "pipeline_stage_typo": [r"pipeline_typo\.yaml", r"'lerning_rate'", re.escape("did you mean 'learning_rate'")],
 }
 
