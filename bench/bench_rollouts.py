@@ -95,11 +95,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--models", default=None, help=f"generation: comma-separated subset of {','.join(MODELS)} "
                         "(default tiny,23m,110m; --quick tiny,23m)")
     parser.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated subset of {','.join(ENGINES)}")
-    parser.add_argument("--prompts", type=int, default=None, help="generation: distinct prompts (default 64; quick 16)")
+    parser.add_argument("--prompts", default=None,
+                        help="generation: distinct prompts, one number for every model or one per --models entry "
+                             "(default 64,16,8: 64 on tiny, 16 on 23m, 8 on 110m, which keeps the default run near 15 "
+                             "minutes on 2 cores; quick 8,4)")
     parser.add_argument("--samples", type=int, default=8, help="completions per prompt (generation and GRPO's group)")
     parser.add_argument("--new-tokens", type=int, default=None,
                         help="generation: tokens generated per completion, all of them (default 128; quick 64)")
-    parser.add_argument("--repeats", type=int, default=1, help="generation: timed calls per engine (best is kept)")
+    parser.add_argument("--repeats", default=None,
+                        help="generation: timed calls per engine (the best is kept), one number or one per --models "
+                             "entry (default 3,2,1; quick 2,1)")
     parser.add_argument("--warmup-tokens", type=int, default=16,
                         help="generation: new tokens of the untimed warm-up call of HF and vLLM (ours warms up "
                              "with the full call, which compiles its shape)")
@@ -110,6 +115,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="vLLM's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE; default: enough for every row of the "
                              "call at once, at least 1)")
     parser.add_argument("--grpo-models", default="tiny", help=f"GRPO: comma-separated subset of {','.join(MODELS)}")
+    parser.add_argument("--grpo-ours-engines", default=None,
+                        help="GRPO: our runs, one per generation_engine listed (default compiled,auto: auto is the "
+                             "trainer's default; quick compiled)")
     parser.add_argument("--grpo-steps", type=int, default=None, help="GRPO: optimizer steps per run, the first "
                         "untimed (default 10; quick 4)")
     parser.add_argument("--grpo-prompts", type=int, default=None,
@@ -118,7 +126,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="GRPO: max_completion_length (default 128; quick 32)")
     parser.add_argument("--sync-model", default=None, choices=MODELS, help="weight sync: the model (default 110m; "
                         "quick 23m)")
-    parser.add_argument("--sync-repeats", type=int, default=3, help="weight sync: syncs timed (full and LoRA each)")
+    parser.add_argument("--sync-repeats", type=int, default=None,
+                        help="weight sync: syncs timed, full and LoRA each (default 3; quick 2)")
     parser.add_argument("--sync-prompts", type=int, default=8, help="weight sync: prompts of the check generate calls")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch intra-op threads (vLLM "
                         "binds its own to every core)")
@@ -128,24 +137,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # internal: one measurement in this process
     parser.add_argument("--worker", choices=("generate", "grpo", "sync-full", "sync-lora"), help=argparse.SUPPRESS)
     parser.add_argument("--engine", choices=ENGINES, help=argparse.SUPPRESS)
+    parser.add_argument("--grpo-engine", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     quick = args.quick
-    defaults = {"models": "tiny,23m" if quick else "tiny,23m,110m", "prompts": 16 if quick else 64,
-                "new_tokens": 64 if quick else 128, "grpo_steps": 4 if quick else 10,
-                "grpo_prompts": 4 if quick else 8, "grpo_tokens": 32 if quick else 128,
-                "sync_model": "23m" if quick else "110m"}
+    defaults = {"models": "tiny,23m" if quick else "tiny,23m,110m", "prompts": "8,4" if quick else "64,16,8",
+                "repeats": "2,1" if quick else "3,2,1", "new_tokens": 32 if quick else 128,
+                "grpo_steps": 3 if quick else 10, "grpo_prompts": 2 if quick else 8, "grpo_tokens": 16 if quick else 128,
+                "grpo_ours_engines": "compiled" if quick else "compiled,auto", "sync_model": "tiny" if quick else "110m",
+                "sync_repeats": 2 if quick else 3}
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    for key in ("sections", "models", "engines", "grpo_models"):
+    ours_engines = ("auto", "compiled", "static", "eager")
+    for key in ("sections", "models", "engines", "grpo_models", "grpo_ours_engines"):
         values = [v.strip() for v in getattr(args, key).split(",") if v.strip()]
-        allowed = {"sections": SECTIONS, "models": MODELS, "engines": ENGINES, "grpo_models": MODELS}[key]
+        allowed = {"sections": SECTIONS, "models": MODELS, "engines": ENGINES, "grpo_models": MODELS,
+                   "grpo_ours_engines": ours_engines}[key]
         if any(v not in allowed for v in values):
             parser.error(f"--{key.replace('_', '-')}: comma-separated values from {', '.join(allowed)}")
         setattr(args, key, values)
-    numbers = ("prompts", "samples", "new_tokens", "repeats", "warmup_tokens", "hf_chunk", "grpo_prompts",
+    for key in ("prompts", "repeats"):
+        try:
+            values = [int(v) for v in getattr(args, key).split(",")]
+        except ValueError:
+            parser.error(f"--{key}: a number or comma-separated numbers")
+        if len(values) == 1:
+            values = values * len(args.models)
+        if len(values) != len(args.models) and not args.worker:
+            parser.error(f"--{key}: one number, or one per --models entry ({len(args.models)})")
+        if min(values) < 1:
+            parser.error(f"--{key} must be >= 1")
+        setattr(args, key, dict(zip(args.models, values)) if not args.worker else values[0])
+    numbers = ("samples", "new_tokens", "warmup_tokens", "hf_chunk", "grpo_prompts",
                "grpo_tokens", "sync_repeats", "sync_prompts", "threads")
     if min(getattr(args, key) for key in numbers) < 1:
         parser.error("--" + ", --".join(k.replace("_", "-") for k in numbers) + " must be >= 1")
@@ -341,7 +366,7 @@ def run_grpo(args: argparse.Namespace) -> dict:
         max_completion_length=args.grpo_tokens, cutoff_len=512, max_steps=args.grpo_steps, beta=0.0,
         learning_rate=1e-5, lr_scheduler_type="constant", save_steps=0, logging_steps=1, disable_progress_bar=True,
         report_to="none", reward_funcs=["format"], seed=0, resume_from_checkpoint="none",
-        generation_engine=args.ours_engine, use_vllm=use_vllm)
+        generation_engine=args.grpo_engine or args.ours_engine, use_vllm=use_vllm)
     rlhf.set_seed(config.seed)
     policy = rlhf.PolicyModel.from_pretrained(config.model_name_or_path)
     formatter = rlhf.ChatFormatter(policy.tokenizer)
@@ -461,11 +486,14 @@ def run_sync_lora(args: argparse.Namespace) -> dict:
             loaded = time.perf_counter()
             engine.generate(prompts, params)  # vLLM reads the adapter here
             first = time.perf_counter()
-        engine.generate(prompts, params)
-        again = time.perf_counter()
+        again = []
+        for _ in range(2):  # the same call with the adapter already loaded, best of 2
+            mark = time.perf_counter()
+            engine.generate(prompts, params)
+            again.append(time.perf_counter() - mark)
         size = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
         rows.append({"save": saved - started, "load": loaded - saved, "first": first - loaded,
-                     "again": again - first, "extra": sampler.peak - before, "bytes": size})
+                     "again": min(again), "extra": sampler.peak - before, "bytes": size})
     lora_params = sum(p.numel() for n, p in policy.named_parameters() if "lora_" in n)
     return {"rows": rows, "lora_params": lora_params, "start": engine.start_seconds}
 
@@ -485,13 +513,17 @@ def worker(args: argparse.Namespace) -> int:
 # -- driver side: run the workers one by one and print the tables -----------------------------------------------------
 
 
-def run_worker(args: argparse.Namespace, kind: str, directory: Path, engine: str | None = None) -> dict:
+def run_worker(args: argparse.Namespace, kind: str, directory: Path, engine: str | None = None, *,
+               prompts: int = 1, repeats: int = 1, grpo_engine: str | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"bench-rollouts-{kind}-") as tmp:
         command = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--model-dir", str(directory),
                    "--workdir", tmp]
+        command += ["--prompts", str(prompts), "--repeats", str(repeats)]
         if engine:
             command += ["--engine", engine]
-        for key in ("prompts", "samples", "new_tokens", "repeats", "warmup_tokens", "hf_chunk", "ours_engine",
+        if grpo_engine:
+            command += ["--grpo-engine", grpo_engine]
+        for key in ("samples", "new_tokens", "warmup_tokens", "hf_chunk", "ours_engine",
                     "vllm_kv_gib", "grpo_steps", "grpo_prompts", "grpo_tokens", "sync_repeats", "sync_prompts",
                     "threads"):
             value = getattr(args, key)
@@ -499,7 +531,7 @@ def run_worker(args: argparse.Namespace, kind: str, directory: Path, engine: str
                 command += [f"--{key.replace('_', '-')}", str(value)]
         started = time.perf_counter()
         result = run_measured(command, args.threads, MARK)
-    label = f"{kind} {directory.name}" + (f" {engine}" if engine else "")
+    label = f"{kind} {directory.name}" + (f" {engine}" if engine else "") + (f" {grpo_engine}" if grpo_engine else "")
     if "error" in result:
         print(f"  {label}: FAILED\n    " + result["error"].replace("\n", "\n    "), flush=True)
     else:
@@ -538,42 +570,45 @@ def generation_section(args: argparse.Namespace, dirs: dict[str, Path], raw: dic
     for name in args.models:
         results = {}
         for engine in args.engines:
-            results[engine] = raw[f"generate {name} {engine}"] = run_worker(args, "generate", dirs[name], engine)
+            results[engine] = raw[f"generate {name} {engine}"] = run_worker(
+                args, "generate", dirs[name], engine, prompts=args.prompts[name], repeats=args.repeats[name])
         size = millions(dirs[name])
         rates = {e: r["tokens"] / min(r["times"]) for e, r in results.items() if "error" not in r}
         for engine in args.engines:
             r = results[engine]
             if "error" in r:
-                rows.append([name, f"{size:.1f}M", LABELS[engine], "failed"] + ["-"] * 9)
+                rows.append([name, f"{size:.1f}M", LABELS[engine], "failed"] + ["-"] * 11)
                 continue
             warm = f"{r['warmup']:.1f}" + (f" (compile {r['compile']:.1f})" if r.get("compile") else "") \
                 + ("" if r["warmup_tokens"] == args.new_tokens else f" [{r['warmup_tokens']} tok]")
             rows.append([name, f"{size:.1f}M", LABELS[engine] + (f" {args.ours_engine}" if engine == "ours" else ""),
-                         str(r["tokens"]), f"{min(r['times']):.2f}", f"{rates[engine]:,.0f}",
+                         f"{args.prompts[name]}x{args.samples}", str(r["tokens"]), f"{min(r['times']):.2f}",
+                         f"{max(r['times']) / min(r['times']):.2f} ({len(r['times'])})", f"{rates[engine]:,.0f}",
                          f"{rates[engine] / rates['hf']:.2f}x" if "hf" in rates else "-",
                          f"{rates[engine] / rates['ours']:.2f}x" if "ours" in rates else "-",
                          f"{r['start']:.1f}", warm, str(r.get("kv_gib", "-")), f"{r['peak_rss']:.0f}",
                          f"{r['background']:.2f}"])
         if "ours" in rates and "vllm" in rates:
             points.append((size, rates["vllm"] / rates["ours"]))
-    print_table(["model", "params", "engine", "tokens", "best s", "tokens/s", "vs HF", "vs ours", "start s",
-                 "warm-up s", "KV GiB", "peak MiB", "bg cores"], rows,
-                f"Generation: {args.prompts} prompts x {args.samples} samples x {args.new_tokens} new tokens (no "
-                f"stop), T=1.0, fp32, {args.threads} CPU threads; best of {args.repeats}; warm-up excluded",
-                label_columns=3, min_width=150)
-    print("start s = model load (vLLM: engine start incl. KV allocation); warm-up s = the untimed first call "
-          "(ours: full call incl. compilation; [k tok] = a k-token call); peak MiB = max RSS of the run's process")
+    print_table(["model", "params", "engine", "prompts x n", "tokens", "best s", "spread (runs)", "tokens/s", "vs HF",
+                 "vs ours", "start s", "warm-up s", "KV GiB", "peak MiB", "bg cores"], rows,
+                f"Generation: {args.new_tokens} new tokens per completion (no stop), T=1.0, fp32, {args.threads} CPU "
+                "threads; best of the timed runs, warm-up excluded", label_columns=3, min_width=170)
+    print("spread = slowest / best timed run; start s = model load (vLLM: engine start incl. KV allocation); warm-up s "
+          "= the untimed first call (ours: full call incl. compilation; [k tok] = a k-token call); peak MiB = max RSS "
+          "of the run's process; bg cores = CPU used by other processes meanwhile")
     return points
 
 
 def grpo_section(args: argparse.Namespace, dirs: dict[str, Path], raw: dict) -> None:
     rows = []
     for name in args.grpo_models:
-        for engine in ("ours", "vllm"):
-            if engine not in args.engines:
-                continue
-            r = raw[f"grpo {name} {engine}"] = run_worker(args, "grpo", dirs[name], engine)
-            label = "vLLM (use_vllm)" if engine == "vllm" else f"ours ({args.ours_engine})"
+        runs = [("ours", e) for e in args.grpo_ours_engines if "ours" in args.engines]
+        runs += [("vllm", None)] if "vllm" in args.engines else []
+        for engine, ours_engine in runs:
+            r = raw[f"grpo {name} {ours_engine or engine}"] = run_worker(args, "grpo", dirs[name], engine,
+                                                                         grpo_engine=ours_engine)
+            label = "vLLM (use_vllm)" if engine == "vllm" else f"ours ({ours_engine})"
             if "error" in r:
                 rows.append([name, label, "failed"] + ["-"] * 9)
                 continue
@@ -587,7 +622,9 @@ def grpo_section(args: argparse.Namespace, dirs: dict[str, Path], raw: dict) -> 
                  "sync s mean", "compl. tokens/step", "first step s", "peak MiB", "bg cores"], rows,
                 f"GRPO: {args.grpo_prompts} prompts x {args.samples} completions per step, at most "
                 f"{args.grpo_tokens} tokens, full fine-tuning fp32, {args.grpo_steps} steps (first excluded: it "
-                "holds vLLM's start and our first compile)", label_columns=2, min_width=150)
+                "holds vLLM's start and our first compile)", label_columns=2, min_width=190)
+    print("gen s = GRPOTrainer._sample (vLLM: weight sync included); sync s = the full-weight sync before each "
+          "rollout; ours (auto) = the trainer's default engine choice")
 
 
 def sync_section(args: argparse.Namespace, dirs: dict[str, Path], raw: dict) -> None:

@@ -32,7 +32,8 @@ HAS_BITSANDBYTES = importlib.util.find_spec("bitsandbytes") is not None
 def test_every_stage_and_method_has_an_example():
     expected = {"train_full/sft.yaml", "train_full/dpo.yaml", "train_lora/sft.yaml", "train_lora/rm.yaml",
                 "train_lora/dpo.yaml", "train_lora/kto.yaml", "train_lora/orpo.yaml", "train_lora/simpo.yaml",
-                "train_lora/ppo.yaml", "train_lora/grpo.yaml", "train_qlora/sft.yaml", "train_qlora/dpo.yaml",
+                "train_lora/ppo.yaml", "train_lora/grpo.yaml", "train_lora/rloo.yaml", "train_lora/reinforce_pp.yaml",
+                "train_lora/online_dpo.yaml", "train_lora/distill.yaml", "train_qlora/sft.yaml", "train_qlora/dpo.yaml",
                 "multi_gpu/sft_lora_ddp.yaml", "multi_gpu/sft_full_fsdp.yaml", "multi_gpu/dpo_lora_ds3.yaml"}
     assert {path.removeprefix("examples/") for path in EXAMPLES} == expected
 
