@@ -35,8 +35,12 @@ SECTIONS: list[tuple[type, str]] = [
     (rlhf.SimPOConfig, "`simpo`"),
     (rlhf.ORPOConfig, "`orpo`"),
     (rlhf.KTOConfig, "`kto`"),
-    (rlhf.OnlineRLConfig, "`grpo` and `ppo`"),
+    (rlhf.OnlineRLConfig, "`grpo`, `rloo`, `reinforce_pp`, `online_dpo`, `distill` and `ppo`"),
     (rlhf.GRPOConfig, "`grpo`"),
+    (rlhf.RLOOConfig, "`rloo`"),
+    (rlhf.ReinforcePPConfig, "`reinforce_pp`"),
+    (rlhf.OnlineDPOConfig, "`online_dpo`"),
+    (rlhf.DistillConfig, "`distill`"),
     (rlhf.PPOConfig, "`ppo`"),
     (rlhf.PipelineConfig, "`pipeline` (the top level of a pipeline file)"),
 ]
