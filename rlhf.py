@@ -27,6 +27,7 @@ Numbering follows ../DESIGN.md so the map and the module stay in step.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import copy
 import dataclasses
@@ -39,6 +40,7 @@ import inspect
 import json
 import logging
 import math
+import operator
 import os
 import random
 import re
@@ -128,6 +130,7 @@ DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "kto_pair", "robust", "bco_pair", "
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo")  # section 5's grpo_loss aggregations
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")  # sequence: GSPO
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")  # critic-free; PPO's is GAE
+TOOL_FORMATS = ("tag", "chat_template")  # how environments' tool calls are written (section 6)
 REWARD_SCALES = ("group", "batch", "none")
 IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # section 5
 VLLM_OLD_LOGPROBS = ("trainer", "engine")
@@ -570,6 +573,15 @@ class GRPOConfig(OnlineRLConfig):
     loss_type: str = _opt("grpo", "Aggregation: grpo (per-sequence mean) | bnpo (per-micro-batch token mean) | dapo (token mean over the step) | dr_grpo (sum / (B * max_completion_length)) | cispo (MiniMax-M1: clipped importance weight times log-prob, token mean)")
     advantage_estimator: str = _opt("grpo", "grpo (group mean and std) | rloo (mean of the other completions) | reinforce_pp (token returns, KL in the reward, whitened over the batch) | reinforce_pp_baseline (group mean subtracted first)")
     importance_sampling_level: str = _opt("token", "token: a ratio per token | sequence: GSPO's length-normalised sequence ratio (use epsilon_low ~3e-4, epsilon_high ~4e-4)")
+    environment: str | None = _opt(None, "Multi-turn tool use: calculator | http (environment_url) | module:function returning an Environment; tool outputs join the context and are never trained on")
+    environment_url: str | None = _opt(None, "environment http: the service's base URL (POST /reset and /step)")
+    environment_timeout: float = _opt(30.0, "environment http: seconds before one request times out")
+    environment_retries: int = _opt(3, "environment http: attempts per request (exponential backoff between them)")
+    max_turns: int = _opt(4, "With an environment: policy turns per episode at most")
+    max_turn_tokens: int | None = _opt(None, "With an environment: tokens one turn may generate (default: max_completion_length, which bounds the whole completion, tool outputs included)")
+    tool_format: str = _opt("tag", "tag: a call is the text between tool_tags and its output joins the turn inside tool_result_tags | chat_template: JSON calls (<tool_call>{...}</tool_call>) ending the turn, outputs rendered as the template's tool messages")
+    tool_tags: list[str] = _opt(["<calc>", "</calc>"], "tag format: the opening and closing tags of a tool call")
+    tool_result_tags: list[str] = _opt(["<result>", "</result>"], "tag format: the tags around a tool's output")
     dynamic_sampling: bool = _opt(False, "DAPO: drop groups whose completions all scored alike and sample more prompts until the rollout holds its number of informative groups")
     max_sampling_rounds: int = _opt(3, "dynamic_sampling: sampling rounds per rollout at most; groups still missing then are left out of the loss")
     scale_rewards: str = _opt("group", "Divide centred rewards by the group's std (group), the batch's (batch) or nothing (none, Dr. GRPO)")
@@ -591,6 +603,19 @@ class GRPOConfig(OnlineRLConfig):
         _check(self.num_generations >= 2, "num_generations", "must be >= 2 (advantages compare completions of one prompt"
                + ("; dynamic_sampling keeps groups whose completions scored differently)" if self.dynamic_sampling else ")"))
         _check(self.max_sampling_rounds >= 1, "max_sampling_rounds", "must be >= 1")
+        if self.environment:
+            _check_choice(self.tool_format, TOOL_FORMATS, "tool_format")
+            _check(len(self.tool_tags) == 2 and len(self.tool_result_tags) == 2 and all(self.tool_tags),
+                   "tool_tags/tool_result_tags", "need two tags each: the opening one and the closing one")
+            _check(self.max_turns >= 1, "max_turns", "must be >= 1")
+            _check(self.max_turn_tokens is None or self.max_turn_tokens >= 1, "max_turn_tokens", "must be >= 1")
+            _check(self.environment != "http" or bool(self.environment_url), "environment_url",
+                   "is required with environment: http (the service's base URL)")
+            _check(self.environment_timeout > 0 and self.environment_retries >= 1,
+                   "environment_timeout/environment_retries", "need a positive timeout and at least one attempt")
+            _check(not self.use_vllm, "use_vllm", "does not run environments yet: multi-turn episodes sample with our "
+                   "engine (set use_vllm: false)")
+            _check(not self.dynamic_sampling, "dynamic_sampling", "does not run with an environment yet")
         _check(not (self.dynamic_sampling and self.streaming), "dynamic_sampling",
                "draws extra prompts at random from the prompt set, which a streaming dataset cannot do: set streaming: false")
         _check(self.beta >= 0 and self.epsilon_low > 0 and self.epsilon_high > 0, "beta/epsilon_low/epsilon_high",
@@ -6661,6 +6686,191 @@ def process_rewards(rewards: torch.Tensor, *, normalizer: RunningRewardNormalize
     return rewards.clamp(-clip, clip) if clip else rewards
 
 
+# ---- Environments: multi-turn tool use ----
+# An episode: reset(record) may add a first observation after the prompt; then each turn the policy generates,
+# step(turn text) answers with an observation (a tool's output), a reward and whether the episode is over. The
+# observation's tokens enter the context but are never trained on (masked from every loss and the KL).
+
+
+class Environment(typing.Protocol):
+    """What an online-RL rollout talks to. ``reset`` returns text to append after the prompt (or None);
+    ``step`` receives the text of the policy's last turn and returns (observation or None, reward, done)."""
+
+    def reset(self, record: dict[str, Any]) -> str | None: ...
+
+    def step(self, completion: str) -> tuple[str | None, float, bool]: ...
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: dict[str, Any]
+
+
+def parse_tool_call(text: str, tool_format: str = "tag", tags: tuple[str, str] = ("<calc>", "</calc>"),
+                    default_tool: str = "calculator") -> ToolCall | None:
+    """The last tool call in a turn's text, or None. ``tag``: the text between ``tags`` is the argument
+    (``expression``) of ``default_tool``, e.g. ``<calc>12*7</calc>``. ``chat_template``: the JSON form of the
+    Hermes / Qwen2.5 / Qwen3 templates, ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, or a bare
+    ``{"name": ..., "parameters": {...}}`` object (Llama 3.1's JSON tool calls)."""
+    if tool_format == "tag":
+        opening, closing = tags
+        end = text.rfind(closing)
+        start = text.rfind(opening, 0, end) if end >= 0 else -1
+        if start < 0:
+            return None
+        return ToolCall(default_tool, {"expression": text[start + len(opening):end].strip()})
+    found = re.findall(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", text, flags=re.S)
+    candidates = found or re.findall(r"(\{\s*\"name\".*\})\s*$", text.strip(), flags=re.S)
+    for raw in reversed(candidates):
+        try:
+            call = json.loads(raw)
+        except ValueError:
+            continue
+        arguments = call.get("arguments", call.get("parameters", {})) if isinstance(call, dict) else None
+        if isinstance(call, dict) and isinstance(call.get("name"), str) and isinstance(arguments, dict):
+            return ToolCall(call["name"], arguments)
+    return None
+
+
+_CALCULATOR_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+                         ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
+                         ast.Pow: operator.pow, ast.USub: operator.neg, ast.UAdd: operator.pos}
+
+
+def calculate(expression: str) -> str:
+    """Arithmetic on numbers with + - * / // % ** and parentheses, evaluated from the syntax tree (no names, calls
+    or attributes, so nothing but arithmetic can run); an integral result is written without a decimal point.
+    A bad expression returns an ``error: ...`` text for the policy to read, as a real tool would."""
+    def value(node: ast.AST) -> float:
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _CALCULATOR_OPERATORS:
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Pow) and abs(right) > 64:
+                raise ValueError("exponent too large")
+            return _CALCULATOR_OPERATORS[type(node.op)](left, right)
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _CALCULATOR_OPERATORS:
+            return _CALCULATOR_OPERATORS[type(node.op)](value(node.operand))
+        raise ValueError(f"unsupported: {type(node).__name__}")
+
+    try:
+        result = value(ast.parse(expression.strip(), mode="eval").body)
+    except (SyntaxError, ValueError, ZeroDivisionError, OverflowError) as error:
+        return f"error: {error}"
+    if isinstance(result, float) and result.is_integer():
+        result = int(result)
+    return str(round(result, 6) if isinstance(result, float) else result)
+
+
+class ToolEnvironment:
+    """Tools called from the policy's turns: each turn with a tool call gets the tool's output as the observation
+    (``tag`` format: inside ``result_tags``, the turn continues; ``chat_template``: rendered as a ``tool`` message by
+    the trainer); a turn without a call ends the episode. Rewards come from the reward functions on the whole
+    completion; a call of an unknown tool gets an ``error:`` observation."""
+
+    def __init__(self, tools: dict[str, Callable[..., str]], *, tool_format: str = "tag",
+                 tags: tuple[str, str] = ("<calc>", "</calc>"), result_tags: tuple[str, str] = ("<result>", "</result>")
+                 ) -> None:
+        self.tools, self.tool_format, self.tags, self.result_tags = tools, tool_format, tags, result_tags
+        self.calls = 0
+
+    def reset(self, record: dict[str, Any]) -> str | None:
+        self.calls = 0
+        return None
+
+    def step(self, completion: str) -> tuple[str | None, float, bool]:
+        call = parse_tool_call(completion, self.tool_format, self.tags, default_tool=next(iter(self.tools)))
+        if call is None:
+            return None, 0.0, True
+        self.calls += 1
+        tool = self.tools.get(call.name)
+        output = tool(**call.arguments) if tool is not None else f"error: no tool named {call.name!r}"
+        if self.tool_format == "tag":
+            output = f"{self.result_tags[0]}{output}{self.result_tags[1]}"
+        return output, 0.0, False
+
+
+class CalculatorEnvironment(ToolEnvironment):
+    """The demo's tool: ``calculate`` as ``calculator(expression=...)``."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__({"calculator": lambda expression="", **_: calculate(str(expression))}, **options)
+
+
+class HTTPEnvironment:
+    """An environment served over HTTP (like the API reward: timeouts, retries with backoff, one clear error).
+    POST ``{url}/reset`` ``{"record": ...}`` -> ``{"episode_id", "observation"}``; POST ``{url}/step``
+    ``{"episode_id", "completion"}`` -> ``{"observation", "reward", "done"}``."""
+
+    def __init__(self, url: str, *, timeout: float = 30.0, retries: int = 3, backoff: float = 0.5) -> None:
+        if not url or not url.startswith(("http://", "https://")):
+            raise RLHFInputError(f"config field 'environment_url' is {url!r}; give an http:// or https:// URL")
+        self.url, self.timeout, self.retries, self.backoff = url.rstrip("/"), timeout, retries, backoff
+        self.episode: Any = None
+
+    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        import http.client
+        import urllib.error
+        import urllib.request
+
+        payload, last = json.dumps(body).encode("utf-8"), None
+        for attempt in range(self.retries):
+            if attempt:
+                time.sleep(self.backoff * 2 ** (attempt - 1))
+            request = urllib.request.Request(self.url + path, data=payload, method="POST",
+                                             headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                    answer = json.loads(response.read().decode("utf-8"))
+            except urllib.error.HTTPError as error:
+                if error.code != 429 and error.code < 500:
+                    raise RLHFInputError(f"environment {self.url}{path} refused the request: HTTP {error.code} "
+                                         f"{error.reason}") from None
+                last = error
+            except (OSError, TimeoutError, http.client.HTTPException, ValueError) as error:
+                last = error
+            else:
+                if not isinstance(answer, dict):
+                    raise RLHFInputError(f"environment {self.url}{path} must answer a JSON object; got {str(answer)[:200]}")
+                return answer
+        raise RLHFInputError(f"environment {self.url} did not answer {path} after {self.retries} attempts (last error: "
+                             f"{getattr(last, 'reason', last)}); start it or raise environment_retries / "
+                             f"environment_timeout")
+
+    def reset(self, record: dict[str, Any]) -> str | None:
+        answer = self._post("/reset", {"record": {k: v for k, v in record.items() if k != "prompt_ids"}})
+        self.episode = answer.get("episode_id")
+        return answer.get("observation")
+
+    def step(self, completion: str) -> tuple[str | None, float, bool]:
+        answer = self._post("/step", {"episode_id": self.episode, "completion": completion})
+        reward = answer.get("reward", 0.0)
+        if not isinstance(reward, (int, float)) or isinstance(reward, bool):
+            raise RLHFInputError(f"environment {self.url}/step: 'reward' must be a number, got {reward!r}")
+        return answer.get("observation"), float(reward), bool(answer.get("done", False))
+
+
+def environment_factory(config: Any) -> Callable[[], Environment]:
+    """A maker of fresh environments (one per episode) from ``config.environment``: calculator, http, or
+    module:function returning an Environment."""
+    name = config.environment
+    options = {"tool_format": config.tool_format, "tags": tuple(config.tool_tags),
+               "result_tags": tuple(config.tool_result_tags)}
+    if name == "calculator":
+        return lambda: CalculatorEnvironment(**options)
+    if name == "http":
+        return lambda: HTTPEnvironment(config.environment_url, timeout=config.environment_timeout,
+                                       retries=config.environment_retries)
+    module_name, _, attribute = name.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as error:
+        raise RLHFInputError(f"config field 'environment': cannot load {name!r} ({error}); give calculator, http or "
+                             f"module:function") from None
+    return factory
+
+
 # ==== 7. Trainers ====
 
 
@@ -8424,7 +8634,9 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         config = self.config
         params = self._sampling_params(n, self.rollout_index)
         started = time.time()
-        if config.use_vllm:
+        if getattr(config, "environment", None):
+            output = self._sample_episodes(prompts, params)
+        elif config.use_vllm:
             from inference_optimizations import VLLMServerError
 
             try:
@@ -8622,6 +8834,109 @@ class _OnlineRLTrainer(_ReferenceTrainer):
             self.engine_dir.cleanup()
             self.engine_dir = None
 
+    # -- environments (GRPO's environment): multi-turn episodes with tools
+    def _sample_episodes(self, prompts: list[dict[str, Any]], params: Any) -> Any:
+        """``params.n`` episodes per prompt, batched turn by turn: every open episode generates a turn (at most
+        max_turn_tokens, and what is left of max_completion_length), its environment answers, and the answer's tokens
+        join the completion marked as observed, never trained on. An episode ends when its environment says so,
+        after max_turns turns, or when the completion's budget is spent (finish reason ``length``). Returns a
+        GenerationOutput with two more attributes: ``observation_mask`` (per completion token, True where the
+        environment wrote it) and ``environment_rewards`` (each episode's summed step rewards)."""
+        from inference_optimizations import GenerationOutput
+        from inference_optimizations import generate as generate_tokens
+
+        config = self.config
+        make = getattr(self, "environment_maker", None) or environment_factory(config)
+        self.environment_maker = make
+        records = [p for p in prompts for _ in range(params.n)]
+        envs = [make() for _ in records]
+        context = [list(r["prompt_ids"]) for r in records]
+        tokens: list[list[int]] = [[] for _ in records]
+        observed: list[list[bool]] = [[] for _ in records]
+        conversations = [list(r["messages"]) for r in records]
+        rewards, reasons, calls = torch.zeros(len(records)), ["stop"] * len(records), 0
+
+        def observe(i: int, ids: list[int]) -> None:
+            ids = ids[:config.max_completion_length - len(tokens[i])]
+            tokens[i] += ids
+            observed[i] += [True] * len(ids)
+            context[i] += ids
+
+        for i, (env, record) in enumerate(zip(envs, records)):
+            first = env.reset(record)
+            if first:
+                observe(i, self.policy.tokenizer(first, add_special_tokens=False)["input_ids"])
+        active = [i for i in range(len(records)) if len(tokens[i]) < config.max_completion_length]
+        per_turn = config.max_turn_tokens or config.max_completion_length
+        stop_strings = (config.tool_tags[1],) if config.tool_format == "tag" else ()
+        self.model.eval()
+        try:
+            for turn in range(config.max_turns):
+                if not active:
+                    break
+                room = {i: config.max_completion_length - len(tokens[i]) for i in active}
+                turn_params = dataclasses.replace(params, n=1, max_new_tokens=min(per_turn, max(room.values())),
+                                                  stop_strings=stop_strings,
+                                                  seed=None if params.seed is None else params.seed + 7919 * turn)
+                out = generate_tokens(self.devices.unwrap(self.policy.model), [context[i] for i in active], turn_params,
+                                      pad_token_id=self.policy.tokenizer.pad_token_id, tokenizer=self.policy.tokenizer)
+                still = []
+                for i, new, reason in zip(active, out.token_ids, out.finish_reasons):
+                    new = new[:room[i]]
+                    tokens[i] += new
+                    observed[i] += [False] * len(new)
+                    context[i] += new
+                    text = self.policy.decode(new)
+                    observation, reward, done = envs[i].step(text)
+                    rewards[i] += reward
+                    spent = len(tokens[i]) >= config.max_completion_length
+                    if done or observation is None or turn + 1 == config.max_turns or spent:
+                        reasons[i] = "length" if spent or (reason == "length" and not done) else "stop"
+                        continue
+                    calls += 1
+                    observe(i, self._observation_ids(records[i], conversations[i], new, observation))
+                    if len(tokens[i]) >= config.max_completion_length:
+                        reasons[i] = "length"
+                        continue
+                    still.append(i)
+                active = still
+        finally:
+            self.model.train()
+        output = GenerationOutput(tokens, [[0.0] * len(t) for t in tokens], reasons,
+                                  [i // params.n for i in range(len(records))])
+        output.observation_mask, output.environment_rewards = observed, rewards
+        self.rollout_metrics.update({"tools/calls_per_episode": calls / max(len(records), 1),
+                                     "tools/observed_token_frac": sum(map(sum, observed)) / max(sum(map(len, observed)), 1),
+                                     "tools/environment_reward": float(rewards.mean())})
+        return output
+
+    def _observation_ids(self, record: dict[str, Any], conversation: list[dict[str, Any]], turn_ids: list[int],
+                         observation: str) -> list[int]:
+        """The tokens an environment's answer adds. ``tag``: its text, inline in the assistant's turn.
+        ``chat_template``: what the chat template writes after this assistant turn's end-of-turn token for a
+        ``tool`` message, through the next assistant turn's header, so the next turn is generated as the model
+        was taught (the rest of the end-of-turn text, e.g. ChatML's newline, included)."""
+        encode = self.formatter.encode
+        if self.config.tool_format == "tag":
+            return encode(observation)
+        text = self.policy.decode(turn_ids)
+        ended = turn_ids[-1:] if turn_ids and turn_ids[-1] in self.formatter.stop_token_ids else []
+        generated = text + self.policy.tokenizer.decode(ended)
+        conversation += [{"role": "assistant", "content": text}, {"role": "tool", "content": observation}]
+        rendered = self.formatter.render(record.get("system"), conversation, True, "record", record.get("tools"))
+        where = rendered.rfind(generated, 0, rendered.rfind(observation))
+        if where < 0:
+            raise RLHFInputError("tool_format chat_template: this chat template does not write an assistant turn as "
+                                 "the model generated it, so tool messages cannot be appended token by token; use "
+                                 "tool_format: tag")
+        return encode(rendered[where + len(generated):])
+
+    def _score_output(self, records: list[dict[str, Any]], output: Any) -> torch.Tensor:
+        """Rewards of an output's completions: the reward functions, plus an environment's step rewards."""
+        rewards = self._score(records, output.token_ids)
+        extra = getattr(output, "environment_rewards", None)
+        return rewards + extra if extra is not None else rewards
+
     def _score(self, records: list[dict[str, Any]], completions: list[list[int]]) -> torch.Tensor:
         """Raw rewards of the completions, logged per reward function; a non-finite reward is zeroed
         and makes the step skip its update."""
@@ -8643,8 +8958,15 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         self.rollout_metrics["reward"] = float(rewards.mean())
         return rewards
 
-    def _rows(self, records: list[dict[str, Any]], completions: list[list[int]], masked: list[bool] | None = None) -> Rollout:
+    def _rows(self, records: list[dict[str, Any]], completions: list[list[int]], masked: list[bool] | None = None,
+              observed: list[list[bool]] | None = None) -> Rollout:
+        """Prompt + completion rows; ``masked`` rows and ``observed`` completion tokens (an environment's) get no
+        label, so no loss, KL or advantage term ever covers them."""
         rows = [_prompt_completion(r["prompt_ids"], c) for r, c in zip(records, completions)]
+        if observed is not None:
+            rows = [(ids, labels[:len(labels) - len(seen)] + [IGNORE_INDEX if o else t for t, o in
+                                                             zip(labels[len(labels) - len(seen):], seen)])
+                    for (ids, labels), seen in zip(rows, observed)]
         if masked is not None:
             rows = [(ids, [IGNORE_INDEX] * len(ids)) if drop else (ids, labels) for (ids, labels), drop in zip(rows, masked)]
         batch = _pad_rows([r[0] for r in rows], [r[1] for r in rows], self.policy.tokenizer.pad_token_id)
@@ -8749,7 +9071,7 @@ class GRPOTrainer(_OnlineRLTrainer):
             records = [prompts[i // group] for i in range(len(output.token_ids))]
             # the reward normaliser and batch-scaled advantages see every process's rewards, as one process
             # with the whole batch would; each process keeps its own rows (a prompt's group is on one process)
-            rewards, uninformative = self.devices.gather(self._score(records, output.token_ids)), None  # (P * B*G)
+            rewards, uninformative = self.devices.gather(self._score_output(records, output)), None  # (P * B*G)
         grouped_std = rewards.view(-1, group).std(-1)
         self.rollout_metrics.update({"reward_std": float(grouped_std.mean()),
                                      "frac_reward_zero_std": float((grouped_std < 1e-6).float().mean())})
@@ -8758,7 +9080,7 @@ class GRPOTrainer(_OnlineRLTrainer):
         masked = [r == "length" for r in output.finish_reasons] if config.mask_truncated_completions else None
         if uninformative is not None:  # dynamic sampling ran out of rounds: those groups stay out of the loss
             masked = [m or u for m, u in zip(masked or [False] * len(uninformative), uninformative)]
-        rollout = self._rows(records, output.token_ids, masked)
+        rollout = self._rows(records, output.token_ids, masked, observed=getattr(output, "observation_mask", None))
         token_level = config.advantage_estimator.startswith("reinforce_pp")
         if not token_level:
             advantages = (grpo_advantages(rewards, group, scale=config.scale_rewards) if config.advantage_estimator == "grpo"

@@ -1,0 +1,226 @@
+"""Multi-turn tool use: tool-call parsing (tags and the chat templates' JSON), the calculator, episodes turn by
+turn with their token budgets, tool outputs that are never trained on (no label, zero gradient), the chat
+template's own tool turns, and the HTTP environment adapter with its one-line error."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+
+import rlhf
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# -- parsing and the calculator -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, fmt, want", [
+    ("First 12 * 7 <calc>12*7</calc>", "tag", ("calculator", {"expression": "12*7"})),
+    ("<calc>1+1</calc> then <calc> 2 + 3 </calc>", "tag", ("calculator", {"expression": "2 + 3"})),
+    ("no call here", "tag", None),
+    ("<calc>unclosed", "tag", None),
+    ('Let me compute.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "3+4"}}\n</tool_call>',
+     "chat_template", ("calculator", {"expression": "3+4"})),
+    ('{"name": "calculator", "parameters": {"expression": "9-2"}}', "chat_template",
+     ("calculator", {"expression": "9-2"})),
+    ("<tool_call>{not json}</tool_call>", "chat_template", None),
+])
+def test_parse_tool_call(text, fmt, want):
+    call = rlhf.parse_tool_call(text, fmt)
+    assert (None if call is None else (call.name, call.arguments)) == want
+
+
+@pytest.mark.parametrize("expression, want", [
+    ("12*7", "84"), ("(3 + 4) * 2 - 1", "13"), ("7 / 2", "3.5"), ("8 / 2", "4"), ("2 ** 10", "1024"), ("-3 + 1", "-2"),
+    ("17 // 5", "3"), ("17 % 5", "2"),
+])
+def test_calculator_by_hand(expression, want):
+    assert rlhf.calculate(expression) == want
+
+
+@pytest.mark.parametrize("expression", ["__import__('os').system('true')", "x + 1", "1 / 0", "2 ** 1000", "1 +", "[1]"])
+def test_calculator_refuses_anything_but_arithmetic(expression):
+    assert rlhf.calculate(expression).startswith("error:")
+
+
+def test_tool_environment_steps():
+    env = rlhf.CalculatorEnvironment()
+    assert env.reset({"messages": []}) is None
+    assert env.step("compute <calc>6*7</calc>") == ("<result>42</result>", 0.0, False)
+    assert env.step("Answer: 42") == (None, 0.0, True)
+    other = rlhf.ToolEnvironment({"calculator": rlhf.calculate}, tool_format="chat_template")
+    observation, _, done = other.step('<tool_call>{"name": "search", "arguments": {}}</tool_call>')
+    assert observation == "error: no tool named 'search'" and not done
+
+
+# -- episodes ---------------------------------------------------------------------------------------------------------
+
+
+class Scripted:
+    """Answers every turn with the same observation until its third turn, rewards 0.5 per step."""
+
+    def __init__(self, observation: str = " [tool says 7] ") -> None:
+        self.turns, self.observation = 0, observation
+
+    def reset(self, record):
+        return None
+
+    def step(self, completion):
+        self.turns += 1
+        return (self.observation if self.turns < 3 else None), 0.5, self.turns >= 3
+
+
+def scripted():
+    return Scripted()
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_tokenizer, demo_dir) -> rlhf.GRPODataset:
+    records = rlhf.load_records("demo_rl", demo_dir, "prompt", max_samples=16)
+    return rlhf.GRPODataset(records, tiny_tokenizer, rlhf.ChatFormatter(tiny_tokenizer), cutoff_len=64)
+
+
+def _trainer(tmp_path: Path, model_dir: Path, dataset, **overrides) -> rlhf.GRPOTrainer:
+    settings = dict(model_name_or_path=str(model_dir), output_dir=str(tmp_path / "out"), finetuning_type="full",
+                    num_generations=2, per_device_train_batch_size=4, max_completion_length=40, cutoff_len=64,
+                    max_steps=1, beta=0.0, learning_rate=1e-3, save_steps=0, logging_steps=1, disable_progress_bar=True,
+                    report_to="none", reward_funcs=["format"], seed=0, resume_from_checkpoint="none",
+                    environment="test_tools:scripted", max_turns=4, max_turn_tokens=6)
+    settings.update(overrides)
+    config = rlhf.GRPOConfig(**settings)
+    rlhf.set_seed(0)
+    policy = rlhf.PolicyModel.from_pretrained(config.model_name_or_path)
+    return rlhf.GRPOTrainer(config, policy, dataset, reward_fn=lambda p, c, a: torch.zeros(len(c)),
+                            formatter=rlhf.ChatFormatter(policy.tokenizer))
+
+
+def test_an_episode_alternates_turns_and_observations_within_its_budgets(tmp_path, tiny_model_dir, prompts):
+    trainer = _trainer(tmp_path, tiny_model_dir, prompts, max_completion_length=64)  # three turns and two answers fit
+    params = trainer._sampling_params(2, 0)
+    output = trainer._sample_episodes([prompts[0], prompts[1]], params)
+    observation = trainer.formatter.encode(" [tool says 7] ")
+    for tokens, seen in zip(output.token_ids, output.observation_mask):
+        assert len(tokens) == len(seen) <= 64
+        generated_runs = [len(run) for run in _runs(seen, False)]
+        assert all(run <= 6 for run in generated_runs)  # max_turn_tokens per turn
+        observed = [tokens[i] for i, s in enumerate(seen) if s]
+        assert observed == observation * 2  # two answers, untouched; the third step ends the episode
+        assert len(_runs(seen, True)) == 2 and len(_runs(seen, False)) == 3
+    assert torch.equal(output.environment_rewards, torch.full((4,), 1.5))  # three steps of 0.5 each
+    assert trainer.rollout_metrics["tools/calls_per_episode"] == pytest.approx(2.0)
+
+
+def _runs(mask: list[bool], value: bool) -> list[list[int]]:
+    runs, current = [], []
+    for i, m in enumerate(mask + [not value]):
+        if m == value:
+            current.append(i)
+        elif current:
+            runs, current = runs + [current], []
+    return runs
+
+
+def test_tool_outputs_are_never_trained_on(tmp_path, tiny_model_dir, prompts):
+    """Observed tokens get no label, so the loss's gradient through them is exactly zero, as is any KL term's."""
+    trainer = _trainer(tmp_path, tiny_model_dir, prompts, beta=0.0)
+    trainer.rollout_index = 0
+    rollout = trainer.make_rollout([prompts[0], prompts[1]])
+    output_mask = trainer._last_observation_mask if hasattr(trainer, "_last_observation_mask") else None
+    assert output_mask is None
+    completion = rollout.labels[:, 1:] != rlhf.IGNORE_INDEX
+    # an observation's tokens sit in the completion (after the prompt) but carry no label
+    for row in range(rollout.input_ids.shape[0]):
+        start = int(rollout.prompt_lengths[row])
+        width = int(rollout.attention_mask[row].sum())
+        unlabeled = [t for t in range(start, width) if rollout.labels[row, t] == rlhf.IGNORE_INDEX]
+        assert unlabeled, "every scripted episode has tool output"
+    per_token = torch.randn(completion.shape, requires_grad=True)
+    ref = torch.randn(completion.shape)
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    loss, _ = rlhf.grpo_loss(per_token, None, ref, advantages, completion, beta=0.1, loss_type="dapo")
+    loss.backward()
+    assert torch.all(per_token.grad[~completion] == 0) and torch.any(per_token.grad[completion] != 0)
+
+
+def test_a_grpo_run_with_the_calculator_and_the_chat_templates_tool_turns(tmp_path, tiny_model_dir, prompts):
+    result = _trainer(tmp_path, tiny_model_dir, prompts, environment="calculator", max_steps=2).train()
+    assert result.global_step == 2 and "tools/calls_per_episode" in result.history[0]
+    # chat_template format: the template's own tool message closes the turn's end-of-turn text and opens the next
+    trainer = _trainer(tmp_path / "ct", tiny_model_dir, prompts, tool_format="chat_template")
+    record = prompts[0]
+    turn = trainer.formatter.encode("Let me check.") + list(trainer.formatter.stop_token_ids[:1])
+    ids = trainer._observation_ids(record, list(record["messages"]), turn, "7")
+    assert trainer.policy.tokenizer.decode(ids) == "\n<|im_start|>tool\n7<|im_end|>\n<|im_start|>assistant\n"
+
+
+# -- the HTTP environment -------------------------------------------------------------------------------------------------
+
+
+class _Service(BaseHTTPRequestHandler):
+    episodes: dict[int, int] = {}
+
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path == "/reset":
+            episode = len(self.episodes)
+            self.episodes[episode] = 0
+            answer = {"episode_id": episode, "observation": None}
+        else:
+            self.episodes[body["episode_id"]] += 1
+            done = self.episodes[body["episode_id"]] >= 2
+            answer = {"observation": None if done else " ok ", "reward": 1.0, "done": done}
+        data = json.dumps(answer).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def test_http_environment_runs_episodes_and_a_dead_one_is_one_line(tmp_path, tiny_model_dir, prompts):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Service)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        trainer = _trainer(tmp_path, tiny_model_dir, prompts, environment="http", environment_url=url)
+        output = trainer._sample_episodes([prompts[0]], trainer._sampling_params(2, 0))
+        assert torch.equal(output.environment_rewards, torch.full((2,), 2.0))
+    finally:
+        server.shutdown()
+        server.server_close()
+    trainer = _trainer(tmp_path / "down", tiny_model_dir, prompts, environment="http", environment_url=url,
+                       environment_retries=2, environment_timeout=1.0)
+    with pytest.raises(rlhf.RLHFInputError, match=r"did not answer /reset after 2 attempts"):
+        trainer._sample_episodes([prompts[0]], trainer._sampling_params(2, 0))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"environment": "http"}, "environment_url' is required"),
+    ({"environment": "calculator", "tool_format": "xml"}, "tool_format"),
+    ({"environment": "calculator", "tool_tags": ["<calc>"]}, "need two tags each"),
+    ({"environment": "calculator", "dynamic_sampling": True}, "does not run with an environment yet"),
+])
+def test_bad_environment_settings_are_one_line(overrides, message):
+    with pytest.raises(rlhf.RLHFInputError, match=message):
+        rlhf.GRPOConfig(reward_funcs=["format"], **overrides)
+
+
+def test_an_unknown_environment_is_one_line(tmp_path, tiny_model_dir, prompts):
+    trainer = _trainer(tmp_path, tiny_model_dir, prompts, environment="no_such_module:env")
+    with pytest.raises(rlhf.RLHFInputError, match="cannot load 'no_such_module:env'"):
+        trainer._sample_episodes([prompts[0]], trainer._sampling_params(2, 0))
+
+
+def test_the_completion_budget_cuts_an_episode(tmp_path, tiny_model_dir, prompts):
+    trainer = _trainer(tmp_path, tiny_model_dir, prompts, max_completion_length=12)
+    output = trainer._sample_episodes([prompts[0]], trainer._sampling_params(2, 0))
+    assert all(len(t) == 12 for t in output.token_ids) and output.finish_reasons == ["length", "length"]
+    assert all(seen[6:] == [True] * 6 for seen in output.observation_mask)  # the first answer, cut to fit
