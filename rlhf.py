@@ -9249,16 +9249,23 @@ class GRPOTrainer(_OnlineRLTrainer):
 
 @_leaves_logging_as_found
 def train_grpo(config: GRPOConfig, devices: DeviceManager | None = None) -> TrainResult:
-    """Run the GRPO stage: reward functions from the config (RewardFunctionFactory), prompts, rollouts."""
+    """Run the GRPO stage (and rloo, reinforce_pp): reward functions from the config (RewardFunctionFactory), prompts,
+    rollouts."""
+    return _train_online_stage(config, devices, GRPOTrainer)
+
+
+def _train_online_stage(config: OnlineRLConfig, devices: DeviceManager | None, trainer_class: type) -> TrainResult:
+    """What an online stage scored by reward functions runs: records, the rewards (a bad reward spec fails before
+    the policy loads), the policy, its prompts, a reference when the config uses one, the trainer."""
     records, devices = _start_stage(config, devices)
     _check_reward_answers(config, records[0])
-    reward_fn = RewardFunctionFactory(config, devices.device).build()  # a bad reward spec fails before the policy loads
+    reward_fn = RewardFunctionFactory(config, devices.device).build()
     policy = _load_policy(config, devices.device)
     formatter = chat_formatter(policy.tokenizer, config, policy.model)
     train, eval_records = _prompt_datasets(config, records, policy.tokenizer, formatter, devices)
     reference = create_reference_model(config, policy)
-    return GRPOTrainer(config, policy, train, reward_fn=reward_fn, reference=reference, eval_records=eval_records,
-                       formatter=formatter, devices=devices).train()
+    return trainer_class(config, policy, train, reward_fn=reward_fn, reference=reference, eval_records=eval_records,
+                         formatter=formatter, devices=devices).train()
 
 
 # ---- Online DPO ----
@@ -9342,15 +9349,7 @@ class OnlineDPOTrainer(_OnlineRLTrainer):
 @_leaves_logging_as_found
 def train_online_dpo(config: OnlineDPOConfig, devices: DeviceManager | None = None) -> TrainResult:
     """Run the online DPO stage: reward functions rank two fresh samples per prompt."""
-    records, devices = _start_stage(config, devices)
-    _check_reward_answers(config, records[0])
-    reward_fn = RewardFunctionFactory(config, devices.device).build()
-    policy = _load_policy(config, devices.device)
-    formatter = chat_formatter(policy.tokenizer, config, policy.model)
-    train, eval_records = _prompt_datasets(config, records, policy.tokenizer, formatter, devices)
-    reference = create_reference_model(config, policy) if config.uses_reference else None
-    return OnlineDPOTrainer(config, policy, train, reward_fn=reward_fn, reference=reference, eval_records=eval_records,
-                            formatter=formatter, devices=devices).train()
+    return _train_online_stage(config, devices, OnlineDPOTrainer)
 
 
 # ---- On-policy distillation (GKD) ----

@@ -15,11 +15,11 @@ no stop token for any engine (HF: ``eos_token_id=None``, ``min_new_tokens = max_
 ``eos_token_id=None``, no stop ids; vLLM: no stop ids, and ``VLLMEngine`` always ignores EOS), checked by counting
 the tokens returned. The default gives the 23M and 110M models 8 and 4 prompts, not 64: 64 x 8 x 128 tokens on
 the 110M model take several minutes per call and engine on 2 cores (HF about ten), which would put the run past an
-hour; pass ``--prompts 64`` for the full work. Models, all fp32 Llamas with sdpa attention: ``tiny`` (the embedded demo model,
-``rlhf.build_tiny_model()``, 0.8M parameters, 295-token vocabulary) and two with random weights built once under
-``$RLHF_CACHE`` (default ~/.cache/rlhf) with the tiny tokenizer: ``23m`` (hidden 384, 6 layers, 6 heads, MLP 1024)
-and ``110m`` (hidden 768, 12 layers, 12 heads, MLP 2048), both with a 32,000-token vocabulary and tied embeddings
-(the prompts use the tokenizer's ids; sampled ids may lie above them, which nothing here decodes).
+hour; pass ``--prompts 64`` for the full work. Models, all fp32 Llamas with sdpa attention: ``tiny`` (the embedded
+demo model, ``rlhf.build_tiny_model()``, 0.8M parameters, 295-token vocabulary) and two with random weights built
+once under ``$RLHF_CACHE`` (default ~/.cache/rlhf) with the tiny tokenizer: ``23m`` (hidden 384, 6 layers, 6
+heads, MLP 1024) and ``110m`` (hidden 768, 12 layers, 12 heads, MLP 2048), both with a 32,000-token vocabulary and
+tied embeddings (the prompts use the tokenizer's ids; sampled ids may lie above them, which nothing here decodes).
   * HF: ``model.generate`` on left-padded prompts with ``num_return_sequences=--samples``, in chunks of
     ``--hf-chunk`` prompts (its cache grows by concatenation; all 512 rows at once would hold several copies);
   * ours: ``inference_optimizations.generate(..., engine=--ours-engine)``: one call, the samples share their
@@ -111,8 +111,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=None,
                         help="generation: tokens generated per completion, all of them (default 128; quick 64)")
     parser.add_argument("--repeats", default=None,
-                        help="generation: rounds of timed calls, one call per engine each, the order rotating (the best "
-                             "call is kept); one number or one per --models entry (default 3,2,1; quick 2,1)")
+                        help="generation: rounds of timed calls, one call per engine each, the order rotating (the "
+                             "best call is kept); one number or one per --models entry (default 3,2,1; quick 2,1)")
     parser.add_argument("--warmup-tokens", type=int, default=16,
                         help="generation: new tokens of the untimed warm-up call of HF and vLLM (ours warms up "
                              "with the full call, which compiles its shape)")
@@ -152,8 +152,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     quick = args.quick
     defaults = {"models": "tiny,23m" if quick else "tiny,23m,110m", "prompts": "8,4" if quick else "64,8,4",
                 "repeats": "2,1" if quick else "3,2,1", "new_tokens": 32 if quick else 128,
-                "grpo_steps": 3 if quick else 10, "grpo_prompts": 2 if quick else 8, "grpo_tokens": 16 if quick else 128,
-                "grpo_ours_engines": "compiled" if quick else "compiled,auto", "sync_model": "tiny" if quick else "110m",
+                "grpo_steps": 3 if quick else 10, "grpo_prompts": 2 if quick else 8,
+                "grpo_tokens": 16 if quick else 128, "grpo_ours_engines": "compiled" if quick else "compiled,auto",
+                "sync_model": "tiny" if quick else "110m",
                 "sync_repeats": 2 if quick else 3}
     for key, value in defaults.items():
         if getattr(args, key) is None:
@@ -705,7 +706,7 @@ def generation_section(args: argparse.Namespace, dirs: dict[str, Path], raw: dic
     print_table(["model", "params", "engine", "prompts x n", "tokens", "best s", "spread (runs)", "tokens/s", "vs HF",
                  "vs ours", "start s", "warm-up s", "KV GiB", "peak MiB", "bg cores"], rows,
                 f"Generation: {args.new_tokens} new tokens per completion (no stop), T=1.0, fp32, {args.threads} CPU "
-                "threads; best of the timed runs, warm-up excluded", label_columns=3, min_width=170)
+                "threads; best of the timed runs, warm-up excluded", label_columns=3, min_width=200)
     print("timed calls alternate between the engines (order rotating each round); spread = slowest / best timed call; "
           "start s = model load (vLLM: engine start incl. KV allocation); warm-up s = the untimed first call (ours: "
           "full call incl. compilation; [k tok] = a k-token call); peak MiB = max RSS of the engine's process; "
@@ -756,7 +757,8 @@ def sync_section(args: argparse.Namespace, dirs: dict[str, Path], raw: dict) -> 
     else:
         totals = [x["save"] + x["load"] + max(0.0, x["first"] - x["again"]) for x in lora["rows"]]
         rows.append([f"LoRA r16 adapter ({lora['lora_params'] / 1e6:.2f}M params)",
-                     f"{lora['rows'][0]['bytes'] / 2**20:.1f}", f"{min(totals):.3f}", f"{statistics.median(totals):.3f}",
+                     f"{lora['rows'][0]['bytes'] / 2**20:.1f}", f"{min(totals):.3f}",
+                     f"{statistics.median(totals):.3f}",
                      f"{max(x['extra'] for x in lora['rows']):.0f}", f"{lora['start']:.1f}", f"{lora['peak_rss']:.0f}",
                      f"{lora['background']:.2f}"])
         print("LoRA sync parts (median): save_pretrained "
@@ -766,7 +768,7 @@ def sync_section(args: argparse.Namespace, dirs: dict[str, Path], raw: dict) -> 
               f"{statistics.median(x['again'] for x in lora['rows']):.3f} s for the same call again")
     print_table(["sync", "MB sent", "best s", "median s", "peak extra MiB", "engine start s", "peak MiB", "bg cores"],
                 rows, f"vLLM weight sync on {args.sync_model} ({millions(directory):.1f}M params, fp32), "
-                f"{args.sync_repeats} syncs each", label_columns=1, min_width=120)
+                f"{args.sync_repeats} syncs each", label_columns=1, min_width=140)
 
 
 def main(argv: list[str] | None = None) -> int:
