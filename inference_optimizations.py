@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import gc
 import importlib.util
 import inspect
 import json
@@ -1152,8 +1153,15 @@ def _refresh_tied_output_layer(worker) -> None:
         head.quant_method.process_weights_after_loading(head)
 
 
+_OPEN_ENGINE: weakref.ref | None = None  # vLLM keeps one set of distributed state per process: one engine at a time
+
+
 class VLLMEngine:
     """vLLM in this process (TRL's ``vllm_mode: colocate``): the trainer and the engine share the device.
+
+    One engine may be open per process: an engine's shutdown tears down vLLM's process-wide distributed state,
+    which a second engine would be using. ``close()`` an engine before starting the next (an unreachable one is
+    collected first; a reachable open one makes the new engine refuse to start).
 
     ``model``: a Hugging Face directory with the weights to start from. ``enable_lora``: the policy trains a LoRA
     adapter, which each sync ships alone (``load_adapter``), never merged into the base. ``sleep_mode``: on a
@@ -1184,9 +1192,17 @@ class VLLMEngine:
             options.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1)
         from vllm import LLM
 
+        global _OPEN_ENGINE
+        gc.collect()  # an engine nobody holds any more shuts down now, not in the middle of this one's life
+        other = _OPEN_ENGINE() if _OPEN_ENGINE is not None else None
+        if other is not None and not other.closed:
+            raise RuntimeError("another vLLM engine is open in this process; close() it first (vLLM keeps one set "
+                               "of distributed state per process, and that engine's shutdown would take it away)")
+        self.closed = False
         started = time.time()
         with _vllm_environment(on_cpu):
             self.llm = LLM(**options)
+        _OPEN_ENGINE = weakref.ref(self)
         self.start_seconds = time.time() - started
         self.sleep_mode, self.asleep, self.lora_enabled = sleep_mode and not on_cpu, False, enable_lora
         self.adapter = None  # the LoRARequest every generate uses once an adapter is loaded
@@ -1224,6 +1240,14 @@ class VLLMEngine:
 
     def reset_cache(self) -> None:
         self.llm.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Shut the engine down now (its memory, and vLLM's distributed state in this process)."""
+        if not self.closed:
+            self.closed = True
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None
+            gc.collect()
 
     def sleep(self) -> None:
         """Free the engine's GPU memory until the next generate (sleep mode only; a no-op otherwise)."""
@@ -1433,6 +1457,9 @@ class VLLMClient:
         self._request("/reset_prefix_cache", {})
 
     def sleep(self) -> None:  # the server's memory is its own
+        pass
+
+    def close(self) -> None:  # the server goes on serving
         pass
 
     def wake_up(self) -> None:
@@ -2506,7 +2533,11 @@ def _best_of_n_command(args) -> int:
                              engine=engine)
     prompts = [r["prompt"] for r in records]
     started = time.time()
-    result = sampler(prompts)
+    try:
+        result = sampler(prompts)
+    finally:
+        if not isinstance(engine, str):
+            engine.close()
     seconds = time.time() - started
     lines = [json.dumps({"prompt": p, "best": b, "best_index": i, "scores": s.tolist(), "candidates": c})
              for p, b, i, s, c in zip(prompts, result.best, result.best_index, result.scores, result.candidates)]

@@ -8829,6 +8829,8 @@ class _OnlineRLTrainer(_ReferenceTrainer):
             self.prefetcher = None
         self.prefetched = None
         self.policy.rollout_engine = None
+        if self.engine is not None:
+            self.engine.close()
         self.engine = None
         if getattr(self, "engine_dir", None) is not None:
             self.engine_dir.cleanup()
@@ -10892,11 +10894,17 @@ class RLHFOrchestrator:
         if use_vllm:
             from inference_optimizations import vllm_engine_for
 
-            self._vllm_policy = None  # the previous engine's memory goes before the next one starts
-            gc.collect()
+            self._close_vllm()  # one engine per process: the previous policy's goes first
             policy.rollout_engine = vllm_engine_for(model, seed=config.seed)
             self._vllm_policy = policy
         return policy
+
+    def _close_vllm(self) -> None:
+        policy = getattr(self, "_vllm_policy", None)
+        if policy is not None and policy.rollout_engine is not None:
+            policy.rollout_engine.close()
+            policy.rollout_engine = None
+        self._vllm_policy = None
 
     def run_sft(self) -> dict[str, Any]:
         return self.run_stage("sft")
@@ -11107,11 +11115,13 @@ class RLHFOrchestrator:
         try:
             metrics = run(options)
         except StageNotRun as reason:
+            self._close_vllm()
             logger.warning("stage %s not run: %s", stage, reason)
             entry = _stage_entry(stage, "not_run", output_dir, fingerprint, reason=str(reason))
             self._record(entry)
             return entry
         except Exception as err:
+            self._close_vllm()
             if isinstance(err, RLHFInputError) or not self.config.rollback_on_error:
                 raise
             logger.error("stage %s failed (%s: %s); recorded, continuing", stage, type(err).__name__, err)
@@ -11119,6 +11129,7 @@ class RLHFOrchestrator:
                                  reason=f"{type(err).__name__}: {err}")
             self._record(entry)
             return entry
+        self._close_vllm()
         evaluation = {"eval/accuracy": metrics["eval/accuracy"]} if "eval/accuracy" in metrics else {}
         entry = _stage_entry(stage, "completed", output_dir, fingerprint, time.time() - started, metrics=metrics,
                              eval=evaluation)

@@ -137,8 +137,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sync-repeats", type=int, default=None,
                         help="weight sync: syncs timed, full and LoRA each (default 3; quick 2)")
     parser.add_argument("--sync-prompts", type=int, default=8, help="weight sync: prompts of the check generate calls")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch intra-op threads (vLLM "
-                        "binds its own to every core)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch intra-op threads; vLLM "
+                        "binds this many to cores 0..threads-1")
     parser.add_argument("--cache-dir", type=Path, default=None,
                         help="where the random-weight models are built once (default $RLHF_CACHE or ~/.cache/rlhf)")
     parser.add_argument("--json", type=Path, default=None, help="also write every run's raw results to this file")
@@ -250,11 +250,17 @@ def kv_gib(config, rows: int, positions: int) -> int:
     return max(1, math.ceil(1.25 * rows * blocks * per_token / 2**30))
 
 
-def start_vllm(directory: str, kv_space: int | None, **options):
+def bind_vllm_threads(threads: int) -> None:
+    """vLLM's CPU worker runs one OpenMP thread per core listed here (VLLMEngine's default: every core)."""
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}" if threads > 1 else "0"
+
+
+def start_vllm(directory: str, kv_space: int | None, threads: int, **options):
     import inference_optimizations as io
 
-    if kv_space is not None:
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_space)  # VLLMEngine only sets it where unset
+    if kv_space is not None:  # VLLMEngine sets these two only where they are unset
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_space)
+    bind_vllm_threads(threads)
     return io.VLLMEngine(directory, seed=0, **options)
 
 
@@ -310,7 +316,7 @@ def run_generation(args: argparse.Namespace) -> dict:
 
         kv_space = args.vllm_kv_gib or kv_gib(AutoConfig.from_pretrained(args.model_dir), len(prompts) * n,
                                               max(map(len, prompts)) + new)
-        engine = start_vllm(args.model_dir, kv_space)
+        engine = start_vllm(args.model_dir, kv_space, args.threads)
         result.update(start=engine.start_seconds, kv_gib=kv_space)
 
         def call(tokens: int, seed: int) -> int:
@@ -370,6 +376,7 @@ def run_grpo(args: argparse.Namespace) -> dict:
     import rlhf
 
     use_vllm = args.engine == "vllm"
+    bind_vllm_threads(args.threads)
     records = rlhf.load_records("demo_rl", REPO / "data" / "demo", "prompt",
                                 max_samples=args.grpo_prompts * args.grpo_steps)
     config = rlhf.GRPOConfig(
@@ -447,7 +454,7 @@ def run_sync_full(args: argparse.Namespace) -> dict:
     prompts = demo_prompts(tokenizer, args.sync_prompts)
     params = io.SamplingParams(n=1, max_new_tokens=16, temperature=1.0, seed=0)
     model = load_model(args.model_dir)
-    engine = start_vllm(args.model_dir, args.vllm_kv_gib)
+    engine = start_vllm(args.model_dir, args.vllm_kv_gib, args.threads)
     engine.generate(prompts, params)
     sent = sum(t.numel() * t.element_size() for _, t in named_weights(model))
     seconds, extra = [], []
@@ -480,7 +487,7 @@ def run_sync_lora(args: argparse.Namespace) -> dict:
     params = io.SamplingParams(n=1, max_new_tokens=16, temperature=1.0, seed=0)
     policy = get_peft_model(load_model(args.model_dir), LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
                                                                    target_modules=LORA_MODULES))
-    engine = start_vllm(args.model_dir, args.vllm_kv_gib, enable_lora=True, max_lora_rank=16)
+    engine = start_vllm(args.model_dir, args.vllm_kv_gib, args.threads, enable_lora=True, max_lora_rank=16)
     engine.generate(prompts, params)
     rows = []
     for repeat in range(args.sync_repeats):

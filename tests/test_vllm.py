@@ -36,14 +36,17 @@ pytestmark = pytest.mark.usefixtures("vllm_state")
 
 @pytest.fixture(scope="module")
 def vllm_state(tiny_model_dir):
-    """Start one engine before the first test of the module, so the process settings vLLM changes once (thread
-    binding, its environment) are in place before conftest's per-test check takes its first look."""
-    yield io.VLLMEngine(str(tiny_model_dir), seed=0)
+    """Start (and close) one engine before the first test of the module, so the process settings vLLM changes once
+    (thread binding, its environment) are in place before conftest's per-test check takes its first look."""
+    io.VLLMEngine(str(tiny_model_dir), seed=0).close()
 
 
-@pytest.fixture(scope="module")
-def engine(vllm_state):
-    return vllm_state
+@pytest.fixture
+def engine(vllm_state, tiny_model_dir):
+    """A colocated engine on the tiny model, closed after the test: one engine may be open per process."""
+    opened = io.VLLMEngine(str(tiny_model_dir), seed=0)
+    yield opened
+    opened.close()
 
 
 @pytest.fixture(scope="module")
@@ -273,10 +276,9 @@ def test_online_evaluation_answers_with_the_engine(tmp_path, tiny_model_dir, dat
         metrics = trainer.evaluate()
         trainer.engine.generate = original
         assert calls and "eval/accuracy" in metrics
-        trainer.engine = None  # the next evaluation falls back to our engine: the same answers
-        assert trainer._generation_eval() == metrics
     finally:
         trainer._close_engine()
+    assert trainer._generation_eval() == metrics  # our engine gives the same answers
 
 
 # -- Best-of-N and the pipeline's final stages ----------------------------------------------------------------------
@@ -311,7 +313,10 @@ def test_a_lora_adapter_directory_is_served_over_its_base(tmp_path, tiny_model_d
     engine = io.vllm_engine_for(tmp_path / "adapter")
     params = io.SamplingParams(max_new_tokens=12, do_sample=False, stop_token_ids=io.stop_token_ids(tiny_tokenizer))
     ours = io.generate(policy.model.eval(), prompt_ids, params, pad_token_id=tiny_tokenizer.pad_token_id)
-    assert engine.generate(prompt_ids, params).token_ids == ours.token_ids
+    try:
+        assert engine.generate(prompt_ids, params).token_ids == ours.token_ids
+    finally:
+        engine.close()
 
 
 def test_pipeline_eval_and_best_of_n_with_vllm_match_our_engine(tmp_path, tiny_model_dir, demo_dir):
@@ -490,6 +495,11 @@ def test_a_server_that_stays_down_stops_the_run_with_one_line(tmp_path, tiny_mod
 def test_bad_vllm_settings_are_one_line(tiny_model_dir, overrides, message):
     with pytest.raises(rlhf.RLHFInputError, match=message.replace("(", r"\(").replace(")", r"\)")):
         rlhf.GRPOConfig(model_name_or_path=str(tiny_model_dir), reward_funcs=["format"], use_vllm=True, **overrides)
+
+
+def test_one_open_engine_per_process(engine, tiny_model_dir):
+    with pytest.raises(RuntimeError, match="another vLLM engine is open in this process; close"):
+        io.VLLMEngine(str(tiny_model_dir))
 
 
 def test_tensor_parallel_larger_than_the_gpus_is_refused(tiny_model_dir):
