@@ -1218,8 +1218,9 @@ class VLLMEngine:
         return _vllm_output(results)
 
     def load_weights(self, named_tensors) -> None:
-        """Reload the full weights in place from (Hugging Face name, tensor) pairs, consumed one at a time: a
-        generator that yields each tensor when asked keeps a sync's extra memory to about one tensor. Stale
+        """Reload the full weights in place from (Hugging Face name, tensor) pairs, consumed one at a time: with a
+        generator that yields each tensor when asked, a sync holds a layer's worth of tensors at a time (vLLM's
+        layer-wise reload gathers a layer before processing it), not a second copy of the model. Stale
         prefix-cache entries are dropped (a long prompt would otherwise reuse KV from the old weights), and so
         is any LoRA adapter loaded before."""
         self.wake_up()
