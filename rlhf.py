@@ -6570,6 +6570,21 @@ class ConstitutionalRewardWrapper:
         return total
 
 
+
+def _import_callable(spec: str, field_name: str, failure: str, advice: str) -> Callable:
+    """The callable a config field names as ``module:function``, or one line naming the field and the fix."""
+    import importlib
+
+    module_name, _, attribute = spec.partition(":")
+    try:
+        found = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as error:
+        raise RLHFInputError(f"config field '{field_name}': {failure} ({error}); {advice}") from None
+    if not callable(found):
+        raise RLHFInputError(f"config field '{field_name}': {spec} is not callable")
+    return found
+
+
 class RewardFunctionFactory:
     """Builds the reward of an online-RL stage from its config: the named ``reward_funcs`` with
     ``reward_weights`` as one :class:`CompositeReward`, wrapped in a constitution if one is given.
@@ -6629,17 +6644,8 @@ class RewardFunctionFactory:
 
     @staticmethod
     def _import(spec: str) -> RewardFn:
-        import importlib
-
-        module_name, _, attribute = spec.partition(":")
-        try:
-            function = getattr(importlib.import_module(module_name), attribute)
-        except (ImportError, AttributeError) as err:
-            raise RLHFInputError(f"config field 'reward_funcs': cannot import {spec} ({err}); use module:function "
-                                 f"with the module on PYTHONPATH") from None
-        if not callable(function):
-            raise RLHFInputError(f"config field 'reward_funcs': {spec} is not callable")
-        return function
+        return _import_callable(spec, "reward_funcs", f"cannot import {spec}",
+                                "use module:function with the module on PYTHONPATH")
 
 
 class RunningRewardNormalizer:
@@ -6862,13 +6868,8 @@ def environment_factory(config: Any) -> Callable[[], Environment]:
     if name == "http":
         return lambda: HTTPEnvironment(config.environment_url, timeout=config.environment_timeout,
                                        retries=config.environment_retries)
-    module_name, _, attribute = name.partition(":")
-    try:
-        factory = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as error:
-        raise RLHFInputError(f"config field 'environment': cannot load {name!r} ({error}); give calculator, http or "
-                             f"module:function") from None
-    return factory
+    return _import_callable(name, "environment", f"cannot load {name!r}", "give calculator, http or module:function")
+
 
 
 # ==== 7. Trainers ====
