@@ -32,6 +32,9 @@ PREFERENCE_SIZE = 1500
 RM_PAIRS_SIZE = 12000
 KTO_SIZE = 1500
 RL_SIZE = 800
+TOOL_SFT_SIZE = 300  # a few tool-use demonstrations, added to sft.jsonl for the tool-use demo
+TOOL_SFT_MULTI_SHARE = 0.5
+TOOL_SYSTEM = "Use the calculator: <<expression>>."
 MULTISTEP_SIZE = 200
 EVAL_SIZE = 300
 
@@ -442,6 +445,28 @@ def make_multistep(split: Split) -> list[dict]:
     ]
 
 
+# --- Tool use ------------------------------------------------------------------
+def tool_response(problem: Problem) -> str:
+    """A worked solution that calls the calculator for every step, in GSM8K's annotation style: the call is
+    ``<<a op b>>`` and the tool's answer follows as `` = result`` (written by the environment during RL, so never
+    trained on there; in these demonstrations it is part of the text). Short tags keep a 3-step answer near the
+    plain one's length for the tiny model."""
+    lines = [f"<<{left} {op} {right}>> = {result}" for left, op, right, result in solve(problem)]
+    if problem.is_multi:
+        lines = [f"Step {i}: {line}" for i, line in enumerate(lines, 1)]
+    return "\n".join(lines + [f"Answer: {problem.answer}"])
+
+
+def make_tool_sft(split: Split, seed: int) -> list[dict]:
+    rng = random.Random(f"{seed}:tool_sft")
+    problems = split.train_mix(rng, TOOL_SFT_SIZE, TOOL_SFT_MULTI_SHARE)
+    return [{"system": TOOL_SYSTEM, "prompt": p.prompt, "response": tool_response(p)} for p in problems]
+
+
+def with_tool_system(records: list[dict]) -> list[dict]:
+    return [{"system": TOOL_SYSTEM, **record} for record in records]
+
+
 def dataset_info() -> dict:
     """LLaMA-Factory ``dataset_info.json`` entries (alpaca-style column names)."""
     answer_columns = {"prompt": "prompt", "answer": "answer"}
@@ -470,6 +495,11 @@ def dataset_info() -> dict:
             "columns": dict(answer_columns),
         },
         "demo_eval": {"file_name": "eval.jsonl", "columns": dict(answer_columns)},
+        "demo_tool_sft": {"file_name": "tool_sft.jsonl",
+                          "columns": {"system": "system", "prompt": "prompt", "response": "response"}},
+        "demo_tool_rl": {"file_name": "tool_rl_prompts.jsonl", "columns": {"system": "system", **answer_columns}},
+        "demo_tool_multistep": {"file_name": "tool_multistep.jsonl",
+                                "columns": {"system": "system", **answer_columns}},
     }
 
 
@@ -513,8 +543,17 @@ correct response ends with the line `Answer: N`.
   `steps`): held-out multi-step problems with their reference steps.
 - `eval.jsonl` ({counts["eval.jsonl"]} records; `prompt`, `answer`,
   `verifiable`): held-out mix, ~{1 - EVAL_MULTI_SHARE:.0%} single-step.
+- `tool_sft.jsonl` ({counts["tool_sft.jsonl"]} records; `system`, `prompt`, `response`): tool-use
+  demonstrations, {TOOL_SFT_MULTI_SHARE:.0%} multi-step. The system prompt is `{TOOL_SYSTEM}`; every step is a
+  calculator call `<<12 + 7>>` followed by the tool's output ` = 19` (GRPO's `tool_tags: ["<<", ">>"]`,
+  `tool_result_tags: [" = ", ""]`). Mixed into
+  `sft.jsonl` for the tool-use demo (GRPO with `environment: calculator`).
+- `tool_rl_prompts.jsonl` and `tool_multistep.jsonl` ({counts["tool_rl_prompts.jsonl"]} and
+  {counts["tool_multistep.jsonl"]} records): `rl_prompts.jsonl` and `multistep.jsonl` with that system prompt.
+  No tool file is part of the tiny tokenizer's corpus.
 - `dataset_info.json`: LLaMA-Factory registry (`demo_sft`, `demo_preference`, `demo_rm`,
-  `demo_sft_careless`, `demo_preference_careless`, `demo_rm_careless`, `demo_kto`, `demo_rl`, `demo_multistep`, `demo_eval`).
+  `demo_sft_careless`, `demo_preference_careless`, `demo_rm_careless`, `demo_kto`, `demo_rl`, `demo_multistep`, `demo_eval`,
+  `demo_tool_sft`, `demo_tool_rl`, `demo_tool_multistep`).
 
 Held-out discipline: `eval.jsonl` and `multistep.jsonl` share no prompt with
 the training files, their single-step (a, op, b) triples never occur as
@@ -545,7 +584,10 @@ def generate(out_dir: Path, seed: int = 0) -> dict[str, int]:
         "rl_prompts.jsonl": make_rl(split, seed),
         "multistep.jsonl": make_multistep(split),
         "eval.jsonl": make_eval(split, seed),
+        "tool_sft.jsonl": make_tool_sft(split, seed),
     }
+    files["tool_rl_prompts.jsonl"] = with_tool_system(files["rl_prompts.jsonl"])
+    files["tool_multistep.jsonl"] = with_tool_system(files["multistep.jsonl"])
     for name, records in files.items():
         write_jsonl(out_dir / name, records)
     counts = {name: len(records) for name, records in files.items()}

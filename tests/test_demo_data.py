@@ -29,6 +29,9 @@ KEYS = {
     "rl_prompts.jsonl": ["prompt", "answer", "verifiable"],
     "multistep.jsonl": ["prompt", "answer", "verifiable", "steps"],
     "eval.jsonl": ["prompt", "answer", "verifiable"],
+    "tool_sft.jsonl": ["system", "prompt", "response"],
+    "tool_rl_prompts.jsonl": ["system", "prompt", "answer", "verifiable"],
+    "tool_multistep.jsonl": ["system", "prompt", "answer", "verifiable", "steps"],
 }
 COUNTS = {
     "sft.jsonl": 3000,
@@ -41,10 +44,14 @@ COUNTS = {
     "rl_prompts.jsonl": 800,
     "multistep.jsonl": 200,
     "eval.jsonl": 300,
+    "tool_sft.jsonl": 300,
+    "tool_rl_prompts.jsonl": 800,
+    "tool_multistep.jsonl": 200,
 }
 ALL_FILES = sorted([*KEYS, "dataset_info.json", "README.md"])
 TRAIN_FILES = ["sft.jsonl", "preference.jsonl", "rm_pairs.jsonl", "sft_careless.jsonl",
-               "preference_careless.jsonl", "rm_pairs_careless.jsonl", "kto.jsonl", "rl_prompts.jsonl"]
+               "preference_careless.jsonl", "rm_pairs_careless.jsonl", "kto.jsonl", "rl_prompts.jsonl",
+               "tool_sft.jsonl", "tool_rl_prompts.jsonl"]
 HELDOUT_FILES = ["eval.jsonl", "multistep.jsonl"]
 
 SINGLE_RE = re.compile(r"What is (\d+) ([+-]) (\d+)\?")
@@ -130,9 +137,10 @@ def heldout_triples() -> set[tuple[int, str, int]]:
 
 
 def training_texts() -> list[str]:
-    """Every response-like string a training stage could learn from."""
+    """Every response-like string a training stage could learn from; a calculator call ``<<a op b>> = r`` is read
+    as the step ``a op b = r`` it works out."""
     return [
-        r[key]
+        r[key].replace("<<", "").replace(">>", "")
         for name in TRAIN_FILES
         for r in records(name)
         for key in ("response", "chosen", "rejected")
@@ -311,6 +319,27 @@ def test_training_text_never_works_out_a_heldout_triple():
                 assert not step_is_right(m), text
 
 
+TOOL_STEP_RE = re.compile(r"(?:Step (\d+): )?<<(\d+) ([+-]) (\d+)>> = (-?\d+)")
+
+
+def test_tool_demonstrations_call_the_calculator_for_every_step():
+    system = gen.TOOL_SYSTEM
+    rows = records("tool_sft.jsonl")
+    assert {r["system"] for r in rows} == {system}
+    assert 0.45 <= sum(bool(MULTI_RE.fullmatch(r["prompt"])) for r in rows) / len(rows) <= 0.55
+    for row in rows:
+        *lines, last = row["response"].split("\n")
+        steps = reference_steps(row["prompt"])
+        assert last == f"Answer: {truth(row['prompt'])}"
+        assert len(lines) == len(steps)
+        for index, (line, (a, op, b, result)) in enumerate(zip(lines, steps), 1):
+            m = TOOL_STEP_RE.fullmatch(line)
+            assert m and (m[1] is None) == (len(steps) == 1), line
+            assert (int(m[2]), m[3], int(m[4]), int(m[5])) == (a, op, b, result) and (m[1] is None or int(m[1]) == index)
+    assert records("tool_rl_prompts.jsonl") == [{"system": system, **r} for r in records("rl_prompts.jsonl")]
+    assert records("tool_multistep.jsonl") == [{"system": system, **r} for r in records("multistep.jsonl")]
+
+
 def test_every_response_ends_with_answer_or_is_a_flaw():
     for text in training_texts():
         assert not text.endswith(("\n", ".")), text
@@ -357,6 +386,9 @@ def test_dataset_info_registers_every_file():
         "demo_rl": "rl_prompts.jsonl",
         "demo_multistep": "multistep.jsonl",
         "demo_eval": "eval.jsonl",
+        "demo_tool_sft": "tool_sft.jsonl",
+        "demo_tool_rl": "tool_rl_prompts.jsonl",
+        "demo_tool_multistep": "tool_multistep.jsonl",
     }
     assert {k: v["file_name"] for k, v in info.items()} == expected
     assert info["demo_preference"]["ranking"] is True and info["demo_rm"]["ranking"] is True
