@@ -130,6 +130,10 @@ DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "kto_pair", "robust", "bco_pair", "
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo")  # section 5's grpo_loss aggregations
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")  # sequence: GSPO
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")  # critic-free; PPO's is GAE
+ADVANTAGE_ESTIMATOR_ALIASES = {"group_norm": "grpo", "reinforce": "reinforce_pp",  # OpenRLHF's names
+                               "reinforce_baseline": "reinforce_pp_baseline",
+                               "reinforce_plus_plus": "reinforce_pp",  # verl's
+                               "reinforce_plus_plus_baseline": "reinforce_pp_baseline"}
 TOOL_FORMATS = ("tag", "chat_template")  # how environments' tool calls are written (section 6)
 REWARD_SCALES = ("group", "batch", "none")
 IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # section 5
@@ -597,6 +601,7 @@ class GRPOConfig(OnlineRLConfig):
         super()._normalise()
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon_low
+        self.advantage_estimator = ADVANTAGE_ESTIMATOR_ALIASES.get(self.advantage_estimator, self.advantage_estimator)
 
     def _validate(self) -> None:
         super()._validate()
@@ -825,6 +830,20 @@ LLAMAFACTORY_RENAMES: dict[str, tuple[str, dict[Any, Any] | None]] = {
     "lora_targets": ("lora_target", None),
     "moe_aux_loss_coef": ("router_aux_loss_coef", None),
 }
+# The same knobs under TRL's, OpenRLHF's and verl's names (their config files, flattened), for the stages that have
+# them; in a stage without the knob the key is an error like any unknown key.
+TRL_OPENRLHF_RENAMES: dict[str, tuple[str, dict[Any, Any] | None]] = {
+    "teacher_model_name_or_path": ("teacher_model", None),        # TRL GKDConfig
+    "epsilon": ("epsilon_low", None),                             # TRL GRPOConfig
+    "n_samples_per_prompt": ("num_generations", None),            # OpenRLHF
+    "dynamic_filtering": ("dynamic_sampling", None),              # OpenRLHF
+    "adv_estimator": ("advantage_estimator", None),               # verl (its values: ADVANTAGE_ESTIMATOR_ALIASES)
+    "clip_ratio_low": ("epsilon_low", None),                      # verl
+    "clip_ratio_high": ("epsilon_high", None),                    # verl
+    "loss_agg_mode": ("loss_type", {"token-mean": "dapo", "seq-mean-token-mean": "grpo",
+                                    "seq-mean-token-sum-norm": "dr_grpo"}),  # verl
+}
+KEY_RENAMES = {**LLAMAFACTORY_RENAMES, **TRL_OPENRLHF_RENAMES}
 LLAMAFACTORY_IGNORED: dict[str, str] = {
     "do_train": "rlhf always trains the stage it is asked to run",
     "do_eval": "evaluation runs every eval_steps (0: at the end)",
@@ -950,8 +969,11 @@ def _translate_keys(raw: dict[str, Any], cls: type[BaseConfig], where_of: Callab
             continue
         if key in known:
             out[key] = value
-        elif key in LLAMAFACTORY_RENAMES:
-            target, mapping = LLAMAFACTORY_RENAMES[key]
+        elif key in KEY_RENAMES:
+            target, mapping = KEY_RENAMES[key]
+            if target not in known and key in TRL_OPENRLHF_RENAMES:
+                raise RLHFInputError(f"{where}: '{key}' is '{target}' here, which the {cls.stage} stage does not have "
+                                     f"(see `python rlhf.py {cls.stage} --help`)")
             if target not in known:
                 logger.info("%s: ignoring '%s' (no '%s' in the %s stage)", where, key, target, cls.stage)
                 continue
@@ -965,7 +987,7 @@ def _translate_keys(raw: dict[str, Any], cls: type[BaseConfig], where_of: Callab
         elif key in LLAMAFACTORY_IGNORED:
             logger.info("%s: ignoring '%s': %s", where, key, LLAMAFACTORY_IGNORED[key])
         else:
-            hint = difflib.get_close_matches(key, sorted(known | set(LLAMAFACTORY_RENAMES)), n=1)
+            hint = difflib.get_close_matches(key, sorted(known | set(KEY_RENAMES)), n=1)
             suggestion = f"; did you mean '{hint[0]}'?" if hint else ""
             raise RLHFInputError(f"{where}: unknown key '{key}' for the {cls.stage} stage{suggestion} "
                                  f"(see `python rlhf.py {cls.stage} --help`)")
@@ -1049,7 +1071,7 @@ def build_config(cls: type[BaseConfig], raw: dict[str, Any], where: str = "confi
     """Validate and type a raw mapping into ``cls``; every error names the key and where it was given: the
     command line for the keys in ``command_line``, else ``file:line [section]`` when the keys came from a
     YAML file ``source`` read by read_yaml, else ``where``."""
-    written_as = {LLAMAFACTORY_RENAMES[k][0]: k for k in raw if k in LLAMAFACTORY_RENAMES}  # ours -> the file's name
+    written_as = {KEY_RENAMES[k][0]: k for k in raw if k in KEY_RENAMES}  # ours -> the file's name
 
     def where_of(key: str) -> str:
         key = written_as.get(key, key)
@@ -8992,9 +9014,39 @@ class _OnlineRLTrainer(_ReferenceTrainer):
             self._sync_engine()
             self.policy.rollout_engine = self.engine
         try:
-            return self._generation_eval()
+            metrics = self._generation_eval()
         finally:
             self.policy.rollout_engine = None
+        if getattr(self.config, "environment", None) and metrics:
+            metrics = {**{f"{name}_without_environment": value for name, value in metrics.items()},
+                       **self._environment_eval()}
+        return metrics
+
+    @torch.no_grad()
+    def _environment_eval(self) -> dict[str, float]:
+        """Held-out exact match when the policy answers through its environment (greedy episodes, tools
+        answering), as it does in training; ``evaluate`` keeps the plain greedy answers as
+        ``eval/accuracy_without_environment``. Every process plays every episode (greedy, so identically)."""
+        from inference_optimizations import SamplingParams
+
+        scored = [r for r in self.eval_records if r.get("answer") is not None]
+        params = SamplingParams(max_new_tokens=self.config.max_completion_length, temperature=0.0, n=1,
+                                stop_token_ids=tuple(self.formatter.stop_token_ids))
+        saved, size = dict(self.rollout_metrics), self.config.per_device_eval_batch_size
+        correct, formatted, tokens, calls = 0, 0, 0, 0.0
+        for start in range(0, len(scored), size):
+            chunk = scored[start:start + size]
+            prompts = [_encode_prompt(self.formatter, record, self.config.cutoff_len)[0] for record in chunk]
+            output = self._sample_episodes(prompts, params)
+            answers = [extract_answer(self.policy.decode(ids)) for ids in output.token_ids]
+            correct += sum(a is not None and a == r["answer"].strip() for a, r in zip(answers, chunk))
+            formatted += sum(a is not None for a in answers)
+            tokens += sum(map(len, output.token_ids))
+            calls += self.rollout_metrics["tools/calls_per_episode"] * len(chunk)
+        self.rollout_metrics = saved
+        count = max(len(scored), 1)
+        return {"eval/accuracy": correct / count, "eval/format_rate": formatted / count,
+                "eval/mean_completion_tokens": tokens / count, "eval/tool_calls_per_episode": calls / count}
 
     def train(self) -> TrainResult:
         try:

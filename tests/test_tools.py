@@ -80,13 +80,27 @@ def scripted():
     return Scripted()
 
 
+class Answering:
+    """Answers every prompt for the policy: the first turn's observation is the record's answer line."""
+
+    def reset(self, record):
+        self.answer = record["answer"]
+        return None
+
+    def step(self, completion):
+        if self.answer is None:
+            return None, 0.0, True
+        observation, self.answer = f"\nAnswer: {self.answer}\n", None
+        return observation, 0.0, False
+
+
 @pytest.fixture(scope="module")
 def prompts(tiny_tokenizer, demo_dir) -> rlhf.GRPODataset:
     records = rlhf.load_records("demo_rl", demo_dir, "prompt", max_samples=16)
     return rlhf.GRPODataset(records, tiny_tokenizer, rlhf.ChatFormatter(tiny_tokenizer), cutoff_len=64)
 
 
-def _trainer(tmp_path: Path, model_dir: Path, dataset, **overrides) -> rlhf.GRPOTrainer:
+def _trainer(tmp_path: Path, model_dir: Path, dataset, eval_records=None, **overrides) -> rlhf.GRPOTrainer:
     settings = dict(model_name_or_path=str(model_dir), output_dir=str(tmp_path / "out"), finetuning_type="full",
                     num_generations=2, per_device_train_batch_size=4, max_completion_length=40, cutoff_len=64,
                     max_steps=1, beta=0.0, learning_rate=1e-3, save_steps=0, logging_steps=1, disable_progress_bar=True,
@@ -97,7 +111,7 @@ def _trainer(tmp_path: Path, model_dir: Path, dataset, **overrides) -> rlhf.GRPO
     rlhf.set_seed(0)
     policy = rlhf.PolicyModel.from_pretrained(config.model_name_or_path)
     return rlhf.GRPOTrainer(config, policy, dataset, reward_fn=lambda p, c, a: torch.zeros(len(c)),
-                            formatter=rlhf.ChatFormatter(policy.tokenizer))
+                            formatter=rlhf.ChatFormatter(policy.tokenizer), eval_records=eval_records)
 
 
 def test_an_episode_alternates_turns_and_observations_within_its_budgets(tmp_path, tiny_model_dir, prompts):
@@ -157,6 +171,20 @@ def test_a_grpo_run_with_the_calculator_and_the_chat_templates_tool_turns(tmp_pa
     turn = trainer.formatter.encode("Let me check.") + list(trainer.formatter.stop_token_ids[:1])
     ids = trainer._observation_ids(record, list(record["messages"]), turn, "7")
     assert trainer.policy.tokenizer.decode(ids) == "\n<|im_start|>tool\n7<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_held_out_accuracy_is_measured_through_the_environment(tmp_path, tiny_model_dir, prompts, demo_dir):
+    """With an environment, eval/accuracy comes from greedy episodes (here the environment writes the answer, so
+    every episode is right) and the plain greedy answers stay beside it (the untrained model's: all wrong)."""
+    records = rlhf.load_records("demo_eval", demo_dir, "prompt", max_samples=5)
+    trainer = _trainer(tmp_path, tiny_model_dir, prompts, eval_records=records, environment="test_tools:Answering",
+                       max_completion_length=24, per_device_eval_batch_size=2)
+    trainer.rollout_metrics = {"kept": 1.0}
+    metrics = trainer.evaluate()
+    assert metrics["eval/accuracy"] == 1.0 and metrics["eval/format_rate"] == 1.0
+    assert metrics["eval/tool_calls_per_episode"] == 1.0
+    assert metrics["eval/accuracy_without_environment"] == 0.0
+    assert trainer.rollout_metrics == {"kept": 1.0}  # the evaluation's episodes are not training statistics
 
 
 # -- the HTTP environment -------------------------------------------------------------------------------------------------
