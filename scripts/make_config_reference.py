@@ -136,6 +136,14 @@ def _llamafactory() -> list[str]:
         lines.append(f"| `{key}` | `{target}`{_cell(values)} |")
     lines += ["", "| ignored key | why |", "|---|---|"]
     lines += [f"| `{key}` | {_cell(reason)} |" for key, reason in rlhf.LLAMAFACTORY_IGNORED.items()]
+    lines += ["", "## TRL, OpenRLHF and verl keys", "",
+              "The same knobs under those projects' names, for the stages that have them (a stage without the knob "
+              "stops with one line). `advantage_estimator` also takes their values: "
+              + ", ".join(f"{a} → {b}" for a, b in rlhf.ADVANTAGE_ESTIMATOR_ALIASES.items()) + ".", "",
+              "| key | becomes |", "|---|---|"]
+    for key, (target, mapping) in rlhf.TRL_OPENRLHF_RENAMES.items():
+        values = f" ({', '.join(f'{a} → {b}' for a, b in mapping.items())})" if mapping else ""
+        lines.append(f"| `{key}` | `{target}`{_cell(values)} |")
     return lines + [""]
 
 
@@ -144,7 +152,7 @@ def render() -> str:
     lines.append("Contents: " + ", ".join(f"[{cls.__name__}](#{cls.__name__.lower()})" for cls, _ in SECTIONS)
                  + ", [final stages](#final-stages-of-a-pipeline-eval-best_of_n-merge), "
                  "[merge configs](#merge-configs-python-rlhfpy-merge-python-model_mergingpy), "
-                 "[LLaMA-Factory keys](#llama-factory-keys).\n")
+                 "[LLaMA-Factory keys](#llama-factory-keys), [TRL, OpenRLHF and verl keys](#trl-openrlhf-and-verl-keys).\n")
     for cls, commands in SECTIONS:
         lines += _section(cls, commands)
     lines += _final_stages() + _merge_keys() + _llamafactory()

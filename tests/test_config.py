@@ -711,3 +711,24 @@ def test_use_vllm_without_vllm_names_the_install_command():
 def test_vllm_only_options_without_use_vllm_are_refused(overrides, message):
     with pytest.raises(rlhf.RLHFInputError, match=message):
         rlhf.GRPOConfig(reward_funcs=["format"], **overrides)
+
+
+def test_trl_openrlhf_verl_key_names_map_to_ours():
+    every_field = {f.name for cls in rlhf.STAGE_CONFIGS.values() for f in dataclasses.fields(cls)}
+    assert not every_field & set(rlhf.TRL_OPENRLHF_RENAMES)
+    assert all(target in every_field for target, _ in rlhf.TRL_OPENRLHF_RENAMES.values())
+    grpo = rlhf.load_config(rlhf.GRPOConfig, overrides=[
+        "reward_funcs=exact_answer", "dynamic_filtering=true", "n_samples_per_prompt=4", "loss_agg_mode=token-mean", "clip_ratio_low=0.2",
+        "clip_ratio_high=0.28", "adv_estimator=reinforce_plus_plus_baseline", "scale_rewards=none"])
+    assert (grpo.dynamic_sampling, grpo.num_generations, grpo.loss_type) == (True, 4, "dapo")
+    assert (grpo.epsilon_low, grpo.epsilon_high, grpo.advantage_estimator) == (0.2, 0.28, "reinforce_pp_baseline")
+    assert rlhf.load_config(rlhf.GRPOConfig, overrides=["reward_funcs=exact_answer", "advantage_estimator=group_norm",
+                                                                "epsilon=0.1"]
+                            ).advantage_estimator == "grpo"
+    distill = rlhf.load_config(rlhf.DistillConfig, overrides=["teacher_model_name_or_path=tiny"])
+    assert distill.teacher_model == "tiny"
+    with pytest.raises(RLHFInputError, match="^command line: 'teacher_model_name_or_path' is 'teacher_model' here, "
+                                             "which the sft stage does not have"):
+        rlhf.load_config(SFTConfig, overrides=["teacher_model_name_or_path=tiny"])
+    with pytest.raises(RLHFInputError, match="'loss_agg_mode' is 'seq-mean'; valid: token-mean"):
+        rlhf.load_config(rlhf.GRPOConfig, overrides=["reward_funcs=exact_answer", "loss_agg_mode=seq-mean"])
