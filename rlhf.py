@@ -620,7 +620,6 @@ class GRPOConfig(OnlineRLConfig):
                    "environment_timeout/environment_retries", "need a positive timeout and at least one attempt")
             _check(not self.use_vllm, "use_vllm", "does not run environments yet: multi-turn episodes sample with our "
                    "engine (set use_vllm: false)")
-            _check(not self.dynamic_sampling, "dynamic_sampling", "does not run with an environment yet")
         _check(not (self.dynamic_sampling and self.streaming), "dynamic_sampling",
                "draws extra prompts at random from the prompt set, which a streaming dataset cannot do: set streaming: false")
         _check(self.beta >= 0 and self.epsilon_low > 0 and self.epsilon_high > 0, "beta/epsilon_low/epsilon_high",
@@ -9177,13 +9176,14 @@ class GRPOTrainer(_OnlineRLTrainer):
             rounds += 1
             output = self._sample(candidates, group)
             records = [candidates[i // group] for i in range(len(output.token_ids))]
-            rewards = self._score(records, output.token_ids)  # raw: whether a group varies is decided before shaping
+            rewards = self._score_output(records, output)  # raw: whether a group varies is decided before shaping
             if rounds == 1:  # the policy's reward as sampled, comparable with a run without dynamic sampling
                 first_round_reward = self.rollout_metrics["reward"]
+            observed = getattr(output, "observation_mask", None)  # an environment's tokens, per completion
             for g in range(len(candidates)):
                 rows = slice(g * group, (g + 1) * group)
                 entry = (candidates[g], output.token_ids[rows], output.logprobs[rows], output.finish_reasons[rows],
-                         rewards[rows])
+                         rewards[rows], observed[rows] if observed is not None else None)
                 (kept if float(rewards[rows].std()) > 1e-6 else dropped).append(entry)
             sampled += len(candidates)
             missing = max(0, needed - len(kept))
@@ -9198,6 +9198,8 @@ class GRPOTrainer(_OnlineRLTrainer):
                                      "dynamic_sampling/filler_frac": sum(fillers) / max(len(fillers), 1)})
         output = GenerationOutput([t for c in chosen for t in c[1]], [lp for c in chosen for lp in c[2]],
                                   [r for c in chosen for r in c[3]], [i for i, _ in enumerate(chosen) for _ in range(group)])
+        if observed is not None:
+            output.observation_mask = [m for c in chosen for m in c[5]]
         records = [c[0] for c in chosen for _ in range(group)]
         rewards = self.devices.gather(torch.cat([c[4] for c in chosen]))
         self.rollout_metrics.update({"reward": first_round_reward, "dynamic_sampling/kept_reward": float(rewards.mean())})

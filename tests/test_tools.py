@@ -80,6 +80,20 @@ def scripted():
     return Scripted()
 
 
+class Alternating(Scripted):
+    """Scripted, with episode rewards 0, 1, 0, 1, ... in the order the episodes start, so every group of two varies."""
+
+    started = 0
+
+    def reset(self, record):
+        self.reward, Alternating.started = float(Alternating.started % 2), Alternating.started + 1
+        return super().reset(record)
+
+    def step(self, completion):
+        observation, _, done = super().step(completion)
+        return observation, self.reward if done else 0.0, done
+
+
 class Answering:
     """Answers every prompt for the policy: the first turn's observation is the record's answer line."""
 
@@ -173,6 +187,30 @@ def test_a_grpo_run_with_the_calculator_and_the_chat_templates_tool_turns(tmp_pa
     assert trainer.policy.tokenizer.decode(ids) == "\n<|im_start|>tool\n7<|im_end|>\n<|im_start|>assistant\n"
 
 
+@pytest.mark.parametrize("environment, informative", [("test_tools:Alternating", True), ("test_tools:scripted", False)])
+def test_dynamic_sampling_keeps_the_tool_outputs_out_of_the_loss(tmp_path, tiny_model_dir, prompts, environment,
+                                                                 informative):
+    """DAPO's dynamic sampling over episodes: groups are judged on the environment's rewards, and the kept (or,
+    when none varies, filler) completions keep their observation masks, so tool tokens stay unlabeled."""
+    trainer = _trainer(tmp_path, tiny_model_dir, prompts, environment=environment, dynamic_sampling=True,
+                       max_sampling_rounds=2, max_completion_length=64)  # three turns and two answers fit
+    trainer.rollout_index = 0
+    rollout = trainer.make_rollout([prompts[0], prompts[1]])
+    metrics = trainer.rollout_metrics
+    assert metrics["dynamic_sampling/rounds"] == (1.0 if informative else 2.0)
+    assert metrics["dynamic_sampling/filler_frac"] == (0.0 if informative else 1.0)
+    for row in range(rollout.input_ids.shape[0]):
+        start, width = int(rollout.prompt_lengths[row]), int(rollout.attention_mask[row].sum())
+        tokens = rollout.input_ids[row, start:width].tolist()
+        labels = rollout.labels[row, start:width]
+        observation = trainer.formatter.encode(" [tool says 7] ")
+        unlabeled = [t for t, label in zip(tokens, labels) if label == rlhf.IGNORE_INDEX]
+        if informative:  # the kept completions train on their own turns only
+            assert unlabeled == observation * 2
+        else:  # fillers stay out of the loss entirely
+            assert len(unlabeled) == len(tokens)
+
+
 def test_held_out_accuracy_is_measured_through_the_environment(tmp_path, tiny_model_dir, prompts, demo_dir):
     """With an environment, eval/accuracy comes from greedy episodes (here the environment writes the answer, so
     every episode is right) and the plain greedy answers stay beside it (the untrained model's: all wrong)."""
@@ -234,7 +272,6 @@ def test_http_environment_runs_episodes_and_a_dead_one_is_one_line(tmp_path, tin
     ({"environment": "http"}, "environment_url' is required"),
     ({"environment": "calculator", "tool_format": "xml"}, "tool_format"),
     ({"environment": "calculator", "tool_tags": ["<calc>"]}, "need two tags each"),
-    ({"environment": "calculator", "dynamic_sampling": True}, "does not run with an environment yet"),
 ])
 def test_bad_environment_settings_are_one_line(overrides, message):
     with pytest.raises(rlhf.RLHFInputError, match=message):
