@@ -4,6 +4,7 @@
     python bench/bench_grpo.py --steps 3 --warmup 1 --batch-size 16          # a quick check
     python bench/bench_grpo.py --repeats 3 --json /tmp/grpo.json
     python bench/bench_grpo.py --model outputs/demo/sft --engine compiled   # the demo's SFT policy: rewards vary
+    python bench/bench_grpo.py --impls ours,rloo,reinforce_pp,gspo,cispo,dapo     # estimators and losses beside GRPO
 
 A GRPO step is generation plus training: sample ``--num-generations`` completions for each of ``--batch-size`` /
 ``--num-generations`` prompts, score them, turn the rewards into group-relative advantages, then one forward and
@@ -36,6 +37,14 @@ advantage is 0 (every completion of the group scored alike), which add exactly n
 same compute as TRL. How many rows are skipped depends on the policy: the embedded tiny model is untrained, so
 nearly every ``exact_answer`` reward is 0 and nearly every row is skipped; ``--model outputs/demo/sft`` (the demo's
 SFT policy) gives a realistic mix. The "rows skipped" column shows the share, and both ratios are printed.
+
+The 2025-26 estimators and losses run as more rows of our trainer, each with one setting changed from ``ours``
+(``VARIANTS``; "time / ours (GRPO)" is their cost beside GRPO's): ``rloo`` (leave-one-out baseline, unscaled),
+``reinforce_pp`` (token returns with the KL in the reward, beta 0.01, so it loads and runs the reference model too),
+``reinforce_pp_baseline`` (group mean first, no KL), ``gspo`` (sequence-level ratio), ``cispo`` (clipped
+importance-weight loss) and ``dapo`` (clip-higher, token-mean loss, overlong shaping and dynamic sampling: groups
+that all scored alike are dropped and more prompts sampled, up to 3 rounds a step, so its generation column adds
+the rounds' times and "sampling rounds" shows how many a step took).
 
 Every measurement runs in its own subprocess (``--worker ours|ours-dense|trl``, one JSON line on stdout), so the peak resident
 memory (``getrusage(RUSAGE_SELF).ru_maxrss``) belongs to that run alone. Workers run one at a time. Both workers
@@ -81,8 +90,20 @@ REPO = Path(__file__).resolve().parents[1]
 DATA_DIR = REPO / "data" / "demo"
 DATASET = "demo_rl"  # data/demo/rl_prompts.jsonl (prompt, answer)
 MARK = "BENCH_GRPO_RESULT "
-IMPLS = ("ours", "ours-dense", "trl")
-LABELS = {"ours": "ours (rlhf)", "ours-dense": "ours, every row", "trl": "TRL"}
+# Our trainer with each advantage estimator and policy loss in place of GRPO's (one setting changed each; the stage
+# defaults they would get from their own stage names otherwise). reinforce_pp keeps its KL in the reward (beta 0.01,
+# the stage default), so it also loads and runs the reference model.
+VARIANTS = {
+    "rloo": {"advantage_estimator": "rloo", "scale_rewards": "none"},
+    "reinforce_pp": {"advantage_estimator": "reinforce_pp", "scale_rewards": "none", "beta": 0.01},
+    "reinforce_pp_baseline": {"advantage_estimator": "reinforce_pp_baseline", "scale_rewards": "none"},
+    "gspo": {"importance_sampling_level": "sequence", "epsilon_low": 3e-4, "epsilon_high": 4e-4},
+    "cispo": {"loss_type": "cispo"},
+    "dapo": {"loss_type": "dapo", "epsilon_high": 0.28, "dynamic_sampling": True, "overlong_buffer_len": 16},
+}
+IMPLS = ("ours", "ours-dense", "trl", *VARIANTS)
+LABELS = {"ours": "ours (rlhf)", "ours-dense": "ours, every row", "trl": "TRL",
+          **{name: f"ours, {name}" for name in VARIANTS}}
 PROMPT_CUTOFF = 512  # the tiny model's max_position_embeddings; the demo prompts are far shorter
 
 
@@ -99,7 +120,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--impls", default=",".join(IMPLS),
                         help="comma-separated: ours (the default trainer, which skips the forward and backward of "
                              "completions with zero advantage), ours-dense (skip_zero_gradient_rows=False: every row, "
-                             "the same compute as TRL), trl")
+                             "the same compute as TRL), trl, and our trainer with another estimator or loss: "
+                             + ", ".join(VARIANTS))
     parser.add_argument("--model", default="tiny",
                         help="the policy both trainers start from: tiny (the embedded, untrained demo model: nearly "
                              "every reward is 0, so our default trainer skips nearly every row) or a directory such "
@@ -155,13 +177,28 @@ def timed_steps(ends: list[float], generations: list[dict], steps: int, warmup: 
     cycle = [b - a for a, b in zip(ends, ends[1:])]  # cycle[k - 1] is step k
     timed = range(warmup, steps)
     result = {"cycle": [cycle[k - 1] for k in timed],
-              "gen": [generations[k]["end"] - generations[k]["start"] for k in timed],
+              "gen": [generations[k].get("gen_seconds", generations[k]["end"] - generations[k]["start"]) for k in timed],
+              "rounds": [generations[k].get("rounds", 1) for k in timed],
               "tokens": [generations[k]["tokens"] for k in timed],
               "completions": [generations[k]["completions"] for k in timed],
               "truncated": [generations[k]["truncated"] for k in timed]}
     if begins:  # TRL: its own begin -> end window, shown to confirm it holds the generation
         result["begin_end"] = [ends[k] - begins[k] for k in timed]
     return result
+
+
+def per_step(generations: list[dict], ends: list[float]) -> list[dict]:
+    """One generation record per optimizer step: DAPO's dynamic sampling may sample several rounds in one step, whose
+    times and counts add up (one span from the first round's start to the last round's end)."""
+    merged: list[dict] = []
+    for end in ends:
+        inside = [g for g in generations if g["end"] <= end and (not merged or g["start"] >= merged[-1]["end"])]
+        if not inside:
+            return generations  # timed_steps reports the mismatch
+        merged.append({"start": inside[0]["start"], "end": inside[-1]["end"],
+                       "rounds": len(inside), "gen_seconds": sum(g["end"] - g["start"] for g in inside),
+                       **{key: sum(g[key] for g in inside) for key in ("tokens", "completions", "truncated")}})
+    return merged
 
 
 def run_trl(args: argparse.Namespace) -> dict:
@@ -260,7 +297,7 @@ def run_ours(args: argparse.Namespace) -> dict:
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999,
         adam_epsilon=1e-8, max_grad_norm=1.0, logging_steps=1, save_steps=0, output_dir=str(Path(args.workdir) / "ours"),
         disable_progress_bar=True, report_to=[], seed=0, resume_from_checkpoint="none", generation_engine=args.engine,
-        skip_zero_gradient_rows=args.worker != "ours-dense")
+        skip_zero_gradient_rows=args.worker != "ours-dense", **VARIANTS.get(args.worker, {}))
     trainer = rlhf.GRPOTrainer(config, policy, dataset, reward_fn=rlhf.exact_answer_reward, reference=None,
                                formatter=formatter)
     setup = time.perf_counter() - started
@@ -289,6 +326,7 @@ def run_ours(args: argparse.Namespace) -> dict:
     started = time.perf_counter()
     result = trainer.train()
     wall = time.perf_counter() - started
+    generations = per_step(generations, ends)
     history = sorted((row for row in result.history if "step" in row), key=lambda row: row["step"])
     losses = [float(row["loss"]) for row in history if "loss" in row]
     rewards = [float(row["reward"]) for row in history if "reward" in row]
@@ -345,14 +383,13 @@ def summarise(runs: list[dict]) -> dict:
             "truncated": sum(best["truncated"]) / max(sum(best["completions"]), 1),
             "tokens_per_s": statistics.median([t / c for t, c in zip(best["tokens"], best["cycle"])]),
             "peak": max(r["peak_rss"] for r in ok), "base": max(r["rss_base"] for r in ok),
-            "skipped": best.get("skipped"),
+            "skipped": best.get("skipped"), "rounds": statistics.fmean(best.get("rounds") or [1]),
             "background": max(r["background"] for r in ok), "timed": len(best["cycle"]), "runs": len(ok)}
 
 
 HEADERS = ["trainer", "timed steps", "s/step median", "s/step mean", "s/step min", "gen s median", "rest s median",
            "compl. tokens per step", "mean compl. length", "hit max length", "rows skipped", "tokens per s", "base MiB",
-           "peak MiB",
-           "time ours/TRL", "bg cores"]
+           "peak MiB", "sampling rounds", "time / TRL", "time / ours (GRPO)", "bg cores"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -406,11 +443,13 @@ def main(argv: list[str] | None = None) -> int:
             rows.append([LABELS[impl], "failed"] + ["-"] * (len(HEADERS) - 2))
             continue
         ratio = f"{s['step'] / theirs['step']:.2f}x" if theirs and "error" not in theirs and impl != "trl" else "-"
+        to_ours = f"{s['step'] / ours['step']:.2f}x" if ours and "error" not in ours and impl != "ours" else "-"
         rows.append([LABELS[impl], f"{s['timed']}x{s['runs']}", f"{s['step']:.3f}", f"{s['mean']:.3f}",
                      f"{s['min']:.3f}", f"{s['gen']:.3f}", f"{s['rest']:.3f}", f"{s['tokens']:.0f}",
                      f"{s['tokens'] / s['completions']:.1f}", f"{s['truncated']:.0%}",
                      "-" if s["skipped"] is None else f"{s['skipped']:.0%}", f"{s['tokens_per_s']:.0f}",
-                     f"{s['base']:.0f}", f"{s['peak']:.0f}", ratio, f"{s['background']:.2f}"])
+                     f"{s['base']:.0f}", f"{s['peak']:.0f}", f"{s['rounds']:.1f}", ratio, to_ours,
+                     f"{s['background']:.2f}"])
     print_table(HEADERS, rows, f"GRPO: {args.batch_size} completions per step (G {args.num_generations}), at most "
                 f"{args.completion_len} new tokens, threads {args.threads}, fp32 CPU (seconds per step: end of one "
                 f"optimizer step to the end of the next, generation included; gen = sampling alone; rest = step - "

@@ -482,3 +482,45 @@ def test_careless_online_ppo_config_is_ppo_careless_at_grpos_budget_of_samples(r
     assert rollouts * online.per_device_train_batch_size * online.ppo_buffer_size == 19_200
     assert online.reward_model == "outputs/demo_careless/rm_round3"
     assert online.value_model == "outputs/demo_careless/rm_round3/member-0"
+
+
+# -- online_rl_family.py and the tool-use demo -----------------------------------------------------------------------
+
+
+def test_every_online_rl_family_command_is_a_valid_config(tmp_path):
+    """Each method's command line builds its stage's config (nothing runs): one budget, each method's own knobs."""
+    family = load_script("experiments/online_rl_family.py")
+    args = argparse.Namespace(sft="outputs/demo_careless/sft", teacher="outputs/demo_tools/sft", steps=150,
+                              output_root=str(tmp_path))
+    configs = {}
+    for method in family.METHODS:
+        argv = family.command(method, args, seed=0)
+        stage = argv[2]
+        configs[method] = rlhf.load_config(rlhf.STAGE_CONFIGS[stage], overrides=argv[3:])
+        assert configs[method].max_steps == 150 and configs[method].model_name_or_path == args.sft
+    assert configs["rloo"].advantage_estimator == "rloo" and configs["reinforce_pp"].advantage_estimator == "reinforce_pp"
+    assert configs["gspo"].importance_sampling_level == "sequence" and configs["cispo"].loss_type == "cispo"
+    assert configs["dapo"].dynamic_sampling and configs["dapo"].overlong_buffer_len == 16
+    assert configs["distill"].teacher_model == args.teacher
+    group = [configs[m] for m in ("grpo", "rloo", "reinforce_pp", "gspo", "cispo", "dapo")]
+    assert {c.per_device_train_batch_size * c.gradient_accumulation_steps for c in group} == {64}
+    assert configs["online_dpo"].per_device_train_batch_size * 2 == 64  # the same 64 samples a step
+
+
+def test_tool_use_demo_config_matches_its_data(repo, tiny_tokenizer):
+    """experiments/configs/demo_tools.yaml: SFT on the demo and the tool demonstrations, then GRPO with the
+    calculator, whose tags read the demonstrations' calls and write what they show as the tool's answer."""
+    pipeline = rlhf.PipelineConfig.load(repo / "experiments" / "configs" / "demo_tools.yaml")
+    sft, grpo = (pipeline.stage_config(name) for name in pipeline.stages)
+    assert sft.dataset == "demo_sft,demo_tool_sft" and grpo.dataset == "demo_tool_rl"
+    assert grpo.environment == "calculator" and grpo.eval_dataset == "demo_tool_multistep"
+    demonstration = json.loads((repo / "data" / "demo" / "tool_sft.jsonl").read_text().splitlines()[1])["response"]
+    first_step = demonstration.split("\n")[0]  # Step 1: <<88 + 8>> = 96
+    call_text = first_step[:first_step.index(grpo.tool_tags[1]) + len(grpo.tool_tags[1])]
+    environment = rlhf.environment_factory(grpo)()
+    environment.reset({})
+    observation, _, done = environment.step(call_text)
+    assert call_text + observation == first_step and not done
+    longest = max(len(tiny_tokenizer(json.loads(line)["response"])["input_ids"])
+                  for line in (repo / "data/demo/tool_sft.jsonl").open())
+    assert longest + 1 <= grpo.max_completion_length  # the longest demonstration and its end-of-turn token fit
