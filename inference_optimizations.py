@@ -329,6 +329,7 @@ class _FastState:
     compile_failed: str = ""
     tokens_by_key: dict = field(default_factory=dict)  # uncompiled tokens decoded per compile key
     compile_seconds: dict = field(default_factory=dict)  # first compiled call per key (compile + one step)
+    miscompiled: dict = field(default_factory=dict)  # key -> why its compiled step was not trusted
 
 
 _FAST_STATE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -462,6 +463,22 @@ def _compiled_step(state: _FastState, device: torch.device):
 
             state.compiled_step = replay
     return state.compiled_step
+
+
+def _disagreement(compiled: tuple, reference: tuple) -> str:
+    """Why a compiled decode step's (tokens, log-probs, done) cannot be trusted against the uncompiled step on the
+    same inputs and noise, or "". Rounding may flip a near-tie, so up to 10% of the tokens may differ; the
+    log-probs of the rest must agree to 1e-3, and non-finite values must be where the reference has them."""
+    token, logprob, done = compiled
+    ref_token, ref_logprob, _ = reference
+    if not torch.equal(torch.isfinite(logprob), torch.isfinite(ref_logprob)):
+        return f"{int((~torch.isfinite(logprob)).sum())} non-finite log-probs against {int((~torch.isfinite(ref_logprob)).sum())}"
+    same = token == ref_token
+    if float(same.float().mean()) < 0.9:
+        return f"{int((~same).sum())} of {same.numel()} tokens differ"
+    finite = same & torch.isfinite(ref_logprob)
+    gap = float((logprob[finite] - ref_logprob[finite]).abs().max()) if bool(finite.any()) else 0.0
+    return f"log-probs differ by {gap:.3g}" if gap > 1e-3 else ""
 
 
 class _FallBack(Exception):
@@ -622,9 +639,22 @@ def _generate_static(model: torch.nn.Module, prompts: list[list[int]], params: S
                         state.compile_seconds[key] = time.perf_counter() - started
                         logger.info("compiled the decode step for rows=%d cache_len=%d in %.1f s", key[0], key[1],
                                     state.compile_seconds[key])
-                    # the remaining steps have the same shapes, types and flags as this one, so the graph
-                    # dynamo just selected stays valid: skip re-evaluating its guards every token
-                    guards.enter_context(torch.compiler.set_stance("default", skip_guard_eval_unsafe=True))
+                        for layer in cache.layers:  # the same step uncompiled, writing the same cache slot again
+                            layer.cumulative_length.fill_(width)
+                        reference = _decode_step(*args)
+                        why = _disagreement((token, logprob, done), reference[:3])
+                        if why:
+                            state.miscompiled[key] = why
+                            logger.warning("the compiled decode step for rows=%d cache_len=%d disagrees with the "
+                                           "uncompiled one (%s: a torch.compile code-generation fault on this CPU); "
+                                           "this shape decodes uncompiled", key[0], key[1], why)
+                            token, logprob, done, position = reference
+                            step_fn = _decode_step
+                            model.config._attn_implementation = saved_attention
+                    if step_fn is not _decode_step:
+                        # the remaining steps have the same shapes, types and flags as this one, so the graph
+                        # dynamo just selected stays valid: skip re-evaluating its guards every token
+                        guards.enter_context(torch.compiler.set_stance("default", skip_guard_eval_unsafe=True))
             tokens[:, step], logprobs[:, step] = token, logprob
             ran = step + 1
     finally:
@@ -980,13 +1010,15 @@ def _choose_engine(model: torch.nn.Module, engine: str, params: SamplingParams, 
         _log_once(type(model).__name__, "generation: general decode loop for %s: %s", type(model).__name__, why_not)
         return "eager", key
     state = _FAST_STATE.setdefault(model, _FastState())
-    if engine == "static" or (engine == "compiled" and state.compile_failed):
+    if engine == "static" or (engine == "compiled" and (state.compile_failed or key in state.miscompiled)):
         return "static", key
     if engine == "compiled":
         return "compiled", key
     # auto: compiling costs tens of seconds, so pay it only for a shape that has already decoded
     # AUTO_COMPILE_AFTER_TOKENS tokens uncompiled (at most ~2x the best cost in hindsight)
     if state.compile_failed:
+        return "static", key
+    if key in state.miscompiled:
         return "static", key
     if key in state.compile_seconds or state.tokens_by_key.get(key, 0) >= AUTO_COMPILE_AFTER_TOKENS:
         return "compiled", key

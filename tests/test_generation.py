@@ -179,6 +179,43 @@ def test_compile_failure_falls_back_to_the_same_step_uncompiled(tiny_arch_dir, t
     assert io._choose_engine(model, "compiled", params, 8, 64)[0] == "static"
 
 
+def test_a_compiled_step_that_disagrees_with_the_uncompiled_one_is_not_trusted(tiny_arch_dir, tiny_tokenizer,
+                                                                                prompts, monkeypatch):
+    """A miscompiled graph (torch.compile on CPU with ATen pinned to AVX2 gave NaN log-probs for one shape) is caught
+    on its first call against the uncompiled step on the same inputs: that call and the rest decode uncompiled, and
+    the shape is never compiled again in this process."""
+    model = _model(tiny_arch_dir, "llama")
+    pad = tiny_tokenizer.pad_token_id
+    params = io.SamplingParams(max_new_tokens=9, n=2, seed=4, temperature=1.0)
+    want = io.generate(model, prompts, params, pad_token_id=pad, engine="static")
+    calls = []
+
+    def miscompiled(*args):
+        calls.append(1)
+        token, logprob, done, position = io._decode_step(*args)
+        return token, torch.full_like(logprob, float("nan")), done, position
+
+    monkeypatch.setattr(io, "_compiled_step", lambda state, device: miscompiled)
+    got = io.generate(model, prompts, params, pad_token_id=pad, engine="compiled")
+    assert got.token_ids == want.token_ids and len(calls) == 1
+    key = (8, 32, False, 0, 1.0)
+    assert "non-finite" in io._FAST_STATE[model].miscompiled[key]
+    assert io._choose_engine(model, "compiled", params, 8, 32)[0] == "static"
+    assert io._choose_engine(model, "auto", params, 8, 32)[0] == "static"
+
+
+def test_disagreement_by_hand():
+    tokens, logprobs = torch.tensor([1, 2, 3, 4]), torch.tensor([-0.5, -1.0, -2.0, -0.1])
+    done = torch.zeros(4, dtype=torch.bool)
+    assert io._disagreement((tokens, logprobs + 1e-5, done), (tokens, logprobs, done)) == ""
+    assert io._disagreement((tokens, logprobs + 0.01, done), (tokens, logprobs, done)) == "log-probs differ by 0.01"
+    assert io._disagreement((torch.tensor([1, 2, 3, 9]), logprobs, done), (tokens, logprobs, done)) \
+        == "1 of 4 tokens differ"
+    nan = logprobs.clone()
+    nan[0] = float("nan")
+    assert io._disagreement((tokens, nan, done), (tokens, logprobs, done)) == "1 non-finite log-probs against 0"
+
+
 def test_compiled_step_matches_static_and_survives_weight_updates(tiny_arch_dir, tiny_tokenizer, prompts):
     """One compilation (the slow part of this file): the compiled fused step samples the same tokens as
     the uncompiled one from the same seed; then, as in online RL, the weights change in place and the
