@@ -946,7 +946,7 @@ def _coerce(value: Any, annotation: Any, name: str, where: str) -> Any:
         if annotation is str:
             if isinstance(value, (dict, list)):
                 raise ValueError
-            return str(value)
+            return "" if value is None else str(value)  # null / ~ unsets a text field, never the text "None"
     except (TypeError, ValueError):
         kind = {bool: "true or false", int: "a whole number", float: "a number", str: "a string"}[annotation]
         raise RLHFInputError(f"{where}: '{name}' must be {kind}, got {value!r}") from None

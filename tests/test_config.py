@@ -732,3 +732,8 @@ def test_trl_openrlhf_verl_key_names_map_to_ours():
         rlhf.load_config(SFTConfig, overrides=["teacher_model_name_or_path=tiny"])
     with pytest.raises(RLHFInputError, match="'loss_agg_mode' is 'seq-mean'; valid: token-mean"):
         rlhf.load_config(rlhf.GRPOConfig, overrides=["reward_funcs=exact_answer", "loss_agg_mode=seq-mean"])
+
+
+def test_null_unsets_a_text_field_instead_of_naming_a_dataset_none():
+    config = rlhf.load_config(SFTConfig, overrides=["eval_dataset=null", "dataset=demo_sft"])
+    assert config.eval_dataset == ""
