@@ -254,7 +254,7 @@ class BaseConfig:
         if self.lora_alpha is None:
             self.lora_alpha = 2 * self.lora_rank
         resume = str(self.resume_from_checkpoint).lower()
-        if isinstance(self.resume_from_checkpoint, bool) or resume in ("true", "false", "none", "null"):
+        if isinstance(self.resume_from_checkpoint, bool) or resume in ("true", "false", "none", "null", ""):
             self.resume_from_checkpoint = "auto" if resume == "true" else "none"
 
     def _validate(self) -> None:
