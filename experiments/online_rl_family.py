@@ -7,6 +7,7 @@
     python experiments/online_rl_family.py --methods grpo,rloo --steps 300
     python experiments/online_rl_family.py --methods distill --teacher outputs/demo_tools/sft
     python experiments/online_rl_family.py --table-only --seeds 0,1,2       # the table of runs already made
+    python experiments/online_rl_family.py --methods grpo --set use_vllm=true --suffix vllm   # vLLM rollouts
 
 Every method runs as its own ``python rlhf.py STAGE key=value ...`` command (printed before it starts, so any row
 can be rerun by hand) with the settings the methods share: the demo's RL prompts (``demo_rl``), the
@@ -22,6 +23,7 @@ Methods (names are the rows):
   rloo          stage rloo: leave-one-out baseline, unscaled (Ahmadian et al. 2024)
   reinforce_pp  stage reinforce_pp: token returns with the KL in the reward, whitened over the batch (Hu et al. 2025)
   gspo          importance_sampling_level: sequence, epsilon 3e-4 / 4e-4 (Zheng et al. 2025)
+  grpo_mu2, gspo_mu2   the same two with num_iterations 2 (each rollout trains two optimizer steps)
   cispo         loss_type: cispo (MiniMax-M1)
   dapo          dynamic_sampling, overlong shaping (buffer 16, factor 1), clip-higher 0.28, dapo token mean (Yu et al. 2025)
   online_dpo    stage online_dpo, pairs ranked by the reward (Guo et al. 2024)
@@ -55,6 +57,11 @@ METHODS = {
     "cispo": ("grpo", {**GROUP, "loss_type": "cispo"}),
     "dapo": ("grpo", {**GROUP, "loss_type": "dapo", "epsilon_high": 0.28, "dynamic_sampling": True,
                       "overlong_buffer_len": 16, "overlong_penalty_factor": 1.0}),
+    # two optimizer steps per rollout (mu 2): the second step is off-policy, so the ratio moves and the clip ranges
+    # matter; on-policy (mu 1) GSPO's gradient equals GRPO's (a sequence ratio of exactly 1, the same token mean)
+    "grpo_mu2": ("grpo", {**GROUP, "num_iterations": 2}),
+    "gspo_mu2": ("grpo", {**GROUP, "num_iterations": 2, "importance_sampling_level": "sequence", "epsilon_low": 3e-4,
+                          "epsilon_high": 4e-4}),
     "online_dpo": ("online_dpo", {"dataset": "demo_rl", "reward_funcs": "[exact_answer]",
                                   "per_device_train_batch_size": 32, "learning_rate": 5e-5, "pref_beta": 0.1}),
     "distill": ("distill", {"dataset": "demo_sft_careless", "per_device_train_batch_size": 32, "learning_rate": 1e-4,
@@ -63,13 +70,14 @@ METHODS = {
 
 
 def run_dir(args: argparse.Namespace, method: str, seed: int) -> Path:
-    return Path(args.output_root) / f"{method}-seed{seed}"
+    return Path(args.output_root) / f"{method}{'-' + args.suffix if args.suffix else ''}-seed{seed}"
 
 
 def command(method: str, args: argparse.Namespace, seed: int = 0) -> list[str]:
     stage, settings = METHODS[method]
     settings = {**SHARED, **settings, "model_name_or_path": args.sft, "max_steps": args.steps, "seed": seed,
                 "output_dir": str(run_dir(args, method, seed))}
+    settings.update(dict(item.split("=", 1) for item in args.set))
     if method == "distill":
         settings["teacher_model"] = args.teacher
     return [sys.executable, str(REPO / "rlhf.py"), stage,
@@ -93,8 +101,13 @@ def main() -> int:
                         "sampling and the prompt order change; the SFT start does not)")
     parser.add_argument("--output-root", default="outputs/online_rl_family",
                         help="each run goes in ROOT/METHOD-seedN")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="one more setting for every method (repeatable), e.g. use_vllm=true; give --suffix too")
+    parser.add_argument("--suffix", default="", help="runs go in ROOT/METHOD-SUFFIX-seedN (keeps variants apart)")
     parser.add_argument("--table-only", action="store_true", help="run nothing: tabulate the runs already in ROOT")
     args = parser.parse_args()
+    if any("=" not in item for item in args.set):
+        parser.error("--set takes KEY=VALUE, e.g. --set use_vllm=true")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
