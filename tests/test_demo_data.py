@@ -44,7 +44,7 @@ COUNTS = {
     "rl_prompts.jsonl": 800,
     "multistep.jsonl": 200,
     "eval.jsonl": 300,
-    "tool_sft.jsonl": 300,
+    "tool_sft.jsonl": 1000,
     "tool_rl_prompts.jsonl": 800,
     "tool_multistep.jsonl": 200,
 }
@@ -326,7 +326,7 @@ def test_tool_demonstrations_call_the_calculator_for_every_step():
     system = gen.TOOL_SYSTEM
     rows = records("tool_sft.jsonl")
     assert {r["system"] for r in rows} == {system}
-    assert 0.45 <= sum(bool(MULTI_RE.fullmatch(r["prompt"])) for r in rows) / len(rows) <= 0.55
+    assert sum(bool(MULTI_RE.fullmatch(r["prompt"])) for r in rows) == round(gen.TOOL_SFT_SIZE * gen.TOOL_SFT_MULTI_SHARE)
     for row in rows:
         *lines, last = row["response"].split("\n")
         steps = reference_steps(row["prompt"])

@@ -490,7 +490,7 @@ def test_careless_online_ppo_config_is_ppo_careless_at_grpos_budget_of_samples(r
 def test_every_online_rl_family_command_is_a_valid_config(tmp_path):
     """Each method's command line builds its stage's config (nothing runs): one budget, each method's own knobs."""
     family = load_script("experiments/online_rl_family.py")
-    args = argparse.Namespace(sft="outputs/demo_careless/sft", teacher="outputs/demo_tools/sft", steps=150,
+    args = argparse.Namespace(sft="outputs/demo_careless/sft", teacher="outputs/demo_tools/sft", steps=150, set=[], suffix="",
                               output_root=str(tmp_path))
     configs = {}
     for method in family.METHODS:
