@@ -287,7 +287,7 @@ def run_ours(args: argparse.Namespace) -> dict:
     policy = rlhf.PolicyModel.from_pretrained(args.model_dir, dtype="float32", attn_implementation=args.attn)
     formatter = rlhf.ChatFormatter(policy.tokenizer, "auto")
     dataset = rlhf.GRPODataset(records, policy.tokenizer, formatter, cutoff_len=PROMPT_CUTOFF)
-    config = rlhf.GRPOConfig(
+    settings = dict(
         model_name_or_path=args.model_dir, finetuning_type="full", model_dtype="float32", optim="adamw_torch_fused",
         attn_implementation=args.attn, gradient_checkpointing=False, reward_funcs=["exact_answer"], beta=0.0,
         num_generations=args.num_generations, per_device_train_batch_size=args.batch_size,
@@ -297,8 +297,11 @@ def run_ours(args: argparse.Namespace) -> dict:
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999,
         adam_epsilon=1e-8, max_grad_norm=1.0, logging_steps=1, save_steps=0, output_dir=str(Path(args.workdir) / "ours"),
         disable_progress_bar=True, report_to=[], seed=0, resume_from_checkpoint="none", generation_engine=args.engine,
-        skip_zero_gradient_rows=args.worker != "ours-dense", **VARIANTS.get(args.worker, {}))
-    trainer = rlhf.GRPOTrainer(config, policy, dataset, reward_fn=rlhf.exact_answer_reward, reference=None,
+        skip_zero_gradient_rows=args.worker != "ours-dense")
+    settings.update(VARIANTS.get(args.worker, {}))  # one estimator or loss in place of GRPO's
+    config = rlhf.GRPOConfig(**settings)
+    reference = rlhf.create_reference_model(config, policy) if config.beta > 0 else None  # reinforce_pp's KL reward
+    trainer = rlhf.GRPOTrainer(config, policy, dataset, reward_fn=rlhf.exact_answer_reward, reference=reference,
                                formatter=formatter)
     setup = time.perf_counter() - started
 
