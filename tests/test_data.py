@@ -352,7 +352,8 @@ DEMO_EXPECTED = {"demo_sft": ("sft", 3000), "demo_preference": ("preference", 15
                  "demo_rm": ("preference", 12000), "demo_kto": ("kto", 1500),
                  "demo_sft_careless": ("sft", 3000), "demo_preference_careless": ("preference", 1500),
                  "demo_rm_careless": ("preference", 12000),
-                 "demo_rl": ("prompt", 800), "demo_eval": ("prompt", 300), "demo_multistep": ("prompt", 200)}
+                 "demo_rl": ("prompt", 800), "demo_eval": ("prompt", 300), "demo_multistep": ("prompt", 200),
+                 "demo_tool_sft": ("sft", 1000), "demo_tool_rl": ("prompt", 800), "demo_tool_multistep": ("prompt", 200)}
 
 
 def test_demo_registry_is_covered(repo):
