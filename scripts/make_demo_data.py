@@ -546,8 +546,8 @@ correct response ends with the line `Answer: N`.
 - `tool_sft.jsonl` ({counts["tool_sft.jsonl"]} records; `system`, `prompt`, `response`): tool-use
   demonstrations, {TOOL_SFT_MULTI_SHARE:.0%} multi-step. The system prompt is `{TOOL_SYSTEM}`; every step is a
   calculator call `<<12 + 7>>` followed by the tool's output ` = 19` (GRPO's `tool_tags: ["<<", ">>"]`,
-  `tool_result_tags: [" = ", ""]`). Mixed into
-  `sft.jsonl` for the tool-use demo (GRPO with `environment: calculator`).
+  `tool_result_tags: [" = ", ""]`). Trained together with
+  `sft.jsonl` in the tool-use demo (`experiments/configs/demo_tools.yaml`; GRPO with `environment: calculator`).
 - `tool_rl_prompts.jsonl` and `tool_multistep.jsonl` ({counts["tool_rl_prompts.jsonl"]} and
   {counts["tool_multistep.jsonl"]} records): `rl_prompts.jsonl` and `multistep.jsonl` with that system prompt.
   No tool file is part of the tiny tokenizer's corpus.
