@@ -469,7 +469,7 @@ def _disagreement(compiled: tuple, reference: tuple) -> str:
     """Why a compiled decode step's (tokens, log-probs, done) cannot be trusted against the uncompiled step on the
     same inputs and noise, or "". Rounding may flip a near-tie, so up to 10% of the tokens may differ; the
     log-probs of the rest must agree to 1e-3, and non-finite values must be where the reference has them."""
-    token, logprob, done = compiled
+    token, logprob, _ = compiled
     ref_token, ref_logprob, _ = reference
     if not torch.equal(torch.isfinite(logprob), torch.isfinite(ref_logprob)):
         return f"{int((~torch.isfinite(logprob)).sum())} non-finite log-probs against {int((~torch.isfinite(ref_logprob)).sum())}"
@@ -1010,16 +1010,12 @@ def _choose_engine(model: torch.nn.Module, engine: str, params: SamplingParams, 
         _log_once(type(model).__name__, "generation: general decode loop for %s: %s", type(model).__name__, why_not)
         return "eager", key
     state = _FAST_STATE.setdefault(model, _FastState())
-    if engine == "static" or (engine == "compiled" and (state.compile_failed or key in state.miscompiled)):
+    if engine == "static" or state.compile_failed or key in state.miscompiled:
         return "static", key
     if engine == "compiled":
         return "compiled", key
     # auto: compiling costs tens of seconds, so pay it only for a shape that has already decoded
     # AUTO_COMPILE_AFTER_TOKENS tokens uncompiled (at most ~2x the best cost in hindsight)
-    if state.compile_failed:
-        return "static", key
-    if key in state.miscompiled:
-        return "static", key
     if key in state.compile_seconds or state.tokens_by_key.get(key, 0) >= AUTO_COMPILE_AFTER_TOKENS:
         return "compiled", key
     return "static", key

@@ -6591,7 +6591,6 @@ class ConstitutionalRewardWrapper:
         return total
 
 
-
 def _import_callable(spec: str, field_name: str, failure: str, advice: str) -> Callable:
     """The callable a config field names as ``module:function``, or one line naming the field and the fix."""
     import importlib
@@ -6890,7 +6889,6 @@ def environment_factory(config: Any) -> Callable[[], Environment]:
         return lambda: HTTPEnvironment(config.environment_url, timeout=config.environment_timeout,
                                        retries=config.environment_retries)
     return _import_callable(name, "environment", f"cannot load {name!r}", "give calculator, http or module:function")
-
 
 
 # ==== 7. Trainers ====
@@ -7451,6 +7449,11 @@ def _exact_match_counts(policy: PolicyModel, formatter: ChatFormatter, records: 
     completions = policy.generate([formatter.prompt_ids(r) for r in [*records, *filler]], max_new_tokens=max_new_tokens,
                                   stop_token_ids=formatter.stop_token_ids, batch_size=batch_size,
                                   synced=synced)[:len(records)]
+    return _exact_match_tally(policy, records, completions)
+
+
+def _exact_match_tally(policy: PolicyModel, records: list[dict[str, Any]], completions: list[list[int]]) -> list[float]:
+    """(correct answers, answers with the Answer: line, completion tokens) of the completions of ``records``."""
     answers = [extract_answer(policy.decode(ids)) for ids in completions]
     correct = sum(a is not None and a == r["answer"].strip() for a, r in zip(answers, records))
     return [float(correct), float(sum(a is not None for a in answers)), float(sum(len(c) for c in completions))]
@@ -9032,15 +9035,13 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         params = SamplingParams(max_new_tokens=self.config.max_completion_length, temperature=0.0, n=1,
                                 stop_token_ids=tuple(self.formatter.stop_token_ids))
         saved, size = dict(self.rollout_metrics), self.config.per_device_eval_batch_size
-        correct, formatted, tokens, calls = 0, 0, 0, 0.0
+        correct, formatted, tokens, calls = 0.0, 0.0, 0.0, 0.0
         for start in range(0, len(scored), size):
             chunk = scored[start:start + size]
             prompts = [_encode_prompt(self.formatter, record, self.config.cutoff_len)[0] for record in chunk]
             output = self._sample_episodes(prompts, params)
-            answers = [extract_answer(self.policy.decode(ids)) for ids in output.token_ids]
-            correct += sum(a is not None and a == r["answer"].strip() for a, r in zip(answers, chunk))
-            formatted += sum(a is not None for a in answers)
-            tokens += sum(map(len, output.token_ids))
+            counts = _exact_match_tally(self.policy, chunk, output.token_ids)
+            correct, formatted, tokens = correct + counts[0], formatted + counts[1], tokens + counts[2]
             calls += self.rollout_metrics["tools/calls_per_episode"] * len(chunk)
         self.rollout_metrics = saved
         count = max(len(scored), 1)
@@ -11170,13 +11171,11 @@ class RLHFOrchestrator:
         try:
             metrics = run(options)
         except StageNotRun as reason:
-            self._close_vllm()
             logger.warning("stage %s not run: %s", stage, reason)
             entry = _stage_entry(stage, "not_run", output_dir, fingerprint, reason=str(reason))
             self._record(entry)
             return entry
         except Exception as err:
-            self._close_vllm()
             if isinstance(err, RLHFInputError) or not self.config.rollback_on_error:
                 raise
             logger.error("stage %s failed (%s: %s); recorded, continuing", stage, type(err).__name__, err)
@@ -11184,7 +11183,8 @@ class RLHFOrchestrator:
                                  reason=f"{type(err).__name__}: {err}")
             self._record(entry)
             return entry
-        self._close_vllm()
+        finally:
+            self._close_vllm()  # however the stage ended
         evaluation = {"eval/accuracy": metrics["eval/accuracy"]} if "eval/accuracy" in metrics else {}
         entry = _stage_entry(stage, "completed", output_dir, fingerprint, time.time() - started, metrics=metrics,
                              eval=evaluation)
