@@ -11461,6 +11461,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return model_merging.main(["--config", args.config, *args.overrides, *(["--dry-run"] if args.dry_run else []),
                                    *(["--no-progress"] if args.no_progress else [])])
+    finished = False
     try:
         if args.command == "plan":
             console.print(memory_plan_table(args))
@@ -11471,6 +11472,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "pipeline":
             RLHFOrchestrator(PipelineConfig.load(args.config, args.overrides, args.preset)).run_full_pipeline()
+            finished = True
             return 0
         stage = args.command
         if stage == "train":  # the trainer is the file's stage key, or stage=X on the command line (it wins)
@@ -11482,6 +11484,7 @@ def main(argv: list[str] | None = None) -> int:
             if stage not in STAGE_CONFIGS:
                 raise RLHFInputError(f"{args.config}: 'stage' is '{stage}'; valid: {', '.join(STAGE_CONFIGS)}")
         entries = _run_single_stage(stage, args.config, args.overrides)
+        finished = True
         if _launch_rank() == 0:  # other processes hold no metric history (only the main process logs)
             console.print(summary_table(entries))
         return 0
@@ -11495,16 +11498,23 @@ def main(argv: list[str] | None = None) -> int:
         Console(stderr=True).print(advice, markup=False, highlight=False, soft_wrap=True)
         return 130
     finally:
-        _close_process_group()
+        _close_process_group(finished)
 
 
-def _close_process_group() -> None:
+def _close_process_group(finished: bool = False) -> None:
     """Close a launch's process group before the command returns. Left to interpreter shutdown, gloo's worker
     threads can be destroyed while still joinable, which aborts a process that has finished its work ('terminate
-    called without an active exception', exit -6). Only the entry point does this: a library call inside the
+    called without an active exception', exit -6). A finished run first collects garbage (objects that still hold
+    the group or tensors in flight die while the interpreter is whole) and waits at a barrier, so that no process
+    tears its connections down while another is still writing its outputs; a failed one skips the barrier, which
+    would wait for a process that may never arrive. Only the entry point does this: a library call inside the
     user's own distributed script leaves their group alone."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    if finished:
+        gc.collect()
+        torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
