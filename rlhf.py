@@ -28,6 +28,7 @@ Numbering follows ../DESIGN.md so the map and the module stay in step.
 from __future__ import annotations
 
 import ast
+import collections
 import contextlib
 import copy
 import dataclasses
@@ -159,6 +160,12 @@ class BaseConfig:
     lora_target: str = _opt("all", "Comma-separated module names for LoRA, or 'all' = every linear layer except the output head")
     additional_target: str | None = _opt(None, "Comma-separated extra modules trained in full and saved with the adapter (e.g. embed_tokens,lm_head)")
     freeze_trainable_layers: int = _opt(2, "With finetuning_type=freeze: train the last N blocks (negative: the first N)")
+    freeze_vision_tower: bool = _opt(True, "Vision-language models: the vision encoder takes no gradient (and, with "
+                                           "lora_target: all, no adapter)")
+    freeze_multi_modal_projector: bool = _opt(True, "Vision-language models: the projector from vision features to the "
+                                                    "language model (Qwen's merger, LLaVA's multi_modal_projector) takes no gradient")
+    freeze_language_model: bool = _opt(False, "Vision-language models: the language model takes no gradient (train the "
+                                              "vision side only)")
     gradient_checkpointing: bool = _opt(False, "Recompute activations in backward to save memory")
     quantization_bit: int | None = _opt(None, "QLoRA: load the base model in 4 or 8 bits through bitsandbytes and train "
                                               "adapters over it (finetuning_type lora); the reference is the quantised "
@@ -179,9 +186,16 @@ class BaseConfig:
     eval_dataset: str = _opt("", "Held-out prompts with an 'answer' (for exact-match accuracy), same syntax as dataset")
     dataset_dir: str = _opt("data", "Folder holding dataset_info.json and the files it names")
     template: str = _opt("auto", "Chat template: auto (the model's own, else 'default') or a LLaMA-Factory name: llama3 | llama2 | "
-                                 "mistral | qwen | qwen3 | qwen3_nothink | gemma | gemma3 | phi | chatml | default | empty")
+                                 "mistral | qwen | qwen3 | qwen3_nothink | gemma | gemma3 | phi | chatml | default | empty; vision-language: "
+                                 "qwen2_vl | qwen3_vl | qwen3_vl_nothink | llava")
     enable_thinking: bool | None = _opt(None, "Thinking switch of templates that have one (Qwen3): false puts an empty "
                                               "reasoning block in the prompt, so answers train without one (default: the template's own)")
+    image_max_pixels: int = _opt(768 * 768, "Vision-language data: an image larger than this (width x height) is scaled "
+                                            "down, aspect kept, before the model's image processor")
+    image_min_pixels: int = _opt(32 * 32, "Vision-language data: an image smaller than this is scaled up")
+    video_max_pixels: int = _opt(256 * 256, "Accepted for LLaMA-Factory configs; videos are not supported (a record with "
+                                            "videos is an error)")
+    media_dir: str = _opt("", "Folder that image paths in the data are relative to (default: dataset_dir)")
     cutoff_len: int = _opt(2048, "Maximum tokens per example; longer ones are truncated (or dropped if no target token survives), and counted")
     max_samples: int | None = _opt(None, "Use at most this many records from each dataset")
     val_size: float = _opt(0.0, "Hold out this share (0-1) or count (>=1) of training records for eval loss / perplexity")
@@ -862,9 +876,6 @@ LLAMAFACTORY_IGNORED: dict[str, str] = {
     "resize_vocab": "the vocabulary is never resized",
     "tokenized_path": "tokenised data is cached automatically under cache_dir",
     "mix_strategy": "datasets are concatenated",
-    "image_max_pixels": "multimodal training is not supported",
-    "video_max_pixels": "multimodal training is not supported",
-    "freeze_vision_tower": "multimodal training is not supported",
     "push_to_hub": "outputs are written to output_dir only",
     "hub_model_id": "outputs are written to output_dir only",
     "plot_only": "plots are written at the end of training when plot_loss is true",
@@ -2474,7 +2485,9 @@ def apply_lora(model: nn.Module, config: BaseConfig) -> nn.Module:
     from transformers.pytorch_utils import Conv1D
 
     available, experts = find_linear_module_names(model), find_expert_parameter_names(model)
-    if config.lora_target.strip() == "all":
+    if config.lora_target.strip() == "all" and is_vision_language(model):
+        targets, parameters = lora_target_names(model, config, available), experts
+    elif config.lora_target.strip() == "all":
         targets = [t for t in available if t not in _PEFT_REFUSED_TARGETS.get(_model_type(model), ())]
         parameters = experts
     else:
@@ -2491,7 +2504,7 @@ def apply_lora(model: nn.Module, config: BaseConfig) -> nn.Module:
         raise RLHFInputError(f"config field 'finetuning_type': OFT cannot adapt the fused expert weights "
                              f"({', '.join(parameters)}) of this mixture-of-experts model; use lora, or list the "
                              f"linear layers in lora_target")
-    logger.info("%s targets: %s%s", config.finetuning_type.upper(), ", ".join(targets) or "no linear layer",
+    logger.info("%s targets: %s%s", config.finetuning_type.upper(), ", ".join(sorted({t.rsplit(".", 1)[-1] for t in targets})) or "no linear layer",
                 f"; expert weights {', '.join(parameters)} (each expert its own low-rank update; the router stays "
                 f"frozen)" if parameters else "")
     conv1d = any(isinstance(m, Conv1D) and n.rsplit(".", 1)[-1] in targets for n, m in model.named_modules())
@@ -2593,6 +2606,7 @@ class DatasetSpec:
     ranking: bool = False
     hub: dict[str, Any] | None = None  # hf_hub_url entries: loaded with datasets.load_dataset
     hf_dir: Path | None = None  # a directory written by Dataset.save_to_disk
+    media_dir: Path | None = None  # where relative image paths are found (media_dir, else dataset_dir)
 
 
 def _files_in(path: Path) -> list[Path]:
@@ -2669,8 +2683,8 @@ DATASET_INFO_UNSUPPORTED = {  # LLaMA-Factory keys this loader cannot honour, an
     "cloud_file_name": "cloud storage is not supported; copy the file here and use file_name",
     "num_samples": "per-dataset sampling is not supported; use the config field max_samples",
 }
-DATASET_COLUMNS = {"alpaca": (*ALPACA_COLUMNS, "margin"), "sharegpt": (*SHAREGPT_COLUMNS, "margin")}
-MULTIMODAL_COLUMNS = ("images", "videos", "audios")
+DATASET_COLUMNS = {"alpaca": (*ALPACA_COLUMNS, "margin", "images"), "sharegpt": (*SHAREGPT_COLUMNS, "margin", "images")}
+MULTIMODAL_COLUMNS = ("videos", "audios")  # LLaMA-Factory's other media: not supported (images are)
 
 
 def _check_dataset_entry(info_path: Path, name: str, entry: Any) -> None:
@@ -2699,7 +2713,7 @@ def _check_dataset_entry(info_path: Path, name: str, entry: Any) -> None:
             fail(group, f"'{group}' must be an object mapping names to your file's keys")
         for key in mapping:
             if group == "columns" and key in MULTIMODAL_COLUMNS:
-                fail(key, f"column '{key}': multimodal data is not supported; train text-only records")
+                fail(key, f"column '{key}': {key} are not supported (images are); train on image or text records")
             if key not in valid:
                 fail(key, f"unknown {group[:-1]} '{key}' for {formatting} data; {did_you_mean(key, valid)}valid: "
                           f"{', '.join(valid)}")
@@ -3105,7 +3119,52 @@ def parse_record(raw: Any, spec: DatasetSpec, location: str) -> dict[str, Any]:
                             else _parse_label(verifiable, location, verifiable_key))
     margin_key = spec.columns.get("margin", "margin")
     parsed["margin"] = _parse_margin(raw.get(margin_key), location, margin_key)
+    for media in MULTIMODAL_COLUMNS:
+        if raw.get(media) not in (None, "", []):
+            raise RLHFInputError(f"{location}: field '{media}': {media} are not supported (images are); remove them")
+    images_key = spec.columns.get("images", "images")
+    parsed["images"] = _image_paths(raw.get(images_key), spec, location, images_key)
     return parsed
+
+
+def _image_paths(value: Any, spec: DatasetSpec, location: str, key: str) -> list[str]:
+    """A record's image paths (LLaMA-Factory's ``images`` column: a list of paths, or one path), each resolved
+    against media_dir / dataset_dir when it is not found as given."""
+    if value in (None, "", []):
+        return []
+    entries = [value] if isinstance(value, (str, dict)) else value
+    if not isinstance(entries, list):
+        raise RLHFInputError(f"{location}: field '{key}' must be a list of image paths, got {type(value).__name__}")
+    paths = []
+    for entry in entries:
+        path = entry.get("path") if isinstance(entry, dict) else entry
+        if not isinstance(path, str) or not path:
+            raise RLHFInputError(f"{location}: field '{key}' must list image file paths (relative to dataset_dir), "
+                                 f"got {entry!r:.60}")
+        base = spec.media_dir or (spec.files[0].parent if spec.files else Path("."))
+        candidate = Path(path).expanduser()
+        paths.append(str(candidate if candidate.is_absolute() else base / candidate))
+    return paths
+
+
+def _check_images(parsed: dict[str, Any], location: str) -> None:
+    """One image per <image> placeholder, each a readable image file (LLaMA-Factory's rule)."""
+    images, placeholders = parsed.get("images") or [], count_placeholders(parsed)
+    if placeholders != len(images):
+        raise RLHFInputError(f"{location}: the text has {placeholders} {IMAGE_PLACEHOLDER} placeholder(s) but the record "
+                             f"has {len(images)} image(s); put one {IMAGE_PLACEHOLDER} where each image belongs")
+    from PIL import Image, UnidentifiedImageError
+
+    for path in images:
+        if not Path(path).is_file():
+            raise RLHFInputError(f"{location}: image '{path}' does not exist (image paths are relative to "
+                                 f"dataset_dir, or to media_dir when set)")
+        try:
+            with Image.open(path) as image:
+                image.verify()
+        except (UnidentifiedImageError, OSError, SyntaxError) as err:
+            raise RLHFInputError(f"{location}: '{path}' is not a readable image ({_one_line(err)}); give a PNG, "
+                                 f"JPEG, WebP or another format PIL opens") from None
 
 
 def _parse_margin(value: Any, location: str, key: str) -> float | None:
@@ -3138,6 +3197,9 @@ def to_record(parsed: dict[str, Any], kind: str, location: str) -> dict[str, Any
         raise RLHFInputError(f"{location}: the answer is a function call; KTO records answer in text (tool calls "
                              f"may come earlier in the conversation), SFT records may end with one")
     record = {"system": parsed["system"], "messages": parsed["messages"], "location": location}
+    if parsed.get("images") or count_placeholders(parsed):
+        _check_images(parsed, location)
+        record["images"] = parsed["images"]
     if parsed.get("tools"):
         record["tools"] = parsed["tools"]
     if kind == "sft":
@@ -3165,7 +3227,7 @@ def to_record(parsed: dict[str, Any], kind: str, location: str) -> dict[str, Any
 
 
 def load_records(dataset: str, dataset_dir: str | os.PathLike, kind: str, *, max_samples: int | None = None,
-                 skip_invalid: bool = False) -> list[dict[str, Any]]:
+                 skip_invalid: bool = False, media_dir: str | os.PathLike | None = None) -> list[dict[str, Any]]:
     """Read every dataset named in ``dataset`` (comma-separated) into canonical records of ``kind``.
 
     Malformed records stop the run with a file:line error, unless ``skip_invalid`` — then they are
@@ -3176,6 +3238,7 @@ def load_records(dataset: str, dataset_dir: str | os.PathLike, kind: str, *, max
     records: list[dict[str, Any]] = []
     for name in [n for n in dataset.split(",") if n.strip()]:
         spec = resolve_dataset(name, dataset_dir)
+        spec.media_dir = Path(media_dir or dataset_dir)
         skipped: list[str] = []
         ties: list[str] = []
         taken = 0
@@ -3320,6 +3383,23 @@ CHAT_TEMPLATES: dict[str, str] = {
         "{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- else %}{{- eos_token }}{%- endif %}"),
 }
 CHAT_TEMPLATES["gemma3"] = CHAT_TEMPLATES["gemma"]
+# Vision-language templates. Images arrive as text: each <image> placeholder has become the model's image tokens
+# (VisionInputs.expand_record) before rendering, so these render string content. Each gives what the model's own
+# processor template gives for the same conversation with {"type": "image"} parts (tests/test_vision.py).
+CHAT_TEMPLATES["qwen2_vl"] = (  # Qwen2-VL / Qwen2.5-VL: ChatML with a default system prompt
+    "{%- if not messages or messages[0]['role'] != 'system' %}{{- '<|im_start|>system\\nYou are a helpful assistant."
+    "<|im_end|>\\n' }}{%- endif %}" + CHAT_TEMPLATES["chatml"])
+CHAT_TEMPLATES["qwen3_vl_nothink"] = CHAT_TEMPLATES["qwen3_nothink"]  # Qwen3-VL Instruct: ChatML, no default system
+CHAT_TEMPLATES["qwen3_vl"] = CHAT_TEMPLATES["qwen3"].replace(  # Qwen3-VL Thinking: the answer opens with <think>
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}",
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n' }}")
+CHAT_TEMPLATES["llava"] = (  # LLaVA-1.5 (llava-hf): 'USER: ' / 'ASSISTANT: ' turns; the end-of-sequence token after
+    # each answer, which the processor's template leaves out (a model trained without it would never stop)
+    "{%- for message in messages %}{%- if message['role'] == 'system' %}{{- message['content'] + ' ' }}"
+    "{%- elif message['role'] == 'user' %}{{- 'USER: ' + message['content'] + ' ' }}"
+    "{%- else %}{{- 'ASSISTANT: ' + message['content'] + eos_token }}{%- if not loop.last %}{{- ' ' }}{%- endif %}"
+    "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- 'ASSISTANT:' }}{%- endif %}")
 # What the named templates write of a record with tools: Qwen's write the schemas, the calls and the results, as
 # Qwen2.5's and Qwen3's own templates do; ChatML and Gemma write a tool result as a 'tool' turn (LLaMA-Factory's
 # observation); the rest write none of them (a record that has them is an error there, not a silent loss).
@@ -3334,13 +3414,16 @@ TEMPLATE_TOOL_SUPPORT: dict[str, dict[str, bool]] = {
 TEMPLATE_SPECIAL_TOKENS: dict[str, tuple[str, ...]] = {
     "chatml": ("<|im_start|>", "<|im_end|>"), "qwen": ("<|im_start|>", "<|im_end|>"),
     "qwen3": ("<|im_start|>", "<|im_end|>", "<think>", "</think>"), "qwen3_nothink": ("<|im_start|>", "<|im_end|>"),
+    "qwen2_vl": ("<|im_start|>", "<|im_end|>"), "qwen3_vl_nothink": ("<|im_start|>", "<|im_end|>"),
+    "qwen3_vl": ("<|im_start|>", "<|im_end|>", "<think>", "</think>"),
     "llama3": ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
     "gemma": ("<start_of_turn>", "<end_of_turn>"), "gemma3": ("<start_of_turn>", "<end_of_turn>"),
     "phi": ("<|user|>", "<|assistant|>", "<|end|>"),
 }
 TEMPLATE_NEEDS = {"llama3": ("bos_token",), "llama2": ("bos_token", "eos_token"), "mistral": ("bos_token", "eos_token"),
-                  "gemma": ("bos_token",), "gemma3": ("bos_token",), "phi": ("eos_token",)}
+                  "gemma": ("bos_token",), "gemma3": ("bos_token",), "phi": ("eos_token",), "llava": ("eos_token",)}
 TEMPLATE_END_MARKERS = {"chatml": "<|im_end|>", "qwen": "<|im_end|>", "qwen3": "<|im_end|>", "qwen3_nothink": "<|im_end|>",
+                        "qwen2_vl": "<|im_end|>", "qwen3_vl": "<|im_end|>", "qwen3_vl_nothink": "<|im_end|>",
                         "llama3": "<|eot_id|>", "gemma": "<end_of_turn>", "gemma3": "<end_of_turn>", "phi": "<|end|>"}
 _TURN_SENTINEL = "\ue000rlhf-turn\ue001"  # stands in for one turn's content to find where the template puts it
 
@@ -3357,8 +3440,8 @@ class ChatFormatter:
     """
 
     def __init__(self, tokenizer: Any, template: str = "auto", *, enable_thinking: bool | None = None,
-                 generation_config: Any = None) -> None:
-        self.tokenizer = tokenizer
+                 generation_config: Any = None, vision: VisionInputs | None = None) -> None:
+        self.tokenizer, self.vision = tokenizer, vision
         own = getattr(tokenizer, "chat_template", None)
         if template == "auto":
             self.name, self.source = ("tokenizer", own) if own else ("default", CHAT_TEMPLATES["default"])
@@ -3451,7 +3534,19 @@ class ChatFormatter:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
 
+    def with_images(self, record: dict[str, Any]) -> dict[str, Any]:
+        """The record with its image placeholders turned into the model's image tokens (once; a text record as
+        it is). Images for a text-only model are an error, not text."""
+        if not record.get("images") or record.get("images_expanded"):
+            return record
+        if self.vision is None:
+            raise RLHFInputError(f"{record.get('location', 'record')}: the record has images, but the model is a "
+                                 f"text-only model; use a vision-language model (tiny-vl, Qwen2-VL, Qwen2.5-VL, "
+                                 f"Qwen3-VL, LLaVA) or remove the images column")
+        return {**self.vision.expand_record(record), "images_expanded": True}
+
     def prompt_text(self, record: dict[str, Any]) -> str:
+        record = self.with_images(record)
         self._check_tools(record, record["messages"])
         return self._render(record, record["messages"], True)
 
@@ -3465,6 +3560,7 @@ class ChatFormatter:
         writes for it (its end-of-turn marker included). The text is the template's rendering of the whole
         conversation; a template whose finished conversation does not start with its own prompt (Mistral-Nemo
         drops the system prompt there) gets the prompt followed by the turn, which is what generation sees."""
+        record = self.with_images(record)
         messages, where = record["messages"], record.get("location", "record")
         answer = final if isinstance(final, dict) or final is None else {"role": "assistant", "content": final}
         turns = [*messages, *([answer] if answer else [])]
@@ -3617,11 +3713,14 @@ def _matched(text: str, expected: str) -> int:
     return shared if shared == len(expected) else expected.rfind("\n", 0, shared) + 1
 
 
-def chat_formatter(tokenizer: Any, config: BaseConfig, model: nn.Module | None = None,
+def chat_formatter(tokenizer: Any, config: BaseConfig, model: nn.Module | PolicyModel | None = None,
                    template: str | None = None) -> ChatFormatter:
-    """The stage's ChatFormatter: its template and thinking switch, and the model's generation stop tokens."""
+    """The stage's ChatFormatter: its template and thinking switch, the model's generation stop tokens, and (for a
+    vision-language PolicyModel) how its images become tokens."""
+    vision = model.vision.configure(config) if isinstance(model, PolicyModel) and model.vision is not None else None
+    model = model.model if isinstance(model, PolicyModel) else model
     return ChatFormatter(tokenizer, template or config.template, enable_thinking=config.enable_thinking,
-                         generation_config=getattr(model, "generation_config", None))
+                         generation_config=getattr(model, "generation_config", None), vision=vision)
 
 
 def truncate_example(ids: list[int], labels: list[int], cutoff_len: int) -> tuple[list[int], list[int], str]:
@@ -3681,7 +3780,7 @@ def _environment_kept(*names: str) -> Iterator[None]:
                 os.environ[name] = value
 
 
-SFT_RECORD_KEYS = ("system", "messages", "response", "response_message", "tools")  # what an SFT example's tokens come from
+SFT_RECORD_KEYS = ("system", "messages", "response", "response_message", "tools", "images")  # what an SFT example's tokens come from
 
 
 class SFTDataset(torch.utils.data.Dataset):
@@ -3700,7 +3799,8 @@ class SFTDataset(torch.utils.data.Dataset):
         self.formatter, self.cutoff_len = formatter, cutoff_len
         self.train_on_prompt, self.mask_history = train_on_prompt, mask_history
         key = _fingerprint("sft-v2", [{k: r.get(k) for k in SFT_RECORD_KEYS} for r in records],
-                           _tokenizer_fingerprint(tokenizer), formatter.source, cutoff_len, train_on_prompt, mask_history)
+                           _tokenizer_fingerprint(tokenizer), formatter.source, cutoff_len, train_on_prompt, mask_history,
+                           *([formatter.vision.fingerprint()] if formatter.vision else []))
         cache = Path(cache_dir or _default_cache_dir()) / "tokenized"
         cache.mkdir(parents=True, exist_ok=True)
         # one JSON string per record: Arrow would merge the records' nested tool calls into one schema, giving
@@ -3719,21 +3819,25 @@ class SFTDataset(torch.utils.data.Dataset):
         kept = [i for i, s in enumerate(status) if s != "dropped"]
         if not kept:
             raise RLHFInputError(f"config field 'cutoff_len' ({cutoff_len}) leaves no trainable record; raise it")
-        self.data = tokenized.select(kept).select_columns(["input_ids", "labels"])
+        self.data = tokenized.select(kept).select_columns(["input_ids", "labels", *(["images"] if formatter.vision else [])])
         self.rows: list[dict[str, list[int]]] | None = None
         if packing:
             self.rows = pack_sequences(zip(self.data["input_ids"], self.data["labels"]), cutoff_len)
             logger.info("packed %d examples into %d sequences of <= %d tokens", len(self.data), len(self.rows), cutoff_len)
 
     def _encode_batch(self, batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
-        out: dict[str, list[Any]] = {"input_ids": [], "labels": [], "status": []}
+        out: dict[str, list[Any]] = {"input_ids": [], "labels": [], "status": [], "images": []}
         for text in batch["record"]:
             record = {k: v for k, v in json.loads(text).items() if v is not None}
-            ids, labels = self.formatter.conversation(record, self.train_on_prompt, self.mask_history)
-            ids, labels, status = truncate_example(ids, labels, self.cutoff_len)
+            whole, labels = self.formatter.conversation(record, self.train_on_prompt, self.mask_history)
+            ids, labels, status = truncate_example(whole, labels, self.cutoff_len)
+            if self.formatter.vision and status == "truncated" and (self.formatter.vision.count_image_tokens(ids)
+                                                                    != self.formatter.vision.count_image_tokens(whole)):
+                ids, labels, status = [], [], "dropped"  # an image cut in part would not match its features
             out["input_ids"].append(ids)
             out["labels"].append(labels)
             out["status"].append(status)
+            out["images"].append(record.get("images") or [])
         return out
 
     def __len__(self) -> int:
@@ -3848,6 +3952,7 @@ class SFTCollator:
 
     pad_token_id: int
     pad_to_multiple_of: int | None = None
+    vision: VisionInputs | None = None  # a vision-language model's: the batch also gets the rows' pixel inputs
 
     def __call__(self, features: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
         length = max(len(f["input_ids"]) for f in features)
@@ -3863,7 +3968,10 @@ class SFTCollator:
                 batch["position_ids"].append(list(f["position_ids"]) + list(range(pad)))
             else:
                 batch["attention_mask"].append([1] * len(f["input_ids"]) + [0] * pad)
-        return {k: torch.tensor(v, dtype=torch.long) for k, v in batch.items()}
+        out = {k: torch.tensor(v, dtype=torch.long) for k, v in batch.items()}
+        if self.vision is not None:
+            out.update(self.vision.batch([f.get("images") or [] for f in features], out["input_ids"]))
+        return out
 
 
 def split_budget(prompt_len: int, response_len: int, cutoff_len: int) -> tuple[int, int]:
@@ -3922,6 +4030,10 @@ class _EncodedRecords(torch.utils.data.Dataset):
         items, statuses = [], []
         for record in records:
             item, status = self._encode(record)
+            if record.get("images") and status != "dropped":
+                item["images"] = record["images"]
+                if formatter.vision.count_image_tokens(item["prompt_ids"]) != formatter.vision.expected_tokens(record):
+                    status = "dropped"  # truncation cut into an image, whose features would no longer fit its tokens
             statuses.append(status)
             if status != "dropped":
                 items.append(item)
@@ -4199,6 +4311,7 @@ class PreferenceCollator:
     share_prompt: bool = False  # also emit the prompt (left-padded) and completions apart, for shared_prefix_log_probs
     pack_pairs: bool = False  # with share_prompt: the packed tree layout instead of the prompt/completion rows
     hidden_size: int | None = None  # the model's, for pack_rows' cost estimate (None: rows hold at most the longest pair)
+    vision: VisionInputs | None = None  # a vision-language model's: pixel inputs for both rows of each pair
 
     def __call__(self, items: list[dict[str, Any]]) -> PreferenceBatch:
         pairs = [_prompt_completion(i["prompt_ids"], i["chosen_ids"]) for i in items]
@@ -4218,6 +4331,8 @@ class PreferenceCollator:
         for key in ("margin", "ref_chosen_logps", "ref_rejected_logps"):
             if key in items[0]:
                 batch[key] = torch.tensor([i[key] for i in items], dtype=torch.float32)
+        if self.vision is not None:  # chosen rows, then rejected rows: the same images twice
+            batch.update(self.vision.batch([i.get("images") or [] for i in items] * 2, batch["input_ids"]))
         return batch
 
 
@@ -4238,6 +4353,7 @@ class KTOCollator:
     """Examples -> B (prompt, completion) rows followed by their B mismatched KL rows (see KTOBatch)."""
 
     pad_token_id: int
+    vision: VisionInputs | None = None  # a vision-language model's: pixel inputs for the rows and their KL rows
 
     def __call__(self, items: list[dict[str, Any]]) -> KTOBatch:
         rows = [_prompt_completion(i["prompt_ids"], i["completion_ids"]) for i in items]
@@ -4247,6 +4363,8 @@ class KTOCollator:
         for key in ("ref_logps", "ref_kl_logps"):
             if key in items[0]:
                 batch[key] = torch.tensor([i[key] for i in items], dtype=torch.float32)
+        if self.vision is not None:  # a KL row is its example's prompt (and images) with another completion
+            batch.update(self.vision.batch([i.get("images") or [] for i in items] * 2, batch["input_ids"]))
         return batch
 
 
@@ -4712,9 +4830,11 @@ def build_tiny_model(cache_dir: str | os.PathLike | None = None, corpus_dir: str
 
 
 def resolve_model_path(name_or_path: str, cache_dir: str | os.PathLike | None = None) -> str:
-    """'tiny' -> the embedded model's cached directory; anything else is passed to from_pretrained."""
+    """'tiny' / 'tiny-vl' -> the embedded models' cached directories; anything else is passed to from_pretrained."""
     if name_or_path == "tiny":
         return str(build_tiny_model(cache_dir))
+    if name_or_path == "tiny-vl":
+        return str(build_tiny_vl_model(cache_dir))
     return name_or_path
 
 
@@ -4753,14 +4873,26 @@ def is_quantized(model: nn.Module) -> bool:
     return bool(getattr(_innermost_model(model), "is_quantized", False))
 
 
+def _auto_model_class(path: str, trust_remote_code: bool) -> type:
+    """``AutoModelForCausalLM``, or ``AutoModelForImageTextToText`` for a vision-language model that the causal-LM
+    mapping does not take (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA: their configs nest a text and a vision config)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):
+        return AutoModelForCausalLM  # its own from_pretrained gives the error, worded as for any model
+    if type(config) in AutoModelForCausalLM._model_mapping or getattr(config, "vision_config", None) is None:
+        return AutoModelForCausalLM
+    return AutoModelForImageTextToText
+
+
 def load_causal_lm(path: str, *, dtype: str | torch.dtype = "float32", attn_implementation: str = "auto",
                    trust_remote_code: bool = False, device: torch.device | str = "cpu",
                    quantization: Any = None, field: str = "model_name_or_path") -> tuple[nn.Module, str]:
     """``AutoModelForCausalLM`` with the best attention backend this model and device support; ``quantization``
     (``quantization_config``) loads its linear layers quantised, on ``device``. ``field``: the config field that
     named ``path``, for error messages."""
-    from transformers import AutoModelForCausalLM
-
     if _names_a_local_path(path) and not Path(path).expanduser().exists():
         raise RLHFInputError(f"config field '{field}': '{path}' does not exist; give a saved model "
                              f"directory (check the path and the working directory {os.getcwd()}) or 'tiny'")
@@ -4769,11 +4901,12 @@ def load_causal_lm(path: str, *, dtype: str | torch.dtype = "float32", attn_impl
                              f"a Hugging Face model; point it at a saved model (or an adapter) or use 'tiny'")
     implementation, reason = select_attention_implementation(attn_implementation, device)
     kwargs = dict(dtype=_torch_dtype(dtype), trust_remote_code=trust_remote_code)
+    auto_class = _auto_model_class(path, trust_remote_code)
     if quantization is not None:
         kwargs.update(quantization_config=quantization, device_map={"": torch.device(device)})
     try:
         try:
-            model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=implementation, **kwargs)
+            model = auto_class.from_pretrained(path, attn_implementation=implementation, **kwargs)
         except (ValueError, ImportError) as err:
             refusal = _remote_code_error(path, err)
             if refusal is not None:
@@ -4782,7 +4915,7 @@ def load_causal_lm(path: str, *, dtype: str | torch.dtype = "float32", attn_impl
                 raise
             reason = f"{implementation} unsupported by this model ({str(err).splitlines()[0][:80]})"
             implementation = "eager"
-            model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=implementation, **kwargs)
+            model = auto_class.from_pretrained(path, attn_implementation=implementation, **kwargs)
     except OSError as err:
         raise RLHFInputError(f"config field '{field}': cannot load '{path}' ({str(err).splitlines()[0][:160]}); "
                              f"give a local Hugging Face model directory or 'tiny'") from None
@@ -4794,15 +4927,271 @@ def load_causal_lm(path: str, *, dtype: str | torch.dtype = "float32", attn_impl
     return model, implementation
 
 
+# ---- Vision-language models: images in, the model's image tokens and pixel inputs out ----
+# LLaMA-Factory's multimodal records put an "<image>" placeholder in the text for each entry of "images". Before the
+# chat template renders a record, each placeholder becomes the tokens the model's processor would write for that
+# image (Qwen2/2.5/3-VL: <|vision_start|> + one <|image_pad|> per merged patch + <|vision_end|>; LLaVA: one <image>
+# per vision feature), so the ChatFormatter and every loss mask work on text as before; the collator then adds the
+# pixel inputs the model's forward takes. The stock Qwen processors cannot be built without torchvision (their video
+# processor needs it), so the expansion is done here from the image processor, as LLaMA-Factory's mm_plugin does.
+
+IMAGE_PLACEHOLDER = "<image>"
+VISION_KEYS = ("pixel_values", "image_grid_thw", "mm_token_type_ids")  # batch keys a vision-language forward takes
+# module-name pieces of each part of a vision-language model (LLaMA-Factory's visual.py keys, matched as substrings)
+VISION_TOWER_KEYS = ("visual.patch_embed", "visual.pos_embed", "visual.blocks", "visual.deepstack_merger_list",
+                     "vision_tower")
+PROJECTOR_KEYS = ("visual.merger", "multi_modal_projector")
+LANGUAGE_MODEL_KEYS = ("language_model", "lm_head")
+
+
+def text_config(model: nn.Module) -> Any:
+    """The language model's config: the model's own, or a vision-language model's text config (whose top level has no
+    hidden_size or vocab_size)."""
+    config = _innermost_model(model).config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def is_vision_language(model: nn.Module) -> bool:
+    return getattr(getattr(_innermost_model(model), "config", None), "vision_config", None) is not None
+
+
+def vision_kwargs(batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The pixel inputs of a batch (none for a text batch)."""
+    return {key: batch[key] for key in VISION_KEYS if key in batch}
+
+
+def count_placeholders(record: dict[str, Any]) -> int:
+    texts = [m.get("content") or "" for m in record.get("messages", [])]
+    texts += [record.get(key) or "" for key in ("response", "chosen", "rejected")]
+    return sum(text.count(IMAGE_PLACEHOLDER) for text in texts if isinstance(text, str))
+
+
+def open_image(path: str, location: str = "record") -> Any:
+    """An image file as an RGB PIL image; a missing or unreadable file is one line naming the record."""
+    from PIL import Image, UnidentifiedImageError
+
+    if not Path(path).is_file():
+        raise RLHFInputError(f"{location}: image '{path}' does not exist (image paths are relative to dataset_dir, "
+                             f"or to media_dir when set)")
+    try:
+        with Image.open(path) as image:
+            image.load()
+            return image.convert("RGB")
+    except (UnidentifiedImageError, OSError, SyntaxError) as err:
+        raise RLHFInputError(f"{location}: '{path}' is not a readable image ({_one_line(err)}); give a PNG, JPEG, "
+                             f"WebP or another format PIL opens") from None
+
+
+def fit_pixels(image: Any, max_pixels: int, min_pixels: int) -> Any:
+    """Scale an image (aspect kept) so that its area lies within [min_pixels, max_pixels] (LLaMA-Factory's
+    image_max_pixels / image_min_pixels, applied before the model's own processor)."""
+    area = image.width * image.height
+    if area > max_pixels or area < min_pixels:
+        factor = math.sqrt((max_pixels if area > max_pixels else min_pixels) / area)
+        image = image.resize((max(1, int(image.width * factor)), max(1, int(image.height * factor))))
+    return image
+
+
+class VisionInputs:
+    """How one vision-language model takes images: the text each image placeholder becomes, and the pixel inputs of
+    a batch. Families: ``qwen`` (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: patches of any image size, M-RoPE positions from
+    ``image_grid_thw`` and ``mm_token_type_ids``) and ``llava`` (a fixed-size image, a fixed number of features).
+    Encoded images are kept (by path) so that an image seen every epoch, or by chosen and rejected, is encoded once."""
+
+    def __init__(self, config: Any, image_processor: Any, tokenizer: Any, *, max_pixels: int = 768 * 768,
+                 min_pixels: int = 32 * 32, cache_size: int = 4096) -> None:
+        self.image_processor, self.max_pixels, self.min_pixels = image_processor, max_pixels, min_pixels
+        self.image_token_id = getattr(config, "image_token_id", None)
+        if self.image_token_id is None:
+            self.image_token_id = config.image_token_index
+        self.image_token = tokenizer.convert_ids_to_tokens(self.image_token_id)
+        self.family = "qwen" if getattr(config, "vision_start_token_id", None) is not None else "llava"
+        if self.family == "qwen":
+            self.start = tokenizer.convert_ids_to_tokens(config.vision_start_token_id)
+            self.end = tokenizer.convert_ids_to_tokens(config.vision_end_token_id)
+            self.merge = int(image_processor.merge_size)
+        else:  # LLaVA: the processor resizes to the tower's size; CLS is kept only by the 'full' strategy
+            vision = config.vision_config
+            extra = 1 if getattr(config, "vision_feature_select_strategy", "default") == "full" else 0
+            self.llava_tokens = (vision.image_size // vision.patch_size) ** 2 + extra
+        self._cache: collections.OrderedDict[str, tuple[torch.Tensor, torch.Tensor | None]] = collections.OrderedDict()
+        self._cache_size = cache_size
+
+    def configure(self, config: BaseConfig) -> VisionInputs:
+        self.max_pixels, self.min_pixels = config.image_max_pixels, config.image_min_pixels
+        self._cache.clear()
+        return self
+
+    def fingerprint(self) -> str:
+        processor = self.image_processor.to_dict() if hasattr(self.image_processor, "to_dict") else repr(self.image_processor)
+        return _fingerprint(self.family, self.image_token, self.max_pixels, self.min_pixels, json.dumps(processor, sort_keys=True, default=str))
+
+    def encode(self, path: str, location: str = "record") -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(pixel_values, image_grid_thw or None) of one image file, as the model's processor gives them."""
+        if path in self._cache:
+            self._cache.move_to_end(path)
+            return self._cache[path]
+        image = fit_pixels(open_image(path, location), self.max_pixels, self.min_pixels)
+        if self.family == "qwen" and max(image.width, image.height) > 200 * min(image.width, image.height):
+            raise RLHFInputError(f"{location}: image '{path}' is {image.width}x{image.height}; Qwen-VL models take an "
+                                 f"aspect ratio of at most 200, so crop or pad it")
+        out = self.image_processor(images=[image], return_tensors="pt")
+        encoded = (out["pixel_values"], out.get("image_grid_thw"))
+        self._cache[path] = encoded
+        if len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return encoded
+
+    def tokens_text(self, path: str, location: str = "record") -> str:
+        """What one image placeholder becomes in the text."""
+        if self.family == "llava":
+            return self.image_token * self.llava_tokens + "\n"  # LLaVA's own template puts a newline after the image
+        grid = self.encode(path, location)[1]
+        return self.start + self.image_token * (int(grid.prod()) // self.merge ** 2) + self.end
+
+    def expand_record(self, record: dict[str, Any]) -> dict[str, Any]:
+        """The record with each image placeholder replaced by its image's tokens, in order of appearance."""
+        images = iter(record.get("images") or [])
+        location = record.get("location", "record")
+
+        def expand(text: str) -> str:  # split first: LLaVA's image token is the placeholder itself
+            pieces = text.split(IMAGE_PLACEHOLDER)
+            return pieces[0] + "".join(self.tokens_text(next(images), location) + piece for piece in pieces[1:])
+
+        def images_first(text: str) -> str:  # LLaVA's processor template writes a turn's images before its text
+            return IMAGE_PLACEHOLDER * text.count(IMAGE_PLACEHOLDER) + text.replace(IMAGE_PLACEHOLDER, "")
+
+        expanded = dict(record)
+        order = images_first if self.family == "llava" else (lambda text: text)
+        expanded["messages"] = [{**m, "content": expand(order(m["content"]))} if isinstance(m.get("content"), str) else m
+                                for m in record["messages"]]
+        for key in ("response", "chosen", "rejected"):
+            if isinstance(record.get(key), str):
+                expanded[key] = expand(record[key])
+        return expanded
+
+    def count_image_tokens(self, ids: Sequence[int]) -> int:
+        return sum(token == self.image_token_id for token in ids)
+
+    def expected_tokens(self, record: dict[str, Any]) -> int:
+        """Image tokens the record's images take in its prompt."""
+        return sum(self.tokens_text(path, record.get("location", "record")).count(self.image_token)
+                   for path in record.get("images") or [])
+
+    def batch(self, images: Sequence[Sequence[str]], input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The pixel inputs of a batch whose rows carry ``images`` (one list of paths per row, in row order)."""
+        paths = [path for row in images for path in row]
+        if not paths:
+            return {}
+        encoded = [self.encode(path) for path in paths]
+        out = {"pixel_values": torch.cat([pixels for pixels, _ in encoded])}
+        if self.family == "qwen":
+            out["image_grid_thw"] = torch.cat([grid for _, grid in encoded])
+            out["mm_token_type_ids"] = (input_ids == self.image_token_id).long()
+        return out
+
+
+def load_vision_inputs(model: nn.Module, tokenizer: Any, path: str, trust_remote_code: bool = False) -> VisionInputs | None:
+    """The VisionInputs of a vision-language model (None for a text model), with its image processor from ``path``:
+    the PIL implementation, which needs no torchvision."""
+    if not is_vision_language(model):
+        return None
+    from transformers import AutoImageProcessor
+
+    try:
+        processor = AutoImageProcessor.from_pretrained(path, backend="pil", trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise RLHFInputError(f"{path} is a vision-language model without a readable image processor "
+                             f"(preprocessor_config.json or processor_config.json): {_one_line(err)}") from None
+    return VisionInputs(_innermost_model(model).config, processor, tokenizer)
+
+
+def set_trainable_parts(model: nn.Module, config: BaseConfig) -> None:
+    """``freeze_vision_tower``, ``freeze_multi_modal_projector`` and ``freeze_language_model`` (LLaMA-Factory's
+    switches): the frozen parts' parameters take no gradient. Runs after the finetuning type, so that it also
+    freezes what full or freeze training left trainable."""
+    frozen = ((VISION_TOWER_KEYS if config.freeze_vision_tower else ())
+              + (PROJECTOR_KEYS if config.freeze_multi_modal_projector else ())
+              + (LANGUAGE_MODEL_KEYS if config.freeze_language_model else ()))
+    for name, parameter in model.named_parameters():
+        if any(key in name for key in frozen):
+            parameter.requires_grad_(False)
+
+
+def lora_target_names(model: nn.Module, config: BaseConfig, short_names: list[str]) -> list[str]:
+    """``lora_target: all`` on a vision-language model: every linear layer of the parts that train, named in full,
+    so that the vision tower (and the projector) get no adapter unless their freeze switch is off; the patch
+    embedding never does (LLaMA-Factory's rule)."""
+    skipped = ((VISION_TOWER_KEYS if config.freeze_vision_tower else ())
+               + (PROJECTOR_KEYS if config.freeze_multi_modal_projector else ())
+               + (LANGUAGE_MODEL_KEYS if config.freeze_language_model else ()) + ("patch_embed", "lm_head"))
+    return [name for name, module in model.named_modules()
+            if _is_linear(module) and name.rsplit(".", 1)[-1] in short_names and not any(k in name for k in skipped)]
+
+
+TINY_VL_VISION = {"depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4, "patch_size": 8,
+                  "spatial_merge_size": 2, "temporal_patch_size": 2, "num_position_embeddings": 64,
+                  "deepstack_visual_indexes": []}
+TINY_VL_SPECIAL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>", "<think>", "</think>"]
+
+
+def build_tiny_vl_model(cache_dir: str | os.PathLike | None = None, seed: int = 0) -> Path:
+    """The embedded vision-language model, ``tiny-vl``: a small Qwen3-VL (the tiny model's language settings, a
+    2-block vision tower of 8-pixel patches merged 2x2, so a 64x64 image is 16 tokens), the tiny tokenizer with
+    Qwen's vision tokens added, and Qwen's image processor (PIL). Built offline, cached like ``tiny``."""
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer, Qwen2VLImageProcessorPil
+
+    text_dir = build_tiny_model(cache_dir)
+    key = _fingerprint("tiny-vl-v1", text_dir.name, TINY_VL_VISION, seed)
+    target = Path(cache_dir or _default_cache_dir()) / f"tiny-qwen3-vl-{key}"
+    if (target / "config.json").exists():
+        return target
+    tokenizer = AutoTokenizer.from_pretrained(text_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": TINY_VL_SPECIAL_TOKENS})
+    tokenizer.chat_template = CHAT_TEMPLATES["qwen3_vl_nothink"]
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in
+           (("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"),
+            ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"))}
+    hidden = TINY_MODEL_SETTINGS["hidden_size"]
+    head_dim = hidden // TINY_MODEL_SETTINGS["num_attention_heads"]
+    text = {**TINY_MODEL_SETTINGS, "vocab_size": len(tokenizer), "head_dim": head_dim,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                "mrope_section": [head_dim // 4, head_dim // 8, head_dim // 8], "mrope_interleaved": True},
+            "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id}
+    config = AutoConfig.for_model("qwen3_vl", text_config=text, vision_config={**TINY_VL_VISION, "out_hidden_size": hidden},
+                                  tie_word_embeddings=True, **ids)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = AutoModelForImageTextToText.from_config(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    processor = Qwen2VLImageProcessorPil(patch_size=TINY_VL_VISION["patch_size"], merge_size=TINY_VL_VISION["spatial_merge_size"],
+                                         temporal_patch_size=TINY_VL_VISION["temporal_patch_size"],
+                                         min_pixels=16 * 16, max_pixels=64 * 64, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    tmp = target.with_name(f".tmp-{target.name}-{uuid.uuid4().hex[:8]}")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    processor.save_pretrained(tmp)
+    try:
+        os.rename(tmp, target)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("built the embedded tiny-vl model (%s parameters) at %s", f"{model.num_parameters():,}", target)
+    return target
+
+
 class PolicyModel(nn.Module):
     """A causal LM (any ``AutoModelForCausalLM`` architecture, optionally with a PEFT adapter) plus its
     tokenizer: what every stage trains, generates from and saves."""
 
-    def __init__(self, model: nn.Module, tokenizer: Any, attn_implementation: str = "eager") -> None:
+    def __init__(self, model: nn.Module, tokenizer: Any, attn_implementation: str = "eager",
+                 vision: VisionInputs | None = None) -> None:
         super().__init__()
         self.model = model
         self.tokenizer = tokenizer
         self.attn_implementation = attn_implementation
+        self.vision = vision  # a vision-language model's image handling (None: a text model)
         self.rollout_engine: Any = None  # a vLLM engine holding these weights: generate() samples with it
 
     @classmethod
@@ -4830,7 +5219,8 @@ class PolicyModel(nn.Module):
         tokenizer_path = path if (Path(path) / "tokenizer_config.json").exists() or not Path(path).exists() else base_path
         if quantization is None:  # a quantised model was placed by its device_map and refuses .to()
             model = model.to(device)
-        return cls(model, load_tokenizer(tokenizer_path, trust_remote_code), implementation)
+        tokenizer = load_tokenizer(tokenizer_path, trust_remote_code)
+        return cls(model, tokenizer, implementation, load_vision_inputs(model, tokenizer, tokenizer_path, trust_remote_code))
 
     @property
     def device(self) -> torch.device:
@@ -4852,20 +5242,22 @@ class PolicyModel(nn.Module):
         return self
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> Any:
-        kwargs = {"attention_mask": attention_mask, "use_cache": False}
+                position_ids: torch.Tensor | None = None, **vision: torch.Tensor) -> Any:
+        """``vision``: a vision-language batch's pixel inputs (``vision_kwargs``)."""
+        kwargs = {"attention_mask": attention_mask, "use_cache": False, **vision}
         if position_ids is not None:  # packed rows; models without positions (Mamba) never get them
             kwargs["position_ids"] = position_ids
         return self.model(input_ids=input_ids, **kwargs)
 
     def compute_log_probs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                           labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                          temperature: float = 1.0) -> LogProbs:
+                          temperature: float = 1.0, **vision: torch.Tensor) -> LogProbs:
         """Log-probs of the completion tokens: those whose ``labels`` are not IGNORE_INDEX (all real
-        tokens after the first when ``labels`` is None).
+        tokens after the first when ``labels`` is None); ``vision``: the rows' pixel inputs (``vision_kwargs``).
         Shapes: input_ids, attention_mask, labels (B, T) -> LogProbs(per_token (B, T-1), summed (B), lengths (B))."""
         head = OutputHead.of(self.model)
-        scores, _ = head.scores(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+        scores, _ = head.scores(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                **vision)
         if labels is None:
             labels = input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX) if attention_mask is not None else input_ids
         mask = labels[:, 1:] != IGNORE_INDEX  # (B, T-1): target t+1 is predicted at position t
@@ -4875,17 +5267,23 @@ class PolicyModel(nn.Module):
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int = 64, do_sample: bool = False,
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                 stop_token_ids: list[int] | None = None, batch_size: int = 32, synced: bool = False) -> list[list[int]]:
+                 stop_token_ids: list[int] | None = None, batch_size: int = 32, synced: bool = False,
+                 images: Sequence[Sequence[str]] | None = None) -> list[list[int]]:
         """Complete token-id prompts with the generation engine (inference_optimizations.generate);
         returns each completion's ids, ending with its stop token if it produced one. ``synced``: the
         weights are sharded across processes, which then call this with as many prompts and decode in
-        lockstep (see ``inference_optimizations.generate``)."""
+        lockstep (see ``inference_optimizations.generate``). ``images``: each prompt's image paths (a
+        vision-language model; its prompts hold the images' tokens), generated with Hugging Face ``generate``."""
         from inference_optimizations import SamplingParams
         from inference_optimizations import generate as generate_tokens
 
         stop = tuple(stop_token_ids or [self.tokenizer.eos_token_id])
         params = SamplingParams(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
                                 top_p=top_p, top_k=top_k, stop_token_ids=stop)
+        if images is not None and any(images):
+            if self.vision is None:
+                raise RLHFInputError("prompts with images need a vision-language model; this one is text-only")
+            return self._generate_with_images(prompts, images, params, batch_size, synced)
         if self.rollout_engine is not None:  # vLLM holding this policy's weights (use_vllm): it batches by itself
             return self.rollout_engine.generate(prompts, params).token_ids
         was_training = self.model.training
@@ -4901,6 +5299,31 @@ class PolicyModel(nn.Module):
         self.model.train(was_training)
         return results
 
+    def _generate_with_images(self, prompts: list[list[int]], images: Sequence[Sequence[str]], params: Any,
+                              batch_size: int, synced: bool) -> list[list[int]]:
+        """Hugging Face ``generate`` over left-padded prompts with their pixel inputs (our engine's KV cache and
+        compiled step know no image features or M-RoPE positions); each completion is cut after its first stop."""
+        was_training = self.model.training
+        self.model.eval()
+        pad = self.tokenizer.pad_token_id
+        sampling = dict(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or None) \
+            if params.do_sample else dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+        results: list[list[int]] = []
+        for start in range(0, len(prompts), batch_size):
+            chunk, chunk_images = prompts[start:start + batch_size], images[start:start + batch_size]
+            width = max(len(p) for p in chunk)
+            ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in chunk], device=self.device)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=self.device)
+            vision = {k: v.to(self.device) for k, v in self.vision.batch(chunk_images, ids).items()}
+            out = self.model.generate(input_ids=ids, attention_mask=mask, **vision, max_new_tokens=params.max_new_tokens,
+                                      eos_token_id=list(params.stop_token_ids), pad_token_id=pad,
+                                      synced_gpus=synced, **sampling)
+            for row in out[:, width:].tolist():
+                cut = next((i + 1 for i, token in enumerate(row) if token in params.stop_token_ids), len(row))
+                results.append(row[:cut])
+        self.model.train(was_training)
+        return results
+
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
@@ -4912,6 +5335,8 @@ class PolicyModel(nn.Module):
         model = self.model._orig_mod if hasattr(self.model, "_orig_mod") else self.model  # unwrap torch.compile
         model.save_pretrained(directory, **({"state_dict": state_dict} if state_dict is not None else {}))
         self.tokenizer.save_pretrained(directory)
+        if self.vision is not None:  # so that the output loads with AutoImageProcessor / AutoProcessor
+            self.vision.image_processor.save_pretrained(directory)
 
 
 def state_under(state: dict[str, torch.Tensor] | None, prefix: str) -> dict[str, torch.Tensor] | None:
@@ -5366,9 +5791,10 @@ class ReferenceModel:
         return self
 
     @torch.no_grad()
-    def compute_log_probs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> LogProbs:
+    def compute_log_probs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor,
+                          **vision: torch.Tensor) -> LogProbs:
         with self._frozen():
-            return self.model.compute_log_probs(input_ids, attention_mask, labels)
+            return self.model.compute_log_probs(input_ids, attention_mask, labels, **vision)
 
     @torch.no_grad()
     def shared_prefix_log_probs(self, batch: PreferenceBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -5698,7 +6124,7 @@ def create_reference_model(config: BaseConfig, policy: PolicyModel) -> Reference
     if config.finetuning_type in ("lora", "oft") and not policy.is_peft:
         return ReferenceModel(policy, disable_adapter=True)  # the adapter is added by prepare_for_training
     # full / freeze training, or continuing an existing adapter: the start must be kept as it is
-    frozen = PolicyModel(copy.deepcopy(policy.model).requires_grad_(False).eval(), policy.tokenizer)
+    frozen = PolicyModel(copy.deepcopy(policy.model).requires_grad_(False).eval(), policy.tokenizer, vision=policy.vision)
     return ReferenceModel(frozen)
 
 
@@ -5716,6 +6142,8 @@ def _prepare_backbone(model: nn.Module, config: BaseConfig) -> nn.Module:
         model = apply_lora(model, config)
     elif config.finetuning_type == "freeze":
         apply_freeze(model, config.freeze_trainable_layers)
+    if is_vision_language(model):
+        set_trainable_parts(model, config)
     if config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if hasattr(model, "peft_config"):
@@ -7056,7 +7484,7 @@ class BaseTrainer(CheckpointingMixin):
         self.train_dataset = train_dataset
         self.eval_dataset = eval_dataset
         self.output_dir = Path(config.output_dir)
-        self.collator = collator or SFTCollator(policy.tokenizer.pad_token_id)
+        self.collator = collator or SFTCollator(policy.tokenizer.pad_token_id, vision=policy.vision)
         self.global_step = 0
         self.micro_batches_done = 0
         self.nonfinite_in_a_row, self.skipped_steps = 0, 0
@@ -7406,7 +7834,7 @@ class BaseTrainer(CheckpointingMixin):
         started = time.time()
         records = load_records(config.ewc_dataset, config.dataset_dir, "sft", max_samples=config.ewc_samples,
                                skip_invalid=config.skip_invalid_records)
-        formatter = chat_formatter(self.policy.tokenizer, config, self.policy.model)
+        formatter = chat_formatter(self.policy.tokenizer, config, self.policy)
         examples = SFTDataset(records, self.policy.tokenizer, formatter, cutoff_len=config.cutoff_len,
                               cache_dir=config.cache_dir)
         collate = SFTCollator(self.policy.tokenizer.pad_token_id)
@@ -7431,7 +7859,7 @@ class BaseTrainer(CheckpointingMixin):
         tokens (``saved_as_trained``)."""
         model = self.devices.unwrap(self.policy.model)
         with saved_as_trained(model, self.policy.tokenizer, getattr(self, "formatter", None)):
-            PolicyModel(model, self.policy.tokenizer).save_pretrained(directory, state_under(self.gathered_weights,
+            PolicyModel(model, self.policy.tokenizer, vision=self.policy.vision).save_pretrained(directory, state_under(self.gathered_weights,
                                                                                              self.policy_prefix))
 
     def _load_model(self, directory: Path) -> None:
@@ -7446,9 +7874,10 @@ def _exact_match_counts(policy: PolicyModel, formatter: ChatFormatter, records: 
                         synced: bool = False) -> list[float]:
     """(correct answers, answers with the Answer: line, completion tokens) over ``records``; the ``filler``
     prompts are answered too (lockstep) and not counted."""
-    completions = policy.generate([formatter.prompt_ids(r) for r in [*records, *filler]], max_new_tokens=max_new_tokens,
-                                  stop_token_ids=formatter.stop_token_ids, batch_size=batch_size,
-                                  synced=synced)[:len(records)]
+    prompts = [*records, *filler]
+    completions = policy.generate([formatter.prompt_ids(r) for r in prompts], max_new_tokens=max_new_tokens,
+                                  stop_token_ids=formatter.stop_token_ids, batch_size=batch_size, synced=synced,
+                                  images=[r.get("images") or [] for r in prompts])[:len(records)]
     return _exact_match_tally(policy, records, completions)
 
 
@@ -7542,6 +7971,7 @@ def read_stage_records(config: BaseConfig, kind: str
                        ) -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]], list[dict[str, Any]]]:
     """(training, validation, held-out prompt) records of ``kind`` for one stage; see read_sft_records."""
     eval_records = load_records(config.eval_dataset, config.dataset_dir, "prompt", max_samples=config.max_samples,
+                                 media_dir=config.media_dir or None,
                                 skip_invalid=config.skip_invalid_records) if config.eval_dataset else []
     # warn only: a pipeline's eval_dataset also feeds the eval stage, where prompts need no answers
     _check_answers(eval_records, "eval_dataset", config.eval_dataset, "exact-match accuracy", required=False)
@@ -7558,10 +7988,10 @@ def read_stage_records(config: BaseConfig, kind: str
             raise RLHFInputError(f"config field 'val_size' ({config.val_size}): a stream has no known length, so "
                                  f"give a record count (e.g. val_size=200), not a fraction")
         # as in LLaMA-Factory: the stream's first val_size records are the validation set, training skips them
-        val_records = load_records(names[0], config.dataset_dir, kind, max_samples=int(config.val_size),
+        val_records = load_records(names[0], config.dataset_dir, kind, max_samples=int(config.val_size), media_dir=config.media_dir or None,
                                    skip_invalid=config.skip_invalid_records)
         return None, val_records, eval_records
-    records = load_records(config.dataset, config.dataset_dir, kind, max_samples=config.max_samples,
+    records = load_records(config.dataset, config.dataset_dir, kind, max_samples=config.max_samples, media_dir=config.media_dir or None,
                            skip_invalid=config.skip_invalid_records)
     train_records, val_records = _split_validation(records, config.val_size, config.seed, config.val_split_by_prompt)
     return train_records, val_records, eval_records
@@ -7710,7 +8140,7 @@ class SFTTrainer(BaseTrainer):
                  devices: DeviceManager | None = None) -> None:
         super().__init__(config, policy, train_dataset, eval_dataset=eval_dataset, devices=devices)
         self.eval_records = eval_records or []
-        self.formatter = formatter or chat_formatter(policy.tokenizer, config, policy.model)
+        self.formatter = formatter or chat_formatter(policy.tokenizer, config, policy)
 
     def loss_units(self, batch: dict[str, torch.Tensor]) -> int:
         return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
@@ -7721,7 +8151,7 @@ class SFTTrainer(BaseTrainer):
     def _loss_sum(self, policy: PolicyModel, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
         head = OutputHead.of(self.policy)
         scores, _ = head.scores(policy, input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
-                                position_ids=batch.get("position_ids"))
+                                position_ids=batch.get("position_ids"), **vision_kwargs(batch))
         return causal_lm_loss_with(head, scores, batch["labels"])
 
     @torch.no_grad()
@@ -7784,7 +8214,7 @@ def train_sft(config: SFTConfig, devices: DeviceManager | None = None) -> TrainR
     records, devices = _start_stage(config, devices)
     policy = _load_policy(config, devices.device)
     _check_packing_supported(policy, config)
-    formatter = chat_formatter(policy.tokenizer, config, policy.model)
+    formatter = chat_formatter(policy.tokenizer, config, policy)
     train, validation, eval_records = build_sft_data(config, policy.tokenizer, formatter, devices, records)
     trainer = SFTTrainer(config, policy, train, eval_dataset=validation, eval_records=eval_records,
                          formatter=formatter, devices=devices)
@@ -8075,7 +8505,8 @@ def _completion_forward(policy: PolicyModel, batch: PreferenceBatch, ld_alpha: f
         return PolicyLogProbs(sequence_log_probs(per_token, mask, ld_alpha), per_token.sum(-1) / lengths, lengths,
                               mean_logits)
     head = OutputHead.of(policy)
-    scores, _ = head.scores(policy, input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    scores, _ = head.scores(policy, input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                            **vision_kwargs(batch))
     scores = scores[:, :-1]
     mask = batch["labels"][:, 1:] != IGNORE_INDEX  # (2B, T-1)
     per_token = head.log_probs(scores, batch["input_ids"][:, 1:]) * mask
@@ -8089,7 +8520,7 @@ def _reference_logps(reference: ReferenceModel, batch: PreferenceBatch, ld_alpha
     if "completion_input_ids" in batch:
         per_token, mask = reference.shared_prefix_log_probs(batch)
         return sequence_log_probs(per_token, mask, ld_alpha).detach()
-    out = reference.compute_log_probs(batch["input_ids"], batch["attention_mask"], batch["labels"])
+    out = reference.compute_log_probs(batch["input_ids"], batch["attention_mask"], batch["labels"], **vision_kwargs(batch))
     mask = batch["labels"][:, 1:] != IGNORE_INDEX
     return sequence_log_probs(out.per_token, mask, ld_alpha).detach()
 
@@ -8191,7 +8622,7 @@ def _train_policy_stage(config: BaseConfig, devices: DeviceManager | None, train
                         ) -> TrainResult:
     records, devices = _start_stage(config, devices)
     policy = _load_policy(config, devices.device)
-    formatter = chat_formatter(policy.tokenizer, config, policy.model)
+    formatter = chat_formatter(policy.tokenizer, config, policy)
     train, validation, eval_records = _preference_datasets(config, records, policy.tokenizer, formatter, devices)
     reference = create_reference_model(config, policy)
     return trainer_class(config, policy, train, eval_dataset=validation, reference=reference, eval_records=eval_records,
@@ -8220,19 +8651,22 @@ class DPOTrainer(_ReferenceTrainer):
                  formatter: ChatFormatter | None = None, devices: DeviceManager | None = None) -> None:
         self.stage = config.stage
         self.eval_records = eval_records or []
-        self.formatter = formatter or chat_formatter(policy.tokenizer, config, policy.model)
+        self.formatter = formatter or chat_formatter(policy.tokenizer, config, policy)
         self.bco_delta = 0.0  # BCO's running mean reward (Jung et al. 2024 sec. 3.2)
         self.bco_count = 0
         if config.uses_reference and reference is None:
             raise RLHFInputError(f"pref_loss={config.pref_loss} needs a reference model; pass one "
                                  f"(see create_reference_model) or use orpo / simpo")
         # the packed layout needs no KV cache, so unlike the prompt/completion rows it runs under gradient checkpointing
-        pack = config.share_prompt and config.padding_free and can_pack_pairs(policy.model)
-        share = pack or (config.share_prompt and not config.gradient_checkpointing
+        # a vision-language model takes its pixel inputs with the whole rows (its image features replace the prompt's
+        # image tokens inside the forward), so its pairs run as plain concatenated rows
+        text_only = policy.vision is None
+        pack = text_only and config.share_prompt and config.padding_free and can_pack_pairs(policy.model)
+        share = pack or (text_only and config.share_prompt and not config.gradient_checkpointing
                          and policy.model.config.model_type not in PREFIX_SHARING_EXCLUDED)
         super().__init__(config, policy, train_dataset, eval_dataset=eval_dataset, devices=devices,
                          collator=PreferenceCollator(policy.tokenizer.pad_token_id, share_prompt=share, pack_pairs=pack,
-                                                     hidden_size=getattr(policy.model.config, "hidden_size", None)))
+                                                     hidden_size=text_config(policy.model).hidden_size, vision=policy.vision))
         self._setup_reference(reference if config.uses_reference else None, [train_dataset, eval_dataset])
 
     def loss_units(self, batch: PreferenceBatch) -> int:
@@ -8334,9 +8768,9 @@ class KTOTrainer(_ReferenceTrainer):
         if reference is None:
             raise RLHFInputError("KTO needs a reference model (see create_reference_model)")
         self.eval_records = eval_records or []
-        self.formatter = formatter or chat_formatter(policy.tokenizer, config, policy.model)
+        self.formatter = formatter or chat_formatter(policy.tokenizer, config, policy)
         super().__init__(config, policy, train_dataset, eval_dataset=eval_dataset, devices=devices,
-                         collator=KTOCollator(policy.tokenizer.pad_token_id))
+                         collator=KTOCollator(policy.tokenizer.pad_token_id, vision=policy.vision))
         self._setup_reference(reference, [train_dataset, eval_dataset])
 
     def loss_units(self, batch: KTOBatch) -> int:
@@ -8472,7 +8906,7 @@ class _OnlineRLTrainer(_ReferenceTrainer):
             raise RLHFInputError(f"{config.stage} needs a reference model here (see create_reference_model)"
                                  + (", or set beta=0" if isinstance(config, GRPOConfig) else ""))
         self.eval_records = eval_records or []
-        self.formatter = formatter or chat_formatter(policy.tokenizer, config, policy.model)
+        self.formatter = formatter or chat_formatter(policy.tokenizer, config, policy)
         self.reward_fn = reward_fn
         self.normalizer = RunningRewardNormalizer() if self._normalise_rewards(config) else None
         self.rollout_metrics: dict[str, float] = {}
@@ -9319,7 +9753,7 @@ def _train_online_stage(config: OnlineRLConfig, devices: DeviceManager | None, t
     _check_reward_answers(config, records[0])
     reward_fn = RewardFunctionFactory(config, devices.device).build()
     policy = _load_policy(config, devices.device)
-    formatter = chat_formatter(policy.tokenizer, config, policy.model)
+    formatter = chat_formatter(policy.tokenizer, config, policy)
     train, eval_records = _prompt_datasets(config, records, policy.tokenizer, formatter, devices)
     reference = create_reference_model(config, policy)
     return trainer_class(config, policy, train, reward_fn=reward_fn, reference=reference, eval_records=eval_records,
@@ -9503,7 +9937,7 @@ def train_distill(config: DistillConfig, devices: DeviceManager | None = None) -
     teacher = PolicyModel.from_pretrained(config.teacher_model, dtype=dtype, attn_implementation=config.attn_implementation,
                                           trust_remote_code=config.trust_remote_code, device=devices.device,
                                           cache_dir=config.cache_dir, is_trainable=False, field="teacher_model")
-    formatter = chat_formatter(policy.tokenizer, config, policy.model)
+    formatter = chat_formatter(policy.tokenizer, config, policy)
     train = DistillDataset(train_records, policy.tokenizer, formatter, cutoff_len=config.cutoff_len)
     eval_prompts = [{**r, "messages": r["messages"][:-1]} if r["messages"][-1].get("role") == "assistant" else r
                     for r in eval_records or []]
@@ -9722,7 +10156,7 @@ def train_ppo(config: PPOConfig, devices: DeviceManager | None = None) -> TrainR
                                                dtype=_model_dtype(config), attn_implementation=config.attn_implementation,
                                                trust_remote_code=config.trust_remote_code, cache_dir=config.cache_dir,
                                                quantization=quantization_config(config))
-    formatter = chat_formatter(policy.tokenizer, config, policy.model)
+    formatter = chat_formatter(policy.tokenizer, config, policy)
     train, eval_records = _prompt_datasets(config, records, policy.tokenizer, formatter, devices)
     reference = create_reference_model(config, policy)
     return PPOTrainer(config, policy, train, reward_fn=reward_fn, reference=reference, critic=critic,
@@ -11081,7 +11515,7 @@ class RLHFOrchestrator:
         base = self._base_config()
         records = self._eval_records(options)[:options["max_prompts"]]
         policy = self._load_policy(self.current_model, base, use_vllm=options["use_vllm"])
-        formatter = chat_formatter(policy.tokenizer, base, policy.model)
+        formatter = chat_formatter(policy.tokenizer, base, policy)
         policy.tokenizer.chat_template = formatter.source  # the sampler renders prompts as the policy was trained
         params = SamplingParams(max_new_tokens=options.get("max_new_tokens") or base.eval_max_new_tokens,
                                 temperature=options["temperature"], seed=options["seed"],
