@@ -1359,11 +1359,36 @@ def get_70b_model_config(finetuning_type: str = "lora", model_name_or_path: str 
 def count_parameters(arch: dict[str, Any]) -> int:
     """Parameters of a Llama/Qwen-style decoder from its config: embeddings (and an untied LM head),
     per layer q/o (h x h), k/v (h x kv_heads x head_dim), a gated MLP (3 x h x intermediate) and two
-    norms, plus the final norm (attention biases are ignored: < 0.01%)."""
+    norms, plus the final norm (attention biases are ignored: < 0.01%); plus a vision-language model's
+    vision tower and projector (``vision_parameters``, counted from the model, see ``model_architecture``)."""
     h, layers, vocab = arch["hidden_size"], arch["num_hidden_layers"], arch["vocab_size"]
     kv_dim = arch["num_key_value_heads"] * (h // arch["num_attention_heads"])
     per_layer = 2 * h * h + 2 * h * kv_dim + 3 * h * arch["intermediate_size"] + 2 * h
-    return vocab * h * (1 if arch.get("tie_word_embeddings") else 2) + layers * per_layer + h
+    return (vocab * h * (1 if arch.get("tie_word_embeddings") else 2) + layers * per_layer + h
+            + arch.get("vision_parameters", 0))
+
+
+def model_architecture(path: str) -> dict[str, Any]:
+    """The ``plan`` architecture of a model directory (or hub id): its language model's sizes, and for a
+    vision-language model the parameters of everything outside the language model (vision tower, projector),
+    counted on the meta device (no weights are read)."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        raise RLHFInputError(f"plan --model {path}: cannot read its config.json ({_one_line(err)})") from None
+    text = config.get_text_config()
+    arch = {"model": path, **{key: getattr(text, key) for key in ("vocab_size", "hidden_size", "intermediate_size",
+                                                                 "num_hidden_layers", "num_attention_heads")},
+            "num_key_value_heads": getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
+            "tie_word_embeddings": bool(getattr(config, "tie_word_embeddings", False))}
+    if getattr(config, "vision_config", None) is not None:
+        with torch.device("meta"):
+            model = AutoModelForImageTextToText.from_config(config)
+        arch["vision_parameters"] = sum(p.numel() for n, p in model.named_parameters()
+                                        if not any(key in n for key in LANGUAGE_MODEL_KEYS))
+    return arch
 
 
 def count_lora_parameters(arch: dict[str, Any], rank: int) -> int:
@@ -1397,8 +1422,8 @@ def estimate_memory(arch: dict[str, Any], *, gpus: int = 1, finetuning_type: str
     ``sharded`` (ZeRO-3 / FSDP full shard) divides weights, gradients, optimizer states and the frozen
     copies by ``gpus``; activations are per GPU. Excluded: CUDA context and allocator fragmentation
     (budget 1-3 GiB) and the generation KV cache of online stages."""
-    params = count_parameters(arch)
-    trainable = params if finetuning_type == "full" else count_lora_parameters(arch, lora_rank)
+    params = count_parameters(arch)  # the vision tower and projector stay frozen (their defaults): weights only
+    trainable = params - arch.get("vision_parameters", 0) if finetuning_type == "full" else count_lora_parameters(arch, lora_rank)
     share = gpus if sharded else 1
     h, layers, heads, vocab = arch["hidden_size"], arch["num_hidden_layers"], arch["num_attention_heads"], arch["vocab_size"]
     full_layer = seq_len * batch * h * (34 + 5 * heads * seq_len / h)
@@ -5006,6 +5031,11 @@ class VisionInputs:
             self.image_token_id = config.image_token_index
         self.image_token = tokenizer.convert_ids_to_tokens(self.image_token_id)
         self.family = "qwen" if getattr(config, "vision_start_token_id", None) is not None else "llava"
+        # tokens that only a processor writes: generation never samples them (an image token in a completion would
+        # ask the forward for image features it does not have)
+        self.vision_token_ids = sorted({int(i) for i in (self.image_token_id, *(getattr(config, key, None) for key in
+                                        ("video_token_id", "vision_start_token_id", "vision_end_token_id")))
+                                        if i is not None})
         if self.family == "qwen":
             self.start = tokenizer.convert_ids_to_tokens(config.vision_start_token_id)
             self.end = tokenizer.convert_ids_to_tokens(config.vision_end_token_id)
@@ -5283,7 +5313,7 @@ class PolicyModel(nn.Module):
         if images is not None and any(images):
             if self.vision is None:
                 raise RLHFInputError("prompts with images need a vision-language model; this one is text-only")
-            return self._generate_with_images(prompts, images, params, batch_size, synced)
+            return self.generate_with_images(prompts, images, params, batch_size, synced)
         if self.rollout_engine is not None:  # vLLM holding this policy's weights (use_vllm): it batches by itself
             return self.rollout_engine.generate(prompts, params).token_ids
         was_training = self.model.training
@@ -5299,30 +5329,45 @@ class PolicyModel(nn.Module):
         self.model.train(was_training)
         return results
 
-    def _generate_with_images(self, prompts: list[list[int]], images: Sequence[Sequence[str]], params: Any,
-                              batch_size: int, synced: bool) -> list[list[int]]:
+    def generate_with_images(self, prompts: list[list[int]], images: Sequence[Sequence[str]], params: Any,
+                             batch_size: int = 32, synced: bool = False) -> list[list[int]]:
         """Hugging Face ``generate`` over left-padded prompts with their pixel inputs (our engine's KV cache and
-        compiled step know no image features or M-RoPE positions); each completion is cut after its first stop."""
+        compiled step know no image features or M-RoPE positions), with every option of ``params`` (a
+        SamplingParams); each completion is cut after its first stop token."""
         was_training = self.model.training
         self.model.eval()
-        pad = self.tokenizer.pad_token_id
-        sampling = dict(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or None) \
-            if params.do_sample else dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+        sampling = dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+        if params.do_sample:
+            sampling = dict(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or None,
+                            **({"min_p": params.min_p} if params.min_p else {}))
+        if params.repetition_penalty != 1.0:
+            sampling["repetition_penalty"] = params.repetition_penalty
+        if params.stop_strings:
+            sampling.update(stop_strings=list(params.stop_strings), tokenizer=self.tokenizer)
         results: list[list[int]] = []
-        for start in range(0, len(prompts), batch_size):
-            chunk, chunk_images = prompts[start:start + batch_size], images[start:start + batch_size]
-            width = max(len(p) for p in chunk)
-            ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in chunk], device=self.device)
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=self.device)
-            vision = {k: v.to(self.device) for k, v in self.vision.batch(chunk_images, ids).items()}
-            out = self.model.generate(input_ids=ids, attention_mask=mask, **vision, max_new_tokens=params.max_new_tokens,
-                                      eos_token_id=list(params.stop_token_ids), pad_token_id=pad,
-                                      synced_gpus=synced, **sampling)
-            for row in out[:, width:].tolist():
-                cut = next((i + 1 for i, token in enumerate(row) if token in params.stop_token_ids), len(row))
-                results.append(row[:cut])
+        rng = torch.random.fork_rng(devices=[]) if params.seed is not None else contextlib.nullcontext()
+        with rng:
+            if params.seed is not None:
+                torch.manual_seed(params.seed)
+            for start in range(0, len(prompts), batch_size):
+                results += self._generate_chunk(prompts[start:start + batch_size], images[start:start + batch_size],
+                                                params, sampling, synced)
         self.model.train(was_training)
         return results
+
+    def _generate_chunk(self, chunk: list[list[int]], chunk_images: Sequence[Sequence[str]], params: Any,
+                        sampling: dict[str, Any], synced: bool) -> list[list[int]]:
+        pad = self.tokenizer.pad_token_id
+        width = max(len(p) for p in chunk)
+        ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in chunk], device=self.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=self.device)
+        vision = {k: v.to(self.device) for k, v in self.vision.batch(chunk_images, ids).items()}
+        out = self.model.generate(input_ids=ids, attention_mask=mask, **vision, max_new_tokens=params.max_new_tokens,
+                                  eos_token_id=list(params.stop_token_ids), pad_token_id=pad, synced_gpus=synced,
+                                  suppress_tokens=self.vision.vision_token_ids, **sampling)
+        rows = out[:, width:].tolist()
+        return [row[:next((i + 1 for i, token in enumerate(row) if token in params.stop_token_ids), len(row))]
+                for row in rows]
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -5400,7 +5445,7 @@ class RewardScorer(nn.Module):
     def __init__(self, backbone: nn.Module, head_hidden: int | None = None, seed: int = 0) -> None:
         super().__init__()
         self.backbone = backbone
-        hidden = backbone.config.hidden_size
+        hidden = text_config(backbone).hidden_size
         self.head_hidden = head_hidden or hidden
         with torch.random.fork_rng():
             torch.manual_seed(seed)
@@ -5489,7 +5534,7 @@ class RewardModel(nn.Module):
         head = state_under(state_dict, "head.") or self.model.head.state_dict()
         save_file({k: v.detach().contiguous() for k, v in head.items()}, str(directory / self.HEAD_FILE))
         config = {"reward_model_type": _adapter_type(self.model.backbone), "head_hidden": self.model.head_hidden,
-                  "hidden_size": self.model.backbone.config.hidden_size, "score": "last non-padding token"}
+                  "hidden_size": text_config(self.model.backbone).hidden_size, "score": "last non-padding token"}
         if chat_template:
             config["chat_template"] = chat_template
         (directory / self.CONFIG_FILE).write_text(json.dumps(config, indent=1))
@@ -5666,7 +5711,7 @@ class ValueModel(nn.Module):
             raise RLHFInputError(f"config field 'value_model': {directory} is a reward-model ensemble; a critic "
                                  f"starts from one model, e.g. {directory / 'member-0'}")
         backbone = PolicyModel.from_pretrained(name_or_path, device=device, **kwargs)
-        critic = cls(backbone.model.config.hidden_size, backbone.model, seed).to(device)
+        critic = cls(text_config(backbone.model).hidden_size, backbone.model, seed).to(device)
         head = Path(resolve_model_path(name_or_path, kwargs.get("cache_dir"))) / cls.HEAD_FILE
         if head.exists():
             critic.load_head(head.parent)
@@ -6059,7 +6104,7 @@ def grouped_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
     completion rows, else by the latter. Completions of uneven length (short and long answers in one
     batch) favour the packed layout; completions that all run to the length limit favour the KV cache,
     whose attention spans one row instead of a whole packed one."""
-    hidden_size = getattr(_innermost_model(model).config, "hidden_size", None)
+    hidden_size = getattr(text_config(model), "hidden_size", None)
     if pack and hidden_size and can_pack_pairs(model):
         plan = _plan_group_packing(input_ids, attention_mask, prompt_lengths, hidden_size)
         if plan["work"] < _prefix_layout_work(attention_mask, prompt_lengths, plan["groups"], hidden_size):
@@ -8844,6 +8889,7 @@ class Rollout:
     pair_weights: torch.Tensor | None = None  # (N) online DPO: 1 for a ranked pair's rows, 0 for a tie's
     ref_summed: torch.Tensor | None = None  # (N) online DPO: each row's summed reference log-prob
     problem: str = ""  # non-finite rewards: every step trained on this rollout skips its update
+    images: list[list[str]] | None = None  # (N) each row's image paths (a vision-language policy's image prompts)
 
     @property
     def completion_mask(self) -> torch.Tensor:
@@ -8853,11 +8899,17 @@ class Rollout:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                 if isinstance(getattr(self, f.name), torch.Tensor)}
 
-    def micro_batches(self, size: int, order: torch.Tensor | None = None) -> list[dict[str, torch.Tensor]]:
-        """Consecutive micro-batches of ``size`` rows, in ``order`` (a permutation) if given."""
+    def micro_batches(self, size: int, order: torch.Tensor | None = None,
+                      vision: VisionInputs | None = None) -> list[dict[str, torch.Tensor]]:
+        """Consecutive micro-batches of ``size`` rows, in ``order`` (a permutation) if given; with ``vision``, each
+        also holds the pixel inputs of its rows' images."""
         fields = self.tensors()
         rows = order if order is not None else torch.arange(self.input_ids.shape[0])
-        return [{k: v[rows[i:i + size]] for k, v in fields.items()} for i in range(0, len(rows), size)]
+        batches = [{k: v[rows[i:i + size]] for k, v in fields.items()} for i in range(0, len(rows), size)]
+        if vision is not None and self.images:
+            for i, batch in zip(range(0, len(rows), size), batches):
+                batch.update(vision.batch([self.images[int(r)] for r in rows[i:i + size]], batch["input_ids"]))
+        return batches
 
 
 SEQUENCE_KEYS = ("input_ids", "attention_mask", "labels")
@@ -8866,7 +8918,8 @@ SEQUENCE_KEYS = ("input_ids", "attention_mask", "labels")
 def _trim_columns(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Drop padding columns every row of a micro-batch shares (rows were padded to the whole rollout)."""
     width = int(batch["attention_mask"].sum(-1).max())
-    return {k: v if v.dim() < 2 else v[:, :width] if k in SEQUENCE_KEYS else v[:, :width - 1] for k, v in batch.items()}
+    return {k: v if v.dim() < 2 or k in ("pixel_values", "image_grid_thw") else v[:, :width]
+            if k in (*SEQUENCE_KEYS, "mm_token_type_ids") else v[:, :width - 1] for k, v in batch.items()}
 
 
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:
@@ -8918,9 +8971,26 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         self.engine_step = -1  # the optimizer step whose weights the engine holds
         self.prefetched: tuple[list[dict[str, Any]], Any] | None = None  # async_rollouts: (prompts, future)
         self.upcoming_prompts: list[dict[str, Any]] | None = None
+        self._check_image_prompts(config, policy, train_dataset)
         super().__init__(config, policy, train_dataset, devices=devices, collator=list)
         uses_reference = getattr(config, "uses_reference", True)
         self.reference = reference.to(self.devices.device) if uses_reference and reference is not None else None
+
+    takes_images = False  # whether the stage trains on image prompts (a vision-language policy's)
+
+    def _check_image_prompts(self, config: OnlineRLConfig, policy: PolicyModel, train_dataset: Any) -> None:
+        items = getattr(train_dataset, "items", [])
+        if policy.vision is None or not any(item.get("images") for item in items):
+            return
+        if not self.takes_images:
+            raise RLHFInputError(f"stage '{config.stage}' does not train on image prompts; grpo, rloo and reinforce_pp "
+                                 f"do (or give this stage text prompts)")
+        if config.use_vllm:
+            raise RLHFInputError("config field 'use_vllm': image prompts are sampled with Hugging Face generate, not "
+                                 "vLLM; set use_vllm: false")
+        if getattr(config, "environment", None):
+            raise RLHFInputError("config field 'environment': episodes with tools run on text prompts; image prompts "
+                                 "train without an environment")
 
     # -- subclass interface
     prompts_per_rollout: int
@@ -9038,7 +9108,8 @@ class _OnlineRLTrainer(_ReferenceTrainer):
 
         for process, rollout in enumerate(self.rollouts_to_save):
             save_file({k: v.contiguous() for k, v in rollout.tensors().items()}, str(directory / self._rollout_file(process)),
-                      metadata={"problem": rollout.problem, "processes": str(len(self.rollouts_to_save))})
+                      metadata={"problem": rollout.problem, "processes": str(len(self.rollouts_to_save)),
+                                "images": json.dumps(rollout.images)})
 
     def _load_checkpoint(self, path: Path) -> None:
         super()._load_checkpoint(path)
@@ -9054,8 +9125,9 @@ class _OnlineRLTrainer(_ReferenceTrainer):
                 return
             with safe_open(str(path / self._rollout_file(self.devices.process_index)), framework="pt") as handle:
                 tensors = {k: handle.get_tensor(k) for k in handle.keys()}
-                problem = (handle.metadata() or {}).get("problem", "")
-            self.resumed_rollout = Rollout(**tensors, problem=problem)
+                metadata = handle.metadata() or {}
+            self.resumed_rollout = Rollout(**tensors, problem=metadata.get("problem", ""),
+                                           images=json.loads(metadata.get("images", "null")))
 
     # -- sampling and scoring
     def _rollout_engine(self, rows: int) -> str:
@@ -9095,6 +9167,8 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         started = time.time()
         if getattr(config, "environment", None):
             output = self._sample_episodes(prompts, params)
+        elif any(p.get("images") for p in prompts):
+            output = self._sample_with_images(prompts, params)
         elif config.use_vllm:
             from inference_optimizations import VLLMServerError
 
@@ -9118,6 +9192,28 @@ class _OnlineRLTrainer(_ReferenceTrainer):
             "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float(truncated.float().mean()),
             "perf/generation_s": time.time() - started})
         return output
+
+    def _sample_with_images(self, prompts: list[dict[str, Any]], params: Any) -> Any:
+        """``params.n`` completions of each image prompt, through PolicyModel.generate (Hugging Face ``generate`` with
+        the pixel inputs), as a GenerationOutput."""
+        from inference_optimizations import GenerationOutput
+
+        rows = [p for p in prompts for _ in range(params.n)]
+        self.model.eval()
+        try:
+            with self._generating():
+                completions = self.devices_policy().generate_with_images(
+                    [p["prompt_ids"] for p in rows], [p.get("images") or [] for p in rows], params,
+                    batch_size=len(rows), synced=self.sharded)
+        finally:
+            self.model.train()
+        reasons = ["stop" if c and c[-1] in params.stop_token_ids else "length" for c in completions]
+        return GenerationOutput(token_ids=completions, logprobs=[[] for _ in completions], finish_reasons=reasons,
+                                prompt_index=[i // params.n for i in range(len(rows))])
+
+    def devices_policy(self) -> PolicyModel:
+        """The policy around its unwrapped module (what generation runs on under DDP / FSDP)."""
+        return PolicyModel(self.devices.unwrap(self.policy.model), self.policy.tokenizer, vision=self.policy.vision)
 
     # -- vLLM (use_vllm): the engine holds a copy of the policy, refreshed after each optimizer step
     def _start_engine(self) -> Any:
@@ -9431,8 +9527,10 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         if masked is not None:
             rows = [(ids, [IGNORE_INDEX] * len(ids)) if drop else (ids, labels) for (ids, labels), drop in zip(rows, masked)]
         batch = _pad_rows([r[0] for r in rows], [r[1] for r in rows], self.policy.tokenizer.pad_token_id)
+        images = [r.get("images") or [] for r in records]
         return Rollout(batch["input_ids"], batch["attention_mask"], batch["labels"],
-                       prompt_lengths=torch.tensor([len(r["prompt_ids"]) for r in records], dtype=torch.long))
+                       prompt_lengths=torch.tensor([len(r["prompt_ids"]) for r in records], dtype=torch.long),
+                       images=images if any(images) else None)
 
     def _reference_logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         with self.reference._frozen():
@@ -9527,6 +9625,8 @@ class GRPOTrainer(_OnlineRLTrainer):
     per_device_train_batch_size counts completions; one step covers batch * accumulation / G prompts."""
 
     stage = "grpo"
+
+    takes_images = True
 
     def __init__(self, config: GRPOConfig, *args: Any, **kwargs: Any) -> None:
         self.stage = config.stage  # grpo, rloo or reinforce_pp: one trainer, the estimator is the config's
@@ -9644,7 +9744,8 @@ class GRPOTrainer(_OnlineRLTrainer):
         """The rollout's old log-probs (a forward of the policy as it sampled), reference log-probs, and with vLLM
         the engine/trainer correction."""
         config = self.config
-        parts = [self._to_device(b) for b in rollout.micro_batches(config.per_device_train_batch_size)]
+        parts = [self._to_device(b) for b in rollout.micro_batches(config.per_device_train_batch_size,
+                                                                   vision=self.policy.vision)]
         sampled: list[torch.Tensor] = []
         with self.devices.autocast():
             if trainer_old:
@@ -9655,12 +9756,12 @@ class GRPOTrainer(_OnlineRLTrainer):
             self._engine_correction(rollout, output, torch.cat(sampled) if sampled else None)
 
     def rollout_schedule(self, rollout: Rollout) -> list[dict[str, torch.Tensor]]:
-        return rollout.micro_batches(self.config.per_device_train_batch_size) * self.config.num_iterations
+        return rollout.micro_batches(self.config.per_device_train_batch_size, vision=self.policy.vision) * self.config.num_iterations
 
     @property
     def shares_prompts(self) -> bool:
         """Whether forwards run each group's prompt once (grouped_prefix_logits) instead of per row."""
-        return (self.config.share_prompt and not self.config.gradient_checkpointing
+        return (self.config.share_prompt and not self.config.gradient_checkpointing and self.policy.vision is None
                 and self.policy.model.config.model_type not in PREFIX_SHARING_EXCLUDED)
 
     def _scores(self, model: PolicyModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -9668,7 +9769,8 @@ class GRPOTrainer(_OnlineRLTrainer):
         if self.shares_prompts and batch.get("prompt_lengths") is not None:
             return grouped_logits(model.model, batch["input_ids"], batch["attention_mask"], batch["prompt_lengths"],
                                   pad_token_id=self.policy.tokenizer.pad_token_id, pack=self.config.padding_free)
-        scores, _ = OutputHead.of(model).scores(model, input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        scores, _ = OutputHead.of(model).scores(model, input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                                **vision_kwargs(batch))
         return scores[:, :-1]
 
     def _logps(self, model: PolicyModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -9705,8 +9807,8 @@ class GRPOTrainer(_OnlineRLTrainer):
         with no completion token in the loss adds nothing to the loss or its gradient, and its forward and
         backward can be skipped without changing the update. One row stays when none would, so every
         process still runs a forward and backward and their collectives stay in step."""
-        if not self.config.skip_zero_gradient_rows or batch.get("ref_logps") is not None:
-            return batch, 1.0
+        if not self.config.skip_zero_gradient_rows or batch.get("ref_logps") is not None or "pixel_values" in batch:
+            return batch, 1.0  # (pixel inputs are per image, not per row: an image batch keeps its rows)
         tokens = (batch["labels"][:, 1:] != IGNORE_INDEX).sum(-1)
         advantages = batch["advantages"]
         trains = (advantages != 0 if advantages.dim() == 1 else (advantages != 0).any(-1)) & (tokens > 0)
@@ -9985,7 +10087,7 @@ class PPOTrainer(_OnlineRLTrainer):
                  reference: ReferenceModel | None = None, critic: ValueModel | None = None,
                  eval_records: list[dict[str, Any]] | None = None, formatter: ChatFormatter | None = None,
                  devices: DeviceManager | None = None) -> None:
-        self.critic = critic or ValueModel(policy.model.config.hidden_size, seed=config.seed)
+        self.critic = critic or ValueModel(text_config(policy.model).hidden_size, seed=config.seed)
         self.kl_controller = (AdaptiveKLController(config.init_kl_coef, config.ppo_target, config.kl_horizon)
                               if config.adap_kl_ctrl else FixedKLController(config.init_kl_coef))
         super().__init__(config, policy, train_dataset, reward_fn=reward_fn, reference=reference,
@@ -11793,7 +11895,10 @@ def _build_parser() -> Any:
                           description="Per-GPU memory of one training step of a preset (weights, gradients, "
                           "optimizer states, activations, reference and reward models), by mixed-precision "
                           "accounting (see rlhf.estimate_memory); excludes the CUDA context and generation KV cache.")
-    plan.add_argument("--preset", required=True, choices=sorted(PRESET_ARCHITECTURES), help="model size")
+    plan.add_argument("--preset", choices=sorted(PRESET_ARCHITECTURES), default="7b",
+                      help="model size, and the batch and sequence length of its preset (default 7b)")
+    plan.add_argument("--model", default=None, help="a model directory (or hub id) whose config.json gives the sizes "
+                      "instead of the preset's; a vision-language model's vision tower and projector are counted")
     plan.add_argument("--gpus", type=int, default=8, help="GPUs sharing the model (ZeRO-3 / FSDP; default 8)")
     plan.add_argument("--finetuning-type", choices=("lora", "full"), default="lora", help="LoRA (default) or full")
     plan.add_argument("--stage", choices=("sft", "rm", "dpo", "grpo", "ppo"), default=None,
@@ -11831,15 +11936,16 @@ def memory_plan_table(args: Any) -> Any:
     preset = (get_7b_model_config if args.preset == "7b" else get_70b_model_config)(args.finetuning_type)
     stages = [args.stage] if args.stage else [*preset.stages, "ppo"]
     columns = {}
+    arch = model_architecture(args.model) if args.model else PRESET_ARCHITECTURES[args.preset]
     for stage in stages:
         config = preset.stage_config(stage if stage in preset.stages else "grpo")
-        columns[stage] = estimate_memory(PRESET_ARCHITECTURES[args.preset], gpus=args.gpus,
+        columns[stage] = estimate_memory(arch, gpus=args.gpus,
                                          finetuning_type=args.finetuning_type, lora_rank=config.lora_rank,
                                          batch=config.per_device_train_batch_size, seq_len=config.cutoff_len,
                                          gradient_checkpointing=config.gradient_checkpointing,
                                          sharded=not args.no_sharding, stage=stage)
-    arch = PRESET_ARCHITECTURES[args.preset]
-    table = Table(min_width=78, title=f"{arch['model']} ({count_parameters(arch) / 1e9:.1f}B), {args.finetuning_type}, "
+    vision = f", vision {arch['vision_parameters'] / 1e9:.2f}B frozen" if arch.get("vision_parameters") else ""
+    table = Table(min_width=78, title=f"{arch['model']} ({count_parameters(arch) / 1e9:.1f}B{vision}), {args.finetuning_type}, "
                   f"{args.gpus} GPU(s){'' if args.no_sharding else ' sharded (ZeRO-3 / FSDP)'}: GiB per GPU")
     table.add_column("component")
     for stage in stages:

@@ -379,9 +379,11 @@ def test_llamafactory_multimodal_dpo_yaml_runs_and_its_output_loads_and_generate
 
 
 def _vl_config(cls, tmp_path: Path, **fields):
-    return cls(model_name_or_path="tiny-vl", dataset_dir=str(DEMO_VL), template="qwen3_vl_nothink", finetuning_type="full",
-               output_dir=str(tmp_path / "out"), report_to="none", save_steps=0, logging_steps=1, eval_dataset="",
-               disable_progress_bar=True, per_device_train_batch_size=4, per_device_eval_batch_size=4, **fields)
+    defaults = dict(model_name_or_path="tiny-vl", dataset_dir=str(DEMO_VL), template="qwen3_vl_nothink",
+                    finetuning_type="full", output_dir=str(tmp_path / "out"), report_to="none", save_steps=0,
+                    logging_steps=1, eval_dataset="", disable_progress_bar=True, per_device_train_batch_size=4,
+                    per_device_eval_batch_size=4)
+    return cls(**{**defaults, **fields})
 
 
 def test_dpo_reference_sees_the_same_pixels_live_and_precomputed(tmp_path):
@@ -437,3 +439,81 @@ def test_sft_trains_the_language_model_and_leaves_the_frozen_tower_unchanged(tmp
     assert losses[-1] < losses[0]
     assert (Path(config.output_dir) / "processor_config.json").exists() or (Path(config.output_dir) / "preprocessor_config.json").exists()
     shutil.rmtree(config.output_dir)
+
+
+def test_llamafactory_multimodal_sft_yaml_mixes_image_and_text_records(tmp_path, monkeypatch):
+    """LLaMA-Factory's qwen3vl_lora_sft.yaml: mllm_demo (multi-turn, two images) with text-only datasets."""
+    monkeypatch.chdir(REPO)
+    config = yaml.safe_load(_lf_dpo_yaml(tmp_path).read_text())
+    config.update(stage="sft", dataset="mllm_demo,identity,alpaca_en_demo", max_samples=4,
+                  output_dir=str(tmp_path / "saves" / "sft"), learning_rate=1.0e-4)
+    for key in ("pref_beta", "pref_loss", "freeze_vision_tower"):
+        config.pop(key)
+    path = tmp_path / "qwen3vl_lora_sft.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert rlhf.main(["train", str(path), "disable_progress_bar=true"]) == 0
+    assert json.loads((tmp_path / "saves" / "sft" / "report.json").read_text())["stages"][-1]["global_step"] >= 1
+
+
+def test_grpo_samples_from_images_and_a_checkpoint_inside_a_rollout_keeps_them(tmp_path):
+    """GRPO on image prompts: completions come from image + text and the exact-answer reward scores them; a
+    checkpoint taken inside a rollout (num_iterations 2: step 1 of 2) stores the rows' image paths, and a run resumed
+    from it finishes."""
+    from safetensors import safe_open
+
+    fields = dict(dataset="demo_vl_rl", max_samples=8, max_steps=2, num_generations=4, per_device_train_batch_size=8,
+                  max_completion_length=6, reward_funcs=["exact_answer"], beta=0.04, num_iterations=2,
+                  learning_rate=1e-4, save_steps=1)
+    config = _vl_config(rlhf.GRPOConfig, tmp_path, **fields)
+    result = rlhf.train_grpo(config)
+    rows = [json.loads(line) for line in (Path(config.output_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert result.global_step == 2 and any("reward" in row for row in rows) and all("kl" in row for row in rows if "loss" in row)
+    saved = Path(config.output_dir) / "checkpoints" / "checkpoint-1" / "rollout.safetensors"
+    with safe_open(str(saved), framework="pt") as handle:
+        images = json.loads(handle.metadata()["images"])
+    assert len(images) == 8 and all(len(row) == 1 and Path(row[0]).is_file() for row in images)
+    resumed = _vl_config(rlhf.GRPOConfig, tmp_path, **fields, resume_from_checkpoint=str(saved.parent))
+    resumed.output_dir = str(tmp_path / "resumed")
+    shutil.copytree(Path(config.output_dir) / "checkpoints", tmp_path / "resumed" / "checkpoints")
+    resumed.resume_from_checkpoint = str(tmp_path / "resumed" / "checkpoints" / "checkpoint-1")
+    assert rlhf.train_grpo(resumed).global_step == 2
+
+
+def test_image_prompts_in_stages_without_them_are_refused(tmp_path):
+    config = _vl_config(rlhf.GRPOConfig, tmp_path, dataset="demo_vl_rl", max_samples=4, max_steps=1, num_generations=2,
+                        per_device_train_batch_size=4, reward_funcs=["exact_answer"])
+    config.use_vllm = True  # past the config's own check (vLLM is not installed in the test environment)
+    with pytest.raises(rlhf.RLHFInputError, match="image prompts are sampled with Hugging Face generate"):
+        rlhf.train_grpo(config)
+    ppo = _vl_config(rlhf.PPOConfig, tmp_path, dataset="demo_vl_rl", max_samples=4, max_steps=1,
+                     reward_funcs=["exact_answer"])
+    with pytest.raises(rlhf.RLHFInputError, match="does not train on image prompts"):
+        rlhf.train_ppo(ppo)
+
+
+def test_held_out_accuracy_generates_from_the_images(tiny_vl_dir):
+    """Greedy answers with images equal Hugging Face generate on the same inputs, one prompt at a time."""
+    policy = rlhf.PolicyModel.from_pretrained(str(tiny_vl_dir))
+    formatter = rlhf.ChatFormatter(policy.tokenizer, "qwen3_vl_nothink", vision=policy.vision)
+    records = rlhf.load_records("demo_vl_eval", DEMO_VL, "prompt", max_samples=3)
+    prompts = [formatter.prompt_ids(r) for r in records]
+    together = policy.generate(prompts, images=[r["images"] for r in records], max_new_tokens=5,
+                               stop_token_ids=formatter.stop_token_ids)
+    for prompt, record, completion in zip(prompts, records, together):
+        ids = torch.tensor([prompt])
+        alone = policy.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                      **policy.vision.batch([record["images"]], ids), max_new_tokens=5,
+                                      do_sample=False, eos_token_id=formatter.stop_token_ids,
+                                      suppress_tokens=policy.vision.vision_token_ids,
+                                      pad_token_id=policy.tokenizer.pad_token_id)[0, len(prompt):].tolist()
+        assert completion == alone[:len(completion)]
+
+
+def test_plan_counts_the_vision_tower(tiny_vl_dir):
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vl_dir)
+    arch = rlhf.model_architecture(str(tiny_vl_dir))
+    vision = sum(p.numel() for n, p in model.named_parameters() if "visual" in n)
+    assert arch["vision_parameters"] == vision
+    assert abs(rlhf.count_parameters(arch) - model.num_parameters()) < 0.01 * model.num_parameters()
