@@ -1,18 +1,19 @@
 """rlhf — post-training for causal language models, in one module.
 
 Supervised fine-tuning, reward and process-reward modelling, preference optimisation (DPO family,
-SimPO, ORPO, KTO) and online RL (GRPO, PPO); evaluation and merging build on the same sections. Runs on a laptop CPU with the embedded ``tiny`` model and the
-bundled demo task, and on GPUs through accelerate.
+SimPO, ORPO, KTO) and online RL (GRPO, PPO), for text and vision-language models; evaluation and merging build on
+the same sections. Runs on a laptop CPU with the embedded ``tiny`` (and ``tiny-vl``) model and the bundled demo
+tasks, and on GPUs through accelerate.
 
     python rlhf.py pipeline --config configs/demo.yaml
     python rlhf.py sft --config configs/sft.yaml learning_rate=1e-4
 
 Table of contents (each section opens with a ``# ==== N. Title ====`` banner):
   0. Notation and registries — IGNORE_INDEX, RLHFInputError
-  1. Configs — BaseConfig, SFTConfig, RewardModelConfig, ProcessRewardModelConfig, DPOConfig, SimPOConfig, ORPOConfig, KTOConfig, OnlineRLConfig, GRPOConfig, PPOConfig, PipelineConfig, load_config, save_config, config_help, get_7b_model_config, get_70b_model_config, count_parameters, estimate_memory
+  1. Configs — BaseConfig, SFTConfig, RewardModelConfig, ProcessRewardModelConfig, DPOConfig, SimPOConfig, ORPOConfig, KTOConfig, OnlineRLConfig, GRPOConfig, PPOConfig, PipelineConfig, load_config, save_config, config_help, get_7b_model_config, get_70b_model_config, count_parameters, model_architecture, estimate_memory
   2. Infrastructure — setup_logging, logging_restored, weight_sharding, DeviceManager, TrainingLogger, CheckpointManager, CheckpointingMixin, create_optimizer, EarlyStopping, find_expert_parameter_names, apply_lora, apply_freeze, compile_model, select_attention_implementation
   3. Data — load_records, ChatFormatter, CHAT_TEMPLATES, TEMPLATE_SPECIAL_TOKENS, saved_as_trained, chat_formatter, SFTDataset, StreamingSFTDataset, pack_sequences, SFTCollator, PreferenceDataset, StreamingPreferenceDataset, KTODataset, StreamingKTODataset, pack_rows, pack_preference_pairs, PreferenceBatch, PreferenceCollator, KTOBatch, KTOCollator, GRPODataset, StreamingGRPODataset, extract_answer, split_steps, arithmetic_step_labels, arithmetic_response_labels, encode_steps, ProcessPreferenceDataset, ProcessPreferenceCollator
-  4. Models — token_log_probs, OutputHead, load_tokenizer, quantization_config, is_quantized, build_tiny_model, resolve_model_path, PolicyModel, state_under, RewardModel, RewardEnsemble, aggregate_step_scores, ProcessRewardModel, ValueModel, ActorCritic, select_informative_tokens, ContextCompressor, ReferenceModel, can_pack_pairs, tree_attention_mask, shared_prefix_log_probs, grouped_logits, grouped_packed_logits, grouped_prefix_logits, create_reference_model
+  4. Models — token_log_probs, OutputHead, load_tokenizer, quantization_config, is_quantized, build_tiny_model, resolve_model_path, VisionInputs, vision_kwargs, load_vision_inputs, set_trainable_parts, build_tiny_vl_model, PolicyModel, state_under, RewardModel, RewardEnsemble, aggregate_step_scores, ProcessRewardModel, ValueModel, ActorCritic, select_informative_tokens, ContextCompressor, ReferenceModel, can_pack_pairs, tree_attention_mask, shared_prefix_log_probs, grouped_logits, grouped_packed_logits, grouped_prefix_logits, create_reference_model
   5. Losses and advantages — router_load_balancing_loss, causal_lm_loss_sum, causal_lm_loss_with, sequence_log_probs, dpo_loss, PREFERENCE_LOSSES, simpo_loss, orpo_loss, kto_loss, reward_model_loss, reward_boosting_weights, ewc_penalty, whiten, grpo_advantages, rloo_advantages, reinforce_pp_advantages, overlong_penalty, generalized_jsd_loss, rollout_importance_weights, grpo_loss, compute_gae, ppo_policy_loss, ppo_value_loss, AdaptiveKLController, FixedKLController
   6. Rewards — exact_answer_reward, format_reward, length_penalty, CompositeReward, LearnedReward, ProcessReward, HTTPReward, RewardAPIError, Principle, ConstitutionalRewardWrapper, RewardFunctionFactory, RunningRewardNormalizer, process_rewards
   7. Trainers — close_loss_scaler_step, TrainingDivergedError, TrainResult, RouterAuxLoss, BaseTrainer, SFTTrainer, train_sft, PairScores, RewardModelTrainer, train_rm, ProcessRewardModelTrainer, train_prm, precompute_ref_log_probs, DPOTrainer, train_dpo, KTOTrainer, train_kto, Rollout, token_entropy, disable_dropout, GRPOTrainer, train_grpo, RolloutBuffer, PPOTrainer, train_ppo
@@ -149,7 +150,7 @@ class BaseConfig:
     """What every training stage shares. Field names follow LLaMA-Factory / Hugging Face where one exists."""
 
     # -- model
-    model_name_or_path: str = _opt("tiny", "Hugging Face model directory or hub id; 'tiny' builds the embedded demo model")
+    model_name_or_path: str = _opt("tiny", "Hugging Face model directory or hub id; 'tiny' builds the embedded demo model, 'tiny-vl' its vision-language twin (a small Qwen3-VL)")
     trust_remote_code: bool = _opt(False, "Allow custom modelling code shipped with the model (off: it runs arbitrary Python)")
     attn_implementation: str = _opt("auto", "auto (flash_attention_2 -> sdpa -> eager) | flash_attention_2 | sdpa | eager")
     model_dtype: str = _opt("auto", "Weights dtype on load: auto (fp32 for full/freeze, bf16/fp16 base for lora when mixed precision is on) | float32 | bfloat16 | float16")
@@ -3566,8 +3567,9 @@ class ChatFormatter:
             return record
         if self.vision is None:
             raise RLHFInputError(f"{record.get('location', 'record')}: the record has images, but the model is a "
-                                 f"text-only model; use a vision-language model (tiny-vl, Qwen2-VL, Qwen2.5-VL, "
-                                 f"Qwen3-VL, LLaVA) or remove the images column")
+                                 f"text-only model (or the stage trains on text: images train vision-language "
+                                 f"policies in sft, dpo, kto and grpo); use a vision-language model (tiny-vl, Qwen2-VL, "
+                                 f"Qwen2.5-VL, Qwen3-VL, LLaVA) or remove the images column")
         return {**self.vision.expand_record(record), "images_expanded": True}
 
     def prompt_text(self, record: dict[str, Any]) -> str:
@@ -4898,7 +4900,7 @@ def is_quantized(model: nn.Module) -> bool:
     return bool(getattr(_innermost_model(model), "is_quantized", False))
 
 
-def _auto_model_class(path: str, trust_remote_code: bool) -> type:
+def _auto_model_class(path: str, trust_remote_code: bool = False) -> type:
     """``AutoModelForCausalLM``, or ``AutoModelForImageTextToText`` for a vision-language model that the causal-LM
     mapping does not take (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA: their configs nest a text and a vision config)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText

@@ -34,6 +34,7 @@ def test_every_stage_and_method_has_an_example():
                 "train_lora/dpo.yaml", "train_lora/kto.yaml", "train_lora/orpo.yaml", "train_lora/simpo.yaml",
                 "train_lora/ppo.yaml", "train_lora/grpo.yaml", "train_lora/rloo.yaml", "train_lora/reinforce_pp.yaml",
                 "train_lora/online_dpo.yaml", "train_lora/distill.yaml", "train_qlora/sft.yaml", "train_qlora/dpo.yaml",
+                "train_lora/qwen3vl_sft.yaml", "train_lora/qwen3vl_dpo.yaml",
                 "multi_gpu/sft_lora_ddp.yaml", "multi_gpu/sft_full_fsdp.yaml", "multi_gpu/dpo_lora_ds3.yaml"}
     assert {path.removeprefix("examples/") for path in EXAMPLES} == expected
 
@@ -51,7 +52,7 @@ def test_example_is_a_valid_config_on_the_bundled_data(path, monkeypatch):
     monkeypatch.chdir(REPO)  # dataset_dir: data is relative to the repository root, where the commands run
     stage = stage_of(path)
     config = rlhf.load_config(rlhf.STAGE_CONFIGS[stage], path)
-    assert config.model_name_or_path == "tiny" and config.dataset_dir == "data"
+    assert config.model_name_or_path in ("tiny", "tiny-vl") and config.dataset_dir == "data"
     assert config.max_samples is not None and config.max_samples <= 16 and config.cutoff_len <= 128
     assert config.max_steps == -1  # the file runs whole; the tests shorten it
     assert rlhf.data_fingerprint(config)  # every dataset it names resolves to bundled files

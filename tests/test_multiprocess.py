@@ -116,3 +116,19 @@ def test_held_out_evaluation_is_split_across_processes(tmp_path, tiny_model_dir)
                 # and losses beside it are compared tightly, and a wrong split would move those
                 tolerance = 1 / 24 + 1e-6 if key.endswith(("accuracy", "accuracies")) else 1e-6 + 2e-5 * abs(a[key])
                 assert abs(a[key] - b[key]) <= tolerance, f"{stage} {key}: {a[key]!r} vs {b[key]!r}"
+
+
+VL_SFT = ["model_name_or_path=tiny-vl", "finetuning_type=full", "dataset=demo_vl_sft", "dataset_dir=data/demo_vl",
+          "template=qwen3_vl_nothink", "max_samples=32", "eval_dataset=", "val_size=0", "cutoff_len=128", "seed=0",
+          "max_steps=3", "per_device_train_batch_size=4", "learning_rate=1e-3", "logging_steps=1", "save_steps=0",
+          "disable_progress_bar=true", "report_to=none", "freeze_vision_tower=false", "freeze_multi_modal_projector=false"]
+
+
+def test_vision_language_model_trains_in_two_processes_like_one(tmp_path, tiny_model_dir):
+    """tiny-vl with a trainable vision tower: each process encodes its own rows' images and DDP averages the
+    gradients of the tower too, so the losses are one process's with doubled accumulation."""
+    one = _train(tmp_path / "one", processes=1, accumulation=2, args=VL_SFT)
+    two = _train(tmp_path / "two", processes=2, accumulation=1, args=VL_SFT)
+    assert len(one) == len(two) == 3
+    for step, (a, b) in enumerate(zip(one, two), start=1):
+        assert abs(a - b) <= 1e-5 * abs(a), f"step {step}: one process {a!r}, two processes {b!r}"

@@ -517,3 +517,27 @@ def test_plan_counts_the_vision_tower(tiny_vl_dir):
     vision = sum(p.numel() for n, p in model.named_parameters() if "visual" in n)
     assert arch["vision_parameters"] == vision
     assert abs(rlhf.count_parameters(arch) - model.num_parameters()) < 0.01 * model.num_parameters()
+
+
+def test_grpo_rollout_log_probs_are_each_rows_own_forward_with_its_image(tmp_path):
+    """The rollout's micro-batches carry each row's own pixel inputs: the trainer's log-probs of a rollout of several
+    pictures equal each row's forward alone with its picture."""
+    config = _vl_config(rlhf.GRPOConfig, tmp_path, dataset="demo_vl_rl", max_samples=3, num_generations=2,
+                        per_device_train_batch_size=4, reward_funcs=["exact_answer"], beta=0.0, max_completion_length=4)
+    policy = rlhf.PolicyModel.from_pretrained("tiny-vl")
+    formatter = rlhf.chat_formatter(policy.tokenizer, config, policy)
+    records = rlhf.load_records("demo_vl_rl", DEMO_VL, "prompt", max_samples=3)
+    dataset = rlhf.GRPODataset(records, policy.tokenizer, formatter, cutoff_len=256)
+    trainer = rlhf.GRPOTrainer(config, policy, dataset, reward_fn=lambda p, c, a: torch.zeros(len(c)), formatter=formatter)
+    items = [dataset[i] for i in range(3) for _ in range(2)]
+    completions = [[policy.tokenizer.encode("Answer: ")[0]] * (1 + i % 3) for i in range(len(items))]
+    rollout = trainer._rows(items, completions)
+    batches = rollout.micro_batches(4, vision=policy.vision)
+    with torch.no_grad():
+        got = torch.cat([trainer._policy_logps(b) for b in batches])
+        for row, (item, completion) in enumerate(zip(items, completions)):
+            ids = torch.tensor([item["prompt_ids"] + completion])
+            alone = policy.compute_log_probs(ids, torch.ones_like(ids), None, **policy.vision.batch([item["images"]], ids))
+            n = len(completion)
+            width = ids.shape[1] - 1
+            torch.testing.assert_close(got[row, width - n:width], alone.per_token[0, -n:], rtol=1e-5, atol=1e-5)
