@@ -3179,18 +3179,8 @@ def _check_images(parsed: dict[str, Any], location: str) -> None:
     if placeholders != len(images):
         raise RLHFInputError(f"{location}: the text has {placeholders} {IMAGE_PLACEHOLDER} placeholder(s) but the record "
                              f"has {len(images)} image(s); put one {IMAGE_PLACEHOLDER} where each image belongs")
-    from PIL import Image, UnidentifiedImageError
-
     for path in images:
-        if not Path(path).is_file():
-            raise RLHFInputError(f"{location}: image '{path}' does not exist (image paths are relative to "
-                                 f"dataset_dir, or to media_dir when set)")
-        try:
-            with Image.open(path) as image:
-                image.verify()
-        except (UnidentifiedImageError, OSError, SyntaxError) as err:
-            raise RLHFInputError(f"{location}: '{path}' is not a readable image ({_one_line(err)}); give a PNG, "
-                                 f"JPEG, WebP or another format PIL opens") from None
+        open_image(path, location, check_only=True)
 
 
 def _parse_margin(value: Any, location: str, key: str) -> float | None:
@@ -4358,8 +4348,8 @@ class PreferenceCollator:
         for key in ("margin", "ref_chosen_logps", "ref_rejected_logps"):
             if key in items[0]:
                 batch[key] = torch.tensor([i[key] for i in items], dtype=torch.float32)
-        if self.vision is not None:  # chosen rows, then rejected rows: the same images twice
-            batch.update(self.vision.batch([i.get("images") or [] for i in items] * 2, batch["input_ids"]))
+        if self.vision is not None:  # chosen rows, then rejected rows: the same images, encoded once
+            batch.update(self.vision.batch([i.get("images") or [] for i in items], batch["input_ids"], repeats=2))
         return batch
 
 
@@ -4391,7 +4381,7 @@ class KTOCollator:
             if key in items[0]:
                 batch[key] = torch.tensor([i[key] for i in items], dtype=torch.float32)
         if self.vision is not None:  # a KL row is its example's prompt (and images) with another completion
-            batch.update(self.vision.batch([i.get("images") or [] for i in items] * 2, batch["input_ids"]))
+            batch.update(self.vision.batch([i.get("images") or [] for i in items], batch["input_ids"], repeats=2))
         return batch
 
 
@@ -4963,7 +4953,7 @@ def load_causal_lm(path: str, *, dtype: str | torch.dtype = "float32", attn_impl
 # processor needs it), so the expansion is done here from the image processor, as LLaMA-Factory's mm_plugin does.
 
 IMAGE_PLACEHOLDER = "<image>"
-VISION_KEYS = ("pixel_values", "image_grid_thw", "mm_token_type_ids")  # batch keys a vision-language forward takes
+VISION_KEYS = ("pixel_values", "image_grid_thw", "mm_token_type_ids", "image_repeats")  # a vision-language batch's
 # module-name pieces of each part of a vision-language model (LLaMA-Factory's visual.py keys, matched as substrings)
 VISION_TOWER_KEYS = ("visual.patch_embed", "visual.pos_embed", "visual.blocks", "visual.deepstack_merger_list",
                      "vision_tower")
@@ -4993,8 +4983,9 @@ def count_placeholders(record: dict[str, Any]) -> int:
     return sum(text.count(IMAGE_PLACEHOLDER) for text in texts if isinstance(text, str))
 
 
-def open_image(path: str, location: str = "record") -> Any:
-    """An image file as an RGB PIL image; a missing or unreadable file is one line naming the record."""
+def open_image(path: str, location: str = "record", check_only: bool = False) -> Any:
+    """An image file as an RGB PIL image; a missing or unreadable file is one line naming the record.
+    ``check_only``: read the header and check the file's structure, decode nothing (loading data), return None."""
     from PIL import Image, UnidentifiedImageError
 
     if not Path(path).is_file():
@@ -5002,6 +4993,9 @@ def open_image(path: str, location: str = "record") -> Any:
                              f"or to media_dir when set)")
     try:
         with Image.open(path) as image:
+            if check_only:
+                image.verify()
+                return None
             image.load()
             return image.convert("RGB")
     except (UnidentifiedImageError, OSError, SyntaxError) as err:
@@ -5110,15 +5104,20 @@ class VisionInputs:
         return sum(self.tokens_text(path, record.get("location", "record")).count(self.image_token)
                    for path in record.get("images") or [])
 
-    def batch(self, images: Sequence[Sequence[str]], input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The pixel inputs of a batch whose rows carry ``images`` (one list of paths per row, in row order)."""
+    def batch(self, images: Sequence[Sequence[str]], input_ids: torch.Tensor, repeats: int = 1) -> dict[str, torch.Tensor]:
+        """The pixel inputs of a batch whose rows carry ``images`` (one list of paths per row, in row order).
+        ``repeats``: the rows are that many copies of the rows that ``images`` lists (a preference batch's chosen and
+        rejected rows): the pixels are given once, with ``image_repeats``, so that PolicyModel.forward can encode
+        each image once for all its copies."""
         paths = [path for row in images for path in row]
         if not paths:
             return {}
         encoded = [self.encode(path) for path in paths]
         out = {"pixel_values": torch.cat([pixels for pixels, _ in encoded])}
-        if self.family == "qwen":
-            out["image_grid_thw"] = torch.cat([grid for _, grid in encoded])
+        if repeats > 1:
+            out["image_repeats"] = torch.tensor(repeats)
+        if self.family == "qwen":  # positions (M-RoPE) need every row's grids
+            out["image_grid_thw"] = torch.cat([grid for _, grid in encoded] * repeats)
             out["mm_token_type_ids"] = (input_ids == self.image_token_id).long()
         return out
 
@@ -5276,10 +5275,30 @@ class PolicyModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, **vision: torch.Tensor) -> Any:
         """``vision``: a vision-language batch's pixel inputs (``vision_kwargs``)."""
+        if "image_repeats" in vision:
+            vision = self._encoded_once(dict(vision))
         kwargs = {"attention_mask": attention_mask, "use_cache": False, **vision}
         if position_ids is not None:  # packed rows; models without positions (Mamba) never get them
             kwargs["position_ids"] = position_ids
         return self.model(input_ids=input_ids, **kwargs)
+
+    def _encoded_once(self, vision: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """Pixel inputs given once for rows repeated ``image_repeats`` times (chosen and rejected): with the vision
+        tower and projector frozen, each image is encoded once, without a graph, and its features serve every copy
+        (``mm_encoder_outputs``); when they train, every copy is encoded, so each row's gradient reaches them."""
+        repeats = int(vision.pop("image_repeats"))
+        inner = _innermost_model(self.model)
+        if any(p.requires_grad for n, p in inner.named_parameters() if not any(k in n for k in LANGUAGE_MODEL_KEYS)):
+            vision["pixel_values"] = torch.cat([vision["pixel_values"]] * repeats)
+            return vision
+        pixels, grid = vision.pop("pixel_values"), vision.get("image_grid_thw")
+        once = {} if grid is None else {"image_grid_thw": grid[:len(grid) // repeats]}
+        with torch.no_grad():
+            encoded = inner.get_image_features(pixel_values=pixels, **once, return_dict=True)
+        encoded.pooler_output = tuple(encoded.pooler_output) * repeats
+        if getattr(encoded, "deepstack_features", None) is not None:  # Qwen3-VL: per layer, per image
+            encoded.deepstack_features = [tuple(layer) * repeats for layer in encoded.deepstack_features]
+        return {**vision, "mm_encoder_outputs": {"image": encoded}}
 
     def compute_log_probs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                           labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,

@@ -541,3 +541,33 @@ def test_grpo_rollout_log_probs_are_each_rows_own_forward_with_its_image(tmp_pat
             n = len(completion)
             width = ids.shape[1] - 1
             torch.testing.assert_close(got[row, width - n:width], alone.per_token[0, -n:], rtol=1e-5, atol=1e-5)
+
+
+def test_chosen_and_rejected_share_one_image_encoding(tmp_path):
+    """A preference batch gives each pair's pixels once. With the vision side frozen, PolicyModel encodes each image
+    once (no graph) for both rows; with it training, every row is encoded. Both equal a batch that lists each row's
+    images in full, and gradients reach a training tower."""
+    policy = rlhf.PolicyModel.from_pretrained("tiny-vl")
+    formatter = rlhf.ChatFormatter(policy.tokenizer, "qwen3_vl_nothink", vision=policy.vision)
+    records = rlhf.load_records("demo_vl_preference", DEMO_VL, "preference", max_samples=3)
+    dataset = rlhf.PreferenceDataset(records, policy.tokenizer, formatter, cutoff_len=256)
+    items = [dataset[i] for i in range(3)]
+    shared = rlhf.PreferenceCollator(policy.tokenizer.pad_token_id, vision=policy.vision)(items)
+    assert int(shared["image_repeats"]) == 2 and shared["image_grid_thw"].shape[0] == 6
+    assert shared["pixel_values"].shape[0] == 3 * 64  # three 64x64 pictures of 8x8 patches, given once
+    full = {k: v for k, v in shared.items() if k not in rlhf.VISION_KEYS}
+    full.update(policy.vision.batch([i["images"] for i in items] * 2, shared["input_ids"]))
+
+    def logps(batch):
+        return rlhf._completion_forward(policy, batch).summed
+
+    want = logps(full).detach()
+    policy.model.requires_grad_(False)
+    for name, parameter in policy.model.named_parameters():
+        parameter.requires_grad_("language_model" in name)
+    torch.testing.assert_close(logps(shared).detach(), want, rtol=1e-5, atol=1e-4)  # encoded once
+    policy.model.requires_grad_(True)
+    out = logps(shared)
+    torch.testing.assert_close(out.detach(), want, rtol=1e-5, atol=1e-4)  # encoded per row
+    out.sum().backward()
+    assert policy.model.model.visual.blocks[0].attn.qkv.weight.grad.abs().sum() > 0
