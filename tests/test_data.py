@@ -313,7 +313,8 @@ def test_registered_columns(tmp_path):
 # ---------------------------------------------------------------- registries
 
 LLAMAFACTORY_EXPECTED = {"identity": ("sft", 91), "alpaca_en_demo": ("sft", 999),
-                         "dpo_en_demo": ("preference", 300), "kto_en_demo": ("kto", 300)}
+                         "dpo_en_demo": ("preference", 300), "kto_en_demo": ("kto", 300),
+                         "mllm_demo": ("sft", 6), "mllm_dpo_demo": ("preference", 24)}  # with images (test_vision.py)
 
 
 @pytest.fixture(scope="module")
@@ -333,7 +334,8 @@ def test_llamafactory_datasets(llamafactory_dir, name):
     kind, count = LLAMAFACTORY_EXPECTED[name]
     records = rlhf.load_records(name, llamafactory_dir, kind)
     assert len(records) == count
-    keys = {"sft": SFT_KEYS, "preference": PREFERENCE_KEYS, "kto": KTO_KEYS}[kind]
+    keys = {"sft": SFT_KEYS, "preference": PREFERENCE_KEYS, "kto": KTO_KEYS}[kind] | (
+        {"images"} if name.startswith("mllm") else set())
     assert all(set(r) == keys for r in records)
     assert all(r["messages"] and r["messages"][-1]["role"] == "user" for r in records)
     assert all(m["role"] == ("user" if i % 2 == 0 else "assistant") for r in records

@@ -109,7 +109,7 @@ def test_dataset_info_unknown_keys_are_errors_with_did_you_mean(tmp_path, key, h
     ({"file_name": "mine.json", "num_samples": 10}, r"'num_samples': .*use the config field max_samples"),
     ({"file_name": "mine.json", "formatting": "sharegpt", "tags": {"role": "from"}}, r"unknown tag 'role'.*did you mean 'role_tag'\?"),
     ({"file_name": "mine.json", "tags": {"role_tag": "from"}}, r"'tags' apply to sharegpt data only"),
-    ({"file_name": "mine.json", "columns": {"images": "images"}}, r"column 'images': multimodal data is not supported"),
+    ({"file_name": "mine.json", "columns": {"videos": "videos"}}, r"column 'videos': videos are not supported \(images are\)"),
 ])
 def test_dataset_info_values_that_would_be_ignored_are_errors(tmp_path, entry, pattern):
     with pytest.raises(rlhf.RLHFInputError, match=pattern):

@@ -789,8 +789,8 @@ def _llamafactory_cases(lf_dir: Path) -> list[tuple[str, str]]:
     info = json.loads((lf_dir / "dataset_info.json").read_text())
     cases = []
     for name, entry in info.items():
-        if "file_name" not in entry or not (lf_dir / entry["file_name"]).exists():
-            continue
+        if "file_name" not in entry or not (lf_dir / entry["file_name"]).exists() or "images" in entry.get("columns", {}):
+            continue  # (image records train vision-language models: test_vision.py)
         if entry.get("ranking"):
             cases += [(name, "dpo"), (name, "rm")]
         elif "kto_tag" in entry.get("columns", {}):
