@@ -5037,11 +5037,23 @@ class VisionInputs:
             self.end = tokenizer.convert_ids_to_tokens(config.vision_end_token_id)
             self.merge = int(image_processor.merge_size)
         else:  # LLaVA: the processor resizes to the tower's size; CLS is kept only by the 'full' strategy
-            vision = config.vision_config
-            extra = 1 if getattr(config, "vision_feature_select_strategy", "default") == "full" else 0
-            self.llava_tokens = (vision.image_size // vision.patch_size) ** 2 + extra
+            vision, strategy = config.vision_config, getattr(config, "vision_feature_select_strategy", "default")
+            self.llava_tokens = (vision.image_size // vision.patch_size) ** 2 + (1 if strategy == "full" else 0)
+            self.llava_processor = dict(patch_size=vision.patch_size, vision_feature_select_strategy=strategy,
+                                        num_additional_image_tokens=1)  # CLS, as llava-hf's processors count it
         self._cache: collections.OrderedDict[str, tuple[torch.Tensor, torch.Tensor | None]] = collections.OrderedDict()
         self._cache_size = cache_size
+
+    def save_pretrained(self, directory: str | os.PathLike, tokenizer: Any) -> None:
+        """The image processor, and for LLaVA the whole processor (LlavaProcessor needs no torchvision), so that the
+        output loads with AutoImageProcessor / AutoProcessor. The Qwen processors cannot be built without torchvision
+        (their video processor): AutoProcessor assembles them from these files where it is installed."""
+        self.image_processor.save_pretrained(directory)
+        if self.family == "llava":
+            from transformers import LlavaProcessor
+
+            LlavaProcessor(image_processor=self.image_processor, tokenizer=tokenizer, image_token=self.image_token,
+                           chat_template=tokenizer.chat_template, **self.llava_processor).save_pretrained(directory)
 
     def configure(self, config: BaseConfig) -> VisionInputs:
         self.max_pixels, self.min_pixels = config.image_max_pixels, config.image_min_pixels
@@ -5402,7 +5414,7 @@ class PolicyModel(nn.Module):
         model.save_pretrained(directory, **({"state_dict": state_dict} if state_dict is not None else {}))
         self.tokenizer.save_pretrained(directory)
         if self.vision is not None:  # so that the output loads with AutoImageProcessor / AutoProcessor
-            self.vision.image_processor.save_pretrained(directory)
+            self.vision.save_pretrained(directory, self.tokenizer)
 
 
 def state_under(state: dict[str, torch.Tensor] | None, prefix: str) -> dict[str, torch.Tensor] | None:

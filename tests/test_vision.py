@@ -571,3 +571,23 @@ def test_chosen_and_rejected_share_one_image_encoding(tmp_path):
     torch.testing.assert_close(out.detach(), want, rtol=1e-5, atol=1e-4)  # encoded per row
     out.sum().backward()
     assert policy.model.model.visual.blocks[0].attn.qkv.weight.grad.abs().sum() > 0
+
+
+def test_a_saved_llava_loads_with_autoprocessor_which_tokenizes_as_training_did(family_dirs, tmp_path):
+    """LLaVA's processor needs no torchvision: the saved output loads with AutoProcessor, and its expansion of the
+    prompt and image gives the ids and pixels training used."""
+    from transformers import AutoProcessor
+
+    policy = rlhf.PolicyModel.from_pretrained(str(family_dirs["llava"]))
+    policy.tokenizer.chat_template = rlhf.CHAT_TEMPLATES["llava"]
+    policy.save_pretrained(tmp_path / "out")
+    processor = AutoProcessor.from_pretrained(tmp_path / "out")
+    assert type(processor).__name__ == "LlavaProcessor"
+    red = _picture(tmp_path / "red.png")
+    record = {"system": "", "messages": [{"role": "user", "content": "<image>How many?"}], "images": [red]}
+    formatter = rlhf.ChatFormatter(policy.tokenizer, "llava", vision=policy.vision)
+    text = processor.tokenizer.apply_chat_template([{"role": "user", "content": "<image>\nHow many?"}],
+                                                   tokenize=False, add_generation_prompt=True)
+    theirs = processor(text=text, images=Image.open(red), return_tensors="pt")
+    assert theirs["input_ids"][0].tolist() == formatter.prompt_ids(record)
+    torch.testing.assert_close(theirs["pixel_values"], policy.vision.encode(red)[0])
