@@ -8281,6 +8281,9 @@ def build_sft_data(config: SFTConfig, tokenizer: Any, formatter: ChatFormatter, 
 
 
 def _check_packing_supported(policy: PolicyModel, config: SFTConfig) -> None:
+    if config.packing and policy.vision is not None:
+        raise RLHFInputError("config field 'packing': packed rows would lose which images belong to which example "
+                             "(vision-language models take their pixel inputs per row); set packing=false")
     if config.packing and policy.model.config.model_type in ("mamba", "mamba2", "rwkv"):
         raise RLHFInputError(f"config field 'packing': {policy.model.config.model_type} models carry state across "
                              f"packed examples, so they would see each other; set packing=false")

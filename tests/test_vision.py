@@ -320,6 +320,12 @@ def test_images_given_to_a_text_model_and_videos_are_one_line_errors(tmp_path, c
     assert code == 2 and "videos are not supported" in err and "vl.json:" in err
 
 
+def test_packing_with_a_vision_language_model_is_refused(tmp_path):
+    config = _vl_config(rlhf.SFTConfig, tmp_path, dataset="demo_vl_sft", max_samples=4, max_steps=1, packing=True)
+    with pytest.raises(rlhf.RLHFInputError, match="config field 'packing'"):
+        rlhf.train_sft(config)
+
+
 def test_truncation_drops_a_record_rather_than_cut_an_image(tiny_vl_dir, tmp_path):
     policy = rlhf.PolicyModel.from_pretrained(str(tiny_vl_dir))
     formatter = rlhf.ChatFormatter(policy.tokenizer, "qwen3_vl_nothink", vision=policy.vision)
