@@ -90,8 +90,13 @@ def tiny_vl_dir() -> Path:
 def _tiny_family(name: str, tiny_vl: Path, directory: Path) -> Path:
     """A random-weight Qwen2-VL / Qwen2.5-VL / LLaVA with tiny-vl's tokenizer (LLaVA's <image> token added), saved with
     its image processor as a user's model directory is."""
-    from transformers import (AutoConfig, AutoModelForImageTextToText, AutoTokenizer, CLIPImageProcessorPil,
-                              Qwen2VLImageProcessorPil)
+    from transformers import (
+        AutoConfig,
+        AutoModelForImageTextToText,
+        AutoTokenizer,
+        CLIPImageProcessorPil,
+        Qwen2VLImageProcessorPil,
+    )
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_vl)
     if name == "llava":
@@ -359,8 +364,8 @@ def _lf_dpo_yaml(tmp_path: Path) -> Path:
 
 
 def test_llamafactory_multimodal_dpo_yaml_runs_and_its_output_loads_and_generates(tmp_path, monkeypatch):
-    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
     from peft import PeftModel
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
 
     monkeypatch.chdir(REPO)
     assert rlhf.main(["train", str(_lf_dpo_yaml(tmp_path)), "disable_progress_bar=true"]) == 0
