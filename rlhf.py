@@ -3870,6 +3870,15 @@ class SFTDataset(torch.utils.data.Dataset):
         return self.rows[index] if self.rows is not None else self.data[int(index)]
 
 
+def _with_record_images(item: dict[str, Any], record: dict[str, Any], status: str, vision: VisionInputs) -> str:
+    """An encoded item of a record with images takes the images' paths (the collator encodes them); an item whose
+    truncation cut into an image is dropped, since its image's features would no longer fit its tokens."""
+    if vision.count_image_tokens(item.get("prompt_ids", item.get("input_ids"))) != vision.expected_tokens(record):
+        return "dropped"
+    item["images"] = record["images"]
+    return status
+
+
 class StreamingRecordDataset(torch.utils.data.IterableDataset):
     """Records streamed from disk with Hugging Face ``datasets`` (constant memory on multi-GB JSONL),
     parsed into canonical records of ``kind`` and encoded by ``_encode``.
@@ -3933,6 +3942,8 @@ class StreamingRecordDataset(torch.utils.data.IterableDataset):
                 self.stats["invalid"] += 1
                 continue
             item, status = self._encode(record)
+            if record.get("images") and status != "dropped":
+                status = _with_record_images(item, record, status, self.formatter.vision)
             if status != "ok":
                 self.stats[status] += 1
             if status != "dropped":
@@ -4048,9 +4059,7 @@ class _EncodedRecords(torch.utils.data.Dataset):
         for record in records:
             item, status = self._encode(record)
             if record.get("images") and status != "dropped":
-                item["images"] = record["images"]
-                if formatter.vision.count_image_tokens(item["prompt_ids"]) != formatter.vision.expected_tokens(record):
-                    status = "dropped"  # truncation cut into an image, whose features would no longer fit its tokens
+                status = _with_record_images(item, record, status, formatter.vision)
             statuses.append(status)
             if status != "dropped":
                 items.append(item)
@@ -8085,6 +8094,7 @@ def _streaming_dataset(cls: type[StreamingRecordDataset], config: BaseConfig, to
     """The streaming twin of a stage's training set: the first dataset, sharded by rank, skipping the
     first val_size records (they are the validation set, as in LLaMA-Factory)."""
     spec = resolve_dataset(config.dataset.split(",")[0].strip(), config.dataset_dir)
+    spec.media_dir = Path(config.media_dir or config.dataset_dir)
     return cls(spec, tokenizer, formatter, rank=devices.process_index, world_size=devices.num_processes,
                buffer_size=config.buffer_size, seed=config.seed, skip_invalid=config.skip_invalid_records,
                max_samples=config.max_samples, skip=int(config.val_size or 0), **kwargs)

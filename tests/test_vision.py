@@ -602,3 +602,18 @@ def test_a_saved_llava_loads_with_autoprocessor_which_tokenizes_as_training_did(
     theirs = processor(text=text, images=Image.open(red), return_tensors="pt")
     assert theirs["input_ids"][0].tolist() == formatter.prompt_ids(record)
     torch.testing.assert_close(theirs["pixel_values"], policy.vision.encode(red)[0])
+
+
+def test_streaming_sft_reads_image_records(tmp_path):
+    """streaming: true reads image records too: the streamed items carry their images' paths (resolved against
+    dataset_dir) and their image tokens, and a streaming run trains on them."""
+    config = _vl_config(rlhf.SFTConfig, tmp_path, dataset="demo_vl_sft", max_samples=8, max_steps=2,
+                        per_device_train_batch_size=4, learning_rate=1e-3, streaming=True)
+    policy = rlhf.PolicyModel.from_pretrained("tiny-vl")
+    formatter = rlhf.chat_formatter(policy.tokenizer, config, policy)
+    spec = rlhf.resolve_dataset("demo_vl_sft", DEMO_VL)
+    spec.media_dir = DEMO_VL
+    item = next(iter(rlhf.StreamingSFTDataset(spec, policy.tokenizer, formatter, cutoff_len=256, max_samples=1)))
+    assert item["images"] and Path(item["images"][0]).is_file()
+    assert policy.vision.count_image_tokens(item["input_ids"]) == 16
+    assert rlhf.train_sft(config).global_step == 2
