@@ -3846,15 +3846,15 @@ class SFTDataset(torch.utils.data.Dataset):
         out: dict[str, list[Any]] = {"input_ids": [], "labels": [], "status": [], "images": []}
         for text in batch["record"]:
             record = {k: v for k, v in json.loads(text).items() if v is not None}
-            whole, labels = self.formatter.conversation(record, self.train_on_prompt, self.mask_history)
-            ids, labels, status = truncate_example(whole, labels, self.cutoff_len)
-            if self.formatter.vision and status == "truncated" and (self.formatter.vision.count_image_tokens(ids)
-                                                                    != self.formatter.vision.count_image_tokens(whole)):
-                ids, labels, status = [], [], "dropped"  # an image cut in part would not match its features
-            out["input_ids"].append(ids)
-            out["labels"].append(labels)
+            ids, labels = self.formatter.conversation(record, self.train_on_prompt, self.mask_history)
+            ids, labels, status = truncate_example(ids, labels, self.cutoff_len)
+            item = {"input_ids": ids, "labels": labels}
+            if record.get("images") and status != "dropped":
+                status = _with_record_images(item, record, status, self.formatter.vision)
+            out["input_ids"].append(item["input_ids"])
+            out["labels"].append(item["labels"])
             out["status"].append(status)
-            out["images"].append(record.get("images") or [])
+            out["images"].append(item.get("images", []))
         return out
 
     def __len__(self) -> int:
@@ -5158,13 +5158,18 @@ def load_vision_inputs(model: nn.Module, tokenizer: Any, path: str, trust_remote
     return VisionInputs(_innermost_model(model).config, processor, tokenizer)
 
 
+def _frozen_part_keys(config: BaseConfig) -> tuple[str, ...]:
+    """The module-name keys of the parts a config's freeze switches hold still."""
+    return ((VISION_TOWER_KEYS if config.freeze_vision_tower else ())
+            + (PROJECTOR_KEYS if config.freeze_multi_modal_projector else ())
+            + (LANGUAGE_MODEL_KEYS if config.freeze_language_model else ()))
+
+
 def set_trainable_parts(model: nn.Module, config: BaseConfig) -> None:
     """``freeze_vision_tower``, ``freeze_multi_modal_projector`` and ``freeze_language_model`` (LLaMA-Factory's
     switches): the frozen parts' parameters take no gradient. Runs after the finetuning type, so that it also
     freezes what full or freeze training left trainable."""
-    frozen = ((VISION_TOWER_KEYS if config.freeze_vision_tower else ())
-              + (PROJECTOR_KEYS if config.freeze_multi_modal_projector else ())
-              + (LANGUAGE_MODEL_KEYS if config.freeze_language_model else ()))
+    frozen = _frozen_part_keys(config)
     for name, parameter in model.named_parameters():
         if any(key in name for key in frozen):
             parameter.requires_grad_(False)
@@ -5174,9 +5179,7 @@ def lora_target_names(model: nn.Module, config: BaseConfig, short_names: list[st
     """``lora_target: all`` on a vision-language model: every linear layer of the parts that train, named in full,
     so that the vision tower (and the projector) get no adapter unless their freeze switch is off; the patch
     embedding never does (LLaMA-Factory's rule)."""
-    skipped = ((VISION_TOWER_KEYS if config.freeze_vision_tower else ())
-               + (PROJECTOR_KEYS if config.freeze_multi_modal_projector else ())
-               + (LANGUAGE_MODEL_KEYS if config.freeze_language_model else ()) + ("patch_embed", "lm_head"))
+    skipped = (*_frozen_part_keys(config), "patch_embed", "lm_head")
     return [name for name, module in model.named_modules()
             if _is_linear(module) and name.rsplit(".", 1)[-1] in short_names and not any(k in name for k in skipped)]
 
@@ -7924,7 +7927,7 @@ class BaseTrainer(CheckpointingMixin):
         formatter = chat_formatter(self.policy.tokenizer, config, self.policy)
         examples = SFTDataset(records, self.policy.tokenizer, formatter, cutoff_len=config.cutoff_len,
                               cache_dir=config.cache_dir)
-        collate = SFTCollator(self.policy.tokenizer.pad_token_id)
+        collate = SFTCollator(self.policy.tokenizer.pad_token_id, vision=self.policy.vision)
         batches = (self._to_device(collate([examples[i]])) for i in range(len(examples)))
         ewc = ElasticWeightConsolidation.from_data(self.devices.unwrap(self.model), batches, config.ewc_lambda,
                                                    source=source)
@@ -7946,8 +7949,8 @@ class BaseTrainer(CheckpointingMixin):
         tokens (``saved_as_trained``)."""
         model = self.devices.unwrap(self.policy.model)
         with saved_as_trained(model, self.policy.tokenizer, getattr(self, "formatter", None)):
-            PolicyModel(model, self.policy.tokenizer, vision=self.policy.vision).save_pretrained(directory, state_under(self.gathered_weights,
-                                                                                             self.policy_prefix))
+            PolicyModel(model, self.policy.tokenizer, vision=self.policy.vision).save_pretrained(
+                directory, state_under(self.gathered_weights, self.policy_prefix))
 
     def _load_model(self, directory: Path) -> None:
         load_weights_into(self.devices.unwrap(self.policy.model), directory)
@@ -8058,7 +8061,7 @@ def read_stage_records(config: BaseConfig, kind: str
                        ) -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]], list[dict[str, Any]]]:
     """(training, validation, held-out prompt) records of ``kind`` for one stage; see read_sft_records."""
     eval_records = load_records(config.eval_dataset, config.dataset_dir, "prompt", max_samples=config.max_samples,
-                                 media_dir=config.media_dir or None,
+                                media_dir=config.media_dir or None,
                                 skip_invalid=config.skip_invalid_records) if config.eval_dataset else []
     # warn only: a pipeline's eval_dataset also feeds the eval stage, where prompts need no answers
     _check_answers(eval_records, "eval_dataset", config.eval_dataset, "exact-match accuracy", required=False)
@@ -8075,11 +8078,11 @@ def read_stage_records(config: BaseConfig, kind: str
             raise RLHFInputError(f"config field 'val_size' ({config.val_size}): a stream has no known length, so "
                                  f"give a record count (e.g. val_size=200), not a fraction")
         # as in LLaMA-Factory: the stream's first val_size records are the validation set, training skips them
-        val_records = load_records(names[0], config.dataset_dir, kind, max_samples=int(config.val_size), media_dir=config.media_dir or None,
-                                   skip_invalid=config.skip_invalid_records)
+        val_records = load_records(names[0], config.dataset_dir, kind, max_samples=int(config.val_size),
+                                   media_dir=config.media_dir or None, skip_invalid=config.skip_invalid_records)
         return None, val_records, eval_records
-    records = load_records(config.dataset, config.dataset_dir, kind, max_samples=config.max_samples, media_dir=config.media_dir or None,
-                           skip_invalid=config.skip_invalid_records)
+    records = load_records(config.dataset, config.dataset_dir, kind, max_samples=config.max_samples,
+                           media_dir=config.media_dir or None, skip_invalid=config.skip_invalid_records)
     train_records, val_records = _split_validation(records, config.val_size, config.seed, config.val_split_by_prompt)
     return train_records, val_records, eval_records
 
@@ -9248,7 +9251,7 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         self.model.eval()
         try:
             with self._generating():
-                completions = self.devices_policy().generate_with_images(
+                completions = self._unwrapped_policy().generate_with_images(
                     [p["prompt_ids"] for p in rows], [p.get("images") or [] for p in rows], params,
                     batch_size=len(rows), synced=self.sharded)
         finally:
@@ -9257,7 +9260,7 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         return GenerationOutput(token_ids=completions, logprobs=[[] for _ in completions], finish_reasons=reasons,
                                 prompt_index=[i // params.n for i in range(len(rows))])
 
-    def devices_policy(self) -> PolicyModel:
+    def _unwrapped_policy(self) -> PolicyModel:
         """The policy around its unwrapped module (what generation runs on under DDP / FSDP)."""
         return PolicyModel(self.devices.unwrap(self.policy.model), self.policy.tokenizer, vision=self.policy.vision)
 
