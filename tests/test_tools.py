@@ -187,6 +187,36 @@ def test_a_grpo_run_with_the_calculator_and_the_chat_templates_tool_turns(tmp_pa
     assert trainer.policy.tokenizer.decode(ids) == "\n<|im_start|>tool\n7<|im_end|>\n<|im_start|>assistant\n"
 
 
+@pytest.mark.parametrize("estimator", ["rloo", "reinforce_pp", "reinforce_pp_baseline"])
+def test_rloo_and_reinforce_pp_run_on_environments(tmp_path, tiny_model_dir, prompts, estimator):
+    """The estimators see the episode rewards; REINFORCE++'s token-level advantages are zero on every tool token
+    (its return-to-go and whitening run over the policy's own tokens only), and a run trains."""
+    Alternating.started = 0
+    trainer = _trainer(tmp_path, tiny_model_dir, prompts, environment="test_tools:Alternating",
+                       advantage_estimator=estimator, scale_rewards="none", max_completion_length=64)
+    trainer.rollout_index = 0
+    rollout = trainer.make_rollout([prompts[0], prompts[1]])
+    rewards = torch.tensor([0.0, 1.0, 0.0, 1.0])  # Alternating's episode rewards, in the order the episodes start
+    if estimator == "rloo":  # each reward minus the mean of the other one in its group of two
+        assert torch.allclose(rollout.advantages, torch.tensor([-1.0, 1.0, -1.0, 1.0]))
+    else:
+        labelled = rollout.labels[:, 1:] != rlhf.IGNORE_INDEX
+        assert rollout.advantages.shape == labelled.shape
+        assert torch.all(rollout.advantages[~labelled] == 0)
+        observation = trainer.formatter.encode(" [tool says 7] ")
+        for row in range(4):  # each episode's tool tokens are in its completion, unlabelled
+            start, width = int(rollout.prompt_lengths[row]), int(rollout.attention_mask[row].sum())
+            tokens, labels = rollout.input_ids[row, start:width].tolist(), rollout.labels[row, start:width]
+            assert [t for t, label in zip(tokens, labels) if label == rlhf.IGNORE_INDEX] == observation * 2
+        # the whitened return of a better episode is above a worse one's on every token
+        means = [float(rollout.advantages[row][labelled[row]].mean()) for row in range(4)]
+        assert [m > 0 for m in means] == [bool(r) for r in rewards]
+    Alternating.started = 0
+    result = _trainer(tmp_path / "run", tiny_model_dir, prompts, environment="test_tools:Alternating",
+                      advantage_estimator=estimator, scale_rewards="none", max_completion_length=64).train()
+    assert result.global_step == 1 and "tools/calls_per_episode" in result.history[0]
+
+
 @pytest.mark.parametrize("environment, informative", [("test_tools:Alternating", True), ("test_tools:scripted", False)])
 def test_dynamic_sampling_keeps_the_tool_outputs_out_of_the_loss(tmp_path, tiny_model_dir, prompts, environment,
                                                                  informative):
