@@ -35,7 +35,7 @@ import sys
 import time
 import weakref
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -196,6 +196,9 @@ class SamplingParams:
     stop_strings: tuple[str, ...] = ()
     min_p: float = 0.0  # keep tokens with probability >= min_p * the most likely one's (after temperature)
     repetition_penalty: float = 1.0  # divide positive / multiply negative logits of tokens already seen (vLLM only)
+    # never sampled (a vision-language model's image tokens: one in a completion would ask the next forward for image
+    # features it does not have); the reported log-probs stay those of the unsuppressed distribution, as with top_k
+    suppress_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1 or self.n < 1:
@@ -250,39 +253,43 @@ def _has_stop_string(tokenizer, tokens: list[int], stop_strings: tuple[str, ...]
 
 
 def _generate_eager(model: torch.nn.Module, prompts: list[list[int]], params: SamplingParams, *, pad_token_id: int,
-                    stops: set[int], tokenizer, generator: torch.Generator, synced: bool = False) -> GenerationOutput:
+                    stops: set[int], tokenizer, generator: torch.Generator, synced: bool = False,
+                    vision=None) -> GenerationOutput:
     """The general loop: the model's own (dynamic) cache, one forward per step, multinomial sampling,
     checks every step. Works for any causal LM, recurrent ones included (they recompute the sequence)."""
     device = next(model.parameters()).device
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad_token_id] * (width - len(p)) + list(p) for p in prompts], device=device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-    ids, mask = ids.repeat_interleave(params.n, 0), mask.repeat_interleave(params.n, 0)
-    rows = ids.shape[0]
     recurrent = getattr(model.config, "model_type", "") in RECURRENT_MODEL_TYPES
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
     if recurrent:
+        if vision is not None:
+            raise ValueError(f"{model.config.model_type} is a recurrent text model: it takes no images")
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[pad_token_id] * (width - len(p)) + list(p) for p in prompts], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        ids, mask = ids.repeat_interleave(params.n, 0), mask.repeat_interleave(params.n, 0)
         logits, cache = model(input_ids=ids, attention_mask=mask).logits[:, -1], None
+        next_position = None
     else:  # prefill each distinct prompt once, then share its cache among the n samples
-        out = model(input_ids=ids[::params.n], attention_mask=mask[::params.n], position_ids=positions[::params.n],
-                    use_cache=True)
+        out, mask, positions, _ = _prefill(model, prompts, pad_token_id, vision=vision)
         cache = returned_cache(out)
         if params.n > 1:
             cache.batch_repeat_interleave(params.n)
         logits = out.logits[:, -1].repeat_interleave(params.n, 0)
+        mask, next_position = mask.repeat_interleave(params.n, 0), positions[:, -1].repeat_interleave(params.n, 0) + 1
+    rows = logits.shape[0]
     stop_ids = torch.tensor(sorted(stops), device=device, dtype=torch.long)
+    suppress = torch.tensor(params.suppress_token_ids, device=device, dtype=torch.long)
     tokens = torch.full((rows, params.max_new_tokens), pad_token_id, device=device, dtype=torch.long)
     logprobs = torch.zeros(rows, params.max_new_tokens, device=device)
     done = torch.zeros(rows, dtype=torch.bool, device=device)
     stopped = torch.zeros(rows, dtype=torch.bool, device=device)
     lengths = torch.zeros(rows, dtype=torch.long, device=device)
-    next_position = positions[:, -1] + 1
     for step in range(params.max_new_tokens):
         scaled = logits.float() / (params.temperature if not params.greedy else 1.0)
+        allowed = scaled.index_fill(-1, suppress, float("-inf"))
         if params.greedy:
-            chosen = scaled.argmax(-1)
+            chosen = allowed.argmax(-1)
         else:
-            filtered = _filter_logits(scaled, params.top_k, params.top_p)
+            filtered = _filter_logits(allowed, params.top_k, params.top_p)
             chosen = torch.multinomial(filtered.softmax(-1), 1, generator=generator).squeeze(-1)
         chosen = chosen.masked_fill(done, pad_token_id)
         tokens[:, step] = chosen
@@ -304,7 +311,7 @@ def _generate_eager(model: torch.nn.Module, prompts: list[list[int]], params: Sa
         else:
             logits = model(input_ids=chosen[:, None], attention_mask=mask, position_ids=next_position[:, None],
                            **cache_argument(model, cache), use_cache=True).logits[:, -1]
-        next_position = next_position + 1
+            next_position = next_position + 1
     counts = lengths.tolist()
     token_lists = [row[:count] for row, count in zip(tokens.tolist(), counts)]
     logprob_lists = [row[:count] for row, count in zip(logprobs.tolist(), counts)]
@@ -420,15 +427,17 @@ def _static_path_unsupported(model: torch.nn.Module) -> str:
 
 
 def _sample(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor | None, done: torch.Tensor,
-            stop_ids: torch.Tensor, pad_token_id: int, top_k: int, top_p: float):
+            stop_ids: torch.Tensor, pad_token_id: int, top_k: int, top_p: float, suppress: torch.Tensor):
     """One token per row: greedy (``uniform is None``) or Gumbel-max sampling over the top-k/top-p
-    filtered distribution (argmax(logits - log(-log U)) draws from softmax(logits)); finished rows get
-    the pad token. Returns (tokens, log-prob of each under the temperature before filtering, done)."""
+    filtered distribution (argmax(logits - log(-log U)) draws from softmax(logits)), never a token of
+    ``suppress`` (ids, may be empty); finished rows get the pad token. Returns (tokens, log-prob of each
+    under the temperature before filtering, done)."""
     scaled = logits.float() / temperature
+    allowed = scaled.index_fill(-1, suppress, float("-inf"))
     if uniform is None:
-        chosen = scaled.argmax(-1)
+        chosen = allowed.argmax(-1)
     else:
-        filtered = _filter_logits(scaled, top_k, top_p)
+        filtered = _filter_logits(allowed, top_k, top_p)
         gumbel = -torch.log(-torch.log(uniform.clamp_min(_NOISE_FLOOR)))
         chosen = (filtered + gumbel).argmax(-1)
     chosen = chosen.masked_fill(done, pad_token_id)
@@ -437,11 +446,11 @@ def _sample(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tens
 
 
 def _decode_step(model, token, position, mask, cache, temperature, uniform, done, stop_ids, pad_token_id: int,
-                 top_k: int, top_p: float):
+                 top_k: int, top_p: float, suppress: torch.Tensor):
     """Feed one token per row through the static cache and sample the next: fixed shapes, no host sync."""
     logits = model(input_ids=token[:, None], attention_mask=mask, position_ids=position[:, None],
                    **cache_argument(model, cache), use_cache=True).logits[:, -1]
-    chosen, logprob, done = _sample(logits, temperature, uniform, done, stop_ids, pad_token_id, top_k, top_p)
+    chosen, logprob, done = _sample(logits, temperature, uniform, done, stop_ids, pad_token_id, top_k, top_p, suppress)
     return chosen, logprob, done, position + 1
 
 
@@ -503,19 +512,39 @@ def _all_finished(done: torch.Tensor, synced: bool) -> bool:
     return int(unfinished) == 0
 
 
-def _prefill(model: torch.nn.Module, prompts: list[list[int]], pad_token_id: int, cache=None):
+def _prefill(model: torch.nn.Module, prompts: list[list[int]], pad_token_id: int, cache=None, vision=None):
     """One forward over the left-padded prompts (only the last position's logits where the model allows).
-    Returns (output, prompt mask (P, W), positions (P, W), width W)."""
+    ``vision``: a function of the left-padded prompt ids (P, W) giving the model's pixel inputs for them.
+    Returns (output, prompt mask (P, W), positions (P, W): the last column + 1 is where decoding goes on, width W)."""
     device = next(model.parameters()).device
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad_token_id] * (width - len(p)) + list(p) for p in prompts], device=device)
     prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-    positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+    positions = model_positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
     extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     if cache is not None:
         extra.update(cache_argument(model, cache))
-    out = model(input_ids=ids, attention_mask=prompt_mask, position_ids=positions, use_cache=True, **extra)
+    if vision is not None:
+        pixel_inputs = {k: v.to(device) for k, v in vision(ids).items()}
+        extra.update(pixel_inputs)
+        model_positions, positions = _multimodal_positions(model, ids, prompt_mask, pixel_inputs, positions)
+    out = model(input_ids=ids, attention_mask=prompt_mask, position_ids=model_positions, use_cache=True, **extra)
     return out, prompt_mask, positions, width
+
+
+def _multimodal_positions(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, pixel_inputs: dict,
+                          positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """M-RoPE (the Qwen2-VL family): an image's tokens take (time, row, column) positions of its patch grid, so a
+    prompt's positions are (3, P, W), from the model's own ``get_rope_index``, and the text after an image goes on
+    from their maximum + 1, fewer than the tokens before it. Every later token is text, whose three positions are
+    equal, so decoding continues one (P,) position per row. Returns (the prefill's position_ids, positions (P, W)
+    whose last column + 1 is each row's next position); a model with plain positions (LLaVA) keeps its own."""
+    rope_index = getattr(getattr(model, "model", None), "get_rope_index", None)
+    if rope_index is None or "image_grid_thw" not in pixel_inputs:
+        return positions, positions
+    rope = rope_index(ids, mm_token_type_ids=pixel_inputs["mm_token_type_ids"],
+                      image_grid_thw=pixel_inputs["image_grid_thw"], attention_mask=mask)[0]
+    return rope, rope.amax(0).cummax(-1).values
 
 
 def _static_cache(config, max_cache_len: int):
@@ -549,14 +578,14 @@ def _casting_static_layer_class() -> type:
 
 def _generate_static(model: torch.nn.Module, prompts: list[list[int]], params: SamplingParams, *, pad_token_id: int,
                      stops: set[int], tokenizer, generator: torch.Generator, compiled: bool,
-                     state: _FastState, key: tuple, synced: bool = False) -> GenerationOutput:
+                     state: _FastState, key: tuple, synced: bool = False, vision=None) -> GenerationOutput:
     """Prefill the distinct prompts (the model's dynamic cache, its own attention), copy the KV into a
     preallocated StaticCache (repeated for the n samples), then decode with one fused step per token
     (forward + sampling + log-prob + stop check) over fixed shapes, compiled or not. Host syncs only
     every CHECK_DONE_EVERY steps."""
     device = next(model.parameters()).device
     n, steps = params.n, params.max_new_tokens
-    out, prompt_mask, positions, width = _prefill(model, prompts, pad_token_id)
+    out, prompt_mask, positions, width = _prefill(model, prompts, pad_token_id, vision=vision)
     prefilled = getattr(returned_cache(out), "layers", None)
     cache_len = key[1]
     cache = _static_cache(model.config, cache_len)
@@ -576,6 +605,7 @@ def _generate_static(model: torch.nn.Module, prompts: list[list[int]], params: S
     mask[:, :width] = prompt_mask.repeat_interleave(n, 0)
     position = positions[:, -1].repeat_interleave(n, 0) + 1
     stop_ids = torch.tensor(sorted(stops), device=device, dtype=torch.long)
+    suppress = torch.tensor(params.suppress_token_ids, device=device, dtype=torch.long)
     temperature = torch.tensor(1.0 if params.greedy else params.temperature, device=device)
     vocab = logits.shape[-1]
 
@@ -588,7 +618,7 @@ def _generate_static(model: torch.nn.Module, prompts: list[list[int]], params: S
     string_end: dict[int, int] = {}  # row -> step whose token completed a stop string
     checked, finished = 0, [False] * rows  # steps scanned for stop strings; rows done before them
     token, logprob, done = _sample(logits, temperature, noise(), done, stop_ids, pad_token_id, params.top_k,
-                                   params.top_p)
+                                   params.top_p, suppress)
     tokens[:, 0], logprobs[:, 0] = token, logprob
     step_fn, saved_attention = _decode_step, model.config._attn_implementation
     if compiled:
@@ -617,7 +647,7 @@ def _generate_static(model: torch.nn.Module, prompts: list[list[int]], params: S
                 if step == steps or _all_finished(done, synced):
                     break
             args = (model, token, position, mask, cache, temperature, noise(), done, stop_ids, pad_token_id,
-                    params.top_k, params.top_p)
+                    params.top_k, params.top_p, suppress)
             if step_fn is _decode_step or step > 1:
                 token, logprob, done, position = step_fn(*args)
             else:  # the first compiled call of this generate: full guard checks, maybe a compilation
@@ -930,7 +960,7 @@ def _paged_view(paged: PagedKVCache, table: torch.Tensor, blocks: torch.Tensor, 
 
 def _generate_paged(model: torch.nn.Module, prompts: list[list[int]], params: SamplingParams, *, pad_token_id: int,
                     stops: set[int], tokenizer, generator: torch.Generator,
-                    paged: PagedKVCache) -> GenerationOutput:
+                    paged: PagedKVCache, vision=None) -> GenerationOutput:
     """Decode over a PagedKVCache: each prompt is prefilled once and written into blocks; its ``n``
     samples are forks that share those blocks, the partly filled last one included (each sample's own
     tokens start in a fresh block behind a masked hole, unless the cache copies on write). Every
@@ -939,8 +969,11 @@ def _generate_paged(model: torch.nn.Module, prompts: list[list[int]], params: Sa
 
     device = next(model.parameters()).device
     n, steps = params.n, params.max_new_tokens
-    out, _, _, width = _prefill(model, prompts, pad_token_id, DynamicCache(config=model.config))
+    out, _, positions, width = _prefill(model, prompts, pad_token_id, DynamicCache(config=model.config), vision)
     layers = returned_cache(out).layers
+    # a row's next position minus its cache length: 0 but after an image's M-RoPE positions (see _multimodal_positions)
+    offsets = torch.tensor([int(positions[i, -1]) + 1 - len(p) for i, p in enumerate(prompts)], device=device)
+    offsets = offsets.repeat_interleave(n)
     row_seq: list[int] = []
     for i, prompt in enumerate(prompts):  # the prompt's real (unpadded) positions go into blocks once
         seq = paged.new_sequence()
@@ -951,6 +984,7 @@ def _generate_paged(model: torch.nn.Module, prompts: list[list[int]], params: Sa
     del out, layers
     rows, vocab = len(row_seq), logits.shape[-1]
     stop_ids = torch.tensor(sorted(stops), device=device, dtype=torch.long)
+    suppress = torch.tensor(params.suppress_token_ids, device=device, dtype=torch.long)
     temperature = torch.tensor(1.0 if params.greedy else params.temperature, device=device)
     tokens: list[list[int]] = [[] for _ in range(rows)]
     logprobs: list[list[float]] = [[] for _ in range(rows)]
@@ -962,7 +996,7 @@ def _generate_paged(model: torch.nn.Module, prompts: list[list[int]], params: Sa
             noise = None if params.greedy else torch.rand(len(active), vocab, device=device, generator=generator)
             idle = torch.zeros(len(active), dtype=torch.bool, device=device)
             chosen, logprob, hit = _sample(logits, temperature, noise, idle, stop_ids, pad_token_id, params.top_k,
-                                           params.top_p)
+                                           params.top_p, suppress)
             still = []
             for slot, (row, token, lp, stop) in enumerate(zip(active, chosen.tolist(), logprob.tolist(), hit.tolist())):
                 tokens[row].append(token)
@@ -980,7 +1014,7 @@ def _generate_paged(model: torch.nn.Module, prompts: list[list[int]], params: Sa
             active, chosen = [active[s] for s in still], chosen[keep]
             seqs = [row_seq[r] for r in active]
             slots = [paged.reserve(s)[0] for s in seqs]
-            lengths = torch.tensor([paged.length(s) for s in seqs], device=device)  # the new token's position
+            position = torch.tensor([paged.length(s) for s in seqs], device=device) + offsets[active]  # its position
             table = paged.block_table(seqs)
             # per-slot validity, not "slot < length": a fork's own tokens start after a masked hole
             visible = paged.visible(seqs)  # the stored prefix and the new token's reserved slot
@@ -988,7 +1022,7 @@ def _generate_paged(model: torch.nn.Module, prompts: list[list[int]], params: Sa
             mask.masked_fill_(~visible[:, None, None], mask_value)
             view = _paged_view(paged, table, torch.tensor([b for b, _ in slots], device=device),
                                torch.tensor([o for _, o in slots], device=device))
-            logits = model(input_ids=chosen[:, None], attention_mask=mask, position_ids=lengths[:, None],
+            logits = model(input_ids=chosen[:, None], attention_mask=mask, position_ids=position[:, None],
                            **cache_argument(model, view), use_cache=True).logits[:, -1]
             for seq in seqs:
                 paged.commit(seq)
@@ -1023,7 +1057,8 @@ def _choose_engine(model: torch.nn.Module, engine: str, params: SamplingParams, 
 
 def generate(model: torch.nn.Module, prompts: list[list[int]], params: SamplingParams | None = None, *,
              pad_token_id: int, eos_token_id: int | None = None, tokenizer=None,
-             engine: str = "auto", paged_cache: PagedKVCache | None = None, synced: bool = False) -> GenerationOutput:
+             engine: str = "auto", paged_cache: PagedKVCache | None = None, synced: bool = False,
+             vision: Callable[[torch.Tensor], dict] | None = None) -> GenerationOutput:
     """Batched sampling for any Hugging Face causal LM over its KV cache.
 
     Prompts are left-padded and prefilled once; with ``n > 1`` the cache is repeated so the samples
@@ -1052,16 +1087,23 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], params: SamplingP
     stay outside a compiled graph) and ``paged`` is refused. The loop runs under ``no_grad`` instead
     of ``inference_mode``: the weights gathered for a forward would be inference tensors that
     sharding keeps, and the next training step could not update them.
+
+    ``vision``: the prompts of a vision-language model hold their images' tokens; this function of the
+    left-padded prompt ids (P, W) gives the model's pixel inputs for those rows (``pixel_values``, and for
+    the Qwen2-VL family ``image_grid_thw`` and ``mm_token_type_ids``). The images are encoded once, in
+    the prefill; M-RoPE models get their 3-D prompt positions from the model's ``get_rope_index`` and
+    decode on from them (see ``_multimodal_positions``). Set ``params.suppress_token_ids`` to the
+    image tokens so that no completion samples one.
     """
     synced = _synced_run(synced)
     with torch.no_grad() if synced else torch.inference_mode():
         return _generate(model, prompts, params, pad_token_id=pad_token_id, eos_token_id=eos_token_id,
-                         tokenizer=tokenizer, engine=engine, paged_cache=paged_cache, synced=synced)
+                         tokenizer=tokenizer, engine=engine, paged_cache=paged_cache, synced=synced, vision=vision)
 
 
 def _generate(model: torch.nn.Module, prompts: list[list[int]], params: SamplingParams | None, *, pad_token_id: int,
               eos_token_id: int | None, tokenizer, engine: str, paged_cache: PagedKVCache | None,
-              synced: bool) -> GenerationOutput:
+              synced: bool, vision=None) -> GenerationOutput:
     params = params or SamplingParams()
     if engine not in GENERATION_ENGINES:
         raise ValueError(f"engine '{engine}' is not one of {', '.join(GENERATION_ENGINES)}")
@@ -1088,7 +1130,7 @@ def _generate(model: torch.nn.Module, prompts: list[list[int]], params: Sampling
             paged = paged_cache if paged_cache is not None else PagedKVCache()
             paged.peak = {}
             return _generate_paged(model, prompts, params, pad_token_id=pad_token_id, stops=stops,
-                                   tokenizer=tokenizer, generator=generator, paged=paged)
+                                   tokenizer=tokenizer, generator=generator, paged=paged, vision=vision)
         _log_once(type(model).__name__, "generation: general decode loop for %s: %s", type(model).__name__, why_not)
         engine = "eager"
     rows = len(prompts) * params.n
@@ -1098,11 +1140,11 @@ def _generate(model: torch.nn.Module, prompts: list[list[int]], params: Sampling
         try:
             return _generate_static(model, prompts, params, pad_token_id=pad_token_id, stops=stops,
                                     tokenizer=tokenizer, generator=generator, compiled=chosen == "compiled",
-                                    state=_FAST_STATE[model], key=key, synced=synced)
+                                    state=_FAST_STATE[model], key=key, synced=synced, vision=vision)
         except _FallBack as why:
             _log_once(type(model).__name__, "generation: general decode loop for %s: %s", type(model).__name__, why)
     return _generate_eager(model, prompts, params, pad_token_id=pad_token_id, stops=stops, tokenizer=tokenizer,
-                           generator=generator, synced=synced)
+                           generator=generator, synced=synced, vision=vision)
 
 
 # -- rollout engines: vLLM, in this process (colocate) or behind an HTTP server --------------------------------------
@@ -1156,7 +1198,8 @@ def vllm_sampling_params(params: SamplingParams):
         top_k=0 if greedy else params.top_k, min_p=0.0 if greedy else params.min_p,
         repetition_penalty=params.repetition_penalty, max_tokens=params.max_new_tokens, seed=params.seed,
         stop_token_ids=list(params.stop_token_ids), stop=list(params.stop_strings) or None, ignore_eos=True,
-        include_stop_str_in_output=True, logprobs=0, detokenize=bool(params.stop_strings), skip_special_tokens=False)
+        include_stop_str_in_output=True, logprobs=0, detokenize=bool(params.stop_strings), skip_special_tokens=False,
+        logit_bias={t: -100.0 for t in params.suppress_token_ids} or None)  # vLLM's strongest bias: e^-100
 
 
 def _vllm_output(results) -> GenerationOutput:

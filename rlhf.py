@@ -5348,18 +5348,17 @@ class PolicyModel(nn.Module):
         returns each completion's ids, ending with its stop token if it produced one. ``synced``: the
         weights are sharded across processes, which then call this with as many prompts and decode in
         lockstep (see ``inference_optimizations.generate``). ``images``: each prompt's image paths (a
-        vision-language model; its prompts hold the images' tokens), generated with Hugging Face ``generate``."""
+        vision-language model; its prompts hold the images' tokens)."""
         from inference_optimizations import SamplingParams
         from inference_optimizations import generate as generate_tokens
 
         stop = tuple(stop_token_ids or [self.tokenizer.eos_token_id])
         params = SamplingParams(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
-                                top_p=top_p, top_k=top_k, stop_token_ids=stop)
-        if images is not None and any(images):
-            if self.vision is None:
-                raise RLHFInputError("prompts with images need a vision-language model; this one is text-only")
-            return self.generate_with_images(prompts, images, params, batch_size, synced)
-        if self.rollout_engine is not None:  # vLLM holding this policy's weights (use_vllm): it batches by itself
+                                top_p=top_p, top_k=top_k, stop_token_ids=stop, suppress_token_ids=self.suppressed_tokens)
+        with_images = images is not None and any(images)
+        if with_images and self.vision is None:
+            raise RLHFInputError("prompts with images need a vision-language model; this one is text-only")
+        if self.rollout_engine is not None and not with_images:  # vLLM holding this policy's weights (use_vllm)
             return self.rollout_engine.generate(prompts, params).token_ids
         was_training = self.model.training
         self.model.eval()
@@ -5367,52 +5366,23 @@ class PolicyModel(nn.Module):
         results: list[list[int]] = [[] for _ in prompts]
         for start in range(0, len(order), batch_size):
             chunk = order[start:start + batch_size]
+            vision = self.vision_for([images[i] for i in chunk]) if with_images else None
             output = generate_tokens(self.model, [prompts[i] for i in chunk], params,
-                                     pad_token_id=self.tokenizer.pad_token_id, synced=synced)
+                                     pad_token_id=self.tokenizer.pad_token_id, synced=synced, vision=vision)
             for i, tokens in zip(chunk, output.token_ids):
                 results[i] = tokens
         self.model.train(was_training)
         return results
 
-    def generate_with_images(self, prompts: list[list[int]], images: Sequence[Sequence[str]], params: Any,
-                             batch_size: int = 32, synced: bool = False) -> list[list[int]]:
-        """Hugging Face ``generate`` over left-padded prompts with their pixel inputs (our engine's KV cache and
-        compiled step know no image features or M-RoPE positions), with every option of ``params`` (a
-        SamplingParams); each completion is cut after its first stop token."""
-        was_training = self.model.training
-        self.model.eval()
-        sampling = dict(do_sample=False, temperature=None, top_p=None, top_k=None)
-        if params.do_sample:
-            sampling = dict(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or None,
-                            **({"min_p": params.min_p} if params.min_p else {}))
-        if params.repetition_penalty != 1.0:
-            sampling["repetition_penalty"] = params.repetition_penalty
-        if params.stop_strings:
-            sampling.update(stop_strings=list(params.stop_strings), tokenizer=self.tokenizer)
-        results: list[list[int]] = []
-        rng = torch.random.fork_rng(devices=[]) if params.seed is not None else contextlib.nullcontext()
-        with rng:
-            if params.seed is not None:
-                torch.manual_seed(params.seed)
-            for start in range(0, len(prompts), batch_size):
-                results += self._generate_chunk(prompts[start:start + batch_size], images[start:start + batch_size],
-                                                params, sampling, synced)
-        self.model.train(was_training)
-        return results
+    @property
+    def suppressed_tokens(self) -> tuple[int, ...]:
+        """Tokens generation never samples: a vision-language model's image tokens, which only a processor writes."""
+        return tuple(self.vision.vision_token_ids) if self.vision is not None else ()
 
-    def _generate_chunk(self, chunk: list[list[int]], chunk_images: Sequence[Sequence[str]], params: Any,
-                        sampling: dict[str, Any], synced: bool) -> list[list[int]]:
-        pad = self.tokenizer.pad_token_id
-        width = max(len(p) for p in chunk)
-        ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in chunk], device=self.device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=self.device)
-        vision = {k: v.to(self.device) for k, v in self.vision.batch(chunk_images, ids).items()}
-        out = self.model.generate(input_ids=ids, attention_mask=mask, **vision, max_new_tokens=params.max_new_tokens,
-                                  eos_token_id=list(params.stop_token_ids), pad_token_id=pad, synced_gpus=synced,
-                                  suppress_tokens=self.vision.vision_token_ids, **sampling)
-        rows = out[:, width:].tolist()
-        return [row[:next((i + 1 for i, token in enumerate(row) if token in params.stop_token_ids), len(row))]
-                for row in rows]
+    def vision_for(self, images: Sequence[Sequence[str]]) -> Callable[[torch.Tensor], dict[str, torch.Tensor]]:
+        """The generation engine's ``vision`` for prompts that carry ``images`` (one list of paths per prompt): their
+        pixel inputs, given the left-padded prompt ids."""
+        return lambda ids: self.vision.batch(images, ids)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -9035,8 +9005,8 @@ class _OnlineRLTrainer(_ReferenceTrainer):
             raise RLHFInputError(f"stage '{config.stage}' does not train on image prompts; grpo, rloo and reinforce_pp "
                                  f"do (or give this stage text prompts)")
         if config.use_vllm:
-            raise RLHFInputError("config field 'use_vllm': image prompts are sampled with Hugging Face generate, not "
-                                 "vLLM; set use_vllm: false")
+            raise RLHFInputError("config field 'use_vllm': image prompts are sampled with this project's engine; "
+                                 "passing their pixels to vLLM is not supported yet, so set use_vllm: false")
         if getattr(config, "environment", None):
             raise RLHFInputError("config field 'environment': episodes with tools run on text prompts; image prompts "
                                  "train without an environment")
@@ -9206,7 +9176,8 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         return SamplingParams(max_new_tokens=config.max_completion_length, temperature=config.temperature,
                               top_p=config.top_p, top_k=config.top_k, min_p=config.min_p,
                               repetition_penalty=config.repetition_penalty, n=n, seed=seed,
-                              stop_token_ids=tuple(self.formatter.stop_token_ids))
+                              stop_token_ids=tuple(self.formatter.stop_token_ids),
+                              suppress_token_ids=self.policy.suppressed_tokens)
 
     def _sample(self, prompts: list[dict[str, Any]], n: int) -> Any:
         from inference_optimizations import generate as generate_tokens
@@ -9216,8 +9187,6 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         started = time.time()
         if getattr(config, "environment", None):
             output = self._sample_episodes(prompts, params)
-        elif any(p.get("images") for p in prompts):
-            output = self._sample_with_images(prompts, params)
         elif config.use_vllm:
             from inference_optimizations import VLLMServerError
 
@@ -9226,12 +9195,14 @@ class _OnlineRLTrainer(_ReferenceTrainer):
             except VLLMServerError as error:  # the server stayed down through every retry
                 raise RLHFInputError(f"{error}. {self._resume_advice()}") from None
         else:
+            images = [p.get("images") or [] for p in prompts]  # a vision-language policy's image prompts
             self.model.eval()
             try:
                 with self._generating():
                     output = generate_tokens(self.devices.unwrap(self.policy.model), [p["prompt_ids"] for p in prompts],
                                              params, pad_token_id=self.policy.tokenizer.pad_token_id,
-                                             engine=self._rollout_engine(len(prompts) * n), synced=self.sharded)
+                                             engine=self._rollout_engine(len(prompts) * n), synced=self.sharded,
+                                             vision=self.policy.vision_for(images) if any(images) else None)
             finally:
                 self.model.train()
         lengths = torch.tensor([len(c) for c in output.token_ids], dtype=torch.float32)
@@ -9241,24 +9212,6 @@ class _OnlineRLTrainer(_ReferenceTrainer):
             "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float(truncated.float().mean()),
             "perf/generation_s": time.time() - started})
         return output
-
-    def _sample_with_images(self, prompts: list[dict[str, Any]], params: Any) -> Any:
-        """``params.n`` completions of each image prompt, through PolicyModel.generate (Hugging Face ``generate`` with
-        the pixel inputs), as a GenerationOutput."""
-        from inference_optimizations import GenerationOutput
-
-        rows = [p for p in prompts for _ in range(params.n)]
-        self.model.eval()
-        try:
-            with self._generating():
-                completions = self._unwrapped_policy().generate_with_images(
-                    [p["prompt_ids"] for p in rows], [p.get("images") or [] for p in rows], params,
-                    batch_size=len(rows), synced=self.sharded)
-        finally:
-            self.model.train()
-        reasons = ["stop" if c and c[-1] in params.stop_token_ids else "length" for c in completions]
-        return GenerationOutput(token_ids=completions, logprobs=[[] for _ in completions], finish_reasons=reasons,
-                                prompt_index=[i // params.n for i in range(len(rows))])
 
     def _unwrapped_policy(self) -> PolicyModel:
         """The policy around its unwrapped module (what generation runs on under DDP / FSDP)."""

@@ -94,6 +94,30 @@ def test_top_k_one_is_greedy_and_top_p_filters(tiny_arch_dir, tiny_tokenizer, pr
     assert kept == [True, True, False, False]  # softmax mass 0.705 before the 2nd token, 0.965 after it
 
 
+@pytest.mark.parametrize("engine", ["static", "eager", "paged"])
+def test_suppressed_tokens_are_never_sampled_and_log_probs_stay_the_models(engine, tiny_arch_dir, tiny_tokenizer,
+                                                                           prompts):
+    """Suppressing the tokens greedy decoding picks gives another completion free of them; greedy then takes the best
+    token left, and a sampled token's log-prob is still its log-prob under the model's whole distribution."""
+    model = _model(tiny_arch_dir, "llama")
+    pad = tiny_tokenizer.pad_token_id
+    greedy = io.generate(model, prompts[:2], io.SamplingParams(max_new_tokens=6, do_sample=False), pad_token_id=pad,
+                         engine=engine)
+    banned = tuple(sorted({t for row in greedy.token_ids for t in row}))
+    for params in (io.SamplingParams(max_new_tokens=6, do_sample=False, suppress_token_ids=banned),
+                   io.SamplingParams(max_new_tokens=6, temperature=1.0, n=3, seed=2, suppress_token_ids=banned)):
+        out = io.generate(model, prompts[:2], params, pad_token_id=pad, engine=engine)
+        for row, (tokens, logprobs) in enumerate(zip(out.token_ids, out.logprobs)):
+            assert not set(tokens) & set(banned)
+            prompt = prompts[row // params.n]
+            logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float()
+            want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
+            torch.testing.assert_close(torch.tensor(logprobs), want, atol=1e-4, rtol=1e-4)
+            if params.greedy:
+                allowed = logits.index_fill(-1, torch.tensor(banned), float("-inf"))
+                assert tokens == allowed.argmax(-1).tolist()
+
+
 def test_stop_strings_and_lengths(tiny_arch_dir, tiny_tokenizer, prompts):
     model = _model(tiny_arch_dir, "llama")
     pad = tiny_tokenizer.pad_token_id

@@ -494,7 +494,7 @@ def test_image_prompts_in_stages_without_them_are_refused(tmp_path):
     config = _vl_config(rlhf.GRPOConfig, tmp_path, dataset="demo_vl_rl", max_samples=4, max_steps=1, num_generations=2,
                         per_device_train_batch_size=4, reward_funcs=["exact_answer"])
     config.use_vllm = True  # past the config's own check (vLLM is not installed in the test environment)
-    with pytest.raises(rlhf.RLHFInputError, match="image prompts are sampled with Hugging Face generate"):
+    with pytest.raises(rlhf.RLHFInputError, match="passing their pixels to vLLM is not supported yet"):
         rlhf.train_grpo(config)
     ppo = _vl_config(rlhf.PPOConfig, tmp_path, dataset="demo_vl_rl", max_samples=4, max_steps=1,
                      reward_funcs=["exact_answer"])
@@ -502,18 +502,64 @@ def test_image_prompts_in_stages_without_them_are_refused(tmp_path):
         rlhf.train_ppo(ppo)
 
 
+def _sharpened(policy: rlhf.PolicyModel) -> rlhf.PolicyModel:
+    """A random model's next-token distributions are nearly flat, so a wrong position or a missing image would barely
+    move them: scaling the language model's weights makes every input matter."""
+    with torch.no_grad():
+        for name, parameter in policy.model.named_parameters():
+            if "visual" not in name and "vision_tower" not in name:
+                parameter.mul_(3.0)
+    return policy.eval()
+
+
+def _image_prompts(policy: rlhf.PolicyModel, family: str, tmp_path: Path) -> tuple[list[list[int]], list[list[str]]]:
+    """Prompts of different widths with no, one and two images (so rows are left-padded and M-RoPE offsets differ)."""
+    red, blue = _picture(tmp_path / "red.png"), _picture(tmp_path / "blue.png", (40, 80, 220), (48, 80))
+    formatter = rlhf.ChatFormatter(policy.tokenizer, "llava" if family == "llava" else "chatml", vision=policy.vision)
+    records = [{"system": "", "messages": [{"role": "user", "content": "<image>How many?"}], "images": [red]},
+               {"system": "", "messages": [{"role": "user", "content": "<image> and <image>: same colour, or not?"}],
+                "images": [red, blue]},
+               {"system": "", "messages": [{"role": "user", "content": "No picture here."}], "images": []}]
+    return [formatter.prompt_ids(r) for r in records], [r["images"] for r in records]
+
+
+@pytest.mark.parametrize("engine", ["eager", "static", "paged"])
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_vl", "qwen2_5_vl", "llava"])
+def test_our_engine_samples_from_images_with_the_trainers_log_probs(family, engine, family_dirs, tmp_path):
+    """Our engine generates from image + text: its sampled tokens' log-probs equal the trainer's forward of each row
+    alone with its pictures (so the images and, for the Qwen families, the M-RoPE positions after them, reached every
+    decoding step), the n samples share one prefill, and no completion holds an image token."""
+    from inference_optimizations import SamplingParams, generate
+
+    policy = _sharpened(rlhf.PolicyModel.from_pretrained(str(family_dirs[family])))
+    prompts, images = _image_prompts(policy, family, tmp_path)
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, n=2, seed=3, suppress_token_ids=policy.suppressed_tokens)
+    out = generate(policy.model, prompts, params, pad_token_id=policy.tokenizer.pad_token_id, engine=engine,
+                   vision=policy.vision_for(images))
+    assert len(out.token_ids) == 6 and not any(t in policy.suppressed_tokens for row in out.token_ids for t in row)
+    for row, (tokens, logprobs) in enumerate(zip(out.token_ids, out.logprobs)):
+        prompt, pictures = prompts[row // 2], images[row // 2]
+        ids = torch.tensor([prompt + tokens])
+        with torch.no_grad():
+            alone = policy.compute_log_probs(ids, torch.ones_like(ids), None, **policy.vision.batch([pictures], ids))
+        torch.testing.assert_close(alone.per_token[0, -len(tokens):], torch.tensor(logprobs), rtol=0, atol=1e-4)
+
+
 def test_held_out_accuracy_generates_from_the_images(tiny_vl_dir):
-    """Greedy answers with images equal Hugging Face generate on the same inputs, one prompt at a time."""
-    policy = rlhf.PolicyModel.from_pretrained(str(tiny_vl_dir))
+    """Greedy answers with images (PolicyModel.generate, our engine, prompts of several widths together) equal Hugging
+    Face generate on the same inputs, one prompt at a time."""
+    policy = _sharpened(rlhf.PolicyModel.from_pretrained(str(tiny_vl_dir)))
     formatter = rlhf.ChatFormatter(policy.tokenizer, "qwen3_vl_nothink", vision=policy.vision)
-    records = rlhf.load_records("demo_vl_eval", DEMO_VL, "prompt", max_samples=3)
+    records = rlhf.load_records("demo_vl_eval", DEMO_VL, "prompt", max_samples=4)
     prompts = [formatter.prompt_ids(r) for r in records]
-    together = policy.generate(prompts, images=[r["images"] for r in records], max_new_tokens=5,
+    assert len({len(p) for p in prompts}) > 1  # left padding
+    together = policy.generate(prompts, images=[r["images"] for r in records], max_new_tokens=6,
                                stop_token_ids=formatter.stop_token_ids)
+    assert len({tuple(c) for c in together}) > 1  # the answers differ with the pictures
     for prompt, record, completion in zip(prompts, records, together):
         ids = torch.tensor([prompt])
         alone = policy.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                      **policy.vision.batch([record["images"]], ids), max_new_tokens=5,
+                                      **policy.vision.batch([record["images"]], ids), max_new_tokens=6,
                                       do_sample=False, eos_token_id=formatter.stop_token_ids,
                                       suppress_tokens=policy.vision.vision_token_ids,
                                       pad_token_id=policy.tokenizer.pad_token_id)[0, len(prompt):].tolist()

@@ -81,14 +81,16 @@ def _trainer_logps(model, prompt, completion, temperature=1.0, **truncation):
 
 def test_every_sampling_option_maps_to_vllm():
     params = io.SamplingParams(max_new_tokens=17, temperature=0.7, top_p=0.9, top_k=20, min_p=0.05,
-                               repetition_penalty=1.1, n=4, seed=11, stop_token_ids=(5, 6), stop_strings=("\n\n",))
+                               repetition_penalty=1.1, n=4, seed=11, stop_token_ids=(5, 6), stop_strings=("\n\n",),
+                               suppress_token_ids=(7, 8))
     mapped = io.vllm_sampling_params(params)
+    assert mapped.logit_bias == {7: -100.0, 8: -100.0}
     assert (mapped.n, mapped.temperature, mapped.top_p, mapped.top_k, mapped.min_p) == (4, 0.7, 0.9, 20, 0.05)
     assert (mapped.repetition_penalty, mapped.max_tokens, mapped.seed) == (1.1, 17, 11)
     assert mapped.stop_token_ids == [5, 6] and mapped.stop == ["\n\n"] and mapped.ignore_eos
     assert mapped.logprobs == 0 and mapped.include_stop_str_in_output
     greedy = io.vllm_sampling_params(io.SamplingParams(do_sample=False, top_p=0.5, top_k=3))
-    assert greedy.temperature == 0.0 and greedy.top_p == 1.0 and greedy.top_k == 0
+    assert greedy.temperature == 0.0 and greedy.top_p == 1.0 and greedy.top_k == 0 and greedy.logit_bias is None
 
 
 def test_our_engine_refuses_what_only_vllm_samples(tiny_model_dir):
