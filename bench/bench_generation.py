@@ -4,15 +4,19 @@
     python bench/bench_generation.py --threads 1 --repeats 5 --batch-sizes 16
     python bench/bench_generation.py --model medium           # a bigger random-weight Llama config
     python bench/bench_generation.py --device cuda --dtype bfloat16 --model large --batch-sizes 16,128
+    python bench/bench_generation.py --model tiny-vl --batch-sizes 16,64   # image prompts (1.02M Qwen3-VL)
 
 Both engines get the same work:
   * model: the embedded tiny Llama (``rlhf.build_tiny_model()``, fp32, sdpa attention) or, with
     ``--model medium``, a randomly initialised Llama of the same family (hidden 512, 8 layers,
     GQA 8/4 heads, the demo tokenizer's vocabulary) or ``--model large`` (hidden 1024, 16 layers, GQA
     16/8 heads, a 32,000-token vocabulary: about 0.2B parameters, for a GPU); one model object serves
-    every engine, on ``--device`` in ``--dtype``;
+    every engine, on ``--device`` in ``--dtype``; ``--model tiny-vl`` is the embedded vision-language
+    model (a 1.02M Qwen3-VL);
   * prompts: the first B distinct prompts of data/demo/rl_prompts.jsonl rendered with
-    ``rlhf.ChatFormatter`` (user turn + assistant header), left-padded to the longest, n = 1;
+    ``rlhf.ChatFormatter`` (user turn + assistant header), left-padded to the longest, n = 1; for
+    tiny-vl the first B of data/demo_vl's RL prompts, one 64x64 picture each (16 image tokens), with
+    their pixel inputs (both engines preprocess and encode the pictures inside the timed call);
   * sampling at temperature 1.0 from the full distribution (top-k 0, top-p 1.0), and every row runs
     all ``--new-tokens`` tokens: no stop token for either (ours: ``eos_token_id=None``, no stop ids;
     HF: ``eos_token_id=None`` and ``min_new_tokens = max_new_tokens``), so both produce exactly
@@ -52,8 +56,9 @@ LABELS = {"hf": "HF generate", "compiled": "ours compiled", "static": "ours stat
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=("tiny", "medium", "large"), default="tiny",
-                        help="tiny demo model, or a bigger random-weight Llama: medium (34M) or large (0.2B, for a GPU)")
+    parser.add_argument("--model", choices=("tiny", "medium", "large", "tiny-vl"), default="tiny",
+                        help="tiny demo model, a bigger random-weight Llama: medium (34M) or large (0.2B, for a GPU), "
+                             "or tiny-vl (the embedded Qwen3-VL, image prompts)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights dtype")
     parser.add_argument("--batch-sizes", default="16,128", help="comma-separated numbers of distinct prompts")
@@ -110,9 +115,13 @@ SHAPES = {  # hidden, intermediate, layers, heads, kv heads, vocabulary (None: t
 
 
 def load_model(kind: str, tokenizer, device: torch.device, dtype: torch.dtype):
+    """(model, its PolicyModel for tiny-vl (the image inputs) or None)."""
+    if kind == "tiny-vl":
+        policy = rlhf.PolicyModel.from_pretrained("tiny-vl")
+        return policy.model.to(device, dtype).eval(), policy
     if kind == "tiny":
         model, _ = rlhf.load_causal_lm(str(rlhf.build_tiny_model()), attn_implementation="sdpa")
-        return model.to(device, dtype).eval()
+        return model.to(device, dtype).eval(), None
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     hidden, intermediate, layers, heads, kv_heads, vocab = SHAPES[kind]
@@ -121,7 +130,7 @@ def load_model(kind: str, tokenizer, device: torch.device, dtype: torch.dtype):
                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                          max_position_embeddings=1024, tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device, dtype).eval()
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device, dtype).eval(), None
 
 
 def demo_prompts(tokenizer, count: int) -> list[list[int]]:
@@ -134,26 +143,39 @@ def demo_prompts(tokenizer, count: int) -> list[list[int]]:
             for r in records[:count]]
 
 
-def run_once(engine: str, model, prompts: list[list[int]], new_tokens: int, pad: int, seed: int) -> tuple[float, int]:
-    """Seconds for one generate call and the tokens it generated."""
+def vl_prompts(policy, count: int) -> tuple[list[list[int]], list[list[str]]]:
+    formatter = rlhf.ChatFormatter(policy.tokenizer, "qwen3_vl_nothink", vision=policy.vision)
+    records = rlhf.load_records("demo_vl_rl", REPO / "data" / "demo_vl", "prompt", max_samples=count)
+    if count > len(records):
+        raise SystemExit(f"batch {count} > {len(records)} demo_vl prompts")
+    return [formatter.prompt_ids(r) for r in records], [r["images"] for r in records]
+
+
+def run_once(engine: str, model, prompts: list[list[int]], new_tokens: int, pad: int, seed: int,
+             policy=None, images=None) -> tuple[float, int]:
+    """Seconds for one generate call and the tokens it generated (with ``images``: their pixels made inside it)."""
     device = next(model.parameters()).device
     synchronize(device)
+    if images is not None:
+        policy.vision._cache.clear()  # both engines preprocess the pictures inside the timed call
     if engine == "hf":
         width = max(len(p) for p in prompts)
+        start = time.perf_counter()
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        pixels = {k: v.to(device) for k, v in policy.vision.batch(images, ids).items()} if images else {}
         torch.manual_seed(seed)
-        start = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                                  max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad,
-                                 eos_token_id=None)
+                                 eos_token_id=None, **pixels)
         synchronize(device)
         seconds = time.perf_counter() - start
         return seconds, (out.shape[1] - width) * out.shape[0]
     params = io.SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=seed)
     start = time.perf_counter()
-    out = io.generate(model, prompts, params, pad_token_id=pad, eos_token_id=None, engine=engine)
+    out = io.generate(model, prompts, params, pad_token_id=pad, eos_token_id=None, engine=engine,
+                      vision=policy.vision_for(images) if images else None)
     seconds = time.perf_counter() - start  # the engine returns host lists: its GPU work is finished
     return seconds, sum(len(t) for t in out.token_ids)
 
@@ -164,7 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     rlhf.setup_logging()
     tokenizer = rlhf.load_tokenizer(rlhf.build_tiny_model())
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    model = load_model(args.model, tokenizer, device, dtype)
+    model, policy = load_model(args.model, tokenizer, device, dtype)
+    if policy is not None:
+        tokenizer = policy.tokenizer
     params = sum(p.numel() for p in model.parameters())  # tied embeddings counted once (they are the lm_head)
     pad = tokenizer.pad_token_id
     peaks = [matmul_peak(args.matmul_size, device, dtype)]
@@ -173,16 +197,18 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.new_tokens} new tokens, {args.repeats} repeats; distinct prompts, n=1", flush=True)
     rows, ratios = [], {}
     for batch in args.batch_sizes:
-        prompts = demo_prompts(tokenizer, batch)
+        prompts, images = vl_prompts(policy, batch) if policy is not None else (demo_prompts(tokenizer, batch), None)
         first = {}
         for engine in args.engines:  # warm-up (compiles the decode step for ours (compiled))
-            first[engine], _ = run_once(engine, model, prompts, args.new_tokens, pad, seed=0)
+            first[engine], _ = run_once(engine, model, prompts, args.new_tokens, pad, seed=0, policy=policy,
+                                        images=images)
             print(f"  batch {batch}: warm-up {LABELS[engine]} {first[engine]:.2f} s", flush=True)
         times: dict[str, list[float]] = {e: [] for e in args.engines}
         for repeat in range(args.repeats):
             shift = repeat % len(args.engines)
             for engine in args.engines[shift:] + args.engines[:shift]:
-                seconds, tokens = run_once(engine, model, prompts, args.new_tokens, pad, seed=repeat + 1)
+                seconds, tokens = run_once(engine, model, prompts, args.new_tokens, pad, seed=repeat + 1,
+                                           policy=policy, images=images)
                 if tokens != batch * args.new_tokens:
                     raise SystemExit(f"{engine} generated {tokens} tokens, expected {batch * args.new_tokens}")
                 times[engine].append(seconds)
