@@ -446,10 +446,12 @@ def _sample(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tens
 
 
 def _decode_step(model, token, position, mask, cache, temperature, uniform, done, stop_ids, pad_token_id: int,
-                 top_k: int, top_p: float, suppress: torch.Tensor):
-    """Feed one token per row through the static cache and sample the next: fixed shapes, no host sync."""
+                 top_k: int, top_p: float, suppress: torch.Tensor, cache_keyword: str):
+    """Feed one token per row through the static cache and sample the next: fixed shapes, no host sync.
+    ``cache_keyword`` (``cache_argument``'s) comes from outside: looked up inside the compiled step, its memo
+    filling on the first trace would fail that graph's guards on the next call and compile the step again."""
     logits = model(input_ids=token[:, None], attention_mask=mask, position_ids=position[:, None],
-                   **cache_argument(model, cache), use_cache=True).logits[:, -1]
+                   **{cache_keyword: cache}, use_cache=True).logits[:, -1]
     chosen, logprob, done = _sample(logits, temperature, uniform, done, stop_ids, pad_token_id, top_k, top_p, suppress)
     return chosen, logprob, done, position + 1
 
@@ -608,6 +610,7 @@ def _generate_static(model: torch.nn.Module, prompts: list[list[int]], params: S
     suppress = torch.tensor(params.suppress_token_ids, device=device, dtype=torch.long)
     temperature = torch.tensor(1.0 if params.greedy else params.temperature, device=device)
     vocab = logits.shape[-1]
+    (cache_keyword,) = cache_argument(model, cache)
 
     def noise():
         return None if params.greedy else torch.rand(rows, vocab, device=device, generator=generator)
@@ -647,7 +650,7 @@ def _generate_static(model: torch.nn.Module, prompts: list[list[int]], params: S
                 if step == steps or _all_finished(done, synced):
                     break
             args = (model, token, position, mask, cache, temperature, noise(), done, stop_ids, pad_token_id,
-                    params.top_k, params.top_p, suppress)
+                    params.top_k, params.top_p, suppress, cache_keyword)
             if step_fn is _decode_step or step > 1:
                 token, logprob, done, position = step_fn(*args)
             else:  # the first compiled call of this generate: full guard checks, maybe a compilation

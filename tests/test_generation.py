@@ -240,22 +240,28 @@ def test_disagreement_by_hand():
     assert io._disagreement((tokens, nan, done), (tokens, logprobs, done)) == "1 non-finite log-probs against 0"
 
 
-def test_compiled_step_matches_static_and_survives_weight_updates(tiny_arch_dir, tiny_tokenizer, prompts):
+def test_compiled_step_matches_static_and_survives_weight_updates(tiny_arch_dir, tiny_tokenizer, prompts,
+                                                                    monkeypatch):
     """One compilation (the slow part of this file): the compiled fused step samples the same tokens as
     the uncompiled one from the same seed; then, as in online RL, the weights change in place and the
-    prompts change width within the cache-length bucket: no recompilation, the new weights are used."""
+    prompts change width within the cache-length bucket: no recompilation, the new weights are used. The
+    first call of the process compiles (an empty cache-keyword memo, which a guard once caught)."""
+    monkeypatch.setattr(io, "_CACHE_KEYWORDS", {})
     model = _model(tiny_arch_dir, "llama")
     pad, eos = tiny_tokenizer.pad_token_id, tiny_tokenizer.eos_token_id
     params = io.SamplingParams(max_new_tokens=10, n=2, temperature=1.0, seed=5)
+    graphs = []  # dynamo's compiled graphs after each compiled call
     for batch in (prompts, [p[1:] for p in prompts]):
-        static = io.generate(model, batch, params, pad_token_id=pad, eos_token_id=eos, engine="static")
         compiled = io.generate(model, batch, params, pad_token_id=pad, eos_token_id=eos, engine="compiled")
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        static = io.generate(model, batch, params, pad_token_id=pad, eos_token_id=eos, engine="static")
         assert compiled.token_ids == static.token_ids and compiled.finish_reasons == static.finish_reasons
         for got, want in zip(compiled.logprobs, static.logprobs):
             torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-4, rtol=1e-4)
         with torch.no_grad():
             model.lm_head.weight.mul_(4.0)  # a sharper policy: different samples next round
     assert list(io.compile_seconds(model)) == [(8, 32, False, 0, 1.0)]  # compiled once, reused
+    assert graphs[1] == graphs[0]  # the second call's guards held: no graph compiled again
     assert not io._FAST_STATE[model].compile_failed
 
 
