@@ -1179,6 +1179,9 @@ def _vllm_environment(on_cpu: bool):
     if on_cpu:
         for key, value in VLLM_CPU_ENVIRONMENT.items():
             os.environ.setdefault(key, value)
+    # the engine core in this process: a colocated sync hands vLLM's worker a generator over the trainer's own
+    # tensors, which a worker in another process could not receive
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     try:
         yield
@@ -1225,6 +1228,68 @@ def _refresh_tied_output_layer(worker) -> None:
     head = getattr(model, "lm_head", None)
     if getattr(getattr(model, "config", None), "tie_word_embeddings", False) and hasattr(head, "quant_method"):
         head.quant_method.process_weights_after_loading(head)
+
+
+def _reload_from_folder(worker, directory: str) -> None:
+    """Runs inside each vLLM worker: reload the weights from a folder of safetensors files, one tensor at a time
+    (a worker in another process reads the folder itself; tensor-parallel workers each take their shard)."""
+    worker.reload_weights(weights_iterator=iter_safetensors(directory))
+
+
+def weight_store(host: str, port: int, world_size: int, *, is_master: bool, timeout: float):
+    """The rendezvous of a weight group: the trainer hosts it (``port`` 0: any free port, read back from
+    ``store.port``), the server's workers connect to it."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    return TCPStore(host, port, world_size, is_master=is_master, timeout=datetime.timedelta(seconds=timeout),
+                    wait_for_workers=False)
+
+
+def weight_group(store, rank: int, world_size: int, backend: str, timeout: float):
+    """A process group of a trainer (rank 0) and a vLLM server's workers (ranks 1..), outside torch.distributed's
+    default group (the trainer's own training group, vLLM's own), through which each weight sync is broadcast:
+    NCCL between GPUs, gloo between CPUs. Blocks until every rank has joined; ``store`` must outlive the group."""
+    import datetime
+
+    wait = datetime.timedelta(seconds=timeout)
+    if backend == "nccl":
+        options = torch.distributed.ProcessGroupNCCL.Options()
+        options._timeout = wait
+        return torch.distributed.ProcessGroupNCCL(store, rank, world_size, options)
+    return torch.distributed.ProcessGroupGloo(store, rank, world_size, wait)
+
+
+def _broadcast_from_trainer(group, tensor: torch.Tensor) -> None:
+    options = torch.distributed.BroadcastOptions()
+    options.rootRank = 0
+    group.broadcast([tensor], options).wait()
+
+
+def _join_weight_group(worker, key: str, host: str, port: int, world_size: int, backend: str, timeout: float) -> None:
+    """Runs inside each vLLM worker: join the trainer ``key``'s weight group as rank 1 + the worker's rank."""
+    groups = worker.__dict__.setdefault("rlhf_weight_groups", {})
+    if backend == "nccl":
+        torch.cuda.set_device(worker.device)
+    store = weight_store(host, port, world_size, is_master=False, timeout=timeout)
+    groups[key] = (store, weight_group(store, 1 + worker.rank, world_size, backend, timeout))
+
+
+def _receive_weights(worker, key: str, metadata: list, backend: str) -> None:
+    """Runs inside each vLLM worker: receive the tensors ``metadata`` lists ([name, dtype, shape], in the order the
+    trainer broadcasts them) one at a time and reload each as it arrives, so a sync holds a layer's worth of
+    tensors, not a second copy of the model."""
+    group = worker.rlhf_weight_groups[key][1]
+    device = worker.device if backend == "nccl" else torch.device("cpu")
+
+    def received():
+        for name, dtype, shape in metadata:
+            tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+            _broadcast_from_trainer(group, tensor)
+            yield name, tensor
+
+    worker.reload_weights(weights_iterator=received())
 
 
 _OPEN_ENGINE: weakref.ref | None = None  # vLLM keeps one set of distributed state per process: one engine at a time
@@ -1279,6 +1344,7 @@ class VLLMEngine:
         _OPEN_ENGINE = weakref.ref(self)
         self.start_seconds = time.time() - started
         self.sleep_mode, self.asleep, self.lora_enabled = sleep_mode and not on_cpu, False, enable_lora
+        self.tensor_parallel_size = tensor_parallel_size
         self.adapter = None  # the LoRARequest every generate uses once an adapter is loaded
         self.adapter_version = 0
 
@@ -1292,14 +1358,39 @@ class VLLMEngine:
         return _vllm_output(results)
 
     def load_weights(self, named_tensors) -> None:
-        """Reload the full weights in place from (Hugging Face name, tensor) pairs, consumed one at a time: with a
-        generator that yields each tensor when asked, a sync holds a layer's worth of tensors at a time (vLLM's
-        layer-wise reload gathers a layer before processing it), not a second copy of the model. Stale
-        prefix-cache entries are dropped (a long prompt would otherwise reuse KV from the old weights), and so
-        is any LoRA adapter loaded before."""
+        """Reload the full weights in place from (Hugging Face name, tensor) pairs (or a function returning them),
+        consumed one at a time: with a generator that yields each tensor when asked, a sync holds a layer's worth
+        of tensors at a time (vLLM's layer-wise reload gathers a layer before processing it), not a second copy of
+        the model. Tensor-parallel workers live in processes of their own, which read the tensors from a folder
+        in shared memory instead. Stale prefix-cache entries are dropped (a long prompt would otherwise reuse KV
+        from the old weights), and so is any LoRA adapter loaded before."""
+        named_tensors = named_tensors() if callable(named_tensors) else named_tensors
+        if self.tensor_parallel_size > 1:
+            import tempfile
+
+            with tempfile.TemporaryDirectory(prefix="rlhf-vllm-weights-", dir=shared_memory_dir()) as folder:
+                save_weight_shards(named_tensors, folder)
+                self.load_folder(folder)
+            return
+        self._reloading(lambda: self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors}))
+
+    def load_folder(self, directory: str | os.PathLike) -> None:
+        """Reload the full weights from a folder of safetensors files, each worker reading it itself."""
+        self._reloading(lambda: self.llm.collective_rpc(_reload_from_folder, args=(str(directory),)))
+
+    def join_weight_group(self, key: str, host: str, port: int, backend: str, timeout: float) -> None:
+        """Join trainer ``key``'s weight group (``weight_group``; blocks until the trainer joins too)."""
+        self.llm.collective_rpc(_join_weight_group,
+                                args=(key, host, port, 1 + self.tensor_parallel_size, backend, timeout))
+
+    def receive_weights(self, key: str, metadata: list, backend: str) -> None:
+        """Reload the full weights as trainer ``key`` broadcasts them through its weight group."""
+        self._reloading(lambda: self.llm.collective_rpc(_receive_weights, args=(key, metadata, backend)))
+
+    def _reloading(self, reload) -> None:
         self.wake_up()
         self.adapter = None  # new full weights: a LoRA adapter loaded before belongs to the old ones
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
+        reload()
         self.llm.collective_rpc(_refresh_tied_output_layer)
         self.reset_cache()
 
@@ -1350,6 +1441,13 @@ def vllm_engine_for(model_dir: str | os.PathLike, **options) -> VLLMEngine:
     return engine
 
 
+def shared_memory_dir() -> str | None:
+    """/dev/shm when this machine has a writable one (weight syncs written there stay in memory), else None (the
+    system's temporary folder)."""
+    shm = Path("/dev/shm")
+    return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
+
+
 def iter_safetensors(directory: str | os.PathLike):
     """(name, tensor) pairs of every .safetensors file in ``directory``, read one tensor at a time."""
     from safetensors import safe_open
@@ -1391,16 +1489,20 @@ class VLLMServer:
     """A generation server around a ``VLLMEngine`` (``python rlhf.py vllm-serve``), for ``vllm_mode: server``.
 
     JSON over HTTP, one engine call at a time (any number of trainer processes may connect):
-    ``GET /health``; ``POST /generate`` {prompts: [[ids]], params: {SamplingParams fields}} -> {token_ids,
-    logprobs, finish_reasons, prompt_index}; ``POST /load_weights`` {path: a folder of safetensors files};
-    ``POST /load_adapter`` {path: a PEFT adapter folder}; ``POST /reset_prefix_cache``. Weights travel through a
-    folder both processes can read (/dev/shm on one machine)."""
+    ``GET /health`` -> {status, weight_version, weight_group_size, server_id}; ``POST /generate`` {prompts: [[ids]], params:
+    {SamplingParams fields}} -> {token_ids, logprobs, finish_reasons, prompt_index}; ``POST /load_weights``
+    {path: a folder of safetensors files} or {collective: [[name, dtype, shape]], key, backend}: the tensors
+    arrive through trainer ``key``'s weight group, which ``POST /init_weight_group`` {key, host, port, backend,
+    timeout} joins; ``POST /load_adapter`` {path: a PEFT adapter folder}; ``POST /reset_prefix_cache``. A folder
+    must be one both processes read (/dev/shm on one machine); a weight group reaches across machines."""
 
     def __init__(self, engine: VLLMEngine, host: str = "127.0.0.1", port: int = 8000) -> None:
         import threading
+        import uuid
         from http.server import ThreadingHTTPServer
 
         self.engine, self.lock, self.weight_version = engine, threading.Lock(), 0
+        self.server_id = uuid.uuid4().hex  # a restarted server is a new one: its workers are in no weight group
         self.httpd = ThreadingHTTPServer((host, port), self._handler())
 
     def _handler(self):
@@ -1422,7 +1524,9 @@ class VLLMServer:
 
             def do_GET(self) -> None:
                 if self.path == "/health":
-                    self._reply(200, {"status": "ok", "weight_version": server.weight_version})
+                    self._reply(200, {"status": "ok", "weight_version": server.weight_version,
+                                      "weight_group_size": 1 + server.engine.tensor_parallel_size,
+                                      "server_id": server.server_id})
                 else:
                     self._reply(404, {"error": f"no endpoint GET {self.path}"})
 
@@ -1445,8 +1549,13 @@ class VLLMServer:
                 k: tuple(v) if k in ("stop_token_ids", "stop_strings") else v for k, v in request["params"].items()}))
             return {"token_ids": output.token_ids, "logprobs": output.logprobs, "finish_reasons": output.finish_reasons,
                     "prompt_index": output.prompt_index, "weight_version": self.weight_version}
-        if path == "/load_weights":
-            engine.load_weights(iter_safetensors(request["path"]))
+        if path == "/load_weights" and "collective" in request:
+            engine.receive_weights(request["key"], request["collective"], request["backend"])
+        elif path == "/load_weights":
+            engine.load_folder(request["path"])
+        elif path == "/init_weight_group":
+            engine.join_weight_group(request["key"], request["host"], int(request["port"]), request["backend"],
+                                     float(request["timeout"]))
         elif path == "/load_adapter":
             engine.load_adapter(request["path"])
         elif path == "/reset_prefix_cache":
@@ -1458,34 +1567,48 @@ class VLLMServer:
 
     def serve_forever(self) -> None:
         host, port = self.httpd.server_address[:2]
-        logger.info("vLLM server on http://%s:%d (GET /health, POST /generate /load_weights /load_adapter "
-                    "/reset_prefix_cache)", host, port)
+        logger.info("vLLM server on http://%s:%d (GET /health, POST /generate /load_weights /init_weight_group "
+                    "/load_adapter /reset_prefix_cache)", host, port)
         self.httpd.serve_forever()
+
+
+WEIGHT_TRANSFERS = ("files", "collective")
 
 
 class VLLMClient:
     """The trainer's side of ``vllm_mode: server``: the VLLMEngine interface over HTTP. Each request times out
     after ``timeout`` seconds and is retried ``retries`` times with exponential backoff; a server that stays down
-    raises VLLMServerError naming the address. ``sync_dir``: where weights are written for the server to read."""
+    raises VLLMServerError naming the address.
+
+    ``weight_transfer``: how full weights reach the server. ``files``: written as safetensors shards to
+    ``sync_dir`` (a folder both processes read: /dev/shm by default, so one machine). ``collective``: broadcast
+    tensor by tensor through a weight group of this trainer and the server's workers (``weight_group``: NCCL
+    from a GPU, gloo from a CPU; TRL's and OpenRLHF's way), which reaches a server on another machine and writes
+    nothing. LoRA adapters always travel as a folder (megabytes)."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 8000, *, timeout: float = 600.0, retries: int = 3,
-                 backoff: float = 1.0, sync_dir: str | os.PathLike | None = None) -> None:
+                 backoff: float = 1.0, sync_dir: str | os.PathLike | None = None,
+                 weight_transfer: str = "files") -> None:
         import tempfile
 
+        if weight_transfer not in WEIGHT_TRANSFERS:
+            raise ValueError(f"weight_transfer '{weight_transfer}' is not one of {', '.join(WEIGHT_TRANSFERS)}")
         self.url, self.timeout, self.retries, self.backoff = f"http://{host}:{port}", timeout, retries, backoff
-        shm = Path("/dev/shm")
-        self.sync_dir = Path(sync_dir) if sync_dir else Path(tempfile.mkdtemp(
-            prefix="rlhf-vllm-sync-", dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else None))
-        self.last_load: tuple[str, str] | None = None  # the endpoint and folder of the last weights sent
+        self.host, self.port, self.weight_transfer = host, port, weight_transfer
+        self.sync_dir = Path(sync_dir) if sync_dir else Path(tempfile.mkdtemp(prefix="rlhf-vllm-sync-",
+                                                                               dir=shared_memory_dir()))
+        self.last_load: tuple[str, Any] | None = None  # how the last weights went, and what can send them again
         self.weight_version = 0  # the server's count of loads once it had ours
+        self.group: tuple | None = None  # collective: (store, process group, key, backend, server_id) once joined
 
-    def _request(self, path: str, body: dict | None = None) -> dict:
+    def _request(self, path: str, body: dict | None = None, attempts: int | None = None) -> dict:
         import urllib.error
         import urllib.request
 
         data = json.dumps(body).encode() if body is not None else None
         last = ""
-        for attempt in range(self.retries):
+        attempts = attempts or self.retries
+        for attempt in range(attempts):
             request = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
             try:
                 with urllib.request.urlopen(request, timeout=self.timeout) as response:
@@ -1497,9 +1620,9 @@ class VLLMClient:
                 last = f"HTTP {error.code}: {reason}"
             except (urllib.error.URLError, OSError, TimeoutError) as error:
                 last = str(getattr(error, "reason", error))
-            if attempt + 1 < self.retries:
+            if attempt + 1 < attempts:
                 time.sleep(self.backoff * 2 ** attempt)
-        raise VLLMServerError(f"vLLM server {self.url} did not answer {path} after {self.retries} attempt(s) ({last}); "
+        raise VLLMServerError(f"vLLM server {self.url} did not answer {path} after {attempts} attempt(s) ({last}); "
                               f"start it with `python rlhf.py vllm-serve --model DIR --port "
                               f"{self.url.rsplit(':', 1)[1]}` or check vllm_server_host / vllm_server_port")
 
@@ -1513,7 +1636,12 @@ class VLLMClient:
         answer = self._request("/generate", body)
         if self.last_load is not None and answer.get("weight_version", 0) < self.weight_version:
             logger.warning("vLLM server %s restarted: sending it the current weights again", self.url)
-            self._load(*self.last_load)
+            how, what = self.last_load
+            if how == "collective":
+                self.group = None  # the restarted server's workers know no weight group
+                self._send_collective(what)
+            else:
+                self._load(how, what)
             answer = self._request("/generate", body)
         return GenerationOutput(answer["token_ids"], answer["logprobs"], answer["finish_reasons"], answer["prompt_index"])
 
@@ -1522,8 +1650,88 @@ class VLLMClient:
         self.last_load = (endpoint, path)
 
     def load_weights(self, named_tensors) -> None:
-        save_weight_shards(named_tensors, self.sync_dir / "weights")
+        """Send full weights: (name, tensor) pairs, or a function returning them, which a restarted server can be
+        sent again from (the collective transfer keeps no copy)."""
+        if self.weight_transfer == "collective":
+            self._send_collective(named_tensors)
+            return
+        save_weight_shards(named_tensors() if callable(named_tensors) else named_tensors, self.sync_dir / "weights")
         self._load("/load_weights", str(self.sync_dir / "weights"))
+
+    def _send_collective(self, source) -> None:
+        """Broadcast the tensors through the weight group (joined on first use) while the server's workers receive
+        and reload them one at a time. The tensors are the trainer's own (no copy); one attempt, since a retry
+        after a partial broadcast would leave the two sides out of step."""
+        import threading
+
+        tensors = [(name, tensor.detach().contiguous()) for name, tensor in (source() if callable(source) else source)]
+        backend = "nccl" if tensors and tensors[0][1].is_cuda else "gloo"
+        server = self.health()  # waits out a restart within the retries, as every request does
+        if self.group is None or self.group[3:] != (backend, server.get("server_id")):
+            self._join_weight_group(backend, tensors[0][1].device if tensors else torch.device("cpu"), server)
+        _, group, key, _, _ = self.group
+        failures: list[BaseException] = []
+
+        def broadcast() -> None:
+            try:
+                for _, tensor in tensors:
+                    _broadcast_from_trainer(group, tensor)
+            except Exception as error:  # noqa: BLE001 - reported below, in the trainer's thread
+                failures.append(error)
+
+        sender = threading.Thread(target=broadcast, daemon=True)
+        sender.start()
+        metadata = [[name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape)] for name, tensor in tensors]
+        try:
+            answer = self._request("/load_weights", {"collective": metadata, "key": key, "backend": backend}, attempts=1)
+            sender.join(self.timeout)
+        except VLLMServerError:
+            self.group = None  # the next load joins afresh
+            raise
+        if failures or sender.is_alive():
+            self.group = None
+            raise VLLMServerError(f"vLLM server {self.url}: the weight broadcast failed "
+                                  f"({failures[0] if failures else 'timed out'})")
+        self.weight_version = answer["weight_version"]
+        self.last_load = ("collective", source)
+
+    def _join_weight_group(self, backend: str, device: torch.device, server: dict) -> None:
+        """Host a weight group's store on a free port and have the server's workers join it (both sides block
+        until all have joined, so this side joins in a thread while the request waits for the server's).
+        ``server``: its /health answer."""
+        import threading
+
+        world_size = int(server.get("weight_group_size", 2))
+        host = self._own_address()
+        store = weight_store(host, 0, world_size, is_master=True, timeout=self.timeout)
+        key = f"{host}:{store.port}"
+        joined: dict[str, Any] = {}
+
+        def join() -> None:
+            try:
+                if backend == "nccl":
+                    torch.cuda.set_device(device)
+                joined["group"] = weight_group(store, 0, world_size, backend, self.timeout)
+            except Exception as error:  # noqa: BLE001 - reported below
+                joined["error"] = error
+
+        joiner = threading.Thread(target=join, daemon=True)
+        joiner.start()
+        self._request("/init_weight_group", {"key": key, "host": host, "port": store.port, "backend": backend,
+                                             "timeout": self.timeout}, attempts=1)
+        joiner.join(self.timeout)
+        if "group" not in joined:
+            raise VLLMServerError(f"vLLM server {self.url}: could not form the weight group "
+                                  f"({joined.get('error', 'timed out')})")
+        self.group = (store, joined["group"], key, backend, server.get("server_id"))
+
+    def _own_address(self) -> str:
+        """This machine's address as the server reaches it (the interface the route to the server leaves by)."""
+        import socket
+
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((self.host, self.port))  # UDP: picks the route, sends nothing
+            return probe.getsockname()[0]
 
     def load_adapter(self, directory: str | os.PathLike) -> None:
         self._load("/load_adapter", str(directory))

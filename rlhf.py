@@ -69,6 +69,7 @@ from torch import nn
 from inference_optimizations import (
     END_MARKERS,
     VLLM_MODES,
+    WEIGHT_TRANSFERS,
     cache_argument,
     encode_at_boundaries,
     pin_cpu_kernels,
@@ -504,7 +505,8 @@ class OnlineRLConfig(BaseConfig):
     vllm_server_port: int = _opt(8000, "server mode: its port")
     vllm_server_timeout: float = _opt(600.0, "server mode: seconds one request may take before it is retried")
     vllm_server_retries: int = _opt(3, "server mode: attempts per request (exponential backoff between them)")
-    vllm_sync_dir: str | None = _opt(None, "server mode: a folder trainer and server both read, where each weight sync is written (default: a new one in /dev/shm)")
+    vllm_weight_transfer: str = _opt("auto", "server mode: how full weights reach the server: files (safetensors shards in vllm_sync_dir, which both read) | collective (broadcast through a process group of trainer and server: NCCL from a GPU, gloo from a CPU; reaches another machine) | auto (collective from a GPU, files from a CPU)")
+    vllm_sync_dir: str | None = _opt(None, "server mode, files: a folder trainer and server both read, where each weight sync is written (default: a new one in /dev/shm)")
     vllm_old_logprobs: str = _opt("trainer", "Old log-probs of the loss's ratio: trainer (one extra forward; the engine's mismatch is corrected by importance sampling) | engine (vLLM's own, no extra forward, no correction)")
     vllm_importance_sampling_correction: bool = _opt(True, "Reweight each token by the trainer's over the engine's probability of it, capped (Yao et al. 2025)")
     vllm_importance_sampling_mode: str = _opt("token_truncate", "token_truncate: min(rho, C) per token | token_mask: drop tokens with rho outside [1/C, C] | sequence_truncate / sequence_mask: the same on each sequence's ratio")
@@ -550,6 +552,7 @@ class OnlineRLConfig(BaseConfig):
         missing = vllm_missing()
         _check(not missing, "use_vllm", missing)
         _check_choice(self.vllm_mode, VLLM_MODES, "vllm_mode")
+        _check_choice(self.vllm_weight_transfer, ("auto", *WEIGHT_TRANSFERS), "vllm_weight_transfer")
         _check_choice(self.vllm_old_logprobs, VLLM_OLD_LOGPROBS, "vllm_old_logprobs")
         _check_choice(self.vllm_importance_sampling_mode, IMPORTANCE_SAMPLING_MODES, "vllm_importance_sampling_mode")
         _check(self.vllm_importance_sampling_cap > 1, "vllm_importance_sampling_cap", "must be > 1")
@@ -8959,13 +8962,6 @@ def disable_dropout(model: nn.Module) -> None:
             module.attention_dropout = 0.0
 
 
-def _shared_memory_dir() -> str | None:
-    """/dev/shm when this machine has a writable one (weight syncs written there stay in memory), else the
-    system's temporary folder."""
-    shm = Path("/dev/shm")
-    return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
-
-
 class _OnlineRLTrainer(_ReferenceTrainer):
     """Shared by GRPO and PPO: prompts -> sampled completions -> rewards -> a :class:`Rollout` that
     feeds ``steps_per_rollout`` optimizer steps. A resumed run samples the interrupted rollout again
@@ -9219,18 +9215,22 @@ class _OnlineRLTrainer(_ReferenceTrainer):
 
     # -- vLLM (use_vllm): the engine holds a copy of the policy, refreshed after each optimizer step
     def _start_engine(self) -> Any:
-        from inference_optimizations import VLLMClient, VLLMEngine
+        from inference_optimizations import VLLMClient, VLLMEngine, shared_memory_dir
 
         config = self.config
         if self.sharded:
             raise RLHFInputError("use_vllm: the policy's weights are sharded across processes (FSDP / ZeRO-3), which "
                                  "the weight sync does not gather yet; train with DDP, or set use_vllm: false")
         if config.vllm_mode == "server":
+            transfer = config.vllm_weight_transfer
+            if transfer == "auto":
+                transfer = "collective" if self.devices.device.type == "cuda" else "files"
             client = VLLMClient(config.vllm_server_host, config.vllm_server_port, timeout=config.vllm_server_timeout,
-                                retries=config.vllm_server_retries, sync_dir=config.vllm_sync_dir)
+                                retries=config.vllm_server_retries, sync_dir=config.vllm_sync_dir,
+                                weight_transfer=transfer)
             client.health()  # a server that is not there fails here, before any rollout
             return client
-        self.engine_dir = tempfile.TemporaryDirectory(prefix="rlhf-vllm-", dir=_shared_memory_dir())
+        self.engine_dir = tempfile.TemporaryDirectory(prefix="rlhf-vllm-", dir=shared_memory_dir())
         self._write_engine_start(Path(self.engine_dir.name))
         rank = getattr(self.config, "lora_rank", 8)
         engine = VLLMEngine(self.engine_dir.name, dtype=_model_dtype(config),
@@ -9286,10 +9286,10 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         syncs = self.config.vllm_mode == "colocate" or self.devices.is_main_process
         if syncs and self.policy.is_peft:
             if self.config.vllm_mode == "server" and self.engine_step < 0:  # a shared server may hold another
-                self.engine.load_weights(self._base_weights())  # run's weights: this run's base goes first, once
+                self.engine.load_weights(self._base_weights)  # run's weights: this run's base goes first, once
             self._sync_adapter()
-        elif syncs:
-            self.engine.load_weights(self._named_weights())
+        elif syncs:  # a function: a restarted server can be sent the weights again
+            self.engine.load_weights(self._named_weights)
         if self.config.vllm_mode == "server":
             self.devices.wait()
         self.engine_step = self.global_step

@@ -417,6 +417,41 @@ def test_grpo_in_server_mode_matches_colocate_and_two_trainers_share_the_server(
     assert [r["reward"] for r in _rows(again)] == [r["reward"] for r in _rows(remote)]
 
 
+def test_collective_weight_transfer_equals_the_trainers_weights(server, tiny_model_dir, tiny_tokenizer, prompt_ids):
+    """Weights broadcast through a weight group (gloo between CPUs; NCCL between GPUs is the same code) replace the
+    server's: its greedy answers equal Hugging Face generate with the changed model, and a second sync reuses the
+    group."""
+    from transformers import AutoModelForCausalLM
+
+    port, _ = server
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    client = io.VLLMClient("127.0.0.1", port, weight_transfer="collective")
+    stops = io.stop_token_ids(tiny_tokenizer)
+    params = io.SamplingParams(max_new_tokens=12, do_sample=False, stop_token_ids=stops)
+    for scale in (0.5, 2.0):
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if "layers.0." in name:
+                    parameter.mul_(scale)
+        client.load_weights(lambda: model.state_dict().items())
+        got = client.generate(prompt_ids, params).token_ids
+        assert got == _hf_greedy(model, prompt_ids, 12, stops)
+    assert client.group is not None and client.last_load[0] == "collective"
+    original = AutoModelForCausalLM.from_pretrained(tiny_model_dir)  # the module's other tests expect these
+    client.load_weights(lambda: original.state_dict().items())
+
+
+def test_grpo_with_collective_weight_transfer_matches_colocate(tmp_path, server, tiny_model_dir, dataset):
+    port, _ = server
+    remote = _grpo_trainer(tmp_path / "server", tiny_model_dir, dataset, max_steps=3, vllm_mode="server",
+                           vllm_server_port=port, vllm_weight_transfer="collective",
+                           vllm_sync_dir=str(tmp_path / "sync")).train()
+    local = _grpo_trainer(tmp_path / "colocate", tiny_model_dir, dataset, max_steps=3).train()
+    assert [r["reward"] for r in _rows(remote)] == [r["reward"] for r in _rows(local)]
+    assert all(row["vllm/logprob_abs_diff_max"] < 1e-4 for row in _rows(remote))
+    assert not (tmp_path / "sync" / "weights").exists()  # nothing went through files
+
+
 def test_lora_run_in_server_mode_ships_adapters(tmp_path, server, tiny_model_dir, dataset):
     port, _ = server
     result = _grpo_trainer(tmp_path, tiny_model_dir, dataset, max_steps=2, vllm_mode="server", vllm_server_port=port,
@@ -439,15 +474,17 @@ def test_async_rollouts_train_one_step_off_policy_and_are_corrected(tmp_path, se
     assert all(0 < row["vllm/is_weight_mean"] for row in rows)
 
 
-def test_a_server_killed_mid_run_recovers_within_the_retries(tmp_path, tiny_model_dir, dataset):
+@pytest.mark.parametrize("transfer", ["files", "collective"])
+def test_a_server_killed_mid_run_recovers_within_the_retries(tmp_path, tiny_model_dir, dataset, transfer):
     """The server dies before the third rollout and comes back while the client retries: the run finishes, and
-    its rewards equal an uninterrupted run's (the restarted server is given this step's weights again)."""
+    its rewards equal an uninterrupted run's (the restarted server is given this step's weights again: from the
+    folder, or through a weight group formed afresh)."""
     import threading
 
     port = _free_port()
     servers = [_start_server(tiny_model_dir, port)]
     trainer = _grpo_trainer(tmp_path / "a", tiny_model_dir, dataset, max_steps=4, vllm_mode="server",
-                            vllm_server_port=port, vllm_server_retries=9)
+                            vllm_server_port=port, vllm_server_retries=9, vllm_weight_transfer=transfer)
     make_rollout = trainer.make_rollout
 
     def killing_once(prompts):
@@ -493,6 +530,7 @@ def test_a_server_that_stays_down_stops_the_run_with_one_line(tmp_path, tiny_mod
     ({"repetition_penalty": 1.2}, "cannot be replayed by the trainer"),
     ({"vllm_importance_sampling_mode": "token"}, "vllm_importance_sampling_mode"),
     ({"vllm_importance_sampling_cap": 1.0}, "must be > 1"),
+    ({"vllm_weight_transfer": "nccl"}, "vllm_weight_transfer"),
 ])
 def test_bad_vllm_settings_are_one_line(tiny_model_dir, overrides, message):
     with pytest.raises(rlhf.RLHFInputError, match=message.replace("(", r"\(").replace(")", r"\)")):
