@@ -534,6 +534,17 @@ def _prefill(model: torch.nn.Module, prompts: list[list[int]], pad_token_id: int
     return out, prompt_mask, positions, width
 
 
+def _innermost(model: torch.nn.Module) -> torch.nn.Module:
+    """The Hugging Face model inside DDP, torch.compile and PEFT wrappers (a LoRA policy is a PeftModel)."""
+    while True:
+        wrapped = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
+        if wrapped is None and hasattr(model, "get_base_model"):
+            wrapped = model.get_base_model()
+        if wrapped is None or wrapped is model:
+            return model
+        model = wrapped
+
+
 def _multimodal_positions(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, pixel_inputs: dict,
                           positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """M-RoPE (the Qwen2-VL family): an image's tokens take (time, row, column) positions of its patch grid, so a
@@ -541,9 +552,13 @@ def _multimodal_positions(model: torch.nn.Module, ids: torch.Tensor, mask: torch
     from their maximum + 1, fewer than the tokens before it. Every later token is text, whose three positions are
     equal, so decoding continues one (P,) position per row. Returns (the prefill's position_ids, positions (P, W)
     whose last column + 1 is each row's next position); a model with plain positions (LLaVA) keeps its own."""
-    rope_index = getattr(getattr(model, "model", None), "get_rope_index", None)
-    if rope_index is None or "image_grid_thw" not in pixel_inputs:
+    if "image_grid_thw" not in pixel_inputs:
         return positions, positions
+    inner = _innermost(model)
+    rope_index = getattr(getattr(inner, "model", None), "get_rope_index", None)
+    if rope_index is None:
+        raise ValueError(f"{type(inner).__name__} takes image_grid_thw (M-RoPE positions) but has no "
+                         f"model.get_rope_index to compute them with")
     rope = rope_index(ids, mm_token_type_ids=pixel_inputs["mm_token_type_ids"],
                       image_grid_thw=pixel_inputs["image_grid_thw"], attention_mask=mask)[0]
     return rope, rope.amax(0).cummax(-1).values
@@ -1039,7 +1054,7 @@ def _generate_paged(model: torch.nn.Module, prompts: list[list[int]], params: Sa
 
 def _choose_engine(model: torch.nn.Module, engine: str, params: SamplingParams, rows: int,
                    cache_len: int) -> tuple[str, tuple]:
-    key = (rows, cache_len, params.greedy, params.top_k, params.top_p)
+    key = (rows, cache_len, params.greedy, params.top_k, params.top_p, len(params.suppress_token_ids))
     if engine == "eager":
         return "eager", key
     why_not = _static_path_unsupported(model)
@@ -1268,12 +1283,31 @@ def _broadcast_from_trainer(group, tensor: torch.Tensor) -> None:
 
 
 def _join_weight_group(worker, key: str, host: str, port: int, world_size: int, backend: str, timeout: float) -> None:
-    """Runs inside each vLLM worker: join the trainer ``key``'s weight group as rank 1 + the worker's rank."""
+    """Runs inside each vLLM worker: join the trainer ``key``'s weight group as rank 1 + the worker's rank, and
+    take one warm-up broadcast, so that a group that cannot connect (NCCL connects on its first collective) fails
+    here, before a sync has anything in flight."""
     groups = worker.__dict__.setdefault("rlhf_weight_groups", {})
     if backend == "nccl":
         torch.cuda.set_device(worker.device)
     store = weight_store(host, port, world_size, is_master=False, timeout=timeout)
-    groups[key] = (store, weight_group(store, 1 + worker.rank, world_size, backend, timeout))
+    group = weight_group(store, 1 + worker.rank, world_size, backend, timeout)
+    _broadcast_from_trainer(group, torch.zeros(1, device=worker.device if backend == "nccl" else "cpu"))
+    groups[key] = (store, group)
+
+
+def _leave_weight_group(worker, key: str) -> None:
+    """Runs inside each vLLM worker: drop trainer ``key``'s weight group (its run ended, or its sync failed)."""
+    store, group = worker.__dict__.get("rlhf_weight_groups", {}).pop(key, (None, None))
+    _abort(group)
+
+
+def _abort(group) -> None:
+    """Abandon a weight group: an NCCL group's pending collectives are cancelled (a wait on them would hang)."""
+    if group is not None and hasattr(group, "abort"):
+        try:
+            group.abort()
+        except RuntimeError:  # already broken
+            pass
 
 
 def _receive_weights(worker, key: str, metadata: list, backend: str) -> None:
@@ -1289,7 +1323,11 @@ def _receive_weights(worker, key: str, metadata: list, backend: str) -> None:
             _broadcast_from_trainer(group, tensor)
             yield name, tensor
 
-    worker.reload_weights(weights_iterator=received())
+    try:
+        worker.reload_weights(weights_iterator=received())
+    except BaseException:
+        _leave_weight_group(worker, key)
+        raise
 
 
 _OPEN_ENGINE: weakref.ref | None = None  # vLLM keeps one set of distributed state per process: one engine at a time
@@ -1384,8 +1422,12 @@ class VLLMEngine:
                                 args=(key, host, port, 1 + self.tensor_parallel_size, backend, timeout))
 
     def receive_weights(self, key: str, metadata: list, backend: str) -> None:
-        """Reload the full weights as trainer ``key`` broadcasts them through its weight group."""
+        """Reload the full weights as trainer ``key`` broadcasts them through its weight group (a failure drops
+        the group; the weights are then partly reloaded, which the server must not serve)."""
         self._reloading(lambda: self.llm.collective_rpc(_receive_weights, args=(key, metadata, backend)))
+
+    def leave_weight_group(self, key: str) -> None:
+        self.llm.collective_rpc(_leave_weight_group, args=(key,))
 
     def _reloading(self, reload) -> None:
         self.wake_up()
@@ -1493,7 +1535,9 @@ class VLLMServer:
     {SamplingParams fields}} -> {token_ids, logprobs, finish_reasons, prompt_index}; ``POST /load_weights``
     {path: a folder of safetensors files} or {collective: [[name, dtype, shape]], key, backend}: the tensors
     arrive through trainer ``key``'s weight group, which ``POST /init_weight_group`` {key, host, port, backend,
-    timeout} joins; ``POST /load_adapter`` {path: a PEFT adapter folder}; ``POST /reset_prefix_cache``. A folder
+    timeout} joins and ``POST /leave_weight_group`` {key} leaves; ``POST /load_adapter`` {path: a PEFT adapter
+    folder}; ``POST /reset_prefix_cache``. A collective load that fails leaves the weights partly reloaded: the
+    server then answers as a restarted one (a new ``server_id``, weight_version 0), so clients send theirs again. A folder
     must be one both processes read (/dev/shm on one machine); a weight group reaches across machines."""
 
     def __init__(self, engine: VLLMEngine, host: str = "127.0.0.1", port: int = 8000) -> None:
@@ -1503,6 +1547,9 @@ class VLLMServer:
 
         self.engine, self.lock, self.weight_version = engine, threading.Lock(), 0
         self.server_id = uuid.uuid4().hex  # a restarted server is a new one: its workers are in no weight group
+        # NCCL cannot join two processes on one GPU: a trainer on one of these sends its weights through files
+        self.gpus = [str(torch.cuda.get_device_properties(i).uuid)
+                     for i in range(min(engine.tensor_parallel_size, torch.cuda.device_count()))]
         self.httpd = ThreadingHTTPServer((host, port), self._handler())
 
     def _handler(self):
@@ -1526,7 +1573,7 @@ class VLLMServer:
                 if self.path == "/health":
                     self._reply(200, {"status": "ok", "weight_version": server.weight_version,
                                       "weight_group_size": 1 + server.engine.tensor_parallel_size,
-                                      "server_id": server.server_id})
+                                      "server_id": server.server_id, "gpus": server.gpus})
                 else:
                     self._reply(404, {"error": f"no endpoint GET {self.path}"})
 
@@ -1543,6 +1590,8 @@ class VLLMServer:
         return Handler
 
     def handle(self, path: str, request: dict) -> dict:
+        import uuid
+
         engine = self.engine
         if path == "/generate":
             output = engine.generate(request["prompts"], SamplingParams(**{
@@ -1550,7 +1599,15 @@ class VLLMServer:
             return {"token_ids": output.token_ids, "logprobs": output.logprobs, "finish_reasons": output.finish_reasons,
                     "prompt_index": output.prompt_index, "weight_version": self.weight_version}
         if path == "/load_weights" and "collective" in request:
-            engine.receive_weights(request["key"], request["collective"], request["backend"])
+            try:
+                engine.receive_weights(request["key"], request["collective"], request["backend"])
+            except Exception:
+                # partly reloaded weights: serve as a restarted server would, so every client sends its weights again
+                self.server_id, self.weight_version = uuid.uuid4().hex, 0
+                raise
+        elif path == "/leave_weight_group":
+            engine.leave_weight_group(request["key"])
+            return {"status": "ok", "weight_version": self.weight_version}
         elif path == "/load_weights":
             engine.load_folder(request["path"])
         elif path == "/init_weight_group":
@@ -1584,15 +1641,17 @@ class VLLMClient:
     ``sync_dir`` (a folder both processes read: /dev/shm by default, so one machine). ``collective``: broadcast
     tensor by tensor through a weight group of this trainer and the server's workers (``weight_group``: NCCL
     from a GPU, gloo from a CPU; TRL's and OpenRLHF's way), which reaches a server on another machine and writes
-    nothing. LoRA adapters always travel as a folder (megabytes)."""
+    nothing; NCCL cannot join two processes on one GPU, so a trainer on one of the server's GPUs is refused.
+    ``auto``: collective from a GPU the server does not use, else files. LoRA adapters always travel as a folder
+    (megabytes)."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 8000, *, timeout: float = 600.0, retries: int = 3,
                  backoff: float = 1.0, sync_dir: str | os.PathLike | None = None,
                  weight_transfer: str = "files") -> None:
         import tempfile
 
-        if weight_transfer not in WEIGHT_TRANSFERS:
-            raise ValueError(f"weight_transfer '{weight_transfer}' is not one of {', '.join(WEIGHT_TRANSFERS)}")
+        if weight_transfer not in ("auto", *WEIGHT_TRANSFERS):
+            raise ValueError(f"weight_transfer '{weight_transfer}' is not one of auto, {', '.join(WEIGHT_TRANSFERS)}")
         self.url, self.timeout, self.retries, self.backoff = f"http://{host}:{port}", timeout, retries, backoff
         self.host, self.port, self.weight_transfer = host, port, weight_transfer
         self.sync_dir = Path(sync_dir) if sync_dir else Path(tempfile.mkdtemp(prefix="rlhf-vllm-sync-",
@@ -1651,22 +1710,45 @@ class VLLMClient:
 
     def load_weights(self, named_tensors) -> None:
         """Send full weights: (name, tensor) pairs, or a function returning them, which a restarted server can be
-        sent again from (the collective transfer keeps no copy)."""
-        if self.weight_transfer == "collective":
-            self._send_collective(named_tensors)
-            return
+        sent again from; the collective transfer keeps no copy, so it takes the function only."""
+        if self.weight_transfer != "files":
+            tensors = list(named_tensors()) if callable(named_tensors) else None
+            if self.weight_transfer == "auto":
+                self.weight_transfer = self._transfer_for(tensors[0][1] if tensors else None)
+            if self.weight_transfer == "collective":
+                if tensors is None:
+                    raise ValueError("the collective transfer takes a function returning the (name, tensor) pairs, "
+                                     "so that a restarted server can be sent them again")
+                self._send_collective(named_tensors, tensors)
+                return
+            named_tensors = tensors if tensors is not None else named_tensors
         save_weight_shards(named_tensors() if callable(named_tensors) else named_tensors, self.sync_dir / "weights")
         self._load("/load_weights", str(self.sync_dir / "weights"))
 
-    def _send_collective(self, source) -> None:
+    def _transfer_for(self, tensor: torch.Tensor | None) -> str:
+        """``auto``: collective from a GPU that the server does not use (NCCL cannot join two processes on one
+        GPU), files from a CPU or a shared GPU."""
+        if tensor is None or not tensor.is_cuda:
+            return "files"
+        return "files" if self._shares_gpu(tensor.device) else "collective"
+
+    def _shares_gpu(self, device: torch.device, server: dict | None = None) -> bool:
+        uuid = str(torch.cuda.get_device_properties(device).uuid)
+        return uuid in (server or self.health()).get("gpus", [])
+
+    def _send_collective(self, source, tensors: list | None = None) -> None:
         """Broadcast the tensors through the weight group (joined on first use) while the server's workers receive
         and reload them one at a time. The tensors are the trainer's own (no copy); one attempt, since a retry
-        after a partial broadcast would leave the two sides out of step."""
+        after a partial broadcast would leave the two sides out of step. A failure abandons the group (an NCCL
+        broadcast still pending would hang the trainer's next kernel) and the next sync forms a new one."""
         import threading
 
-        tensors = [(name, tensor.detach().contiguous()) for name, tensor in (source() if callable(source) else source)]
+        tensors = [(name, tensor.detach().contiguous()) for name, tensor in (tensors if tensors is not None else source())]
         backend = "nccl" if tensors and tensors[0][1].is_cuda else "gloo"
         server = self.health()  # waits out a restart within the retries, as every request does
+        if backend == "nccl" and self._shares_gpu(tensors[0][1].device, server):
+            raise VLLMServerError(f"vLLM server {self.url} runs on this trainer's GPU, and NCCL cannot join two "
+                                  f"processes on one GPU: set vllm_weight_transfer: files (or auto)")
         if self.group is None or self.group[3:] != (backend, server.get("server_id")):
             self._join_weight_group(backend, tensors[0][1].device if tensors else torch.device("cpu"), server)
         _, group, key, _, _ = self.group
@@ -1686,10 +1768,10 @@ class VLLMClient:
             answer = self._request("/load_weights", {"collective": metadata, "key": key, "backend": backend}, attempts=1)
             sender.join(self.timeout)
         except VLLMServerError:
-            self.group = None  # the next load joins afresh
+            self._abandon_group()
             raise
         if failures or sender.is_alive():
-            self.group = None
+            self._abandon_group()
             raise VLLMServerError(f"vLLM server {self.url}: the weight broadcast failed "
                                   f"({failures[0] if failures else 'timed out'})")
         self.weight_version = answer["weight_version"]
@@ -1711,12 +1793,17 @@ class VLLMClient:
             try:
                 if backend == "nccl":
                     torch.cuda.set_device(device)
-                joined["group"] = weight_group(store, 0, world_size, backend, self.timeout)
+                group = weight_group(store, 0, world_size, backend, self.timeout)
+                _broadcast_from_trainer(group, torch.zeros(1, device=device))  # connects NCCL now (see the worker's)
+                if backend == "nccl":
+                    torch.cuda.synchronize(device)
+                joined["group"] = group
             except Exception as error:  # noqa: BLE001 - reported below
                 joined["error"] = error
 
         joiner = threading.Thread(target=join, daemon=True)
         joiner.start()
+        # a failed request raises at once: the joining thread gives up at the group's timeout (a daemon)
         self._request("/init_weight_group", {"key": key, "host": host, "port": store.port, "backend": backend,
                                              "timeout": self.timeout}, attempts=1)
         joiner.join(self.timeout)
@@ -1742,8 +1829,20 @@ class VLLMClient:
     def sleep(self) -> None:  # the server's memory is its own
         pass
 
-    def close(self) -> None:  # the server goes on serving
-        pass
+    def _abandon_group(self) -> None:
+        if self.group is not None:
+            _abort(self.group[1])
+            self.group = None  # the next sync forms a new one
+
+    def close(self) -> None:
+        """The server goes on serving; a weight group this client formed is left (its workers drop their end)."""
+        if self.group is not None:
+            key = self.group[2]
+            self._abandon_group()
+            try:
+                self._request("/leave_weight_group", {"key": key}, attempts=1)
+            except VLLMServerError:  # a server that is gone holds no group
+                pass
 
     def wake_up(self) -> None:
         pass

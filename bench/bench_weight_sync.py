@@ -3,7 +3,7 @@
 
     python bench/bench_weight_sync.py                    # the 110M random-weight Llama of bench_rollouts.py, 3 syncs
     python bench/bench_weight_sync.py --model 23m --repeats 5
-    python bench/bench_weight_sync.py --device cuda      # on a GPU the collective transfer is NCCL
+    python bench/bench_weight_sync.py --device cuda      # NCCL: the server must run on another GPU than the trainer
 
 Needs vLLM (docs/vllm.md). The server starts once (``rlhf.py vllm-serve --model DIR`` on a free port of
 127.0.0.1, its own process), then this process, holding the same model in fp32, syncs it ``--repeats`` times with
@@ -22,6 +22,7 @@ import argparse
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -54,14 +55,16 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def start_server(directory: Path, port: int) -> subprocess.Popen:
+def start_server(directory: Path, port: int, log) -> subprocess.Popen:
+    """``log``: a file for the server's output (a pipe nobody reads would stall it once full)."""
     process = subprocess.Popen([sys.executable, str(REPO / "rlhf.py"), "vllm-serve", "--model", str(directory),
-                                "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                "--port", str(port)], stdout=log, stderr=subprocess.STDOUT, text=True)
     client = io.VLLMClient("127.0.0.1", port, retries=1)
     deadline = time.time() + 300
     while time.time() < deadline:
         if process.poll() is not None:
-            raise SystemExit(f"vllm-serve exited: {process.stdout.read()[-2000:]}")
+            log.seek(0)
+            raise SystemExit(f"vllm-serve exited: {log.read()[-2000:]}")
         try:
             client.health()
             return process
@@ -96,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     params = io.SamplingParams(max_new_tokens=4, do_sample=False)
     weight_bytes = sum(t.numel() * t.element_size() for _, t in named_weights(model))
     port = free_port()
-    server = start_server(directory, port)
+    server = start_server(directory, port, tempfile.TemporaryFile(mode="w+"))
     clients = {transfer: io.VLLMClient("127.0.0.1", port, weight_transfer=transfer)
                for transfer in io.WEIGHT_TRANSFERS}
     seconds: dict[str, list[float]] = {transfer: [] for transfer in clients}

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks, for a machine with a CUDA GPU (none runs in CI, which has no GPU):
-#   bench/gpu_check.sh [tests|suite|demo|bench|rollouts]...
+#   bench/gpu_check.sh [tests|suite|demo|bench|rollouts|vision]...
 # With no argument: tests, then suite, beside demo; then bench.
 #   tests     tests/test_gpu.py (engines on CUDA, bf16 training, resume, reference placement)
 #   suite     the trainer suite's learning, resume and invariance tests, which train on the GPU whenever one
@@ -8,6 +8,8 @@
 #   demo      the demo pipeline with bf16=true
 #   bench     bench_generation.py on cuda: the tiny model in fp32, a 0.22B Llama in bf16
 #   rollouts  200 compiled generate calls of one shape: time per call and GPU memory must stay flat
+#   vision    bench/gpu_vl_check.py (image prompts through every engine against the trainer's forward; Qwen's
+#             AutoProcessor where torchvision imports) and bench_generation.py --model tiny-vl on cuda
 # Logs and the demo's report.md go to $OUT (default /tmp/gpu-check). Wheels in .whl/ (downloaded with
 # `pip download --only-binary=:all:` for the GPU machine's Python) are installed first, for a machine that
 # reaches no package registry.
@@ -56,6 +58,14 @@ run_bench() {
     } > "$OUT/bench.log" 2>&1
 }
 
+run_vision() {
+    {
+        timeout "${VISION_TIMEOUT:-150}" python3 bench/gpu_vl_check.py --device cuda
+        timeout 120 python3 bench/bench_generation.py --device cuda --model tiny-vl --batch-sizes 16,64 \
+            --new-tokens 32 --repeats 3 --engines hf,compiled,static,eager
+    } > "$OUT/vision.log" 2>&1
+}
+
 run_rollouts() {  # 200 generate calls of one shape, as GRPO makes them: time per call and GPU memory stay flat
     timeout "${ROLLOUTS_TIMEOUT:-120}" python3 - > "$OUT/rollouts.log" 2>&1 <<'EOF'
 import sys, time, torch
@@ -84,8 +94,8 @@ if [ ${#parts[@]} -eq 0 ]; then
 else
     for part in "${parts[@]}"; do
         case "$part" in
-            tests|suite|demo|bench|rollouts) "run_$part" ;;
-            *) echo "error: unknown part '$part'; use tests, suite, demo, bench or rollouts" >&2; exit 2 ;;
+            tests|suite|demo|bench|rollouts|vision) "run_$part" ;;
+            *) echo "error: unknown part '$part'; use tests, suite, demo, bench, rollouts or vision" >&2; exit 2 ;;
         esac
     done
 fi

@@ -177,7 +177,7 @@ def test_cache_length_buckets_and_auto_engine(tiny_arch_dir):
     model = _model(tiny_arch_dir, "llama")
     params = io.SamplingParams(max_new_tokens=8)
     assert io._choose_engine(model, "auto", params, 16, 64)[0] == "static"
-    key = (16, 64, False, 0, 1.0)
+    key = (16, 64, False, 0, 1.0, 0)  # rows, cache length, greedy, top_k, top_p, suppressed tokens
     io._FAST_STATE[model].tokens_by_key[key] = io.AUTO_COMPILE_AFTER_TOKENS  # enough uncompiled work in this shape
     assert io._choose_engine(model, "auto", params, 16, 64) == ("compiled", key)
     assert io._choose_engine(model, "auto", params, 16, 128)[0] == "static"  # another shape: not yet
@@ -222,7 +222,7 @@ def test_a_compiled_step_that_disagrees_with_the_uncompiled_one_is_not_trusted(t
     monkeypatch.setattr(io, "_compiled_step", lambda state, device: miscompiled)
     got = io.generate(model, prompts, params, pad_token_id=pad, engine="compiled")
     assert got.token_ids == want.token_ids and len(calls) == 1
-    key = (8, 32, False, 0, 1.0)
+    key = (8, 32, False, 0, 1.0, 0)
     assert "non-finite" in io._FAST_STATE[model].miscompiled[key]
     assert io._choose_engine(model, "compiled", params, 8, 32)[0] == "static"
     assert io._choose_engine(model, "auto", params, 8, 32)[0] == "static"
@@ -260,7 +260,7 @@ def test_compiled_step_matches_static_and_survives_weight_updates(tiny_arch_dir,
             torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-4, rtol=1e-4)
         with torch.no_grad():
             model.lm_head.weight.mul_(4.0)  # a sharper policy: different samples next round
-    assert list(io.compile_seconds(model)) == [(8, 32, False, 0, 1.0)]  # compiled once, reused
+    assert list(io.compile_seconds(model)) == [(8, 32, False, 0, 1.0, 0)]  # compiled once, reused
     assert graphs[1] == graphs[0]  # the second call's guards held: no graph compiled again
     assert not io._FAST_STATE[model].compile_failed
 

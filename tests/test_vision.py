@@ -545,6 +545,27 @@ def test_our_engine_samples_from_images_with_the_trainers_log_probs(family, engi
         torch.testing.assert_close(alone.per_token[0, -len(tokens):], torch.tensor(logprobs), rtol=0, atol=1e-4)
 
 
+def test_a_lora_policy_samples_from_images_with_its_own_positions(tiny_vl_dir, tmp_path):
+    """A LoRA policy is a PeftModel around the vision-language model: the engine finds the M-RoPE positions through
+    the wrapper, so the sampled log-probs are still the trainer's."""
+    from peft import LoraConfig, get_peft_model
+
+    from inference_optimizations import SamplingParams, generate
+
+    policy = _sharpened(rlhf.PolicyModel.from_pretrained(str(tiny_vl_dir)))
+    wrapped = get_peft_model(policy.model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    policy = rlhf.PolicyModel(wrapped, policy.tokenizer, vision=policy.vision)
+    prompts, images = _image_prompts(policy, "qwen3_vl", tmp_path)
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, n=2, seed=3, suppress_token_ids=policy.suppressed_tokens)
+    out = generate(wrapped, prompts, params, pad_token_id=policy.tokenizer.pad_token_id, vision=policy.vision_for(images))
+    for row, (tokens, logprobs) in enumerate(zip(out.token_ids, out.logprobs)):
+        ids = torch.tensor([prompts[row // 2] + tokens])
+        with torch.no_grad():
+            alone = policy.compute_log_probs(ids, torch.ones_like(ids), None,
+                                             **policy.vision.batch([images[row // 2]], ids))
+        torch.testing.assert_close(alone.per_token[0, -len(tokens):], torch.tensor(logprobs), rtol=0, atol=1e-4)
+
+
 def test_held_out_accuracy_generates_from_the_images(tiny_vl_dir):
     """Greedy answers with images (PolicyModel.generate, our engine, prompts of several widths together) equal Hugging
     Face generate on the same inputs, one prompt at a time."""

@@ -441,6 +441,33 @@ def test_collective_weight_transfer_equals_the_trainers_weights(server, tiny_mod
     client.load_weights(lambda: original.state_dict().items())
 
 
+def test_a_failed_collective_load_is_one_error_and_the_next_sync_starts_afresh(server, tiny_model_dir, tiny_tokenizer,
+                                                                                prompt_ids):
+    """A sync the server's workers cannot load (a tensor vLLM's model does not have) fails with one error; the
+    trainer abandons the group, the server answers as a restarted one (its weights are partly reloaded), and the
+    next sync forms a new group and puts the server right. Collective syncs take a function; close() leaves."""
+    from transformers import AutoModelForCausalLM
+
+    port, _ = server
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    client = io.VLLMClient("127.0.0.1", port, weight_transfer="collective")
+    before = client.health()["server_id"]
+    with pytest.raises(io.VLLMServerError):
+        client.load_weights(lambda: [*model.state_dict().items(), ("model.layers.0.no_such.weight", torch.ones(3))])
+    assert client.group is None and client.health()["server_id"] != before and client.health()["weight_version"] == 0
+    client.load_weights(lambda: model.state_dict().items())
+    stops = io.stop_token_ids(tiny_tokenizer)
+    params = io.SamplingParams(max_new_tokens=12, do_sample=False, stop_token_ids=stops)
+    assert client.generate(prompt_ids, params).token_ids == _hf_greedy(model, prompt_ids, 12, stops)
+    with pytest.raises(ValueError, match="takes a function"):
+        client.load_weights(model.state_dict().items())
+    client.close()
+    assert client.group is None
+    auto = io.VLLMClient("127.0.0.1", port, weight_transfer="auto")  # weights on a CPU: through files
+    auto.load_weights(lambda: [(k, v) for k, v in model.state_dict().items() if k != "lm_head.weight"])  # tied once
+    assert auto.weight_transfer == "files" and auto.last_load[0] == "/load_weights"
+
+
 def test_grpo_with_collective_weight_transfer_matches_colocate(tmp_path, server, tiny_model_dir, dataset):
     port, _ = server
     remote = _grpo_trainer(tmp_path / "server", tiny_model_dir, dataset, max_steps=3, vllm_mode="server",
