@@ -1816,9 +1816,13 @@ class VLLMClient:
         """This machine's address as the server reaches it (the interface the route to the server leaves by)."""
         import socket
 
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((self.host, self.port))  # UDP: picks the route, sends nothing
-            return probe.getsockname()[0]
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect((self.host, self.port))  # UDP: picks the route, sends nothing
+                return probe.getsockname()[0]
+        except OSError as error:
+            raise VLLMServerError(f"vLLM server {self.url}: no IPv4 route to it for the weight group ({error}); "
+                                  f"set vllm_weight_transfer: files") from None
 
     def load_adapter(self, directory: str | os.PathLike) -> None:
         self._load("/load_adapter", str(directory))
