@@ -534,7 +534,7 @@ def _prefill(model: torch.nn.Module, prompts: list[list[int]], pad_token_id: int
     return out, prompt_mask, positions, width
 
 
-def _innermost(model: torch.nn.Module) -> torch.nn.Module:
+def innermost_model(model: torch.nn.Module) -> torch.nn.Module:
     """The Hugging Face model inside DDP, torch.compile and PEFT wrappers (a LoRA policy is a PeftModel)."""
     while True:
         wrapped = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
@@ -554,7 +554,7 @@ def _multimodal_positions(model: torch.nn.Module, ids: torch.Tensor, mask: torch
     whose last column + 1 is each row's next position); a model with plain positions (LLaVA) keeps its own."""
     if "image_grid_thw" not in pixel_inputs:
         return positions, positions
-    inner = _innermost(model)
+    inner = innermost_model(model)
     rope_index = getattr(getattr(inner, "model", None), "get_rope_index", None)
     if rope_index is None:
         raise ValueError(f"{type(inner).__name__} takes image_grid_thw (M-RoPE positions) but has no "

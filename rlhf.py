@@ -72,6 +72,7 @@ from inference_optimizations import (
     WEIGHT_TRANSFERS,
     cache_argument,
     encode_at_boundaries,
+    innermost_model,
     pin_cpu_kernels,
     returned_cache,
     select_attention_implementation,
@@ -4599,7 +4600,7 @@ class OutputHead:
     def of(cls, model: nn.Module) -> OutputHead:
         """The head for ``model`` (any wrapper: DDP, PEFT, torch.compile), decided and verified once per model."""
         model = model.model if isinstance(model, PolicyModel) else model
-        inner = _innermost_model(model)
+        inner = innermost_model(model)
         if inner not in cls._cache:
             cls._cache[inner] = cls._decide(model, inner)
         return cls._cache[inner]
@@ -4899,7 +4900,7 @@ def quantization_config(config: BaseConfig) -> Any:
 
 
 def is_quantized(model: nn.Module) -> bool:
-    return bool(getattr(_innermost_model(model), "is_quantized", False))
+    return bool(getattr(innermost_model(model), "is_quantized", False))
 
 
 def _auto_model_class(path: str, trust_remote_code: bool = False) -> type:
@@ -4976,12 +4977,12 @@ LANGUAGE_MODEL_KEYS = ("language_model", "lm_head")
 def text_config(model: nn.Module) -> Any:
     """The language model's config: the model's own, or a vision-language model's text config (whose top level has no
     hidden_size or vocab_size)."""
-    config = _innermost_model(model).config
+    config = innermost_model(model).config
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def is_vision_language(model: nn.Module) -> bool:
-    return getattr(getattr(_innermost_model(model), "config", None), "vision_config", None) is not None
+    return getattr(getattr(innermost_model(model), "config", None), "vision_config", None) is not None
 
 
 def vision_kwargs(batch: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -5158,7 +5159,7 @@ def load_vision_inputs(model: nn.Module, tokenizer: Any, path: str, trust_remote
     except (OSError, ValueError) as err:
         raise RLHFInputError(f"{path} is a vision-language model without a readable image processor "
                              f"(preprocessor_config.json or processor_config.json): {_one_line(err)}") from None
-    return VisionInputs(_innermost_model(model).config, processor, tokenizer)
+    return VisionInputs(innermost_model(model).config, processor, tokenizer)
 
 
 def _frozen_part_keys(config: BaseConfig) -> tuple[str, ...]:
@@ -5314,7 +5315,7 @@ class PolicyModel(nn.Module):
         tower and projector frozen, each image is encoded once, without a graph, and its features serve every copy
         (``mm_encoder_outputs``); when they train, every copy is encoded, so each row's gradient reaches them."""
         repeats = int(vision.pop("image_repeats"))
-        inner = _innermost_model(self.model)
+        inner = innermost_model(self.model)
         if any(p.requires_grad for n, p in inner.named_parameters() if not any(k in n for k in LANGUAGE_MODEL_KEYS)):
             vision["pixel_values"] = torch.cat([vision["pixel_values"]] * repeats)
             return vision
@@ -5897,23 +5898,11 @@ def _is_compiled(model: nn.Module) -> bool:
     return False
 
 
-def _innermost_model(model: nn.Module) -> nn.Module:
-    """The Hugging Face model inside DDP, torch.compile and PEFT wrappers."""
-    inner = model
-    while True:
-        wrapped = getattr(inner, "_orig_mod", None) or getattr(inner, "module", None)
-        if wrapped is None and hasattr(inner, "get_base_model"):
-            wrapped = inner.get_base_model()
-        if wrapped is None or wrapped is inner:
-            return inner
-        inner = wrapped
-
-
 def can_pack_pairs(model: nn.Module) -> bool:
     """Whether the packed tree layout (pack_preference_pairs) gives this model's exact log-probs: its
     attention must take a custom 4D mask (sdpa, eager; flash-attention takes none) and apply no
     sliding window of its own (the custom mask replaces it)."""
-    config = _innermost_model(model).config
+    config = innermost_model(model).config
     window = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
     return (getattr(config, "_attn_implementation", None) in ("sdpa", "eager") and not window
             and config.model_type not in PREFIX_SHARING_EXCLUDED)
@@ -5938,7 +5927,7 @@ def _packed_rows_logits(model: nn.Module, ids: torch.Tensor, position_ids: torch
                         branch: torch.Tensor) -> torch.Tensor:
     """One forward of packed tree rows under their ``tree_attention_mask``, flattened: the logits of every
     slot, row after row. Shapes: (R, L) each -> (R*L, V)."""
-    inner = _innermost_model(model)
+    inner = innermost_model(model)
     attention = tree_attention_mask(pair, branch, inner.config._attn_implementation,
                                     torch.float32 if torch.is_autocast_enabled(ids.device.type) else inner.dtype)
     scores, _ = OutputHead.of(model).scores(model, input_ids=ids, attention_mask=attention, position_ids=position_ids,
@@ -5984,7 +5973,7 @@ def _prefill_prompts(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: to
     Only the last position's scores are needed: the causal LM inside any wrappers (DDP, torch.compile,
     PEFT) is asked for those alone when it takes ``logits_to_keep``, instead of (B, P, V) of them.
     Returns (the last position's OutputHead scores (B, 1, V|H), the model's output)."""
-    inner = _innermost_model(model)
+    inner = innermost_model(model)
     extra = {"logits_to_keep": 1} if _takes_logits_to_keep(type(inner)) else {}
     scores, out = OutputHead.of(model).scores(model, input_ids=prompt_ids, attention_mask=prompt_mask,
                                               position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0), use_cache=True,

@@ -38,7 +38,7 @@ def _model(kind: str = "llama", seed: int = 0):
 @contextlib.contextmanager
 def plain_head(model):
     """The model's own logits for the length of the block."""
-    inner = rlhf._innermost_model(model)
+    inner = rlhf.innermost_model(model)
     chunked = rlhf.OutputHead.of(model)
     rlhf.OutputHead._cache[inner] = rlhf.OutputHead()
     try:
