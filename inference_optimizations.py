@@ -285,7 +285,7 @@ def _generate_eager(model: torch.nn.Module, prompts: list[list[int]], params: Sa
     lengths = torch.zeros(rows, dtype=torch.long, device=device)
     for step in range(params.max_new_tokens):
         scaled = logits.float() / (params.temperature if not params.greedy else 1.0)
-        allowed = scaled.index_fill(-1, suppress, float("-inf"))
+        allowed = scaled.index_fill(-1, suppress, float("-inf")) if suppress.numel() else scaled
         if params.greedy:
             chosen = allowed.argmax(-1)
         else:
@@ -433,7 +433,7 @@ def _sample(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tens
     ``suppress`` (ids, may be empty); finished rows get the pad token. Returns (tokens, log-prob of each
     under the temperature before filtering, done)."""
     scaled = logits.float() / temperature
-    allowed = scaled.index_fill(-1, suppress, float("-inf"))
+    allowed = scaled.index_fill(-1, suppress, float("-inf")) if suppress.numel() else scaled
     if uniform is None:
         chosen = allowed.argmax(-1)
     else:
