@@ -33,6 +33,7 @@ import math
 import os
 import sys
 import time
+import uuid
 import weakref
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -285,7 +286,7 @@ def _generate_eager(model: torch.nn.Module, prompts: list[list[int]], params: Sa
     lengths = torch.zeros(rows, dtype=torch.long, device=device)
     for step in range(params.max_new_tokens):
         scaled = logits.float() / (params.temperature if not params.greedy else 1.0)
-        allowed = scaled.index_fill(-1, suppress, float("-inf")) if suppress.numel() else scaled
+        allowed = _suppressed(scaled, suppress)
         if params.greedy:
             chosen = allowed.argmax(-1)
         else:
@@ -426,6 +427,11 @@ def _static_path_unsupported(model: torch.nn.Module) -> str:
     return ""
 
 
+def _suppressed(scaled: torch.Tensor, suppress: torch.Tensor) -> torch.Tensor:
+    """Logits with the ``suppress`` token ids (may be empty: no copy then) made impossible to sample."""
+    return scaled.index_fill(-1, suppress, float("-inf")) if suppress.numel() else scaled
+
+
 def _sample(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor | None, done: torch.Tensor,
             stop_ids: torch.Tensor, pad_token_id: int, top_k: int, top_p: float, suppress: torch.Tensor):
     """One token per row: greedy (``uniform is None``) or Gumbel-max sampling over the top-k/top-p
@@ -433,7 +439,7 @@ def _sample(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tens
     ``suppress`` (ids, may be empty); finished rows get the pad token. Returns (tokens, log-prob of each
     under the temperature before filtering, done)."""
     scaled = logits.float() / temperature
-    allowed = scaled.index_fill(-1, suppress, float("-inf")) if suppress.numel() else scaled
+    allowed = _suppressed(scaled, suppress)
     if uniform is None:
         chosen = allowed.argmax(-1)
     else:
@@ -1542,7 +1548,6 @@ class VLLMServer:
 
     def __init__(self, engine: VLLMEngine, host: str = "127.0.0.1", port: int = 8000) -> None:
         import threading
-        import uuid
         from http.server import ThreadingHTTPServer
 
         self.engine, self.lock, self.weight_version = engine, threading.Lock(), 0
@@ -1590,8 +1595,6 @@ class VLLMServer:
         return Handler
 
     def handle(self, path: str, request: dict) -> dict:
-        import uuid
-
         engine = self.engine
         if path == "/generate":
             output = engine.generate(request["prompts"], SamplingParams(**{
@@ -1711,18 +1714,19 @@ class VLLMClient:
     def load_weights(self, named_tensors) -> None:
         """Send full weights: (name, tensor) pairs, or a function returning them, which a restarted server can be
         sent again from; the collective transfer keeps no copy, so it takes the function only."""
-        if self.weight_transfer != "files":
-            tensors = list(named_tensors()) if callable(named_tensors) else None
-            if self.weight_transfer == "auto":
-                self.weight_transfer = self._transfer_for(tensors[0][1] if tensors else None)
-            if self.weight_transfer == "collective":
-                if tensors is None:
-                    raise ValueError("the collective transfer takes a function returning the (name, tensor) pairs, "
-                                     "so that a restarted server can be sent them again")
-                self._send_collective(named_tensors, tensors)
-                return
-            named_tensors = tensors if tensors is not None else named_tensors
-        save_weight_shards(named_tensors() if callable(named_tensors) else named_tensors, self.sync_dir / "weights")
+        # files stream the pairs; the other transfers look at them first (the trainer's own tensors: no copy)
+        tensors = list(named_tensors()) if callable(named_tensors) and self.weight_transfer != "files" else None
+        if self.weight_transfer == "auto":  # decided once, on the first sync's tensors
+            self.weight_transfer = self._transfer_for(tensors[0][1] if tensors else None)
+        if self.weight_transfer == "collective":
+            if tensors is None:
+                raise ValueError("the collective transfer takes a function returning the (name, tensor) pairs, "
+                                 "so that a restarted server can be sent them again")
+            self._send_collective(named_tensors, tensors)
+            return
+        if tensors is None:
+            tensors = named_tensors() if callable(named_tensors) else named_tensors
+        save_weight_shards(tensors, self.sync_dir / "weights")
         self._load("/load_weights", str(self.sync_dir / "weights"))
 
     def _transfer_for(self, tensor: torch.Tensor | None) -> str:
