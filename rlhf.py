@@ -13,14 +13,15 @@ Table of contents (each section opens with a ``# ==== N. Title ====`` banner):
   1. Configs — BaseConfig, SFTConfig, RewardModelConfig, ProcessRewardModelConfig, DPOConfig, SimPOConfig, ORPOConfig, KTOConfig, OnlineRLConfig, GRPOConfig, PPOConfig, PipelineConfig, load_config, save_config, config_help, get_7b_model_config, get_70b_model_config, count_parameters, model_architecture, estimate_memory
   2. Infrastructure — setup_logging, logging_restored, weight_sharding, DeviceManager, TrainingLogger, CheckpointManager, CheckpointingMixin, create_optimizer, EarlyStopping, find_expert_parameter_names, apply_lora, apply_freeze, compile_model, select_attention_implementation
   3. Data — load_records, ChatFormatter, CHAT_TEMPLATES, TEMPLATE_SPECIAL_TOKENS, saved_as_trained, chat_formatter, SFTDataset, StreamingSFTDataset, pack_sequences, SFTCollator, PreferenceDataset, StreamingPreferenceDataset, KTODataset, StreamingKTODataset, pack_rows, pack_preference_pairs, PreferenceBatch, PreferenceCollator, KTOBatch, KTOCollator, GRPODataset, StreamingGRPODataset, extract_answer, split_steps, arithmetic_step_labels, arithmetic_response_labels, encode_steps, ProcessPreferenceDataset, ProcessPreferenceCollator
-  4. Models — token_log_probs, OutputHead, load_tokenizer, quantization_config, is_quantized, build_tiny_model, resolve_model_path, VisionInputs, vision_kwargs, load_vision_inputs, set_trainable_parts, build_tiny_vl_model, PolicyModel, state_under, RewardModel, RewardEnsemble, aggregate_step_scores, ProcessRewardModel, ValueModel, ActorCritic, select_informative_tokens, ContextCompressor, ReferenceModel, can_pack_pairs, tree_attention_mask, shared_prefix_log_probs, grouped_logits, grouped_packed_logits, grouped_prefix_logits, create_reference_model
+  4. Models — token_log_probs, OutputHead, load_tokenizer, quantization_config, is_quantized, build_tiny_model, resolve_model_path, gguf_metadata, gguf_to_hf, VisionInputs, vision_kwargs, load_vision_inputs, set_trainable_parts, build_tiny_vl_model, PolicyModel, state_under, RewardModel, RewardEnsemble, aggregate_step_scores, ProcessRewardModel, ValueModel, ActorCritic, select_informative_tokens, ContextCompressor, ReferenceModel, can_pack_pairs, tree_attention_mask, shared_prefix_log_probs, grouped_logits, grouped_packed_logits, grouped_prefix_logits, create_reference_model
   5. Losses and advantages — router_load_balancing_loss, causal_lm_loss_sum, causal_lm_loss_with, sequence_log_probs, dpo_loss, PREFERENCE_LOSSES, simpo_loss, orpo_loss, kto_loss, reward_model_loss, reward_boosting_weights, ewc_penalty, whiten, grpo_advantages, rloo_advantages, reinforce_pp_advantages, overlong_penalty, generalized_jsd_loss, rollout_importance_weights, grpo_loss, compute_gae, ppo_policy_loss, ppo_value_loss, AdaptiveKLController, FixedKLController
   6. Rewards — exact_answer_reward, format_reward, length_penalty, CompositeReward, LearnedReward, ProcessReward, HTTPReward, RewardAPIError, Principle, ConstitutionalRewardWrapper, RewardFunctionFactory, RunningRewardNormalizer, process_rewards
   7. Trainers — close_loss_scaler_step, TrainingDivergedError, TrainResult, RouterAuxLoss, BaseTrainer, SFTTrainer, train_sft, PairScores, RewardModelTrainer, train_rm, ProcessRewardModelTrainer, train_prm, precompute_ref_log_probs, DPOTrainer, train_dpo, KTOTrainer, train_kto, Rollout, token_entropy, disable_dropout, GRPOTrainer, train_grpo, RolloutBuffer, PPOTrainer, train_ppo
   8. Evaluation — kl_estimates, distinct_n, self_similarity, win_rate, RLHFEvaluator
   9. Self-improvement and safety — CapabilityReport, CapabilityTester, ElasticWeightConsolidation, repetition_rate, degeneration_rates, reward_hacking_flags, PERTURBATIONS, answer_consistency, validation_score, ValidationReport, AdversarialValidator, default_critique, RefinementResult, refinement_pairs, write_preference_jsonl, IterativeRefiner
   10. Orchestrator — read_report, append_report, data_fingerprint, pipeline_table, write_pipeline_report, RLHFOrchestrator
-  11. CLI — main
+  11. Export, evaluation and chat — ExportConfig, export_model, load_merged_policy, GGUFArchitecture, GGUF_EXPORT_ARCHITECTURES, gguf_hyperparameters, permute_for_gguf, gguf_vocabulary, write_gguf, EvalConfig, evaluate_model, eval_table, ChatConfig, ChatSession, chat
+  12. CLI — main
 
 Notation used in ``Shapes:`` lines: B sequences in a batch, T tokens per sequence, V vocabulary size.
 Numbering follows ../DESIGN.md so the map and the module stay in step.
@@ -152,7 +153,8 @@ class BaseConfig:
     """What every training stage shares. Field names follow LLaMA-Factory / Hugging Face where one exists."""
 
     # -- model
-    model_name_or_path: str = _opt("tiny", "Hugging Face model directory or hub id; 'tiny' builds the embedded demo model, 'tiny-vl' its vision-language twin (a small Qwen3-VL)")
+    model_name_or_path: str = _opt("tiny", "Hugging Face model directory or hub id; a .gguf file (dequantised into a Hugging Face folder under the cache, once); 'tiny' builds the embedded demo model, 'tiny-vl' its vision-language twin (a small Qwen3-VL)")
+    gguf_file: str | None = _opt(None, "A GGUF file inside the model_name_or_path folder, as transformers' gguf_file: the two join into one .gguf path")
     trust_remote_code: bool = _opt(False, "Allow custom modelling code shipped with the model (off: it runs arbitrary Python)")
     attn_implementation: str = _opt("auto", "auto (flash_attention_2 -> sdpa -> eager) | flash_attention_2 | sdpa | eager")
     model_dtype: str = _opt("auto", "Weights dtype on load: auto (fp32 for full/freeze, bf16/fp16 base for lora when mixed precision is on) | float32 | bfloat16 | float16")
@@ -270,6 +272,9 @@ class BaseConfig:
         self.report_to = [t for t in targets if t != "none"]
         if self.lora_alpha is None:
             self.lora_alpha = 2 * self.lora_rank
+        if self.gguf_file:  # transformers' (folder, gguf_file) pair is one path here, which every stage loads alike
+            self.model_name_or_path = str(Path(self.model_name_or_path) / self.gguf_file)
+            self.gguf_file = None
         resume = str(self.resume_from_checkpoint).lower()
         if isinstance(self.resume_from_checkpoint, bool) or resume in ("true", "false", "none", "null", ""):
             self.resume_from_checkpoint = "auto" if resume == "true" else "none"
@@ -4860,12 +4865,159 @@ def build_tiny_model(cache_dir: str | os.PathLike | None = None, corpus_dir: str
 
 
 def resolve_model_path(name_or_path: str, cache_dir: str | os.PathLike | None = None) -> str:
-    """'tiny' / 'tiny-vl' -> the embedded models' cached directories; anything else is passed to from_pretrained."""
+    """'tiny' / 'tiny-vl' -> the embedded models' cached directories; a ``.gguf`` file -> its dequantised Hugging Face
+    folder (``gguf_to_hf``); anything else is passed to from_pretrained."""
     if name_or_path == "tiny":
         return str(build_tiny_model(cache_dir))
     if name_or_path == "tiny-vl":
         return str(build_tiny_vl_model(cache_dir))
+    if str(name_or_path).lower().endswith(".gguf"):
+        return str(gguf_to_hf(name_or_path, cache_dir))
     return name_or_path
+
+
+# ---- GGUF in: a llama.cpp file becomes a Hugging Face folder, once per content ----
+# transformers reads a GGUF's config, tokenizer and (dequantised) weights; doing that at every load costs seconds to
+# minutes, and vLLM, PEFT and the reference model each want a folder. So a GGUF is converted once into
+# <cache>/gguf/<name>-<sha256 prefix>/ (fp32 safetensors, tokenizer with the file's chat template, no quantization
+# config) and every stage loads that folder like any other.
+
+GGUF_CONVERSION_VERSION = 1  # raise when the conversion changes, so cached folders are rebuilt
+# llama.cpp pre-tokenizers that transformers' GGUF reader leaves at GPT-2's split: what the model's own
+# tokenizer.json does before the byte-level split (SmolLM: every digit on its own).
+GGUF_PRE_TOKENIZER_FIXES = {"smollm": "digits"}
+
+
+def _sha256_of_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _gguf_module(what: str) -> Any:
+    if importlib.util.find_spec("gguf") is None:
+        raise RLHFInputError(f"{what} needs the gguf package: pip install gguf (or pip install '.[gguf]')")
+    import gguf
+
+    return gguf
+
+
+def gguf_metadata(path: str | os.PathLike) -> dict[str, Any]:
+    """A GGUF file's scalar and string metadata (arrays such as the vocabulary left out), read without its tensors."""
+    gguf = _gguf_module(f"reading {path}")
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (ValueError, OSError) as err:
+        raise RLHFInputError(f"{path} is not a readable GGUF file ({str(err).splitlines()[0][:120]})") from None
+    metadata = {}
+    for key, entry in reader.fields.items():
+        if entry.types and entry.types[0] == gguf.GGUFValueType.ARRAY and len(entry.data) > 64:
+            continue
+        try:
+            metadata[key] = entry.contents()
+        except (ValueError, TypeError, IndexError):
+            continue
+    return metadata
+
+
+def _gguf_sha256(path: Path, index_dir: Path) -> str:
+    """The file's sha256, remembered by (path, size, mtime) so an unchanged multi-GB file is hashed once."""
+    stat = path.stat()
+    memo = index_dir / f"{_fingerprint(str(path.resolve()), stat.st_size, stat.st_mtime_ns)}.sha256"
+    if memo.exists():
+        return memo.read_text().strip()
+    digest = _sha256_of_file(path)
+    index_dir.mkdir(parents=True, exist_ok=True)
+    memo.write_text(digest)
+    return digest
+
+
+def _fix_gguf_pre_tokenizer(tokenizer: Any, pre: str | None) -> None:
+    if GGUF_PRE_TOKENIZER_FIXES.get(pre or "") == "digits":
+        from tokenizers import pre_tokenizers
+
+        backend = tokenizer.backend_tokenizer
+        backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                         backend.pre_tokenizer])
+
+
+def gguf_to_hf(gguf_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None, *,
+               field: str = "model_name_or_path") -> Path:
+    """Dequantise a GGUF file into a Hugging Face folder under ``cache_dir/gguf`` (once per file content: the folder is
+    named by the file's sha256) and return the folder. The tokenizer, its chat template and special tokens come from
+    the file. An architecture transformers cannot read is a one-line error naming it."""
+    path = Path(gguf_path).expanduser()
+    if not path.is_file():
+        raise RLHFInputError(f"config field '{field}': GGUF file '{gguf_path}' does not exist (working directory "
+                             f"{os.getcwd()})")
+    root = Path(cache_dir or _default_cache_dir()) / "gguf"
+    digest = _gguf_sha256(path, root / "index")
+    target = root / f"{path.stem}-{digest[:16]}"
+    if (target / "config.json").exists() and (target / "gguf_source.json").exists():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    metadata = gguf_metadata(path)
+    architecture = str(metadata.get("general.architecture", "?"))
+    spellings = {architecture, architecture.replace("-", "_"), architecture.replace("moe", "_moe")}
+    if not spellings & set(GGUF_SUPPORTED_ARCHITECTURES):
+        raise RLHFInputError(f"config field '{field}': {path.name} is a GGUF of architecture '{architecture}', which "
+                             f"this transformers cannot read (it reads {', '.join(sorted(GGUF_SUPPORTED_ARCHITECTURES))}); "
+                             f"convert the original checkpoint instead, or upgrade transformers")
+    logger.info("converting %s (%s, %.0f MB) into a Hugging Face folder, once: %s", path.name, architecture,
+                path.stat().st_size / 2**20, target)
+    with _quiet_transformers():
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            loaded = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+        except (ValueError, NotImplementedError, KeyError) as err:
+            raise RLHFInputError(f"config field '{field}': transformers cannot read {path.name} (architecture "
+                                 f"'{architecture}': {str(err).splitlines()[0][:160]})") from None
+    _fix_gguf_pre_tokenizer(tokenizer, metadata.get("tokenizer.ggml.pre"))
+    # a plain model of the same config: the loaded one carries its GGUF quantizer, which save_pretrained would record
+    config_dict = {k: v for k, v in loaded.config.to_dict().items()
+                   if k not in ("quantization_config", "_name_or_path", "_model_name_or_path")}
+    config = type(loaded.config).from_dict(config_dict)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict(), assign=True)
+    model.tie_weights()
+    model.generation_config = loaded.generation_config
+    if tokenizer.pad_token_id is not None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    del loaded
+    tmp = target.with_name(f".tmp-{target.name}-{uuid.uuid4().hex[:8]}")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    _write_json_atomic(tmp / "gguf_source.json", {"file": str(path.resolve()), "sha256": digest, "architecture": architecture,
+                                                  "name": metadata.get("general.name"),
+                                                  "file_type": metadata.get("general.file_type"),
+                                                  "conversion": GGUF_CONVERSION_VERSION})
+    root.mkdir(parents=True, exist_ok=True)
+    try:
+        os.rename(tmp, target)  # atomic publish; a concurrent converter may have won the race
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """transformers' own progress bars and info lines off for a library call (a GGUF's per-tensor bar, say)."""
+    from transformers.utils import logging as hf_logging
+
+    level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def _torch_dtype(name: str | torch.dtype) -> torch.dtype | str:
@@ -11809,7 +11961,649 @@ class StageNotRun(Exception):
 
 
 
-# ==== 11. CLI ====
+# ==== 11. Export, evaluation and chat ====
+# What a user does with a trained model: export it (an adapter merged into its base, as a Hugging Face folder or a
+# GGUF file for llama.cpp-family runtimes), measure it on a dataset, and talk to it. Each command has its config
+# right above the code that uses it; the CLI (section 12) only parses and dispatches.
+
+# ---- Export: LLaMA-Factory's `export` keys; GGUF written with the gguf package ----
+
+GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
+EXPORT_FORMATS = ("hf", "gguf")
+
+
+@dataclass
+class ExportConfig:
+    """Export a model, with its adapter merged into the base, as a Hugging Face folder or a GGUF file."""
+
+    model_name_or_path: str = _opt("", "The model to export: a trained output folder (an adapter's folder loads its base and merges it), a Hugging Face folder, a .gguf file or 'tiny'")
+    gguf_file: str | None = _opt(None, "A GGUF file inside the model_name_or_path folder (as in the training stages)")
+    adapter_name_or_path: str | None = _opt(None, "A LoRA adapter folder to merge into model_name_or_path (LLaMA-Factory's key; an adapter output folder as model_name_or_path does the same)")
+    finetuning_type: str | None = _opt(None, "LLaMA-Factory's key, checked against the inputs: lora / oft need an adapter (adapter_name_or_path or an adapter output folder), full / freeze a plain model")
+    template: str = _opt("auto", "Chat template written into the exported tokenizer: auto (the model's own) or a named one (see `rlhf sft --help`), as training rendered it")
+    enable_thinking: bool | None = _opt(None, "Thinking switch of templates that have one, fixed in the exported template as training used it")
+    export_dir: str = _opt("", "Where the Hugging Face folder goes (format hf), or the folder that receives the .gguf file (format gguf)")
+    export_format: str = _opt("hf", "hf (a Hugging Face folder of safetensors shards) | gguf (one GGUF file, for llama.cpp, Ollama, LM Studio)")
+    gguf_type: str = _opt("f16", "GGUF tensor type: f32 | f16 | bf16 | q8_0 (norms and biases stay f32)")
+    export_size: int = _opt(5, "Largest safetensors shard of a Hugging Face export, in GB (LLaMA-Factory's export_size)")
+    export_device: str = _opt("cpu", "Device that merges the adapter: cpu | auto (a GPU when there is one)")
+    export_legacy_format: bool = _opt(False, "LLaMA-Factory's .bin export: refused; weights are written as safetensors only")
+    export_quantization_bit: int | None = _opt(None, "With export_format gguf: 8 is gguf_type q8_0 (LLaMA-Factory's GPTQ export of 2-4 bits is not supported)")
+    export_hub_model_id: str | None = _opt(None, "Refused: nothing is uploaded; push the folder with `huggingface-cli upload` yourself")
+    trust_remote_code: bool = _opt(False, "Allow custom modelling code shipped with the model")
+    cache_dir: str | None = _opt(None, "Cache of the embedded model and GGUF conversions (default: $RLHF_CACHE or ~/.cache/rlhf)")
+
+    stage: typing.ClassVar[str] = "export"
+
+    def __post_init__(self) -> None:
+        _check(bool(str(self.model_name_or_path).strip()), "model_name_or_path", "is empty; name the model to export")
+        _check(bool(str(self.export_dir).strip()), "export_dir", "is empty; name the folder to write")
+        if self.gguf_file:
+            self.model_name_or_path, self.gguf_file = str(Path(self.model_name_or_path) / self.gguf_file), None
+        _check_choice(self.export_format, EXPORT_FORMATS, "export_format")
+        _check_choice(self.export_device, ("cpu", "auto"), "export_device")
+        _check(not self.export_legacy_format, "export_legacy_format",
+               "asks for .bin weights, which load through pickle; rlhf writes safetensors only: remove the key")
+        _check(self.export_hub_model_id is None, "export_hub_model_id",
+               "asks for an upload, which rlhf does not do; export, then run `huggingface-cli upload ID EXPORT_DIR`")
+        _check(self.export_size > 0, "export_size", f"must be > 0 (GB per shard), got {self.export_size}")
+        if self.export_quantization_bit is not None:
+            _check(self.export_format == "gguf" and self.export_quantization_bit == 8, "export_quantization_bit",
+                   f"is {self.export_quantization_bit}: only 8, with export_format gguf (q8_0), is supported; GPTQ "
+                   f"exports of 2-4 bits are not")
+            self.gguf_type = "q8_0"
+        _check_choice(self.gguf_type, GGUF_TYPES, "gguf_type")
+        if self.finetuning_type is not None:
+            _check_choice(self.finetuning_type, FINETUNING_TYPES, "finetuning_type")
+            adapter = self.adapter_name_or_path or (
+                self.model_name_or_path if (Path(self.model_name_or_path) / "adapter_config.json").exists() else None)
+            _check((self.finetuning_type in ("lora", "oft")) == (adapter is not None), "finetuning_type",
+                   f"is {self.finetuning_type}, but {'the adapter ' + adapter + ' is given' if adapter else 'no adapter is given'}; "
+                   f"{'set adapter_name_or_path' if adapter is None else 'remove adapter_name_or_path or set finetuning_type: lora'}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def load_merged_policy(model_name_or_path: str, adapter: str | None = None, *, device: str = "cpu",
+                       cache_dir: str | None = None, trust_remote_code: bool = False,
+                       field: str = "model_name_or_path") -> PolicyModel:
+    """A model with its LoRA adapter (an adapter output folder, or ``adapter`` over a base) merged into the weights:
+    what an export writes and what eval and chat run."""
+    if adapter is None:
+        policy = PolicyModel.from_pretrained(model_name_or_path, device=device, cache_dir=cache_dir,
+                                             trust_remote_code=trust_remote_code, is_trainable=False, field=field)
+    else:
+        policy = _policy_with_adapter(model_name_or_path, adapter, device, cache_dir, trust_remote_code)
+    if policy.is_peft:
+        with _peft_deprecation_quiet():
+            policy.model = policy.model.merge_and_unload()
+    policy.model.eval()
+    return policy
+
+
+def _policy_with_adapter(base: str, adapter: str, device: str, cache_dir: str | None,
+                         trust_remote_code: bool = False) -> PolicyModel:
+    from peft import PeftModel
+
+    if not (Path(adapter) / "adapter_config.json").exists():
+        raise RLHFInputError(f"config field 'adapter_name_or_path': {adapter} has no adapter_config.json; give the "
+                             f"output folder of a LoRA stage")
+    policy = PolicyModel.from_pretrained(base, device=device, cache_dir=cache_dir, trust_remote_code=trust_remote_code,
+                                         is_trainable=False)
+    with _peft_deprecation_quiet():
+        policy.model = PeftModel.from_pretrained(policy.model, adapter, is_trainable=False)
+    if (Path(adapter) / "tokenizer_config.json").exists():  # the tokenizer (and template) the adapter trained with
+        policy.tokenizer = load_tokenizer(adapter, trust_remote_code)
+    return policy
+
+
+def _export_device(name: str) -> str:
+    return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
+
+
+def export_model(config: ExportConfig) -> Path:
+    """Write the export ``config`` describes; returns the folder (hf) or the .gguf file (gguf)."""
+    policy = load_merged_policy(config.model_name_or_path, config.adapter_name_or_path,
+                                device=_export_device(config.export_device), cache_dir=config.cache_dir,
+                                trust_remote_code=config.trust_remote_code)
+    policy.model.to("cpu")
+    formatter = ChatFormatter(policy.tokenizer, config.template, enable_thinking=config.enable_thinking,
+                              generation_config=policy.model.generation_config, vision=policy.vision)
+    target = Path(config.export_dir)
+    with saved_as_trained(policy.model, policy.tokenizer, formatter):
+        if config.export_format == "hf":
+            _write_folder_atomically(target, lambda tmp: _save_hf(policy, tmp, config.export_size))
+            return target
+        target.mkdir(parents=True, exist_ok=True)
+        name = f"{_export_name(config.model_name_or_path, config.adapter_name_or_path)}-{config.gguf_type}.gguf"
+        path = target / name
+        write_gguf(policy.model, policy.tokenizer, path, config.gguf_type,
+                   name=_export_name(config.model_name_or_path, config.adapter_name_or_path))
+        return path
+
+
+def _save_hf(policy: PolicyModel, directory: Path, export_size: int) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    model = innermost_model(policy.model)
+    model.save_pretrained(directory, max_shard_size=f"{export_size}GB")
+    policy.tokenizer.save_pretrained(directory)
+    if policy.vision is not None:
+        policy.vision.save_pretrained(directory, policy.tokenizer)
+
+
+def _write_folder_atomically(target: Path, write: Callable[[Path], None]) -> None:
+    """``write`` into a temporary sibling, then swap it in: a reader never sees half an export, and an export that
+    fails leaves the previous one."""
+    tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        write(tmp)
+        if target.exists():
+            old = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
+            os.rename(target, old)
+            os.rename(tmp, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.rename(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _export_name(model: str, adapter: str | None) -> str:
+    source = Path(adapter or model)
+    name = source.stem if source.suffix == ".gguf" else source.name
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name or "model")
+
+
+# -- GGUF out. llama.cpp's conventions (its convert_hf_to_gguf.py): tensors named by gguf's TensorNameMap, Llama's
+# q/k rows permuted to its rope layout, Gemma's norms stored as 1 + weight, 2-D weights in the chosen type and 1-D
+# ones (norms, biases) in f32; the tokenizer as token, type, score and merge lists. transformers reads such a file
+# back (from_pretrained(gguf_file=...)), which the tests use as the independent check.
+
+
+@dataclass(frozen=True)
+class GGUFArchitecture:
+    """How one Hugging Face model type is written: the GGUF architecture name, whether q/k rows are permuted
+    (llama.cpp's interleaved rope for Llama), the shift of norm weights (Gemma), and the keys it needs."""
+
+    gguf_name: str
+    permute_qk: bool = False
+    norm_shift: float = 0.0
+    head_dim_keys: bool = False  # key_length / value_length (models whose head_dim is not hidden / heads)
+    sliding_window: bool = False
+
+
+GGUF_EXPORT_ARCHITECTURES = {
+    "llama": GGUFArchitecture("llama", permute_qk=True),
+    "mistral": GGUFArchitecture("llama", permute_qk=True),
+    "qwen2": GGUFArchitecture("qwen2"),
+    "qwen3": GGUFArchitecture("qwen3", head_dim_keys=True),
+    "gemma3_text": GGUFArchitecture("gemma3", norm_shift=1.0, head_dim_keys=True, sliding_window=True),
+}
+GGUF_TOKEN_NORMAL, GGUF_TOKEN_UNKNOWN, GGUF_TOKEN_CONTROL, GGUF_TOKEN_USER_DEFINED, GGUF_TOKEN_UNUSED, GGUF_TOKEN_BYTE = \
+    1, 2, 3, 4, 5, 6  # llama.cpp's token types
+
+
+def _gguf_architecture(config: Any) -> GGUFArchitecture:
+    model_type = getattr(config, "model_type", "?")
+    if model_type not in GGUF_EXPORT_ARCHITECTURES:
+        raise RLHFInputError(f"export_format gguf: model type '{model_type}' cannot be written as GGUF here (supported: "
+                             f"{', '.join(GGUF_EXPORT_ARCHITECTURES)}); export format hf and convert it with "
+                             f"llama.cpp's convert_hf_to_gguf.py")
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_types = {rope.get("rope_type", "default")} if "rope_type" in rope or not rope else \
+        {r.get("rope_type", "default") for r in rope.values() if isinstance(r, dict)}
+    if rope_types - {"default"}:
+        raise RLHFInputError(f"export_format gguf: this {model_type} model uses {', '.join(sorted(rope_types))} rope "
+                             f"scaling, which the GGUF writer does not carry; export format hf and convert it with "
+                             f"llama.cpp's convert_hf_to_gguf.py")
+    if model_type == "gemma3_text":
+        # what GGUF readers derive instead of reading: llama.cpp scales queries by 1/sqrt(head_dim) and transformers by
+        # its default query_pre_attn_scalar (256); both use local rope base 10000 and a full-attention layer every 6th
+        layers = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(config.num_hidden_layers)]
+        local = (rope.get("sliding_attention") or {}).get("rope_theta", getattr(config, "rope_local_base_freq", 10000.0))
+        if not (config.query_pre_attn_scalar == config.head_dim == 256) or float(local) != 10000.0 \
+                or list(getattr(config, "layer_types", layers)) != layers:
+            raise RLHFInputError("export_format gguf: this Gemma 3's query scaling (query_pre_attn_scalar and head_dim "
+                                 "other than 256), local rope base or layer pattern differs from what GGUF readers "
+                                 "assume for Gemma 3; export format hf")
+    return GGUF_EXPORT_ARCHITECTURES[model_type]
+
+
+def _rope_theta(config: Any) -> float:
+    rope = getattr(config, "rope_parameters", None) or {}
+    if "rope_theta" in rope:
+        return float(rope["rope_theta"])
+    if "full_attention" in rope:
+        return float(rope["full_attention"].get("rope_theta", 10000.0))
+    return float(getattr(config, "rope_theta", 10000.0))
+
+
+def gguf_hyperparameters(config: Any, arch: GGUFArchitecture) -> dict[str, Any]:
+    """``{arch}.*`` metadata of a transformers config, under llama.cpp's key names."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    values = {"context_length": config.max_position_embeddings, "embedding_length": config.hidden_size,
+              "block_count": config.num_hidden_layers, "feed_forward_length": config.intermediate_size,
+              "attention.head_count": heads,
+              "attention.head_count_kv": getattr(config, "num_key_value_heads", None) or heads,
+              "attention.layer_norm_rms_epsilon": float(config.rms_norm_eps), "rope.freq_base": _rope_theta(config),
+              "rope.dimension_count": head_dim, "vocab_size": config.vocab_size}
+    if arch.head_dim_keys:
+        values.update({"attention.key_length": head_dim, "attention.value_length": head_dim})
+    if arch.sliding_window and getattr(config, "sliding_window", None):
+        values["attention.sliding_window"] = config.sliding_window
+    return values
+
+
+def permute_for_gguf(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's row order for a Llama q or k projection (``heads`` of them): within each head, the rotary pairs
+    (i, i + d/2) of Hugging Face's rotate-half layout become adjacent rows (2i, 2i + 1), as its rope expects.
+    Shapes: (heads * d, hidden) -> the same."""
+    rows = weight.shape[0]
+    return weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+def _gguf_tensors(model: nn.Module, arch: GGUFArchitecture) -> Iterator[tuple[str, torch.Tensor]]:
+    """(GGUF name, fp32 tensor) for every weight the file holds; a tied output head is written once."""
+    import gguf
+
+    config = model.config
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.gguf_name.upper()], config.num_hidden_layers)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    for hf_name, tensor in model.state_dict().items():
+        if tied and hf_name == "lm_head.weight":
+            continue
+        stem, _, suffix = hf_name.rpartition(".")
+        gguf_stem = names.get_name(stem)
+        if gguf_stem is None:
+            raise RLHFInputError(f"export_format gguf: no GGUF name for tensor {hf_name} of {type(model).__name__}; "
+                                 f"export format hf")
+        tensor = tensor.detach().float().cpu()
+        if arch.permute_qk and stem.endswith("q_proj"):
+            tensor = permute_for_gguf(tensor, heads)
+        elif arch.permute_qk and stem.endswith("k_proj"):
+            tensor = permute_for_gguf(tensor, kv_heads)
+        if arch.norm_shift and stem.endswith("norm"):
+            tensor = tensor + arch.norm_shift
+        yield f"{gguf_stem}.{suffix}", tensor
+
+
+def _gguf_encoded(tensor: torch.Tensor, gguf_type: str) -> tuple[np.ndarray, Any]:
+    """The tensor's data in ``gguf_type`` and its GGML type. 1-D tensors stay f32; q8_0 needs rows of a multiple of
+    32 values (its block), so a 2-D tensor with other rows falls back to f16, as llama.cpp's converter does."""
+    import gguf
+
+    data = tensor.numpy()
+    kinds = gguf.GGMLQuantizationType
+    if data.ndim < 2 or gguf_type == "f32":
+        return data.astype(np.float32), kinds.F32
+    if gguf_type == "q8_0" and data.shape[-1] % 32 == 0:
+        return gguf.quants.quantize(data, kinds.Q8_0), kinds.Q8_0
+    if gguf_type == "bf16":
+        return gguf.quants.quantize(data, kinds.BF16), kinds.BF16
+    return data.astype(np.float16), kinds.F16
+
+
+def _gguf_pre_tokenizer(tokenizer_json: dict[str, Any]) -> str:
+    """llama.cpp's name of a byte-level tokenizer's pre-tokenizer (its `tokenizer.ggml.pre`), found by the split
+    regex the tokenizer applies: transformers' table of llama.cpp's names and regexes is the reference."""
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+
+    def parts(node: dict[str, Any] | None) -> list[dict[str, Any]]:
+        if not node:
+            return []
+        return [p for child in node.get("pretokenizers", []) for p in parts(child)] if node["type"] == "Sequence" else [node]
+
+    steps = parts(tokenizer_json.get("pre_tokenizer"))
+    kinds = [step["type"] for step in steps]
+    if kinds == ["Digits", "ByteLevel"] and steps[0].get("individual_digits") and steps[1].get("use_regex", True):
+        return "smollm"
+    if kinds == ["ByteLevel"] and steps[0].get("use_regex", True):
+        return "gpt-2"
+    pattern = next((s["pattern"].get("Regex") for s in steps if s["type"] == "Split"), None)
+    preferred = ("llama-bpe", "qwen2", "tekken", "gpt-4o")
+    for name in sorted(GGUF_PRE_TOKENIZER_SPLITS, key=lambda n: (n not in preferred, preferred.index(n) if n in preferred else 0)):
+        if pattern is not None and GGUF_PRE_TOKENIZER_SPLITS[name] == pattern:
+            return name
+    logger.warning("export: the tokenizer's pre-tokenizer %s has no llama.cpp name; written as 'default'", kinds)
+    return "default"
+
+
+def gguf_vocabulary(tokenizer: Any, vocab_size: int, arch: GGUFArchitecture) -> dict[str, Any]:
+    """The tokenizer as GGUF metadata (``tokenizer.ggml.*`` and the chat template): byte-level BPE as model 'gpt2'
+    with its merges and pre-tokenizer, SentencePiece-style BPE (byte fallback) as 'llama' with scores that rank
+    pieces by id. Ids the tokenizer does not fill up to the model's ``vocab_size`` become unused [PADn] entries."""
+    state = json.loads(tokenizer.backend_tokenizer.to_str())
+    model = state["model"]
+    if model.get("type") != "BPE":
+        raise RLHFInputError(f"export_format gguf: a {model.get('type')} tokenizer cannot be written here (byte-level "
+                             f"or SentencePiece BPE only); export format hf")
+    sentencepiece = bool(model.get("byte_fallback"))
+    tokens: list[str | None] = [None] * vocab_size
+    types = [GGUF_TOKEN_NORMAL] * vocab_size
+    for token, index in model["vocab"].items():
+        if index < vocab_size:
+            tokens[index] = token
+    for added in state.get("added_tokens", []):
+        if added["id"] < vocab_size:
+            tokens[added["id"]] = added["content"]
+            types[added["id"]] = GGUF_TOKEN_CONTROL if added["special"] else GGUF_TOKEN_USER_DEFINED
+    for index, token in enumerate(tokens):
+        if token is None:
+            tokens[index], types[index] = f"[PAD{index}]", GGUF_TOKEN_UNUSED
+        elif sentencepiece and re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", token):
+            types[index] = GGUF_TOKEN_BYTE
+        elif sentencepiece and arch.norm_shift and len(token) > 1 and set(token) == {"\u2581"}:
+            tokens[index] = " " * len(token)  # Gemma files spell whitespace runs with spaces (its SentencePiece model)
+    unk = tokenizer.unk_token_id
+    if unk is not None and unk < vocab_size and types[unk] == GGUF_TOKEN_NORMAL:
+        types[unk] = GGUF_TOKEN_UNKNOWN
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    encoded = tokenizer("a").input_ids
+    fields: dict[str, Any] = {
+        "model": "llama" if sentencepiece else "gpt2", "tokens": tokens, "token_type": types, "merges": merges,
+        "add_bos_token": bool(tokenizer.bos_token_id is not None and encoded[:1] == [tokenizer.bos_token_id]),
+        "add_eos_token": bool(tokenizer.eos_token_id is not None and encoded[-1:] == [tokenizer.eos_token_id]
+                              and len(encoded) > 1),
+        "chat_template": tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None}
+    if sentencepiece:
+        fields["scores"] = [-float(i) if t == GGUF_TOKEN_NORMAL else -1000.0 for i, t in enumerate(types)]
+        fields["add_space_prefix"] = False
+    else:
+        fields["pre"] = _gguf_pre_tokenizer(state)
+    for name in ("bos", "eos", "unk", "pad"):
+        index = getattr(tokenizer, f"{name}_token_id")
+        if index is not None and index < vocab_size:
+            fields[f"{name}_token_id"] = index
+    return fields
+
+
+def write_gguf(model: nn.Module, tokenizer: Any, path: str | os.PathLike, gguf_type: str = "f16", *,
+               name: str = "model") -> Path:
+    """Write ``model`` (a Hugging Face causal LM of a GGUF_EXPORT_ARCHITECTURES type, adapters merged) and its
+    tokenizer as one GGUF file of ``gguf_type`` (f32 | f16 | bf16 | q8_0), atomically."""
+    gguf = _gguf_module("export_format gguf")
+    _check_choice(gguf_type, GGUF_TYPES, "gguf_type")
+    model = innermost_model(model)
+    config = model.config
+    arch = _gguf_architecture(config)
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    writer = gguf.GGUFWriter(str(tmp), arch.gguf_name)
+    try:
+        writer.add_name(name)
+        file_types = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                      "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}
+        writer.add_file_type(file_types[gguf_type])
+        if gguf_type == "q8_0":
+            writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        for key, value in gguf_hyperparameters(config, arch).items():
+            full = f"{arch.gguf_name}.{key}"
+            if isinstance(value, float):
+                writer.add_float32(full, value)
+            else:
+                writer.add_uint32(full, int(value))
+        vocabulary = gguf_vocabulary(tokenizer, config.vocab_size, arch)
+        writer.add_tokenizer_model(vocabulary["model"])
+        if "pre" in vocabulary:
+            writer.add_tokenizer_pre(vocabulary["pre"])
+        writer.add_token_list(vocabulary["tokens"])
+        writer.add_token_types(vocabulary["token_type"])
+        if "scores" in vocabulary:
+            writer.add_token_scores(vocabulary["scores"])
+            writer.add_add_space_prefix(vocabulary["add_space_prefix"])
+        if vocabulary["merges"]:
+            writer.add_token_merges(vocabulary["merges"])
+        setters = {"bos": writer.add_bos_token_id, "eos": writer.add_eos_token_id, "unk": writer.add_unk_token_id,
+                   "pad": writer.add_pad_token_id}
+        for key, setter in setters.items():
+            if f"{key}_token_id" in vocabulary:
+                setter(vocabulary[f"{key}_token_id"])
+        writer.add_add_bos_token(vocabulary["add_bos_token"])
+        writer.add_add_eos_token(vocabulary["add_eos_token"])
+        if vocabulary["chat_template"]:
+            writer.add_chat_template(vocabulary["chat_template"])
+        for tensor_name, tensor in _gguf_tensors(model, arch):
+            data, kind = _gguf_encoded(tensor, gguf_type)
+            quantized = kind not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
+            writer.add_tensor(tensor_name, data, raw_dtype=kind if quantized else None)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+# ---- Evaluation of any model on a dataset: the pipeline's evaluator, as a command ----
+
+
+@dataclass
+class EvalConfig:
+    """Measure a model (or an adapter) on a dataset with the pipeline's evaluator; writes output_dir/eval.json."""
+
+    model_name_or_path: str = _opt("", "The model to measure: an output folder (an adapter loads its base), a Hugging Face folder, a .gguf file or 'tiny'")
+    gguf_file: str | None = _opt(None, "A GGUF file inside the model_name_or_path folder")
+    adapter_name_or_path: str | None = _opt(None, "A LoRA adapter folder applied over model_name_or_path")
+    dataset: str = _opt("", "Prompts to answer, with an 'answer' for held-out accuracy (dataset names in dataset_dir/dataset_info.json or files, comma-separated)")
+    dataset_dir: str = _opt("data", "Folder holding dataset_info.json and the files it names")
+    max_samples: int | None = _opt(None, "Use at most this many records of each dataset")
+    template: str = _opt("auto", "Chat template the prompts are rendered with (as in training)")
+    enable_thinking: bool | None = _opt(None, "Thinking switch of templates that have one")
+    max_new_tokens: int = _opt(64, "Token budget per answer")
+    batch_size: int = _opt(32, "Prompts per generation batch")
+    reward_model: str | None = _opt(None, "A reward model (rm stage output): its mean score of the greedy answers (reward/mean)")
+    ref_model: str | None = _opt(None, "A reference model: KL(model || reference) on sampled answers (kl/k1, kl/k3)")
+    compare_model: str | None = _opt(None, "Another model: win rate of this model's greedy answers over its answers, judged by reward_model if given, else by correctness")
+    max_prompts: int = _opt(100, "Prompts used for the sampled measures (KL) and the win rate (accuracy uses every prompt)")
+    samples_per_prompt: int = _opt(4, "Samples per prompt for the KL estimate")
+    output_dir: str = _opt("outputs/eval", "Where eval.json is written")
+    seed: int = _opt(42, "Seed of the sampled measures")
+    trust_remote_code: bool = _opt(False, "Allow custom modelling code shipped with the model")
+    cache_dir: str | None = _opt(None, "Cache of the embedded model and GGUF conversions")
+
+    stage: typing.ClassVar[str] = "eval"
+
+    def __post_init__(self) -> None:
+        _check(bool(str(self.model_name_or_path).strip()), "model_name_or_path", "is empty; name the model to measure")
+        _check(bool(str(self.dataset).strip()), "dataset", "is empty; name prompts to answer (with an 'answer' each)")
+        if self.gguf_file:
+            self.model_name_or_path, self.gguf_file = str(Path(self.model_name_or_path) / self.gguf_file), None
+        for name in ("max_new_tokens", "batch_size", "max_prompts", "samples_per_prompt"):
+            _check(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _correctness(policy: PolicyModel, formatter: ChatFormatter, records: list[dict[str, Any]],
+                 config: EvalConfig) -> list[float]:
+    """1.0 where the greedy answer's ``Answer:`` line equals the record's answer, else 0.0."""
+    prompts = [formatter.prompt_ids(r) for r in records]
+    completions = policy.generate(prompts, max_new_tokens=config.max_new_tokens, stop_token_ids=formatter.stop_token_ids,
+                                  batch_size=config.batch_size)
+    return [float(_answer_matches(policy.decode(c), r)) for c, r in zip(completions, records)]
+
+
+def evaluate_model(config: EvalConfig) -> dict[str, Any]:
+    """Every measure the config allows, written to ``output_dir/eval.json``: held-out accuracy and format rate (records
+    with an answer), the reward model's mean score, KL to a reference, win rate over another model."""
+    set_seed(config.seed)
+    records = load_records(config.dataset, config.dataset_dir, "prompt", max_samples=config.max_samples)
+    load = functools.partial(load_merged_policy, cache_dir=config.cache_dir, trust_remote_code=config.trust_remote_code)
+    started = time.time()
+    policy = load(config.model_name_or_path, config.adapter_name_or_path)
+    reference = load(config.ref_model, field="ref_model") if config.ref_model else None
+    evaluator = RLHFEvaluator(policy, reference, template=config.template, max_new_tokens=config.max_new_tokens,
+                              batch_size=config.batch_size, seed=config.seed, enable_thinking=config.enable_thinking)
+    metrics: dict[str, float] = {}
+    answered = [r for r in records if r.get("answer") is not None]
+    if answered:
+        metrics.update(evaluate_exact_match(policy, evaluator.formatter, answered,
+                                            max_new_tokens=config.max_new_tokens, batch_size=config.batch_size))
+    subset = records[:config.max_prompts]
+    reward_fn = None
+    if config.reward_model:
+        learned = LearnedReward.from_pretrained(config.reward_model, template=config.template,
+                                                enable_thinking=config.enable_thinking)
+        reward_fn = lambda prompts, responses: learned(prompts, responses, [None] * len(prompts))  # noqa: E731
+        metrics.update(evaluator.mean_reward(subset, reward_fn))
+    if reference is not None:
+        metrics.update(evaluator.kl_to_reference(subset, config.samples_per_prompt))
+    if config.compare_model:
+        other = load(config.compare_model, field="compare_model")
+        if reward_fn is not None:
+            evaluator.reference = other
+            metrics.update(evaluator.win_rate(subset, reward_fn=reward_fn))
+            evaluator.reference = reference
+        else:
+            judged = [r for r in subset if r.get("answer") is not None]
+            if not judged:
+                raise RLHFInputError("config field 'compare_model': a win rate needs a reward_model or prompts with an "
+                                     "'answer' to judge correctness by")
+            other_formatter = ChatFormatter(other.tokenizer, config.template, enable_thinking=config.enable_thinking,
+                                            generation_config=other.model.generation_config)
+            result = win_rate(_correctness(policy, evaluator.formatter, judged, config),
+                              _correctness(other, other_formatter, judged, config))
+            metrics.update({f"win/{k}": float(v) for k, v in result.items()})
+    report = {"model": config.model_name_or_path, "adapter": config.adapter_name_or_path, "dataset": config.dataset,
+              "prompts": len(records), "answered": len(answered), "seconds": round(time.time() - started, 2),
+              "metrics": metrics, "config": config.to_dict()}
+    output = Path(config.output_dir)
+    output.mkdir(parents=True, exist_ok=True)
+    _write_json_atomic(output / "eval.json", report, indent=2)
+    return report
+
+
+def eval_table(report: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    table = Table(title=f"eval: {report['model']} on {report['dataset']} ({report['prompts']} prompts, "
+                        f"{report['seconds']:.0f}s)")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for name, value in report["metrics"].items():
+        percent = name in ("eval/accuracy", "eval/format_rate", "win/win_rate")
+        table.add_row(name, _metric_cell(value, percent=percent) if isinstance(value, float) else str(value))
+    return table
+
+
+# ---- Chat: a conversation with a model, through the chat template it trained with ----
+
+
+@dataclass
+class ChatConfig:
+    """Talk to a model in the terminal, rendered with its chat template, the reply streamed token by token."""
+
+    model_name_or_path: str = _opt("", "The model: an output folder (an adapter loads its base), a Hugging Face folder, a .gguf file or 'tiny'")
+    adapter_name_or_path: str | None = _opt(None, "A LoRA adapter folder applied over model_name_or_path")
+    template: str = _opt("auto", "Chat template (as in training)")
+    enable_thinking: bool | None = _opt(None, "Thinking switch of templates that have one")
+    system: str = _opt("", "System prompt of every turn ('' : none, or the template's default)")
+    max_new_tokens: int = _opt(256, "Token budget per reply")
+    temperature: float = _opt(0.7, "Sampling temperature (0: greedy)")
+    top_p: float = _opt(0.9, "Nucleus sampling: smallest set of tokens with this much probability")
+    seed: int = _opt(42, "Seed of the sampling")
+    trust_remote_code: bool = _opt(False, "Allow custom modelling code shipped with the model")
+    cache_dir: str | None = _opt(None, "Cache of the embedded model and GGUF conversions")
+
+    stage: typing.ClassVar[str] = "chat"
+
+    def __post_init__(self) -> None:
+        _check(bool(str(self.model_name_or_path).strip()), "model_name_or_path", "is empty; name the model to chat with")
+        _check(self.max_new_tokens > 0, "max_new_tokens", f"must be > 0, got {self.max_new_tokens}")
+        _check(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
+        _check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
+
+
+CHAT_HELP = "/reset clears the conversation, /system TEXT sets the system prompt, /exit (or Ctrl-D) leaves"
+
+
+class ChatSession:
+    """A conversation: the history of turns, rendered whole by the formatter at every turn (so the prompt is exactly
+    what the template writes for the conversation so far), each reply streamed to ``write`` as it is decoded."""
+
+    def __init__(self, policy: PolicyModel, formatter: ChatFormatter, config: ChatConfig) -> None:
+        self.policy, self.formatter, self.config = policy, formatter, config
+        self.system = config.system
+        self.history: list[dict[str, str]] = []
+
+    def prompt_ids(self, message: str) -> list[int]:
+        return self.formatter.prompt_ids({"system": self.system,
+                                          "messages": [*self.history, {"role": "user", "content": message}]})
+
+    @torch.no_grad()
+    def reply(self, message: str, write: Callable[[str], None]) -> str:
+        """Answer ``message`` in the conversation so far, streaming the text to ``write``; the turn joins the
+        history."""
+        from transformers import TextStreamer
+
+        class _Stream(TextStreamer):
+            def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+                write(text)
+
+        ids = torch.tensor([self.prompt_ids(message)], device=self.policy.device)
+        greedy = self.config.temperature == 0
+        sampling = {} if greedy else {"temperature": self.config.temperature, "top_p": self.config.top_p, "top_k": 0}
+        output = innermost_model(self.policy.model).generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=self.config.max_new_tokens,
+            do_sample=not greedy, eos_token_id=list(self.formatter.stop_token_ids),
+            pad_token_id=self.policy.tokenizer.pad_token_id,
+            streamer=_Stream(self.policy.tokenizer, skip_prompt=True, skip_special_tokens=True), **sampling)
+        text = self.policy.decode(output[0, ids.shape[1]:].tolist()).strip()
+        self.history += [{"role": "user", "content": message}, {"role": "assistant", "content": text}]
+        return text
+
+    def run(self, read: Callable[[str], str] | None = None, write: Callable[[str], None] | None = None) -> int:
+        """The read-reply loop until /exit or end of input (``read``: a line of input, default ``input``); returns
+        the number of replies."""
+        read = read or (lambda prompt: input(prompt))
+        write = write or (lambda text: print(text, end="", flush=True))
+        replies = 0
+        while True:
+            try:
+                line = read("you> ").strip()
+            except EOFError:
+                write("\n")
+                return replies
+            if not line:
+                continue
+            if line in ("/exit", "/quit"):
+                return replies
+            if line == "/reset":
+                self.history = []
+                write("(conversation cleared)\n")
+                continue
+            if line.startswith("/system"):
+                self.system = line[len("/system"):].strip()
+                write(f"(system prompt {'set' if self.system else 'cleared'})\n")
+                continue
+            if line.startswith("/"):
+                write(f"(unknown command {line.split()[0]}; {CHAT_HELP})\n")
+                continue
+            write("model> ")
+            self.reply(line, write)
+            write("\n")
+            replies += 1
+
+
+def chat(config: ChatConfig, read: Callable[[str], str] | None = None, write: Callable[[str], None] | None = None) -> int:
+    """Load the model (its adapter merged) and run a ChatSession until /exit; returns the number of replies."""
+    set_seed(config.seed)
+    policy = load_merged_policy(config.model_name_or_path, config.adapter_name_or_path, cache_dir=config.cache_dir,
+                                trust_remote_code=config.trust_remote_code)
+    formatter = ChatFormatter(policy.tokenizer, config.template, enable_thinking=config.enable_thinking,
+                              generation_config=policy.model.generation_config)
+    (write or (lambda text: print(text, end="", flush=True)))(f"chat with {config.model_name_or_path} ({CHAT_HELP})\n")
+    return ChatSession(policy, formatter, config).run(read, write)
+
+
+# ==== 12. CLI ====
 
 PIPELINE_HELP = """\
 The pipeline YAML holds keys shared by every stage at the top level, `stages: [sft, ...]`, and one
@@ -11915,6 +12709,39 @@ def _build_parser() -> Any:
     merge.add_argument("overrides", nargs="*", metavar="key=value", help="override a top-level key, e.g. density=0.3")
     merge.add_argument("--dry-run", action="store_true", help="check the config and inputs, write nothing")
     merge.add_argument("--no-progress", action="store_true", help="no progress bar")
+    export = sub.add_parser("export", help="Merge an adapter into its base and write a Hugging Face folder or a GGUF file",
+                            description="Export a trained model: a LoRA adapter merged into its base, written as a "
+                            "Hugging Face folder (safetensors) or, with --format gguf, one GGUF file for llama.cpp, "
+                            "Ollama and LM Studio. LLaMA-Factory's export keys work: `rlhf export FILE` reads them.",
+                            epilog="options (YAML keys or key=value):\n" + config_help(ExportConfig),
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    export.add_argument("--config", help="YAML config (model_name_or_path, adapter_name_or_path, export_dir, ...)")
+    export.add_argument("--format", choices=EXPORT_FORMATS, default=None, help="hf or gguf (export_format)")
+    export.add_argument("--gguf-type", choices=GGUF_TYPES, default=None, help="GGUF tensor type (gguf_type)")
+    export.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. export_dir=outputs/export")
+    evaluate = sub.add_parser("eval", help="Measure a model or adapter on a dataset; writes eval.json",
+                              description="Held-out accuracy and format rate (prompts with an 'answer'), a reward "
+                              "model's score, KL to a reference and win rate over another model: the pipeline's "
+                              "evaluator on any model. Writes output_dir/eval.json and prints a table.",
+                              epilog="options (YAML keys or key=value):\n" + config_help(EvalConfig),
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    evaluate.add_argument("--config", help="YAML config")
+    evaluate.add_argument("overrides", nargs="*", metavar="key=value",
+                          help="e.g. model_name_or_path=outputs/sft dataset=demo_eval dataset_dir=data/demo")
+    talk = sub.add_parser("chat", help="Talk to a model in the terminal, with its chat template, the reply streamed",
+                          description="An interactive conversation with a model: every turn is rendered with the "
+                          f"chat template (the history included) and the reply streams as it is decoded. {CHAT_HELP}.",
+                          epilog="options (flags, or key=value):\n" + config_help(ChatConfig),
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    talk.add_argument("model", nargs="?", default=None, help="the model (model_name_or_path)")
+    talk.add_argument("--adapter", default=None, help="a LoRA adapter folder over the model")
+    talk.add_argument("--system", default=None, help="system prompt")
+    talk.add_argument("--max-new-tokens", type=int, default=None, help="token budget per reply (default 256)")
+    talk.add_argument("--temperature", type=float, default=None, help="sampling temperature, 0 for greedy (default 0.7)")
+    talk.add_argument("--top-p", type=float, default=None, help="nucleus sampling (default 0.9)")
+    talk.add_argument("--template", default=None, help="chat template (default: the model's own)")
+    talk.add_argument("--config", help="YAML config")
+    talk.add_argument("overrides", nargs="*", metavar="key=value", help="any option as key=value")
     return parser
 
 
@@ -11960,12 +12787,28 @@ def _run_single_stage(stage: str, config_path: str | None, overrides: list[str])
 
 def _llamafactory_argv(argv: list[str]) -> list[str]:
     """Accept the way LLaMA-Factory users type it: ``rlhf.py --config FILE`` and ``rlhf.py train FILE``
-    both mean ``rlhf.py train --config FILE`` (the file's ``stage:`` key picks the trainer)."""
+    both mean ``rlhf.py train --config FILE`` (the file's ``stage:`` key picks the trainer); ``export FILE`` and
+    ``eval FILE`` read FILE as their config the same way."""
     if argv and (argv[0] == "--config" or argv[0].startswith("--config=")):
         return ["train", *argv]
-    if len(argv) >= 2 and argv[0] == "train" and not argv[1].startswith("-") and "=" not in argv[1]:
-        return ["train", "--config", *argv[1:]]
+    if len(argv) >= 2 and argv[0] in ("train", "export", "eval") and not argv[1].startswith("-") and "=" not in argv[1]:
+        return [argv[0], "--config", *argv[1:]]
     return argv
+
+
+def _chat_config(args: Any) -> ChatConfig:
+    flags = {"model_name_or_path": args.model, "adapter_name_or_path": args.adapter, "system": args.system,
+             "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
+             "template": args.template}
+    given = [f"{key}={json.dumps(value) if isinstance(value, str) else value}" for key, value in flags.items()
+             if value is not None]
+    return load_config(ChatConfig, args.config, [*args.overrides, *given])
+
+
+def _export_config(args: Any) -> ExportConfig:
+    flags = [f"export_format={args.format}"] if args.format else []
+    flags += [f"gguf_type={args.gguf_type}"] if args.gguf_type else []
+    return load_config(ExportConfig, args.config, [*args.overrides, *flags])
 
 
 @_leaves_logging_as_found
@@ -12000,6 +12843,21 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "combine-rm":
             names = RewardEnsemble.combine(args.out, args.sources)
             console.print(f"{args.out}/{RewardEnsemble.MANIFEST}: {len(names)} members ({', '.join(names)})")
+            return 0
+        if args.command == "export":
+            config = _export_config(args)
+            written = export_model(config)
+            console.print(f"exported {config.model_name_or_path}{' + ' + config.adapter_name_or_path if config.adapter_name_or_path else ''} "
+                          f"to {written} ({config.export_format}{', ' + config.gguf_type if config.export_format == 'gguf' else ''})")
+            return 0
+        if args.command == "eval":
+            config = load_config(EvalConfig, args.config, args.overrides)
+            report = evaluate_model(config)
+            console.print(eval_table(report))
+            console.print(f"written: {Path(config.output_dir) / 'eval.json'}")
+            return 0
+        if args.command == "chat":
+            chat(_chat_config(args))
             return 0
         if args.command == "pipeline":
             RLHFOrchestrator(PipelineConfig.load(args.config, args.overrides, args.preset)).run_full_pipeline()

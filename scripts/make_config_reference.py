@@ -43,6 +43,9 @@ SECTIONS: list[tuple[type, str]] = [
     (rlhf.DistillConfig, "`distill`"),
     (rlhf.PPOConfig, "`ppo`"),
     (rlhf.PipelineConfig, "`pipeline` (the top level of a pipeline file)"),
+    (rlhf.ExportConfig, "`export`"),
+    (rlhf.EvalConfig, "`eval`"),
+    (rlhf.ChatConfig, "`chat`"),
 ]
 
 HEADER = """\
