@@ -323,7 +323,13 @@ def _generate_eager(model: torch.nn.Module, prompts: list[list[int]], params: Sa
 # -- fast path: static KV cache + one fused decode step, optionally torch.compile'd --------------------------
 
 GENERATION_ENGINES = ("auto", "compiled", "static", "eager", "paged")
-AUTO_COMPILE_AFTER_TOKENS = 200_000  # engine="auto" compiles a shape once this many tokens were decoded in it uncompiled
+# engine="auto" compiles a shape's decode step when that is expected to pay for itself, by measured costs: the seconds
+# the shape's calls took uncompiled, the share of them a compiled step saves (measured on this model's other shapes
+# once one has run both ways) and what compiling costs (this model's earlier compilations; before the first, an
+# estimate from its depth: on 2 CPU cores the embedded 4-layer Llama compiled in about 8 s, SmolLM2's 30 layers in
+# 28-39 s).
+COMPILE_SECONDS_BASE, COMPILE_SECONDS_PER_LAYER = 4.0, 1.2
+EXPECTED_COMPILE_GAIN = 0.15  # share of the uncompiled time a compiled step saves, until measured (SmolLM2: 15-20%)
 CHECK_DONE_EVERY = 8  # decode steps between host syncs (all-done check, stop strings)
 _DECODE_ATTENTION = "rlhf_decode"  # registered with transformers' attention interfaces on first use
 _NOISE_FLOOR = 1e-20
@@ -338,6 +344,46 @@ class _FastState:
     tokens_by_key: dict = field(default_factory=dict)  # uncompiled tokens decoded per compile key
     compile_seconds: dict = field(default_factory=dict)  # first compiled call per key (compile + one step)
     miscompiled: dict = field(default_factory=dict)  # key -> why its compiled step was not trusted
+    # key -> [seconds, calls, tokens] of whole generate calls, uncompiled and compiled (the compiling call left out)
+    uncompiled_cost: dict = field(default_factory=dict)
+    compiled_cost: dict = field(default_factory=dict)
+
+
+def _seconds_per_token(cost: list | None) -> float | None:
+    return cost[0] / cost[2] if cost and cost[2] else None
+
+
+def compile_gain(state: _FastState) -> float:
+    """The share of a shape's uncompiled decoding time its compiled step saves: measured on this model's shapes that
+    ran both ways (their mean), else EXPECTED_COMPILE_GAIN."""
+    gains = [1 - _seconds_per_token(state.compiled_cost[k]) / _seconds_per_token(state.uncompiled_cost[k])
+             for k in state.compiled_cost if _seconds_per_token(state.compiled_cost[k])
+             and _seconds_per_token(state.uncompiled_cost.get(k))]
+    return min(0.9, max(0.0, sum(gains) / len(gains))) if gains else EXPECTED_COMPILE_GAIN
+
+
+def compile_estimate(model: torch.nn.Module, state: _FastState) -> float:
+    """Seconds a compilation of ``model``'s decode step is expected to take: the longest of its earlier ones, else an
+    estimate from its number of layers."""
+    if state.compile_seconds:
+        return max(state.compile_seconds.values())
+    layers = getattr(getattr(model, "config", None), "num_hidden_layers", None) or 12
+    return COMPILE_SECONDS_BASE + COMPILE_SECONDS_PER_LAYER * layers
+
+
+def compile_pays(model: torch.nn.Module, state: _FastState, key: tuple, expected_calls: int | None = None) -> bool:
+    """Whether ``auto`` should compile shape ``key`` now. With ``expected_calls`` (the calls of this shape the caller
+    still plans, this one included: a trainer knows its rollouts) it compiles once one uncompiled call has been
+    timed and that many calls would save more than a compilation costs. Without a plan it assumes the shape's
+    future work equals its past: it compiles once the time the compiled step would already have saved reaches the
+    compilation's cost (ski rental: at most about twice the best cost in hindsight)."""
+    if key in state.compile_seconds:
+        return True
+    seconds, calls, _ = state.uncompiled_cost.get(key, (0.0, 0, 0))
+    saved_per_second = compile_gain(state)
+    if expected_calls is not None:
+        return calls > 0 and expected_calls * (seconds / calls) * saved_per_second >= compile_estimate(model, state)
+    return seconds * saved_per_second >= compile_estimate(model, state)
 
 
 _FAST_STATE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -607,6 +653,10 @@ def _generate_static(model: torch.nn.Module, prompts: list[list[int]], params: S
     (forward + sampling + log-prob + stop check) over fixed shapes, compiled or not. Host syncs only
     every CHECK_DONE_EVERY steps."""
     device = next(model.parameters()).device
+    call_started = time.perf_counter()
+    # what this call's time measures (compile_pays): the uncompiled step (None), a compiled one already built
+    # ("warm"), a compilation ("compiling") or a fallback mid-call ("mixed"); the last two are not recorded
+    compiled_call = None if not compiled else ("warm" if key in state.compile_seconds else "compiling")
     n, steps = params.n, params.max_new_tokens
     out, prompt_mask, positions, width = _prefill(model, prompts, pad_token_id, vision=vision)
     prefilled = getattr(returned_cache(out), "layers", None)
@@ -681,6 +731,7 @@ def _generate_static(model: torch.nn.Module, prompts: list[list[int]], params: S
                         token, logprob, done, position = step_fn(*args)
                 except Exception as error:  # noqa: BLE001 - e.g. no C++ compiler: run the same step uncompiled
                     state.compile_failed = f"{type(error).__name__}: {error}"
+                    compiled_call = "mixed"
                     logger.warning("torch.compile of the decode step failed (%s); decoding uncompiled",
                                    state.compile_failed[:300])
                     for layer in cache.layers:  # undo a partial step
@@ -704,6 +755,7 @@ def _generate_static(model: torch.nn.Module, prompts: list[list[int]], params: S
                                            "this shape decodes uncompiled", key[0], key[1], why)
                             token, logprob, done, position = reference
                             step_fn = _decode_step
+                            compiled_call = "mixed"
                             model.config._attn_implementation = saved_attention
                     if step_fn is not _decode_step:
                         # the remaining steps have the same shapes, types and flags as this one, so the graph
@@ -716,6 +768,11 @@ def _generate_static(model: torch.nn.Module, prompts: list[list[int]], params: S
         model.config._attn_implementation = saved_attention
     if step_fn is _decode_step:
         state.tokens_by_key[key] = state.tokens_by_key.get(key, 0) + rows * ran
+    if compiled_call is None or compiled_call == "warm":  # a compiling call's time is the compilation's
+        cost = (state.compiled_cost if compiled_call else state.uncompiled_cost).setdefault(key, [0.0, 0, 0])
+        cost[0] += time.perf_counter() - call_started
+        cost[1] += 1
+        cost[2] += rows * ran
     tokens, logprobs = tokens[:, :ran], logprobs[:, :ran]
     hit = torch.isin(tokens, stop_ids)  # the first stop token ends a row (later ones are pads)
     first_stop = torch.where(hit.any(-1), hit.float().argmax(-1), ran).tolist()
@@ -1059,7 +1116,7 @@ def _generate_paged(model: torch.nn.Module, prompts: list[list[int]], params: Sa
 
 
 def _choose_engine(model: torch.nn.Module, engine: str, params: SamplingParams, rows: int,
-                   cache_len: int) -> tuple[str, tuple]:
+                   cache_len: int, expected_calls: int | None = None) -> tuple[str, tuple]:
     key = (rows, cache_len, params.greedy, params.top_k, params.top_p, len(params.suppress_token_ids))
     if engine == "eager":
         return "eager", key
@@ -1072,17 +1129,15 @@ def _choose_engine(model: torch.nn.Module, engine: str, params: SamplingParams, 
         return "static", key
     if engine == "compiled":
         return "compiled", key
-    # auto: compiling costs tens of seconds, so pay it only for a shape that has already decoded
-    # AUTO_COMPILE_AFTER_TOKENS tokens uncompiled (at most ~2x the best cost in hindsight)
-    if key in state.compile_seconds or state.tokens_by_key.get(key, 0) >= AUTO_COMPILE_AFTER_TOKENS:
-        return "compiled", key
-    return "static", key
+    # auto: the static step (as fast as Hugging Face's generate or faster) until compiling pays for itself
+    return ("compiled" if compile_pays(model, state, key, expected_calls) else "static"), key
 
 
 def generate(model: torch.nn.Module, prompts: list[list[int]], params: SamplingParams | None = None, *,
              pad_token_id: int, eos_token_id: int | None = None, tokenizer=None,
              engine: str = "auto", paged_cache: PagedKVCache | None = None, synced: bool = False,
-             vision: Callable[[torch.Tensor], dict] | None = None) -> GenerationOutput:
+             vision: Callable[[torch.Tensor], dict] | None = None,
+             expected_calls: int | None = None) -> GenerationOutput:
     """Batched sampling for any Hugging Face causal LM over its KV cache.
 
     Prompts are left-padded and prefilled once; with ``n > 1`` the cache is repeated so the samples
@@ -1095,9 +1150,11 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], params: SamplingP
     ``compiled`` is the same step under ``torch.compile`` (one graph per (rows, bucketed cache length,
     sampling mode); widths are bucketed by ``_cache_length`` so changing prompt widths reuse it; the
     first call of a shape pays the compilation, see ``compile_seconds``); ``eager`` is the general loop
-    over the model's own cache (multinomial sampling). ``auto`` (default) runs ``static``, switches a
-    shape to ``compiled`` once it has decoded AUTO_COMPILE_AFTER_TOKENS tokens, and uses ``eager`` for
-    models the static path cannot serve (recurrent, sliding-window or other caches; logged once).
+    over the model's own cache (multinomial sampling). ``auto`` (default) runs ``static`` and switches a
+    shape to ``compiled`` when compiling is expected to pay for itself, by measured costs (``compile_pays``:
+    ``expected_calls``, the calls of this shape the caller still plans, lets it compile after the first timed
+    call instead of waiting for past work to justify it), and uses ``eager`` for models the static path cannot
+    serve (recurrent, sliding-window or other caches; logged once).
     ``paged`` decodes over a ``PagedKVCache`` (``paged_cache``, or a fresh one with 16-token blocks):
     the n samples of a prompt share its blocks with no copy, finished rows free theirs at once, and
     ``GenerationOutput.cache_stats`` reports the peak memory; it trades speed (a block gather per
@@ -1122,12 +1179,13 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], params: SamplingP
     synced = _synced_run(synced)
     with torch.no_grad() if synced else torch.inference_mode():
         return _generate(model, prompts, params, pad_token_id=pad_token_id, eos_token_id=eos_token_id,
-                         tokenizer=tokenizer, engine=engine, paged_cache=paged_cache, synced=synced, vision=vision)
+                         tokenizer=tokenizer, engine=engine, paged_cache=paged_cache, synced=synced, vision=vision,
+                         expected_calls=expected_calls)
 
 
 def _generate(model: torch.nn.Module, prompts: list[list[int]], params: SamplingParams | None, *, pad_token_id: int,
               eos_token_id: int | None, tokenizer, engine: str, paged_cache: PagedKVCache | None,
-              synced: bool, vision=None) -> GenerationOutput:
+              synced: bool, vision=None, expected_calls: int | None = None) -> GenerationOutput:
     params = params or SamplingParams()
     if engine not in GENERATION_ENGINES:
         raise ValueError(f"engine '{engine}' is not one of {', '.join(GENERATION_ENGINES)}")
@@ -1159,7 +1217,8 @@ def _generate(model: torch.nn.Module, prompts: list[list[int]], params: Sampling
         engine = "eager"
     rows = len(prompts) * params.n
     width = max(len(p) for p in prompts)
-    chosen, key = _choose_engine(model, engine, params, rows, _cache_length(width + params.max_new_tokens))
+    chosen, key = _choose_engine(model, engine, params, rows, _cache_length(width + params.max_new_tokens),
+                                 expected_calls)
     if chosen != "eager":
         try:
             return _generate_static(model, prompts, params, pad_token_id=pad_token_id, stops=stops,

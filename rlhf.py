@@ -482,7 +482,7 @@ class OnlineRLConfig(BaseConfig):
     temperature: float = _opt(1.0, "Sampling temperature for rollouts (the loss uses the same scaled log-probs)")
     top_p: float = _opt(1.0, "Nucleus sampling mass for rollouts")
     top_k: int = _opt(0, "Sample among the k most likely tokens (0: all)")
-    generation_engine: str = _opt("auto", "Rollout decoding: auto (compiled from the first rollout when max_steps x completions x max_completion_length reaches 200k tokens, else a static cache compiled once a shape has generated that many) | compiled | static | eager")
+    generation_engine: str = _opt("auto", "Rollout decoding: auto (a static KV cache; the decode step is compiled once a timed rollout shows the run's remaining rollouts would save more than the compilation costs) | compiled | static | eager")
     reward_funcs: list[str] = _opt([], "Reward functions: exact_answer, format, length, reward_model, process_reward_model, api, or module:function")
     reward_weights: list[float] = _opt([], "One weight per reward function, in order (default: all 1.0)")
     reward_model: str | None = _opt(None, "Reward model (or ensemble) directory saved by the rm stage ('rm' in a pipeline: its rm stage)")
@@ -4871,6 +4871,8 @@ def resolve_model_path(name_or_path: str, cache_dir: str | os.PathLike | None = 
         return str(build_tiny_model(cache_dir))
     if name_or_path == "tiny-vl":
         return str(build_tiny_vl_model(cache_dir))
+    if str(name_or_path).startswith("~"):  # configs that name a model under the home folder (~/.cache/rlhf/models/...)
+        name_or_path = str(Path(name_or_path).expanduser())
     if str(name_or_path).lower().endswith(".gguf"):
         return str(gguf_to_hf(name_or_path, cache_dir))
     return name_or_path
@@ -9286,19 +9288,15 @@ class _OnlineRLTrainer(_ReferenceTrainer):
                                            images=json.loads(metadata.get("images", "null")))
 
     # -- sampling and scoring
-    def _rollout_engine(self, rows: int) -> str:
-        """``generation_engine`` for a rollout of ``rows`` completions. The engine's own ``auto`` compiles a
-        shape only after it has decoded AUTO_COMPILE_AFTER_TOKENS tokens uncompiled, since it cannot know the
-        work ahead; the trainer does, so a run planned to decode at least that many compiles from its first
-        rollout (else a short run decodes a large share of its rollouts uncompiled)."""
-        from inference_optimizations import AUTO_COMPILE_AFTER_TOKENS
-
+    def _rollout_engine(self) -> tuple[str, int | None]:
+        """``generation_engine`` and, for ``auto``, the rollouts this run still plans (this one included): the engine
+        compiles the decode step once a timed rollout shows that many would save more than the compilation costs
+        (``inference_optimizations.compile_pays``); None where the work ahead is unknown (streaming without max_steps)."""
         engine = self.config.generation_engine
-        if engine != "auto" or not self.total_steps:
-            return engine
-        rollouts = math.ceil(self.total_steps / self.steps_per_rollout)
-        planned = rollouts * rows * self.config.max_completion_length
-        return "compiled" if planned >= AUTO_COMPILE_AFTER_TOKENS else engine
+        if engine != "auto" or not self.total_steps or self.total_steps < 0:
+            return engine, None
+        done = getattr(self, "global_step", 0) // self.steps_per_rollout
+        return engine, max(1, math.ceil(self.total_steps / self.steps_per_rollout) - done)
 
     def _sampling_params(self, n: int, rollout_index: int) -> Any:
         from inference_optimizations import SamplingParams
@@ -9336,9 +9334,10 @@ class _OnlineRLTrainer(_ReferenceTrainer):
             self.model.eval()
             try:
                 with self._generating():
+                    engine, expected_calls = self._rollout_engine()
                     output = generate_tokens(self.devices.unwrap(self.policy.model), [p["prompt_ids"] for p in prompts],
-                                             params, pad_token_id=self.policy.tokenizer.pad_token_id,
-                                             engine=self._rollout_engine(len(prompts) * n), synced=self.sharded,
+                                             params, pad_token_id=self.policy.tokenizer.pad_token_id, engine=engine,
+                                             synced=self.sharded, expected_calls=expected_calls,
                                              vision=self.policy.vision_for(images) if any(images) else None)
             finally:
                 self.model.train()

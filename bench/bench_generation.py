@@ -50,15 +50,19 @@ sys.path.insert(0, str(REPO))
 import inference_optimizations as io  # noqa: E402
 import rlhf  # noqa: E402
 
-ENGINES = ("hf", "compiled", "static", "eager")
-LABELS = {"hf": "HF generate", "compiled": "ours compiled", "static": "ours static", "eager": "ours eager"}
+ENGINES = ("hf", "auto", "compiled", "static", "eager", "paged")
+LABELS = {"hf": "HF generate", "auto": "ours auto", "compiled": "ours compiled", "static": "ours static",
+          "eager": "ours eager", "paged": "ours paged"}
+NAMED_MODELS = ("tiny", "medium", "large", "tiny-vl")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=("tiny", "medium", "large", "tiny-vl"), default="tiny",
+    parser.add_argument("--model", default="tiny",
                         help="tiny demo model, a bigger random-weight Llama: medium (34M) or large (0.2B, for a GPU), "
-                             "or tiny-vl (the embedded Qwen3-VL, image prompts)")
+                             "tiny-vl (the embedded Qwen3-VL, image prompts), or PATH: any Hugging Face model folder "
+                             "(or .gguf file; e.g. SmolLM2 from scripts/fetch_real_models.py), prompted through its own "
+                             "chat template")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights dtype")
     parser.add_argument("--batch-sizes", default="16,128", help="comma-separated numbers of distinct prompts")
@@ -122,6 +126,9 @@ def load_model(kind: str, tokenizer, device: torch.device, dtype: torch.dtype):
     if kind == "tiny":
         model, _ = rlhf.load_causal_lm(str(rlhf.build_tiny_model()), attn_implementation="sdpa")
         return model.to(device, dtype).eval(), None
+    if kind not in NAMED_MODELS:  # a model folder: its own tokenizer and template
+        policy = rlhf.PolicyModel.from_pretrained(kind, attn_implementation="sdpa", is_trainable=False)
+        return policy.model.to(device, dtype).eval(), policy
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     hidden, intermediate, layers, heads, kv_heads, vocab = SHAPES[kind]
@@ -134,7 +141,7 @@ def load_model(kind: str, tokenizer, device: torch.device, dtype: torch.dtype):
 
 
 def demo_prompts(tokenizer, count: int) -> list[list[int]]:
-    formatter = rlhf.ChatFormatter(tokenizer)
+    formatter = rlhf.ChatFormatter(tokenizer)  # a real model's own chat template (the tiny model's is ChatML)
     lines = (REPO / "data" / "demo" / "rl_prompts.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines if line.strip()]
     if count > len(records):
@@ -187,17 +194,19 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = rlhf.load_tokenizer(rlhf.build_tiny_model())
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     model, policy = load_model(args.model, tokenizer, device, dtype)
+    vision = policy is not None and policy.vision is not None
     if policy is not None:
         tokenizer = policy.tokenizer
     params = sum(p.numel() for p in model.parameters())  # tied embeddings counted once (they are the lm_head)
     pad = tokenizer.pad_token_id
     peaks = [matmul_peak(args.matmul_size, device, dtype)]
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{args.threads} CPU thread(s)"
-    print(f"model {args.model}: {params / 1e6:.2f}M parameters, {args.dtype}, {where}, "
+    name = args.model if args.model in NAMED_MODELS else Path(args.model).name
+    print(f"model {name}: {params / 1e6:.2f}M parameters, {args.dtype}, {where}, "
           f"{args.new_tokens} new tokens, {args.repeats} repeats; distinct prompts, n=1", flush=True)
     rows, ratios = [], {}
     for batch in args.batch_sizes:
-        prompts, images = vl_prompts(policy, batch) if policy is not None else (demo_prompts(tokenizer, batch), None)
+        prompts, images = vl_prompts(policy, batch) if vision else (demo_prompts(tokenizer, batch), None)
         first = {}
         for engine in args.engines:  # warm-up (compiles the decode step for ours (compiled))
             first[engine], _ = run_once(engine, model, prompts, args.new_tokens, pad, seed=0, policy=policy,
@@ -224,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
             ratios[(batch, engine)] = rate / hf_rate
             compile_note = ", ".join(f"{s:.1f}" for (r, *_), s in compiled.items() if r == batch) \
                 if engine == "compiled" else ""
-            rows.append([args.model, str(batch), LABELS[engine], str(tokens), f"{best:.3f}",
+            rows.append([name, str(batch), LABELS[engine], str(tokens), f"{best:.3f}",
                          f"{max(times[engine]) / best:.2f}", f"{rate:,.0f}", f"{rate / hf_rate:.2f}x",
                          f"{2 * params * tokens / best / 1e9:.2f}", "", f"{first[engine]:.1f}",
                          compile_note or "-"])

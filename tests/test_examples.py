@@ -24,7 +24,11 @@ import rlhf
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.one_thread
 
 REPO = Path(__file__).resolve().parents[1]
-EXAMPLES = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "examples").rglob("*.yaml"))
+EXAMPLES = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "examples").rglob("*.yaml")
+                  if p.parent.name != "real_models")
+# real pretrained models (scripts/fetch_real_models.py): checked here as configs; tests/test_pretrained.py trains
+# SmolLM2 through the command line and docs/experiments/real-models.md runs these files as written
+REAL_MODEL_EXAMPLES = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "examples" / "real_models").glob("*.yaml"))
 FAST = ["max_steps=2", "bf16=false"]
 HAS_BITSANDBYTES = importlib.util.find_spec("bitsandbytes") is not None
 
@@ -37,6 +41,24 @@ def test_every_stage_and_method_has_an_example():
                 "train_lora/qwen3vl_sft.yaml", "train_lora/qwen3vl_dpo.yaml",
                 "multi_gpu/sft_lora_ddp.yaml", "multi_gpu/sft_full_fsdp.yaml", "multi_gpu/dpo_lora_ds3.yaml"}
     assert {path.removeprefix("examples/") for path in EXAMPLES} == expected
+
+
+@pytest.mark.parametrize("path", REAL_MODEL_EXAMPLES)
+def test_real_model_example_is_a_valid_config_on_the_bundled_data(path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    raw = rlhf.read_yaml(REPO / path)
+    if "stages" in raw:
+        config = rlhf.PipelineConfig.load(path)
+        configs = [config.stage_config(stage) for stage in config.stages if stage in rlhf.STAGE_CONFIGS]
+    else:
+        configs = [rlhf.load_config(rlhf.STAGE_CONFIGS[str(raw["stage"])], path)]
+    for config in configs:
+        assert config.model_name_or_path.startswith(("~/.cache/rlhf/models/", "outputs/real_models/")), path
+        assert rlhf.data_fingerprint(config) and config.eval_dataset == "demo_eval"
+    header = comments(path)
+    assert "python scripts/fetch_real_models.py" in header or "outputs/real_models" in str(configs[0].model_name_or_path)
+    assert re.search(rf"python rlhf\.py (train|pipeline --config) {re.escape(path)}\b", header)
+    assert "docs/experiments/real-models.md" in header
 
 
 def stage_of(path: str) -> str:
@@ -120,8 +142,9 @@ def test_the_llamafactory_command_form_runs_a_file_as_written(tmp_path, monkeypa
 
 def test_the_readme_lists_every_example_with_its_command():
     readme = (REPO / "examples" / "README.md").read_text(encoding="utf-8")
-    for path in EXAMPLES:
-        assert re.search(rf"(python rlhf\.py train|accelerate launch .*rlhf\.py train) {re.escape(path)}\b", readme), path
+    for path in EXAMPLES + REAL_MODEL_EXAMPLES:
+        assert re.search(rf"(python rlhf\.py (train|pipeline --config)|accelerate launch .*rlhf\.py train) "
+                         rf"{re.escape(path)}\b", readme), path
     for named in re.findall(r"\b((?:configs|examples)/[\w./-]+\.yaml)", readme):
         assert (REPO / named).is_file(), named
 

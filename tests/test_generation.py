@@ -6,6 +6,8 @@ Both decode loops are covered: ``static`` (StaticCache + fused step, what ``auto
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -176,14 +178,54 @@ def test_cache_length_buckets_and_auto_engine(tiny_arch_dir):
     assert [io._cache_length(n, coarse=True) for n in sizes] == [64, 64, 128, 128, 128, 256, 320, 512, 640, 768, 2048]
     model = _model(tiny_arch_dir, "llama")
     params = io.SamplingParams(max_new_tokens=8)
-    assert io._choose_engine(model, "auto", params, 16, 64)[0] == "static"
-    key = (16, 64, False, 0, 1.0, 0)  # rows, cache length, greedy, top_k, top_p, suppressed tokens
-    io._FAST_STATE[model].tokens_by_key[key] = io.AUTO_COMPILE_AFTER_TOKENS  # enough uncompiled work in this shape
-    assert io._choose_engine(model, "auto", params, 16, 64) == ("compiled", key)
-    assert io._choose_engine(model, "auto", params, 16, 128)[0] == "static"  # another shape: not yet
+    assert io._choose_engine(model, "auto", params, 16, 64)[0] == "static"  # nothing measured yet
     assert io._choose_engine(model, "eager", params, 16, 64)[0] == "eager"
     with pytest.raises(ValueError, match="engine"):
         io.generate(model, [[1, 2]], params, pad_token_id=0, engine="fast")
+
+
+def test_auto_compiles_a_shape_when_its_measured_costs_say_it_pays(tiny_arch_dir):
+    model = _model(tiny_arch_dir, "llama")
+    params = io.SamplingParams(max_new_tokens=8)
+    key = (16, 64, False, 0, 1.0, 0)  # rows, cache length, greedy, top_k, top_p, suppressed tokens
+    state = io._FAST_STATE.setdefault(model, io._FastState())
+    estimate = io.compile_estimate(model, state)
+    assert estimate == pytest.approx(io.COMPILE_SECONDS_BASE + 2 * io.COMPILE_SECONDS_PER_LAYER)  # 2 layers
+    gain = io.EXPECTED_COMPILE_GAIN
+    # a caller's plan: after one timed call, compile when the calls ahead save more than compiling costs
+    assert io._choose_engine(model, "auto", params, 16, 64, expected_calls=10_000)[0] == "static"  # none timed
+    state.uncompiled_cost[key] = [1.0, 1, 128]
+    enough = math.ceil(estimate / gain)
+    assert io._choose_engine(model, "auto", params, 16, 64, expected_calls=enough) == ("compiled", key)
+    assert io._choose_engine(model, "auto", params, 16, 64, expected_calls=enough - 1)[0] == "static"
+    # no plan: once the time a compiled step would already have saved reaches the compilation's cost
+    state.uncompiled_cost[key] = [0.99 * estimate / gain, 40, 5120]
+    assert io._choose_engine(model, "auto", params, 16, 64)[0] == "static"
+    state.uncompiled_cost[key][0] = estimate / gain
+    assert io._choose_engine(model, "auto", params, 16, 64) == ("compiled", key)
+    assert io._choose_engine(model, "auto", params, 16, 128)[0] == "static"  # another shape: its own costs
+    # measured figures replace the assumptions: this model's compile time and its compiled steps' saving
+    other = (8, 64, False, 0, 1.0, 0)
+    state.compile_seconds[other] = 30.0
+    state.uncompiled_cost[other], state.compiled_cost[other] = [10.0, 2, 1000], [6.0, 2, 1000]
+    assert io.compile_estimate(model, state) == 30.0 and io.compile_gain(state) == pytest.approx(0.4)
+    assert io._choose_engine(model, "auto", params, 8, 64)[0] == "compiled"  # compiled before: stays compiled
+
+
+def test_auto_measures_its_calls_and_compiles_when_the_plan_pays(tiny_arch_dir, tiny_tokenizer, prompts, monkeypatch):
+    model = _model(tiny_arch_dir, "llama")
+    pad = tiny_tokenizer.pad_token_id
+    params = io.SamplingParams(max_new_tokens=6, seed=1)
+    monkeypatch.setattr(io, "compile_estimate", lambda model, state: 1e-9)  # compiling is (said to be) free
+    compiled = []
+    monkeypatch.setattr(io, "_compiled_step", lambda state, device: lambda *args: compiled.append(1) or io._decode_step(*args))
+    io.generate(model, prompts, params, pad_token_id=pad, expected_calls=5)
+    state = io._FAST_STATE[model]
+    (key,) = state.uncompiled_cost
+    seconds, calls, tokens = state.uncompiled_cost[key]
+    assert calls == 1 and seconds > 0 and tokens == len(prompts) * 6 and not compiled  # the first call is timed
+    io.generate(model, prompts, params, pad_token_id=pad, expected_calls=4)
+    assert compiled and key in state.compile_seconds  # then it pays: compiled
 
 
 def test_compile_failure_falls_back_to_the_same_step_uncompiled(tiny_arch_dir, tiny_tokenizer, prompts, monkeypatch):

@@ -734,25 +734,21 @@ def test_exact_answer_on_prompts_without_answers_is_refused(tmp_path, tiny_model
         rlhf.train_grpo(config)
 
 
-def test_auto_engine_compiles_from_the_first_rollout_when_the_run_is_long_enough():
-    """The engine's own `auto` waits for AUTO_COMPILE_AFTER_TOKENS decoded tokens before compiling; a
-    trainer that plans at least that many (steps x completions x max_completion_length) compiles at once."""
+def test_auto_engine_is_told_how_many_rollouts_the_run_still_plans():
+    """`auto` passes the engine the rollouts still ahead (this one included), so it can compile as soon as a timed
+    rollout shows they would pay for the compilation (inference_optimizations.compile_pays)."""
     from types import SimpleNamespace
 
-    import inference_optimizations as io
+    def engine(setting: str, total_steps: int, done: int = 0, iterations: int = 1) -> tuple:
+        trainer = SimpleNamespace(config=SimpleNamespace(generation_engine=setting), total_steps=total_steps,
+                                  steps_per_rollout=iterations, global_step=done)
+        return rlhf._OnlineRLTrainer._rollout_engine(trainer)
 
-    def engine(setting: str, total_steps: int, rows: int = 64, length: int = 64, iterations: int = 1) -> str:
-        trainer = SimpleNamespace(config=SimpleNamespace(generation_engine=setting, max_completion_length=length),
-                                  total_steps=total_steps, steps_per_rollout=iterations)
-        return rlhf._OnlineRLTrainer._rollout_engine(trainer, rows)
-
-    enough = -(-io.AUTO_COMPILE_AFTER_TOKENS // (64 * 64))  # rollouts of 64 x 64 tokens that reach the threshold
-    assert engine("auto", enough) == "compiled" and engine("auto", enough - 1) == "auto"
-    assert engine("auto", 150) == "compiled"  # the demo's GRPO: 150 steps of 64 completions of 64 tokens
-    assert engine("auto", 2 * enough - 1, iterations=2) == "compiled"  # num_iterations reuses each rollout
-    assert engine("auto", 2 * (enough - 1), iterations=2) == "auto"
-    assert engine("auto", -1) == "auto"  # streaming prompts without max_steps: the work ahead is unknown
-    assert engine("static", 10_000) == "static" and engine("eager", 10_000) == "eager"
+    assert engine("auto", 150) == ("auto", 150)  # the demo's GRPO: 150 rollouts ahead at the start
+    assert engine("auto", 150, done=140) == ("auto", 10)
+    assert engine("auto", 150, iterations=2) == ("auto", 75)  # num_iterations reuses each rollout
+    assert engine("auto", -1) == ("auto", None)  # streaming prompts without max_steps: the work ahead is unknown
+    assert engine("static", 10_000) == ("static", None) and engine("compiled", 10) == ("compiled", None)
 
 
 # -- the 2025-26 family: RLOO, REINFORCE++, GSPO, CISPO, DAPO sampling --------------------------------------------------
