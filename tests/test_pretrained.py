@@ -57,7 +57,8 @@ def test_sft_trains_on_the_tokens_of_the_models_own_template(smollm2, demo_dir):
         expected = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
         assert ids == expected
         trained = [t for t, label in zip(ids, labels) if label != rlhf.IGNORE_INDEX]
-        assert tokenizer.decode(trained).startswith(record["response"]) and trained[-1] == tokenizer.eos_token_id
+        # the answer turn: the response and the template's end of turn (<|im_end|> and its newline)
+        assert tokenizer.decode(trained) == record["response"] + "<|im_end|>\n"
 
 
 def _greedy(model, ids: torch.Tensor) -> torch.Tensor:
@@ -73,6 +74,7 @@ def test_smoke_sft_grpo_export_and_reload(smollm2, demo_dir, tmp_path, capsys):
                       "per_device_train_batch_size=2", "max_steps=2", f"output_dir={sft}", *common]) == 0
     assert rlhf.main(["grpo", f"model_name_or_path={sft}", "dataset=demo_rl", "max_samples=4", "num_generations=2",
                       "per_device_train_batch_size=4", "max_completion_length=8", "max_steps=1", "beta=0",
+                      "reward_funcs=length",  # a reward that differs within every group, so the step trains
                       f"output_dir={grpo}", *common]) == 0
     reports = [json.loads((d / "report.json").read_text())["stages"][-1] for d in (sft, grpo)]
     assert [r["global_step"] for r in reports] == [2, 1]
