@@ -19,9 +19,12 @@ from conftest import load_script
 
 import rlhf
 
-# q8_0 keeps one scale per 32 weights: on SmolLM2 the logits of a short prompt move by up to about this much (their
-# range is about 30), while the greedy answer stays the same
-Q8_0_LOGIT_TOLERANCE = 1.0
+# q8_0 keeps one scale per 32 weights. On SmolLM2 (logits spread with a standard deviation of about 8 over a range of
+# about 70) the root-mean-square logit error is about 3.5% of that spread, the largest single error about 1.3 at the
+# template's first token, and the next-token distribution after the prompt moves by at most about 0.003 nats of KL; the
+# greedy answer stays the same. The bounds leave room for other CPUs' kernels and for the trained weights.
+Q8_0_RELATIVE_RMS_TOLERANCE = 0.06
+Q8_0_NEXT_TOKEN_KL_TOLERANCE = 0.02
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +98,15 @@ def test_smoke_sft_grpo_export_and_reload(smollm2, demo_dir, tmp_path, capsys):
         (path,) = export.glob(f"*-{gguf_type}.gguf")
         loaded = AutoModelForCausalLM.from_pretrained(str(export), gguf_file=path.name, dtype=torch.float32).eval()
         with torch.no_grad():
-            gap = (loaded(ids).logits - expected_logits).abs().max().item()
-        assert gap <= (0.0 if gguf_type == "f32" else Q8_0_LOGIT_TOLERANCE), (gguf_type, gap)
+            logits = loaded(ids).logits
+        if gguf_type == "f32":
+            assert torch.equal(logits, expected_logits)
+        else:
+            relative_rms = ((logits - expected_logits).pow(2).mean().sqrt() / expected_logits.std()).item()
+            next_token_kl = torch.nn.functional.kl_div(logits[0, -1].log_softmax(-1), expected_logits[0, -1].log_softmax(-1),
+                                                       log_target=True, reduction="sum").item()
+            assert relative_rms <= Q8_0_RELATIVE_RMS_TOLERANCE, relative_rms
+            assert next_token_kl <= Q8_0_NEXT_TOKEN_KL_TOLERANCE, next_token_kl
         assert torch.equal(_greedy(loaded, ids), expected), gguf_type
     tokenizer = AutoTokenizer.from_pretrained(str(export), gguf_file=next(export.glob("*-f32.gguf")).name)
     assert tokenizer.chat_template == trained.tokenizer.chat_template
