@@ -1,30 +1,102 @@
 """rlhf — post-training for causal language models, in one module.
 
 Supervised fine-tuning, reward and process-reward modelling, preference optimisation (DPO family,
-SimPO, ORPO, KTO) and online RL (GRPO, PPO), for text and vision-language models; evaluation and merging build on
-the same sections. Runs on a laptop CPU with the embedded ``tiny`` (and ``tiny-vl``) model and the bundled demo
+SimPO, ORPO, KTO) and online RL (GRPO and its variants, RLOO, REINFORCE++, online DPO, on-policy distillation,
+PPO), for text and vision-language models; evaluation, export and merging build on the same sections. Runs on a laptop CPU with the embedded ``tiny`` (and ``tiny-vl``) model and the bundled demo
 tasks, and on GPUs through accelerate.
 
     python rlhf.py pipeline --config configs/demo.yaml
     python rlhf.py sft --config configs/sft.yaml learning_rate=1e-4
 
-Table of contents (each section opens with a ``# ==== N. Title ====`` banner):
-  0. Notation and registries — IGNORE_INDEX, RLHFInputError
-  1. Configs — BaseConfig, SFTConfig, RewardModelConfig, ProcessRewardModelConfig, DPOConfig, SimPOConfig, ORPOConfig, KTOConfig, OnlineRLConfig, GRPOConfig, PPOConfig, PipelineConfig, load_config, save_config, config_help, get_7b_model_config, get_70b_model_config, count_parameters, model_architecture, estimate_memory
-  2. Infrastructure — setup_logging, logging_restored, weight_sharding, DeviceManager, TrainingLogger, CheckpointManager, CheckpointingMixin, create_optimizer, EarlyStopping, find_expert_parameter_names, apply_lora, apply_freeze, compile_model, select_attention_implementation
-  3. Data — load_records, ChatFormatter, CHAT_TEMPLATES, TEMPLATE_SPECIAL_TOKENS, saved_as_trained, chat_formatter, SFTDataset, StreamingSFTDataset, pack_sequences, SFTCollator, PreferenceDataset, StreamingPreferenceDataset, KTODataset, StreamingKTODataset, pack_rows, pack_preference_pairs, PreferenceBatch, PreferenceCollator, KTOBatch, KTOCollator, GRPODataset, StreamingGRPODataset, extract_answer, split_steps, arithmetic_step_labels, arithmetic_response_labels, encode_steps, ProcessPreferenceDataset, ProcessPreferenceCollator
-  4. Models — token_log_probs, OutputHead, load_tokenizer, quantization_config, is_quantized, build_tiny_model, resolve_model_path, gguf_metadata, gguf_to_hf, VisionInputs, vision_kwargs, load_vision_inputs, set_trainable_parts, build_tiny_vl_model, PolicyModel, state_under, RewardModel, RewardEnsemble, aggregate_step_scores, ProcessRewardModel, ValueModel, ActorCritic, select_informative_tokens, ContextCompressor, ReferenceModel, can_pack_pairs, tree_attention_mask, shared_prefix_log_probs, grouped_logits, grouped_packed_logits, grouped_prefix_logits, create_reference_model
-  5. Losses and advantages — router_load_balancing_loss, causal_lm_loss_sum, causal_lm_loss_with, sequence_log_probs, dpo_loss, PREFERENCE_LOSSES, simpo_loss, orpo_loss, kto_loss, reward_model_loss, reward_boosting_weights, ewc_penalty, whiten, grpo_advantages, rloo_advantages, reinforce_pp_advantages, overlong_penalty, generalized_jsd_loss, rollout_importance_weights, grpo_loss, compute_gae, ppo_policy_loss, ppo_value_loss, AdaptiveKLController, FixedKLController
-  6. Rewards — exact_answer_reward, format_reward, length_penalty, CompositeReward, LearnedReward, ProcessReward, HTTPReward, RewardAPIError, Principle, ConstitutionalRewardWrapper, RewardFunctionFactory, RunningRewardNormalizer, process_rewards
-  7. Trainers — close_loss_scaler_step, TrainingDivergedError, TrainResult, RouterAuxLoss, BaseTrainer, SFTTrainer, train_sft, PairScores, RewardModelTrainer, train_rm, ProcessRewardModelTrainer, train_prm, precompute_ref_log_probs, DPOTrainer, train_dpo, KTOTrainer, train_kto, Rollout, token_entropy, disable_dropout, GRPOTrainer, train_grpo, RolloutBuffer, PPOTrainer, train_ppo
-  8. Evaluation — kl_estimates, distinct_n, self_similarity, win_rate, RLHFEvaluator
-  9. Self-improvement and safety — CapabilityReport, CapabilityTester, ElasticWeightConsolidation, repetition_rate, degeneration_rates, reward_hacking_flags, PERTURBATIONS, answer_consistency, validation_score, ValidationReport, AdversarialValidator, default_critique, RefinementResult, refinement_pairs, write_preference_jsonl, IterativeRefiner
-  10. Orchestrator — read_report, append_report, data_fingerprint, pipeline_table, write_pipeline_report, RLHFOrchestrator
-  11. Export, evaluation and chat — ExportConfig, export_model, load_merged_policy, GGUFArchitecture, GGUF_EXPORT_ARCHITECTURES, gguf_hyperparameters, permute_for_gguf, gguf_vocabulary, write_gguf, EvalConfig, evaluate_model, eval_table, ChatConfig, ChatSession, chat
-  12. CLI — main
+Table of contents: every public name, by section (each opens with a ``# ==== N. Title ====`` banner); "add:"
+says what a contributor adds there, and docs/architecture.md walks through each:
+  0. Notation and registries
+       IGNORE_INDEX, RLHFInputError, TrainingInterrupted
+       add: a constant or error type every section shares
+  1. Configs
+       BaseConfig, SFTConfig, RewardModelConfig, ProcessRewardModelConfig, DPOConfig, SimPOConfig, ORPOConfig,
+       KTOConfig, OnlineRLConfig, GRPOConfig, RLOOConfig, ReinforcePPConfig, OnlineDPOConfig, DistillConfig, PPOConfig,
+       parse_overrides, read_yaml, build_config, load_config, save_config, config_help, PipelineConfig,
+       get_7b_model_config, get_70b_model_config, count_parameters, model_architecture, count_lora_parameters,
+       estimate_memory
+       add: a stage's config (a dataclass under OnlineRLConfig or BaseConfig, every field _opt(default, help)), its row
+            in STAGE_CONFIGS, a LLaMA-Factory or TRL key in LLAMAFACTORY_RENAMES / TRL_OPENRLHF_RENAMES
+  2. Infrastructure
+       rich_console, setup_logging, logging_restored, set_seed, weight_sharding, DeviceManager, smoothed, plot_metrics,
+       PlainProgress, TrainingLogger, optimizer_state_to_safetensors, optimizer_state_from_safetensors,
+       capture_rng_state, restore_rng_state, CheckpointManager, CheckpointingMixin, create_optimizer, EarlyStopping,
+       find_linear_module_names, find_expert_parameter_names, apply_lora, apply_freeze, compile_model,
+       select_attention_implementation
+       add: a logging target (REPORT_TARGETS), something a checkpoint carries (CheckpointManager), an optimizer
+  3. Data
+       DatasetSpec, resolve_dataset, iter_raw_records, parse_record, to_record, load_records, extract_answer,
+       CHAT_TEMPLATES, TEMPLATE_SPECIAL_TOKENS, ChatFormatter, saved_as_trained, chat_formatter, truncate_example,
+       pack_sequences, SFTDataset, StreamingRecordDataset, StreamingSFTDataset, SFTCollator, split_budget,
+       truncate_prompt_and_responses, PreferenceDataset, KTODataset, StreamingPreferenceDataset, StreamingKTODataset,
+       GRPODataset, DistillDataset, StreamingGRPODataset, pack_rows, pack_preference_pairs, PreferenceBatch,
+       PreferenceCollator, KTOBatch, KTOCollator, split_steps, arithmetic_step_labels, arithmetic_response_labels,
+       encode_steps, ProcessPreferenceDataset, ProcessPreferenceCollator
+       add: a dataset format (parse_record), a chat template (CHAT_TEMPLATES and its TEMPLATE_* rows), a dataset class
+  4. Models
+       token_log_probs, OutputHead, LogProbs, load_tokenizer, build_tiny_model, resolve_model_path, gguf_metadata,
+       gguf_to_hf, quantization_config, is_quantized, load_causal_lm, text_config, is_vision_language, vision_kwargs,
+       count_placeholders, open_image, fit_pixels, VisionInputs, load_vision_inputs, set_trainable_parts,
+       lora_target_names, build_tiny_vl_model, PolicyModel, state_under, load_weights_into, decoder_of,
+       last_token_index, scalar_head, RewardScorer, RewardModel, RewardEnsemble, aggregate_step_scores,
+       ProcessRewardModel, ValueModel, ActorCritic, select_informative_tokens, ContextCompressor, ReferenceModel,
+       can_pack_pairs, tree_attention_mask, shared_prefix_log_probs, grouped_packed_logits, grouped_logits,
+       grouped_prefix_logits, create_reference_model
+       add: a model wrapper or head (with save_pretrained / from_pretrained), a model family's loading quirk
+  5. Losses and advantages
+       router_load_balancing_loss, causal_lm_loss_sum, causal_lm_loss_with, sequence_log_probs, PREFERENCE_LOSSES,
+       dpo_loss, simpo_loss, orpo_loss, kto_loss, reward_model_loss, reward_boosting_weights, ewc_penalty, whiten,
+       grpo_advantages, rloo_advantages, overlong_penalty, reinforce_pp_advantages, generalized_jsd_loss,
+       rollout_importance_weights, grpo_loss, compute_gae, ppo_policy_loss, ppo_value_loss, AdaptiveKLController,
+       FixedKLController
+       add: a loss or advantage estimator as a pure function citing its paper and equation; a DPO variant is a
+            PREFERENCE_LOSSES row, a GRPO aggregation a grpo_loss loss_type
+  6. Rewards
+       exact_answer_reward, format_reward, length_penalty, CompositeReward, LearnedReward, ProcessReward,
+       RewardAPIError, HTTPReward, Principle, ConstitutionalRewardWrapper, RewardFunctionFactory,
+       RunningRewardNormalizer, process_rewards, Environment, ToolCall, parse_tool_call, calculate, ToolEnvironment,
+       CalculatorEnvironment, HTTPEnvironment, environment_factory
+       add: a rule reward (RewardFunctionFactory.RULES, or module:function from your own file), an environment
+            (Environment subclass, environment_factory)
+  7. Trainers
+       group_by_length, ResumableBatchSampler, close_loss_scaler_step, TrainingDivergedError, TrainResult,
+       RouterAuxLoss, BaseTrainer, evaluate_exact_match, read_stage_records, check_model_paths, SFTTrainer,
+       read_sft_records, build_sft_data, train_sft, PairScores, RewardModelTrainer, train_rm, ProcessRewardModelTrainer,
+       train_prm, PolicyLogProbs, precompute_ref_log_probs, DPOTrainer, train_dpo, KTOTrainer, train_kto, Rollout,
+       token_entropy, disable_dropout, GRPOTrainer, train_grpo, OnlineDPOTrainer, train_online_dpo, DistillTrainer,
+       check_same_vocabulary, train_distill, RolloutBuffer, PPOTrainer, train_ppo
+       add: a stage: its trainer (BaseTrainer, or _OnlineRLTrainer when it samples), a train_<stage> runner, rows in
+            STAGE_RECORD_KINDS and STAGE_RUNNERS, and POLICY_STAGES / POLICY_OPTIMISATION_STAGES when it trains a
+            policy (docs/architecture.md lists every place)
+  8. Evaluation
+       kl_estimates, distinct_n, self_similarity, win_rate, RLHFEvaluator
+       add: a metric of RLHFEvaluator
+  9. Self-improvement and safety
+       CapabilityReport, CapabilityTester, ElasticWeightConsolidation, repetition_rate, degeneration_rates,
+       reward_hacking_flags, perturb_whitespace, perturb_case, perturb_prefix, PERTURBATIONS, answer_consistency,
+       validation_score, ValidationReport, AdversarialValidator, default_critique, RefinementResult, refinement_pairs,
+       write_preference_jsonl, IterativeRefiner
+       add: a capability check, a perturbation (PERTURBATIONS), a reward-hacking rule (REWARD_HACKING_RULES)
+  10. Orchestrator
+       read_report, append_report, summary_table, data_fingerprint, pipeline_rows, pipeline_table,
+       write_pipeline_report, RLHFOrchestrator, StageNotRun
+       add: a pipeline step after training (FINAL_STAGES and FINAL_STAGE_OPTIONS), a summary-table column
+  11. Export, evaluation and chat
+       ExportConfig, load_merged_policy, export_model, GGUFArchitecture, GGUF_EXPORT_ARCHITECTURES,
+       gguf_hyperparameters, permute_for_gguf, gguf_vocabulary, write_gguf, EvalConfig, evaluate_model, eval_table,
+       ChatConfig, ChatSession, chat
+       add: an export format (EXPORT_FORMATS), a GGUF architecture (GGUF_EXPORT_ARCHITECTURES)
+  12. CLI
+       memory_plan_table, main
+       add: a command (main's dispatch and its --help)
 
 Notation used in ``Shapes:`` lines: B sequences in a batch, T tokens per sequence, V vocabulary size.
-Numbering follows ../DESIGN.md so the map and the module stay in step.
+docs/architecture.md is the map of these sections: the data path from a YAML key to the loss, and where to add
+a stage, a loss, an engine, a template, a reward or an environment.
 """
 
 from __future__ import annotations
@@ -252,7 +324,7 @@ class BaseConfig:
     disable_progress_bar: bool = _opt(False, "Hide the rich progress bar (logs still print)")
     progress_interval: float = _opt(30.0, "Seconds between plain progress lines (step/total, rate, ETA, last loss) when output is not a terminal (a pipe, a CI log, a file), where no bar is drawn")
     max_nonfinite_steps: int = _opt(5, "Steps in a row with a non-finite loss, reward or gradient (each skipped) before the run stops after a checkpoint")
-    # -- protecting earlier skills (policy-optimisation stages: dpo, simpo, orpo, kto, grpo, ppo)
+    # -- protecting earlier skills (policy-optimisation stages: the DPO family, kto and the online stages)
     ewc_lambda: float = _opt(0.0, "Elastic weight consolidation: lambda/2 * sum_i F_i (theta_i - theta0_i)^2 pulls trainable weights towards this stage's starting weights, F = diagonal Fisher on ewc_dataset (0: off)")
     ewc_dataset: str = _opt("", "SFT-format dataset whose likelihood EWC protects (the pipeline fills in its sft stage's dataset)")
     ewc_samples: int = _opt(64, "Examples of ewc_dataset used to estimate the diagonal Fisher")
@@ -323,7 +395,8 @@ class BaseConfig:
             _check(self.stage in ("dpo", "simpo", "orpo", "kto", "grpo", "rloo", "reinforce_pp", "online_dpo", "distill",
                                   "ppo"),
                    "ewc_lambda",
-                   "only applies to policy-optimisation stages (dpo, simpo, orpo, kto, grpo, ppo); set it to 0 here")
+                   "only applies to policy-optimisation stages (dpo, simpo, orpo, kto, grpo, rloo, reinforce_pp, "
+                   "online_dpo, distill, ppo); set it to 0 here")
             _check(bool(self.ewc_dataset.strip()), "ewc_dataset", "must name the SFT dataset EWC protects when ewc_lambda > 0")
 
     @property
@@ -476,7 +549,8 @@ class KTOConfig(BaseConfig):
 
 @dataclass
 class OnlineRLConfig(BaseConfig):
-    """What GRPO and PPO share: sampling of rollouts and the reward functions that score them."""
+    """What the online stages (grpo, rloo, reinforce_pp, online_dpo, distill, ppo) share: sampling of rollouts and
+    the reward functions that score them."""
 
     max_completion_length: int = _opt(64, "Token budget per sampled completion")
     temperature: float = _opt(1.0, "Sampling temperature for rollouts (the loss uses the same scaled log-probs)")
@@ -1982,7 +2056,7 @@ class TrainingLogger:
 
 
 # -- checkpoint state that is not a model: optimizer, scheduler, RNG, trainer position.
-# Everything is stored as safetensors + JSON; nothing is pickled (DESIGN.md section 3).
+# Everything is stored as safetensors + JSON; nothing is pickled (docs/architecture.md, conventions).
 
 
 def optimizer_state_to_safetensors(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -4181,7 +4255,7 @@ def _encode_prompt(formatter: ChatFormatter, record: dict[str, Any], cutoff_len:
 
 
 class GRPODataset(_EncodedRecords):
-    """Prompts for online RL (GRPO and PPO): prompt-only records, lists of prompt strings, or
+    """Prompts for online RL (every sampled stage, GRPO to PPO): prompt-only records, lists of prompt strings, or
     ``{"prompt", "answer", "verifiable"}``. Items: ``{"prompt_ids", "answer", "verifiable",
     "messages", "system"}``; prompts longer than ``cutoff_len`` keep their end and are counted."""
 
@@ -8693,7 +8767,7 @@ def train_prm(config: ProcessRewardModelConfig, devices: DeviceManager | None = 
     return ProcessRewardModelTrainer(config, model, train, eval_dataset=validation, devices=devices).train()
 
 
-# ---- Reference-model trainers, shared steps (DPO family, KTO; GRPO and PPO build on _ReferenceTrainer) ----
+# ---- Reference-model trainers, shared steps (DPO family, KTO; the online stages build on _ReferenceTrainer) ----
 
 
 @dataclass
@@ -9031,7 +9105,7 @@ def train_kto(config: KTOConfig, devices: DeviceManager | None = None) -> TrainR
     return _train_policy_stage(config, devices, KTOTrainer)
 
 
-# ---- Online RL, shared steps: rollouts, sampling, rewards (GRPO, PPO) ----
+# ---- Online RL, shared steps: rollouts, sampling, rewards (GRPO, RLOO, REINFORCE++, online DPO, distill, PPO) ----
 
 
 @dataclass
@@ -9106,7 +9180,7 @@ def disable_dropout(model: nn.Module) -> None:
 
 
 class _OnlineRLTrainer(_ReferenceTrainer):
-    """Shared by GRPO and PPO: prompts -> sampled completions -> rewards -> a :class:`Rollout` that
+    """Shared by every online stage: prompts -> sampled completions -> rewards -> a :class:`Rollout` that
     feeds ``steps_per_rollout`` optimizer steps. A resumed run samples the interrupted rollout again
     from its prompts (with the restored RNG) and skips the steps it had already taken."""
 
@@ -11650,7 +11724,7 @@ class RLHFOrchestrator:
         return self.run_stage("prm")
 
     def run_policy_optimization(self, method: str = "dpo") -> dict[str, Any]:
-        """One policy-optimisation stage (dpo, simpo, orpo, kto, grpo or ppo) from the current policy."""
+        """One policy-optimisation stage (any of POLICY_OPTIMISATION_STAGES: dpo ... ppo) from the current policy."""
         _check_choice(method, POLICY_OPTIMISATION_STAGES, "method")
         return self.run_stage(method)
 
@@ -12645,7 +12719,8 @@ def _build_parser() -> Any:
     import model_merging
 
     parser = argparse.ArgumentParser(prog="rlhf", description="Post-training for causal language models: "
-                                     "SFT, reward and process-reward models, DPO/SimPO/ORPO/KTO, GRPO and PPO.",
+                                     "SFT, reward and process-reward models, DPO/SimPO/ORPO/KTO, online RL (GRPO, RLOO, "
+                                     "REINFORCE++, online DPO, distillation, PPO).",
                                      epilog="LLaMA-Factory style: `rlhf --config FILE` and `rlhf train FILE` run the "
                                      "stage named by the file's `stage:` key.\n`rlhf COMMAND --help` lists every "
                                      "option of a command.",

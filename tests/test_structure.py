@@ -1,5 +1,6 @@
-"""The module map and DESIGN.md conventions: the table of contents in rlhf.py's docstring matches the
-section banners, listed names exist (and live in their section), and the safety conventions hold."""
+"""The module map and its conventions (docs/architecture.md): the table of contents in rlhf.py's docstring
+matches the section banners and lists every public name in the section that defines it, and the safety
+conventions hold."""
 
 from __future__ import annotations
 
@@ -13,24 +14,32 @@ import pytest
 
 import rlhf
 
-TOC_LINE = re.compile(r"^\s+(\d+)\. (.+?) — (.+)$")
+TOC_SECTION = re.compile(r"^  (\d+)\. (.+)$")
+TOC_NAMES = re.compile(r"^ {7}(?!add: )(\S.*)$")
 BANNER = re.compile(r"^# ==== (\d+)\. (.+) ====$")
 MODULES = ("rlhf.py", "inference_optimizations.py", "model_merging.py")
 
 
-def table_of_contents() -> list[tuple[int, str, list[str]]]:
+def _toc_sections() -> list[tuple[int, str, list[str], str]]:
+    """(number, title, names, add clause) per section: a ``  N. Title`` line, then its names (comma-separated,
+    indented 7), then an ``add:`` clause (indented 7, continued at 12) that ends the names."""
     doc = rlhf.__doc__ or ""
     start = doc.index("Table of contents")
-    entries = []
+    entries: list[tuple[int, str, list[str], list[str]]] = []
     for line in doc[start:].splitlines()[1:]:
-        match = TOC_LINE.match(line)
-        if not match:
-            if entries:
-                break
-            continue
-        names = [name.strip() for name in match[3].split(",")]
-        entries.append((int(match[1]), match[2], names))
-    return entries
+        if match := TOC_SECTION.match(line):
+            entries.append((int(match[1]), match[2], [], []))
+        elif entries and (line.strip().startswith("add: ") or (entries[-1][3] and line.startswith(" " * 12))):
+            entries[-1][3].append(line.strip())
+        elif entries and not entries[-1][3] and (match := TOC_NAMES.match(line)):
+            entries[-1][2].extend(name.strip() for name in match[1].split(",") if name.strip())
+        elif entries:
+            break
+    return [(number, title, names, " ".join(add)) for number, title, names, add in entries]
+
+
+def table_of_contents() -> list[tuple[int, str, list[str]]]:
+    return [(number, title, names) for number, title, names, _ in _toc_sections()]
 
 
 def banners(source: str) -> list[tuple[int, str, int]]:
@@ -97,6 +106,26 @@ def test_toc_names_live_in_their_section(source):
     assert not misplaced
 
 
+def test_toc_lists_every_public_class_and_function(source):
+    """Every public class and function rlhf.py defines is in the table of contents, under its own section (the
+    placement test above checks the section), and every section says what a contributor adds there."""
+    listed = {name for _, _, names in table_of_contents() for name in names}
+    tree = _parsed(rlhf.__file__)
+    public = [node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))
+              and not node.name.startswith("_")]
+    assert not [name for name in public if name not in listed]
+    assert all(add.startswith("add: ") and len(add) > 10 for _, _, _, add in _toc_sections())
+
+
+def test_no_file_cites_a_map_outside_the_repository(repo):
+    """The map is docs/architecture.md; the design document beside the project is not in a clone."""
+    outside_map = "DESIGN" + ".md"
+    cited = [str(path.relative_to(repo)) for pattern in ("*.py", "tests/*.py", "docs/**/*.md", "*.md")
+             for path in repo.glob(pattern) if outside_map in path.read_text(encoding="utf-8")]
+    assert not cited
+    assert (repo / "docs" / "architecture.md").exists()
+
+
 def test_imported_toc_names_come_from_sibling_modules():
     import inference_optimizations
 
@@ -107,7 +136,7 @@ def test_imported_toc_names_come_from_sibling_modules():
                 assert getattr(inference_optimizations, name, None) is obj or obj.__module__ == "model_merging"
 
 
-# ---------------------------------------------------------------- DESIGN.md section 3 conventions
+# ---------------------------------------------------------------- docs/architecture.md conventions
 
 
 @functools.cache
@@ -184,7 +213,7 @@ def test_trust_remote_code_defaults_false(repo):
 
 
 def test_no_assert_statements(repo):
-    """DESIGN.md: raise on user input, never ``assert`` (asserts vanish under ``python -O``)."""
+    """docs/architecture.md: raise on user input, never ``assert`` (asserts vanish under ``python -O``)."""
     tree = _tree(repo, "rlhf.py")
     asserts = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Assert)]
     assert not asserts, f"assert statements in rlhf.py at lines {asserts}"
