@@ -11,8 +11,9 @@ tasks, and on GPUs through accelerate.
 Table of contents: every public name, by section (each opens with a ``# ==== N. Title ====`` banner); "add:"
 says what a contributor adds there, and docs/architecture.md walks through each:
   0. Notation and registries
-       IGNORE_INDEX, RLHFInputError, TrainingInterrupted
-       add: a constant or error type every section shares
+       IGNORE_INDEX, RLHFInputError, TrainingInterrupted, POLICY_LOSS_AGGREGATIONS, PolicyLoss, POLICY_LOSSES,
+       register_policy_loss, policy_loss
+       add: a constant or error type every section shares, a registry whose entries live in later sections
   1. Configs
        BaseConfig, SFTConfig, RewardModelConfig, ProcessRewardModelConfig, DPOConfig, SimPOConfig, ORPOConfig,
        KTOConfig, OnlineRLConfig, GRPOConfig, RLOOConfig, ReinforcePPConfig, OnlineDPOConfig, DistillConfig, PPOConfig,
@@ -51,10 +52,11 @@ says what a contributor adds there, and docs/architecture.md walks through each:
        router_load_balancing_loss, causal_lm_loss_sum, causal_lm_loss_with, sequence_log_probs, PREFERENCE_LOSSES,
        dpo_loss, simpo_loss, orpo_loss, kto_loss, reward_model_loss, reward_boosting_weights, ewc_penalty, whiten,
        grpo_advantages, rloo_advantages, overlong_penalty, reinforce_pp_advantages, generalized_jsd_loss,
-       rollout_importance_weights, grpo_loss, compute_gae, ppo_policy_loss, ppo_value_loss, AdaptiveKLController,
-       FixedKLController
+       rollout_importance_weights, PolicyLossInputs, token_log_ratio, sequence_log_ratio, IMPORTANCE_LOG_RATIOS,
+       LossAggregation, LOSS_AGGREGATIONS, clipped_surrogate_loss, cispo_loss, grpo_loss, compute_gae,
+       ppo_policy_loss, ppo_value_loss, AdaptiveKLController, FixedKLController
        add: a loss or advantage estimator as a pure function citing its paper and equation; a DPO variant is a
-            PREFERENCE_LOSSES row, a GRPO aggregation a grpo_loss loss_type
+            PREFERENCE_LOSSES row, an RL policy loss a @register_policy_loss function of PolicyLossInputs
   6. Rewards
        exact_answer_reward, format_reward, length_penalty, CompositeReward, LearnedReward, ProcessReward,
        RewardAPIError, HTTPReward, Principle, ConstitutionalRewardWrapper, RewardFunctionFactory,
@@ -180,6 +182,75 @@ class TrainingInterrupted(KeyboardInterrupt):
     a config that starts over would delete). A KeyboardInterrupt still, so every handler of one sees it."""
 
 
+# An RL policy loss (the grpo stage's ``loss_type``; rloo and reinforce_pp use it too) is one registered function
+# of section 5's PolicyLossInputs, returning each token's loss (B, T), and an aggregation that says how the tokens
+# reduce to the step's loss; section 5's LOSS_AGGREGATIONS implements these, for the loss and the trainer alike.
+POLICY_LOSS_AGGREGATIONS = (
+    "sequence_mean",           # each sequence's token mean, then the mean over sequences (GRPO)
+    "micro_batch_token_mean",  # the token mean of each micro-batch, averaged over micro-batches (BNPO)
+    "step_token_mean",         # the token mean over the whole optimizer step (DAPO)
+    "fixed_length_sum",        # the sum over tokens / (B * max_completion_length) (Dr. GRPO)
+)
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """A registered RL policy loss: ``per_token(inputs: PolicyLossInputs) -> (B, T)`` losses before the KL term
+    and rollout importance weights, reduced by ``aggregation`` (POLICY_LOSS_AGGREGATIONS). ``token_level_only``
+    refuses GSPO's sequence-level ratio (importance_sampling_level sequence)."""
+
+    name: str
+    per_token: Callable[..., torch.Tensor]
+    aggregation: str
+    token_level_only: bool = False
+
+
+POLICY_LOSSES: dict[str, PolicyLoss] = {}  # section 5 registers grpo, bnpo, dapo, dr_grpo and cispo
+
+
+def register_policy_loss(name: str, *, aggregation: str, token_level_only: bool = False) -> Callable:
+    """Decorator: register ``fn(inputs) -> per-token loss`` as the policy loss ``name`` (SkyRL's
+    ``@register_policy_loss``). A user's module registers its own and the config names it as
+    ``loss_type: mypkg.losses:my_loss``: the module is imported, which registers the loss."""
+    if aggregation not in POLICY_LOSS_AGGREGATIONS:
+        raise ValueError(f"policy loss {name!r}: aggregation {aggregation!r}; valid: "
+                         f"{', '.join(POLICY_LOSS_AGGREGATIONS)}")
+
+    def register(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        POLICY_LOSSES[name] = PolicyLoss(name, fn, aggregation, token_level_only)
+        return fn
+
+    return register
+
+
+def policy_loss(name: str) -> PolicyLoss:
+    """The policy loss a config's ``loss_type`` names: a registered name, or ``module:function`` whose module
+    registers it when imported (under the function's name or ``module:function``)."""
+    if name in POLICY_LOSSES:
+        return POLICY_LOSSES[name]
+    if ":" not in str(name):
+        hint = difflib.get_close_matches(str(name), POLICY_LOSSES, n=1)
+        suggestion = f" (did you mean '{hint[0]}'?)" if hint else ""
+        raise RLHFInputError(f"config field 'loss_type' is '{name}'{suggestion}; valid: {', '.join(POLICY_LOSSES)}, "
+                             f"or module:function registered with rlhf.register_policy_loss")
+    import importlib
+
+    module_name, _, attribute = name.partition(":")
+    try:
+        importlib.import_module(module_name)
+    except ImportError as error:
+        raise RLHFInputError(f"config field 'loss_type': cannot import {module_name!r} ({error}); put the module "
+                             f"on PYTHONPATH") from None
+    found = [loss for loss in POLICY_LOSSES.values()
+             if loss.name in (name, attribute) or (getattr(loss.per_token, "__module__", None) == module_name
+                                                   and getattr(loss.per_token, "__name__", None) == attribute)]
+    if not found:
+        raise RLHFInputError(f"config field 'loss_type': importing {module_name} registered no policy loss named "
+                             f"{attribute!r}; decorate it with @rlhf.register_policy_loss({attribute!r}, "
+                             f"aggregation=...)")
+    return found[0]
+
+
 def _default_cache_dir() -> Path:
     """Where the embedded model and tokenised datasets are cached (``RLHF_CACHE`` overrides)."""
     return Path(os.environ.get("RLHF_CACHE", Path.home() / ".cache" / "rlhf"))
@@ -204,7 +275,7 @@ FINETUNING_TYPES = ("full", "lora", "oft", "freeze")
 # Section 5's PREFERENCE_LOSSES implements exactly these (a test keeps the two in step).
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "kto_pair", "robust", "bco_pair", "exo_pair", "nca_pair", "sppo_hard",
                   "apo_zero", "apo_down")
-GRPO_LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo")  # section 5's grpo_loss aggregations
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo")  # the policy losses section 5 registers (POLICY_LOSSES)
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")  # sequence: GSPO
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")  # critic-free; PPO's is GAE
 ADVANTAGE_ESTIMATOR_ALIASES = {"group_norm": "grpo", "reinforce": "reinforce_pp",  # OpenRLHF's names
@@ -672,7 +743,7 @@ class GRPOConfig(OnlineRLConfig):
     beta: float = _opt(0.04, "Weight of the k3 KL penalty to the reference model (0: no reference model is loaded)")
     epsilon_low: float = _opt(0.2, "Lower clip range of the probability ratio")
     epsilon_high: float | None = _opt(None, "Upper clip range (DAPO's clip-higher; default: epsilon_low)")
-    loss_type: str = _opt("grpo", "Aggregation: grpo (per-sequence mean) | bnpo (per-micro-batch token mean) | dapo (token mean over the step) | dr_grpo (sum / (B * max_completion_length)) | cispo (MiniMax-M1: clipped importance weight times log-prob, token mean)")
+    loss_type: str = _opt("grpo", "Policy loss (POLICY_LOSSES): grpo (per-sequence mean) | bnpo (per-micro-batch token mean) | dapo (token mean over the step) | dr_grpo (sum / (B * max_completion_length)) | cispo (MiniMax-M1: clipped importance weight times log-prob, token mean) | module:function registered with rlhf.register_policy_loss")
     advantage_estimator: str = _opt("grpo", "grpo (group mean and std) | rloo (mean of the other completions) | reinforce_pp (token returns, KL in the reward, whitened over the batch) | reinforce_pp_baseline (group mean subtracted first)")
     importance_sampling_level: str = _opt("token", "token: a ratio per token | sequence: GSPO's length-normalised sequence ratio (use epsilon_low ~3e-4, epsilon_high ~4e-4)")
     environment: str | None = _opt(None, "Multi-turn tool use: calculator | http (environment_url) | module:function returning an Environment; tool outputs join the context and are never trained on")
@@ -722,7 +793,7 @@ class GRPOConfig(OnlineRLConfig):
                "draws extra prompts at random from the prompt set, which a streaming dataset cannot do: set streaming: false")
         _check(self.beta >= 0 and self.epsilon_low > 0 and self.epsilon_high > 0, "beta/epsilon_low/epsilon_high",
                "need beta >= 0 and positive clip ranges")
-        _check_choice(self.loss_type, GRPO_LOSS_TYPES, "loss_type")
+        loss_spec = policy_loss(self.loss_type)  # a registered name, or module:function registering one
         _check_choice(self.scale_rewards, REWARD_SCALES, "scale_rewards")
         _check(self.advantage_estimator != "gae", "advantage_estimator",
                "gae learns a critic: use the ppo stage (grpo, rloo and reinforce_pp are critic-free)")
@@ -731,8 +802,8 @@ class GRPOConfig(OnlineRLConfig):
         _check(not (self.advantage_estimator.startswith("reinforce_pp") and self.scale_rewards != "none"),
                "scale_rewards", f"must be none with advantage_estimator {self.advantage_estimator}: REINFORCE++ "
                f"whitens its token returns over the whole batch instead")
-        _check(not (self.loss_type == "cispo" and self.importance_sampling_level == "sequence"), "loss_type",
-               "cispo clips each token's importance weight: use importance_sampling_level token")
+        _check(not (loss_spec.token_level_only and self.importance_sampling_level == "sequence"), "loss_type",
+               f"{self.loss_type} clips each token's importance weight: use importance_sampling_level token")
         _check(self.num_iterations >= 1, "num_iterations", "must be >= 1")
         rollout = self.per_device_train_batch_size * self.gradient_accumulation_steps
         _check(rollout % self.num_generations == 0, "per_device_train_batch_size",
@@ -6853,6 +6924,108 @@ def rollout_importance_weights(trainer_logps: torch.Tensor, engine_logps: torch.
     return (weights * mask).detach(), metrics
 
 
+@dataclass
+class PolicyLossInputs:
+    """What every registered RL policy loss reads (POLICY_LOSSES). Shapes: ``logps``, ``old_logps``, ``log_ratio``
+    and ``mask`` (B, T); ``advantages`` (B, 1) or (B, T), broadcast over the tokens.
+
+    Args:
+        logps: the policy's per-token log-probs, with gradient.
+        old_logps: those of the policy that sampled (``logps`` detached when on-policy: ratio 1, with gradient).
+        log_ratio: the log importance ratio per token, clamped (IMPORTANCE_LOG_RATIOS: GSPO's is the sequence's).
+        advantages: per sequence (B, 1) or per token (B, T).
+        mask: 1 on completion tokens, in the log-probs' dtype.
+        epsilon_low, epsilon_high: the clip range of the ratio, [1 - epsilon_low, 1 + epsilon_high]."""
+
+    logps: torch.Tensor
+    old_logps: torch.Tensor
+    log_ratio: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+
+    @property
+    def ratio(self) -> torch.Tensor:
+        return torch.exp(self.log_ratio)
+
+    @property
+    def clipped_ratio(self) -> torch.Tensor:
+        return torch.clamp(self.ratio, 1 - self.epsilon_low, 1 + self.epsilon_high)
+
+
+def token_log_ratio(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """log pi_t - log pi_old_t per token (PPO's ratio), clamped. Shapes: (B, T) each -> (B, T)."""
+    return _clamped_log_ratio(logps, old_logps)
+
+
+def sequence_log_ratio(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GSPO (Zheng et al. 2025, eq. 7 in its GSPO-token form): every token's value is the length-normalised
+    sequence log-ratio mean_t(logp - old), with the gradient through its own log-prob: sg[s_i] + logp_t -
+    sg[logp_t]. Shapes: (B, T) each -> (B, T)."""
+    token = _clamped_log_ratio(logps, old_logps)
+    sequence = (token * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+    return sequence.detach() + logps - logps.detach()
+
+
+# importance_sampling_level -> the log-ratio every policy loss clips (a test keeps IMPORTANCE_SAMPLING_LEVELS in step)
+IMPORTANCE_LOG_RATIOS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "token": token_log_ratio, "sequence": sequence_log_ratio}
+
+
+@dataclass(frozen=True)
+class LossAggregation:
+    """How a policy loss's per-token losses reduce, in one place for the loss and the trainer. ``reduce(per_token,
+    mask, max_completion_length)`` is a micro-batch's loss; the trainer multiplies it by ``units(rows, tokens,
+    max_completion_length)`` and BaseTrainer divides the step's sum by the step's units, so accumulation gives the
+    loss of the whole step. ``per_micro_batch``: a mean within each micro-batch (BNPO), which the trainer rescales
+    when it skips rows."""
+
+    reduce: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+    units: Callable[[int, int, int], int]
+    per_micro_batch: bool = False
+
+
+def _sequence_mean(per_token: torch.Tensor, mask: torch.Tensor, max_completion_length: int) -> torch.Tensor:
+    return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+
+
+def _token_mean(per_token: torch.Tensor, mask: torch.Tensor, max_completion_length: int) -> torch.Tensor:
+    return _masked_mean(per_token, mask)
+
+
+def _fixed_length_sum(per_token: torch.Tensor, mask: torch.Tensor, max_completion_length: int) -> torch.Tensor:
+    return (per_token * mask).sum() / (per_token.shape[0] * max_completion_length)
+
+
+LOSS_AGGREGATIONS: dict[str, LossAggregation] = {  # one row per POLICY_LOSS_AGGREGATIONS name
+    "sequence_mean": LossAggregation(_sequence_mean, lambda rows, tokens, length: rows),
+    "micro_batch_token_mean": LossAggregation(_token_mean, lambda rows, tokens, length: 1, per_micro_batch=True),
+    "step_token_mean": LossAggregation(_token_mean, lambda rows, tokens, length: tokens),
+    "fixed_length_sum": LossAggregation(_fixed_length_sum, lambda rows, tokens, length: rows * length),
+}
+
+
+def clipped_surrogate_loss(inputs: PolicyLossInputs) -> torch.Tensor:
+    """GRPO's per-token objective, Shao et al. 2024 eq. 3 (PPO's clipped surrogate): -min(rho A, clip(rho, 1 -
+    eps_low, 1 + eps_high) A). Shapes: -> (B, T)."""
+    advantage = inputs.advantages
+    return -torch.min(inputs.ratio * advantage, inputs.clipped_ratio * advantage)
+
+
+def cispo_loss(inputs: PolicyLossInputs) -> torch.Tensor:
+    """CISPO (MiniMax-M1, 2025): every token keeps its gradient; the importance weight is clipped and detached
+    instead: -sg(clip(rho, 1 - eps_low, 1 + eps_high)) * A * logp. Shapes: -> (B, T)."""
+    return -inputs.clipped_ratio.detach() * inputs.advantages * inputs.logps
+
+
+# the built-in losses, in GRPO_LOSS_TYPES' order (a test keeps the two in step)
+for _name, _aggregation in (("grpo", "sequence_mean"), ("bnpo", "micro_batch_token_mean"), ("dapo", "step_token_mean"),
+                            ("dr_grpo", "fixed_length_sum")):
+    register_policy_loss(_name, aggregation=_aggregation)(clipped_surrogate_loss)
+register_policy_loss("cispo", aggregation="step_token_mean", token_level_only=True)(cispo_loss)
+
+
 def grpo_loss(per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor | None,
               ref_per_token_logps: torch.Tensor | None, advantages: torch.Tensor, completion_mask: torch.Tensor, *,
               epsilon_low: float = 0.2, epsilon_high: float = 0.2, beta: float = 0.04, loss_type: str = "grpo",
@@ -6860,9 +7033,10 @@ def grpo_loss(per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor |
               importance_sampling_level: str = "token") -> tuple[torch.Tensor, dict[str, float]]:
     """The clipped GRPO objective, Shao et al. 2024 eq. 3, per token: -min(rho A, clip(rho, 1 -
     eps_low, 1 + eps_high) A) + beta * KL, with the k3 estimator KL = exp(ref - logp) - (ref - logp) - 1
-    (Schulman 2020). Aggregation: ``grpo`` averages each sequence then the batch; ``bnpo`` / ``dapo``
-    (Yu et al. 2025 eq. 8) average over all tokens; ``dr_grpo`` (Liu et al. 2025) divides the sum by
-    B * max_completion_length. ``old_per_token_logps`` None means on-policy (rho = 1 with gradient).
+    (Schulman 2020). ``loss_type`` names a registered PolicyLoss (POLICY_LOSSES: the per-token
+    loss and its aggregation): ``grpo`` averages each sequence then the batch; ``bnpo`` / ``dapo`` (Yu et al. 2025
+    eq. 8) average over all tokens; ``dr_grpo`` (Liu et al. 2025) divides the sum by B * max_completion_length;
+    ``cispo`` below. ``old_per_token_logps`` None means on-policy (rho = 1 with gradient).
     ``importance_weights`` (rollout_importance_weights) scale each token's policy term: the rollout was
     sampled by another engine than the one whose log-probs the ratio uses.
     ``importance_sampling_level`` ``sequence`` is GSPO (Zheng et al. 2025, eq. 7 and its GSPO-token form):
@@ -6872,24 +7046,17 @@ def grpo_loss(per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor |
     instead: -sg(clip(rho, 1 - eps_low, 1 + eps_high)) * A * logp, aggregated as ``dapo`` (token mean).
     Advantages may be per token (B, T), as REINFORCE++'s are.
     Shapes: log-probs, mask and importance weights (B, T), advantages (B) or (B, T) -> scalar loss, metrics."""
-    if loss_type not in GRPO_LOSS_TYPES:
-        raise RLHFInputError(f"unknown GRPO loss_type '{loss_type}'; valid: {', '.join(GRPO_LOSS_TYPES)}")
-    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+    loss_spec = policy_loss(loss_type)
+    if importance_sampling_level not in IMPORTANCE_LOG_RATIOS:
         raise RLHFInputError(f"unknown importance_sampling_level '{importance_sampling_level}'; valid: "
-                             f"{', '.join(IMPORTANCE_SAMPLING_LEVELS)}")
+                             f"{', '.join(IMPORTANCE_LOG_RATIOS)}")
     mask = completion_mask.to(per_token_logps.dtype)
     old = per_token_logps.detach() if old_per_token_logps is None else old_per_token_logps
-    log_ratio = _clamped_log_ratio(per_token_logps, old)
-    if importance_sampling_level == "sequence":  # GSPO-token: value sg[s_i], gradient through each log pi_t
-        sequence = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
-        log_ratio = sequence.detach() + per_token_logps - per_token_logps.detach()
-    ratio = torch.exp(log_ratio)
-    advantage = advantages[:, None] if advantages.dim() == 1 else advantages
-    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
-    if loss_type == "cispo":
-        per_token_loss = -clipped.detach() * advantage * per_token_logps
-    else:
-        per_token_loss = -torch.min(ratio * advantage, clipped * advantage)
+    inputs = PolicyLossInputs(per_token_logps, old,
+                              IMPORTANCE_LOG_RATIOS[importance_sampling_level](per_token_logps, old, mask),
+                              advantages[:, None] if advantages.dim() == 1 else advantages, mask,
+                              epsilon_low, epsilon_high)
+    per_token_loss = loss_spec.per_token(inputs)
     if importance_weights is not None:
         per_token_loss = per_token_loss * importance_weights
     metrics: dict[str, float] = {}
@@ -6898,13 +7065,9 @@ def grpo_loss(per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor |
         kl = torch.exp(log_ratio) - log_ratio - 1
         per_token_loss = per_token_loss + beta * kl
         metrics["kl"] = float(_masked_mean(kl.detach(), mask))
-    if loss_type == "grpo":
-        loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
-    elif loss_type in ("bnpo", "dapo", "cispo"):
-        loss = _masked_mean(per_token_loss, mask)
-    else:
-        length = max_completion_length or per_token_logps.shape[1]
-        loss = (per_token_loss * mask).sum() / (per_token_logps.shape[0] * length)
+    loss = LOSS_AGGREGATIONS[loss_spec.aggregation].reduce(per_token_loss, mask,
+                                                           max_completion_length or per_token_logps.shape[1])
+    ratio, advantage = inputs.ratio, inputs.advantages
     low = ((ratio < 1 - epsilon_low) & (advantage < 0)).to(mask.dtype)
     high = ((ratio > 1 + epsilon_high) & (advantage > 0)).to(mask.dtype)
     metrics.update({"clip_ratio/low_mean": float(_masked_mean(low, mask)),
@@ -10007,14 +10170,10 @@ class GRPOTrainer(_OnlineRLTrainer):
         return logps
 
     def loss_units(self, batch: dict[str, torch.Tensor]) -> int:
-        loss_type = self.config.loss_type
-        if loss_type == "grpo":
-            return batch["input_ids"].shape[0]
-        if loss_type in ("dapo", "cispo"):  # normalised by the completion tokens of the whole step
-            return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
-        if loss_type == "dr_grpo":
-            return batch["input_ids"].shape[0] * self.config.max_completion_length
-        return 1  # bnpo: each micro-batch's token mean, averaged over micro-batches
+        """What the loss's aggregation normalises by (LOSS_AGGREGATIONS): sequences, completion tokens, ..."""
+        aggregation = LOSS_AGGREGATIONS[policy_loss(self.config.loss_type).aggregation]
+        tokens = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+        return aggregation.units(batch["input_ids"].shape[0], tokens, self.config.max_completion_length)
 
     def _rows_that_train(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], float]:
         """The micro-batch without the rows whose gradient is exactly zero, and the share of its completion
@@ -10050,9 +10209,9 @@ class GRPOTrainer(_OnlineRLTrainer):
                                   importance_sampling_level=config.importance_sampling_level)
         metrics["entropy"] = float(_masked_mean(head.entropy(scores.detach(), config.temperature), mask.float()))
         metrics["skipped_rows_frac"] = 1.0 - batch["input_ids"].shape[0] / rows
-        # every type but bnpo returns a sum over rows or tokens (times loss_units), which the skipped rows add
-        # nothing to; bnpo's token mean is over the whole micro-batch, so it is rescaled to that many tokens
-        if config.loss_type == "bnpo":
+        # every aggregation but a micro-batch mean returns a sum over rows or tokens (times loss_units), which the
+        # skipped rows add nothing to; bnpo's token mean is over the whole micro-batch: rescaled to that many tokens
+        if LOSS_AGGREGATIONS[policy_loss(config.loss_type).aggregation].per_micro_batch:
             loss = loss * token_share
         return loss * self.loss_units(batch), {**metrics, **self._pop_rollout_metrics()}
 

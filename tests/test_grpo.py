@@ -380,6 +380,34 @@ def test_skipping_zero_gradient_rows_leaves_the_gradient_unchanged(loss_type, tm
         torch.testing.assert_close(grads_skipped[name], want, atol=1e-6 * scale, rtol=1e-5, msg=name)
 
 
+def test_a_registered_policy_loss_trains_through_the_trainer(tmp_path, tiny_model_dir, prompts, monkeypatch):
+    """A loss a user registers (here DAPO's surrogate under another name and module) gives the trainer the same
+    loss and gradient as the built-in: the trainer reads the loss and its normaliser from the registry alone."""
+    (tmp_path / "same_as_dapo.py").write_text(
+        "import rlhf\n"
+        "token_mean_surrogate = rlhf.register_policy_loss('token_mean_surrogate', aggregation='step_token_mean')("
+        "rlhf.clipped_surrogate_loss)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(rlhf, "POLICY_LOSSES", dict(rlhf.POLICY_LOSSES))
+    results = {}
+    for loss_type in ("dapo", "same_as_dapo:token_mean_surrogate"):
+        trainer = _trainer(_config(tmp_path / loss_type.replace(":", "_"), tiny_model_dir, loss_type=loss_type,
+                                   max_completion_length=10, per_device_train_batch_size=4,
+                                   gradient_accumulation_steps=2), prompts, Length())
+        torch.manual_seed(1)
+        rollout = trainer.make_rollout([prompts[0], prompts[5]])
+        batch = rollout.micro_batches(4)[0]
+        loss, _ = trainer.compute_loss(batch)
+        loss.backward()
+        results[loss_type] = (rollout, float(loss), trainer.loss_units(batch),
+                              {n: p.grad.detach().clone() for n, p in trainer.policy.model.named_parameters()})
+    (a, loss_a, units_a, grads_a), (b, loss_b, units_b, grads_b) = results.values()
+    assert torch.equal(a.input_ids, b.input_ids) and units_a == units_b > 4  # completion tokens, not rows
+    assert loss_b == loss_a
+    for name, want in grads_a.items():
+        assert torch.equal(grads_b[name], want), name
+
+
 def test_skipping_keeps_one_row_and_never_skips_under_a_kl_term(tmp_path, tiny_model_dir, prompts):
     """With every advantage 0 one row still runs (each process must run a forward and backward for its
     collectives), contributing nothing; with beta > 0 the KL term gives every row a gradient: none is skipped."""

@@ -353,3 +353,58 @@ def test_overlong_penalty_by_hand():
     torch.testing.assert_close(rlhf.overlong_penalty(lengths, 10, 4, 0.5),
                                torch.tensor([0.0, 0.0, -0.125, -0.25, -0.5, -0.5]))
     assert torch.equal(rlhf.overlong_penalty(lengths, 10, 0), torch.zeros(6))  # buffer 0: off
+
+
+# -- the policy-loss registry --------------------------------------------------------------------------------------
+
+
+def test_the_policy_loss_registry_is_in_step_with_the_config_choices():
+    assert tuple(rlhf.POLICY_LOSSES)[:len(rlhf.GRPO_LOSS_TYPES)] == rlhf.GRPO_LOSS_TYPES
+    assert tuple(rlhf.LOSS_AGGREGATIONS) == rlhf.POLICY_LOSS_AGGREGATIONS
+    assert tuple(rlhf.IMPORTANCE_LOG_RATIOS) == rlhf.IMPORTANCE_SAMPLING_LEVELS
+    assert {name: loss.aggregation for name, loss in rlhf.POLICY_LOSSES.items() if name in rlhf.GRPO_LOSS_TYPES} == {
+        "grpo": "sequence_mean", "bnpo": "micro_batch_token_mean", "dapo": "step_token_mean",
+        "dr_grpo": "fixed_length_sum", "cispo": "step_token_mean"}
+    assert [n for n, loss in rlhf.POLICY_LOSSES.items() if loss.token_level_only] == ["cispo"]
+
+
+USER_LOSSES = '''
+import rlhf
+
+
+@rlhf.register_policy_loss("vanilla_pg", aggregation="step_token_mean")
+def vanilla_policy_gradient(inputs):
+    """REINFORCE without a ratio or clip: -A * logp per token."""
+    return -inputs.advantages * inputs.logps
+
+
+def not_registered(inputs):
+    return inputs.logps
+'''
+
+
+def test_a_users_policy_loss_is_named_by_module_and_function(tmp_path, monkeypatch):
+    (tmp_path / "my_policy_losses.py").write_text(USER_LOSSES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(rlhf, "POLICY_LOSSES", dict(rlhf.POLICY_LOSSES))  # the registration stays in this test
+    config = rlhf.GRPOConfig(model_name_or_path="tiny", reward_funcs=["format"],
+                             loss_type="my_policy_losses:vanilla_policy_gradient")
+    loss = rlhf.policy_loss(config.loss_type)
+    assert loss.name == "vanilla_pg" and loss.aggregation == "step_token_mean"
+    assert rlhf.policy_loss("my_policy_losses:vanilla_pg") is loss  # by its registered name too
+    # hand value: tokens (-1, -2 | -0.5) with advantages (2 | -1): -(2*-1 + 2*-2 + -1*-0.5) / 3 tokens
+    logps = torch.tensor([[-1.0, -2.0], [-0.5, -0.5]], requires_grad=True)
+    mask = torch.tensor([[1, 1], [1, 0]])
+    value, _ = rlhf.grpo_loss(logps, None, None, torch.tensor([2.0, -1.0]), mask, beta=0.0,
+                              loss_type=config.loss_type)
+    assert float(value) == pytest.approx(-(2 * -1.0 + 2 * -2.0 + -1 * -0.5) / 3)
+    value.backward()
+    torch.testing.assert_close(logps.grad, torch.tensor([[-2 / 3, -2 / 3], [1 / 3, 0.0]]))
+    with pytest.raises(rlhf.RLHFInputError, match="registered no policy loss named 'not_registered'"):
+        rlhf.GRPOConfig(model_name_or_path="tiny", reward_funcs=["format"], loss_type="my_policy_losses:not_registered")
+    with pytest.raises(rlhf.RLHFInputError, match="cannot import 'no_such_module_here'"):
+        rlhf.GRPOConfig(model_name_or_path="tiny", reward_funcs=["format"], loss_type="no_such_module_here:loss")
+    with pytest.raises(rlhf.RLHFInputError, match="did you mean 'dapo'"):
+        rlhf.GRPOConfig(model_name_or_path="tiny", reward_funcs=["format"], loss_type="dapoo")
+    with pytest.raises(ValueError, match="aggregation 'mean'"):
+        rlhf.register_policy_loss("bad", aggregation="mean")
