@@ -12,16 +12,15 @@ Table of contents: every public name, by section (each opens with a ``# ==== N. 
 says what a contributor adds there, and docs/architecture.md walks through each:
   0. Notation and registries
        IGNORE_INDEX, RLHFInputError, TrainingInterrupted, POLICY_LOSS_AGGREGATIONS, PolicyLoss, POLICY_LOSSES,
-       register_policy_loss, policy_loss
+       register_policy_loss, policy_loss, Stage, STAGES, register_stage
        add: a constant or error type every section shares, a registry whose entries live in later sections
   1. Configs
-       BaseConfig, SFTConfig, RewardModelConfig, ProcessRewardModelConfig, DPOConfig, SimPOConfig, ORPOConfig,
-       KTOConfig, OnlineRLConfig, GRPOConfig, RLOOConfig, ReinforcePPConfig, OnlineDPOConfig, DistillConfig, PPOConfig,
-       parse_overrides, read_yaml, build_config, load_config, save_config, config_help, PipelineConfig,
-       get_7b_model_config, get_70b_model_config, count_parameters, model_architecture, count_lora_parameters,
-       estimate_memory
-       add: a stage's config (a dataclass under OnlineRLConfig or BaseConfig, every field _opt(default, help)), its row
-            in STAGE_CONFIGS, a LLaMA-Factory or TRL key in LLAMAFACTORY_RENAMES / TRL_OPENRLHF_RENAMES
+       BaseConfig, OnlineRLConfig, parse_overrides, read_yaml, build_config, load_config, save_config, config_help,
+       PipelineConfig, get_7b_model_config, get_70b_model_config, count_parameters, model_architecture,
+       count_lora_parameters, estimate_memory
+       add: a field every stage shares (BaseConfig) or every sampling stage shares (OnlineRLConfig), a pipeline key, a
+            LLaMA-Factory or TRL key in LLAMAFACTORY_RENAMES / TRL_OPENRLHF_RENAMES (a stage's own config lives in its
+            section 7 slice)
   2. Infrastructure
        rich_console, setup_logging, logging_restored, set_seed, weight_sharding, DeviceManager, smoothed, plot_metrics,
        PlainProgress, TrainingLogger, optimizer_state_to_safetensors, optimizer_state_from_safetensors,
@@ -53,8 +52,8 @@ says what a contributor adds there, and docs/architecture.md walks through each:
        dpo_loss, simpo_loss, orpo_loss, kto_loss, reward_model_loss, reward_boosting_weights, ewc_penalty, whiten,
        grpo_advantages, rloo_advantages, overlong_penalty, reinforce_pp_advantages, generalized_jsd_loss,
        rollout_importance_weights, PolicyLossInputs, token_log_ratio, sequence_log_ratio, IMPORTANCE_LOG_RATIOS,
-       LossAggregation, LOSS_AGGREGATIONS, clipped_surrogate_loss, cispo_loss, grpo_loss, compute_gae,
-       ppo_policy_loss, ppo_value_loss, AdaptiveKLController, FixedKLController
+       LossAggregation, LOSS_AGGREGATIONS, clipped_surrogate_loss, cispo_loss, grpo_loss, compute_gae, ppo_policy_loss,
+       ppo_value_loss, AdaptiveKLController, FixedKLController
        add: a loss or advantage estimator as a pure function citing its paper and equation; a DPO variant is a
             PREFERENCE_LOSSES row, an RL policy loss a @register_policy_loss function of PolicyLossInputs
   6. Rewards
@@ -66,14 +65,16 @@ says what a contributor adds there, and docs/architecture.md walks through each:
             (Environment subclass, environment_factory)
   7. Trainers
        group_by_length, ResumableBatchSampler, close_loss_scaler_step, TrainingDivergedError, TrainResult,
-       RouterAuxLoss, BaseTrainer, evaluate_exact_match, read_stage_records, check_model_paths, SFTTrainer,
-       read_sft_records, build_sft_data, train_sft, PairScores, RewardModelTrainer, train_rm, ProcessRewardModelTrainer,
-       train_prm, PolicyLogProbs, precompute_ref_log_probs, DPOTrainer, train_dpo, KTOTrainer, train_kto, Rollout,
-       token_entropy, disable_dropout, GRPOTrainer, train_grpo, OnlineDPOTrainer, train_online_dpo, DistillTrainer,
-       check_same_vocabulary, train_distill, RolloutBuffer, PPOTrainer, train_ppo
-       add: a stage: its trainer (BaseTrainer, or _OnlineRLTrainer when it samples), a train_<stage> runner, rows in
-            STAGE_RECORD_KINDS and STAGE_RUNNERS, and POLICY_STAGES / POLICY_OPTIMISATION_STAGES when it trains a
-            policy (docs/architecture.md lists every place)
+       RouterAuxLoss, BaseTrainer, evaluate_exact_match, read_stage_records, check_model_paths, SFTConfig, SFTTrainer,
+       read_sft_records, build_sft_data, train_sft, RewardModelConfig, PairScores, RewardModelTrainer, train_rm,
+       ProcessRewardModelConfig, ProcessRewardModelTrainer, train_prm, PolicyLogProbs, precompute_ref_log_probs,
+       DPOConfig, SimPOConfig, ORPOConfig, DPOTrainer, SimPOTrainer, train_dpo, KTOConfig, KTOTrainer, train_kto,
+       Rollout, token_entropy, disable_dropout, GRPOConfig, RLOOConfig, ReinforcePPConfig, GRPOTrainer, train_grpo,
+       OnlineDPOConfig, OnlineDPOTrainer, train_online_dpo, DistillConfig, DistillTrainer, check_same_vocabulary,
+       train_distill, PPOConfig, RolloutBuffer, PPOTrainer, train_ppo, TrainingStage
+       add: a stage, as one slice: a reading map, its config (a dataclass on BaseConfig or OnlineRLConfig, every field
+            _opt(default, help)), its trainer (BaseTrainer, or _OnlineRLTrainer when it samples), a train_<stage>
+            runner, and register_stage(Stage(...)) after it (docs/development.md shows one)
   8. Evaluation
        kl_estimates, distinct_n, self_similarity, win_rate, RLHFEvaluator
        add: a metric of RLHFEvaluator
@@ -109,6 +110,7 @@ import contextlib
 import copy
 import dataclasses
 import difflib
+import enum
 import functools
 import gc
 import hashlib
@@ -130,7 +132,7 @@ import typing
 import uuid
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -249,6 +251,99 @@ def policy_loss(name: str) -> PolicyLoss:
                              f"{attribute!r}; decorate it with @rlhf.register_policy_loss({attribute!r}, "
                              f"aggregation=...)")
     return found[0]
+
+
+# A stage is one slice of section 7: a reading map, its config, trainer and runner, and one register_stage(Stage(...))
+# after the runner. Every list of stages the pipeline reads is a view of STAGES, so adding a stage is that slice.
+@dataclass(frozen=True)
+class Stage:
+    """A registered training stage.
+
+    Args:
+        name: its name in configs, on the command line and in reports (``stage: dpo``); ``config.stage``.
+        config: its config dataclass (a BaseConfig subclass).
+        runner: ``runner(config) -> TrainResult``, which trains it (``train_<stage>``).
+        trainer: the trainer class the runner builds.
+        record_kind: the record format its dataset is read as (load_records: sft, preference, kto or prompt).
+        makes_policy: its output is a policy the next pipeline stage starts from (a reward model's is a scorer).
+        optimises_policy: it improves a policy it starts from: capability gates, EWC and merges apply to it."""
+
+    name: str
+    config: type
+    runner: Callable[..., Any]
+    trainer: type
+    record_kind: str
+    makes_policy: bool = True
+    optimises_policy: bool = True
+
+
+STAGES: dict[str, Stage] = {}  # name -> Stage, in registration order (pipeline order)
+
+
+def register_stage(stage: Stage) -> Stage:
+    """Add a stage to STAGES (and so to every view below). Its config's ``stage`` must be its name."""
+    if getattr(stage.config, "stage", None) != stage.name:
+        raise ValueError(f"stage {stage.name!r}: {stage.config.__name__}.stage is {getattr(stage.config, 'stage', None)!r}")
+    STAGES[stage.name] = stage
+    return stage
+
+
+class _StageColumn(Mapping):
+    """A read-only view of one field of STAGES by stage name, in registration order."""
+
+    def __init__(self, field_name: str) -> None:
+        self.field_name = field_name
+
+    def __getitem__(self, name: str) -> Any:
+        return getattr(STAGES[name], self.field_name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(STAGES)
+
+    def __len__(self) -> int:
+        return len(STAGES)
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
+
+
+class _StagesWhere(Sequence):
+    """A read-only view of the names of the stages with a true flag, in registration order."""
+
+    def __init__(self, flag: str) -> None:
+        self.flag = flag
+
+    def _names(self) -> tuple[str, ...]:
+        return tuple(name for name, stage in STAGES.items() if getattr(stage, self.flag))
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._names()[index]
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    def __contains__(self, name: object) -> bool:
+        return name in STAGES and bool(getattr(STAGES[name], self.flag))
+
+    def __repr__(self) -> str:
+        return repr(self._names())
+
+
+STAGE_CONFIGS: Mapping[str, type[BaseConfig]] = _StageColumn("config")
+STAGE_RUNNERS: Mapping[str, Callable[[BaseConfig], TrainResult]] = _StageColumn("runner")
+STAGE_RECORD_KINDS: Mapping[str, str] = _StageColumn("record_kind")
+POLICY_STAGES: Sequence[str] = _StagesWhere("makes_policy")  # the next stage starts from their output
+POLICY_OPTIMISATION_STAGES: Sequence[str] = _StagesWhere("optimises_policy")  # gates, EWC and merges apply
+
+
+class _StageName(str, enum.Enum):
+    """Base of TrainingStage (section 7 builds it from STAGES): a str that prints as the plain stage name."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
 
 
 def _default_cache_dir() -> Path:
@@ -463,11 +558,9 @@ class BaseConfig:
                "a stream's validation set is its first val_size records; turn one of them off")
         _check(self.ewc_lambda >= 0 and self.ewc_samples > 0, "ewc_lambda/ewc_samples", "must be >= 0 / > 0")
         if self.ewc_lambda:
-            _check(self.stage in ("dpo", "simpo", "orpo", "kto", "grpo", "rloo", "reinforce_pp", "online_dpo", "distill",
-                                  "ppo"),
-                   "ewc_lambda",
-                   "only applies to policy-optimisation stages (dpo, simpo, orpo, kto, grpo, rloo, reinforce_pp, "
-                   "online_dpo, distill, ppo); set it to 0 here")
+            _check(self.stage in POLICY_OPTIMISATION_STAGES, "ewc_lambda",
+                   f"only applies to policy-optimisation stages ({', '.join(POLICY_OPTIMISATION_STAGES)}); set it to 0 "
+                   f"here")
             _check(bool(self.ewc_dataset.strip()), "ewc_dataset", "must name the SFT dataset EWC protects when ewc_lambda > 0")
 
     @property
@@ -476,146 +569,6 @@ class BaseConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-@dataclass
-class SFTConfig(BaseConfig):
-    """Supervised fine-tuning on prompt/response demonstrations."""
-
-    packing: bool = _opt(False, "Pack several examples per sequence; position ids restart so examples never see each other")
-    train_on_prompt: bool = _opt(False, "Also compute the loss on prompt tokens (default: only on responses)")
-    mask_history: bool = _opt(False, "In multi-turn records, train only on the last assistant turn")
-
-    stage: typing.ClassVar[str] = "sft"
-
-
-@dataclass
-class RewardModelConfig(BaseConfig):
-    """Reward model: a scalar head on a transformer, trained on chosen/rejected pairs."""
-
-    reward_head_hidden: int | None = _opt(None, "Hidden width of the 2-layer reward head (default: the backbone's hidden size)")
-    center_rewards_coefficient: float = _opt(0.0, "Weight of the reward-centring term mean((r_c + r_r)^2) (Eisenstein et al. 2023)")
-    ensemble_size: int = _opt(1, "Train this many reward models (seeds seed, seed+1, ...) and save them as an ensemble")
-    ensemble_strategy: str = _opt("seeds", "How ensemble members differ: seeds (the same pairs in each member's own "
-                                  "order) | boosting (each member trains on the pairs resampled by how likely the "
-                                  "members before it are to rank them wrong)")
-
-    stage: typing.ClassVar[str] = "rm"
-
-    def _validate(self) -> None:
-        super()._validate()
-        _check(self.center_rewards_coefficient >= 0, "center_rewards_coefficient", "must be >= 0")
-        _check(self.ensemble_size >= 1, "ensemble_size", "must be >= 1")
-        _check_choice(self.ensemble_strategy, ENSEMBLE_STRATEGIES, "ensemble_strategy")
-        if self.ensemble_strategy == "boosting":
-            _check(self.ensemble_size >= 2, "ensemble_strategy",
-                   "must be seeds when ensemble_size is 1 (boosting needs ensemble_size >= 2)")
-            _check(not self.streaming, "ensemble_strategy",
-                   "must be seeds with streaming (boosting resamples the training pairs in memory; set streaming=false)")
-        _check(self.reward_head_hidden is None or self.reward_head_hidden > 0, "reward_head_hidden", "must be > 0")
-
-
-@dataclass
-class ProcessRewardModelConfig(RewardModelConfig):
-    """Process reward model: a score per reasoning step, trained on chosen/rejected pairs (outcome
-    ranking of the aggregated step scores) plus per-step labels where the data has them."""
-
-    step_delimiter: str = _opt("\n", "Text that ends a reasoning step (escape sequences like \\n are understood)")
-    prm_aggregation: str = _opt("min", "How step scores make a response's score: min | product | last")
-    step_label_weight: float = _opt(1.0, "Weight of the per-step cross-entropy on labelled steps (0: outcome ranking only)")
-    prm_step_labeler: str = _opt("none", "Label steps without labels in the data: none | arithmetic (the demo's verifier)")
-
-    stage: typing.ClassVar[str] = "prm"
-
-    def _normalise(self) -> None:
-        super()._normalise()
-        if "\\" in self.step_delimiter:  # YAML/CLI users write \n for a newline
-            self.step_delimiter = self.step_delimiter.encode().decode("unicode_escape")
-
-    def _validate(self) -> None:
-        super()._validate()
-        _check(bool(self.step_delimiter), "step_delimiter", "must not be empty")
-        _check_choice(self.prm_aggregation, PRM_AGGREGATIONS, "prm_aggregation")
-        _check_choice(self.prm_step_labeler, ("none", "arithmetic"), "prm_step_labeler")
-        _check(self.step_label_weight >= 0, "step_label_weight", "must be >= 0")
-        _check(self.ensemble_size == 1, "ensemble_size", "must be 1 for a process reward model")
-
-
-@dataclass
-class DPOConfig(BaseConfig):
-    """Direct preference optimisation and its family (pref_loss), on chosen/rejected pairs."""
-
-    pref_beta: float = _opt(0.1, "beta: strength of the implicit KL regulariser (SimPO: reward scale, e.g. 2.0)")
-    pref_loss: str = _opt("sigmoid", "Loss: " + " | ".join(PREF_LOSSES))
-    pref_ftx: float = _opt(0.0, "Weight of the SFT (NLL) loss on chosen responses mixed into the preference loss")
-    pref_bco_weight: float = _opt(0.0, "Blend in the BCO pair loss with this weight: (loss + w * bco) / (1 + w)")
-    dpo_label_smoothing: float = _opt(0.0, "Label-flip rate for cDPO / robust / exo (0 to 0.5)")
-    ld_alpha: float | None = _opt(None, "LD-DPO: weight of response tokens beyond the chosen/rejected shared length (0-1)")
-    simpo_gamma: float = _opt(0.5, "SimPO target reward margin gamma")
-    ref_model: str | None = _opt(None, "Reference model directory (default: the starting model; LoRA uses the adapter-disabled base)")
-    precompute_ref_log_probs: bool = _opt(False, "Compute reference log-probs once before training and free the reference model")
-    share_prompt: bool = _opt(True, "Run each pair's prompt once and share its KV cache between chosen and rejected (off for Mamba and gradient checkpointing)")
-    padding_free: bool = _opt(True, "With share_prompt: pack each batch's pairs into rows without padding (prompt once, chosen and rejected as branches under a tree attention mask); sdpa / eager attention only, else share_prompt's KV-cache path")
-
-    stage: typing.ClassVar[str] = "dpo"
-
-    def _validate(self) -> None:
-        super()._validate()
-        _check_choice(self.pref_loss, PREF_LOSSES, "pref_loss")
-        _check(self.pref_beta > 0, "pref_beta", "must be > 0")
-        _check(self.pref_ftx >= 0 and self.pref_bco_weight >= 0, "pref_ftx/pref_bco_weight", "must be >= 0")
-        _check(0 <= self.dpo_label_smoothing < 0.5, "dpo_label_smoothing", "must be in [0, 0.5)")
-        _check(self.ld_alpha is None or 0 <= self.ld_alpha <= 1, "ld_alpha", "must be in [0, 1] (or omit it)")
-        _check(not (self.ref_model and not self.uses_reference), "ref_model",
-               f"is unused: pref_loss '{self.pref_loss}' is reference-free; remove ref_model, or choose a loss with a "
-               f"reference (e.g. sigmoid)")
-
-    @property
-    def uses_reference(self) -> bool:
-        return self.pref_loss not in ("orpo", "simpo")
-
-
-@dataclass
-class SimPOConfig(DPOConfig):
-    """SimPO: reference-free preference optimisation on length-averaged log-probs with a target margin."""
-
-    pref_loss: str = _opt("simpo", "Loss: simpo (the default here) or any of " + " | ".join(PREF_LOSSES))
-    pref_beta: float = _opt(2.0, "SimPO reward scale beta")
-
-    stage: typing.ClassVar[str] = "simpo"
-
-
-@dataclass
-class ORPOConfig(DPOConfig):
-    """ORPO: reference-free odds-ratio preference optimisation plus the SFT loss on chosen responses."""
-
-    pref_loss: str = _opt("orpo", "Loss: orpo (the default here) or any of " + " | ".join(PREF_LOSSES))
-
-    stage: typing.ClassVar[str] = "orpo"
-
-
-@dataclass
-class KTOConfig(BaseConfig):
-    """KTO: preference optimisation from single responses labelled desirable or undesirable."""
-
-    pref_beta: float = _opt(0.1, "beta: strength of the implicit KL regulariser")
-    kto_chosen_weight: float = _opt(1.0, "Weight of desirable examples (lambda_D)")
-    kto_rejected_weight: float = _opt(1.0, "Weight of undesirable examples (lambda_U)")
-    ref_model: str | None = _opt(None, "Reference model directory (default: the starting model; LoRA uses the adapter-disabled base)")
-    precompute_ref_log_probs: bool = _opt(False, "Compute reference log-probs once before training and free the reference model")
-
-    stage: typing.ClassVar[str] = "kto"
-    uses_reference: typing.ClassVar[bool] = True
-
-    def _validate(self) -> None:
-        super()._validate()
-        _check(self.pref_beta > 0, "pref_beta", "must be > 0")
-        _check(self.kto_chosen_weight > 0 and self.kto_rejected_weight > 0, "kto_chosen_weight/kto_rejected_weight",
-               "must be > 0")
-        if self.per_device_train_batch_size * self.gradient_accumulation_steps < 4:
-            logger.warning("KTO with %d examples per step: the KL reference point is estimated from that many "
-                           "mismatched pairs, so it will be noisy; LLaMA-Factory's examples use 8",
-                           self.per_device_train_batch_size * self.gradient_accumulation_steps)
 
 
 @dataclass
@@ -734,197 +687,6 @@ class OnlineRLConfig(BaseConfig):
             names.append("process_reward_model")
         return names
 
-
-@dataclass
-class GRPOConfig(OnlineRLConfig):
-    """GRPO: online RL from groups of sampled completions scored by reward functions (Shao et al. 2024)."""
-
-    num_generations: int = _opt(8, "Completions sampled per prompt (the group G)")
-    beta: float = _opt(0.04, "Weight of the k3 KL penalty to the reference model (0: no reference model is loaded)")
-    epsilon_low: float = _opt(0.2, "Lower clip range of the probability ratio")
-    epsilon_high: float | None = _opt(None, "Upper clip range (DAPO's clip-higher; default: epsilon_low)")
-    loss_type: str = _opt("grpo", "Policy loss (POLICY_LOSSES): grpo (per-sequence mean) | bnpo (per-micro-batch token mean) | dapo (token mean over the step) | dr_grpo (sum / (B * max_completion_length)) | cispo (MiniMax-M1: clipped importance weight times log-prob, token mean) | module:function registered with rlhf.register_policy_loss")
-    advantage_estimator: str = _opt("grpo", "grpo (group mean and std) | rloo (mean of the other completions) | reinforce_pp (token returns, KL in the reward, whitened over the batch) | reinforce_pp_baseline (group mean subtracted first)")
-    importance_sampling_level: str = _opt("token", "token: a ratio per token | sequence: GSPO's length-normalised sequence ratio (use epsilon_low ~3e-4, epsilon_high ~4e-4)")
-    environment: str | None = _opt(None, "Multi-turn tool use: calculator | http (environment_url) | module:function returning an Environment; tool outputs join the context and are never trained on")
-    environment_url: str | None = _opt(None, "environment http: the service's base URL (POST /reset and /step)")
-    environment_timeout: float = _opt(30.0, "environment http: seconds before one request times out")
-    environment_retries: int = _opt(3, "environment http: attempts per request (exponential backoff between them)")
-    max_turns: int = _opt(4, "With an environment: policy turns per episode at most")
-    max_turn_tokens: int | None = _opt(None, "With an environment: tokens one turn may generate (default: max_completion_length, which bounds the whole completion, tool outputs included)")
-    tool_format: str = _opt("tag", "tag: a call is the text between tool_tags and its output joins the turn inside tool_result_tags | chat_template: JSON calls (<tool_call>{...}</tool_call>) ending the turn, outputs rendered as the template's tool messages")
-    tool_tags: list[str] = _opt(["<calc>", "</calc>"], "tag format: the opening and closing tags of a tool call")
-    tool_result_tags: list[str] = _opt(["<result>", "</result>"], "tag format: the tags around a tool's output")
-    dynamic_sampling: bool = _opt(False, "DAPO: drop groups whose completions all scored alike and sample more prompts until the rollout holds its number of informative groups")
-    max_sampling_rounds: int = _opt(3, "dynamic_sampling: sampling rounds per rollout at most; groups still missing then are left out of the loss")
-    scale_rewards: str = _opt("group", "Divide centred rewards by the group's std (group), the batch's (batch) or nothing (none, Dr. GRPO)")
-    num_iterations: int = _opt(1, "Optimizer steps per rollout (mu); > 1 reuses it with stored old log-probs and clipping")
-    mask_truncated_completions: bool = _opt(False, "Leave completions that hit max_completion_length out of the loss (DAPO)")
-    share_prompt: bool = _opt(True, "Run each group's prompt once per micro-batch and share its KV cache among the G completions (off for Mamba and gradient checkpointing)")
-    padding_free: bool = _opt(True, "With share_prompt: pack each micro-batch's groups into rows (the prompt once, every completion a branch under a tree attention mask) when that is less work than padded completion rows; sdpa / eager attention only")
-    skip_zero_gradient_rows: bool = _opt(True, "Skip the forward and backward of completions that add exactly nothing to the update (with beta 0: zero advantage, e.g. a group scored alike, or no token left in the loss); the update is the same, entropy and clip metrics cover the rows that trained")
-
-    stage: typing.ClassVar[str] = "grpo"
-
-    def _normalise(self) -> None:
-        super()._normalise()
-        if self.epsilon_high is None:
-            self.epsilon_high = self.epsilon_low
-        self.advantage_estimator = ADVANTAGE_ESTIMATOR_ALIASES.get(self.advantage_estimator, self.advantage_estimator)
-
-    def _validate(self) -> None:
-        super()._validate()
-        _check(self.num_generations >= 2, "num_generations", "must be >= 2 (advantages compare completions of one prompt"
-               + ("; dynamic_sampling keeps groups whose completions scored differently)" if self.dynamic_sampling else ")"))
-        _check(self.max_sampling_rounds >= 1, "max_sampling_rounds", "must be >= 1")
-        if self.environment:
-            _check_choice(self.tool_format, TOOL_FORMATS, "tool_format")
-            _check(len(self.tool_tags) == 2 and len(self.tool_result_tags) == 2 and all(self.tool_tags),
-                   "tool_tags/tool_result_tags", "need two tags each: the opening one and the closing one")
-            _check(self.max_turns >= 1, "max_turns", "must be >= 1")
-            _check(self.max_turn_tokens is None or self.max_turn_tokens >= 1, "max_turn_tokens", "must be >= 1")
-            _check(self.environment != "http" or bool(self.environment_url), "environment_url",
-                   "is required with environment: http (the service's base URL)")
-            _check(self.environment_timeout > 0 and self.environment_retries >= 1,
-                   "environment_timeout/environment_retries", "need a positive timeout and at least one attempt")
-            _check(not self.use_vllm, "use_vllm", "does not run environments yet: multi-turn episodes sample with our "
-                   "engine (set use_vllm: false)")
-        _check(not (self.dynamic_sampling and self.streaming), "dynamic_sampling",
-               "draws extra prompts at random from the prompt set, which a streaming dataset cannot do: set streaming: false")
-        _check(self.beta >= 0 and self.epsilon_low > 0 and self.epsilon_high > 0, "beta/epsilon_low/epsilon_high",
-               "need beta >= 0 and positive clip ranges")
-        loss_spec = policy_loss(self.loss_type)  # a registered name, or module:function registering one
-        _check_choice(self.scale_rewards, REWARD_SCALES, "scale_rewards")
-        _check(self.advantage_estimator != "gae", "advantage_estimator",
-               "gae learns a critic: use the ppo stage (grpo, rloo and reinforce_pp are critic-free)")
-        _check_choice(self.advantage_estimator, ADVANTAGE_ESTIMATORS, "advantage_estimator")
-        _check_choice(self.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS, "importance_sampling_level")
-        _check(not (self.advantage_estimator.startswith("reinforce_pp") and self.scale_rewards != "none"),
-               "scale_rewards", f"must be none with advantage_estimator {self.advantage_estimator}: REINFORCE++ "
-               f"whitens its token returns over the whole batch instead")
-        _check(not (loss_spec.token_level_only and self.importance_sampling_level == "sequence"), "loss_type",
-               f"{self.loss_type} clips each token's importance weight: use importance_sampling_level token")
-        _check(self.num_iterations >= 1, "num_iterations", "must be >= 1")
-        rollout = self.per_device_train_batch_size * self.gradient_accumulation_steps
-        _check(rollout % self.num_generations == 0, "per_device_train_batch_size",
-               f"times gradient_accumulation_steps ({rollout}) must be a multiple of num_generations "
-               f"({self.num_generations}): each step trains on whole groups of completions")
-        _check(not (self.ref_model and self.beta == 0), "ref_model",
-               "is unused: with beta 0 GRPO has no KL term and loads no reference; remove ref_model, or set beta > 0")
-
-    @property
-    def uses_reference(self) -> bool:
-        return self.beta > 0
-
-
-@dataclass
-class RLOOConfig(GRPOConfig):
-    """RLOO (Ahmadian et al. 2024): GRPO's trainer with leave-one-out baselines, advantages not scaled."""
-
-    advantage_estimator: str = _opt("rloo", "grpo | rloo | reinforce_pp | reinforce_pp_baseline (see the grpo stage)")
-    scale_rewards: str = _opt("none", "Divide the advantages by the group's std (group), the batch's (batch) or nothing (none)")
-
-    stage: typing.ClassVar[str] = "rloo"
-
-
-@dataclass
-class ReinforcePPConfig(GRPOConfig):
-    """REINFORCE++ (Hu et al. 2025): token returns with the KL to the reference in the reward (beta is its
-    coefficient), whitened over the batch; no critic."""
-
-    advantage_estimator: str = _opt("reinforce_pp", "reinforce_pp | reinforce_pp_baseline (group mean first) | grpo | rloo")
-    scale_rewards: str = _opt("none", "Must stay none: REINFORCE++ whitens its returns over the batch")
-    beta: float = _opt(0.01, "Coefficient of the per-token KL penalty in the reward (k1 against the reference; 0: none)")
-
-    stage: typing.ClassVar[str] = "reinforce_pp"
-
-
-@dataclass
-class OnlineDPOConfig(OnlineRLConfig):
-    """Online DPO (Guo et al. 2024, "Direct language model alignment from online AI feedback"): two samples per
-    prompt from the current policy, ranked by the reward functions, trained with a DPO-family loss."""
-
-    pref_beta: float = _opt(0.1, "beta of the DPO-family loss (SimPO: reward scale, e.g. 2.0)")
-    pref_loss: str = _opt("sigmoid", "Loss on each ranked pair: " + " | ".join(DPO_LOSS_TYPES) + " | simpo")
-    dpo_label_smoothing: float = _opt(0.0, "Label-flip rate for cDPO / robust / exo (0 to 0.5)")
-    simpo_gamma: float = _opt(0.5, "SimPO target reward margin gamma")
-
-    stage: typing.ClassVar[str] = "online_dpo"
-
-    def _validate(self) -> None:
-        super()._validate()
-        _check(self.pref_loss != "orpo", "pref_loss", "orpo is not offered online: use sigmoid (DPO) or simpo")
-        _check_choice(self.pref_loss, DPO_LOSS_TYPES + ("simpo",), "pref_loss")
-        _check(self.pref_beta > 0, "pref_beta", "must be > 0")
-        _check(0 <= self.dpo_label_smoothing < 0.5, "dpo_label_smoothing", "must be in [0, 0.5)")
-
-    @property
-    def uses_reference(self) -> bool:
-        return self.pref_loss != "simpo"
-
-
-@dataclass
-class DistillConfig(OnlineRLConfig):
-    """On-policy distillation (GKD, Agarwal et al. 2024): the student learns the teacher's token distributions on
-    its own samples (a share lmbda of the steps) and on the dataset's responses (or the teacher's, seq_kd)."""
-
-    teacher_model: str | None = _opt(None, "The teacher: a model directory with the student's tokenizer (never trained)")
-    teacher_model_dtype: str = _opt("auto", "The teacher's dtype: auto (as the student's base) | float32 | bfloat16 | float16")
-    lmbda: float = _opt(0.5, "Share of steps that train on the student's own samples (on-policy); the rest on the dataset's responses")
-    beta: float = _opt(0.5, "Generalised Jensen-Shannon interpolation: 0 forward KL(teacher || student), 1 reverse KL(student || teacher)")
-    seq_kd: bool = _opt(False, "Off-policy steps train on the teacher's own samples instead of the dataset's responses (sequence-level KD)")
-
-    stage: typing.ClassVar[str] = "distill"
-    scored_by_rewards: typing.ClassVar[bool] = False
-    uses_reference: typing.ClassVar[bool] = False
-
-    def _validate(self) -> None:
-        super()._validate()
-        _check(bool(self.teacher_model), "teacher_model", "is required: the model to distil from (a directory)")
-        _check(0 <= self.lmbda <= 1 and 0 <= self.beta <= 1, "lmbda/beta", "must each lie in [0, 1]")
-        _check_choice(self.teacher_model_dtype, ("auto", "float32", "bfloat16", "float16"), "teacher_model_dtype")
-        _check(not self.streaming, "streaming", "is not offered for distill yet: set streaming: false")
-
-
-@dataclass
-class PPOConfig(OnlineRLConfig):
-    """PPO with a learned critic (Ziegler et al. 2019, Ouyang et al. 2022): per-token KL penalty in the
-    reward, GAE advantages, clipped policy and value losses; LLaMA-Factory's ppo_* options."""
-
-    ppo_epochs: int = _opt(4, "Passes over each experience buffer")
-    ppo_buffer_size: int = _opt(1, "Mini-batches (per_device_train_batch_size x gradient_accumulation_steps completions each) per experience buffer")
-    ppo_target: float = _opt(6.0, "Target KL (nats per sequence) of the adaptive KL controller")
-    ppo_score_norm: bool = _opt(False, "Normalise scores by their running mean/std")
-    ppo_whiten_rewards: bool = _opt(False, "Whiten the per-token rewards (keeping their mean) before GAE")
-    init_kl_coef: float = _opt(0.2, "Initial coefficient of the per-token KL penalty")
-    adap_kl_ctrl: bool = _opt(True, "Adapt the KL coefficient towards ppo_target (false: a fixed coefficient)")
-    kl_horizon: int = _opt(10000, "Horizon (in sequences) of the adaptive KL controller")
-    gamma: float = _opt(1.0, "Discount factor of GAE")
-    lam: float = _opt(0.95, "GAE lambda")
-    cliprange: float = _opt(0.2, "Clip range of the policy probability ratio")
-    cliprange_value: float = _opt(0.2, "Clip range of the value prediction around its rollout value")
-    vf_coef: float = _opt(0.1, "Weight of the value loss")
-    entropy_coef: float = _opt(0.0, "Weight of the entropy bonus")
-    whiten_advantages: bool = _opt(True, "Whiten advantages over each experience buffer")
-    value_model: str | None = _opt(None, "Separate critic: a model directory (e.g. the reward model). Default: a value head on the policy's backbone")
-
-    stage: typing.ClassVar[str] = "ppo"
-    uses_reference: typing.ClassVar[bool] = True
-
-    def _validate(self) -> None:
-        super()._validate()
-        for name in ("ppo_epochs", "ppo_buffer_size", "ppo_target", "kl_horizon", "cliprange", "cliprange_value"):
-            _check(getattr(self, name) > 0, name, "must be > 0")
-        for name in ("init_kl_coef", "vf_coef", "entropy_coef"):
-            _check(getattr(self, name) >= 0, name, "must be >= 0")
-        _check(0 < self.gamma <= 1 and 0 <= self.lam <= 1, "gamma/lam", "need 0 < gamma <= 1 and 0 <= lam <= 1")
-
-STAGE_CONFIGS: dict[str, type[BaseConfig]] = {"sft": SFTConfig, "rm": RewardModelConfig,
-                                              "prm": ProcessRewardModelConfig, "dpo": DPOConfig,
-                                              "simpo": SimPOConfig, "orpo": ORPOConfig, "kto": KTOConfig,
-                                              "grpo": GRPOConfig, "rloo": RLOOConfig,
-                                              "reinforce_pp": ReinforcePPConfig, "online_dpo": OnlineDPOConfig,
-                                              "distill": DistillConfig, "ppo": PPOConfig}
 
 # Stages the orchestrator runs after training, on the trained models. A model is named by the stage that
 # produced it ("sft", "rm", ...) or by a directory; prompts default to the pipeline's eval_dataset.
@@ -7923,6 +7685,8 @@ class BaseTrainer(CheckpointingMixin):
     def __init__(self, config: BaseConfig, policy: PolicyModel, train_dataset: Any, *, eval_dataset: Any = None,
                  devices: DeviceManager | None = None, collator: Callable | None = None) -> None:
         self.config = config
+        if self.stage in STAGES:  # a registered stage's trainer carries its TrainingStage (a custom one its name)
+            self.stage = TrainingStage(self.stage)
         self.policy = policy
         self.train_dataset = train_dataset
         self.eval_dataset = eval_dataset
@@ -8440,11 +8204,6 @@ def read_stage_records(config: BaseConfig, kind: str
     return train_records, val_records, eval_records
 
 
-STAGE_RECORD_KINDS = {"sft": "sft", "rm": "preference", "prm": "preference", "dpo": "preference", "simpo": "preference",
-                      "orpo": "preference", "kto": "kto", "grpo": "prompt", "rloo": "prompt", "reinforce_pp": "prompt",
-                      "online_dpo": "prompt", "distill": "sft", "ppo": "prompt"}
-
-
 def _streaming_dataset(cls: type[StreamingRecordDataset], config: BaseConfig, tokenizer: Any, formatter: ChatFormatter,
                        devices: DeviceManager, **kwargs: Any) -> StreamingRecordDataset:
     """The streaming twin of a stage's training set: the first dataset, sharded by rank, skipping the
@@ -8566,10 +8325,21 @@ def _start_stage(config: BaseConfig, devices: DeviceManager | None, records: tup
 
 
 # ---- SFT ----
-#   config: SFTConfig (section 1)
-#   runner: train_sft
+#   config: SFTConfig (below)
+#   runner: train_sft; registered by register_stage after it
 #   trainer: SFTTrainer.compute_loss
 #   loss: causal_lm_loss_with (section 5)
+
+
+@dataclass
+class SFTConfig(BaseConfig):
+    """Supervised fine-tuning on prompt/response demonstrations."""
+
+    packing: bool = _opt(False, "Pack several examples per sequence; position ids restart so examples never see each other")
+    train_on_prompt: bool = _opt(False, "Also compute the loss on prompt tokens (default: only on responses)")
+    mask_history: bool = _opt(False, "In multi-turn records, train only on the last assistant turn")
+
+    stage: typing.ClassVar[str] = "sft"
 
 
 class SFTTrainer(BaseTrainer):
@@ -8658,21 +8428,55 @@ def _check_packing_supported(policy: PolicyModel, config: SFTConfig) -> None:
 @_leaves_logging_as_found
 def train_sft(config: SFTConfig, devices: DeviceManager | None = None) -> TrainResult:
     """Run the SFT stage from a config: load model and data, train, evaluate, save."""
+    return _train_sft_stage(config, devices, SFTTrainer)
+
+
+def _train_sft_stage(config: SFTConfig, devices: DeviceManager | None, trainer_class: type[SFTTrainer]) -> TrainResult:
+    """What a stage that trains on SFT records runs: the policy, its datasets, the trainer (SFTTrainer or a subclass)."""
     records, devices = _start_stage(config, devices)
     policy = _load_policy(config, devices.device)
     _check_packing_supported(policy, config)
     formatter = chat_formatter(policy.tokenizer, config, policy)
     train, validation, eval_records = build_sft_data(config, policy.tokenizer, formatter, devices, records)
-    trainer = SFTTrainer(config, policy, train, eval_dataset=validation, eval_records=eval_records,
-                         formatter=formatter, devices=devices)
+    trainer = trainer_class(config, policy, train, eval_dataset=validation, eval_records=eval_records,
+                            formatter=formatter, devices=devices)
     return trainer.train()
 
 
+register_stage(Stage("sft", SFTConfig, train_sft, SFTTrainer, record_kind="sft", optimises_policy=False))
+
+
 # ---- Reward model ----
-#   config: RewardModelConfig (section 1)
-#   runner: train_rm (ensembles: _train_rm_ensemble)
+#   config: RewardModelConfig (below)
+#   runner: train_rm (ensembles: _train_rm_ensemble); registered by register_stage after it
 #   trainer: RewardModelTrainer.compute_loss -> _pair_losses
 #   loss: reward_model_loss (section 5)
+
+
+@dataclass
+class RewardModelConfig(BaseConfig):
+    """Reward model: a scalar head on a transformer, trained on chosen/rejected pairs."""
+
+    reward_head_hidden: int | None = _opt(None, "Hidden width of the 2-layer reward head (default: the backbone's hidden size)")
+    center_rewards_coefficient: float = _opt(0.0, "Weight of the reward-centring term mean((r_c + r_r)^2) (Eisenstein et al. 2023)")
+    ensemble_size: int = _opt(1, "Train this many reward models (seeds seed, seed+1, ...) and save them as an ensemble")
+    ensemble_strategy: str = _opt("seeds", "How ensemble members differ: seeds (the same pairs in each member's own "
+                                  "order) | boosting (each member trains on the pairs resampled by how likely the "
+                                  "members before it are to rank them wrong)")
+
+    stage: typing.ClassVar[str] = "rm"
+
+    def _validate(self) -> None:
+        super()._validate()
+        _check(self.center_rewards_coefficient >= 0, "center_rewards_coefficient", "must be >= 0")
+        _check(self.ensemble_size >= 1, "ensemble_size", "must be >= 1")
+        _check_choice(self.ensemble_strategy, ENSEMBLE_STRATEGIES, "ensemble_strategy")
+        if self.ensemble_strategy == "boosting":
+            _check(self.ensemble_size >= 2, "ensemble_strategy",
+                   "must be seeds when ensemble_size is 1 (boosting needs ensemble_size >= 2)")
+            _check(not self.streaming, "ensemble_strategy",
+                   "must be seeds with streaming (boosting resamples the training pairs in memory; set streaming=false)")
+        _check(self.reward_head_hidden is None or self.reward_head_hidden > 0, "reward_head_hidden", "must be > 0")
 
 
 @dataclass
@@ -8859,11 +8663,41 @@ def train_rm(config: RewardModelConfig, devices: DeviceManager | None = None) ->
     return _train_reward_model(config, devices)
 
 
+register_stage(Stage("rm", RewardModelConfig, train_rm, RewardModelTrainer, record_kind="preference",
+                     makes_policy=False, optimises_policy=False))
+
+
 # ---- Process reward model ----
-#   config: ProcessRewardModelConfig (section 1)
-#   runner: train_prm
+#   config: ProcessRewardModelConfig (below)
+#   runner: train_prm; registered by register_stage after it
 #   trainer: ProcessRewardModelTrainer.compute_loss -> _pair_losses
 #   loss: reward_model_loss on aggregate_step_scores, plus step-label BCE (sections 5, 4)
+
+
+@dataclass
+class ProcessRewardModelConfig(RewardModelConfig):
+    """Process reward model: a score per reasoning step, trained on chosen/rejected pairs (outcome
+    ranking of the aggregated step scores) plus per-step labels where the data has them."""
+
+    step_delimiter: str = _opt("\n", "Text that ends a reasoning step (escape sequences like \\n are understood)")
+    prm_aggregation: str = _opt("min", "How step scores make a response's score: min | product | last")
+    step_label_weight: float = _opt(1.0, "Weight of the per-step cross-entropy on labelled steps (0: outcome ranking only)")
+    prm_step_labeler: str = _opt("none", "Label steps without labels in the data: none | arithmetic (the demo's verifier)")
+
+    stage: typing.ClassVar[str] = "prm"
+
+    def _normalise(self) -> None:
+        super()._normalise()
+        if "\\" in self.step_delimiter:  # YAML/CLI users write \n for a newline
+            self.step_delimiter = self.step_delimiter.encode().decode("unicode_escape")
+
+    def _validate(self) -> None:
+        super()._validate()
+        _check(bool(self.step_delimiter), "step_delimiter", "must not be empty")
+        _check_choice(self.prm_aggregation, PRM_AGGREGATIONS, "prm_aggregation")
+        _check_choice(self.prm_step_labeler, ("none", "arithmetic"), "prm_step_labeler")
+        _check(self.step_label_weight >= 0, "step_label_weight", "must be >= 0")
+        _check(self.ensemble_size == 1, "ensemble_size", "must be 1 for a process reward model")
 
 
 class ProcessRewardModelTrainer(RewardModelTrainer):
@@ -8928,6 +8762,10 @@ def train_prm(config: ProcessRewardModelConfig, devices: DeviceManager | None = 
     train = ProcessPreferenceDataset(train_records, model.tokenizer, formatter, **common)
     validation = ProcessPreferenceDataset(val_records, model.tokenizer, formatter, **common) if val_records else None
     return ProcessRewardModelTrainer(config, model, train, eval_dataset=validation, devices=devices).train()
+
+
+register_stage(Stage("prm", ProcessRewardModelConfig, train_prm, ProcessRewardModelTrainer,
+                     record_kind="preference", makes_policy=False, optimises_policy=False))
 
 
 # ---- Reference-model trainers, shared steps (DPO family, KTO; the online stages build on _ReferenceTrainer) ----
@@ -9077,10 +8915,63 @@ def _train_policy_stage(config: BaseConfig, devices: DeviceManager | None, train
 
 
 # ---- DPO family (DPO, IPO, hinge, robust, BCO, ..., SimPO, ORPO) ----
-#   config: DPOConfig, SimPOConfig, ORPOConfig (section 1)
-#   runner: train_dpo (the dpo, simpo and orpo stages)
-#   trainer: DPOTrainer.compute_loss -> pair_losses
+#   config: DPOConfig, SimPOConfig, ORPOConfig (below)
+#   runner: train_dpo (the dpo, simpo and orpo stages); registered by register_stage after it
+#   trainer: DPOTrainer.compute_loss -> pair_losses; SimPOTrainer (the simpo stage, and pref_loss simpo)
 #   loss: dpo_loss / PREFERENCE_LOSSES, simpo_loss, orpo_loss (section 5)
+
+
+@dataclass
+class DPOConfig(BaseConfig):
+    """Direct preference optimisation and its family (pref_loss), on chosen/rejected pairs."""
+
+    pref_beta: float = _opt(0.1, "beta: strength of the implicit KL regulariser (SimPO: reward scale, e.g. 2.0)")
+    pref_loss: str = _opt("sigmoid", "Loss: " + " | ".join(PREF_LOSSES))
+    pref_ftx: float = _opt(0.0, "Weight of the SFT (NLL) loss on chosen responses mixed into the preference loss")
+    pref_bco_weight: float = _opt(0.0, "Blend in the BCO pair loss with this weight: (loss + w * bco) / (1 + w)")
+    dpo_label_smoothing: float = _opt(0.0, "Label-flip rate for cDPO / robust / exo (0 to 0.5)")
+    ld_alpha: float | None = _opt(None, "LD-DPO: weight of response tokens beyond the chosen/rejected shared length (0-1)")
+    simpo_gamma: float = _opt(0.5, "SimPO target reward margin gamma")
+    ref_model: str | None = _opt(None, "Reference model directory (default: the starting model; LoRA uses the adapter-disabled base)")
+    precompute_ref_log_probs: bool = _opt(False, "Compute reference log-probs once before training and free the reference model")
+    share_prompt: bool = _opt(True, "Run each pair's prompt once and share its KV cache between chosen and rejected (off for Mamba and gradient checkpointing)")
+    padding_free: bool = _opt(True, "With share_prompt: pack each batch's pairs into rows without padding (prompt once, chosen and rejected as branches under a tree attention mask); sdpa / eager attention only, else share_prompt's KV-cache path")
+
+    stage: typing.ClassVar[str] = "dpo"
+
+    def _validate(self) -> None:
+        super()._validate()
+        _check_choice(self.pref_loss, PREF_LOSSES, "pref_loss")
+        _check(self.pref_beta > 0, "pref_beta", "must be > 0")
+        _check(self.pref_ftx >= 0 and self.pref_bco_weight >= 0, "pref_ftx/pref_bco_weight", "must be >= 0")
+        _check(0 <= self.dpo_label_smoothing < 0.5, "dpo_label_smoothing", "must be in [0, 0.5)")
+        _check(self.ld_alpha is None or 0 <= self.ld_alpha <= 1, "ld_alpha", "must be in [0, 1] (or omit it)")
+        _check(not (self.ref_model and not self.uses_reference), "ref_model",
+               f"is unused: pref_loss '{self.pref_loss}' is reference-free; remove ref_model, or choose a loss with a "
+               f"reference (e.g. sigmoid)")
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.pref_loss not in ("orpo", "simpo")
+
+
+@dataclass
+class SimPOConfig(DPOConfig):
+    """SimPO: reference-free preference optimisation on length-averaged log-probs with a target margin."""
+
+    pref_loss: str = _opt("simpo", "Loss: simpo (the default here) or any of " + " | ".join(PREF_LOSSES))
+    pref_beta: float = _opt(2.0, "SimPO reward scale beta")
+
+    stage: typing.ClassVar[str] = "simpo"
+
+
+@dataclass
+class ORPOConfig(DPOConfig):
+    """ORPO: reference-free odds-ratio preference optimisation plus the SFT loss on chosen responses."""
+
+    pref_loss: str = _opt("orpo", "Loss: orpo (the default here) or any of " + " | ".join(PREF_LOSSES))
+
+    stage: typing.ClassVar[str] = "orpo"
 
 
 class DPOTrainer(_ReferenceTrainer):
@@ -9104,6 +8995,8 @@ class DPOTrainer(_ReferenceTrainer):
         if config.uses_reference and reference is None:
             raise RLHFInputError(f"pref_loss={config.pref_loss} needs a reference model; pass one "
                                  f"(see create_reference_model) or use orpo / simpo")
+        if config.pref_loss == "simpo" and not isinstance(self, SimPOTrainer):
+            raise RLHFInputError("pref_loss=simpo trains with SimPOTrainer (train_dpo picks it); construct that instead")
         # the packed layout needs no KV cache, so unlike the prompt/completion rows it runs under gradient checkpointing
         # a vision-language model takes its pixel inputs with the whole rows (its image features replace the prompt's
         # image tokens inside the forward), so its pairs run as plain concatenated rows
@@ -9124,16 +9017,31 @@ class DPOTrainer(_ReferenceTrainer):
         """Per-pair losses (B) and TRL-named metrics for one concatenated batch."""
         config = self.config
         out = _completion_forward(self.forward_policy, batch, config.ld_alpha)
+        chosen_avg = out.averaged.chunk(2)[0]
+        losses, chosen_rewards, rejected_rewards, metrics = self.preference_losses(out, batch, update_running)
+        if config.pref_ftx and config.pref_loss != "orpo":
+            losses = losses + config.pref_ftx * -chosen_avg
+            metrics["sft_loss"] = float(-chosen_avg.detach().mean())
+        logps_chosen, logps_rejected = out.summed.detach().chunk(2)
+        logits_chosen, logits_rejected = out.mean_logits.chunk(2)
+        metrics.update({"rewards/chosen": float(chosen_rewards.mean()), "rewards/rejected": float(rejected_rewards.mean()),
+                        "rewards/accuracies": float((chosen_rewards > rejected_rewards).float().mean()),
+                        "rewards/margins": float((chosen_rewards - rejected_rewards).mean()),
+                        "logps/chosen": float(logps_chosen.mean()), "logps/rejected": float(logps_rejected.mean()),
+                        "logits/chosen": float(logits_chosen.mean()), "logits/rejected": float(logits_rejected.mean())})
+        return losses, metrics
+
+    def preference_losses(self, out: Any, batch: PreferenceBatch, update_running: bool
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, float]]:
+        """(losses, chosen rewards, rejected rewards) per pair and the loss's own metrics: ORPO, or a
+        PREFERENCE_LOSSES loss against the reference (with BCO's running shift where it applies)."""
+        config = self.config
         chosen_avg, rejected_avg = out.averaged.chunk(2)
         metrics: dict[str, float] = {}
         if config.pref_loss == "orpo":
             odds_losses, chosen_rewards, rejected_rewards, log_odds = orpo_loss(chosen_avg, rejected_avg, beta=config.pref_beta)
             losses = -chosen_avg + odds_losses  # Hong et al. eq. 6: NLL of chosen + beta * odds-ratio loss
             metrics.update(odds_ratio=float(log_odds.mean()), sft_loss=float(-chosen_avg.detach().mean()))
-        elif config.pref_loss == "simpo":
-            losses, chosen_rewards, rejected_rewards = simpo_loss(chosen_avg, rejected_avg, beta=config.pref_beta,
-                                                                  gamma=config.simpo_gamma,
-                                                                  label_smoothing=config.dpo_label_smoothing)
         else:
             policy_chosen, policy_rejected = out.summed.chunk(2)
             ref_chosen, ref_rejected = self._reference_pair(batch)
@@ -9151,17 +9059,7 @@ class DPOTrainer(_ReferenceTrainer):
                 bco, _, _ = dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, loss_type="bco_pair",
                                      bco_delta=self.bco_delta, **common)
                 losses = (losses + config.pref_bco_weight * bco) / (1 + config.pref_bco_weight)
-        if config.pref_ftx and config.pref_loss != "orpo":
-            losses = losses + config.pref_ftx * -chosen_avg
-            metrics["sft_loss"] = float(-chosen_avg.detach().mean())
-        logps_chosen, logps_rejected = out.summed.detach().chunk(2)
-        logits_chosen, logits_rejected = out.mean_logits.chunk(2)
-        metrics.update({"rewards/chosen": float(chosen_rewards.mean()), "rewards/rejected": float(rejected_rewards.mean()),
-                        "rewards/accuracies": float((chosen_rewards > rejected_rewards).float().mean()),
-                        "rewards/margins": float((chosen_rewards - rejected_rewards).mean()),
-                        "logps/chosen": float(logps_chosen.mean()), "logps/rejected": float(logps_rejected.mean()),
-                        "logits/chosen": float(logits_chosen.mean()), "logits/rejected": float(logits_rejected.mean())})
-        return losses, metrics
+        return losses, chosen_rewards, rejected_rewards, metrics
 
     def _update_bco_delta(self, rewards: torch.Tensor) -> None:
         """Running mean of every implicit reward seen so far (TRL's RunningMoments, mean part), over all
@@ -9188,17 +9086,62 @@ class DPOTrainer(_ReferenceTrainer):
         self.bco_delta, self.bco_count = state.get("bco_delta", 0.0), state.get("bco_count", 0)
 
 
+class SimPOTrainer(DPOTrainer):
+    """SimPO (Meng et al. 2024): the reference-free margin loss on length-averaged log-probs (simpo_loss), for the
+    simpo stage and for any DPO-family config whose pref_loss is simpo. No reference model is loaded."""
+
+    stage = "simpo"
+
+    def preference_losses(self, out: Any, batch: PreferenceBatch, update_running: bool
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, float]]:
+        config = self.config
+        chosen_avg, rejected_avg = out.averaged.chunk(2)
+        losses, chosen_rewards, rejected_rewards = simpo_loss(chosen_avg, rejected_avg, beta=config.pref_beta,
+                                                              gamma=config.simpo_gamma,
+                                                              label_smoothing=config.dpo_label_smoothing)
+        return losses, chosen_rewards, rejected_rewards, {}
+
+
 @_leaves_logging_as_found
 def train_dpo(config: DPOConfig, devices: DeviceManager | None = None) -> TrainResult:
-    """Run a DPO-family stage (dpo / simpo / orpo; pref_loss picks the loss)."""
-    return _train_policy_stage(config, devices, DPOTrainer)
+    """Run a DPO-family stage (dpo / simpo / orpo; pref_loss picks the loss, and SimPOTrainer trains simpo)."""
+    return _train_policy_stage(config, devices, SimPOTrainer if config.pref_loss == "simpo" else DPOTrainer)
+
+
+register_stage(Stage("dpo", DPOConfig, train_dpo, DPOTrainer, record_kind="preference"))
+register_stage(Stage("simpo", SimPOConfig, train_dpo, SimPOTrainer, record_kind="preference"))
+register_stage(Stage("orpo", ORPOConfig, train_dpo, DPOTrainer, record_kind="preference"))
 
 
 # ---- KTO ----
-#   config: KTOConfig (section 1)
-#   runner: train_kto
+#   config: KTOConfig (below)
+#   runner: train_kto; registered by register_stage after it
 #   trainer: KTOTrainer.compute_loss -> example_losses
 #   loss: kto_loss (section 5)
+
+
+@dataclass
+class KTOConfig(BaseConfig):
+    """KTO: preference optimisation from single responses labelled desirable or undesirable."""
+
+    pref_beta: float = _opt(0.1, "beta: strength of the implicit KL regulariser")
+    kto_chosen_weight: float = _opt(1.0, "Weight of desirable examples (lambda_D)")
+    kto_rejected_weight: float = _opt(1.0, "Weight of undesirable examples (lambda_U)")
+    ref_model: str | None = _opt(None, "Reference model directory (default: the starting model; LoRA uses the adapter-disabled base)")
+    precompute_ref_log_probs: bool = _opt(False, "Compute reference log-probs once before training and free the reference model")
+
+    stage: typing.ClassVar[str] = "kto"
+    uses_reference: typing.ClassVar[bool] = True
+
+    def _validate(self) -> None:
+        super()._validate()
+        _check(self.pref_beta > 0, "pref_beta", "must be > 0")
+        _check(self.kto_chosen_weight > 0 and self.kto_rejected_weight > 0, "kto_chosen_weight/kto_rejected_weight",
+               "must be > 0")
+        if self.per_device_train_batch_size * self.gradient_accumulation_steps < 4:
+            logger.warning("KTO with %d examples per step: the KL reference point is estimated from that many "
+                           "mismatched pairs, so it will be noisy; LLaMA-Factory's examples use 8",
+                           self.per_device_train_batch_size * self.gradient_accumulation_steps)
 
 
 class KTOTrainer(_ReferenceTrainer):
@@ -9266,6 +9209,9 @@ class KTOTrainer(_ReferenceTrainer):
 def train_kto(config: KTOConfig, devices: DeviceManager | None = None) -> TrainResult:
     """Run the KTO stage."""
     return _train_policy_stage(config, devices, KTOTrainer)
+
+
+register_stage(Stage("kto", KTOConfig, train_kto, KTOTrainer, record_kind="kto"))
 
 
 # ---- Online RL, shared steps: rollouts, sampling, rewards (GRPO, RLOO, REINFORCE++, online DPO, distill, PPO) ----
@@ -9990,10 +9936,115 @@ def _check_reward_answers(config: OnlineRLConfig, train_records: list[dict[str, 
 
 
 # ---- GRPO ----
-#   config: GRPOConfig, on OnlineRLConfig (section 1); rewards: RewardFunctionFactory (section 6)
-#   runner: train_grpo
+#   config: GRPOConfig, RLOOConfig, ReinforcePPConfig (below; on OnlineRLConfig, section 1); rewards:
+#           RewardFunctionFactory (section 6)
+#   runner: train_grpo; registered by register_stage after it
 #   trainer: GRPOTrainer.make_rollout (grpo_advantages) -> compute_loss
 #   loss: grpo_loss (section 5)
+
+
+@dataclass
+class GRPOConfig(OnlineRLConfig):
+    """GRPO: online RL from groups of sampled completions scored by reward functions (Shao et al. 2024)."""
+
+    num_generations: int = _opt(8, "Completions sampled per prompt (the group G)")
+    beta: float = _opt(0.04, "Weight of the k3 KL penalty to the reference model (0: no reference model is loaded)")
+    epsilon_low: float = _opt(0.2, "Lower clip range of the probability ratio")
+    epsilon_high: float | None = _opt(None, "Upper clip range (DAPO's clip-higher; default: epsilon_low)")
+    loss_type: str = _opt("grpo", "Policy loss (POLICY_LOSSES): grpo (per-sequence mean) | bnpo (per-micro-batch token mean) | dapo (token mean over the step) | dr_grpo (sum / (B * max_completion_length)) | cispo (MiniMax-M1: clipped importance weight times log-prob, token mean) | module:function registered with rlhf.register_policy_loss")
+    advantage_estimator: str = _opt("grpo", "grpo (group mean and std) | rloo (mean of the other completions) | reinforce_pp (token returns, KL in the reward, whitened over the batch) | reinforce_pp_baseline (group mean subtracted first)")
+    importance_sampling_level: str = _opt("token", "token: a ratio per token | sequence: GSPO's length-normalised sequence ratio (use epsilon_low ~3e-4, epsilon_high ~4e-4)")
+    environment: str | None = _opt(None, "Multi-turn tool use: calculator | http (environment_url) | module:function returning an Environment; tool outputs join the context and are never trained on")
+    environment_url: str | None = _opt(None, "environment http: the service's base URL (POST /reset and /step)")
+    environment_timeout: float = _opt(30.0, "environment http: seconds before one request times out")
+    environment_retries: int = _opt(3, "environment http: attempts per request (exponential backoff between them)")
+    max_turns: int = _opt(4, "With an environment: policy turns per episode at most")
+    max_turn_tokens: int | None = _opt(None, "With an environment: tokens one turn may generate (default: max_completion_length, which bounds the whole completion, tool outputs included)")
+    tool_format: str = _opt("tag", "tag: a call is the text between tool_tags and its output joins the turn inside tool_result_tags | chat_template: JSON calls (<tool_call>{...}</tool_call>) ending the turn, outputs rendered as the template's tool messages")
+    tool_tags: list[str] = _opt(["<calc>", "</calc>"], "tag format: the opening and closing tags of a tool call")
+    tool_result_tags: list[str] = _opt(["<result>", "</result>"], "tag format: the tags around a tool's output")
+    dynamic_sampling: bool = _opt(False, "DAPO: drop groups whose completions all scored alike and sample more prompts until the rollout holds its number of informative groups")
+    max_sampling_rounds: int = _opt(3, "dynamic_sampling: sampling rounds per rollout at most; groups still missing then are left out of the loss")
+    scale_rewards: str = _opt("group", "Divide centred rewards by the group's std (group), the batch's (batch) or nothing (none, Dr. GRPO)")
+    num_iterations: int = _opt(1, "Optimizer steps per rollout (mu); > 1 reuses it with stored old log-probs and clipping")
+    mask_truncated_completions: bool = _opt(False, "Leave completions that hit max_completion_length out of the loss (DAPO)")
+    share_prompt: bool = _opt(True, "Run each group's prompt once per micro-batch and share its KV cache among the G completions (off for Mamba and gradient checkpointing)")
+    padding_free: bool = _opt(True, "With share_prompt: pack each micro-batch's groups into rows (the prompt once, every completion a branch under a tree attention mask) when that is less work than padded completion rows; sdpa / eager attention only")
+    skip_zero_gradient_rows: bool = _opt(True, "Skip the forward and backward of completions that add exactly nothing to the update (with beta 0: zero advantage, e.g. a group scored alike, or no token left in the loss); the update is the same, entropy and clip metrics cover the rows that trained")
+
+    stage: typing.ClassVar[str] = "grpo"
+
+    def _normalise(self) -> None:
+        super()._normalise()
+        if self.epsilon_high is None:
+            self.epsilon_high = self.epsilon_low
+        self.advantage_estimator = ADVANTAGE_ESTIMATOR_ALIASES.get(self.advantage_estimator, self.advantage_estimator)
+
+    def _validate(self) -> None:
+        super()._validate()
+        _check(self.num_generations >= 2, "num_generations", "must be >= 2 (advantages compare completions of one prompt"
+               + ("; dynamic_sampling keeps groups whose completions scored differently)" if self.dynamic_sampling else ")"))
+        _check(self.max_sampling_rounds >= 1, "max_sampling_rounds", "must be >= 1")
+        if self.environment:
+            _check_choice(self.tool_format, TOOL_FORMATS, "tool_format")
+            _check(len(self.tool_tags) == 2 and len(self.tool_result_tags) == 2 and all(self.tool_tags),
+                   "tool_tags/tool_result_tags", "need two tags each: the opening one and the closing one")
+            _check(self.max_turns >= 1, "max_turns", "must be >= 1")
+            _check(self.max_turn_tokens is None or self.max_turn_tokens >= 1, "max_turn_tokens", "must be >= 1")
+            _check(self.environment != "http" or bool(self.environment_url), "environment_url",
+                   "is required with environment: http (the service's base URL)")
+            _check(self.environment_timeout > 0 and self.environment_retries >= 1,
+                   "environment_timeout/environment_retries", "need a positive timeout and at least one attempt")
+            _check(not self.use_vllm, "use_vllm", "does not run environments yet: multi-turn episodes sample with our "
+                   "engine (set use_vllm: false)")
+        _check(not (self.dynamic_sampling and self.streaming), "dynamic_sampling",
+               "draws extra prompts at random from the prompt set, which a streaming dataset cannot do: set streaming: false")
+        _check(self.beta >= 0 and self.epsilon_low > 0 and self.epsilon_high > 0, "beta/epsilon_low/epsilon_high",
+               "need beta >= 0 and positive clip ranges")
+        loss_spec = policy_loss(self.loss_type)  # a registered name, or module:function registering one
+        _check_choice(self.scale_rewards, REWARD_SCALES, "scale_rewards")
+        _check(self.advantage_estimator != "gae", "advantage_estimator",
+               "gae learns a critic: use the ppo stage (grpo, rloo and reinforce_pp are critic-free)")
+        _check_choice(self.advantage_estimator, ADVANTAGE_ESTIMATORS, "advantage_estimator")
+        _check_choice(self.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS, "importance_sampling_level")
+        _check(not (self.advantage_estimator.startswith("reinforce_pp") and self.scale_rewards != "none"),
+               "scale_rewards", f"must be none with advantage_estimator {self.advantage_estimator}: REINFORCE++ "
+               f"whitens its token returns over the whole batch instead")
+        _check(not (loss_spec.token_level_only and self.importance_sampling_level == "sequence"), "loss_type",
+               f"{self.loss_type} clips each token's importance weight: use importance_sampling_level token")
+        _check(self.num_iterations >= 1, "num_iterations", "must be >= 1")
+        rollout = self.per_device_train_batch_size * self.gradient_accumulation_steps
+        _check(rollout % self.num_generations == 0, "per_device_train_batch_size",
+               f"times gradient_accumulation_steps ({rollout}) must be a multiple of num_generations "
+               f"({self.num_generations}): each step trains on whole groups of completions")
+        _check(not (self.ref_model and self.beta == 0), "ref_model",
+               "is unused: with beta 0 GRPO has no KL term and loads no reference; remove ref_model, or set beta > 0")
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.beta > 0
+
+
+@dataclass
+class RLOOConfig(GRPOConfig):
+    """RLOO (Ahmadian et al. 2024): GRPO's trainer with leave-one-out baselines, advantages not scaled."""
+
+    advantage_estimator: str = _opt("rloo", "grpo | rloo | reinforce_pp | reinforce_pp_baseline (see the grpo stage)")
+    scale_rewards: str = _opt("none", "Divide the advantages by the group's std (group), the batch's (batch) or nothing (none)")
+
+    stage: typing.ClassVar[str] = "rloo"
+
+
+@dataclass
+class ReinforcePPConfig(GRPOConfig):
+    """REINFORCE++ (Hu et al. 2025): token returns with the KL to the reference in the reward (beta is its
+    coefficient), whitened over the batch; no critic."""
+
+    advantage_estimator: str = _opt("reinforce_pp", "reinforce_pp | reinforce_pp_baseline (group mean first) | grpo | rloo")
+    scale_rewards: str = _opt("none", "Must stay none: REINFORCE++ whitens its returns over the batch")
+    beta: float = _opt(0.01, "Coefficient of the per-token KL penalty in the reward (k1 against the reference; 0: none)")
+
+    stage: typing.ClassVar[str] = "reinforce_pp"
 
 
 class GRPOTrainer(_OnlineRLTrainer):
@@ -10223,6 +10274,12 @@ def train_grpo(config: GRPOConfig, devices: DeviceManager | None = None) -> Trai
     return _train_online_stage(config, devices, GRPOTrainer)
 
 
+# one trainer for the three critic-free estimators; the config picks advantage_estimator
+register_stage(Stage("grpo", GRPOConfig, train_grpo, GRPOTrainer, record_kind="prompt"))
+register_stage(Stage("rloo", RLOOConfig, train_grpo, GRPOTrainer, record_kind="prompt"))
+register_stage(Stage("reinforce_pp", ReinforcePPConfig, train_grpo, GRPOTrainer, record_kind="prompt"))
+
+
 def _train_online_stage(config: OnlineRLConfig, devices: DeviceManager | None, trainer_class: type) -> TrainResult:
     """What an online stage scored by reward functions runs: records, the rewards (a bad reward spec fails before
     the policy loads), the policy, its prompts, a reference when the config uses one, the trainer."""
@@ -10238,10 +10295,34 @@ def _train_online_stage(config: OnlineRLConfig, devices: DeviceManager | None, t
 
 
 # ---- Online DPO ----
-#   config: OnlineDPOConfig, on OnlineRLConfig (section 1); rewards: RewardFunctionFactory (section 6)
-#   runner: train_online_dpo
+#   config: OnlineDPOConfig (below; on OnlineRLConfig, section 1); rewards: RewardFunctionFactory (section 6)
+#   runner: train_online_dpo; registered by register_stage after it
 #   trainer: OnlineDPOTrainer.make_rollout (two samples per prompt, ranked) -> compute_loss
 #   loss: dpo_loss / PREFERENCE_LOSSES, simpo_loss (section 5)
+
+
+@dataclass
+class OnlineDPOConfig(OnlineRLConfig):
+    """Online DPO (Guo et al. 2024, "Direct language model alignment from online AI feedback"): two samples per
+    prompt from the current policy, ranked by the reward functions, trained with a DPO-family loss."""
+
+    pref_beta: float = _opt(0.1, "beta of the DPO-family loss (SimPO: reward scale, e.g. 2.0)")
+    pref_loss: str = _opt("sigmoid", "Loss on each ranked pair: " + " | ".join(DPO_LOSS_TYPES) + " | simpo")
+    dpo_label_smoothing: float = _opt(0.0, "Label-flip rate for cDPO / robust / exo (0 to 0.5)")
+    simpo_gamma: float = _opt(0.5, "SimPO target reward margin gamma")
+
+    stage: typing.ClassVar[str] = "online_dpo"
+
+    def _validate(self) -> None:
+        super()._validate()
+        _check(self.pref_loss != "orpo", "pref_loss", "orpo is not offered online: use sigmoid (DPO) or simpo")
+        _check_choice(self.pref_loss, DPO_LOSS_TYPES + ("simpo",), "pref_loss")
+        _check(self.pref_beta > 0, "pref_beta", "must be > 0")
+        _check(0 <= self.dpo_label_smoothing < 0.5, "dpo_label_smoothing", "must be in [0, 0.5)")
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.pref_loss != "simpo"
 
 
 class OnlineDPOTrainer(_OnlineRLTrainer):
@@ -10321,11 +10402,37 @@ def train_online_dpo(config: OnlineDPOConfig, devices: DeviceManager | None = No
     return _train_online_stage(config, devices, OnlineDPOTrainer)
 
 
+register_stage(Stage("online_dpo", OnlineDPOConfig, train_online_dpo, OnlineDPOTrainer, record_kind="prompt"))
+
+
 # ---- On-policy distillation (GKD) ----
-#   config: DistillConfig, on OnlineRLConfig (section 1)
-#   runner: train_distill
+#   config: DistillConfig (below; on OnlineRLConfig, section 1)
+#   runner: train_distill; registered by register_stage after it
 #   trainer: DistillTrainer.make_rollout (student, teacher or dataset responses) -> compute_loss
 #   loss: generalized_jsd_loss (section 5)
+
+
+@dataclass
+class DistillConfig(OnlineRLConfig):
+    """On-policy distillation (GKD, Agarwal et al. 2024): the student learns the teacher's token distributions on
+    its own samples (a share lmbda of the steps) and on the dataset's responses (or the teacher's, seq_kd)."""
+
+    teacher_model: str | None = _opt(None, "The teacher: a model directory with the student's tokenizer (never trained)")
+    teacher_model_dtype: str = _opt("auto", "The teacher's dtype: auto (as the student's base) | float32 | bfloat16 | float16")
+    lmbda: float = _opt(0.5, "Share of steps that train on the student's own samples (on-policy); the rest on the dataset's responses")
+    beta: float = _opt(0.5, "Generalised Jensen-Shannon interpolation: 0 forward KL(teacher || student), 1 reverse KL(student || teacher)")
+    seq_kd: bool = _opt(False, "Off-policy steps train on the teacher's own samples instead of the dataset's responses (sequence-level KD)")
+
+    stage: typing.ClassVar[str] = "distill"
+    scored_by_rewards: typing.ClassVar[bool] = False
+    uses_reference: typing.ClassVar[bool] = False
+
+    def _validate(self) -> None:
+        super()._validate()
+        _check(bool(self.teacher_model), "teacher_model", "is required: the model to distil from (a directory)")
+        _check(0 <= self.lmbda <= 1 and 0 <= self.beta <= 1, "lmbda/beta", "must each lie in [0, 1]")
+        _check_choice(self.teacher_model_dtype, ("auto", "float32", "bfloat16", "float16"), "teacher_model_dtype")
+        _check(not self.streaming, "streaming", "is not offered for distill yet: set streaming: false")
 
 
 class DistillTrainer(_OnlineRLTrainer):
@@ -10422,11 +10529,49 @@ def train_distill(config: DistillConfig, devices: DeviceManager | None = None) -
                           devices=devices).train()
 
 
+# distillation reads SFT records: prompts, and dataset responses when lmbda < 1
+register_stage(Stage("distill", DistillConfig, train_distill, DistillTrainer, record_kind="sft"))
+
+
 # ---- PPO ----
-#   config: PPOConfig, on OnlineRLConfig (section 1); rewards: RewardFunctionFactory (section 6)
-#   runner: train_ppo
+#   config: PPOConfig (below; on OnlineRLConfig, section 1); rewards: RewardFunctionFactory (section 6)
+#   runner: train_ppo; registered by register_stage after it
 #   trainer: PPOTrainer.make_rollout (KL penalty, compute_gae) -> compute_loss
 #   loss: ppo_policy_loss + ppo_value_loss; AdaptiveKLController / FixedKLController (section 5)
+
+
+@dataclass
+class PPOConfig(OnlineRLConfig):
+    """PPO with a learned critic (Ziegler et al. 2019, Ouyang et al. 2022): per-token KL penalty in the
+    reward, GAE advantages, clipped policy and value losses; LLaMA-Factory's ppo_* options."""
+
+    ppo_epochs: int = _opt(4, "Passes over each experience buffer")
+    ppo_buffer_size: int = _opt(1, "Mini-batches (per_device_train_batch_size x gradient_accumulation_steps completions each) per experience buffer")
+    ppo_target: float = _opt(6.0, "Target KL (nats per sequence) of the adaptive KL controller")
+    ppo_score_norm: bool = _opt(False, "Normalise scores by their running mean/std")
+    ppo_whiten_rewards: bool = _opt(False, "Whiten the per-token rewards (keeping their mean) before GAE")
+    init_kl_coef: float = _opt(0.2, "Initial coefficient of the per-token KL penalty")
+    adap_kl_ctrl: bool = _opt(True, "Adapt the KL coefficient towards ppo_target (false: a fixed coefficient)")
+    kl_horizon: int = _opt(10000, "Horizon (in sequences) of the adaptive KL controller")
+    gamma: float = _opt(1.0, "Discount factor of GAE")
+    lam: float = _opt(0.95, "GAE lambda")
+    cliprange: float = _opt(0.2, "Clip range of the policy probability ratio")
+    cliprange_value: float = _opt(0.2, "Clip range of the value prediction around its rollout value")
+    vf_coef: float = _opt(0.1, "Weight of the value loss")
+    entropy_coef: float = _opt(0.0, "Weight of the entropy bonus")
+    whiten_advantages: bool = _opt(True, "Whiten advantages over each experience buffer")
+    value_model: str | None = _opt(None, "Separate critic: a model directory (e.g. the reward model). Default: a value head on the policy's backbone")
+
+    stage: typing.ClassVar[str] = "ppo"
+    uses_reference: typing.ClassVar[bool] = True
+
+    def _validate(self) -> None:
+        super()._validate()
+        for name in ("ppo_epochs", "ppo_buffer_size", "ppo_target", "kl_horizon", "cliprange", "cliprange_value"):
+            _check(getattr(self, name) > 0, name, "must be > 0")
+        for name in ("init_kl_coef", "vf_coef", "entropy_coef"):
+            _check(getattr(self, name) >= 0, name, "must be >= 0")
+        _check(0 < self.gamma <= 1 and 0 <= self.lam <= 1, "gamma/lam", "need 0 < gamma <= 1 and 0 <= lam <= 1")
 
 
 class RolloutBuffer:
@@ -10638,6 +10783,13 @@ def train_ppo(config: PPOConfig, devices: DeviceManager | None = None) -> TrainR
     reference = create_reference_model(config, policy)
     return PPOTrainer(config, policy, train, reward_fn=reward_fn, reference=reference, critic=critic,
                       eval_records=eval_records, formatter=formatter, devices=devices).train()
+
+
+register_stage(Stage("ppo", PPOConfig, train_ppo, PPOTrainer, record_kind="prompt"))
+
+# The registered stages as an enum (what logs, report entries and checkpoints carry: BaseTrainer sets its
+# stage to one); it prints, formats and serialises as the plain name.
+TrainingStage = _StageName("TrainingStage", [(name.upper(), name) for name in STAGES])
 
 
 # ==== 8. Evaluation ====
@@ -11451,14 +11603,6 @@ class IterativeRefiner:
 # ==== 10. Orchestrator ====
 
 
-STAGE_RUNNERS: dict[str, Callable[[BaseConfig], TrainResult]] = {
-    "sft": train_sft, "rm": train_rm, "prm": train_prm, "dpo": train_dpo, "simpo": train_dpo, "orpo": train_dpo, "kto": train_kto,
-    "grpo": train_grpo, "rloo": train_grpo, "reinforce_pp": train_grpo, "online_dpo": train_online_dpo,
-    "distill": train_distill, "ppo": train_ppo}
-# stages whose output is a policy the next stage starts from (rm produces a scorer instead)
-POLICY_STAGES = ("sft", "dpo", "simpo", "orpo", "kto", "grpo", "rloo", "reinforce_pp", "online_dpo", "distill", "ppo")
-
-
 def read_report(output_dir: str | os.PathLike) -> dict[str, Any]:
     """``output_dir/report.json``: every stage entry written so far, across runs."""
     path = Path(output_dir) / "report.json"
@@ -11533,8 +11677,6 @@ def data_fingerprint(config: BaseConfig) -> list[Any]:
 # config fields that change how a run looks, not what it computes
 _COSMETIC_FIELDS = ("disable_progress_bar", "progress_interval", "report_to", "run_name", "logging_dir", "resume_from_checkpoint",
                     "overwrite_output_dir", "plot_loss")
-POLICY_OPTIMISATION_STAGES = ("dpo", "simpo", "orpo", "kto", "grpo", "rloo", "reinforce_pp", "online_dpo", "distill",
-                              "ppo")
 STAGE_MARKER = "pipeline_stage.json"  # in output_dir/<stage>: the fingerprint it was started with, and whether it finished
 
 

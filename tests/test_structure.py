@@ -5,9 +5,12 @@ conventions hold."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import functools
 import inspect
+import json
 import re
+import typing
 from pathlib import Path
 
 import pytest
@@ -217,3 +220,63 @@ def test_no_assert_statements(repo):
     tree = _tree(repo, "rlhf.py")
     asserts = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Assert)]
     assert not asserts, f"assert statements in rlhf.py at lines {asserts}"
+
+
+# ---------------------------------------------------------------- stages: one registered slice each
+
+
+def test_every_stage_is_one_registered_slice(source):
+    """Each registered stage's config, trainer and runner are defined in section 7 below one reading map that names
+    them, its config's ``stage`` is its name, and every list of stages the pipeline reads is a view of STAGES."""
+    lines = source.splitlines()
+    definitions = top_level_definitions(_parsed(rlhf.__file__))
+    found = banners(source)
+    start = next(i for n, _, i in found if n == 7)
+    end = next(i for n, _, i in found if n == 8)
+    assert list(rlhf.STAGES) == list(rlhf.STAGE_CONFIGS) == list(rlhf.STAGE_RUNNERS) == list(rlhf.STAGE_RECORD_KINDS)
+    for name, stage in rlhf.STAGES.items():
+        assert stage.config.stage == name
+        assert rlhf.STAGE_CONFIGS[name] is stage.config and rlhf.STAGE_RUNNERS[name] is stage.runner
+        assert rlhf.STAGE_RECORD_KINDS[name] == stage.record_kind in rlhf.RECORD_KINDS
+        assert (name in rlhf.POLICY_STAGES) == stage.makes_policy
+        assert (name in rlhf.POLICY_OPTIMISATION_STAGES) == stage.optimises_policy
+        config_line = definitions[stage.config.__name__]
+        assert start < config_line < end, f"{stage.config.__name__} is not in section 7"
+        header = max(i for i in range(start, config_line) if lines[i].startswith("# ---- "))
+        reading_map = "\n".join(line for line in lines[header:config_line] if line.startswith("#   "))
+        for part in (stage.config.__name__, stage.trainer.__name__, stage.runner.__name__, "register_stage"):
+            assert part in reading_map, f"the reading map above {stage.config.__name__} does not name {part}"
+        assert header < definitions[stage.runner.__name__] < end
+    assert tuple(rlhf.POLICY_STAGES) == tuple(n for n, s in rlhf.STAGES.items() if s.makes_policy)
+
+
+def test_training_stage_is_the_enum_of_registered_stages_and_prints_as_its_name():
+    assert [s.value for s in rlhf.TrainingStage] == list(rlhf.STAGES)
+    assert rlhf.TrainingStage("simpo") is rlhf.TrainingStage.SIMPO == "simpo"
+    assert f"{rlhf.TrainingStage.DPO}" == str(rlhf.TrainingStage.DPO) == "dpo"
+    assert json.dumps({"stage": rlhf.TrainingStage.GRPO}) == '{"stage": "grpo"}'
+
+
+def test_simpo_registers_its_own_trainer(tmp_path, llama_dir, demo_dir):
+    assert rlhf.STAGES["simpo"].trainer is rlhf.SimPOTrainer and issubclass(rlhf.SimPOTrainer, rlhf.DPOTrainer)
+    policy = rlhf.PolicyModel.from_pretrained(str(llama_dir))
+    with pytest.raises(rlhf.RLHFInputError, match="SimPOTrainer"):
+        rlhf.DPOTrainer(rlhf.DPOConfig(output_dir=str(tmp_path), pref_loss="simpo"), policy, [])
+    records = rlhf.load_records("demo_preference", demo_dir, "preference", max_samples=4)
+    pairs = rlhf.PreferenceDataset(records, policy.tokenizer, rlhf.ChatFormatter(policy.tokenizer), cutoff_len=64)
+    trainer = rlhf.SimPOTrainer(rlhf.SimPOConfig(output_dir=str(tmp_path), save_steps=0), policy, pairs)
+    assert trainer.stage is rlhf.TrainingStage.SIMPO
+
+
+def test_a_stage_a_user_registers_joins_every_view(monkeypatch):
+    monkeypatch.setattr(rlhf, "STAGES", dict(rlhf.STAGES))
+
+    @dataclasses.dataclass
+    class EchoConfig(rlhf.SFTConfig):
+        stage: typing.ClassVar[str] = "echo"
+
+    stage = rlhf.register_stage(rlhf.Stage("echo", EchoConfig, rlhf.train_sft, rlhf.SFTTrainer, record_kind="sft"))
+    assert rlhf.STAGE_CONFIGS["echo"] is EchoConfig and rlhf.STAGE_RUNNERS["echo"] is rlhf.train_sft
+    assert "echo" in rlhf.POLICY_STAGES and "echo" in rlhf.POLICY_OPTIMISATION_STAGES and stage.name == "echo"
+    with pytest.raises(ValueError, match="stage is 'echo'"):
+        rlhf.register_stage(rlhf.Stage("other", EchoConfig, rlhf.train_sft, rlhf.SFTTrainer, record_kind="sft"))
