@@ -25,18 +25,18 @@ says what a contributor adds there, and docs/architecture.md walks through each:
        rich_console, setup_logging, logging_restored, set_seed, weight_sharding, DeviceManager, smoothed, plot_metrics,
        PlainProgress, TrainingLogger, optimizer_state_to_safetensors, optimizer_state_from_safetensors,
        capture_rng_state, restore_rng_state, CheckpointManager, CheckpointingMixin, create_optimizer, EarlyStopping,
-       find_linear_module_names, find_expert_parameter_names, apply_lora, apply_freeze, compile_model,
-       select_attention_implementation
+       find_linear_module_names, find_expert_parameter_names, apply_lora, apply_freeze, compile_model
        add: a logging target (REPORT_TARGETS), something a checkpoint carries (CheckpointManager), an optimizer
   3. Data
        DatasetSpec, resolve_dataset, iter_raw_records, parse_record, to_record, load_records, extract_answer,
-       CHAT_TEMPLATES, TEMPLATE_SPECIAL_TOKENS, ChatFormatter, saved_as_trained, chat_formatter, truncate_example,
-       pack_sequences, SFTDataset, StreamingRecordDataset, StreamingSFTDataset, SFTCollator, split_budget,
-       truncate_prompt_and_responses, PreferenceDataset, KTODataset, StreamingPreferenceDataset, StreamingKTODataset,
-       GRPODataset, DistillDataset, StreamingGRPODataset, pack_rows, pack_preference_pairs, PreferenceBatch,
-       PreferenceCollator, KTOBatch, KTOCollator, split_steps, arithmetic_step_labels, arithmetic_response_labels,
-       encode_steps, ProcessPreferenceDataset, ProcessPreferenceCollator
-       add: a dataset format (parse_record), a chat template (CHAT_TEMPLATES and its TEMPLATE_* rows), a dataset class
+       ChatTemplate, TEMPLATES, register_template, CHAT_TEMPLATES, TEMPLATE_SPECIAL_TOKENS, ChatFormatter,
+       saved_as_trained, chat_formatter, truncate_example, pack_sequences, SFTDataset, StreamingRecordDataset,
+       StreamingSFTDataset, SFTCollator, split_budget, truncate_prompt_and_responses, PreferenceDataset, KTODataset,
+       StreamingPreferenceDataset, StreamingKTODataset, GRPODataset, DistillDataset, StreamingGRPODataset, pack_rows,
+       pack_preference_pairs, PreferenceBatch, PreferenceCollator, KTOBatch, KTOCollator, split_steps,
+       arithmetic_step_labels, arithmetic_response_labels, encode_steps, ProcessPreferenceDataset,
+       ProcessPreferenceCollator
+       add: a dataset format (parse_record), a chat template (one register_template(ChatTemplate(...))), a dataset class
   4. Models
        token_log_probs, OutputHead, LogProbs, load_tokenizer, build_tiny_model, resolve_model_path, gguf_metadata,
        gguf_to_hf, quantization_config, is_quantized, load_causal_lm, text_config, is_vision_language, vision_kwargs,
@@ -288,20 +288,20 @@ def register_stage(stage: Stage) -> Stage:
     return stage
 
 
-class _StageColumn(Mapping):
-    """A read-only view of one field of STAGES by stage name, in registration order."""
+class _RegistryColumn(Mapping):
+    """A read-only view of one field of a registry's records (STAGES, TEMPLATES) by name, in registration order."""
 
-    def __init__(self, field_name: str) -> None:
-        self.field_name = field_name
+    def __init__(self, registry: dict[str, Any], field_name: str) -> None:
+        self.registry, self.field_name = registry, field_name
 
     def __getitem__(self, name: str) -> Any:
-        return getattr(STAGES[name], self.field_name)
+        return getattr(self.registry[name], self.field_name)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(STAGES)
+        return iter(self.registry)
 
     def __len__(self) -> int:
-        return len(STAGES)
+        return len(self.registry)
 
     def __repr__(self) -> str:
         return repr(dict(self))
@@ -329,9 +329,9 @@ class _StagesWhere(Sequence):
         return repr(self._names())
 
 
-STAGE_CONFIGS: Mapping[str, type[BaseConfig]] = _StageColumn("config")
-STAGE_RUNNERS: Mapping[str, Callable[[BaseConfig], TrainResult]] = _StageColumn("runner")
-STAGE_RECORD_KINDS: Mapping[str, str] = _StageColumn("record_kind")
+STAGE_CONFIGS: Mapping[str, type[BaseConfig]] = _RegistryColumn(STAGES, "config")
+STAGE_RUNNERS: Mapping[str, Callable[[BaseConfig], TrainResult]] = _RegistryColumn(STAGES, "runner")
+STAGE_RECORD_KINDS: Mapping[str, str] = _RegistryColumn(STAGES, "record_kind")
 POLICY_STAGES: Sequence[str] = _StagesWhere("makes_policy")  # the next stage starts from their output
 POLICY_OPTIMISATION_STAGES: Sequence[str] = _StagesWhere("optimises_policy")  # gates, EWC and merges apply
 
@@ -3242,19 +3242,58 @@ _QWEN3_ASSISTANT = (  # Qwen3: reasoning shown only after the last user query; t
     "{{- '\\n' }}{%- endif %}" + _QWEN3_TOOL_CALL + "{%- endfor %}{{- '<|im_end|>\\n' }}")
 _QWEN_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 
-CHAT_TEMPLATES: dict[str, str] = {
-    "default": (  # LLaMA-Factory's "default": plain Human/Assistant turns
+@dataclass(frozen=True)
+class ChatTemplate:
+    """A built-in chat template: everything the code knows of it, in one record (LLaMA-Factory's
+    ``register_template``). Adding a template is one ``register_template(ChatTemplate(...))`` below and a test
+    that it renders what the model family's own template renders (tests/real_models.py, tests/test_vision.py).
+
+    Args:
+        name: the ``template:`` value that picks it.
+        jinja: the template, rendered by the tokenizer's ``apply_chat_template``.
+        special_tokens: markers it writes that the tokenizer must hold as single tokens, else the model would
+            spell its stop marker in pieces and never learn to stop (ChatFormatter refuses such a pair).
+        needs: tokenizer attributes it reads (``bos_token``, ``eos_token``), which must be set.
+        end_marker: the text that ends an assistant turn, a stop token of generation (None: EOS ends it); one of
+            inference_optimizations' END_MARKERS, which finds the same markers in a tokenizer's own template.
+        tools: what of a tool-use record it writes, of "tools", "tool calls" and "tool results" (a record with
+            something it does not write is an error, not a silent loss).
+        thinking: it has Qwen3's ``enable_thinking`` switch."""
+
+    name: str
+    jinja: str
+    special_tokens: tuple[str, ...] = ()
+    needs: tuple[str, ...] = ()
+    end_marker: str | None = None
+    tools: tuple[str, ...] = ()
+    thinking: bool = False
+
+
+TEMPLATES: dict[str, ChatTemplate] = {}  # name -> record, in registration order
+
+
+def register_template(template: ChatTemplate) -> ChatTemplate:
+    TEMPLATES[template.name] = template
+    return template
+
+
+_CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")
+register_template(ChatTemplate("default", (  # LLaMA-Factory's "default": plain Human/Assistant turns
         "{% for message in messages %}"
         "{% if message['role'] == 'system' %}{{ 'System: ' + message['content'] + '\\n' }}"
         "{% elif message['role'] == 'user' %}{{ 'Human: ' + message['content'] + '\\n' }}"
         "{% else %}{{ 'Assistant: ' + message['content'] + (eos_token or '') + '\\n' }}{% endif %}"
-        "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"),
-    "empty": (  # LLaMA-Factory's "empty": the turns' text one after another, for base models
-        "{% for message in messages %}{{ message['content'] }}{% endfor %}"),
-    "chatml": (
+        "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")))
+
+register_template(ChatTemplate("empty", (  # LLaMA-Factory's "empty": the turns' text one after another, for base models
+        "{% for message in messages %}{{ message['content'] }}{% endfor %}")))
+
+register_template(ChatTemplate("chatml", (
         "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
         "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"),
-    "qwen": (  # Qwen2.5: ChatML with Qwen's default system prompt; tools in the system turn
+    special_tokens=_CHATML_TOKENS, end_marker="<|im_end|>", tools=("tool results",)))
+
+register_template(ChatTemplate("qwen", (  # Qwen2.5: ChatML with Qwen's default system prompt; tools in the system turn
         "{%- set has_system = messages and messages[0]['role'] == 'system' %}"
         "{%- if tools %}{{- '<|im_start|>system\\n' + (messages[0]['content'] if has_system else '"
         + _QWEN_DEFAULT_SYSTEM + "') + '\\n\\n' }}" + _QWEN_TOOLS +
@@ -3267,7 +3306,9 @@ CHAT_TEMPLATES: dict[str, str] = {
         "{%- for tool_call in message['tool_calls'] %}" + _QWEN25_TOOL_CALL + "{%- endfor %}{{- '<|im_end|>\\n' }}"
         "{%- else %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{%- endif %}"
         "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"),
-    "qwen3": (  # Qwen3 (thinking models); enable_thinking=false puts an empty reasoning block in the prompt
+    special_tokens=_CHATML_TOKENS, end_marker="<|im_end|>", tools=("tools", "tool calls", "tool results")))
+
+register_template(ChatTemplate("qwen3", (  # Qwen3 (thinking models); enable_thinking=false puts an empty reasoning block in the prompt
         "{%- set has_system = messages and messages[0]['role'] == 'system' %}"
         "{%- if tools %}{{- '<|im_start|>system\\n' + (messages[0]['content'] + '\\n\\n' if has_system else '') }}"
         + _QWEN_TOOLS +
@@ -3282,20 +3323,28 @@ CHAT_TEMPLATES: dict[str, str] = {
         "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
         "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
         "{%- endif %}"),
-    "qwen3_nothink": (  # Qwen3 instruct models without a reasoning mode (2507): plain ChatML, no default system
+    special_tokens=(*_CHATML_TOKENS, "<think>", "</think>"), end_marker="<|im_end|>", tools=("tools", "tool calls", "tool results"), thinking=True))
+
+register_template(ChatTemplate("qwen3_nothink", (  # Qwen3 instruct models without a reasoning mode (2507): plain ChatML, no default system
         "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
         "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"),
-    "llama3": (  # Llama 3 Instruct
+    special_tokens=_CHATML_TOKENS, end_marker="<|im_end|>", tools=("tool results",)))
+
+register_template(ChatTemplate("llama3", (  # Llama 3 Instruct
         "{%- for message in messages %}{%- if loop.first %}{{- bos_token }}{%- endif %}"
         "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}"
         "{%- endfor %}{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"),
-    "llama2": (  # Llama 2 chat: the system prompt in <<SYS>> inside the first [INST]; no generation header
+    special_tokens=("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"), needs=("bos_token",), end_marker="<|eot_id|>"))
+
+register_template(ChatTemplate("llama2", (  # Llama 2 chat: the system prompt in <<SYS>> inside the first [INST]; no generation header
         _SYSTEM_FIRST + "{%- for message in loop_messages %}{%- if message['role'] == 'user' %}"
         "{%- set content = message['content'] %}{%- if loop.first and system_message is defined %}"
         "{%- set content = '<<SYS>>\\n' + system_message + '\\n<</SYS>>\\n\\n' + content %}{%- endif %}"
         "{{- bos_token + '[INST] ' + content.strip() + ' [/INST]' }}"
         "{%- else %}{{- ' ' + message['content'].strip() + ' ' + eos_token }}{%- endif %}{%- endfor %}"),
-    "mistral": (  # Mistral v0.3 (SentencePiece): the system prompt joins the last user turn, as mistral-common does
+    needs=("bos_token", "eos_token")))
+
+register_template(ChatTemplate("mistral", (  # Mistral v0.3 (SentencePiece): the system prompt joins the last user turn, as mistral-common does
         _SYSTEM_FIRST + "{%- set ns = namespace(last_user=-1) %}{%- for message in loop_messages %}"
         "{%- if message['role'] == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}"
         "{{- bos_token }}{%- for message in loop_messages %}{%- if message['role'] == 'user' %}"
@@ -3303,60 +3352,51 @@ CHAT_TEMPLATES: dict[str, str] = {
         "{{- '[INST] ' + system_message + '\\n\\n' + message['content'] + '[/INST]' }}"
         "{%- else %}{{- '[INST] ' + message['content'] + '[/INST]' }}{%- endif %}"
         "{%- else %}{{- ' ' + message['content'] + eos_token }}{%- endif %}{%- endfor %}"),
-    "gemma": (  # Gemma 2 / 3: turns of 'user' and 'model'; a system prompt opens the first user turn
+    needs=("bos_token", "eos_token")))
+
+register_template(ChatTemplate("gemma", (  # Gemma 2 / 3: turns of 'user' and 'model'; a system prompt opens the first user turn
         _SYSTEM_FIRST + "{{- bos_token }}{%- for message in loop_messages %}"
         "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
         "{{- '<start_of_turn>' + role + '\\n' }}{%- if loop.first and system_message is defined %}"
         "{{- system_message + '\\n\\n' }}{%- endif %}{{- message['content'] | trim + '<end_of_turn>\\n' }}"
         "{%- endfor %}{%- if add_generation_prompt %}{{- '<start_of_turn>model\\n' }}{%- endif %}"),
-    "phi": (  # Phi-3 / 3.5: the conversation ends with the end-of-text token
+    special_tokens=("<start_of_turn>", "<end_of_turn>"), needs=("bos_token",), end_marker="<end_of_turn>", tools=("tool results",)))
+
+register_template(ChatTemplate("phi", (  # Phi-3 / 3.5: the conversation ends with the end-of-text token
         "{%- for message in messages %}{%- if message['role'] != 'system' or message['content'] %}"
         "{{- '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}{%- endif %}{%- endfor %}"
         "{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- else %}{{- eos_token }}{%- endif %}"),
-}
-CHAT_TEMPLATES["gemma3"] = CHAT_TEMPLATES["gemma"]
+    special_tokens=("<|user|>", "<|assistant|>", "<|end|>"), needs=("eos_token",), end_marker="<|end|>"))
+
+register_template(dataclasses.replace(TEMPLATES["gemma"], name="gemma3"))
 # Vision-language templates. Images arrive as text: each <image> placeholder has become the model's image tokens
 # (VisionInputs.expand_record) before rendering, so these render string content. Each gives what the model's own
 # processor template gives for the same conversation with {"type": "image"} parts (tests/test_vision.py).
-CHAT_TEMPLATES["qwen2_vl"] = (  # Qwen2-VL / Qwen2.5-VL: ChatML with a default system prompt
+register_template(ChatTemplate(  # Qwen2-VL / Qwen2.5-VL: ChatML with a default system prompt
+    "qwen2_vl",
     "{%- if not messages or messages[0]['role'] != 'system' %}{{- '<|im_start|>system\\nYou are a helpful assistant."
-    "<|im_end|>\\n' }}{%- endif %}" + CHAT_TEMPLATES["chatml"])
-CHAT_TEMPLATES["qwen3_vl_nothink"] = CHAT_TEMPLATES["qwen3_nothink"]  # Qwen3-VL Instruct: ChatML, no default system
-CHAT_TEMPLATES["qwen3_vl"] = CHAT_TEMPLATES["qwen3"].replace(  # Qwen3-VL Thinking: the answer opens with <think>
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}",
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n' }}")
-CHAT_TEMPLATES["llava"] = (  # LLaVA-1.5 (llava-hf): 'USER: ' / 'ASSISTANT: ' turns; the end-of-sequence token after
-    # each answer, which the processor's template leaves out (a model trained without it would never stop)
+    "<|im_end|>\\n' }}{%- endif %}" + TEMPLATES["chatml"].jinja,
+    special_tokens=_CHATML_TOKENS, end_marker="<|im_end|>"))
+register_template(ChatTemplate(  # Qwen3-VL Instruct: ChatML, no default system
+    "qwen3_vl_nothink", TEMPLATES["qwen3_nothink"].jinja, special_tokens=_CHATML_TOKENS, end_marker="<|im_end|>"))
+register_template(ChatTemplate(  # Qwen3-VL Thinking: the answer opens with <think>
+    "qwen3_vl",
+    TEMPLATES["qwen3"].jinja.replace(
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+        "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}",
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n' }}"),
+    special_tokens=(*_CHATML_TOKENS, "<think>", "</think>"), end_marker="<|im_end|>"))
+register_template(ChatTemplate(  # LLaVA-1.5 (llava-hf): 'USER: ' / 'ASSISTANT: ' turns; the end-of-sequence token
+    # after each answer, which the processor's template leaves out (a model trained without it would never stop)
+    "llava",
     "{%- for message in messages %}{%- if message['role'] == 'system' %}{{- message['content'] + ' ' }}"
     "{%- elif message['role'] == 'user' %}{{- 'USER: ' + message['content'] + ' ' }}"
     "{%- else %}{{- 'ASSISTANT: ' + message['content'] + eos_token }}{%- if not loop.last %}{{- ' ' }}{%- endif %}"
-    "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- 'ASSISTANT:' }}{%- endif %}")
-# What the named templates write of a record with tools: Qwen's write the schemas, the calls and the results, as
-# Qwen2.5's and Qwen3's own templates do; ChatML and Gemma write a tool result as a 'tool' turn (LLaMA-Factory's
-# observation); the rest write none of them (a record that has them is an error there, not a silent loss).
-TEMPLATE_TOOL_SUPPORT: dict[str, dict[str, bool]] = {
-    "qwen": {"tools": True, "tool calls": True, "tool results": True},
-    "qwen3": {"tools": True, "tool calls": True, "tool results": True},
-    "chatml": {"tool results": True}, "qwen3_nothink": {"tool results": True},
-    "gemma": {"tool results": True}, "gemma3": {"tool results": True},
-}
-# The special tokens each built-in template writes: a tokenizer without one of them would spell it in several
-# ordinary tokens, and a model trained so never learns to emit its stop token.
-TEMPLATE_SPECIAL_TOKENS: dict[str, tuple[str, ...]] = {
-    "chatml": ("<|im_start|>", "<|im_end|>"), "qwen": ("<|im_start|>", "<|im_end|>"),
-    "qwen3": ("<|im_start|>", "<|im_end|>", "<think>", "</think>"), "qwen3_nothink": ("<|im_start|>", "<|im_end|>"),
-    "qwen2_vl": ("<|im_start|>", "<|im_end|>"), "qwen3_vl_nothink": ("<|im_start|>", "<|im_end|>"),
-    "qwen3_vl": ("<|im_start|>", "<|im_end|>", "<think>", "</think>"),
-    "llama3": ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
-    "gemma": ("<start_of_turn>", "<end_of_turn>"), "gemma3": ("<start_of_turn>", "<end_of_turn>"),
-    "phi": ("<|user|>", "<|assistant|>", "<|end|>"),
-}
-TEMPLATE_NEEDS = {"llama3": ("bos_token",), "llama2": ("bos_token", "eos_token"), "mistral": ("bos_token", "eos_token"),
-                  "gemma": ("bos_token",), "gemma3": ("bos_token",), "phi": ("eos_token",), "llava": ("eos_token",)}
-TEMPLATE_END_MARKERS = {"chatml": "<|im_end|>", "qwen": "<|im_end|>", "qwen3": "<|im_end|>", "qwen3_nothink": "<|im_end|>",
-                        "qwen2_vl": "<|im_end|>", "qwen3_vl": "<|im_end|>", "qwen3_vl_nothink": "<|im_end|>",
-                        "llama3": "<|eot_id|>", "gemma": "<end_of_turn>", "gemma3": "<end_of_turn>", "phi": "<|end|>"}
+    "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- 'ASSISTANT:' }}{%- endif %}",
+    needs=("eos_token",)))
+# views of the records by name
+CHAT_TEMPLATES: Mapping[str, str] = _RegistryColumn(TEMPLATES, "jinja")
+TEMPLATE_SPECIAL_TOKENS: Mapping[str, tuple[str, ...]] = _RegistryColumn(TEMPLATES, "special_tokens")
 _TURN_SENTINEL = "\ue000rlhf-turn\ue001"  # stands in for one turn's content to find where the template puts it
 
 
@@ -3387,15 +3427,17 @@ class ChatFormatter:
                                  + f" valid: auto (the model's own), {', '.join(CHAT_TEMPLATES)}")
         self.template_kwargs: dict[str, Any] = {}
         if enable_thinking is not None:
-            if "enable_thinking" not in self.source:
+            has_switch = TEMPLATES[self.name].thinking if self.name in TEMPLATES else "enable_thinking" in self.source
+            if not has_switch:
                 raise RLHFInputError(f"config field 'enable_thinking': chat template '{self.name}' has no thinking "
                                      f"switch; remove the field (or use a template that has one, such as qwen3)")
             self.template_kwargs["enable_thinking"] = bool(enable_thinking)
         self.stop_token_ids = self._stop_token_ids(generation_config)
 
     def _check_tokenizer_has_markers(self) -> None:
-        missing = [marker for marker in TEMPLATE_SPECIAL_TOKENS.get(self.name, ()) if not self._is_one_token(marker)]
-        missing += [f"a {need}" for need in TEMPLATE_NEEDS.get(self.name, ()) if getattr(self.tokenizer, need) is None]
+        record = TEMPLATES[self.name]
+        missing = [marker for marker in record.special_tokens if not self._is_one_token(marker)]
+        missing += [f"a {need}" for need in record.needs if getattr(self.tokenizer, need) is None]
         if missing:
             raise RLHFInputError(f"config field 'template': '{self.name}' writes {', '.join(missing)}, which this "
                                  f"tokenizer ({getattr(self.tokenizer, 'name_or_path', '')}) lacks as one token; the model "
@@ -3409,7 +3451,8 @@ class ChatFormatter:
 
     def _stop_token_ids(self, generation_config: Any) -> list[int]:
         ids = list(stop_token_ids(self.tokenizer, generation_config))
-        markers = [TEMPLATE_END_MARKERS[self.name]] if self.name in TEMPLATE_END_MARKERS else END_MARKERS
+        record = TEMPLATES.get(self.name)
+        markers = [record.end_marker] if record is not None and record.end_marker else END_MARKERS
         for marker in markers:
             if marker in self.source and self._is_one_token(marker):
                 token = self.tokenizer.convert_tokens_to_ids(marker)
@@ -3455,10 +3498,10 @@ class ChatFormatter:
             writes = {"tools": "tools" in self.source, "tool calls": "tool_calls" in self.source,
                       "tool results": "tool" in self.source}
         else:
-            writes = dict.fromkeys(needs, False) | TEMPLATE_TOOL_SUPPORT.get(self.name, {})
+            writes = {what: what in TEMPLATES[self.name].tools for what in needs}
         missing = [what for what, needed in needs.items() if needed and not writes[what]]
         if missing:
-            able = ", ".join(name for name, able in TEMPLATE_TOOL_SUPPORT.items() if all(able.values()))
+            able = ", ".join(name for name, record in TEMPLATES.items() if record.tools)
             raise RLHFInputError(f"{record.get('location', 'record')}: chat template '{self.name}' cannot write "
                                  f"{' or '.join(missing)}; use the model's own template (template: auto) if it has "
                                  f"them, or {able}")

@@ -268,15 +268,32 @@ def test_simpo_registers_its_own_trainer(tmp_path, llama_dir, demo_dir):
     assert trainer.stage is rlhf.TrainingStage.SIMPO
 
 
-def test_a_stage_a_user_registers_joins_every_view(monkeypatch):
-    monkeypatch.setattr(rlhf, "STAGES", dict(rlhf.STAGES))
-
+def test_a_stage_a_user_registers_joins_every_view():
     @dataclasses.dataclass
     class EchoConfig(rlhf.SFTConfig):
         stage: typing.ClassVar[str] = "echo"
 
-    stage = rlhf.register_stage(rlhf.Stage("echo", EchoConfig, rlhf.train_sft, rlhf.SFTTrainer, record_kind="sft"))
-    assert rlhf.STAGE_CONFIGS["echo"] is EchoConfig and rlhf.STAGE_RUNNERS["echo"] is rlhf.train_sft
-    assert "echo" in rlhf.POLICY_STAGES and "echo" in rlhf.POLICY_OPTIMISATION_STAGES and stage.name == "echo"
-    with pytest.raises(ValueError, match="stage is 'echo'"):
-        rlhf.register_stage(rlhf.Stage("other", EchoConfig, rlhf.train_sft, rlhf.SFTTrainer, record_kind="sft"))
+    try:
+        stage = rlhf.register_stage(rlhf.Stage("echo", EchoConfig, rlhf.train_sft, rlhf.SFTTrainer, record_kind="sft"))
+        assert rlhf.STAGE_CONFIGS["echo"] is EchoConfig and rlhf.STAGE_RUNNERS["echo"] is rlhf.train_sft
+        assert "echo" in rlhf.POLICY_STAGES and "echo" in rlhf.POLICY_OPTIMISATION_STAGES and stage.name == "echo"
+        with pytest.raises(ValueError, match="stage is 'echo'"):
+            rlhf.register_stage(rlhf.Stage("other", EchoConfig, rlhf.train_sft, rlhf.SFTTrainer, record_kind="sft"))
+    finally:
+        rlhf.STAGES.pop("echo", None)
+    assert "echo" not in rlhf.STAGE_CONFIGS
+
+
+def test_templates_are_records_and_their_end_markers_are_the_engines():
+    """One ChatTemplate per name; the views and inference_optimizations' END_MARKERS (which finds the same markers
+    in a tokenizer's own template) agree with the records."""
+    import inference_optimizations
+
+    assert list(rlhf.CHAT_TEMPLATES) == list(rlhf.TEMPLATES)
+    for name, template in rlhf.TEMPLATES.items():
+        assert template.name == name and rlhf.CHAT_TEMPLATES[name] == template.jinja
+        assert rlhf.TEMPLATE_SPECIAL_TOKENS[name] == template.special_tokens
+        assert template.end_marker is None or template.end_marker in inference_optimizations.END_MARKERS
+        assert template.end_marker is None or template.end_marker in template.jinja
+        assert set(template.tools) <= {"tools", "tool calls", "tool results"}
+        assert template.thinking == ("enable_thinking" in template.jinja)
