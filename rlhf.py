@@ -20,7 +20,7 @@ says what a contributor adds there, and docs/architecture.md walks through each:
        count_lora_parameters, estimate_memory
        add: a field every stage shares (BaseConfig) or every sampling stage shares (OnlineRLConfig), a pipeline key, a
             LLaMA-Factory or TRL key in LLAMAFACTORY_RENAMES / TRL_OPENRLHF_RENAMES (a stage's own config lives in its
-            section 7 slice)
+            section 9 slice)
   2. Infrastructure
        rich_console, setup_logging, logging_restored, set_seed, weight_sharding, DeviceManager, smoothed, plot_metrics,
        PlainProgress, TrainingLogger, optimizer_state_to_safetensors, optimizer_state_from_safetensors,
@@ -37,17 +37,21 @@ says what a contributor adds there, and docs/architecture.md walks through each:
        arithmetic_step_labels, arithmetic_response_labels, encode_steps, ProcessPreferenceDataset,
        ProcessPreferenceCollator
        add: a dataset format (parse_record), a chat template (one register_template(ChatTemplate(...))), a dataset class
-  4. Models
+  4. Model loading and the output head
        token_log_probs, OutputHead, LogProbs, load_tokenizer, build_tiny_model, resolve_model_path, gguf_metadata,
-       gguf_to_hf, quantization_config, is_quantized, load_causal_lm, text_config, is_vision_language, vision_kwargs,
-       count_placeholders, open_image, fit_pixels, VisionInputs, load_vision_inputs, set_trainable_parts,
-       lora_target_names, build_tiny_vl_model, PolicyModel, state_under, load_weights_into, decoder_of,
-       last_token_index, scalar_head, RewardScorer, RewardModel, RewardEnsemble, aggregate_step_scores,
-       ProcessRewardModel, ValueModel, ActorCritic, select_informative_tokens, ContextCompressor, ReferenceModel,
-       can_pack_pairs, tree_attention_mask, shared_prefix_log_probs, grouped_packed_logits, grouped_logits,
-       grouped_prefix_logits, create_reference_model
-       add: a model wrapper or head (with save_pretrained / from_pretrained), a model family's loading quirk
-  5. Losses and advantages
+       gguf_to_hf, quantization_config, is_quantized, load_causal_lm
+       add: a model family's loading quirk, a model file format (GGUF's conversion is the example)
+  5. Vision-language models
+       text_config, is_vision_language, vision_kwargs, count_placeholders, open_image, fit_pixels, VisionInputs,
+       load_vision_inputs, set_trainable_parts, lora_target_names, build_tiny_vl_model
+       add: a vision-language family's image tokens and pixel inputs (VisionInputs), its trainable parts
+  6. Policy, reward and value models
+       PolicyModel, state_under, load_weights_into, decoder_of, last_token_index, scalar_head, RewardScorer,
+       RewardModel, RewardEnsemble, aggregate_step_scores, ProcessRewardModel, ValueModel, ActorCritic,
+       select_informative_tokens, ContextCompressor, ReferenceModel, can_pack_pairs, tree_attention_mask,
+       shared_prefix_log_probs, grouped_packed_logits, grouped_logits, grouped_prefix_logits, create_reference_model
+       add: a model wrapper or head (with save_pretrained / from_pretrained), a way to run the policy's forward
+  7. Losses and advantages
        router_load_balancing_loss, causal_lm_loss_sum, causal_lm_loss_with, sequence_log_probs, PREFERENCE_LOSSES,
        dpo_loss, simpo_loss, orpo_loss, kto_loss, reward_model_loss, reward_boosting_weights, ewc_penalty, whiten,
        grpo_advantages, rloo_advantages, overlong_penalty, reinforce_pp_advantages, generalized_jsd_loss,
@@ -56,14 +60,14 @@ says what a contributor adds there, and docs/architecture.md walks through each:
        ppo_value_loss, AdaptiveKLController, FixedKLController
        add: a loss or advantage estimator as a pure function citing its paper and equation; a DPO variant is a
             PREFERENCE_LOSSES row, an RL policy loss a @register_policy_loss function of PolicyLossInputs
-  6. Rewards
+  8. Rewards
        exact_answer_reward, format_reward, length_penalty, CompositeReward, LearnedReward, ProcessReward,
        RewardAPIError, HTTPReward, Principle, ConstitutionalRewardWrapper, RewardFunctionFactory,
        RunningRewardNormalizer, process_rewards, Environment, ToolCall, parse_tool_call, calculate, ToolEnvironment,
        CalculatorEnvironment, HTTPEnvironment, environment_factory
        add: a rule reward (RewardFunctionFactory.RULES, or module:function from your own file), an environment
             (Environment subclass, environment_factory)
-  7. Trainers
+  9. Trainers
        group_by_length, ResumableBatchSampler, close_loss_scaler_step, TrainingDivergedError, TrainResult,
        RouterAuxLoss, BaseTrainer, evaluate_exact_match, read_stage_records, check_model_paths, SFTConfig, SFTTrainer,
        read_sft_records, build_sft_data, train_sft, RewardModelConfig, PairScores, RewardModelTrainer, train_rm,
@@ -75,25 +79,25 @@ says what a contributor adds there, and docs/architecture.md walks through each:
        add: a stage, as one slice: a reading map, its config (a dataclass on BaseConfig or OnlineRLConfig, every field
             _opt(default, help)), its trainer (BaseTrainer, or _OnlineRLTrainer when it samples), a train_<stage>
             runner, and register_stage(Stage(...)) after it (docs/development.md shows one)
-  8. Evaluation
+  10. Evaluation
        kl_estimates, distinct_n, self_similarity, win_rate, RLHFEvaluator
        add: a metric of RLHFEvaluator
-  9. Self-improvement and safety
+  11. Self-improvement and safety
        CapabilityReport, CapabilityTester, ElasticWeightConsolidation, repetition_rate, degeneration_rates,
        reward_hacking_flags, perturb_whitespace, perturb_case, perturb_prefix, PERTURBATIONS, answer_consistency,
        validation_score, ValidationReport, AdversarialValidator, default_critique, RefinementResult, refinement_pairs,
        write_preference_jsonl, IterativeRefiner
        add: a capability check, a perturbation (PERTURBATIONS), a reward-hacking rule (REWARD_HACKING_RULES)
-  10. Orchestrator
+  12. Orchestrator
        read_report, append_report, summary_table, data_fingerprint, pipeline_rows, pipeline_table,
        write_pipeline_report, RLHFOrchestrator, StageNotRun
        add: a pipeline step after training (FINAL_STAGES and FINAL_STAGE_OPTIONS), a summary-table column
-  11. Export, evaluation and chat
+  13. Export, evaluation and chat
        ExportConfig, load_merged_policy, export_model, GGUFArchitecture, GGUF_EXPORT_ARCHITECTURES,
        gguf_hyperparameters, permute_for_gguf, gguf_vocabulary, write_gguf, EvalConfig, evaluate_model, eval_table,
        ChatConfig, ChatSession, chat
        add: an export format (EXPORT_FORMATS), a GGUF architecture (GGUF_EXPORT_ARCHITECTURES)
-  12. CLI
+  14. CLI
        memory_plan_table, main
        add: a command (main's dispatch and its --help)
 
@@ -185,8 +189,8 @@ class TrainingInterrupted(KeyboardInterrupt):
 
 
 # An RL policy loss (the grpo stage's ``loss_type``; rloo and reinforce_pp use it too) is one registered function
-# of section 5's PolicyLossInputs, returning each token's loss (B, T), and an aggregation that says how the tokens
-# reduce to the step's loss; section 5's LOSS_AGGREGATIONS implements these, for the loss and the trainer alike.
+# of section 7's PolicyLossInputs, returning each token's loss (B, T), and an aggregation that says how the tokens
+# reduce to the step's loss; section 7's LOSS_AGGREGATIONS implements these, for the loss and the trainer alike.
 POLICY_LOSS_AGGREGATIONS = (
     "sequence_mean",           # each sequence's token mean, then the mean over sequences (GRPO)
     "micro_batch_token_mean",  # the token mean of each micro-batch, averaged over micro-batches (BNPO)
@@ -207,7 +211,7 @@ class PolicyLoss:
     token_level_only: bool = False
 
 
-POLICY_LOSSES: dict[str, PolicyLoss] = {}  # section 5 registers grpo, bnpo, dapo, dr_grpo and cispo
+POLICY_LOSSES: dict[str, PolicyLoss] = {}  # section 7 registers grpo, bnpo, dapo, dr_grpo and cispo
 
 
 def register_policy_loss(name: str, *, aggregation: str, token_level_only: bool = False) -> Callable:
@@ -253,7 +257,7 @@ def policy_loss(name: str) -> PolicyLoss:
     return found[0]
 
 
-# A stage is one slice of section 7: a reading map, its config, trainer and runner, and one register_stage(Stage(...))
+# A stage is one slice of section 9: a reading map, its config, trainer and runner, and one register_stage(Stage(...))
 # after the runner. Every list of stages the pipeline reads is a view of STAGES, so adding a stage is that slice.
 @dataclass(frozen=True)
 class Stage:
@@ -337,7 +341,7 @@ POLICY_OPTIMISATION_STAGES: Sequence[str] = _StagesWhere("optimises_policy")  # 
 
 
 class _StageName(str, enum.Enum):
-    """Base of TrainingStage (section 7 builds it from STAGES): a str that prints as the plain stage name."""
+    """Base of TrainingStage (section 9 builds it from STAGES): a str that prints as the plain stage name."""
 
     def __str__(self) -> str:
         return self.value
@@ -370,16 +374,16 @@ FINETUNING_TYPES = ("full", "lora", "oft", "freeze")
 # Section 5's PREFERENCE_LOSSES implements exactly these (a test keeps the two in step).
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "kto_pair", "robust", "bco_pair", "exo_pair", "nca_pair", "sppo_hard",
                   "apo_zero", "apo_down")
-GRPO_LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo")  # the policy losses section 5 registers (POLICY_LOSSES)
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dapo", "dr_grpo", "cispo")  # the policy losses section 7 registers (POLICY_LOSSES)
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")  # sequence: GSPO
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")  # critic-free; PPO's is GAE
 ADVANTAGE_ESTIMATOR_ALIASES = {"group_norm": "grpo", "reinforce": "reinforce_pp",  # OpenRLHF's names
                                "reinforce_baseline": "reinforce_pp_baseline",
                                "reinforce_plus_plus": "reinforce_pp",  # verl's
                                "reinforce_plus_plus_baseline": "reinforce_pp_baseline"}
-TOOL_FORMATS = ("tag", "chat_template")  # how environments' tool calls are written (section 6)
+TOOL_FORMATS = ("tag", "chat_template")  # how environments' tool calls are written (section 8)
 REWARD_SCALES = ("group", "batch", "none")
-IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # section 5
+IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # section 7
 VLLM_OLD_LOGPROBS = ("trainer", "engine")
 PRM_AGGREGATIONS = ("min", "product", "last")  # how a process reward model combines its step scores
 ENSEMBLE_STRATEGIES = ("seeds", "boosting")  # how the members of a reward-model ensemble come to differ
@@ -4494,7 +4498,7 @@ class ProcessPreferenceCollator:
         return batch
 
 
-# ==== 4. Models ====
+# ==== 4. Model loading and the output head ====
 
 
 LOG_SOFTMAX_CHUNK_ELEMENTS = 1 << 24  # 64 MB of fp32 scratch per chunk
@@ -5061,7 +5065,9 @@ def load_causal_lm(path: str, *, dtype: str | torch.dtype = "float32", attn_impl
     return model, implementation
 
 
-# ---- Vision-language models: images in, the model's image tokens and pixel inputs out ----
+# ==== 5. Vision-language models ====
+
+# Images in, the model's image tokens and pixel inputs out.
 # LLaMA-Factory's multimodal records put an "<image>" placeholder in the text for each entry of "images". Before the
 # chat template renders a record, each placeholder becomes the tokens the model's processor would write for that
 # image (Qwen2/2.5/3-VL: <|vision_start|> + one <|image_pad|> per merged patch + <|vision_end|>; LLaVA: one <image>
@@ -5342,6 +5348,9 @@ def build_tiny_vl_model(cache_dir: str | os.PathLike | None = None, seed: int = 
         shutil.rmtree(tmp, ignore_errors=True)
     logger.info("built the embedded tiny-vl model (%s parameters) at %s", f"{model.num_parameters():,}", target)
     return target
+
+
+# ==== 6. Policy, reward and value models ====
 
 
 class PolicyModel(nn.Module):
@@ -6312,7 +6321,7 @@ def _log_trainable(trainable: int, total: int, finetuning_type: str) -> None:
                 100 * trainable / max(total, 1), finetuning_type)
 
 
-# ==== 5. Losses and advantages ====
+# ==== 7. Losses and advantages ====
 
 
 def router_load_balancing_loss(router_logits: Sequence[torch.Tensor], top_k: int,
@@ -6358,7 +6367,7 @@ def causal_lm_loss_with(head: OutputHead, scores: torch.Tensor, labels: torch.Te
     return -head.log_probs(scores[:, :-1][keep], targets[keep]).sum(), int(keep.sum())
 
 
-# -- preference losses (DESIGN section 4). Each returns per-example losses [B]; the caller reduces.
+# -- preference losses (docs/architecture.md: pure functions, each citing its paper). Each returns per-example losses [B]; the caller reduces.
 # Rewards are the implicit DPO rewards beta * (policy - reference) log-probs, detached, as TRL logs them.
 
 
@@ -6566,7 +6575,7 @@ def ewc_penalty(parameters: dict[str, torch.Tensor], anchors: dict[str, torch.Te
     return 0.5 * ewc_lambda * total
 
 
-# -- online RL: advantages, policy and value losses (DESIGN section 4) ---------------------------------
+# -- online RL: advantages, policy and value losses (docs/architecture.md: pure functions, each citing its paper) ---------------------------------
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -6947,7 +6956,7 @@ class FixedKLController:
         return self.value
 
 
-# ==== 6. Rewards ====
+# ==== 8. Rewards ====
 # A reward function maps (prompts, completions, answers) to one float per completion. Learned,
 # HTTP and constitutional rewards join these rule-based ones with the online-RL stages.
 
@@ -7567,7 +7576,7 @@ def environment_factory(config: Any) -> Callable[[], Environment]:
     return _import_callable(name, "environment", f"cannot load {name!r}", "give calculator, http or module:function")
 
 
-# ==== 7. Trainers ====
+# ==== 9. Trainers ====
 
 
 # ---- The training loop every stage shares: BaseTrainer ----
@@ -8371,7 +8380,7 @@ def _start_stage(config: BaseConfig, devices: DeviceManager | None, records: tup
 #   config: SFTConfig (below)
 #   runner: train_sft; registered by register_stage after it
 #   trainer: SFTTrainer.compute_loss
-#   loss: causal_lm_loss_with (section 5)
+#   loss: causal_lm_loss_with (section 7)
 
 
 @dataclass
@@ -8493,7 +8502,7 @@ register_stage(Stage("sft", SFTConfig, train_sft, SFTTrainer, record_kind="sft",
 #   config: RewardModelConfig (below)
 #   runner: train_rm (ensembles: _train_rm_ensemble); registered by register_stage after it
 #   trainer: RewardModelTrainer.compute_loss -> _pair_losses
-#   loss: reward_model_loss (section 5)
+#   loss: reward_model_loss (section 7)
 
 
 @dataclass
@@ -8961,7 +8970,7 @@ def _train_policy_stage(config: BaseConfig, devices: DeviceManager | None, train
 #   config: DPOConfig, SimPOConfig, ORPOConfig (below)
 #   runner: train_dpo (the dpo, simpo and orpo stages); registered by register_stage after it
 #   trainer: DPOTrainer.compute_loss -> pair_losses; SimPOTrainer (the simpo stage, and pref_loss simpo)
-#   loss: dpo_loss / PREFERENCE_LOSSES, simpo_loss, orpo_loss (section 5)
+#   loss: dpo_loss / PREFERENCE_LOSSES, simpo_loss, orpo_loss (section 7)
 
 
 @dataclass
@@ -9160,7 +9169,7 @@ register_stage(Stage("orpo", ORPOConfig, train_dpo, DPOTrainer, record_kind="pre
 #   config: KTOConfig (below)
 #   runner: train_kto; registered by register_stage after it
 #   trainer: KTOTrainer.compute_loss -> example_losses
-#   loss: kto_loss (section 5)
+#   loss: kto_loss (section 7)
 
 
 @dataclass
@@ -9980,10 +9989,10 @@ def _check_reward_answers(config: OnlineRLConfig, train_records: list[dict[str, 
 
 # ---- GRPO ----
 #   config: GRPOConfig, RLOOConfig, ReinforcePPConfig (below; on OnlineRLConfig, section 1); rewards:
-#           RewardFunctionFactory (section 6)
+#           RewardFunctionFactory (section 8)
 #   runner: train_grpo; registered by register_stage after it
 #   trainer: GRPOTrainer.make_rollout (grpo_advantages) -> compute_loss
-#   loss: grpo_loss (section 5)
+#   loss: grpo_loss (section 7)
 
 
 @dataclass
@@ -10338,10 +10347,10 @@ def _train_online_stage(config: OnlineRLConfig, devices: DeviceManager | None, t
 
 
 # ---- Online DPO ----
-#   config: OnlineDPOConfig (below; on OnlineRLConfig, section 1); rewards: RewardFunctionFactory (section 6)
+#   config: OnlineDPOConfig (below; on OnlineRLConfig, section 1); rewards: RewardFunctionFactory (section 8)
 #   runner: train_online_dpo; registered by register_stage after it
 #   trainer: OnlineDPOTrainer.make_rollout (two samples per prompt, ranked) -> compute_loss
-#   loss: dpo_loss / PREFERENCE_LOSSES, simpo_loss (section 5)
+#   loss: dpo_loss / PREFERENCE_LOSSES, simpo_loss (section 7)
 
 
 @dataclass
@@ -10452,7 +10461,7 @@ register_stage(Stage("online_dpo", OnlineDPOConfig, train_online_dpo, OnlineDPOT
 #   config: DistillConfig (below; on OnlineRLConfig, section 1)
 #   runner: train_distill; registered by register_stage after it
 #   trainer: DistillTrainer.make_rollout (student, teacher or dataset responses) -> compute_loss
-#   loss: generalized_jsd_loss (section 5)
+#   loss: generalized_jsd_loss (section 7)
 
 
 @dataclass
@@ -10577,10 +10586,10 @@ register_stage(Stage("distill", DistillConfig, train_distill, DistillTrainer, re
 
 
 # ---- PPO ----
-#   config: PPOConfig (below; on OnlineRLConfig, section 1); rewards: RewardFunctionFactory (section 6)
+#   config: PPOConfig (below; on OnlineRLConfig, section 1); rewards: RewardFunctionFactory (section 8)
 #   runner: train_ppo; registered by register_stage after it
 #   trainer: PPOTrainer.make_rollout (KL penalty, compute_gae) -> compute_loss
-#   loss: ppo_policy_loss + ppo_value_loss; AdaptiveKLController / FixedKLController (section 5)
+#   loss: ppo_policy_loss + ppo_value_loss; AdaptiveKLController / FixedKLController (section 7)
 
 
 @dataclass
@@ -10835,7 +10844,7 @@ register_stage(Stage("ppo", PPOConfig, train_ppo, PPOTrainer, record_kind="promp
 TrainingStage = _StageName("TrainingStage", [(name.upper(), name) for name in STAGES])
 
 
-# ==== 8. Evaluation ====
+# ==== 10. Evaluation ====
 
 
 def kl_estimates(policy_log_probs: torch.Tensor, reference_log_probs: torch.Tensor,
@@ -11024,7 +11033,7 @@ class RLHFEvaluator:
         return metrics
 
 
-# ==== 9. Self-improvement and safety ====
+# ==== 11. Self-improvement and safety ====
 
 
 @dataclass
@@ -11643,7 +11652,7 @@ class IterativeRefiner:
         return refinement_pairs(self.refine(prompts), min_margin)
 
 
-# ==== 10. Orchestrator ====
+# ==== 12. Orchestrator ====
 
 
 def read_report(output_dir: str | os.PathLike) -> dict[str, Any]:
@@ -12378,10 +12387,10 @@ class StageNotRun(Exception):
 
 
 
-# ==== 11. Export, evaluation and chat ====
+# ==== 13. Export, evaluation and chat ====
 # What a user does with a trained model: export it (an adapter merged into its base, as a Hugging Face folder or a
 # GGUF file for llama.cpp-family runtimes), measure it on a dataset, and talk to it. Each command has its config
-# right above the code that uses it; the CLI (section 12) only parses and dispatches.
+# right above the code that uses it; the CLI (section 14) only parses and dispatches.
 
 # ---- Export: LLaMA-Factory's `export` keys; GGUF written with the gguf package ----
 
@@ -13020,7 +13029,7 @@ def chat(config: ChatConfig, read: Callable[[str], str] | None = None, write: Ca
     return ChatSession(policy, formatter, config).run(read, write)
 
 
-# ==== 12. CLI ====
+# ==== 14. CLI ====
 
 PIPELINE_HELP = """\
 The pipeline YAML holds keys shared by every stage at the top level, `stages: [sft, ...]`, and one

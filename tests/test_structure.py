@@ -95,7 +95,8 @@ def test_toc_names_live_in_their_section(source):
     """Each listed name is defined between its section's banner and the next one (or imported)."""
     lines = source.splitlines()
     found = banners(source)
-    ranges = {n: (start, found[i + 1][2] if i + 1 < len(found) else len(lines)) for i, (n, _, start) in enumerate(found)}
+    ranges = {n: (start, found[i + 1][2] if i + 1 < len(found) else len(lines))
+              for i, (n, _, start) in enumerate(found)}
     definitions = top_level_definitions(_parsed(rlhf.__file__))
     misplaced = []
     for number, _, names in table_of_contents():
@@ -226,13 +227,14 @@ def test_no_assert_statements(repo):
 
 
 def test_every_stage_is_one_registered_slice(source):
-    """Each registered stage's config, trainer and runner are defined in section 7 below one reading map that names
-    them, its config's ``stage`` is its name, and every list of stages the pipeline reads is a view of STAGES."""
+    """Each registered stage's config, trainer and runner are defined in the Trainers section below one reading map
+    that names them, its config's ``stage`` is its name, and every list of stages the pipeline reads is a view of
+    STAGES."""
     lines = source.splitlines()
     definitions = top_level_definitions(_parsed(rlhf.__file__))
     found = banners(source)
-    start = next(i for n, _, i in found if n == 7)
-    end = next(i for n, _, i in found if n == 8)
+    trainers = next(k for k, (_, title, _) in enumerate(found) if title == "Trainers")
+    start, end = found[trainers][2], found[trainers + 1][2]
     assert list(rlhf.STAGES) == list(rlhf.STAGE_CONFIGS) == list(rlhf.STAGE_RUNNERS) == list(rlhf.STAGE_RECORD_KINDS)
     for name, stage in rlhf.STAGES.items():
         assert stage.config.stage == name
@@ -241,7 +243,7 @@ def test_every_stage_is_one_registered_slice(source):
         assert (name in rlhf.POLICY_STAGES) == stage.makes_policy
         assert (name in rlhf.POLICY_OPTIMISATION_STAGES) == stage.optimises_policy
         config_line = definitions[stage.config.__name__]
-        assert start < config_line < end, f"{stage.config.__name__} is not in section 7"
+        assert start < config_line < end, f"{stage.config.__name__} is not in the Trainers section"
         header = max(i for i in range(start, config_line) if lines[i].startswith("# ---- "))
         reading_map = "\n".join(line for line in lines[header:config_line] if line.startswith("#   "))
         for part in (stage.config.__name__, stage.trainer.__name__, stage.runner.__name__, "register_stage"):
