@@ -8,13 +8,14 @@ generation engine (batched sampling over a static, dynamic or paged KV cache), v
 compute built on it: Best-of-N, speculative decoding, MCTS over reasoning steps, adaptive allocation
 and confidence-based stopping.
 
-Public names: pin_cpu_kernels, select_attention_implementation, OptimizedAttention, SamplingParams, GenerationOutput, generate,
-GENERATION_ENGINES, cache_argument, returned_cache, PagedKVCache,
-encode_at_boundaries, chat_prompt_ids, chat_completion_ids, chat_pair_ids, stop_token_ids, RewardModelScorer, BestOfNResult, BestOfNSampler,
+Public names: pin_cpu_kernels, select_attention_implementation, OptimizedAttention, SamplingParams, GenerationOutput,
+generate, GENERATION_ENGINES, cache_argument, returned_cache, PagedKVCache,
+encode_at_boundaries, chat_prompt_ids, chat_completion_ids, chat_pair_ids, stop_token_ids,
+RewardModelScorer, BestOfNResult, BestOfNSampler,
 VLLM_MODES, vllm_missing, vllm_sampling_params, VLLMEngine, VLLMServer, VLLMClient, VLLMServerError, vllm_serve,
 iter_safetensors, save_weight_shards,
-SpeculativeOutput, SpeculativeDecoder, MCTSNode, MCTSResult, puct_score, MCTSGenerator, answer_agreement, beta_majority_confidence, ConfidenceBasedStopping,
-AdaptiveComputeAllocator, main
+SpeculativeOutput, SpeculativeDecoder, MCTSNode, MCTSResult, puct_score, MCTSGenerator,
+answer_agreement, beta_majority_confidence, ConfidenceBasedStopping, AdaptiveComputeAllocator, main
 
 Command line: ``python inference_optimizations.py best-of-n --policy DIR --reward DIR --prompts FILE -n 8``.
 """
@@ -138,7 +139,8 @@ class OptimizedAttention(torch.nn.Module):
         value = value.repeat_interleave(heads // kv_heads, 1)
         if self.implementation != "eager":
             return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
-        scores = torch.matmul(query, key.transpose(-1, -2)).float() * (scale if scale is not None else query.shape[-1] ** -0.5)
+        scores = (torch.matmul(query, key.transpose(-1, -2)).float()
+                  * (scale if scale is not None else query.shape[-1] ** -0.5))
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
         return torch.matmul(scores.softmax(-1).to(value.dtype), value)
@@ -535,7 +537,8 @@ def _disagreement(compiled: tuple, reference: tuple) -> str:
     token, logprob, _ = compiled
     ref_token, ref_logprob, _ = reference
     if not torch.equal(torch.isfinite(logprob), torch.isfinite(ref_logprob)):
-        return f"{int((~torch.isfinite(logprob)).sum())} non-finite log-probs against {int((~torch.isfinite(ref_logprob)).sum())}"
+        return (f"{int((~torch.isfinite(logprob)).sum())} non-finite log-probs against "
+                f"{int((~torch.isfinite(ref_logprob)).sum())}")
     same = token == ref_token
     if float(same.float().mean()) < 0.9:
         return f"{int((~same).sum())} of {same.numel()} tokens differ"
@@ -966,7 +969,8 @@ class PagedKVCache:
         return (slot[None, None, :] < counts[:, :, None]).reshape(len(seqs), width * self.block_size)
 
     def gather(self, layer: int, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of the sequences in ``table`` laid out contiguously: (B, kv_heads, blocks * block_size, D)."""
+        """Keys and values of the sequences in ``table`` laid out contiguously:
+        (B, kv_heads, blocks * block_size, D)."""
         def contiguous(pool: torch.Tensor) -> torch.Tensor:
             blocks = pool[layer][table]  # (B, nb, H, bs, D)
             batch, nb, heads, size, dim = blocks.shape
@@ -1294,7 +1298,8 @@ def _vllm_output(results) -> GenerationOutput:
     for index, result in enumerate(results):
         for completion in result.outputs:
             token_ids.append(list(completion.token_ids))
-            logprobs.append([float(step[token].logprob) for step, token in zip(completion.logprobs or [], completion.token_ids)])
+            logprobs.append([float(step[token].logprob)
+                             for step, token in zip(completion.logprobs or [], completion.token_ids)])
             reasons.append("length" if completion.finish_reason == "length" else "stop")
             prompt_index.append(index)
     return GenerationOutput(token_ids, logprobs, reasons, prompt_index)
@@ -1596,14 +1601,14 @@ class VLLMServer:
     """A generation server around a ``VLLMEngine`` (``python rlhf.py vllm-serve``), for ``vllm_mode: server``.
 
     JSON over HTTP, one engine call at a time (any number of trainer processes may connect):
-    ``GET /health`` -> {status, weight_version, weight_group_size, server_id}; ``POST /generate`` {prompts: [[ids]], params:
-    {SamplingParams fields}} -> {token_ids, logprobs, finish_reasons, prompt_index}; ``POST /load_weights``
+    ``GET /health`` -> {status, weight_version, weight_group_size, server_id}; ``POST /generate`` {prompts: [[ids]],
+    params: {SamplingParams fields}} -> {token_ids, logprobs, finish_reasons, prompt_index}; ``POST /load_weights``
     {path: a folder of safetensors files} or {collective: [[name, dtype, shape]], key, backend}: the tensors
     arrive through trainer ``key``'s weight group, which ``POST /init_weight_group`` {key, host, port, backend,
     timeout} joins and ``POST /leave_weight_group`` {key} leaves; ``POST /load_adapter`` {path: a PEFT adapter
     folder}; ``POST /reset_prefix_cache``. A collective load that fails leaves the weights partly reloaded: the
-    server then answers as a restarted one (a new ``server_id``, weight_version 0), so clients send theirs again. A folder
-    must be one both processes read (/dev/shm on one machine); a weight group reaches across machines."""
+    server then answers as a restarted one (a new ``server_id``, weight_version 0), so clients send theirs again. A
+    folder must be one both processes read (/dev/shm on one machine); a weight group reaches across machines."""
 
     def __init__(self, engine: VLLMEngine, host: str = "127.0.0.1", port: int = 8000) -> None:
         import threading
@@ -1764,7 +1769,8 @@ class VLLMClient:
             else:
                 self._load(how, what)
             answer = self._request("/generate", body)
-        return GenerationOutput(answer["token_ids"], answer["logprobs"], answer["finish_reasons"], answer["prompt_index"])
+        return GenerationOutput(answer["token_ids"], answer["logprobs"], answer["finish_reasons"],
+                                answer["prompt_index"])
 
     def _load(self, endpoint: str, path: str) -> None:
         self.weight_version = self._request(endpoint, {"path": path})["weight_version"]
@@ -1806,7 +1812,8 @@ class VLLMClient:
         broadcast still pending would hang the trainer's next kernel) and the next sync forms a new one."""
         import threading
 
-        tensors = [(name, tensor.detach().contiguous()) for name, tensor in (tensors if tensors is not None else source())]
+        tensors = [(name, tensor.detach().contiguous())
+                   for name, tensor in (tensors if tensors is not None else source())]
         backend = "nccl" if tensors and tensors[0][1].is_cuda else "gloo"
         server = self.health()  # waits out a restart within the retries, as every request does
         if backend == "nccl" and self._shares_gpu(tensors[0][1].device, server):
@@ -1828,7 +1835,8 @@ class VLLMClient:
         sender.start()
         metadata = [[name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape)] for name, tensor in tensors]
         try:
-            answer = self._request("/load_weights", {"collective": metadata, "key": key, "backend": backend}, attempts=1)
+            answer = self._request("/load_weights", {"collective": metadata, "key": key, "backend": backend},
+                                   attempts=1)
             sender.join(self.timeout)
         except VLLMServerError:
             self._abandon_group()
@@ -2083,7 +2091,8 @@ class RewardModelScorer:
 
             self.classifier = AutoModelForSequenceClassification.from_pretrained(directory).to(self.device).eval()
             if self.classifier.config.num_labels != 1:
-                raise ValueError(f"{directory}: a reward model needs one output label, found {self.classifier.config.num_labels}")
+                raise ValueError(f"{directory}: a reward model needs one output label, "
+                                 f"found {self.classifier.config.num_labels}")
 
     def _load_rlhf(self, directory: Path) -> tuple[torch.nn.Module, torch.nn.Module]:
         from safetensors.torch import load_file
@@ -2094,7 +2103,8 @@ class RewardModelScorer:
             from peft import PeftModel
 
             base = json.loads(adapter.read_text())["base_model_name_or_path"]
-            model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(directory)).merge_and_unload()
+            model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base),
+                                              str(directory)).merge_and_unload()
         else:
             model = AutoModelForCausalLM.from_pretrained(directory)
         body = getattr(model, model.base_model_prefix)
@@ -2108,7 +2118,8 @@ class RewardModelScorer:
     def __call__(self, prompts: list[str], responses: list[str]) -> torch.Tensor:
         if self.members:
             return torch.stack([member(prompts, responses) for member in self.members]).mean(0)
-        rows = [sum(chat_pair_ids(self.tokenizer, p, r, self.system), []) for p, r in zip(prompts, responses, strict=True)]
+        rows = [sum(chat_pair_ids(self.tokenizer, p, r, self.system), [])
+                for p, r in zip(prompts, responses, strict=True)]
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         scores = []
         for start in range(0, len(rows), self.batch_size):
@@ -2150,7 +2161,8 @@ class BestOfNSampler:
             raise ValueError("n must be >= 1")
         self.model, self.tokenizer, self.reward_fn, self.n = model, tokenizer, reward_fn, n
         base = params or SamplingParams()
-        stops = tuple(dict.fromkeys(base.stop_token_ids + stop_token_ids(tokenizer, getattr(model, 'generation_config', None))))
+        stops = tuple(dict.fromkeys(base.stop_token_ids
+                                    + stop_token_ids(tokenizer, getattr(model, 'generation_config', None))))
         self.params = SamplingParams(max_new_tokens=base.max_new_tokens, temperature=base.temperature, top_p=base.top_p,
                                      top_k=base.top_k, n=n, do_sample=base.do_sample, seed=base.seed,
                                      stop_token_ids=stops, stop_strings=base.stop_strings)
@@ -2319,7 +2331,8 @@ class SpeculativeDecoder:
                 else:
                     q = distribution(target_logits[i])
                     p = draft_probs[i]
-                    if float(torch.rand((), generator=generator, device=q.device)) >= min(1.0, float(q[token] / p[token])):
+                    if (float(torch.rand((), generator=generator, device=q.device))
+                            >= min(1.0, float(q[token] / p[token]))):
                         residual = (q - p).clamp(min=0)
                         residual = residual / residual.sum() if float(residual.sum()) > 0 else q
                         correction = int(torch.multinomial(residual, 1, generator=generator))
@@ -2327,7 +2340,8 @@ class SpeculativeDecoder:
                 accepted += 1
             if correction is None:  # every draft accepted: the target's next token comes free
                 last = target_logits[k]
-                correction = int(last.argmax()) if greedy else int(torch.multinomial(distribution(last), 1, generator=generator))
+                correction = (int(last.argmax()) if greedy
+                              else int(torch.multinomial(distribution(last), 1, generator=generator)))
             new = drafted[:accepted] + [correction]
             self._adapt(accepted, k)
             base = len(sequence)
@@ -2417,7 +2431,8 @@ def _draft_round(model, token: torch.Tensor, position: torch.Tensor, cache, k: i
 
 def _verify_static(model, ids: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
     """The target's greedy next token after every fed position: (1, k + 1) ids -> (k + 1,)."""
-    return model(input_ids=ids, position_ids=positions, **cache_argument(model, cache), use_cache=True).logits[0].argmax(-1)
+    return model(input_ids=ids, position_ids=positions, **cache_argument(model, cache),
+                 use_cache=True).logits[0].argmax(-1)
 
 
 # -- MCTS over reasoning steps --------------------------------------------------------------------------------
@@ -2927,7 +2942,8 @@ def _check_reward(text: str) -> None:
         config = _read_json(directory / "config.json", option, text)
         architectures = [str(a) for a in config.get("architectures") or []]
         if any(a.endswith("ForSequenceClassification") for a in architectures):
-            labels = len(config["id2label"]) if isinstance(config.get("id2label"), dict) else config.get("num_labels", 2)
+            labels = (len(config["id2label"]) if isinstance(config.get("id2label"), dict)
+                      else config.get("num_labels", 2))
             if labels != 1:
                 raise _UsageError(f"--reward {text} is a sequence classifier with {labels} labels; a reward model "
                                   "has one (pass the rm stage's output)")
@@ -3006,11 +3022,13 @@ def _best_of_n_command(args) -> int:
     if answered:  # prompts with a known answer (the demo's format): how often each choice is right
         truth = [str(r["answer"]).strip() for r in records]
         def rate(texts: list[str]) -> float:
-            return sum(_last_answer(t) == a for t, a, r in zip(texts, truth, records) if r.get("answer") is not None) / len(answered)
+            return sum(_last_answer(t) == a for t, a, r in zip(texts, truth, records)
+                       if r.get("answer") is not None) / len(answered)
+        oracle = sum(any(_last_answer(c) == a for c in cs) for cs, a, r in zip(result.candidates, truth, records)
+                     if r.get("answer") is not None) / len(answered)
         summary += [("accuracy of the best", f"{rate(result.best):.1%}"),
                     ("accuracy of the first sample", f"{rate([c[0] for c in result.candidates]):.1%}"),
-                    ("accuracy of any candidate (oracle)",
-                     f"{sum(any(_last_answer(c) == a for c in cs) for cs, a, r in zip(result.candidates, truth, records) if r.get('answer') is not None) / len(answered):.1%}")]
+                    ("accuracy of any candidate (oracle)", f"{oracle:.1%}")]
     width = max(len(k) for k, _ in summary)
     print("\n".join(f"{k.ljust(width)}  {v}" for k, v in summary), file=sys.stderr)
     return 0
@@ -3031,7 +3049,8 @@ def main(argv: list[str] | None = None) -> int:
                           "prompt with the best response, its index, all scores and candidates.")
     best.add_argument("--policy", required=True, help="policy model directory (Hugging Face layout)")
     best.add_argument("--reward", required=True, help="reward model directory saved by rlhf's rm stage")
-    best.add_argument("--prompts", required=True, help="JSONL with 'prompt' (and optional 'answer'), or one prompt per line")
+    best.add_argument("--prompts", required=True,
+                      help="JSONL with 'prompt' (and optional 'answer'), or one prompt per line")
     best.add_argument("-n", type=int, default=8, help="samples per prompt (default 8)")
     best.add_argument("--max-new-tokens", type=int, default=64, help="token budget per sample (default 64)")
     best.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
@@ -3039,7 +3058,8 @@ def main(argv: list[str] | None = None) -> int:
     best.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: off)")
     best.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     best.add_argument("--batch-size", type=int, default=16, help="prompts per generate call (default 16)")
-    best.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda (cuda:N for one GPU); default: cuda when a GPU is present, else cpu")
+    best.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                      help="cpu or cuda (cuda:N for one GPU); default: cuda when a GPU is present, else cpu")
     best.add_argument("--output", help="write the JSON lines to this file (its directory is created) instead of stdout")
     best.add_argument("--vllm", action="store_true", help="sample with vLLM (in this process; a LoRA adapter "
                       "directory is served over its base) instead of our engine; install: docs/vllm.md")

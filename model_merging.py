@@ -619,7 +619,8 @@ def layer_wise_interpolation(anchors: Sequence[float], num_layers: int) -> list[
         raise ValueError("anchors must hold at least one value")
     if num_layers < 1:
         raise ValueError(f"num_layers must be >= 1, got {num_layers}")
-    return [_gradient_value(anchors, layer / (num_layers - 1) if num_layers > 1 else 1.0) for layer in range(num_layers)]
+    return [_gradient_value(anchors, layer / (num_layers - 1) if num_layers > 1 else 1.0)
+            for layer in range(num_layers)]
 
 
 def _is_number(value: Any) -> bool:
@@ -1116,7 +1117,8 @@ METHOD_SPECS: dict[str, MethodSpec] = {
     "dare_linear": MethodSpec(needs_base=True, min_models=1, uses=_TASK_VECTOR_PARAMS + ("density", "seed"),
                               required=("density",)),
     "dare_ties": MethodSpec(needs_base=True, min_models=1,
-                            uses=_TASK_VECTOR_PARAMS + ("density", "seed", "majority_sign_method"), required=("density",)),
+                            uses=_TASK_VECTOR_PARAMS + ("density", "seed", "majority_sign_method"),
+                            required=("density",)),
     "magnitude_prune": MethodSpec(needs_base=True, min_models=1, uses=_TASK_VECTOR_PARAMS + ("density",),
                                   required=("density",)),
     "slerp": MethodSpec(needs_base=False, min_models=1, uses=("t",), required=("t",)),  # two ends, checked below
@@ -1448,8 +1450,8 @@ class MergeConfig:
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)
             line = f":{mark.line + 1}" if mark else ""
-            raise MergeError(f"{path}{line}: invalid YAML ({getattr(err, 'problem', None) or str(err).splitlines()[0]})") \
-                from None
+            raise MergeError(f"{path}{line}: invalid YAML "
+                             f"({getattr(err, 'problem', None) or str(err).splitlines()[0]})") from None
         data = {} if data is None else data
         given = []
         for item in overrides:
@@ -1850,9 +1852,9 @@ class ModelMerger:
             raise MergeError(f"{label}: {problem}")
         scorer = next((name for name in SCORER_FILES if (directory / name).is_file()), None)
         if scorer is not None:
-            raise MergeError(f"{label}: holds {scorer}, so it is a reward model (or an ensemble of them), not a policy: merging "
-                             f"its backbone would write a model without its head and without an output layer; merge "
-                             f"policies, and join reward models with `python rlhf.py combine-rm` instead")
+            raise MergeError(f"{label}: holds {scorer}, so it is a reward model (or an ensemble of them), not a "
+                             "policy: merging its backbone would write a model without its head and without an output "
+                             "layer; merge policies, and join reward models with `python rlhf.py combine-rm` instead")
         if (directory / "adapter_config.json").is_file():
             base_dir = self._lora_base(directory, label, lora_base)
             return LoraCheckpoint(directory, label, Checkpoint(base_dir, f"{label}'s base ({base_dir})"))
@@ -1939,7 +1941,8 @@ class ModelMerger:
     def _job(self, name: str, info: TensorInfo, num_layers: int) -> TensorJob:
         config = self.config
         merged = info.dtype.is_floating_point
-        weights = [self._setting(m.weight, f"models[{i}].weight", name, num_layers) for i, m in enumerate(config.models)]
+        weights = [self._setting(m.weight, f"models[{i}].weight", name, num_layers)
+                   for i, m in enumerate(config.models)]
         return TensorJob(
             name=name, info=info, merged=merged,
             out_dtype=OUTPUT_DTYPES[config.dtype] if config.dtype and merged else info.dtype, weights=weights,
@@ -2224,7 +2227,8 @@ class EnsemblePolicy:
     from ``softmax(mean_logprobs / temperature)``. ``majority_vote`` lets every member answer on its
     own and returns the most voted final answer (self-consistency across models, Wang et al. 2023,
     "Self-Consistency Improves Chain of Thought Reasoning in Language Models"). Members are Hugging
-    Face causal LMs accepting ``attention_mask``, ``position_ids`` and a KV cache (``cache``; ``past_key_values`` before transformers 5.24).
+    Face causal LMs accepting ``attention_mask``, ``position_ids`` and a KV cache (``cache``; ``past_key_values`` before
+    transformers 5.24).
     """
 
     def __init__(self, models: Sequence[torch.nn.Module], tokenizer: Any = None,

@@ -13,9 +13,10 @@ Both trainers get the same work: the embedded tiny Llama (``rlhf.resolve_model_p
 fp32, the same attention implementation, no gradient checkpointing (TRL turns it on by default; ours does not); the
 first ``--records`` pairs of ``data/demo/preference.jsonl`` rendered with the tokenizer's ChatML template (TRL gets
 them in its conversational format so it applies the same template); cutoff / max_length ``--seq-len``; batch
-``--batch-size`` pairs per optimizer step, no gradient accumulation; the fused ``torch.optim.AdamW`` with the same lr / betas /
-eps (ours: ``optim="adamw_torch_fused"``; TRL: the same, transformers 5's default), no weight decay, a constant learning rate without warm-up, gradient clipping at 1.0; the sigmoid loss with beta ``--beta``;
-CPU, ``--threads`` torch threads, seed 0; no evaluation, no checkpoints.
+``--batch-size`` pairs per optimizer step, no gradient accumulation; the fused ``torch.optim.AdamW`` with the same lr /
+betas / eps (ours: ``optim="adamw_torch_fused"``; TRL: the same, transformers 5's default), no weight decay, a constant
+learning rate without warm-up, gradient clipping at 1.0; the sigmoid loss with beta ``--beta``; CPU, ``--threads`` torch
+threads, seed 0; no evaluation, no checkpoints.
 
 Every measurement runs in its own subprocess (``--worker ours|trl --variant live|precompute``, one JSON line on
 stdout), so the peak resident memory (``getrusage(RUSAGE_SELF).ru_maxrss``: Python, the imported libraries, models,
@@ -194,7 +195,8 @@ def run_trl(args: argparse.Namespace, precompute: bool) -> dict:
         model_init_kwargs={"dtype": torch.float32, "attn_implementation": args.attn},
         max_length=args.seq_len, per_device_train_batch_size=args.batch_size,
         gradient_accumulation_steps=1, max_steps=args.steps, learning_rate=args.lr, lr_scheduler_type="constant",
-        warmup_steps=0, optim="adamw_torch_fused", weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
+        warmup_steps=0, optim="adamw_torch_fused", weight_decay=0.0,
+        adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
         max_grad_norm=1.0, beta=args.beta, loss_type=["sigmoid"], precompute_ref_log_probs=precompute,
         report_to=[], logging_strategy="no", save_strategy="no", eval_strategy="no", disable_tqdm=True,
         dataloader_num_workers=0, dataloader_pin_memory=False)
@@ -262,7 +264,8 @@ def run_ours(args: argparse.Namespace, precompute: bool) -> dict:
         model_name_or_path=args.model_dir, dataset=str(data), dataset_dir=str(data.parent), cutoff_len=args.seq_len,
         per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=1, max_steps=args.steps,
         learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
-        optim="adamw_torch_fused", pref_beta=args.beta, pref_loss="sigmoid", precompute_ref_log_probs=precompute, finetuning_type="full",
+        optim="adamw_torch_fused", pref_beta=args.beta, pref_loss="sigmoid",
+        precompute_ref_log_probs=precompute, finetuning_type="full",
         attn_implementation=args.attn, gradient_checkpointing=False, output_dir=str(Path(args.workdir) / "ours"),
         save_steps=0, logging_steps=1, disable_progress_bar=True, report_to="none", seed=0,
         resume_from_checkpoint="none")
@@ -445,8 +448,8 @@ def main(argv: list[str] | None = None) -> int:
             verdicts.append(f"n/a {variant}: no ratio, only {LABELS[args.impls[0]]} was run (--impls)")
         else:
             verdicts.append(f"n/a {variant}: no ratio, a trainer's run broke")
-    print_table(HEADERS, rows, f"DPO: batch {args.batch_size} pairs, cutoff {args.seq_len}, threads {args.threads}, fp32 CPU "
-                f"(seconds per optimizer step; peak = max RSS of the run's process)", label_columns=2,
+    print_table(HEADERS, rows, f"DPO: batch {args.batch_size} pairs, cutoff {args.seq_len}, threads {args.threads}, "
+                f"fp32 CPU (seconds per optimizer step; peak = max RSS of the run's process)", label_columns=2,
                 wrap_values=True, min_width=150)
     for line in verdicts:
         print(line)

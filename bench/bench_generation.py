@@ -77,8 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default="tiny",
                         help="tiny demo model, a bigger random-weight Llama: medium (34M) or large (0.2B, for a GPU), "
                              "tiny-vl (the embedded Qwen3-VL, image prompts), or PATH: any Hugging Face model folder "
-                             "(or .gguf file; e.g. SmolLM2 from scripts/fetch_real_models.py), prompted through its own "
-                             "chat template")
+                             "(or .gguf file; e.g. SmolLM2 from scripts/fetch_real_models.py), prompted through its "
+                             "own chat template")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weights dtype")
     parser.add_argument("--batch-sizes", default="16,128", help="comma-separated numbers of distinct prompts")
@@ -91,7 +91,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="side of the square matmul timed for the peak (default 1024 on cpu, 8192 on cuda)")
     parser.add_argument("--target", type=float, default=2.0, help="ours (compiled) / HF tokens/s target")
     parser.add_argument("--no-pin-kernels", dest="pin_kernels", action="store_false",
-                        help="leave the CPU kernels to torch (default: pin them to AVX2 as the CLI does, for every engine)")
+                        help="leave the CPU kernels to torch (default: pin them to AVX2 as the CLI does, "
+                             "for every engine)")
     parser.add_argument("--vllm-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -278,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     pad = tokenizer.pad_token_id
     # ours (auto) decides by what it has measured in its own process: it gets a model of its own, so the compiled
     # engine's graphs (and timings) in this process do not count for it, as in a short run of its own
-    models = {engine: (copy.deepcopy(model) if engine == "auto" else model) for engine in args.engines if engine != "vllm"}
+    models = {engine: (copy.deepcopy(model) if engine == "auto" else model)
+              for engine in args.engines if engine != "vllm"}
     in_process = [engine for engine in args.engines if engine != "vllm"]
     peaks = [matmul_peak(args.matmul_size, device, dtype)]
     bandwidths = [bandwidth_peak(device)]
@@ -325,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
             label = LABELS[engine] + (f" ({auto_choice})" if engine == "auto" else "")
             rows.append([name, str(batch), label, str(tokens), f"{best:.3f}",
                          f"{max(times[engine]) / best:.2f}", f"{rate:,.0f}", f"{rate / hf_rate:.2f}x",
-                         f"{2 * params * tokens / best / 1e9:.2f}", "", f"{weight_bytes * args.new_tokens / best / 1e9:.1f}",
+                         f"{2 * params * tokens / best / 1e9:.2f}", "",
+                         f"{weight_bytes * args.new_tokens / best / 1e9:.1f}",
                          "", f"{first[engine]:.1f}", compile_note or "-"])
     peak, bandwidth = max(peaks), max(bandwidths)
     for row in rows:
@@ -333,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         row[11] = f"{float(row[10]) * 1e9 / bandwidth:.1%}"
     print(f"peak {args.dtype} matmul: {peak / 1e9:.1f} GFLOP/s ({args.matmul_size}^2 torch.matmul, best of "
           f"{', '.join(f'{p / 1e9:.1f}' for p in peaks)} measured before and after each batch size); memory "
-          f"bandwidth: {bandwidth / 1e9:.1f} GB/s (best read of a 256 MiB tensor, {', '.join(f'{b / 1e9:.1f}' for b in bandwidths)})")
+          f"bandwidth: {bandwidth / 1e9:.1f} GB/s (best read of a 256 MiB tensor, "
+          f"{', '.join(f'{b / 1e9:.1f}' for b in bandwidths)})")
     print_table(["model", "batch", "engine", "tokens", "best s", "spread", "tokens/s", "vs HF", "GFLOP/s",
                  "% of peak", "weights GB/s", "% of bandwidth", "first call s", "compile s"], rows,
                 title=f"Generation: {args.new_tokens} new tokens per row, sampling T=1.0, {args.dtype}, {where}",

@@ -10,9 +10,9 @@ A GRPO step is generation plus training: sample ``--num-generations`` completion
 ``--num-generations`` prompts, score them, turn the rewards into group-relative advantages, then one forward and
 backward pass over the completions and one optimizer step. Both trainers do all of that in every timed step.
 
-Both trainers get the same work: the embedded tiny Llama (``rlhf.resolve_model_path("tiny")``, or ``--model``), full fine-tuning,
-fp32, the attention implementation our trainer picks on CPU, no gradient checkpointing (TRL turns it on by default;
-ours does not); the first ``--records`` prompts of ``data/demo/rl_prompts.jsonl`` (read once through
+Both trainers get the same work: the embedded tiny Llama (``rlhf.resolve_model_path("tiny")``, or ``--model``), full
+fine-tuning, fp32, the attention implementation our trainer picks on CPU, no gradient checkpointing (TRL turns it on by
+default; ours does not); the first ``--records`` prompts of ``data/demo/rl_prompts.jsonl`` (read once through
 ``rlhf.load_records``) rendered with the tokenizer's ChatML template (TRL gets them in its conversational format,
 ``[{"role": "user", "content": ...}]``, so it applies the same template; neither truncates a prompt); ``--batch-size``
 completions per optimizer step = ``--batch-size`` / G prompts, all generated in that step (TRL:
@@ -25,11 +25,11 @@ tokenizer's, ours on the template's end marker plus the tokenizer's EOS); the sa
 ``answer`` column); no KL term (beta 0, so neither trainer loads a reference model); ``num_iterations`` 1 (no stored
 old log-probs: the ratio is 1 in both); the "grpo" loss (per-sequence token mean, then mean over the batch), rewards
 scaled by the group's std, clip epsilon 0.2; the fused ``torch.optim.AdamW`` with the same lr / betas / eps (TRL:
-``optim="adamw_torch_fused"``, its default), no weight decay, a constant learning rate without warm-up, gradient clipping at 1.0; CPU,
-``--threads`` torch threads and ``OMP_NUM_THREADS``, seed 0; both log every step (``logging_steps=1``); no
-evaluation, no checkpoints. Sampling differs between the trainers (and runs), so the completions, and with them the
-tokens generated per step, differ: the table shows the completion tokens per timed step and the tokens per second,
-so a reader can see whether the work was comparable.
+``optim="adamw_torch_fused"``, its default), no weight decay, a constant learning rate without warm-up, gradient
+clipping at 1.0; CPU, ``--threads`` torch threads and ``OMP_NUM_THREADS``, seed 0; both log every step
+(``logging_steps=1``); no evaluation, no checkpoints. Sampling differs between the trainers (and runs), so the
+completions, and with them the tokens generated per step, differ: the table shows the completion tokens per timed step
+and the tokens per second, so a reader can see whether the work was comparable.
 
 Ours runs twice. ``ours`` is the default trainer: with beta 0 it skips the forward and backward of completions whose
 advantage is 0 (every completion of the group scored alike), which add exactly nothing to the update
@@ -46,9 +46,9 @@ importance-weight loss) and ``dapo`` (clip-higher, token-mean loss, overlong sha
 that all scored alike are dropped and more prompts sampled, up to 3 rounds a step, so its generation column adds
 the rounds' times and "sampling rounds" shows how many a step took).
 
-Every measurement runs in its own subprocess (``--worker ours|ours-dense|trl``, one JSON line on stdout), so the peak resident
-memory (``getrusage(RUSAGE_SELF).ru_maxrss``) belongs to that run alone. Workers run one at a time. Both workers
-import rlhf (ours trains with it; TRL's worker takes the prompts and the reward function from it).
+Every measurement runs in its own subprocess (``--worker ours|ours-dense|trl``, one JSON line on stdout), so the peak
+resident memory (``getrusage(RUSAGE_SELF).ru_maxrss``) belongs to that run alone. Workers run one at a time. Both
+workers import rlhf (ours trains with it; TRL's worker takes the prompts and the reward function from it).
 
 Time per step: the time from the end of one optimizer step to the end of the next, measured the same way for both,
 so it includes generation, scoring, the training pass, the optimizer step, fetching the prompts and logging. Ours:
@@ -114,7 +114,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=64, help="completions per optimizer step (B)")
     parser.add_argument("--num-generations", type=int, default=8, help="completions per prompt (the group G)")
     parser.add_argument("--completion-len", type=int, default=64, help="max_completion_length: new tokens at most")
-    parser.add_argument("--records", type=int, default=256, help="use the first N prompts of data/demo/rl_prompts.jsonl")
+    parser.add_argument("--records", type=int, default=256,
+                        help="use the first N prompts of data/demo/rl_prompts.jsonl")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     parser.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate (constant, no warm-up)")
     parser.add_argument("--impls", default=",".join(IMPLS),
@@ -177,7 +178,8 @@ def timed_steps(ends: list[float], generations: list[dict], steps: int, warmup: 
     cycle = [b - a for a, b in zip(ends, ends[1:])]  # cycle[k - 1] is step k
     timed = range(warmup, steps)
     result = {"cycle": [cycle[k - 1] for k in timed],
-              "gen": [generations[k].get("gen_seconds", generations[k]["end"] - generations[k]["start"]) for k in timed],
+              "gen": [generations[k].get("gen_seconds", generations[k]["end"] - generations[k]["start"])
+                      for k in timed],
               "rounds": [generations[k].get("rounds", 1) for k in timed],
               "tokens": [generations[k]["tokens"] for k in timed],
               "completions": [generations[k]["completions"] for k in timed],
@@ -266,7 +268,8 @@ def run_trl(args: argparse.Namespace) -> dict:
         raise RuntimeError(f"TRL ran {output.global_step} steps, expected {args.steps}")
     rewards = [row["reward"] for row in trainer.state.log_history if "reward" in row]
     return {**timed_steps(timer.ends, generations, args.steps, args.warmup, timer.begins), "setup": setup,
-            "wall": wall, "mean_loss": output.training_loss, "mean_reward": statistics.fmean(rewards) if rewards else None,
+            "wall": wall, "mean_loss": output.training_loss,
+            "mean_reward": statistics.fmean(rewards) if rewards else None,
             "stop_ids": eos, "reference_in_memory": trainer.ref_model is not None, "rss_base": base,
             "version": f"trl {trl.__version__}"}
 
@@ -295,7 +298,8 @@ def run_ours(args: argparse.Namespace) -> dict:
         top_k=0, num_iterations=1, epsilon_low=0.2, loss_type="grpo", scale_rewards="group",
         mask_truncated_completions=False, cutoff_len=PROMPT_CUTOFF, max_steps=args.steps, learning_rate=args.lr,
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999,
-        adam_epsilon=1e-8, max_grad_norm=1.0, logging_steps=1, save_steps=0, output_dir=str(Path(args.workdir) / "ours"),
+        adam_epsilon=1e-8, max_grad_norm=1.0, logging_steps=1, save_steps=0,
+        output_dir=str(Path(args.workdir) / "ours"),
         disable_progress_bar=True, report_to=[], seed=0, resume_from_checkpoint="none", generation_engine=args.engine,
         skip_zero_gradient_rows=args.worker != "ours-dense")
     settings.update(VARIANTS.get(args.worker, {}))  # one estimator or loss in place of GRPO's
@@ -456,12 +460,14 @@ def main(argv: list[str] | None = None) -> int:
     print_table(HEADERS, rows, f"GRPO: {args.batch_size} completions per step (G {args.num_generations}), at most "
                 f"{args.completion_len} new tokens, threads {args.threads}, fp32 CPU (seconds per step: end of one "
                 f"optimizer step to the end of the next, generation included; gen = sampling alone; rest = step - "
-                f"gen; tokens per s = median over steps; peak = max RSS of the run's process)", label_columns=1, wrap_values=True, min_width=170)
+                f"gen; tokens per s = median over steps; peak = max RSS of the run's process)", label_columns=1,
+                wrap_values=True, min_width=170)
     if both:
         t = ours["step"] / theirs["step"]
         busy = max(ours["background"], theirs["background"]) > args.max_background
         print(f"{'PASS' if t <= args.target else 'FAIL'}: time {t:.2f}x TRL per step (target <= {args.target:g}x, "
-              f"{'met' if t <= args.target else 'missed'}); fastest step {ours['min'] / theirs['min']:.2f}x; generation {ours['gen'] / theirs['gen']:.2f}x, rest "
+              f"{'met' if t <= args.target else 'missed'}); fastest step {ours['min'] / theirs['min']:.2f}x; "
+              f"generation {ours['gen'] / theirs['gen']:.2f}x, rest "
               f"{ours['rest'] / theirs['rest']:.2f}x; completion tokens per step {ours['tokens']:.0f} vs "
               f"{theirs['tokens']:.0f}, tokens/s {ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x TRL's"
               + (f"; rows skipped {ours['skipped']:.0%}" if ours.get("skipped") is not None else "")

@@ -17,14 +17,15 @@ models onto the base with TIES (density ``--density``, weights 1, lambda 1) into
     memory and saved with ``save_file`` at the end.
 
 Memory is the worker's peak resident set size (``VmHWM`` in /proc/self/status: the Python interpreter, torch and
-everything the merge touched; not ``ru_maxrss``, which Linux carries over from the driver across ``exec``). The worker also reports its resident size right after its imports, before it
-reads a checkpoint (the "baseline": Python + torch alone); "peak - baseline" is what the merge itself added. Both
-are printed, against one checkpoint's size on disk; the target is a streaming peak of at most 1.5x one model.
-Before every worker the driver reads all checkpoint files once so each mode starts with the same warm page cache
-(page cache is not part of a process's resident size), and measures the CPU other processes used meanwhile ("bg
-cores"; times on a busy 2-core machine are not trustworthy). Both outputs are compared tensor by tensor at the end:
-the streaming trim keeps exactly PEFT's top-k set unless magnitudes tie at the threshold, where either choice is
-arbitrary; the fine-tuned - base differences of float32 weights are quantised, so a few such ties do occur.
+everything the merge touched; not ``ru_maxrss``, which Linux carries over from the driver across ``exec``). The worker
+also reports its resident size right after its imports, before it reads a checkpoint (the "baseline": Python + torch
+alone); "peak - baseline" is what the merge itself added. Both are printed, against one checkpoint's size on disk; the
+target is a streaming peak of at most 1.5x one model. Before every worker the driver reads all checkpoint files once so
+each mode starts with the same warm page cache (page cache is not part of a process's resident size), and measures the
+CPU other processes used meanwhile ("bg cores"; times on a busy 2-core machine are not trustworthy). Both outputs are
+compared tensor by tensor at the end: the streaming trim keeps exactly PEFT's top-k set unless magnitudes tie at the
+threshold, where either choice is arbitrary; the fine-tuned - base differences of float32 weights are quantised, so a
+few such ties do occur.
 """
 
 from __future__ import annotations

@@ -132,14 +132,17 @@ def compare(stage: str, args: argparse.Namespace, work: Path) -> dict:
     rows, worst = [], {"abs": 0.0, "rel": 0.0, "grad_rel": 0.0}
     for step in sorted(one):
         a, b = one[step], two[step]
-        diff, rel, grad_rel = abs(a["loss"] - b["loss"]), relative(a["loss"], b["loss"]), relative(a["grad_norm"], b["grad_norm"])
-        worst = {"abs": max(worst["abs"], diff), "rel": max(worst["rel"], rel), "grad_rel": max(worst["grad_rel"], grad_rel)}
+        diff, rel, grad_rel = (abs(a["loss"] - b["loss"]), relative(a["loss"], b["loss"]),
+                               relative(a["grad_norm"], b["grad_norm"]))
+        worst = {"abs": max(worst["abs"], diff), "rel": max(worst["rel"], rel),
+                 "grad_rel": max(worst["grad_rel"], grad_rel)}
         rows.append([str(step), f"{a['loss']:.7f}", f"{b['loss']:.7f}", f"{diff:.1e}", f"{rel:.1e}",
                      f"{a['grad_norm']:.5f}", f"{b['grad_norm']:.5f}", f"{grad_rel:.1e}"])
     print_table(["step", "loss, 1 proc", "loss, 2 proc", "|diff|", "rel diff", "grad norm, 1 proc", "grad norm, 2 proc",
                  "rel diff"], rows,
                 f"{stage}: 1 process x accumulation {2 * args.accumulation} vs 2 processes x accumulation "
-                f"{args.accumulation} (micro-batch {args.batch_size}, {2 * args.accumulation * args.batch_size} examples/step)")
+                f"{args.accumulation} (micro-batch {args.batch_size}, "
+                f"{2 * args.accumulation * args.batch_size} examples/step)")
     passed = worst["rel"] <= args.tolerance
     return {"stage": stage, "steps": args.steps, **worst, "passed": passed,
             "seconds": (seconds_one, seconds_two)}
@@ -167,9 +170,11 @@ def grpo(args: argparse.Namespace, work: Path) -> list[str]:
         return f"{row[key]:.{digits}f}" if key in row else "-"
 
     table = [[str(r["step"]), cell(r, "loss", 5), cell(r, "reward", 3), cell(r, "rewards/exact_answer/mean", 3),
-              cell(r, "reward_std", 3), cell(r, "kl", 5), cell(r, "completions/mean_length", 1), cell(r, "grad_norm", 4)]
+              cell(r, "reward_std", 3), cell(r, "kl", 5), cell(r, "completions/mean_length", 1),
+              cell(r, "grad_norm", 4)]
              for r in rows if "loss" in r]
-    print_table(["step", "loss", "reward", "exact answer", "reward std (groups)", "kl", "completion tokens", "grad norm"],
+    print_table(["step", "loss", "reward", "exact answer", "reward std (groups)", "kl", "completion tokens",
+                 "grad norm"],
                 table, f"grpo on 2 processes (4 prompts x 8 samples per rollout, 2 steps per rollout) from {policy}")
     report = json.loads((output_dir / "report.json").read_text())["stages"]
     entry = report[-1]
@@ -196,12 +201,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=25, help="optimizer steps of each SFT / DPO run")
     parser.add_argument("--batch-size", type=int, default=4, help="micro-batch per process (B)")
-    parser.add_argument("--accumulation", type=int, default=2, help="A: micro-batches per step per process in the 2-process run")
+    parser.add_argument("--accumulation", type=int, default=2,
+                        help="A: micro-batches per step per process in the 2-process run")
     parser.add_argument("--stages", default="sft,dpo", help="comparisons to run (sft, dpo)")
     parser.add_argument("--tolerance", type=float, default=1e-5, help="largest relative loss difference that passes")
     parser.add_argument("--grpo-steps", type=int, default=6, help="GRPO steps on 2 processes (0: skip)")
-    parser.add_argument("--grpo-prompts", type=int, default=100, help="RL prompts and held-out prompts used (max_samples)")
-    parser.add_argument("--grpo-policy", default=None, help="policy GRPO starts from (default: a --warmup-steps SFT run)")
+    parser.add_argument("--grpo-prompts", type=int, default=100,
+                        help="RL prompts and held-out prompts used (max_samples)")
+    parser.add_argument("--grpo-policy", default=None,
+                        help="policy GRPO starts from (default: a --warmup-steps SFT run)")
     parser.add_argument("--warmup-steps", type=int, default=300, help="single-process SFT steps before GRPO (batch 16)")
     parser.add_argument("--workdir", default=None, help="where runs go (default: a temporary directory)")
     args = parser.parse_args()

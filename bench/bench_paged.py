@@ -95,8 +95,9 @@ def run(engine: str, model, prompt: list[int], args, pad: int, seed: int) -> tup
         independent = engine == "independent"
         params = io.SamplingParams(max_new_tokens=args.new_tokens, n=1 if independent else args.samples, seed=seed)
         prompts = [prompt] * args.samples if independent else [prompt]
-        kwargs = {"paged_cache": io.PagedKVCache(block_size=args.block_size,
-                                                 copy_on_write=getattr(args, "cow", False))} if engine == "paged" else {}
+        kwargs = ({"paged_cache": io.PagedKVCache(block_size=args.block_size,
+                                                  copy_on_write=getattr(args, "cow", False))}
+                  if engine == "paged" else {})
         out = io.generate(model, prompts, params, pad_token_id=pad, engine="paged" if engine == "paged" else "static",
                           **kwargs)
         generated, stats = sum(len(t) for t in out.token_ids), out.cache_stats

@@ -14,9 +14,10 @@ the demo's arithmetic problems, several to a record, to reach the length.
 
 Each run is a subprocess of its own (bench_dpo's ``run_measured``), so its peak resident memory (ru_maxrss: Python,
 libraries, model, reference, optimizer state, activations) is its own. Seconds per step: ours, ``_optimizer_step``
-(forward and backward of every micro-batch, clipping, the optimizer step); TRL, ``on_step_begin`` to ``on_step_end``; the first ``--warmup`` steps are dropped. Where ours differs in memory it
-is mostly the output layer: ours never holds a (batch, tokens, 151,936) logits tensor (rlhf.OutputHead), TRL does,
-with its gradient. The exit status is 0 whatever the figures (non-zero only if a run breaks).
+(forward and backward of every micro-batch, clipping, the optimizer step); TRL, ``on_step_begin`` to ``on_step_end``;
+the first ``--warmup`` steps are dropped. Where ours differs in memory it is mostly the output layer: ours never holds a
+(batch, tokens, 151,936) logits tensor (rlhf.OutputHead), TRL does, with its gradient. The exit status is 0 whatever the
+figures (non-zero only if a run breaks).
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ def build_model(directory: Path) -> Path:
 def records(tokenizer, seq_len: int, count: int) -> list[dict[str, str]]:
     """Preference records of about ``seq_len`` tokens (prompt and answer each about half): demo pairs, numbered,
     several to a record."""
-    pairs = [json.loads(line) for line in (REPO / "data" / "demo" / "preference.jsonl").read_text().splitlines() if line]
+    pairs = [json.loads(line) for line in (REPO / "data" / "demo" / "preference.jsonl").read_text().splitlines()
+             if line]
     out, cursor = [], 0
     for _ in range(count):
         prompt, chosen, rejected = [], [], []
@@ -129,7 +131,8 @@ def run_ours(args: argparse.Namespace) -> dict:
                             + "\n" for r in rows))
     common = dict(model_name_or_path=args.model_dir, dataset=str(data), dataset_dir=str(data.parent),
                   cutoff_len=args.seq_len, per_device_train_batch_size=args.batch_size, max_steps=args.steps,
-                  learning_rate=args.lr, lr_scheduler_type="constant", optim="adamw_torch_fused", finetuning_type="full",
+                  learning_rate=args.lr, lr_scheduler_type="constant",
+                  optim="adamw_torch_fused", finetuning_type="full",
                   attn_implementation=args.attn, output_dir=str(Path(args.workdir) / "ours"), save_steps=0,
                   logging_steps=1, disable_progress_bar=True, report_to="none", seed=0, resume_from_checkpoint="none",
                   template="qwen3")
@@ -170,7 +173,8 @@ def run_trl(args: argparse.Namespace) -> dict:
                   save_strategy="no", eval_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
                   dataloader_pin_memory=False, gradient_checkpointing=False)
     if args.stage == "sft":
-        dataset = datasets.Dataset.from_list([{"prompt": [u], "completion": [{"role": "assistant", "content": r["chosen"]}]}
+        dataset = datasets.Dataset.from_list([{"prompt": [u],
+                                               "completion": [{"role": "assistant", "content": r["chosen"]}]}
                                               for u, r in zip(user, rows)])
         config = trl.SFTConfig(**common, packing=False, completion_only_loss=True)
         trainer_class = trl.SFTTrainer
@@ -233,8 +237,9 @@ def main(argv: list[str] | None = None) -> int:
                          f"{result['background']:.2f}", ratio])
     print_table(["stage", "trainer", "s/step", "peak GiB", "chunked head", "mean loss", "bg cores",
                  "ours/TRL time / memory"], rows,
-                f"Qwen3-0.6B shape (random weights, vocabulary 151,936), fp32 full fine-tuning, batch {args.batch_size}, "
-                f"{args.seq_len} tokens, {args.steps} steps ({args.warmup} warm-up), {args.threads} threads", label_columns=2)
+                "Qwen3-0.6B shape (random weights, vocabulary 151,936), fp32 full fine-tuning, "
+                f"batch {args.batch_size}, {args.seq_len} tokens, {args.steps} steps ({args.warmup} warm-up), "
+                f"{args.threads} threads", label_columns=2)
     return 1 if failures else 0
 
 

@@ -9,8 +9,8 @@ Both loops get the same work:
   * batches: the same ``SFTDataset`` (demo_sft, cutoff ``--seq-len``) collated by the same
     ``SFTCollator`` in the same order (a ``ResumableBatchSampler`` with the same seed: what the
     trainer iterates; the bare loop feeds it to a plain ``torch.utils.data.DataLoader``);
-  * optimizer: the fused ``torch.optim.AdamW`` (what ``rlhf.create_optimizer`` builds on CPU), same lr / betas / eps, no weight decay, constant learning rate
-    (the trainer runs with ``lr_scheduler_type=constant``);
+  * optimizer: the fused ``torch.optim.AdamW`` (what ``rlhf.create_optimizer`` builds on CPU), same lr / betas / eps,
+    no weight decay, constant learning rate (the trainer runs with ``lr_scheduler_type=constant``);
   * loss: summed token cross-entropy divided by the number of target tokens;
   * gradient clipping to norm 1.0 in both.
 After each run the two models' weights are compared: they must agree (the same computation).
@@ -106,7 +106,8 @@ class BareLoop:
         batch = next(self.batches)
         targets = batch["labels"][:, 1:].reshape(-1)
         units = int((targets != rlhf.IGNORE_INDEX).sum())
-        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                            use_cache=False).logits
         loss_sum = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).float(), targets,
                                    ignore_index=rlhf.IGNORE_INDEX, reduction="sum")
         (loss_sum / max(units, 1)).backward()
@@ -122,7 +123,8 @@ def run_lockstep(model_dir: Path, dataset, collator, args: argparse.Namespace, s
                  bare_first: bool, out: Path) -> dict:
     """One run of both loops in lockstep; returns per-step seconds and tokens of each, and checks."""
     config = rlhf.SFTConfig(
-        model_name_or_path=str(model_dir), finetuning_type="full", learning_rate=args.lr, weight_decay=0.0, optim="adamw_torch_fused",
+        model_name_or_path=str(model_dir), finetuning_type="full",
+        learning_rate=args.lr, weight_decay=0.0, optim="adamw_torch_fused",
         lr_scheduler_type="constant", max_grad_norm=1.0, per_device_train_batch_size=args.batch_size,
         max_steps=args.warmup + args.steps, cutoff_len=args.seq_len, seed=seed, logging_steps=args.logging_steps,
         save_steps=0, eval_steps=0, report_to=[], disable_progress_bar=not args.progress_bar,
@@ -207,9 +209,10 @@ def main(argv: list[str] | None = None) -> int:
         every = [d for run in runs for d in run[which]]
         totals[which] = sum(every)
         rows.append([LABELS[which], f"{args.steps}x{len(runs)}", f"{tokens:,}x{len(runs)}", f"{best[which]:.2f}",
-                     f"{tokens / best[which]:,.0f}", f"{totals[which]:.2f}", f"{tokens * len(runs) / totals[which]:,.0f}",
-                     f"{1000 * statistics.median(every):.1f}"])
-    title = f"SFT throughput: batch {args.batch_size}, cutoff {args.seq_len}, threads {args.threads} (non-padding tokens)"
+                     f"{tokens / best[which]:,.0f}", f"{totals[which]:.2f}",
+                     f"{tokens * len(runs) / totals[which]:,.0f}", f"{1000 * statistics.median(every):.1f}"])
+    title = (f"SFT throughput: batch {args.batch_size}, cutoff {args.seq_len}, threads {args.threads} "
+             "(non-padding tokens)")
     print_table(HEADERS, rows, title)
     ratios = [t / b for run in runs for t, b in zip(run["trainer"], run["bare"])]
     ratio = best["trainer"] / best["bare"]

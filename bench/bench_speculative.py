@@ -97,7 +97,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"comma-separated subset of {','.join(METHODS)} (hf, the baseline, is always run)")
     parser.add_argument("--spec-engine", default="compiled", choices=("eager", "static", "compiled"),
                         help="SpeculativeDecoder engine: compiled (static caches, fused draft round and verify "
-                        "under torch.compile; fixed k), static (the same uncompiled) or eager (dynamic caches, adaptive k)")
+                        "under torch.compile; fixed k), static (the same uncompiled) or eager (dynamic caches, "
+                        "adaptive k)")
     parser.add_argument("--target-speedup", type=float, default=2.0, help="spec / target-only (hf) tokens/s target")
     parser.add_argument("--json", help="write the per-prompt timings and statistics here")
     args = parser.parse_args(argv)
@@ -194,13 +195,15 @@ class Runner:
         from transformers import DynamicCache
 
         cache, tokens = DynamicCache(), []
-        logits = self.target(input_ids=torch.tensor([prompt]), **io.cache_argument(self.target, cache), use_cache=True).logits[0, -1]
+        logits = self.target(input_ids=torch.tensor([prompt]), **io.cache_argument(self.target, cache),
+                             use_cache=True).logits[0, -1]
         while True:
             token = int(logits.argmax())
             tokens.append(token)
             if token in self.stops or len(tokens) == self.args.new_tokens:
                 return tokens, {"target_forwards": len(tokens)}
-            logits = self.target(input_ids=torch.tensor([[token]]), **io.cache_argument(self.target, cache), use_cache=True).logits[0, -1]
+            logits = self.target(input_ids=torch.tensor([[token]]), **io.cache_argument(self.target, cache),
+                                 use_cache=True).logits[0, -1]
 
     def _ours(self, prompt: list[int], engine: str) -> tuple[list[int], dict]:
         params = io.SamplingParams(max_new_tokens=self.args.new_tokens, temperature=0.0, do_sample=False,
@@ -340,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     stopped = sum(bool(t) and t[-1] in runner.stops for t in reference)
     print(f"untimed pass ({time.perf_counter() - started:.1f} s): every method token-identical to target-only HF "
           f"generate on all {len(prompts)} prompts; {total_tokens} tokens, {stopped} stopped at end of turn"
-          + (f"; compiled engine: first compiled step(s) {', '.join(f'{v:.1f}' for v in io.compile_seconds(target).values())} s"
+          + ("; compiled engine: first compiled step(s) "
+             f"{', '.join(f'{v:.1f}' for v in io.compile_seconds(target).values())} s"
              if "compiled" in args.methods else ""), flush=True)
 
     ks = sorted({args.k, round(stats["spec"]["proposed"] / stats["spec"]["rounds"])} if "spec" in args.methods
@@ -402,7 +406,8 @@ def main(argv: list[str] | None = None) -> int:
         verify = profile[f"target {round(mean_k) + 1}"] / profile["target 1"]
         if "loop" in args.methods:
             print(f"cost model: {tokens_per_round:.2f} tokens per round for {mean_k:.2f} draft forwards (c = draft / "
-                  f"target forward = {c:.2f}) + 1 target forward of ~{round(mean_k) + 1} tokens ({verify:.2f}x a 1-token "
+                  f"target forward = {c:.2f}) + 1 target forward of ~{round(mean_k) + 1} tokens "
+                  f"({verify:.2f}x a 1-token "
                   f"one): ~{tokens_per_round / (mean_k * c + verify):.2f}x a plain target loop before the decoder's "
                   f"own overhead (measured {best['loop'] / best['spec']:.2f}x)")
         ratio = best["hf"] / best["spec"]

@@ -119,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
                     want = model.generate(torch.tensor([prompt], device=args.device), max_new_tokens=4,
                                           do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
                 if got != want:
-                    raise SystemExit(f"{transfer}: the server answered {got} after the sync, the trainer's model {want}")
+                    raise SystemExit(f"{transfer}: the server answered {got} after the sync, "
+                                     f"the trainer's model {want}")
                 print(f"  round {repeat}: {transfer} {took:.3f} s", flush=True)
     finally:
         server.kill()

@@ -42,7 +42,8 @@ def sharpened(policy: rlhf.PolicyModel) -> rlhf.PolicyModel:
 
 def pictures(folder: Path) -> list[str]:
     paths = []
-    for i, (colour, size) in enumerate([((220, 40, 40), (64, 64)), ((40, 80, 220), (48, 80)), ((30, 160, 60), (64, 48))]):
+    for i, (colour, size) in enumerate([((220, 40, 40), (64, 64)), ((40, 80, 220), (48, 80)),
+                                        ((30, 160, 60), (64, 48))]):
         path = folder / f"picture{i}.png"
         Image.new("RGB", size, colour).save(path)
         paths.append(str(path))
@@ -109,10 +110,13 @@ def check_greedy(policy, prompts, images) -> str:
 def check_lora(policy, prompts, images) -> str:
     from peft import LoraConfig, get_peft_model
 
-    wrapped = get_peft_model(policy.model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    wrapped = get_peft_model(policy.model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                      init_lora_weights=False))
     lora = rlhf.PolicyModel(wrapped, policy.tokenizer, vision=policy.vision)
-    params = io.SamplingParams(max_new_tokens=8, temperature=1.0, n=2, seed=3, suppress_token_ids=lora.suppressed_tokens)
-    out = io.generate(wrapped, prompts, params, pad_token_id=lora.tokenizer.pad_token_id, vision=lora.vision_for(images))
+    params = io.SamplingParams(max_new_tokens=8, temperature=1.0, n=2, seed=3,
+                               suppress_token_ids=lora.suppressed_tokens)
+    out = io.generate(wrapped, prompts, params, pad_token_id=lora.tokenizer.pad_token_id,
+                      vision=lora.vision_for(images))
     gap = trainer_gap(lora, prompts, images, out, 2)
     return f"{'PASS' if gap < 1e-3 else 'FAIL'} (gap {gap:.2e})"
 
@@ -133,7 +137,8 @@ def check_autoprocessor(policy, paths: list[str], folder: Path) -> str:
     image = Image.open(paths[1]).convert("RGB")
     text = f"<|vision_start|>{policy.vision.image_token}<|vision_end|>How many?"
     theirs = processor(text=[text], images=[image], return_tensors="pt")
-    ours_ids = policy.tokenizer(policy.vision.tokens_text(paths[1]) + "How many?", add_special_tokens=False)["input_ids"]
+    ours_ids = policy.tokenizer(policy.vision.tokens_text(paths[1]) + "How many?",
+                                add_special_tokens=False)["input_ids"]
     ours_pixels, ours_grid = policy.vision.encode(paths[1])
     same_ids = theirs["input_ids"][0].tolist() == ours_ids
     same_pixels = torch.allclose(theirs["pixel_values"], ours_pixels, atol=1e-5)

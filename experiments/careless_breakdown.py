@@ -1,8 +1,8 @@
 """Where the careless-teacher demo's accuracy goes: held-out exact match of each policy, split by whether
 the problem needs a borrow, and how many greedy answers are the teacher's habit (the forgotten borrow).
 
-    python rlhf.py pipeline --config experiments/configs/demo_careless.yaml   # once: outputs/demo_careless/{sft,dpo,grpo}
-    python experiments/careless_breakdown.py                                  # those three policies
+    python rlhf.py pipeline --config experiments/configs/demo_careless.yaml # once: outputs/demo_careless/{sft,dpo,grpo}
+    python experiments/careless_breakdown.py                                # those three policies
     python experiments/careless_breakdown.py --policies outputs/demo_careless/sft,outputs/grpo --sample-temperature 0.6
 
 Greedy answers to data/demo/eval.jsonl (300 prompts whose facts no training file works out), through the
@@ -16,8 +16,8 @@ prompt by prompt: how many it gets right that the first gets wrong, the reverse,
 
 With ``--pool``, the policies after the first are runs of one recipe that differ only in their seed (say
 four PPO runs): a last row averages each prompt's outcome over them and tests the difference from the
-first policy over prompts with the paired sign-flip test (experiments/stats.py, as experiments/combine_seeds.py uses it). One run's McNemar
-carries its seed's luck; the pooled row is what a claim about the recipe rests on.
+first policy over prompts with the paired sign-flip test (experiments/stats.py, as experiments/combine_seeds.py uses
+it). One run's McNemar carries its seed's luck; the pooled row is what a claim about the recipe rests on.
 
     python experiments/careless_breakdown.py --pool --policies outputs/demo_careless/sft,runs/ppo_seed0,runs/ppo_seed1
 """
@@ -46,7 +46,8 @@ def class_of(problem: demo.Problem) -> str:
     return ("multi" if problem.is_multi else "1-step") + (" borrow" if demo.has_borrow(problem) else "")
 
 
-def answers(policy: rlhf.PolicyModel, formatter: rlhf.ChatFormatter, records: list[dict], **sampling) -> list[str | None]:
+def answers(policy: rlhf.PolicyModel, formatter: rlhf.ChatFormatter, records: list[dict],
+            **sampling) -> list[str | None]:
     completions = policy.generate([formatter.prompt_ids(r) for r in records], max_new_tokens=64,
                                   stop_token_ids=formatter.stop_token_ids, batch_size=100, **sampling)
     return [rlhf.extract_answer(policy.decode(ids)) for ids in completions]
@@ -144,7 +145,8 @@ def main() -> int:
         rows.append(pooled_row(outcomes, classes, habit_counts, columns=len(headers), resamples=args.resamples,
                                seed=args.seed))
     headers.append(f"vs {Path(paths[0]).name}: better / worse, McNemar p")
-    print_table(headers, rows, f"Held-out exact match by problem kind, {len(records)} prompts ({len(borrow)} need a borrow); "
+    print_table(headers, rows, f"Held-out exact match by problem kind, {len(records)} prompts "
+                f"({len(borrow)} need a borrow); "
                 "habit: greedy answers that are the forgotten borrow; borrow T / any of: sampled answers to the "
                 "borrow problems right, per sample / per problem", min_width=160)
     return 0

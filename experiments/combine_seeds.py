@@ -8,8 +8,8 @@ rules draw from. Here every prompt's outcome is averaged over the runs first (a 
 of 4 seeds counts 0.75), and the difference from the claim's baseline row is tested over prompts, which
 are the independent units: a paired sign-flip permutation test of the mean difference (two-sided,
 ``--resamples`` random flips, seeded). The runs must share the held-out prompts and every setting but
-``--seed``, with the same rows; each claim row is compared with its own baseline row. Confidence-stopping rows also show the samples
-saved, which is their claim (at no lower accuracy).
+``--seed``, with the same rows; each claim row is compared with its own baseline row. Confidence-stopping rows also show
+the samples saved, which is their claim (at no lower accuracy).
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ def load_runs(paths: list[str]) -> list[dict]:
         if differ:
             raise SystemExit(f"error: {path}: settings differ from {paths[0]} in {', '.join(differ)}; pool runs "
                              "that differ only in --seed")
-        layout = [[(r["method"], r["prompts"], r.get("versus"), len(r["correct"])) for r in x["rows"]] for x in (first, run)]
+        layout = [[(r["method"], r["prompts"], r.get("versus"), len(r["correct"])) for r in x["rows"]]
+                  for x in (first, run)]
         if layout[0] != layout[1]:
             raise SystemExit(f"error: {path}: its rows are not those of {paths[0]} (method, prompts, baseline, "
                              "prompt count); pool runs of the same version of experiments/inference_demo.py")

@@ -74,7 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--policy", default="outputs/demo_ensemble/sft", help="policy model directory")
-    parser.add_argument("--reward", default="outputs/demo_ensemble/rm", help="outcome reward model saved by rlhf's rm stage")
+    parser.add_argument("--reward", default="outputs/demo_ensemble/rm",
+                        help="outcome reward model saved by rlhf's rm stage")
     parser.add_argument("--prm", default="outputs/prm", help="process reward model saved by rlhf's prm stage")
     parser.add_argument("--eval", default="data/demo/eval.jsonl", help="held-out prompts with answers")
     parser.add_argument("--multistep", default="data/demo/multistep.jsonl", help="held-out multi-step problems")
@@ -90,7 +91,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=32, help="prompts per generate call")
     # Best-of-N and the shared sample pool
-    parser.add_argument("-n", type=int, default=8, help="Best-of-N / majority / oracle / fixed-vote samples (default 8)")
+    parser.add_argument("-n", type=int, default=8,
+                        help="Best-of-N / majority / oracle / fixed-vote samples (default 8)")
     parser.add_argument("--pool", type=int, default=16, help="i.i.d. samples drawn per held-out prompt (default 16)")
     parser.add_argument("--temperatures", type=floats, default=[0.3, 0.5, 0.7, 1.0],
                         help="validation sweep of the sampling temperature (default 0.3,0.5,0.7,1.0)")
@@ -103,7 +105,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-per-prompt", type=int, default=16, help="adaptive cap per prompt, pilot included")
     parser.add_argument("--flag-shares", type=floats, default=[0.1, 0.2, 0.33, 0.5],
                         help="for the 'lowest-scored share' reranking rule: shares of the prompts (those whose best "
-                             "pilot score is lowest) that receive the extra samples, swept on validation (one value: fixed)")
+                             "pilot score is lowest) that receive the extra samples, swept on validation "
+                             "(one value: fixed)")
     # confidence stopping
     parser.add_argument("--stop-agreement", type=floats, default=[0.6, 0.7, 0.8, 1.0],
                         help="agreement values to sweep on validation (one value: fixed)")
@@ -171,7 +174,8 @@ def verdict(a: list[bool], b: list[bool]) -> str:
     p = mcnemar(a, b)[2]
     if ahead <= 0:
         return f"does NOT hold ({ahead:+.1f} pts)"
-    return f"holds ({ahead:+.1f} pts, p={p:.2g})" if p < 0.05 else f"not shown: {ahead:+.1f} pts is within noise (p={p:.2g})"
+    return (f"holds ({ahead:+.1f} pts, p={p:.2g})" if p < 0.05
+            else f"not shown: {ahead:+.1f} pts is within noise (p={p:.2g})")
 
 
 def verifier_score(text: str) -> float:
@@ -430,7 +434,8 @@ def main(argv: list[str] | None = None) -> int:
                                      "chosen": stop}
     val_ok = [[correct(c, r["answer"]) for c in row] for r, row in zip(validation, val_pools[bon_t])]
     share_accuracy = {str(share): pct(reranked_allocation(val_scores[bon_t], val_ok, lowest_share_difficulty(
-        val_scores[bon_t], share, args.pilot), args, min(args.max_per_prompt, args.n))[0]) for share in args.flag_shares}
+        val_scores[bon_t], share, args.pilot), args, min(args.max_per_prompt, args.n))[0])
+        for share in args.flag_shares}
     flag_share = max(args.flag_shares, key=lambda s: (share_accuracy[str(s)], s))  # ties: spread wider
     sweeps["adaptive_rerank"] = {"temperature": bon_t, "pool": args.n, "accuracy_by_share": share_accuracy,
                                  "chosen": flag_share}
@@ -519,14 +524,15 @@ def main(argv: list[str] | None = None) -> int:
     for kind in ("disagreement", "rm_std"):
         result = adaptive_vs_uniform(answers, vote_scores, truth, args, kind)
         if kind == "disagreement":
-            uniform_vote_row = add(f"Uniform {k} + majority", eval_name, f"{k} samples ({result['total']} total)", result["uniform"],
-                f"T {vote_t}; ties: first sample's answer")
+            uniform_vote_row = add(f"Uniform {k} + majority", eval_name, f"{k} samples ({result['total']} total)",
+                result["uniform"], f"T {vote_t}; ties: first sample's answer")
         label = "pilot disagreement" if kind == "disagreement" else "RM score std of pilot (variant)"
         add("Adaptive + majority", eval_name, f"{k} samples ({result['total']} total)", result["adaptive"],
             f"T {vote_t}; pilot {args.pilot}, difficulty = {label}; {result['hard']} prompts with difficulty > 0, "
-            f"max {max(result['shares'])}/prompt; {delta_note(result['adaptive'], result['uniform'], args.seed, 'uniform')}",
-            claim=3 if kind == "disagreement" else None, versus=uniform_vote_row, verdict=verdict(result["adaptive"], result["uniform"]),
-            difficulty=kind, total_samples=result["total"])
+            f"max {max(result['shares'])}/prompt; "
+            f"{delta_note(result['adaptive'], result['uniform'], args.seed, 'uniform')}",
+            claim=3 if kind == "disagreement" else None, versus=uniform_vote_row,
+            verdict=verdict(result["adaptive"], result["uniform"]), difficulty=kind, total_samples=result["total"])
 
     bon_ok = [[correct(c, r["answer"]) for c in row] for r, row in zip(eval_records, bon_pool)]
     result = adaptive_vs_uniform_reranked(bon_scores, bon_ok, args)
@@ -538,7 +544,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{delta_note(result['adaptive'], result['uniform'], args.seed, 'uniform')}", claim=3,
         versus=uniform_rerank_row, verdict=verdict(result["adaptive"], result["uniform"]), difficulty="rm_shortfall",
         total_samples=result["total"])
-    flagged, shares = reranked_allocation(bon_scores, bon_ok, lowest_share_difficulty(bon_scores, flag_share, args.pilot),
+    flagged, shares = reranked_allocation(bon_scores, bon_ok,
+                                          lowest_share_difficulty(bon_scores, flag_share, args.pilot),
                                           args, args.max_per_prompt)
     add("Adaptive + RM rerank (lowest-scored share)", eval_name, f"{k} samples ({result['total']} total)", flagged,
         f"T {bon_t}; pilot {args.pilot}, the extra samples evenly to the {flag_share:.0%} of prompts whose best pilot "

@@ -49,7 +49,8 @@ def read_records(path: str) -> list[tuple[int, dict]]:
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as err:
-        raise SystemExit(f"{path}: cannot read it ({err.strerror}); give JSONL files with a 'prompt' per line") from None
+        raise SystemExit(f"{path}: cannot read it ({err.strerror}); give JSONL files with a 'prompt' "
+                         "per line") from None
     records = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
@@ -101,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
                              "gets the answer of its arithmetic); a prompt in several files is used once")
     parser.add_argument("--out", default="outputs/onpolicy_pairs", help="output directory")
     parser.add_argument("--skip", type=int, default=0,
-                        help="leave out the first N prompts of each file, wherever they appear (experiments/inference_demo.py chooses its settings on the "
+                        help="leave out the first N prompts of each file, wherever they appear "
+                             "(experiments/inference_demo.py chooses its settings on the "
                              "first 200 of rl_prompts.jsonl: pass --skip 200 to keep a reward model off them)")
     parser.add_argument("--samples", type=int, default=8, help="samples per prompt")
     parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature")
@@ -109,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=32, help="prompts per generate call")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--mix", nargs="+", default=[], metavar="FILE",
-                        help="pairs files to mix with the new pairs into mixed.jsonl (dataset onpolicy_mixed), shuffled")
+                        help="pairs files to mix with the new pairs into mixed.jsonl (dataset onpolicy_mixed), "
+                             "shuffled")
     args = parser.parse_args(argv)
     if args.skip < 0:
         parser.error(f"--skip {args.skip}: give the number of leading prompts to leave out (0 or more)")
@@ -154,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         (out_dir / "mixed.jsonl").write_text("".join(lines))
         info["onpolicy_mixed"] = {"file_name": "mixed.jsonl", "ranking": True, "columns": columns}
     (out_dir / "dataset_info.json").write_text(json.dumps(info, indent=2) + "\n")
-    print(f"{len(pairs)} pairs from {contrasted} of {len(records)} prompts with both right and wrong samples -> {out_dir}"
+    print(f"{len(pairs)} pairs from {contrasted} of {len(records)} prompts with both right and wrong samples "
+          f"-> {out_dir}"
           + (f" (mixed.jsonl: with {len(mixed_in)} pairs of {', '.join(args.mix)})" if args.mix else ""))
     return 0
 

@@ -46,7 +46,8 @@ MERGES = ("ties", "dare_ties", "slerp", "slerp-t0.5", "task_arithmetic", "linear
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--demo-dir", default="outputs/demo_ensemble", help="the demo pipeline's output (sft, dpo, grpo)")
+    parser.add_argument("--demo-dir", default="outputs/demo_ensemble",
+                        help="the demo pipeline's output (sft, dpo, grpo)")
     parser.add_argument("--eval", default="data/demo/eval.jsonl", help="held-out prompts with answers")
     parser.add_argument("--merges", default=",".join(MERGES), help=f"comma-separated from {', '.join(MERGES)}")
     parser.add_argument("--no-ensembles", action="store_true", help="skip the two ensemble rows")

@@ -25,7 +25,8 @@ Methods (names are the rows):
   gspo          importance_sampling_level: sequence, epsilon 3e-4 / 4e-4 (Zheng et al. 2025)
   grpo_mu2, gspo_mu2   the same two with num_iterations 2 (each rollout trains two optimizer steps)
   cispo         loss_type: cispo (MiniMax-M1)
-  dapo          dynamic_sampling, overlong shaping (buffer 16, factor 1), clip-higher 0.28, dapo token mean (Yu et al. 2025)
+  dapo          dynamic_sampling, overlong shaping (buffer 16, factor 1), clip-higher 0.28, dapo token mean
+                (Yu et al. 2025)
   online_dpo    stage online_dpo, pairs ranked by the reward (Guo et al. 2024)
   distill       stage distill from --teacher on demo_sft_careless (GKD, lmbda 0.5, beta 0.5: TRL's defaults)
 """
@@ -93,7 +94,8 @@ def accuracies(output_dir: Path) -> tuple[float, float, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sft", default="outputs/demo_careless/sft", help="the policy every method starts from")
-    parser.add_argument("--teacher", default=None, help="distill's teacher (a demo-trained model with the tiny tokenizer)")
+    parser.add_argument("--teacher", default=None,
+                        help="distill's teacher (a demo-trained model with the tiny tokenizer)")
     parser.add_argument("--methods", default="grpo,rloo,reinforce_pp,gspo,cispo,dapo,online_dpo",
                         help=f"comma-separated, from {', '.join(METHODS)}")
     parser.add_argument("--steps", type=int, default=150, help="optimizer steps per method")

@@ -44,7 +44,8 @@ EVAL_PROMPTS = 300
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=sorted(MODELS), default="smollm2", help="which fetched model (default smollm2)")
+    parser.add_argument("--model", choices=sorted(MODELS), default="smollm2",
+                        help="which fetched model (default smollm2)")
     parser.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
     parser.add_argument("--stages", default="sft,grpo,online_dpo", help=f"subset of {','.join(STAGES)}, in order")
     parser.add_argument("--out", default="outputs/real_models", help="folder of the runs")
@@ -162,12 +163,14 @@ def table(args: argparse.Namespace) -> None:
                                      f"evaluator (trainer's own in brackets)", label_columns=1)
     for stage, before in (("sft", None), ("grpo", "sft"), ("online_dpo", "sft")):
         pairs = [(r["stages"][stage]["independent"]["accuracy"],
-                  r["base"]["independent"]["accuracy"] if before is None else r["stages"][before]["independent"]["accuracy"])
+                  r["base"]["independent"]["accuracy"] if before is None
+                  else r["stages"][before]["independent"]["accuracy"])
                  for r in runs if stage in r["stages"] and (before is None or before in r["stages"])]
         if not pairs:
             continue
         gains = [a - b for a, b in pairs]
-        line = (f"{stage}: mean gain {statistics.fmean(gains) * 100:+.1f} points over {'the base' if before is None else before}"
+        line = (f"{stage}: mean gain {statistics.fmean(gains) * 100:+.1f} points over "
+                f"{'the base' if before is None else before}"
                 f" (per seed {', '.join(f'{g * 100:+.1f}' for g in gains)})")
         flags = [(r["stages"][stage]["independent"].get("correct_flags"),
                   (r["base"] if before is None else r["stages"][before])["independent"].get("correct_flags"))

@@ -27,7 +27,8 @@ taken where none is needed (``83 - 3 = 70``). A reward model trained on pairs th
 learn "the lower tens digit is better" instead of the arithmetic; the second row shows it, and it is the
 answer RL on such a reward model drifts to (README, "The careless-teacher demo").
 
-    python experiments/rm_probe.py --dataset demo_rm_careless --reward-models outputs/demo_ensemble/rm,outputs/demo_careless/rm
+    python experiments/rm_probe.py --dataset demo_rm_careless \
+        --reward-models outputs/demo_ensemble/rm,outputs/demo_careless/rm
 
 ``--policy-pairs DIR ...`` adds a row per directory written by ``experiments/make_onpolicy_pairs.py``: a policy's
 own right answer against its own wrong one, on training prompts. These are the pairs RL meets: run it on
@@ -82,7 +83,8 @@ def flaw_rows(pairs: list[dict]) -> list[tuple[str, list[int]]]:
             rows.append(("  no Answer line", [i for i, k in enumerate(kinds) if k == kind and digits[i] is None]))
         for digit in ("units", "tens"):
             what = "Answer disagrees in the" if kind == "format" else "wrong"
-            rows.append((f"  {what} {digit} digit", [i for i, k in enumerate(kinds) if k == kind and digits[i] == digit]))
+            rows.append((f"  {what} {digit} digit",
+                         [i for i, k in enumerate(kinds) if k == kind and digits[i] == digit]))
     rows.append(("all", list(range(len(pairs)))))
     return rows
 
@@ -138,7 +140,8 @@ def tens_digit_pairs(path: Path) -> dict[str, list[dict]]:
             continue
         slip = demo.solve(problem, 0, delta)
         pairs[name].append({"system": None, "messages": [{"role": "user", "content": item["prompt"]}],
-                            "chosen": demo.correct_response(problem), "rejected": demo.render(problem, slip, slip[-1][3])})
+                            "chosen": demo.correct_response(problem),
+                            "rejected": demo.render(problem, slip, slip[-1][3])})
     return pairs
 
 
@@ -149,8 +152,10 @@ def pairwise(scores: torch.Tensor) -> torch.Tensor:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--policy", default="outputs/demo_ensemble/sft", help="the SFT policy (default outputs/demo_ensemble/sft)")
-    parser.add_argument("--reward-models", default="outputs/demo_ensemble/rm", help="comma-separated reward model directories")
+    parser.add_argument("--policy", default="outputs/demo_ensemble/sft",
+                        help="the SFT policy (default outputs/demo_ensemble/sft)")
+    parser.add_argument("--reward-models", default="outputs/demo_ensemble/rm",
+                        help="comma-separated reward model directories")
     parser.add_argument("--dataset", default="demo_rm", help="the rm stage's dataset (default demo_rm)")
     parser.add_argument("--val-size", type=int, default=200, help="held-out pairs, as the rm stage's val_size")
     parser.add_argument("--split-by-record", action="store_true",
@@ -169,7 +174,8 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     for path in [args.policy, *args.reward_models.split(",")]:
         if not Path(path).is_dir():
-            raise SystemExit(f"error: {path} does not exist; run `python rlhf.py pipeline --config configs/demo_ensemble.yaml` first")
+            raise SystemExit(f"error: {path} does not exist; run "
+                             "`python rlhf.py pipeline --config configs/demo_ensemble.yaml` first")
     for path in args.policy_pairs:
         if not (Path(path) / "dataset_info.json").is_file():
             raise SystemExit(f"error: --policy-pairs {path}: no dataset_info.json there; write it with "

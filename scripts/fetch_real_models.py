@@ -131,7 +131,8 @@ def fetch(key: str) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("models", nargs="*", metavar="MODEL", help=f"which to fetch: {', '.join(REAL_MODELS)} (default: all)")
+    parser.add_argument("models", nargs="*", metavar="MODEL",
+                        help=f"which to fetch: {', '.join(REAL_MODELS)} (default: all)")
     parser.add_argument("--json", action="store_true", help="print {name: folder} as JSON")
     args = parser.parse_args(argv)
     unknown = [m for m in args.models if m not in REAL_MODELS]

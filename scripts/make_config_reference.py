@@ -155,7 +155,8 @@ def render() -> str:
     lines.append("Contents: " + ", ".join(f"[{cls.__name__}](#{cls.__name__.lower()})" for cls, _ in SECTIONS)
                  + ", [final stages](#final-stages-of-a-pipeline-eval-best_of_n-merge), "
                  "[merge configs](#merge-configs-python-rlhfpy-merge-python-model_mergingpy), "
-                 "[LLaMA-Factory keys](#llama-factory-keys), [TRL, OpenRLHF and verl keys](#trl-openrlhf-and-verl-keys).\n")
+                 "[LLaMA-Factory keys](#llama-factory-keys), "
+                 "[TRL, OpenRLHF and verl keys](#trl-openrlhf-and-verl-keys).\n")
     for cls, commands in SECTIONS:
         lines += _section(cls, commands)
     lines += _final_stages() + _merge_keys() + _llamafactory()

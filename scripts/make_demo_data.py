@@ -552,7 +552,8 @@ correct response ends with the line `Answer: N`.
   {counts["tool_multistep.jsonl"]} records): `rl_prompts.jsonl` and `multistep.jsonl` with that system prompt.
   No tool file is part of the tiny tokenizer's corpus.
 - `dataset_info.json`: LLaMA-Factory registry (`demo_sft`, `demo_preference`, `demo_rm`,
-  `demo_sft_careless`, `demo_preference_careless`, `demo_rm_careless`, `demo_kto`, `demo_rl`, `demo_multistep`, `demo_eval`,
+  `demo_sft_careless`, `demo_preference_careless`, `demo_rm_careless`, `demo_kto`, `demo_rl`, `demo_multistep`, \
+`demo_eval`,
   `demo_tool_sft`, `demo_tool_rl`, `demo_tool_multistep`).
 
 Held-out discipline: `eval.jsonl` and `multistep.jsonl` share no prompt with

@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     target, output = (REPO / args.target).resolve(), (REPO / args.output).resolve()
     if not (target / "config.json").exists():
-        raise SystemExit(f"error: no target model at {target}; run `python rlhf.py pipeline --config configs/demo.yaml`")
+        raise SystemExit(f"error: no target model at {target}; "
+                         "run `python rlhf.py pipeline --config configs/demo.yaml`")
     recipe_file = output / "draft_recipe.json"
     wanted = recipe(args)
     if not args.force and (output / "model.safetensors").exists() and recipe_file.exists() \

@@ -128,19 +128,23 @@ def write_images(folder: Path, rows: list[tuple[str, str, int, tuple[Shape, ...]
 DATASET_INFO = {
     "demo_vl_sft": {"file_name": "sft.json", "formatting": "sharegpt",
                     "columns": {"messages": "messages", "system": "system", "images": "images"},
-                    "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"}},
+                    "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
+                             "assistant_tag": "assistant"}},
     "demo_vl_preference": {"file_name": "preference.json", "formatting": "sharegpt", "ranking": True,
                            "columns": {"messages": "conversations", "system": "system", "chosen": "chosen",
                                        "rejected": "rejected", "images": "images"}},
     "demo_vl_kto": {"file_name": "kto.json", "formatting": "sharegpt",
                     "columns": {"messages": "messages", "system": "system", "kto_tag": "label", "images": "images"},
-                    "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"}},
+                    "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
+                             "assistant_tag": "assistant"}},
     "demo_vl_rl": {"file_name": "rl_prompts.json", "formatting": "sharegpt",
                    "columns": {"messages": "messages", "system": "system", "answer": "answer", "images": "images"},
-                   "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"}},
+                   "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
+                            "assistant_tag": "assistant"}},
     "demo_vl_eval": {"file_name": "eval.json", "formatting": "sharegpt",
                      "columns": {"messages": "messages", "system": "system", "answer": "answer", "images": "images"},
-                     "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"}},
+                     "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
+                              "assistant_tag": "assistant"}},
 }
 
 
@@ -189,8 +193,10 @@ def generate_lf_demo(data_dir: Path, seed: int = 0) -> dict[str, int]:
     for name, asked in by_picture.items():
         path = f"mllm_demo_data/{name}"
         (q1, a1), (q2, a2) = asked[0], asked[1]
-        sft.append({"messages": [{"role": "user", "content": f"<image>{q1}"}, {"role": "assistant", "content": answer(a1)},
-                                 {"role": "user", "content": f"{q2}<image>"}, {"role": "assistant", "content": answer(a2)}],
+        sft.append({"messages": [{"role": "user", "content": f"<image>{q1}"},
+                                 {"role": "assistant", "content": answer(a1)},
+                                 {"role": "user", "content": f"{q2}<image>"},
+                                 {"role": "assistant", "content": answer(a2)}],
                     "images": [path, path]})
         for q, a in asked:
             dpo.append({"conversations": [{"from": "human", "value": f"<image>{q}"}],
@@ -205,7 +211,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default: data/demo_vl)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--lf-demo", action="store_true", help="also write data/mllm_demo.json and data/mllm_dpo_demo.json")
+    parser.add_argument("--lf-demo", action="store_true",
+                        help="also write data/mllm_demo.json and data/mllm_dpo_demo.json")
     args = parser.parse_args()
     counts = generate(args.out, args.seed)
     if args.lf_demo:

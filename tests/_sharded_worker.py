@@ -3,9 +3,10 @@
 Launched as ``python -m torch.distributed.run --nproc_per_node 2 tests/_sharded_worker.py MODE MODEL_DIR OUT_DIR``.
 The DeviceManager starts the gloo process group (no GPU: CPU processes), and each check runs the real
 code against ``fully_shard``-ed modules, whose forwards gather weights from the other process. MODE
-``parts`` checks the functions one by one; ``trainers`` trains SFT, a reward model, DPO, GRPO (the model is the sharded root)
-and PPO (the policy sits inside the sharded actor-critic) with a checkpoint, a resume and the final
-model, sharded the way accelerate's FSDP2 ``prepare`` does it: in place, returning the module. Each process writes ``OUT_DIR/rank{N}.json`` with what it saw; the test asserts on them.
+``parts`` checks the functions one by one; ``trainers`` trains SFT, a reward model, DPO, GRPO (the model is the sharded
+root) and PPO (the policy sits inside the sharded actor-critic) with a checkpoint, a resume and the final
+model, sharded the way accelerate's FSDP2 ``prepare`` does it: in place, returning the module. Each process writes
+``OUT_DIR/rank{N}.json`` with what it saw; the test asserts on them.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def parts(model_dir: str, out_dir: str) -> None:
     mine = prompts[:2] if rank == 0 else prompts[2:3]
     unsharded = {}
     for engine in ("static", "eager"):
-        free = io.generate(policy.model, mine, io.SamplingParams(max_new_tokens=12, do_sample=False), pad_token_id=0, engine=engine)
+        free = io.generate(policy.model, mine, io.SamplingParams(max_new_tokens=12, do_sample=False), pad_token_id=0,
+                           engine=engine)
         stops = tuple(row[2] for row in free.token_ids) if rank == 0 else ()
         params = io.SamplingParams(max_new_tokens=12, do_sample=False, stop_token_ids=stops)
         unsharded[engine] = (params, io.generate(policy.model, mine, params, pad_token_id=0, engine=engine).token_ids)
@@ -238,7 +240,8 @@ def train_twice(name: str, trainer_class: type, config_class: type, settings: di
         final = devices.full_state_dict(trainer.model)
     if final is not None and name == "sft_lora":  # the adapter written from the gathered weights holds the trained ones
         saved = load_file(str(out / name / "adapter_model.safetensors"))
-        trained = {k.replace(".default.", "."): v for k, v in final.items() if "lora_" in k}  # PEFT drops the adapter name
+        # PEFT drops the adapter name
+        trained = {k.replace(".default.", "."): v for k, v in final.items() if "lora_" in k}
         report["adapter_tensors"] = [len(saved), len(trained)]
         report["saved_vs_trained"] = max_difference(saved, trained)
     elif final is not None:  # the main process: the final model in Hugging Face layout holds the trained weights

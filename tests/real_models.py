@@ -231,8 +231,8 @@ def sources_or_skip() -> None:
         _unpacked("llama.cpp")
         _unpacked("mistral-common")
     except (subprocess.CalledProcessError, OSError) as err:
-        message = (f"the real tokenizers need llama-cpp-python=={LLAMA_CPP_PYTHON} and mistral-common=={MISTRAL_COMMON} "
-                   f"from PyPI once ({err})")
+        message = (f"the real tokenizers need llama-cpp-python=={LLAMA_CPP_PYTHON} and "
+                   f"mistral-common=={MISTRAL_COMMON} from PyPI once ({err})")
         if os.environ.get("RLHF_REQUIRE_REAL_MODELS") == "1":
             pytest.fail(message)
         pytest.skip(message)
@@ -249,8 +249,10 @@ def _gguf_tokenizer(vocab: str, family: Family) -> Any:
     from transformers import PreTrainedTokenizerFast
     from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
 
-    architecture, tokenizer_dict, settings = get_gguf_tokenizer(str(_unpacked("llama.cpp") / f"ggml-vocab-{vocab}.gguf"))
-    tokens, types = list(tokenizer_dict["tokens"]), list(tokenizer_dict.get("token_type") or [1] * len(tokenizer_dict["tokens"]))
+    architecture, tokenizer_dict, settings = get_gguf_tokenizer(
+        str(_unpacked("llama.cpp") / f"ggml-vocab-{vocab}.gguf"))
+    tokens, types = (list(tokenizer_dict["tokens"]),
+                     list(tokenizer_dict.get("token_type") or [1] * len(tokenizer_dict["tokens"])))
     for index, (token, special) in family.added.items():
         tokens[index], types[index] = token, 3 if special else 4  # CONTROL / USER_DEFINED, as llama.cpp marks them
     for index, token in family.renames.items():

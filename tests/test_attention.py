@@ -56,7 +56,8 @@ def test_backends_agree_with_the_formula(backend):
     if backend != "flash_attention_2":  # flash-attn takes no arbitrary mask (the module falls back to sdpa for one)
         bool_mask = padding[:, None, None, :]
         additive = torch.zeros(2, 1, 1, kv_len).masked_fill(~bool_mask, float("-inf"))
-        cases += [(bool_mask, True, padding[:, None, :] & causal), (additive, False, padding[:, None, :].expand(-1, q_len, -1))]
+        cases += [(bool_mask, True, padding[:, None, :] & causal),
+                  (additive, False, padding[:, None, :].expand(-1, q_len, -1))]
     for mask, is_causal, allowed in cases:
         dtype = torch.bfloat16 if backend == "flash_attention_2" else torch.float32
         args = [t.to(device, dtype) for t in (query, key, value)]

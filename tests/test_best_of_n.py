@@ -96,8 +96,8 @@ def test_cli_best_of_n(tmp_path, tiny_model_dir, reward_dir, capsys):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p, "answer": "21"}) + "\n" for p in PROMPTS))
     out = tmp_path / "new" / "best.jsonl"  # its directory is created
-    code = io.main(["best-of-n", "--policy", str(tiny_model_dir), "--reward", str(reward_dir), "--prompts", str(prompts),
-                    "-n", "3", "--max-new-tokens", "6", "--output", str(out)])
+    code = io.main(["best-of-n", "--policy", str(tiny_model_dir), "--reward", str(reward_dir), "--prompts",
+                    str(prompts), "-n", "3", "--max-new-tokens", "6", "--output", str(out)])
     assert code == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["prompt"] for r in rows] == PROMPTS
@@ -149,7 +149,8 @@ def test_cli_reward_layout_problems(cli, tmp_path, reward_dir):
     classifier.mkdir()
     (classifier / "config.json").write_text(json.dumps({"architectures": ["LlamaForSequenceClassification"],
                                                         "id2label": {"0": "A", "1": "B"}}))
-    assert_one_line_error(*cli("--reward", str(classifier)), r"is a sequence classifier with 2 labels; a reward model has one")
+    assert_one_line_error(*cli("--reward", str(classifier)),
+                          r"is a sequence classifier with 2 labels; a reward model has one")
     headless = tmp_path / "headless"
     headless.mkdir()
     for name in ("config.json", "reward_config.json", "tokenizer.json"):
@@ -165,7 +166,8 @@ def test_cli_reward_layout_problems(cli, tmp_path, reward_dir):
     (ensemble / "ensemble.json").write_text(json.dumps({"members": ["member-0", "member-1"]}))
     shutil.copytree(reward_dir, ensemble / "member-0")
     assert_one_line_error(*cli("--reward", str(ensemble)), r"^error: --reward \S+ensemble/member-1 does not exist$")
-    assert_one_line_error(*cli("--reward", str(tmp_path)), r"is not a model directory \(no config\.json, no reward_config")
+    assert_one_line_error(*cli("--reward", str(tmp_path)),
+                          r"is not a model directory \(no config\.json, no reward_config")
 
 
 def test_cli_lora_policy_whose_base_is_gone(cli, tmp_path):
@@ -173,7 +175,8 @@ def test_cli_lora_policy_whose_base_is_gone(cli, tmp_path):
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     gone = tmp_path / "base-was-here"
-    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": str(gone)}))
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA",
+                                                             "base_model_name_or_path": str(gone)}))
     assert_one_line_error(*cli("--policy", str(adapter)),
                           rf"^error: --policy {re.escape(str(adapter))} is a LoRA adapter whose base "
                           rf"{re.escape(str(gone))} \(from adapter_config\.json\) does not exist$")
@@ -225,12 +228,14 @@ def test_cli_bad_prompts_file(cli, tmp_path):
     bad.write_text('{"prompt": "ok"}\n{"prompt": 3}\n')
     assert_one_line_error(*cli("--prompts", str(bad)), r"bad\.jsonl:2: each record needs a 'prompt' string$")
     bad.write_text('{"prompt": "ok"}\n{"prompt": \n')
-    assert_one_line_error(*cli("--prompts", str(bad)), r"bad\.jsonl:2: invalid JSON \(.*\); each line must be one object$")
+    assert_one_line_error(*cli("--prompts", str(bad)),
+                          r"bad\.jsonl:2: invalid JSON \(.*\); each line must be one object$")
     bad.write_bytes(b"ok\n\xff\xfe\n")
     assert_one_line_error(*cli("--prompts", str(bad)), r"bad\.jsonl:2: not UTF-8 text; save the prompts file as UTF-8$")
     assert_one_line_error(*cli("--prompts", str(tmp_path)),
                           rf"^error: --prompts {re.escape(str(tmp_path))} is a directory; give a prompts file")
-    assert_one_line_error(*cli("--prompts", str(tmp_path / "nope.txt")), r"^error: --prompts \S+nope\.txt does not exist$")
+    assert_one_line_error(*cli("--prompts", str(tmp_path / "nope.txt")),
+                          r"^error: --prompts \S+nope\.txt does not exist$")
     (tmp_path / "empty.txt").write_text("\n\n")
     assert_one_line_error(*cli("--prompts", str(tmp_path / "empty.txt")), r"empty\.txt holds no prompts$")
 

@@ -132,16 +132,22 @@ def _abs_out(name: str) -> str:
 
 RUNS: dict[str, Run] = {
     # -- bad data: file:line
-    "malformed_jsonl": Run(["sft", "dataset=bad_json.jsonl", "dataset_dir=.", _abs_out("o-json"), *SMALL_RUN], heavy=True),
-    "missing_field": Run(["sft", "dataset=missing_response.jsonl", "dataset_dir=.", _abs_out("o-missing"), *SMALL_RUN], heavy=True),
+    "malformed_jsonl": Run(["sft", "dataset=bad_json.jsonl", "dataset_dir=.", _abs_out("o-json"), *SMALL_RUN],
+                           heavy=True),
+    "missing_field": Run(["sft", "dataset=missing_response.jsonl", "dataset_dir=.", _abs_out("o-missing"), *SMALL_RUN],
+                         heavy=True),
     "wrong_type": Run(["sft", "dataset=wrong_type.jsonl", "dataset_dir=.", _abs_out("o-type"), *SMALL_RUN], heavy=True),
-    "empty_completion": Run(["sft", "dataset=empty_response.jsonl", "dataset_dir=.", _abs_out("o-empty"), *SMALL_RUN], heavy=True),
-    "unknown_format": Run(["sft", "dataset=unknown_format.jsonl", "dataset_dir=.", _abs_out("o-format"), *SMALL_RUN], heavy=True),
+    "empty_completion": Run(["sft", "dataset=empty_response.jsonl", "dataset_dir=.", _abs_out("o-empty"), *SMALL_RUN],
+                            heavy=True),
+    "unknown_format": Run(["sft", "dataset=unknown_format.jsonl", "dataset_dir=.", _abs_out("o-format"), *SMALL_RUN],
+                          heavy=True),
     # -- bad config: the field (or file:line)
     "missing_model": Run(["sft", f"dataset={DEMO / 'sft.jsonl'}", "dataset_dir=.", _abs_out("o-model"),
                           *SMALL_RUN, "model_name_or_path=/no/such/model"], heavy=True),
-    "unknown_key": Run(["sft", "dataset=demo_sft", f"dataset_dir={DEMO}", _abs_out("o-key"), *SMALL_RUN, "lerning_rate=1e-3"]),
-    "invalid_value": Run(["sft", "dataset=demo_sft", f"dataset_dir={DEMO}", _abs_out("o-lr"), *SMALL_RUN, "learning_rate=-1"]),
+    "unknown_key": Run(["sft", "dataset=demo_sft", f"dataset_dir={DEMO}", _abs_out("o-key"), *SMALL_RUN,
+                        "lerning_rate=1e-3"]),
+    "invalid_value": Run(["sft", "dataset=demo_sft", f"dataset_dir={DEMO}", _abs_out("o-lr"), *SMALL_RUN,
+                          "learning_rate=-1"]),
     "missing_config": Run(["sft", "--config", "missing.yaml", "dataset=demo_sft"]),
     "invalid_yaml": Run(["sft", "--config", "invalid.yaml", "dataset=demo_sft"]),
     "stage_mismatch": Run(["sft", "--config", "stage_dpo.yaml", "dataset=demo_sft"]),
@@ -153,8 +159,9 @@ RUNS: dict[str, Run] = {
     "pipeline_help": Run(["pipeline", "--help"]),
     # -- happy paths
     "sft_run": Run(["sft", "dataset=demo_sft", "dataset_dir=data/demo", "max_samples=64", "val_size=8", "max_steps=3",
-                    "model_name_or_path=tiny", "finetuning_type=full", "per_device_train_batch_size=8", "cutoff_len=128",
-                    "logging_steps=1", "report_to=none", "disable_progress_bar=true", _abs_out("sft-run")],
+                    "model_name_or_path=tiny", "finetuning_type=full", "per_device_train_batch_size=8",
+                    "cutoff_len=128", "logging_steps=1", "report_to=none", "disable_progress_bar=true",
+                    _abs_out("sft-run")],
                    cwd="repo", heavy=True),
     "train_llamafactory": Run(["train", "--config", "llamafactory.yaml"], heavy=True),
     "pipeline_run": Run(["pipeline", "--config", "pipeline.yaml"], heavy=True),
@@ -245,7 +252,8 @@ BAD_INPUT = {
     "missing_config": [r"missing\.yaml", r"does not exist"],
     "invalid_yaml": [r"invalid\.yaml:3\b", r"invalid YAML"],
     "stage_mismatch": [r"stage_dpo\.yaml", r"\bstage\b", r"\bdpo\b", r"'sft'"],
-    "train_unknown_stage": [r"stage_unknown\.yaml", r"'stage'", r"'rlhf_magic'", r"valid: sft, rm, prm, dpo, .*grpo, .*ppo"],
+    "train_unknown_stage": [r"stage_unknown\.yaml", r"'stage'", r"'rlhf_magic'",
+                            r"valid: sft, rm, prm, dpo, .*grpo, .*ppo"],
     "pipeline_stage_typo": [r"pipeline_typo\.yaml", r"'lerning_rate'", re.escape("did you mean 'learning_rate'")],
 }
 
@@ -397,7 +405,8 @@ def test_pipeline_run(cli):
 @pytest.mark.skipif(shutil.which("rlhf") is None, reason="console script `rlhf` not installed (pip install -e .)")
 def test_console_script(tmp_path):
     exe = shutil.which("rlhf")
-    proc = subprocess.run([exe, "--help"], capture_output=True, text=True, env=cli_env(), cwd=tmp_path, timeout=TIMEOUT_S)
+    proc = subprocess.run([exe, "--help"], capture_output=True, text=True, env=cli_env(), cwd=tmp_path,
+                          timeout=TIMEOUT_S)
     assert proc.returncode == 0 and "pipeline" in proc.stdout, _describe(proc)
     proc = subprocess.run([exe, "sft", "lerning_rate=1e-3"], capture_output=True, text=True, env=cli_env(),
                           cwd=tmp_path, timeout=TIMEOUT_S)
@@ -453,7 +462,8 @@ def test_a_template_that_refuses_a_record_is_one_line_naming_its_file_and_line(t
     model = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model)
     tokenizer = rlhf.load_tokenizer(model)
-    tokenizer.chat_template = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    tokenizer.chat_template = ("{% if messages[0]['role'] == 'system' %}"
+                               "{{ raise_exception('System role not supported') }}"
                                "{% endif %}" + rlhf.CHAT_TEMPLATES["chatml"])
     tokenizer.save_pretrained(model)
     rows = [GOOD[0], {**GOOD[1], "system": "Be brief."}]

@@ -612,8 +612,9 @@ def test_config_help_lists_every_field():
 def test_command_line_lists_keep_commas_inside_brackets_and_escapes(tmp_path):
     """A list field from the command line splits at top-level commas only: a regex's {1,3} or [a,b]
     and an escaped \\, stay in their item; a YAML flow list is taken as it is."""
-    overrides = rlhf.parse_overrides([r"constitution=answer_line,regex=^\d{1,3}$@0.5,regex=[a,b]x,critique=Be brief\, kind.",
-                                      "reward_funcs=[exact_answer, format]"])
+    overrides = rlhf.parse_overrides([
+        r"constitution=answer_line,regex=^\d{1,3}$@0.5,regex=[a,b]x,critique=Be brief\, kind.",
+        "reward_funcs=[exact_answer, format]"])
     config = rlhf.build_config(rlhf.GRPOConfig, {"output_dir": str(tmp_path), **overrides})
     assert config.constitution == ["answer_line", r"regex=^\d{1,3}$@0.5", "regex=[a,b]x", "critique=Be brief, kind."]
     assert config.reward_funcs == ["exact_answer", "format"]
@@ -718,8 +719,9 @@ def test_trl_openrlhf_verl_key_names_map_to_ours():
     assert not every_field & set(rlhf.TRL_OPENRLHF_RENAMES)
     assert all(target in every_field for target, _ in rlhf.TRL_OPENRLHF_RENAMES.values())
     grpo = rlhf.load_config(rlhf.GRPOConfig, overrides=[
-        "reward_funcs=exact_answer", "dynamic_filtering=true", "n_samples_per_prompt=4", "loss_agg_mode=token-mean", "clip_ratio_low=0.2",
-        "clip_ratio_high=0.28", "adv_estimator=reinforce_plus_plus_baseline", "scale_rewards=none"])
+        "reward_funcs=exact_answer", "dynamic_filtering=true", "n_samples_per_prompt=4", "loss_agg_mode=token-mean",
+        "clip_ratio_low=0.2", "clip_ratio_high=0.28", "adv_estimator=reinforce_plus_plus_baseline",
+        "scale_rewards=none"])
     assert (grpo.dynamic_sampling, grpo.num_generations, grpo.loss_type) == (True, 4, "dapo")
     assert (grpo.epsilon_low, grpo.epsilon_high, grpo.advantage_estimator) == (0.2, 0.28, "reinforce_pp_baseline")
     assert rlhf.load_config(rlhf.GRPOConfig, overrides=["reward_funcs=exact_answer", "advantage_estimator=group_norm",

@@ -13,8 +13,9 @@ import rlhf
 def test_configuration_reference_is_up_to_date():
     script = load_script("scripts/make_config_reference.py")
     committed = (REPO / "docs" / "configuration.md").read_text(encoding="utf-8")
-    assert committed == script.render(), ("docs/configuration.md is out of date with the config dataclasses in rlhf.py: "
-                                          "run `python scripts/make_config_reference.py` and commit the result")
+    assert committed == script.render(), (
+        "docs/configuration.md is out of date with the config dataclasses in rlhf.py: "
+        "run `python scripts/make_config_reference.py` and commit the result")
 
 
 def test_reference_lists_every_stage_key():

@@ -355,7 +355,8 @@ DEMO_EXPECTED = {"demo_sft": ("sft", 3000), "demo_preference": ("preference", 15
                  "demo_sft_careless": ("sft", 3000), "demo_preference_careless": ("preference", 1500),
                  "demo_rm_careless": ("preference", 12000),
                  "demo_rl": ("prompt", 800), "demo_eval": ("prompt", 300), "demo_multistep": ("prompt", 200),
-                 "demo_tool_sft": ("sft", 1000), "demo_tool_rl": ("prompt", 800), "demo_tool_multistep": ("prompt", 200)}
+                 "demo_tool_sft": ("sft", 1000), "demo_tool_rl": ("prompt", 800),
+                 "demo_tool_multistep": ("prompt", 200)}
 
 
 def test_demo_registry_is_covered(repo):
@@ -588,7 +589,8 @@ def test_skip_invalid_does_not_hide_broken_json(tmp_path):
 
 # ---------------------------------------------------------------- chat templates
 
-END_MARKERS = {"chatml": "<|im_end|>\n", "qwen": "<|im_end|>\n", "qwen3_nothink": "<|im_end|>\n", "auto": "<|im_end|>\n"}
+END_MARKERS = {"chatml": "<|im_end|>\n", "qwen": "<|im_end|>\n", "qwen3_nothink": "<|im_end|>\n",
+               "auto": "<|im_end|>\n"}
 TEMPLATES = ("default", "chatml", "qwen", "qwen3_nothink", "auto")  # the ones the tiny tokenizer can write
 
 
@@ -704,7 +706,8 @@ def test_template_whose_conversation_does_not_start_with_its_prompt_trains_what_
 
 @pytest.mark.parametrize("source", [
     "{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}{% endif %}{% endfor %}",  # drops answers
-    "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<GEN>{% endif %}",  # never a prefix
+    # never a prefix
+    "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<GEN>{% endif %}",
     "{% for m in messages %}{{ m['content'] | upper }}{% endfor %}{% if add_generation_prompt %}:{% endif %}",
 ])
 def test_template_that_hides_the_answer_is_an_error_naming_the_record(tiny_tokenizer, source):
@@ -1080,7 +1083,8 @@ def test_tool_records_read_as_calls_results_and_schemas():
 
 @pytest.mark.parametrize("turn,message", [
     ({"from": "function_call", "value": "add(1, 2)"}, r"message 2 \(a function call\) is not JSON"),
-    ({"from": "function_call", "value": '{"arguments": {}}'}, r"message 2 \(a function call\) must hold \"name\" and \"arguments\""),
+    ({"from": "function_call", "value": '{"arguments": {}}'},
+     r"message 2 \(a function call\) must hold \"name\" and \"arguments\""),
 ])
 def test_a_bad_function_call_is_one_line_naming_its_line(tmp_path, turn, message):
     row = {"conversations": [{"from": "human", "value": "hi"}, turn]}

@@ -326,7 +326,8 @@ def test_tool_demonstrations_call_the_calculator_for_every_step():
     system = gen.TOOL_SYSTEM
     rows = records("tool_sft.jsonl")
     assert {r["system"] for r in rows} == {system}
-    assert sum(bool(MULTI_RE.fullmatch(r["prompt"])) for r in rows) == round(gen.TOOL_SFT_SIZE * gen.TOOL_SFT_MULTI_SHARE)
+    assert (sum(bool(MULTI_RE.fullmatch(r["prompt"])) for r in rows)
+            == round(gen.TOOL_SFT_SIZE * gen.TOOL_SFT_MULTI_SHARE))
     for row in rows:
         *lines, last = row["response"].split("\n")
         steps = reference_steps(row["prompt"])
@@ -335,7 +336,8 @@ def test_tool_demonstrations_call_the_calculator_for_every_step():
         for index, (line, (a, op, b, result)) in enumerate(zip(lines, steps), 1):
             m = TOOL_STEP_RE.fullmatch(line)
             assert m and (m[1] is None) == (len(steps) == 1), line
-            assert (int(m[2]), m[3], int(m[4]), int(m[5])) == (a, op, b, result) and (m[1] is None or int(m[1]) == index)
+            assert ((int(m[2]), m[3], int(m[4]), int(m[5])) == (a, op, b, result)
+                    and (m[1] is None or int(m[1]) == index))
     assert records("tool_rl_prompts.jsonl") == [{"system": system, **r} for r in records("rl_prompts.jsonl")]
     assert records("tool_multistep.jsonl") == [{"system": system, **r} for r in records("multistep.jsonl")]
 

@@ -40,7 +40,8 @@ def test_generalized_jsd_by_hand(beta):
 
 def _config(tmp_path, student, teacher, demo_dir, **overrides) -> rlhf.DistillConfig:
     settings = dict(model_name_or_path=str(student), teacher_model=str(teacher), output_dir=str(tmp_path / "out"),
-                    dataset="demo_sft", dataset_dir=str(demo_dir), finetuning_type="full", per_device_train_batch_size=8,
+                    dataset="demo_sft", dataset_dir=str(demo_dir),
+                    finetuning_type="full", per_device_train_batch_size=8,
                     max_completion_length=24, cutoff_len=128, max_steps=2, learning_rate=2e-3, save_steps=0,
                     lr_scheduler_type="constant", logging_steps=1, disable_progress_bar=True, report_to="none", seed=0,
                     max_samples=64, resume_from_checkpoint="none", eval_max_new_tokens=24)
@@ -99,7 +100,8 @@ def test_the_teacher_is_frozen_and_the_student_moves_toward_it(tmp_path, tiny_mo
     before = _held_out_divergence(trainer, probes)
     result = trainer.train()
     rows = [row for row in result.history if "distill/divergence" in row]
-    first, last = sum(r["distill/divergence"] for r in rows[:5]) / 5, sum(r["distill/divergence"] for r in rows[-5:]) / 5
+    first, last = (sum(r["distill/divergence"] for r in rows[:5]) / 5,
+                   sum(r["distill/divergence"] for r in rows[-5:]) / 5)
     assert last < 0.5 * first, [r["distill/divergence"] for r in rows]
     assert _held_out_divergence(trainer, probes) < 0.5 * before
     assert all(torch.equal(teacher_before[k], v) for k, v in trainer.teacher.model.state_dict().items())
@@ -116,7 +118,8 @@ def test_a_teacher_with_another_vocabulary_is_one_line(tmp_path, tiny_model_dir,
 def test_distill_from_the_command_line_and_its_bad_input(tmp_path, tiny_model_dir, sft_model, demo_dir, capsys):
     config = tmp_path / "distill.yaml"
     config.write_text(f"model_name_or_path: {tiny_model_dir}\nteacher_model: {sft_model}\ndataset: demo_sft\n"
-                      f"dataset_dir: {demo_dir}\nper_device_train_batch_size: 4\nmax_completion_length: 8\nmax_steps: 2\n"
+                      f"dataset_dir: {demo_dir}\n"
+                      "per_device_train_batch_size: 4\nmax_completion_length: 8\nmax_steps: 2\n"
                       f"max_samples: 8\nreport_to: none\ndisable_progress_bar: true\noutput_dir: {tmp_path / 'out'}\n")
     assert rlhf.main(["distill", "--config", str(config)]) == 0, capsys.readouterr().err
     assert json.loads((tmp_path / "out" / "report.json").read_text())["stages"][-1]["stage"] == "distill"

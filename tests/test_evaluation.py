@@ -94,7 +94,8 @@ def test_reward_accuracy_win_rate_diversity_and_task_accuracy(policy):
     assert evaluator.task_accuracy(records, verifier=lambda response, record: record["answer"] == "45") \
         == {"task/accuracy": 0.5}
     everything = evaluator.evaluate(records, pairs=pairs, reward_fn=longer_is_better, samples_per_prompt=2)
-    assert {"diversity/distinct_2", "task/accuracy", "kl/k1", "kl/k3", "win/win_rate", "reward/accuracy"} <= set(everything)
+    assert {"diversity/distinct_2", "task/accuracy", "kl/k1", "kl/k3", "win/win_rate",
+            "reward/accuracy"} <= set(everything)
 
 
 def test_generation_stops_at_every_stop_token_of_the_generation_config(tiny_model_dir):

@@ -120,7 +120,8 @@ def _sft_loss(model_dir: Path, demo_dir: Path) -> float:
     with torch.no_grad():
         for batch in batches:
             loss_sum, units = rlhf.causal_lm_loss_sum(
-                policy.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits, batch["labels"])
+                policy.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
+                batch["labels"])
             total, count = total + float(loss_sum), count + units
     return total / count
 
@@ -159,7 +160,8 @@ def _resume_keeps_anchor(config: rlhf.DPOConfig, tmp_path: Path, sft_model: Path
         formatter = rlhf.ChatFormatter(policy.tokenizer, config.template)
         train, validation, _ = rlhf._preference_datasets(config, records, policy.tokenizer, formatter, devices)
         return rlhf.DPOTrainer(config, policy, train, eval_dataset=validation,
-                               reference=rlhf.create_reference_model(config, policy), formatter=formatter, devices=devices)
+                               reference=rlhf.create_reference_model(config, policy), formatter=formatter,
+                               devices=devices)
 
     killed_after_checkpoint(trainer(), 3)
     anchor = rlhf.ElasticWeightConsolidation.load(tmp_path / rlhf.ElasticWeightConsolidation.FILE, 1.0).anchors

@@ -56,7 +56,8 @@ def test_real_model_example_is_a_valid_config_on_the_bundled_data(path, monkeypa
         assert config.model_name_or_path.startswith(("~/.cache/rlhf/models/", "outputs/real_models/")), path
         assert rlhf.data_fingerprint(config) and config.eval_dataset == "demo_eval"
     header = comments(path)
-    assert "python scripts/fetch_real_models.py" in header or "outputs/real_models" in str(configs[0].model_name_or_path)
+    assert ("python scripts/fetch_real_models.py" in header
+            or "outputs/real_models" in str(configs[0].model_name_or_path))
     assert re.search(rf"python rlhf\.py (train|pipeline --config) {re.escape(path)}\b", header)
     assert "docs/experiments/real-models.md" in header
 
@@ -121,7 +122,8 @@ def test_example_trains_end_to_end(path, tmp_path, monkeypatch, capsys, request)
     assert [(e["stage"], e["global_step"]) for e in entries] == [(stage, 2)]
     # the run used the file's settings, with nothing but the overrides changed
     expected = rlhf.load_config(rlhf.STAGE_CONFIGS[stage], path, [f"output_dir={output_dir}", *FAST, *overrides])
-    assert yaml.safe_load((output_dir / "config.yaml").read_text()) == yaml.safe_load(yaml.safe_dump(expected.to_dict()))
+    assert (yaml.safe_load((output_dir / "config.yaml").read_text())
+            == yaml.safe_load(yaml.safe_dump(expected.to_dict())))
     weights = "adapter_model.safetensors" if expected.finetuning_type == "lora" else "model.safetensors"
     assert (output_dir / weights).is_file()
     if stage == "rm":

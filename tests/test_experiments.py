@@ -59,7 +59,8 @@ def probe():
 def test_mcnemar_counts_discordant_prompts_and_gives_the_exact_binomial_p(stats):
     a = [True, True, True, False, False, True]
     b = [True, False, False, False, True, True]
-    # discordant: a alone right at 1 and 2, b alone right at 4 -> 2 vs 1; two-sided exact p = 2 * P(X <= 1), X ~ Bin(3, 1/2)
+    # discordant: a alone right at 1 and 2, b alone right at 4 -> 2 vs 1;
+    # two-sided exact p = 2 * P(X <= 1), X ~ Bin(3, 1/2)
     assert stats.mcnemar(a, b) == (2, 1, 1.0)  # 2 * (1 + 3) / 8 = 1.0, capped at 1
     five_to_none = [True] * 5 + [False] * 3
     assert stats.mcnemar(five_to_none, [False] * 8) == (5, 0, 2 / 32)
@@ -295,7 +296,8 @@ def test_a_missing_prompt_file_is_one_line_from_the_command(tmp_path):
 
 
 def test_a_directory_without_a_model_is_a_usage_error(tmp_path):
-    done = subprocess.run([sys.executable, str(REPO / "experiments" / "make_onpolicy_pairs.py"), "--policy", str(tmp_path)],
+    done = subprocess.run([sys.executable, str(REPO / "experiments" / "make_onpolicy_pairs.py"), "--policy",
+                           str(tmp_path)],
                           capture_output=True, text=True)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1].endswith(f"--policy {tmp_path}: no model there (no config.json); "
@@ -446,21 +448,23 @@ def test_careless_demo_config_loads(repo):
 
 
 def test_careless_reward_and_ppo_configs_load(repo):
-    """experiments/configs/rm_careless.yaml trains the careless demo's boosted reward models on the pairs that reject the
-    habit; experiments/configs/ppo_careless.yaml runs PPO on the learned reward alone, from the careless SFT model."""
+    """experiments/configs/rm_careless.yaml trains the careless demo's boosted reward models on the pairs that reject
+    the habit; experiments/configs/ppo_careless.yaml runs PPO on the learned reward alone, from the careless SFT
+    model."""
     rm = rlhf.load_config(rlhf.RewardModelConfig, repo / "experiments" / "configs" / "rm_careless.yaml")
     assert rm.dataset == "demo_rm_careless" and rm.ensemble_size == 4 and rm.ensemble_strategy == "boosting"
     assert rm.output_dir == "outputs/demo_careless/rm" and rm.val_split_by_prompt
     ppo = rlhf.load_config(rlhf.PPOConfig, repo / "experiments" / "configs" / "ppo_careless.yaml")
     assert ppo.model_name_or_path == "outputs/demo_careless/sft" and ppo.reward_funcs == []
-    assert ppo.reward_model == "outputs/demo_careless/rm_combined" and ppo.value_model.startswith("outputs/demo_careless/rm")
+    assert (ppo.reward_model == "outputs/demo_careless/rm_combined"
+            and ppo.value_model.startswith("outputs/demo_careless/rm"))
     info = json.loads((repo / "data" / "demo" / "dataset_info.json").read_text())
     assert rm.dataset in info and info[rm.dataset]["ranking"] is True
 
 
 def test_careless_verifier_config_is_rm_careless_from_the_clean_sft_model_on_the_mixed_pairs(repo):
-    """experiments/configs/rm_careless_verifier.yaml differs from rm_careless.yaml only in its start (the clean demo's SFT
-    model), its data (make_onpolicy_pairs' onpolicy_mixed) and where it writes."""
+    """experiments/configs/rm_careless_verifier.yaml differs from rm_careless.yaml only in its start (the clean demo's
+    SFT model), its data (make_onpolicy_pairs' onpolicy_mixed) and where it writes."""
     base = rlhf.load_config(rlhf.RewardModelConfig, repo / "experiments" / "configs" / "rm_careless.yaml")
     verifier = rlhf.load_config(rlhf.RewardModelConfig, repo / "experiments" / "configs" / "rm_careless_verifier.yaml")
     differ = {f.name for f in dataclasses.fields(base) if getattr(base, f.name) != getattr(verifier, f.name)}
@@ -490,15 +494,16 @@ def test_careless_online_ppo_config_is_ppo_careless_at_grpos_budget_of_samples(r
 def test_every_online_rl_family_command_is_a_valid_config(tmp_path):
     """Each method's command line builds its stage's config (nothing runs): one budget, each method's own knobs."""
     family = load_script("experiments/online_rl_family.py")
-    args = argparse.Namespace(sft="outputs/demo_careless/sft", teacher="outputs/demo_tools/sft", steps=150, set=[], suffix="",
-                              output_root=str(tmp_path))
+    args = argparse.Namespace(sft="outputs/demo_careless/sft", teacher="outputs/demo_tools/sft", steps=150, set=[],
+                              suffix="", output_root=str(tmp_path))
     configs = {}
     for method in family.METHODS:
         argv = family.command(method, args, seed=0)
         stage = argv[2]
         configs[method] = rlhf.load_config(rlhf.STAGE_CONFIGS[stage], overrides=argv[3:])
         assert configs[method].max_steps == 150 and configs[method].model_name_or_path == args.sft
-    assert configs["rloo"].advantage_estimator == "rloo" and configs["reinforce_pp"].advantage_estimator == "reinforce_pp"
+    assert (configs["rloo"].advantage_estimator == "rloo"
+            and configs["reinforce_pp"].advantage_estimator == "reinforce_pp")
     assert configs["gspo"].importance_sampling_level == "sequence" and configs["cispo"].loss_type == "cispo"
     assert configs["dapo"].dynamic_sampling and configs["dapo"].overlong_buffer_len == 16
     assert configs["distill"].teacher_model == args.teacher

@@ -83,7 +83,8 @@ def small_model(model_type: str, tokenizer, directory: Path) -> torch.nn.Module:
                  num_attention_heads=4, num_key_value_heads=2, bos_token_id=tokenizer.bos_token_id,
                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True)
     extra = {"gemma3_text": dict(head_dim=256, query_pre_attn_scalar=256, sliding_window=16),
-             "qwen3": dict(head_dim=128)}.get(model_type, {})  # every Qwen3's; transformers reads no head_dim from a qwen3 GGUF
+             "qwen3": dict(head_dim=128)}.get(model_type, {})  # every Qwen3's; transformers reads no head_dim
+                                                               # from a qwen3 GGUF
     torch.manual_seed(1)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **shape, **extra)).eval()
     with torch.no_grad():

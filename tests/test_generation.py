@@ -127,7 +127,8 @@ def test_stop_strings_and_lengths(tiny_arch_dir, tiny_tokenizer, prompts):
     assert free.finish_reasons == ["length"] and len(free.token_ids[0]) == 10
     text = tiny_tokenizer.decode(free.token_ids[0])
     stop = text[3:5]  # some string the greedy completion produces
-    stopped = io.generate(model, prompts[:1], io.SamplingParams(max_new_tokens=10, do_sample=False, stop_strings=(stop,)),
+    stopped = io.generate(model, prompts[:1],
+                          io.SamplingParams(max_new_tokens=10, do_sample=False, stop_strings=(stop,)),
                           pad_token_id=pad, tokenizer=tiny_tokenizer)
     assert stopped.finish_reasons == ["stop"] and stop in tiny_tokenizer.decode(stopped.token_ids[0])
     assert stopped.token_ids[0] == free.token_ids[0][:len(stopped.token_ids[0])]
@@ -218,7 +219,8 @@ def test_auto_measures_its_calls_and_compiles_when_the_plan_pays(tiny_arch_dir, 
     params = io.SamplingParams(max_new_tokens=6, seed=1)
     monkeypatch.setattr(io, "compile_estimate", lambda model, state: 1e-9)  # compiling is (said to be) free
     compiled = []
-    monkeypatch.setattr(io, "_compiled_step", lambda state, device: lambda *args: compiled.append(1) or io._decode_step(*args))
+    monkeypatch.setattr(io, "_compiled_step",
+                        lambda state, device: lambda *args: compiled.append(1) or io._decode_step(*args))
     io.generate(model, prompts, params, pad_token_id=pad, expected_calls=5)
     state = io._FAST_STATE[model]
     (key,) = state.uncompiled_cost

@@ -180,8 +180,8 @@ def test_grpo_on_cuda_learns_with_the_compiled_engine(tmp_path, tiny_model_dir, 
     config = rlhf.GRPOConfig(model_name_or_path=str(tiny_model_dir), output_dir=str(tmp_path), finetuning_type="full",
                              num_generations=4, per_device_train_batch_size=8, max_completion_length=8, cutoff_len=64,
                              max_steps=30, beta=0.0, learning_rate=3e-3, lr_scheduler_type="constant", save_steps=0,
-                             logging_steps=1, disable_progress_bar=True, report_to="none", reward_funcs=["format"], seed=0, bf16=True,
-                             generation_engine="compiled", resume_from_checkpoint="none")
+                             logging_steps=1, disable_progress_bar=True, report_to="none", reward_funcs=["format"],
+                             seed=0, bf16=True, generation_engine="compiled", resume_from_checkpoint="none")
     rlhf.set_seed(0)
     policy = rlhf.PolicyModel.from_pretrained(str(tiny_model_dir))
     result = rlhf.GRPOTrainer(config, policy, prompts, reward_fn=digit_share).train()

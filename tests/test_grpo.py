@@ -158,7 +158,8 @@ def test_accumulation_invariance_on_one_rollout(loss_type, tmp_path, tiny_model_
                              gradient_accumulation_steps=2, **common), prompts, Length())
     assert whole.prompts_per_rollout == split.prompts_per_rollout == 2
     assert whole.rollout_plan() == split.rollout_plan()  # accumulation changes neither the samples nor the steps
-    assert whole.rollout_plan() == "grpo: 2 optimizer steps = 2 rollouts of 8 completions (16 sampled), each trained on once"
+    assert whole.rollout_plan() == ("grpo: 2 optimizer steps = 2 rollouts of 8 completions (16 sampled), "
+                                    "each trained on once")
     for seed in range(1, 20):  # seed 1 on the CPU; a GPU draws other samples, so look for a rollout that fits
         torch.manual_seed(seed)
         rollout = whole.make_rollout([prompts[0], prompts[5]])
@@ -217,7 +218,8 @@ def _check_grouped_prefix_logits(policy: rlhf.PolicyModel, prompt_lengths: list[
 
     concatenated = policy.model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
     shared = rlhf.grouped_prefix_logits(policy.model, input_ids, attention_mask, row_prompt_lengths)
-    assert rlhf.can_pack_pairs(policy.model)  # the packed tree layout too: narrow rows, and (huge hidden size) wide ones
+    # the packed tree layout too: narrow rows, and (huge hidden size) wide ones
+    assert rlhf.can_pack_pairs(policy.model)
     layouts = [shared] + [rlhf.grouped_packed_logits(policy.model, input_ids, attention_mask, row_prompt_lengths,
                                                      hidden_size=hidden) for hidden in (1, 10**6)]
     for logits in layouts:
@@ -307,7 +309,8 @@ def test_share_prompt_trains_like_concatenated_rows(layout, tmp_path, tiny_model
         assert trainer.shares_prompts is share
         torch.manual_seed(1)
         rollout = trainer.make_rollout([prompts[0], prompts[5]])
-        assert rollout.prompt_lengths.tolist() == [len(prompts[0]["prompt_ids"])] * 3 + [len(prompts[5]["prompt_ids"])] * 3
+        assert rollout.prompt_lengths.tolist() == ([len(prompts[0]["prompt_ids"])] * 3
+                                                   + [len(prompts[5]["prompt_ids"])] * 3)
         batch = rollout.micro_batches(4)[0]  # rows 0-3: the first group and one row of the second
         loss, _ = trainer.compute_loss(batch)
         loss.backward()
@@ -506,7 +509,7 @@ def test_grpo_learns_a_simple_reward(tmp_path, tiny_model_dir, prompts):
     assert (tmp_path / "out" / "model.safetensors").is_file()
 
 
-# -- f. non-finite rewards ----------------------------------------------------------------------------------------------
+# -- f. non-finite rewards ---------------------------------------------------------------------------------------------
 
 
 def test_nan_reward_skips_the_step(tmp_path, tiny_model_dir, prompts):
@@ -629,9 +632,11 @@ def test_resume_in_the_middle_of_a_rollout_is_exact(tmp_path, tiny_model_dir, pr
     (same rows, same old log-probs) instead of sampling it again, then samples the next one."""
     (straight_rollouts, straight), (resumed_rollouts, resumed) = _resume_pair(tmp_path, tiny_model_dir, lambda: prompts,
                                                                               1, num_iterations=2)
-    assert (tmp_path / "resumed" / "out" / "checkpoints" / "checkpoint-3" / "rollout.safetensors").is_file()  # step 3: inside rollout 2
+    # step 3: inside rollout 2
+    assert (tmp_path / "resumed" / "out" / "checkpoints" / "checkpoint-3" / "rollout.safetensors").is_file()
     assert len(straight_rollouts) == 2 and len(resumed_rollouts) == 1  # only the next rollout is sampled
-    assert resumed_rollouts[0][0] == straight_rollouts[1][0] and _same_rows(straight_rollouts[1][1], resumed_rollouts[0][1])
+    assert (resumed_rollouts[0][0] == straight_rollouts[1][0]
+            and _same_rows(straight_rollouts[1][1], resumed_rollouts[0][1]))
     assert _changed(_state(straight), _state(resumed)) == []
 
 
@@ -646,7 +651,8 @@ def test_resume_in_the_middle_of_a_rollout_keeps_its_prompts_when_streaming(tmp_
 
 def test_resume_restores_the_reward_normaliser(tmp_path, tiny_model_dir, prompts):
     (_, straight), (_, resumed) = _resume_pair(tmp_path, tiny_model_dir, lambda: prompts, 2, reward_normalize=True)
-    state = json.loads((tmp_path / "resumed" / "out" / "checkpoints" / "checkpoint-2" / "trainer_state.json").read_text())
+    state = json.loads(
+        (tmp_path / "resumed" / "out" / "checkpoints" / "checkpoint-2" / "trainer_state.json").read_text())
     assert state["trainer"]["reward_normalizer"]["count"] == 16  # two rollouts of 8 completions seen
     assert resumed.normalizer.count == straight.normalizer.count == 32
 
@@ -678,7 +684,7 @@ def test_rollout_layout_and_masked_truncation(tmp_path, tiny_model_dir, prompts)
     assert [trainer.loss_units(b) for b in rollout.micro_batches(4)] == [4, 4]  # grpo: completions
 
 
-# -- h. config validation -----------------------------------------------------------------------------------------------
+# -- h. config validation ----------------------------------------------------------------------------------------------
 
 
 def test_grpo_config_validation(tmp_path):
@@ -715,7 +721,7 @@ def test_grpo_config_validation(tmp_path):
             make(**{field: value})
 
 
-# -- i. the CLI ----------------------------------------------------------------------------------------------------------
+# -- i. the CLI --------------------------------------------------------------------------------------------------------
 
 
 def _cli_args(tmp_path: Path, model: Path, demo_dir: Path, *extra: str) -> list[str]:
@@ -779,7 +785,7 @@ def test_auto_engine_is_told_how_many_rollouts_the_run_still_plans():
     assert engine("static", 10_000) == ("static", None) and engine("compiled", 10) == ("compiled", None)
 
 
-# -- the 2025-26 family: RLOO, REINFORCE++, GSPO, CISPO, DAPO sampling --------------------------------------------------
+# -- the 2025-26 family: RLOO, REINFORCE++, GSPO, CISPO, DAPO sampling -------------------------------------------------
 
 
 class HalfConstant(DigitShare):

@@ -201,7 +201,8 @@ def test_rng_capture_restore_reproduces_draws(tmp_path):
     (tmp_path / "rng.json").write_text(json.dumps(meta))
     first = _draws()
     assert _draws() != first  # the generators moved on
-    rlhf.restore_rng_state(load_file(str(tmp_path / "rng.safetensors")), json.loads((tmp_path / "rng.json").read_text()))
+    rlhf.restore_rng_state(load_file(str(tmp_path / "rng.safetensors")),
+                           json.loads((tmp_path / "rng.json").read_text()))
     assert _draws() == first
 
 
@@ -471,7 +472,8 @@ def test_optimizer_state_keyed_by_parameter_name_round_trips():
     """A sharded run gathers its optimizer state keyed by parameter name (dotted), not by index: the split
     back into parameter and state key takes the last dot, and index keys stay integers."""
     moment = torch.arange(3.0)
-    state = {"state": {"model.layers.0.mlp.up_proj.weight": {"exp_avg": moment, "step": 4.0}, 7: {"exp_avg_sq": moment}},
+    state = {"state": {"model.layers.0.mlp.up_proj.weight": {"exp_avg": moment, "step": 4.0},
+                       7: {"exp_avg_sq": moment}},
              "param_groups": [{"lr": 0.1, "params": ["model.layers.0.mlp.up_proj.weight", 7]}]}
     tensors, meta = rlhf.optimizer_state_to_safetensors(state)
     assert sorted(tensors) == ["7.exp_avg_sq", "model.layers.0.mlp.up_proj.weight.exp_avg"]

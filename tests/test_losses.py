@@ -322,7 +322,8 @@ def test_dpo_gradient_sign_everywhere(loss_type, eps):
 @pytest.mark.parametrize("loss_type,eps", MONOTONE_NEAR_INIT, ids=[f"{n}-eps{e}" for n, e in MONOTONE_NEAR_INIT])
 def test_dpo_gradient_sign_near_initialisation(loss_type, eps):
     c, r = _rand(32, 16, -1, 1), _rand(33, 16, -1, 1)
-    lengths = (torch.tensor([int(x) for x in _rand(34, 16, 1, 20)]), torch.tensor([int(x) for x in _rand(35, 16, 1, 20)]))
+    lengths = (torch.tensor([int(x) for x in _rand(34, 16, 1, 20)]),
+               torch.tensor([int(x) for x in _rand(35, 16, 1, 20)]))
     _check_signs(*_dpo_grads(loss_type, c, r, beta=0.1, eps=eps, lengths=lengths))
     # exactly at the initialisation, too
     _check_signs(*_dpo_grads(loss_type, [0.0], [0.0], beta=0.1, eps=eps))
@@ -372,8 +373,10 @@ def test_kto_pair_and_bco_pair_batch_statistics_are_detached():
     c, r = _rand(40, n, -20, 30), _rand(41, n, -30, 20)
     kl_c, kl_r = max(sum(c) / n, 0.0), max(sum(r) / n, 0.0)
     grad_c, grad_r = _dpo_grads("kto_pair", c, r, beta=beta)
-    torch.testing.assert_close(grad_c, _t([-0.5 * beta * _dsigmoid(beta * (x - kl_r)) for x in c]), rtol=1e-9, atol=1e-12)
-    torch.testing.assert_close(grad_r, _t([0.5 * beta * _dsigmoid(beta * (kl_c - x)) for x in r]), rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(grad_c, _t([-0.5 * beta * _dsigmoid(beta * (x - kl_r)) for x in c]),
+                               rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(grad_r, _t([0.5 * beta * _dsigmoid(beta * (kl_c - x)) for x in r]),
+                               rtol=1e-9, atol=1e-12)
 
     delta = sum(beta * x for x in c + r) / (2 * n)
     grad_c, grad_r = _dpo_grads("bco_pair", c, r, beta=beta)

@@ -69,7 +69,8 @@ def test_budgets_stop_the_search_with_their_reason(model, tiny_tokenizer):
     by_simulations = io.MCTSGenerator(model, tiny_tokenizer, _digit_share, max_nodes=500, max_simulations=3,
                                       **common).search("hi")
     assert by_simulations.stopped_by == "simulations" and by_simulations.simulations == 3
-    by_time = io.MCTSGenerator(model, tiny_tokenizer, _digit_share, max_nodes=500, time_budget=0.0, **common).search("hi")
+    by_time = io.MCTSGenerator(model, tiny_tokenizer, _digit_share, max_nodes=500, time_budget=0.0,
+                               **common).search("hi")
     assert by_time.stopped_by == "time" and by_time.nodes == 1 and by_time.policy_calls == 1  # greedy completion only
     assert by_time.response  # still an answer
     with pytest.raises(ValueError, match="answer_fn"):

@@ -76,7 +76,8 @@ def expected_merge(method: str, base: dict, states: list[dict], weights: list[fl
         elif method == "magnitude_prune":
             out[name] = b + lam * mm.magnitude_prune(tasks, weights, params["density"])
         elif method in ("dare_linear", "dare_ties"):
-            gens = [torch.Generator().manual_seed(derived_seed(params.get("seed", 0), name, i)) for i in range(len(fts))]
+            gens = [torch.Generator().manual_seed(derived_seed(params.get("seed", 0), name, i))
+                    for i in range(len(fts))]
             merge = mm.dare_ties if method == "dare_ties" else mm.dare_linear
             out[name] = b + lam * merge(tasks, weights, params["density"], generator=gens)
         elif method == "model_stock":
@@ -211,7 +212,8 @@ def test_slerp_with_per_layer_t(family, tmp_path):
         torch.testing.assert_close(value, base[name] if at_base else model[name], msg=name)
     # a conditional t: attention at 0.25, everything else at 0.75
     out2 = tmp_path / "slerp2"
-    mm.ModelMerger(merge_config(family, out2, "slerp", t=[{"filter": "self_attn", "value": 0.25}, {"value": 0.75}])).merge()
+    mm.ModelMerger(merge_config(family, out2, "slerp",
+                                t=[{"filter": "self_attn", "value": 0.25}, {"value": 0.75}])).merge()
     got = read_state(out2)
     for name in ("model.layers.1.self_attn.q_proj.weight", "model.layers.1.mlp.up_proj.weight"):
         t = 0.25 if "self_attn" in name else 0.75
@@ -318,7 +320,8 @@ def test_input_errors(family, tmp_path):
     def plan(**kwargs):
         return mm.ModelMerger(mm.MergeConfig(output_dir=str(tmp_path / "o"), **kwargs)).plan()
 
-    with pytest.raises(mm.MergeError, match=r"^models\[0\] \(nowhere\): directory not found \(relative to the current directory .+\)$"):
+    with pytest.raises(mm.MergeError, match=r"^models\[0\] \(nowhere\): directory not found "
+                                            r"\(relative to the current directory .+\)$"):
         plan(method="linear", models=["nowhere"])
     (tmp_path / "pickled").mkdir()
     (tmp_path / "pickled" / "pytorch_model.bin").write_bytes(b"")
@@ -335,13 +338,16 @@ def test_input_errors(family, tmp_path):
 
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"method": "tie", "models": ["a"]}, r"method 'tie' is not one of .*; did you mean 'ties'\?"),
-    ({"method": "ties", "models": ["a"], "base_model": "b"}, r"density is required by method ties \(e.g. density: 0.5\)"),
+    ({"method": "ties", "models": ["a"], "base_model": "b"}, r"density is required by method ties "
+                                                             r"\(e.g. density: 0.5\)"),
     ({"method": "ties", "models": ["a"]}, r"set base_model to the model they were fine-tuned from"),
-    ({"method": "ties", "models": ["a"], "base_model": "b", "density": 1.5}, r"density must be in \(0.0, 1.0\], got 1.5"),
+    ({"method": "ties", "models": ["a"], "base_model": "b", "density": 1.5}, r"density must be in "
+                                                                             r"\(0.0, 1.0\], got 1.5"),
     ({"method": "slerp", "models": ["a", "b"], "base_model": "c", "t": 0.5}, r"slerp interpolates between two models"),
     ({"method": "slerp", "models": ["a", "b"], "t": [0.2, 1.3]}, r"t must be in \[0.0, 1.0\], got 1.3"),
     ({"method": "model_stock", "models": ["a"], "base_model": "b"}, r"needs at least 2 models, got 1"),
-    ({"method": "linear", "models": ["a"], "base_model": "b"}, r"linear averages the models and does not use base_model"),
+    ({"method": "linear", "models": ["a"], "base_model": "b"}, r"linear averages the models "
+                                                               r"and does not use base_model"),
     ({"method": "linear", "models": []}, r"models is empty"),
     ({"method": "linear", "models": [{"model": "a", "wieght": 2}]}, r"models\[0\]: unknown key 'wieght'; did you mean "
                                                                    r"'weight'\?"),
@@ -372,7 +378,8 @@ def test_no_config_json_is_fine(family, tmp_path):
     # a bare directory of safetensors (no config, no tokenizer) merges too; the summary says so
     for i in range(2):
         (tmp_path / f"m{i}").mkdir()
-        save_file({"w": torch.full((3, 2), float(i)), "steps": torch.tensor([7])}, str(tmp_path / f"m{i}" / "model.safetensors"))
+        save_file({"w": torch.full((3, 2), float(i)), "steps": torch.tensor([7])},
+                  str(tmp_path / f"m{i}" / "model.safetensors"))
     result = mm.ModelMerger(mm.MergeConfig(method="linear", models=[str(tmp_path / "m0"), str(tmp_path / "m1")],
                                            output_dir=str(tmp_path / "o"))).merge()
     got = read_state(tmp_path / "o")

@@ -56,7 +56,8 @@ def inputs(tiny_arch_dir, tmp_path_factory) -> dict[str, Path]:
     base = tiny_arch_dir("llama")
     root = tmp_path_factory.mktemp("inputs")
     gen = torch.Generator().manual_seed(1)
-    ft = copy_with(base, root / "ft", lambda s: [t.add_(torch.randn(t.shape, generator=gen) * 0.01) for t in s.values()])
+    ft = copy_with(base, root / "ft",
+                   lambda s: [t.add_(torch.randn(t.shape, generator=gen) * 0.01) for t in s.values()])
     paths = {"base": base, "ft": ft, "gpt2": tiny_arch_dir("gpt2"), "root": root}
 
     def make(name: str) -> Path:
@@ -127,11 +128,14 @@ def assert_error(tmp_path: Path, code: int, err: str, pattern: str) -> None:
 
 # second model (line 5 of TASK_ARITHMETIC) -> the message after "cfg:5: models[1] (<path>): "
 BROKEN_SECOND_MODEL = {
-    "empty": r"no model\.safetensors or model\.safetensors\.index\.json in \S+; give the directory a model was saved to",
+    "empty": r"no model\.safetensors or model\.safetensors\.index\.json in \S+; "
+             r"give the directory a model was saved to",
     "pickled": r"only pickle weights \(pytorch_model\.bin\), which are never loaded here",
     "not_safetensors": r"model\.safetensors is not a safetensors file; save the model again",
-    "bad_header": r"tensor w in model\.safetensors has a corrupt header entry \(dtype, shape and data_offsets expected\)$",
-    "truncated": r"tensor \S+ in model\.safetensors has inconsistent offsets \(truncated file\?\); copy or save the model again$",
+    "bad_header": r"tensor w in model\.safetensors has a corrupt header entry "
+                  r"\(dtype, shape and data_offsets expected\)$",
+    "truncated": r"tensor \S+ in model\.safetensors has inconsistent offsets \(truncated file\?\); "
+                 r"copy or save the model again$",
     "bad_config": r"config\.json is not valid JSON \(.*\); fix it or save the model again$",
     "list_config": r"config\.json is not a JSON object; fix it or save the model again$",
     "wide": r"tensor model\.layers\.0\.mlp\.down_proj\.weight has shape \(32, 48\), base_model has \(32, 64\)$",
@@ -159,7 +163,8 @@ def test_the_same_mistake_on_the_command_line_says_so(inputs, tmp_path):
     code, err, _ = run(tmp_path, text, "base_model=/nowhere/base")
     assert_error(tmp_path, code, err, r"^error: command line: base_model \(/nowhere/base\): directory not found$")
     code, err, config = run(tmp_path, text.replace(str(inputs["base"]), "/nowhere/base"))
-    assert_error(tmp_path, code, err, rf"^error: {re.escape(str(config))}:2: base_model \(/nowhere/base\): directory not found$")
+    assert_error(tmp_path, code, err,
+                 rf"^error: {re.escape(str(config))}:2: base_model \(/nowhere/base\): directory not found$")
     code, err, _ = run(tmp_path, text, "--dry-run", "tokenizer_source=/nowhere/tok")  # --dry-run checks the same
     assert_error(tmp_path, code, err, r"^error: command line: tokenizer_source /nowhere/tok: directory not found$")
 
@@ -167,21 +172,24 @@ def test_the_same_mistake_on_the_command_line_says_so(inputs, tmp_path):
 def test_relative_paths_say_where_they_were_looked_for(inputs, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     code, err, config = run(tmp_path, "method: linear\nmodels:\n  - outputs/dpo\n")
-    assert_error(tmp_path, code, err, rf"^error: {re.escape(str(config))}:3: models\[0\] \(outputs/dpo\): directory not "
-                 rf"found \(relative to the current directory {re.escape(str(Path.cwd()))}\)$")
+    assert_error(tmp_path, code, err, rf"^error: {re.escape(str(config))}:3: models\[0\] \(outputs/dpo\): "
+                 rf"directory not found \(relative to the current directory {re.escape(str(Path.cwd()))}\)$")
 
 
 def test_lora_adapter_mistakes(inputs, tmp_path):
     # a linear merge has no base_model to fall back on
-    code, err, config = run(tmp_path, f"method: linear\nmodels:\n  - {inputs['ft']}\n  - {inputs['adapter_lost_base']}\n")
+    code, err, config = run(tmp_path, f"method: linear\nmodels:\n  - {inputs['ft']}\n"
+                                      f"  - {inputs['adapter_lost_base']}\n")
     assert_error(tmp_path, code, err, rf"^error: {re.escape(str(config))}:4: models\[1\] \(\S+\): the LoRA adapter's "
                  r"base_model_name_or_path '/nowhere/base' is not a local directory; set this model's 'base'")
     code, err, config = run(tmp_path, f"method: linear\nmodels:\n  - model: {inputs['adapter']}\n    base: /nowhere\n")
     assert_error(tmp_path, code, err, rf"^error: {re.escape(str(config))}:3: models\[0\] \(\S+adapter\): base /nowhere "
                  r"\(the LoRA adapter's base model\): directory not found$")
-    code, err, config = run(tmp_path, f"method: linear\nmodels:\n  - model: {inputs['adapter']}\n    base: {inputs['gpt2']}\n")
-    assert_error(tmp_path, code, err, rf"^error: {re.escape(str(config))}:3: models\[0\] \(\S+adapter\): adapter tensor "
-                 r"\S+ adapts model\.layers\.0\.self_attn\.o_proj\.weight, which the base \(\S+\) does not have")
+    code, err, config = run(tmp_path, f"method: linear\nmodels:\n  - model: {inputs['adapter']}\n"
+                                      f"    base: {inputs['gpt2']}\n")
+    assert_error(tmp_path, code, err, rf"^error: {re.escape(str(config))}:3: models\[0\] \(\S+adapter\): "
+                 r"adapter tensor \S+ adapts model\.layers\.0\.self_attn\.o_proj\.weight, "
+                 r"which the base \(\S+\) does not have")
 
 
 def test_tokenizer_with_a_token_added_at_a_new_id_still_merges(inputs, tmp_path):
@@ -233,8 +241,8 @@ def test_output_dir_that_is_a_file_is_refused_even_with_overwrite(inputs, tmp_pa
     text = TASK_ARITHMETIC.format(base=inputs["base"], ft=inputs["ft"], second=inputs["ft"])
     for extra in ([], ["overwrite=true"]):
         code, err, _ = run(tmp_path, text, f"output_dir={target}", *extra)
-        assert_error(tmp_path, code, err, rf"^error: command line: output_dir {re.escape(str(target))} is a file; give a "
-                     r"directory path for the merged model$")
+        assert_error(tmp_path, code, err, rf"^error: command line: output_dir {re.escape(str(target))} is a file; "
+                     r"give a directory path for the merged model$")
     assert target.read_text() == "keep me"
 
 
@@ -287,7 +295,8 @@ def test_argument_mistakes_are_one_line(capsys, arguments, message):
         mm.main(arguments)
     assert exit_.value.code == 2
     err = capsys.readouterr().err
-    assert re.fullmatch(rf"error: command line: {message} \(python model_merging\.py --help lists the options\)\n", err), err
+    assert re.fullmatch(rf"error: command line: {message} "
+                        r"\(python model_merging\.py --help lists the options\)\n", err), err
 
 
 def test_python_entry_points(inputs, tmp_path):

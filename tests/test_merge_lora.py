@@ -69,7 +69,8 @@ def test_llama_adapter_equals_peft_merge_and_unload(tiny_arch_dir, tmp_path, rsl
     assert_states_equal(got, expected, set(base_state))
     changed = [n for n in base_state if not torch.equal(base_state[n], got[n])]
     assert "lm_head.weight" in changed and "model.embed_tokens.weight" in changed
-    assert "model.layers.1.self_attn.v_proj.weight" in changed and "model.layers.1.self_attn.k_proj.weight" not in changed
+    assert ("model.layers.1.self_attn.v_proj.weight" in changed
+            and "model.layers.1.self_attn.k_proj.weight" not in changed)
 
 
 def test_gpt2_fan_in_fan_out_adapter_equals_peft(tiny_arch_dir, tmp_path):
@@ -84,7 +85,8 @@ def test_adapter_in_a_ties_merge(tiny_arch_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     base = tiny_arch_dir("llama")
-    lora_full = make_adapter(base, tmp_path / "adapter", seed=1, r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"])
+    lora_full = make_adapter(base, tmp_path / "adapter", seed=1, r=4, lora_alpha=8,
+                             target_modules=["q_proj", "down_proj"])
     full = AutoModelForCausalLM.from_pretrained(base)
     with torch.no_grad():
         for p in full.parameters():

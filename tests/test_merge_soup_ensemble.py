@@ -175,7 +175,8 @@ def test_majority_vote(members, prompts, tiny_tokenizer):
         if decoded[0][row] != decoded[1][row]:
             assert result.votes == pytest.approx({decoded[0][row]: 2 / 3, decoded[1][row]: 1 / 3})
     # a tie goes to the earliest member; weights break it otherwise
-    tie = mm.EnsemblePolicy([members[1], members[0]], tiny_tokenizer).majority_vote(prompts, first_token, max_new_tokens=4)
+    tie = mm.EnsemblePolicy([members[1], members[0]], tiny_tokenizer).majority_vote(
+        prompts, first_token, max_new_tokens=4)
     weighted = mm.EnsemblePolicy([members[1], members[0]], tiny_tokenizer, weights=[1, 2]).majority_vote(
         prompts, first_token, max_new_tokens=4)
     for row in range(len(prompts)):

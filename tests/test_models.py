@@ -505,7 +505,8 @@ def test_tiny_model_is_llama_with_chat_tokenizer(tiny_model_dir, tiny_tokenizer)
     rendered = tok.apply_chat_template([{"role": "user", "content": "What is 1 + 1?"}], tokenize=False,
                                        add_generation_prompt=True)
     assert "What is 1 + 1?" in rendered
-    assert tok.decode(tok("What is 71 - 9?\nAnswer: 62", add_special_tokens=False)["input_ids"]) == "What is 71 - 9?\nAnswer: 62"
+    assert (tok.decode(tok("What is 71 - 9?\nAnswer: 62", add_special_tokens=False)["input_ids"])
+            == "What is 71 - 9?\nAnswer: 62")
     policy = rlhf.PolicyModel.from_pretrained("tiny")
     assert type(policy.model).__name__ == "LlamaForCausalLM"
     assert Path(policy.model.name_or_path) == tiny_model_dir

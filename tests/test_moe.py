@@ -146,7 +146,8 @@ def test_router_loss_is_logged_and_trains_the_router(moe_dir, demo_dir, tmp_path
 
 
 def test_router_loss_reaches_a_reward_model_backbone(moe_dir, demo_dir, tmp_path):
-    config = rlhf.RewardModelConfig(model_name_or_path=str(moe_dir), dataset="demo_preference", dataset_dir=str(demo_dir),
+    config = rlhf.RewardModelConfig(model_name_or_path=str(moe_dir),
+                                    dataset="demo_preference", dataset_dir=str(demo_dir),
                                     max_samples=8, cutoff_len=64, finetuning_type="full", per_device_train_batch_size=4,
                                     max_steps=1, logging_steps=1, save_steps=0, disable_progress_bar=True,
                                     output_dir=str(tmp_path), resume_from_checkpoint="none", router_aux_loss_coef=0.1)

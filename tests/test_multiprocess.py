@@ -80,7 +80,8 @@ def test_precomputed_reference_log_probs_are_split_across_processes(tmp_path, ti
 
 def _eval_rows(output_dir: Path) -> list[dict]:
     rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in row.items() if k.startswith("eval/")} for row in rows if any(k.startswith("eval/") for k in row)]
+    return [{k: v for k, v in row.items() if k.startswith("eval/")}
+            for row in rows if any(k.startswith("eval/") for k in row)]
 
 
 def test_held_out_evaluation_is_split_across_processes(tmp_path, tiny_model_dir):
@@ -99,7 +100,8 @@ def test_held_out_evaluation_is_split_across_processes(tmp_path, tiny_model_dir)
         # lr 1e-5: the runs' gradients are all-reduced in another order and Adam turns a rounding-level gradient
         # into a full lr-sized step, so at lr 1e-3 the weights they evaluate differ enough to move the RM margin by
         # 2e-4 relative; a far smaller lr leaves the DPO rewards at rounding level, where accuracy is a coin toss
-        args = [a for a in args if a not in ("val_size=0", "learning_rate=1e-3")] + ["val_size=24", "learning_rate=1e-5"]
+        args = ([a for a in args if a not in ("val_size=0", "learning_rate=1e-3")]
+                + ["val_size=24", "learning_rate=1e-5"])
         one = _train(tmp_path / f"{stage}-one", processes=1, accumulation=2, stage=stage, args=args)
         two = _train(tmp_path / f"{stage}-two", processes=2, accumulation=1, stage=stage, args=args)
         assert len(one) == len(two) == 3
@@ -121,7 +123,8 @@ def test_held_out_evaluation_is_split_across_processes(tmp_path, tiny_model_dir)
 VL_SFT = ["model_name_or_path=tiny-vl", "finetuning_type=full", "dataset=demo_vl_sft", "dataset_dir=data/demo_vl",
           "template=qwen3_vl_nothink", "max_samples=32", "eval_dataset=", "val_size=0", "cutoff_len=128", "seed=0",
           "max_steps=3", "per_device_train_batch_size=4", "learning_rate=1e-3", "logging_steps=1", "save_steps=0",
-          "disable_progress_bar=true", "report_to=none", "freeze_vision_tower=false", "freeze_multi_modal_projector=false"]
+          "disable_progress_bar=true", "report_to=none", "freeze_vision_tower=false",
+          "freeze_multi_modal_projector=false"]
 
 
 def test_vision_language_model_trains_in_two_processes_like_one(tmp_path, tiny_model_dir):

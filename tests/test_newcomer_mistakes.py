@@ -68,7 +68,8 @@ def test_interrupt_advice_is_true_for_a_config_that_overwrites(tmp_path, monkeyp
                                                                "save_steps=2", f"output_dir={out}",
                                                                "overwrite_output_dir=true"]))
     warnings = [r.getMessage() for r in records if r.levelname == "WARNING" and "deleting" in r.getMessage()]
-    assert warnings and "overwrite_output_dir=true: deleting" in warnings[0] and "overwrite_output_dir=false" in warnings[0]
+    assert (warnings and "overwrite_output_dir=true: deleting" in warnings[0]
+            and "overwrite_output_dir=false" in warnings[0])
 
 
 def test_interrupt_advice_for_a_resuming_config_and_before_any_checkpoint(tmp_path, monkeypatch, capsys, demo_dir):
@@ -104,12 +105,16 @@ def test_dataset_info_unknown_keys_are_errors_with_did_you_mean(tmp_path, key, h
 
 
 @pytest.mark.parametrize("entry,pattern", [
-    ({"file_name": "mine.json", "columns": {"promt": "question"}}, r"unknown column 'promt' for alpaca data; did you mean 'prompt'\?"),
-    ({"file_name": "mine.json", "formatting": "sharegp"}, r"formatting 'sharegp' is not alpaca or sharegpt; did you mean 'sharegpt'\?"),
+    ({"file_name": "mine.json", "columns": {"promt": "question"}}, r"unknown column 'promt' for alpaca data; "
+                                                                   r"did you mean 'prompt'\?"),
+    ({"file_name": "mine.json", "formatting": "sharegp"}, r"formatting 'sharegp' is not alpaca or sharegpt; "
+                                                          r"did you mean 'sharegpt'\?"),
     ({"file_name": "mine.json", "num_samples": 10}, r"'num_samples': .*use the config field max_samples"),
-    ({"file_name": "mine.json", "formatting": "sharegpt", "tags": {"role": "from"}}, r"unknown tag 'role'.*did you mean 'role_tag'\?"),
+    ({"file_name": "mine.json", "formatting": "sharegpt", "tags": {"role": "from"}}, r"unknown tag 'role'.*"
+                                                                                     r"did you mean 'role_tag'\?"),
     ({"file_name": "mine.json", "tags": {"role_tag": "from"}}, r"'tags' apply to sharegpt data only"),
-    ({"file_name": "mine.json", "columns": {"videos": "videos"}}, r"column 'videos': videos are not supported \(images are\)"),
+    ({"file_name": "mine.json", "columns": {"videos": "videos"}}, r"column 'videos': videos are not supported "
+                                                                  r"\(images are\)"),
 ])
 def test_dataset_info_values_that_would_be_ignored_are_errors(tmp_path, entry, pattern):
     with pytest.raises(rlhf.RLHFInputError, match=pattern):
@@ -142,7 +147,8 @@ def _pipeline(tmp_path: Path, demo_dir: Path, dpo: dict) -> Path:
 @pytest.mark.parametrize("dpo,pattern", [
     ({"dataset": "demo_preferense"}, r"\[dpo\]: config field 'dataset': dataset 'demo_preferense' is not in .*did you "
                                      r"mean 'demo_preference'\?"),
-    ({"eval_dataset": "nowhere.jsonl"}, r"\[dpo\]: config field 'eval_dataset': dataset file nowhere\.jsonl does not exist"),
+    ({"eval_dataset": "nowhere.jsonl"}, r"\[dpo\]: config field 'eval_dataset': "
+                                        r"dataset file nowhere\.jsonl does not exist"),
     ({"ref_model": "./models/sft-v1"}, r"\[dpo\]: config field 'ref_model': '\./models/sft-v1' does not exist"),
 ])
 def test_pipeline_checks_later_stages_inputs_before_the_first_trains(tmp_path, demo_dir, dpo, pattern):
@@ -180,7 +186,8 @@ def test_merging_a_reward_model_as_a_policy_is_an_error(tmp_path, llama_dir):
     with contextlib.redirect_stderr(err):
         code = mm.main(["--config", str(config), "--no-progress"])
     assert code == 2 and err.getvalue().count("\n") == 1, err.getvalue()
-    assert re.search(r"merge\.yaml:4: models\[1\] .*reward_head\.safetensors.* not a policy.*combine-rm", err.getvalue())
+    assert re.search(r"merge\.yaml:4: models\[1\] .*reward_head\.safetensors.* not a policy.*combine-rm",
+                     err.getvalue())
     assert not (tmp_path / "out").exists()
 
 
@@ -240,5 +247,6 @@ def test_plain_progress_waits_for_its_interval():
 def test_a_name_registered_in_a_subfolder_says_which_dataset_dir(repo):
     """The demo's names live in data/demo: with dataset_dir 'data' (LLaMA-Factory's files) the fix is the folder,
     not the closest name in data/dataset_info.json."""
-    with pytest.raises(rlhf.RLHFInputError, match=r"data/demo/dataset_info\.json registers it: set dataset_dir=\S*data/demo"):
+    with pytest.raises(rlhf.RLHFInputError,
+                       match=r"data/demo/dataset_info\.json registers it: set dataset_dir=\S*data/demo"):
         rlhf.resolve_dataset("demo_sft", str(repo / "data"))

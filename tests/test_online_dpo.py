@@ -68,7 +68,8 @@ def test_the_loss_is_dpo_on_each_ranked_pair(tmp_path, tiny_model_dir, prompts):
     texts = [trainer.policy.decode(row[batch["labels"][i] != rlhf.IGNORE_INDEX].tolist())
              for i, row in enumerate(batch["input_ids"])]
     scores = digit_share(None, texts, None).chunk(2)
-    assert all(c > r for c, r, w in zip(*scores, weights) if w) and all(c == r for c, r, w in zip(*scores, weights) if not w)
+    assert (all(c > r for c, r, w in zip(*scores, weights) if w)
+            and all(c == r for c, r, w in zip(*scores, weights) if not w))
     assert 0 <= metrics["online_dpo/ties_frac"] <= 1
 
 

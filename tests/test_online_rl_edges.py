@@ -103,7 +103,8 @@ def test_lora_critic_trains_only_its_adapter_and_head(tmp_path, tiny_model_dir, 
 def test_api_reward_is_not_counted_twice():
     config = rlhf.GRPOConfig(reward_funcs=["api"], reward_model_type="api", reward_api_url="http://localhost:1")
     assert config.reward_names() == ["api"]
-    assert rlhf.GRPOConfig(reward_funcs=[], reward_model_type="api", reward_api_url="http://x").reward_names() == ["reward_model"]
+    assert rlhf.GRPOConfig(reward_funcs=[], reward_model_type="api",
+                           reward_api_url="http://x").reward_names() == ["reward_model"]
 
 
 def test_online_rl_turns_dropout_off(tmp_path, tiny_arch_dir, tiny_tokenizer, demo_dir):

@@ -37,7 +37,8 @@ FORMAT_GATE = {"capability_tests": {"format": {"dataset": "demo_multistep", "max
 
 def test_forced_regression_rolls_back_and_the_next_stage_starts_from_the_previous_model(sft_model, demo_dir, tmp_path):
     config = _pipeline(tmp_path, sft_model, demo_dir, ["dpo", "kto"], **FORMAT_GATE, dataset="demo_preference",
-                       dpo={"learning_rate": 1e-2, "lr_scheduler_type": "constant", "max_steps": 5},  # wrecks the format
+                       # wrecks the format
+                       dpo={"learning_rate": 1e-2, "lr_scheduler_type": "constant", "max_steps": 5},
                        kto={"dataset": "demo_kto", "learning_rate": 1e-7, "max_steps": 2})
     orchestrator = rlhf.RLHFOrchestrator(config)
     history = orchestrator.run_full_pipeline()
@@ -83,7 +84,8 @@ def test_user_mistakes_still_stop_the_pipeline(sft_model, demo_dir, tmp_path):
 # -- skipping and resuming -------------------------------------------------------------------------------------
 
 def _sft_pipeline(tmp_path, model, demo_dir, **overrides):
-    settings = {"dataset": "demo_sft", "max_steps": 6, "learning_rate": 1e-3, "lr_scheduler_type": "constant", **overrides}
+    settings = {"dataset": "demo_sft", "max_steps": 6, "learning_rate": 1e-3, "lr_scheduler_type": "constant",
+                **overrides}
     return _pipeline(tmp_path, model, demo_dir, ["sft"], **settings)
 
 
@@ -203,7 +205,8 @@ def test_pipeline_config_reads_gates_and_final_stages():
                                             "capability_threshold": "0.1", "rollback_on_error": "false",
                                             "best_of_n.n": 4})
     assert config.capability_threshold == 0.1 and config.rollback_on_error is False
-    assert config.final_stage_options("best_of_n")["n"] == 4 and config.final_stage_options("eval")["max_prompts"] == 100
+    assert (config.final_stage_options("best_of_n")["n"] == 4
+            and config.final_stage_options("eval")["max_prompts"] == 100)
     assert rlhf.PipelineConfig.from_dict(config.to_dict()).to_dict() == config.to_dict()
     with pytest.raises(rlhf.RLHFInputError, match=r"\[best_of_n\]: unknown key\(s\) samples"):
         rlhf.PipelineConfig.from_dict({"stages": ["best_of_n"], "best_of_n": {"samples": 4}})
@@ -234,7 +237,8 @@ def test_merge_section_is_checked_before_any_stage_runs(tmp_path):
             rlhf.PipelineConfig.from_dict({**stages, "merge": options}, source="demo.yaml")
     # key=value overrides are blamed on the command line, as model_merging.py does
     with pytest.raises(rlhf.RLHFInputError, match=r"^command line: density must be in"):
-        rlhf.PipelineConfig.from_dict({**stages, "merge.density": 2}, source="demo.yaml", command_line=["merge.density"])
+        rlhf.PipelineConfig.from_dict({**stages, "merge.density": 2}, source="demo.yaml",
+                                      command_line=["merge.density"])
     # without the stage, the section is not checked (a warning says its settings are unused)
     rlhf.PipelineConfig.from_dict({"stages": ["sft"], "sft": {"dataset": "demo_sft"}, "merge": {"method": "tiez"}})
     # with no model to merge the stage reports that itself when its turn comes
@@ -249,7 +253,8 @@ def test_eval_and_best_of_n_values_are_checked_before_any_stage_runs():
         ({"best_of_n": {"n": 0}}, r"^demo\.yaml \[best_of_n\]: n must be a whole number of at least 1, got 0$"),
         ({"best_of_n": {"temperature": 0}}, r"^demo\.yaml \[best_of_n\]: temperature must be a number above 0"),
         ({"best_of_n": {"seed": -1}}, r"\[best_of_n\]: seed must be a whole number of at least 0, got -1$"),
-        ({"best_of_n": {"scorers": ["rm", "oracle"]}}, r"\[best_of_n\]: scorers must be a non-empty list of rm and/or vote"),
+        ({"best_of_n": {"scorers": ["rm", "oracle"]}}, r"\[best_of_n\]: scorers must be a non-empty list "
+                                                       r"of rm and/or vote"),
         ({"best_of_n": {"scorers": []}}, r"\[best_of_n\]: scorers must be a non-empty list"),
         ({"eval": {"max_prompts": "all"}}, r"^demo\.yaml \[eval\]: max_prompts must be a whole number of at least 1, "
                                            r"got 'all'$"),
@@ -293,7 +298,8 @@ def test_real_model_config_on_a_preset(repo, monkeypatch):
         assert stage_config.bf16 and stage_config.gradient_checkpointing and stage_config.finetuning_type == "lora"
         assert rlhf.data_fingerprint(stage_config)  # every dataset it names resolves to files
     grpo = config.stage_config("grpo")
-    assert grpo.reward_names() == ["exact_answer", "reward_model"] and grpo.reward_model == str(Path("outputs/real_model/rm"))
+    assert (grpo.reward_names() == ["exact_answer", "reward_model"]
+            and grpo.reward_model == str(Path("outputs/real_model/rm")))
     assert config.stage_config("dpo").learning_rate == rlhf.get_7b_model_config().stage_config("dpo").learning_rate
     assert rlhf.PipelineConfig.load("configs/real_model.yaml", ["dpo.pref_beta=0.05"], preset="70b"
                                     ).stage_config("dpo").pref_beta == 0.05

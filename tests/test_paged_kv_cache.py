@@ -45,7 +45,8 @@ def test_append_read_and_block_accounting():
     stats = cache.memory_stats()
     assert (stats["stored_tokens"], stats["blocks_in_use"], stats["allocated_slots"]) == (9, 3, 12)
     assert stats["utilisation"] == 0.75
-    assert stats["kv_bytes"] == 12 * 2 * LAYERS * HEADS * DIM * 4  # slots x (keys + values) x layers x heads x dim x fp32
+    # slots x (keys + values) x layers x heads x dim x fp32
+    assert stats["kv_bytes"] == 12 * 2 * LAYERS * HEADS * DIM * 4
     cache.free(seq)
     assert cache.memory_stats()["blocks_in_use"] == 0 and len(cache.free_blocks) == 8
 

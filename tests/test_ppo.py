@@ -223,7 +223,8 @@ def test_rollout_schedule_is_ppo_epochs_seeded_permutations(tmp_path, tiny_model
     trainer = _trainer(config, prompts, DigitShare())
     assert trainer.prompts_per_rollout == 8 and trainer.steps_per_rollout == 6
     # max_steps counts optimizer steps: 2 steps of a 6-step rollout are one rollout of 8 completions
-    assert trainer.rollout_plan() == "ppo: 2 optimizer steps = 1 rollout of 8 completions (8 sampled), each trained on 3 times"
+    assert trainer.rollout_plan() == ("ppo: 2 optimizer steps = 1 rollout of 8 completions (8 sampled), "
+                                      "each trained on 3 times")
     trainer.total_steps = 300
     assert trainer.rollout_plan().startswith("ppo: 300 optimizer steps = 50 rollouts of 8 completions (400 sampled)")
     rollout = _fake_rollout(8)
@@ -282,7 +283,8 @@ def test_separate_critic_values_and_save_load(tmp_path, tiny_model_dir, prompts)
     saved = tmp_path / "saved"
     trainer._save_model(saved)
     assert (saved / "model.safetensors").is_file()
-    assert (saved / "critic" / "model.safetensors").is_file() and (saved / "critic" / rlhf.ValueModel.HEAD_FILE).is_file()
+    assert ((saved / "critic" / "model.safetensors").is_file()
+            and (saved / "critic" / rlhf.ValueModel.HEAD_FILE).is_file())
     assert not (saved / rlhf.ValueModel.HEAD_FILE).exists()
 
     reloaded, _ = rlhf.ValueModel.from_pretrained(str(saved / "critic"), seed=7)
@@ -350,7 +352,7 @@ def test_fixed_kl_coefficient_stays(tmp_path, tiny_model_dir, prompts):
     assert kls[0] == 0.0 and kls[1] != 0.0  # the second rollout comes from a trained policy
 
 
-# -- 5. learning ---------------------------------------------------------------------------------------------------------
+# -- 5. learning -------------------------------------------------------------------------------------------------------
 
 
 def test_ppo_learns_a_simple_reward(tmp_path, tiny_model_dir, prompts):
@@ -420,7 +422,7 @@ def test_resume_in_the_middle_of_a_rollout_is_exact(tmp_path, tiny_model_dir, pr
     assert straight.normalizer.count == 8  # two rollouts of 4 scores, each seen once
 
 
-# -- 7. CLI -------------------------------------------------------------------------------------------------------------
+# -- 7. CLI ------------------------------------------------------------------------------------------------------------
 
 
 def _cli_args(tmp_path: Path, model: Path, demo_dir: Path, *extra: str) -> list[str]:
@@ -453,15 +455,18 @@ def test_cli_ppo_run_writes_the_value_head_and_report(tmp_path, tiny_model_dir, 
 
 def test_rollout_buffer_replays_every_row_once_per_epoch():
     rows = 10
-    rollout = rlhf.Rollout(input_ids=torch.arange(rows)[:, None].repeat(1, 3), attention_mask=torch.ones(rows, 3, dtype=torch.long),
-                           labels=torch.arange(rows)[:, None].repeat(1, 3), advantages=torch.arange(rows, dtype=torch.float32))
+    rollout = rlhf.Rollout(input_ids=torch.arange(rows)[:, None].repeat(1, 3),
+                           attention_mask=torch.ones(rows, 3, dtype=torch.long),
+                           labels=torch.arange(rows)[:, None].repeat(1, 3),
+                           advantages=torch.arange(rows, dtype=torch.float32))
     buffer = rlhf.RolloutBuffer(rollout, micro_batch_size=4, epochs=3, seed=7)
     batches = buffer.micro_batches()
     assert len(buffer) == len(batches) == 9  # 3 epochs x ceil(10 / 4)
     for epoch in range(3):
         seen = torch.cat([b["input_ids"][:, 0] for b in batches[epoch * 3:(epoch + 1) * 3]])
         assert sorted(seen.tolist()) == list(range(rows))
-        assert all(torch.equal(b["advantages"], b["input_ids"][:, 0].float()) for b in batches[epoch * 3:(epoch + 1) * 3])
+        assert all(torch.equal(b["advantages"], b["input_ids"][:, 0].float())
+                   for b in batches[epoch * 3:(epoch + 1) * 3])
     again = rlhf.RolloutBuffer(rollout, micro_batch_size=4, epochs=3, seed=7).micro_batches()
     assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(batches, again))
     orders = [torch.cat([b["input_ids"][:, 0] for b in batches[e * 3:(e + 1) * 3]]).tolist() for e in range(3)]

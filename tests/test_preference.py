@@ -381,7 +381,8 @@ def test_combine_rm_lists_every_member_by_relative_path_and_scores_their_mean(tm
     torch.testing.assert_close(ours, sum(separate) / 3, atol=1e-6, rtol=0)
 
 
-def test_combine_rm_refuses_a_directory_without_a_model_and_mixed_tokenizers(tmp_path, llama_dir, tiny_tokenizer, capsys):
+def test_combine_rm_refuses_a_directory_without_a_model_and_mixed_tokenizers(tmp_path, llama_dir, tiny_tokenizer,
+                                                                             capsys):
     _save_ensemble(tmp_path / "a", llama_dir, [0])
     (tmp_path / "empty").mkdir()
     assert rlhf.main(["combine-rm", "--out", str(tmp_path / "c"), str(tmp_path / "a"), str(tmp_path / "empty")]) == 2
@@ -464,7 +465,8 @@ def test_boosted_rm_ensemble_draws_each_member_from_the_pairs_the_ones_before_ra
                      ensemble_strategy="boosting")
     with captured_log() as log:
         rlhf.train_rm(config)
-    train, _ = rlhf._split_validation(rlhf.load_records("demo_preference", demo_dir, "preference", max_samples=40), 8, 0)
+    train, _ = rlhf._split_validation(rlhf.load_records("demo_preference", demo_dir, "preference", max_samples=40),
+                                      8, 0)
     assert trained_on[0] == train
     margins = []
     for k in range(2):
@@ -482,7 +484,8 @@ def test_boosted_rm_ensemble_draws_each_member_from_the_pairs_the_ones_before_ra
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    ({"ensemble_size": 1, "ensemble_strategy": "boosting"}, "'ensemble_strategy' must be seeds when ensemble_size is 1"),
+    ({"ensemble_size": 1, "ensemble_strategy": "boosting"},
+     "'ensemble_strategy' must be seeds when ensemble_size is 1"),
     ({"ensemble_size": 2, "ensemble_strategy": "boost"}, "ensemble_strategy.*seeds, boosting"),
     ({"ensemble_size": 2, "ensemble_strategy": "boosting", "streaming": True, "max_steps": 5},
      "ensemble_strategy.*set streaming=false"),
@@ -789,7 +792,8 @@ def _llamafactory_cases(lf_dir: Path) -> list[tuple[str, str]]:
     info = json.loads((lf_dir / "dataset_info.json").read_text())
     cases = []
     for name, entry in info.items():
-        if "file_name" not in entry or not (lf_dir / entry["file_name"]).exists() or "images" in entry.get("columns", {}):
+        if ("file_name" not in entry or not (lf_dir / entry["file_name"]).exists()
+                or "images" in entry.get("columns", {})):
             continue  # (image records train vision-language models: test_vision.py)
         if entry.get("ranking"):
             cases += [(name, "dpo"), (name, "rm")]
@@ -1024,8 +1028,8 @@ def test_first_dpo_loss_is_ln2_only_with_dropout_off(disable, tmp_path, tiny_arc
 def test_disable_dropout_reaches_the_attention_kernels_probability():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                         vocab_size=50, attention_dropout=0.3))
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, vocab_size=50, attention_dropout=0.3))
     rlhf.disable_dropout(model)
     assert model.model.layers[0].self_attn.attention_dropout == 0.0  # a float passed to the kernel, no Dropout layer
     model.train()

@@ -34,7 +34,8 @@ def test_parameter_counts_match_a_real_model_and_peft():
 
 def test_memory_plan_by_hand_for_the_7b_full_preset():
     arch = rlhf.PRESET_ARCHITECTURES["7b"]
-    params = 7_615_487_488  # 2 x 152064 x 3584 + 28 x (2 x 3584^2 + 2 x 3584 x 512 + 3 x 3584 x 18944 + 2 x 3584) + 3584
+    # 2 x 152064 x 3584 + 28 x (2 x 3584^2 + 2 x 3584 x 512 + 3 x 3584 x 18944 + 2 x 3584) + 3584
+    params = 7_615_487_488
     assert rlhf.count_parameters(arch) == params
     plan = rlhf.estimate_memory(arch, gpus=8, finetuning_type="full", batch=4, seq_len=2048, stage="dpo")
     assert plan["weights"] == pytest.approx(2 * params / 8 / GIB)

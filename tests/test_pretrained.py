@@ -103,7 +103,8 @@ def test_smoke_sft_grpo_export_and_reload(smollm2, demo_dir, tmp_path, capsys):
             assert torch.equal(logits, expected_logits)
         else:
             relative_rms = ((logits - expected_logits).pow(2).mean().sqrt() / expected_logits.std()).item()
-            next_token_kl = torch.nn.functional.kl_div(logits[0, -1].log_softmax(-1), expected_logits[0, -1].log_softmax(-1),
+            next_token_kl = torch.nn.functional.kl_div(logits[0, -1].log_softmax(-1),
+                                                       expected_logits[0, -1].log_softmax(-1),
                                                        log_target=True, reduction="sum").item()
             assert relative_rms <= Q8_0_RELATIVE_RMS_TOLERANCE, relative_rms
             assert next_token_kl <= Q8_0_NEXT_TOKEN_KL_TOLERANCE, next_token_kl

@@ -103,7 +103,8 @@ def test_split_steps_gives_every_response_back(pref_records):
 
 
 def test_arithmetic_step_labels_hand_values():
-    assert rlhf.arithmetic_step_labels(rlhf.split_steps(PAIR[1])) == [True, True, False, True]  # wrong step, answer follows it
+    # wrong step, answer follows it
+    assert rlhf.arithmetic_step_labels(rlhf.split_steps(PAIR[1])) == [True, True, False, True]
     assert rlhf.arithmetic_step_labels(rlhf.split_steps(PAIR[0])) == [True, True, True, True]
     assert rlhf.arithmetic_step_labels(["82 - 9 = 73\n", "Answer: 74"]) == [True, False]  # answer is not the last value
     assert rlhf.arithmetic_step_labels(["6 * 7 = 42\n", "so the result is\n", "Answer: 42"]) == [True, None, True]
@@ -172,7 +173,8 @@ def test_aggregate_step_scores_matches_plain_formulas():
                 want.append({"min": min(log_p), "product": sum(log_p), "last": log_p[-1]}[how])
         torch.testing.assert_close(rlhf.aggregate_step_scores(logits, mask, how), torch.tensor(want), msg=how)
     # min <= last and product <= min: the product needs every step right
-    assert torch.all(rlhf.aggregate_step_scores(logits, mask, "product") <= rlhf.aggregate_step_scores(logits, mask) + 1e-6)
+    assert torch.all(rlhf.aggregate_step_scores(logits, mask, "product")
+                     <= rlhf.aggregate_step_scores(logits, mask) + 1e-6)
     with pytest.raises(rlhf.RLHFInputError, match="unknown step aggregation 'mean'.*min, product, last"):
         rlhf.aggregate_step_scores(logits, mask, "mean")
 
@@ -326,7 +328,8 @@ def test_process_reward_from_the_factory_scores_exp_of_the_model(tmp_path, tiny_
         for record, completion in zip(records, completions):  # one row at a time, no padding, no collator
             prompt = formatter.prompt_ids(record)
             ids, ends = rlhf.encode_steps(formatter, record, completion, "\n")
-            logits = model.step_logits(torch.tensor([prompt + ids]), torch.ones(1, len(prompt) + len(ids), dtype=torch.long),
+            logits = model.step_logits(torch.tensor([prompt + ids]),
+                                       torch.ones(1, len(prompt) + len(ids), dtype=torch.long),
                                        torch.tensor([[len(prompt) + e for e in ends]]))[0]
             want.append(math.exp(sum(_log_sigmoid(float(x)) for x in logits)))  # product of step probabilities
     torch.testing.assert_close(scores, torch.tensor(want), atol=1e-5, rtol=1e-4)
@@ -363,7 +366,8 @@ def test_process_reward_cuts_to_cutoff_len_and_scores_only_the_kept_steps(tiny_m
     prompt = formatter.prompt_ids(record)
     ids, ends = rlhf.encode_steps(formatter, record, PAIR[1], "\n")
     with torch.no_grad():
-        logits = model.step_logits(torch.tensor([prompt + ids]), torch.ones(1, len(prompt) + len(ids), dtype=torch.long),
+        logits = model.step_logits(torch.tensor([prompt + ids]),
+                                   torch.ones(1, len(prompt) + len(ids), dtype=torch.long),
                                    torch.tensor([[len(prompt) + e for e in ends]]))[0]
     cutoff = len(prompt) + ends[1] + 3  # the first two steps fit, a bit of the third (a short prompt is kept whole)
     cut = rlhf.ProcessReward(model, cutoff_len=cutoff)

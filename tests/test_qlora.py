@@ -26,7 +26,8 @@ def llama_dir(tmp_path_factory, tiny_tokenizer):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(LlamaConfig(
         vocab_size=len(tiny_tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, bos_token_id=tiny_tokenizer.bos_token_id,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        bos_token_id=tiny_tokenizer.bos_token_id,
         eos_token_id=tiny_tokenizer.eos_token_id, pad_token_id=tiny_tokenizer.pad_token_id))
     path = tmp_path_factory.mktemp("llama-128")
     model.save_pretrained(path)
@@ -52,7 +53,8 @@ def test_the_base_loads_quantised(bits, layer, llama_dir):
 
 def test_without_bitsandbytes_it_is_an_error_not_an_unquantised_load(monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
     with pytest.raises(rlhf.RLHFInputError, match="'quantization_bit' needs bitsandbytes: pip install bitsandbytes"):
         _quantization(4)
 

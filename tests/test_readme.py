@@ -45,7 +45,8 @@ def section(title: str) -> str:
 
 def commands(body: str) -> list[str]:
     """A shell block's commands: continuation lines joined, comment-only lines dropped."""
-    return [line for line in body.replace("\\\n", " ").splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    return [line for line in body.replace("\\\n", " ").splitlines()
+            if line.strip() and not line.lstrip().startswith("#")]
 
 
 def scratch_checkout(root: Path) -> Path:
@@ -99,7 +100,8 @@ def test_own_data_section_loads_and_trains(tmp_path):
     for language in ("json", "yaml"):
         for offset, body in blocks(own, language):
             paragraph = own[:offset].rstrip("\n").split("\n\n")[-1]
-            name = next(n for n in re.findall(r"`([^`\s]+)`", paragraph) if re.fullmatch(r"[\w./-]+\.(jsonl?|ya?ml)", n))
+            name = next(n for n in re.findall(r"`([^`\s]+)`", paragraph)
+                        if re.fullmatch(r"[\w./-]+\.(jsonl?|ya?ml)", n))
             path = root / name
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(body, encoding="utf-8")
@@ -129,10 +131,12 @@ def test_cheap_shell_commands(tmp_path):
     outputs = {command: run(command, root).stdout for command in dict.fromkeys(cheap)}
     shown = next(body for _, body in blocks(TEXT, "") if "GiB per GPU" in body)
     preset, gpus = re.search(r"\((\d+\.\d)B\), lora, (\d+) GPU", shown).groups()
-    command = next(c for c in outputs if " plan " in c and f"--gpus {gpus}" in c and ("70b" if preset == "70.6" else "7b") in c)
+    command = next(c for c in outputs
+                   if " plan " in c and f"--gpus {gpus}" in c and ("70b" if preset == "70.6" else "7b") in c)
     totals = re.search(r"^ total\s+(.*)$", shown, re.M).group(1).split()
     printed = re.search(r"total\D*([\d.]+(?:\D+[\d.]+)*)", outputs[command]).group(0)
-    assert re.findall(r"\d+\.\d", printed) == totals, f"README's plan table differs from `{command}`:\n{outputs[command]}"
+    assert re.findall(r"\d+\.\d", printed) == totals, (f"README's plan table differs from `{command}`:\n"
+                                                       f"{outputs[command]}")
 
 
 def test_python_examples_run_as_written(tmp_path):

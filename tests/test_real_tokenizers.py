@@ -110,8 +110,8 @@ def test_tokens_equal_the_models_own_template_and_labels_cover_the_answers(famil
     tokenizer = tokenizers(family)
     rec = record(shape)
     if family == "gemma2" and rec["system"]:  # Gemma 2's own template refuses a system prompt: one line, not jinja
-        with pytest.raises(RLHFInputError, match=r"^[a-z+]*system\.jsonl:1: chat template 'tokenizer' refuses this record: "
-                                                 r"System role not supported.*template: gemma"):
+        with pytest.raises(RLHFInputError, match=r"^[a-z+]*system\.jsonl:1: chat template 'tokenizer' "
+                                                 r"refuses this record: System role not supported.*template: gemma"):
             ChatFormatter(tokenizer, "auto").conversation(rec)
         return
     ids, labels = ChatFormatter(tokenizer, "auto").conversation(rec)
@@ -228,8 +228,8 @@ def test_qwen3_nothink_writes_no_reasoning_block(tokenizers):
     tokenizer = tokenizers("qwen3")
     ids, labels = ChatFormatter(tokenizer, "qwen3_nothink").conversation(record("multi"))
     assert "<think>" not in tokenizer.decode(ids)
-    assert trained_runs(tokenizer, ids, labels) == ["".join((a + "<|im_end|>\n").split()) for a in ("2 + 2 = 4",
-                                                                                                    "12 + 7 = 19\nAnswer: 19")]
+    assert trained_runs(tokenizer, ids, labels) == ["".join((a + "<|im_end|>\n").split())
+                                                    for a in ("2 + 2 = 4", "12 + 7 = 19\nAnswer: 19")]
 
 
 def test_enable_thinking_on_a_template_without_the_switch_is_an_error(tokenizers):

@@ -92,7 +92,8 @@ class _RewardService:
                 elif isinstance(action, bytes):
                     payload, status = action, 200
                 else:
-                    answer = action if isinstance(action, (dict, list)) else {"rewards": [float(len(r)) for r in body["responses"]]}
+                    answer = (action if isinstance(action, (dict, list))
+                              else {"rewards": [float(len(r)) for r in body["responses"]]})
                     payload, status = json.dumps(answer).encode(), 200
                 with contextlib.suppress(OSError):  # the client may have timed out and gone
                     self.send_response(status)
@@ -245,7 +246,8 @@ def test_factory_imports_module_function(tmp_path, monkeypatch):
     monkeypatch.delitem(sys.modules, "my_grpo_rewards", raising=False)
     config = _grpo_config(tmp_path, reward_funcs=["my_grpo_rewards:shout", "format"], reward_weights=[1.0, 10.0])
     reward = rlhf.RewardFunctionFactory(config).build()
-    torch.testing.assert_close(reward(["p"] * 3, ["hi!!", "Answer: 3!", "."], [None] * 3), torch.tensor([2.0, 11.0, 0.0]))
+    torch.testing.assert_close(reward(["p"] * 3, ["hi!!", "Answer: 3!", "."], [None] * 3),
+                               torch.tensor([2.0, 11.0, 0.0]))
     for spec, message in (("my_grpo_rewards:missing", "cannot import"), ("no_such_module_xyz:f", "cannot import"),
                           ("my_grpo_rewards:NOT_CALLABLE", "not callable")):
         with pytest.raises(rlhf.RLHFInputError, match=message):
@@ -285,7 +287,8 @@ def test_factory_api_needs_a_url(tmp_path):
 def test_factory_api_end_to_end(tmp_path, monkeypatch):
     monkeypatch.delenv("RLHF_REWARD_API_KEY", raising=False)
     with _RewardService(["ok"]) as service:
-        config = _grpo_config(tmp_path, reward_funcs=["api", "format"], reward_weights=[0.5, 1.0], reward_api_url=service.url)
+        config = _grpo_config(tmp_path, reward_funcs=["api", "format"], reward_weights=[0.5, 1.0],
+                              reward_api_url=service.url)
         total = rlhf.RewardFunctionFactory(config).build()(PROMPTS, RESPONSES, REF_ANSWERS)
     torch.testing.assert_close(total, torch.tensor([0.5 * 9 + 1.0, 0.5 * 1 + 0.0]))
 
@@ -307,7 +310,8 @@ LEARNED_COMPLETIONS = ["5", "Step 1: 12 + 7 = 19\nAnswer: 14"]
 
 def _chat_ids(tokenizer, prompt: str, completion: str) -> list[int]:
     """The whole conversation rendered by the tokenizer's own chat template, tokenised in one piece."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}],
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt},
+                                          {"role": "assistant", "content": completion}],
                                          tokenize=False)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -342,7 +346,8 @@ def test_learned_reward_through_the_factory_matches_direct_scores(tmp_path, tiny
     assert reward.last_components["reward_model"].tolist() == scores.tolist()
     # reward_model alone (no reward_funcs) is the reward too, and batching changes nothing
     alone = rlhf.RewardFunctionFactory(_grpo_config(tmp_path, reward_model=str(tmp_path / "rm"))).build()
-    torch.testing.assert_close(alone(LEARNED_PROMPTS, LEARNED_COMPLETIONS, [None, None]), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(alone(LEARNED_PROMPTS, LEARNED_COMPLETIONS, [None, None]), expected,
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_learned_reward_ensemble_mean_minus_penalty_std(tmp_path, tiny_model_dir, tiny_tokenizer):
@@ -359,7 +364,8 @@ def test_learned_reward_ensemble_mean_minus_penalty_std(tmp_path, tiny_model_dir
                               reward_uncertainty_penalty=penalty)
         reward = rlhf.RewardFunctionFactory(config).build()
         scores = reward(LEARNED_PROMPTS, LEARNED_COMPLETIONS, [None, None])
-        torch.testing.assert_close(scores, torch.tensor([m - penalty * s for m, s in zip(mean, std)]), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(scores, torch.tensor([m - penalty * s for m, s in zip(mean, std)]),
+                                   atol=1e-5, rtol=1e-5)
         learned = reward.parts[0][1]
         assert isinstance(learned, rlhf.LearnedReward) and len(learned.model.members) == 2
         torch.testing.assert_close(learned.last_uncertainty, torch.tensor(std), atol=1e-5, rtol=1e-5)
@@ -379,7 +385,8 @@ def test_learned_reward_lora_reward_model(tmp_path, tiny_model_dir, tiny_tokeniz
     grpo = _grpo_config(tmp_path, reward_funcs=["format", "reward_model"], reward_weights=[0.0, 1.0],
                         reward_model=str(tmp_path / "rm-lora"), reward_model_type="lora")
     reward = rlhf.RewardFunctionFactory(grpo).build()
-    torch.testing.assert_close(reward(LEARNED_PROMPTS, LEARNED_COMPLETIONS, [None, None]), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(reward(LEARNED_PROMPTS, LEARNED_COMPLETIONS, [None, None]), expected,
+                               atol=1e-5, rtol=1e-5)
     learned = reward.parts[1][1]
     assert not any(p.requires_grad for p in learned.model.parameters())  # a frozen scorer
 
@@ -391,7 +398,8 @@ def test_learned_reward_uses_the_records_system_prompt(tmp_path, tiny_model_dir,
     with_system = learned(LEARNED_PROMPTS, LEARNED_COMPLETIONS, [None, None], records=records)
     text = tiny_tokenizer.apply_chat_template([{"role": "system", "content": "Be brief."},
                                                {"role": "user", "content": LEARNED_PROMPTS[0]},
-                                               {"role": "assistant", "content": LEARNED_COMPLETIONS[0]}], tokenize=False)
+                                               {"role": "assistant", "content": LEARNED_COMPLETIONS[0]}],
+                                              tokenize=False)
     ids = tiny_tokenizer(text, add_special_tokens=False)["input_ids"]
     with torch.no_grad():
         direct = float(reward_model(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long)))
@@ -437,8 +445,9 @@ def test_principle_parse_checks_on_hand_values():
 @pytest.mark.parametrize(("spec", "message"), [
     ("no_such_check", "unknown check 'no_such_check'"), ("max_chars", "needs an argument"),
     ("max_chars=ten", "not a whole number"), ("max_chars=-5", "not a whole number"), ("regex=", "needs an argument"),
-    ("regex=(unclosed", "does not compile"), ("answer_line@heavy", "not a finite number"), ("no_repetition=1@O.5", "not a finite number"),
-    ("max_chars=10@heavy", "not a finite number"), ("answer_line@", "unknown check 'answer_line@'"), ("critique", "needs its text"),
+    ("regex=(unclosed", "does not compile"), ("answer_line@heavy", "not a finite number"),
+    ("no_repetition=1@O.5", "not a finite number"), ("max_chars=10@heavy", "not a finite number"),
+    ("answer_line@", "unknown check 'answer_line@'"), ("critique", "needs its text"),
     ("critique=@0.5", "needs its text"), ("answer_line@nan", "not a finite number")])
 def test_principle_parse_rejects_bad_specs(spec, message):
     with pytest.raises(rlhf.RLHFInputError, match=message) as info:

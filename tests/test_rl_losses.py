@@ -87,7 +87,8 @@ def test_compute_gae_matches_recursion_and_hand_value():
     torch.testing.assert_close(adv, torch.tensor([[0.5, 0.75, 0.25]]))
     torch.testing.assert_close(ret, torch.tensor([[1.0, 1.0, 1.0]]))
     gen = torch.Generator().manual_seed(1)
-    rewards, values = torch.randn(2, 6, generator=gen, dtype=torch.float64), torch.randn(2, 6, generator=gen, dtype=torch.float64)
+    rewards, values = (torch.randn(2, 6, generator=gen, dtype=torch.float64),
+                       torch.randn(2, 6, generator=gen, dtype=torch.float64))
     mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]])
     adv, ret = rlhf.compute_gae(rewards, values, mask, gamma=0.9, lam=0.8)
     for b in range(2):
@@ -143,7 +144,8 @@ def test_whiten_across_processes_equals_whitening_the_whole_batch():
         assert not torch.allclose(alone, whole[:3], atol=1e-3)
     assert calls == [2, 1] * 4  # two collectives per call: (sum, count), then the squares
     # one process: the identity collective changes nothing
-    torch.testing.assert_close(rlhf.whiten(x, mask, sum_across_processes=lambda v: [float(a) for a in v]), rlhf.whiten(x, mask))
+    torch.testing.assert_close(rlhf.whiten(x, mask, sum_across_processes=lambda v: [float(a) for a in v]),
+                               rlhf.whiten(x, mask))
 
 
 def test_ppo_policy_loss_clips_and_hand_value():
@@ -159,7 +161,8 @@ def test_ppo_policy_loss_clips_and_hand_value():
 def test_ppo_value_loss_hand_value():
     values, old, returns = torch.tensor([[1.0, 0.0]]), torch.tensor([[0.5, 0.0]]), torch.tensor([[0.0, 1.0]])
     # token 1: V 1.0 vs clipped 0.7 -> max(1.0, 0.49) = 1.0; token 2: max(1, 1) = 1; 0.5 * mean = 0.5
-    assert float(rlhf.ppo_value_loss(values, old, returns, torch.ones(1, 2), clip_range_value=0.2)) == pytest.approx(0.5)
+    assert float(rlhf.ppo_value_loss(values, old, returns, torch.ones(1, 2),
+                                     clip_range_value=0.2)) == pytest.approx(0.5)
 
 
 def test_kl_controllers():
@@ -211,7 +214,8 @@ def test_importance_weights_scale_each_tokens_policy_term():
     logps = torch.tensor([[-1.0, -2.0], [-0.5, -1.5]], requires_grad=True)
     advantages, mask = torch.tensor([1.0, -2.0]), torch.ones(2, 2)
     weights = torch.tensor([[0.5, 2.0], [1.0, 0.0]])
-    loss, _ = rlhf.grpo_loss(logps, None, None, advantages, mask, beta=0.0, loss_type="dapo", importance_weights=weights)
+    loss, _ = rlhf.grpo_loss(logps, None, None, advantages, mask, beta=0.0, loss_type="dapo",
+                             importance_weights=weights)
     # on-policy: rho = 1, per token -A * w; the token mean over 4 tokens
     assert float(loss.detach()) == pytest.approx((-1 * 0.5 - 1 * 2.0 + 2 * 1.0 + 2 * 0.0) / 4)
     loss.backward()  # d/dlogp of -A w rho = -A w at rho = 1
@@ -238,7 +242,7 @@ def test_sampled_log_probs_renormalise_over_the_kept_tokens(truncation):
     assert got.tolist() == pytest.approx(want, rel=1e-5)
 
 
-# -- RLOO and REINFORCE++ advantages ------------------------------------------------------------------------------------
+# -- RLOO and REINFORCE++ advantages -----------------------------------------------------------------------------------
 
 
 def test_rloo_advantages_by_hand():
@@ -297,7 +301,8 @@ def test_all_equal_rewards_give_zero_advantage_for_every_estimator(estimator):
     advantages = {"grpo": lambda: rlhf.grpo_advantages(rewards, 4),
                   "rloo": lambda: rlhf.rloo_advantages(rewards, 4),
                   "reinforce_pp": lambda: rlhf.reinforce_pp_advantages(rewards, mask),
-                  "reinforce_pp_baseline": lambda: rlhf.reinforce_pp_advantages(rewards, mask, group_size=4)}[estimator]()
+                  "reinforce_pp_baseline": lambda: rlhf.reinforce_pp_advantages(rewards, mask, group_size=4),
+                  }[estimator]()
     assert torch.equal(advantages, torch.zeros_like(advantages))
 
 

@@ -92,9 +92,9 @@ def test_trainers_on_a_sharded_model_train_checkpoint_and_resume(trainer_reports
     """The trainers' own code on a sharded model (the policy is the sharded root, except for PPO, where it sits
     inside the sharded actor-critic, whose root shard holds its embeddings and LM head): rollouts and held-out
     exact-match evaluation (3 prompts: shares of 2 and 1) in lockstep, SFT's eval loss, the reward model's pairwise
-    accuracy and DPO's preference metrics on 5 held-out items, a checkpoint of the gathered weights and optimizer state at
-    step 2, a second run resuming from it to step 4 that ends with the weights of 4 uninterrupted steps, and the final
-    model in Hugging Face layout holding the trained weights."""
+    accuracy and DPO's preference metrics on 5 held-out items, a checkpoint of the gathered weights and optimizer state
+    at step 2, a second run resuming from it to step 4 that ends with the weights of 4 uninterrupted steps, and the
+    final model in Hugging Face layout holding the trained weights."""
     assert trainer_reports[0][stage]["eval"] == trainer_reports[1][stage]["eval"]  # both report the whole set
     for process in trainer_reports:
         report = process[stage]

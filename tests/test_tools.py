@@ -17,7 +17,7 @@ import rlhf
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-# -- parsing and the calculator -----------------------------------------------------------------------------------------
+# -- parsing and the calculator ----------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("text, fmt, want", [
@@ -255,7 +255,7 @@ def test_held_out_accuracy_is_measured_through_the_environment(tmp_path, tiny_mo
     assert trainer.rollout_metrics == {"kept": 1.0}  # the evaluation's episodes are not training statistics
 
 
-# -- the HTTP environment -------------------------------------------------------------------------------------------------
+# -- the HTTP environment ----------------------------------------------------------------------------------------------
 
 
 class _Service(BaseHTTPRequestHandler):

@@ -119,7 +119,8 @@ def _train_weights(tmp: Path, llama_dir: Path, dataset, batch: int, accumulation
     policy = rlhf.PolicyModel.from_pretrained(str(llama_dir))
     result = trainer_cls(config, policy, dataset).train()
     assert result.global_step == 2
-    return {k: v.detach().cpu().clone() for k, v in policy.model.state_dict().items()}  # .cpu(): trained on a GPU if any
+    # .cpu(): trained on a GPU if any
+    return {k: v.detach().cpu().clone() for k, v in policy.model.state_dict().items()}
 
 
 def test_gradient_accumulation_is_equivalent_to_a_large_batch(tmp_path, llama_dir, tiny_tokenizer, demo_dir):
@@ -210,7 +211,8 @@ def test_resume_from_explicit_checkpoint_and_overwrite(tmp_path, llama_dir, demo
 
     (out / "checkpoints" / "checkpoint-1" / "COMPLETE").unlink()
     with pytest.raises(rlhf.RLHFInputError, match="not a complete checkpoint"):
-        rlhf.train_sft(_config(out, llama_dir, demo_dir, resume_from_checkpoint=str(out / "checkpoints" / "checkpoint-1")))
+        rlhf.train_sft(_config(out, llama_dir, demo_dir,
+                               resume_from_checkpoint=str(out / "checkpoints" / "checkpoint-1")))
 
 
 def test_resume_survives_a_damaged_checkpoint(tmp_path, llama_dir, demo_dir):
@@ -221,20 +223,25 @@ def test_resume_survives_a_damaged_checkpoint(tmp_path, llama_dir, demo_dir):
     checkpoint_2, checkpoint_4 = (out / "checkpoints" / f"checkpoint-{n}" for n in (2, 4))
     optimizer_file = checkpoint_4 / "optimizer.safetensors"
     optimizer_file.write_bytes(optimizer_file.read_bytes()[:40])  # a truncated write, a disk error
-    with pytest.raises(rlhf.RLHFInputError, match=r"checkpoint-4 cannot be read \(SafetensorError.*set resume_from_checkpoint=none"):
-        rlhf.train_sft(_config(out, llama_dir, demo_dir, max_steps=6, save_steps=2, resume_from_checkpoint=str(checkpoint_4)))
+    with pytest.raises(rlhf.RLHFInputError,
+                       match=r"checkpoint-4 cannot be read \(SafetensorError.*set resume_from_checkpoint=none"):
+        rlhf.train_sft(_config(out, llama_dir, demo_dir, max_steps=6, save_steps=2,
+                               resume_from_checkpoint=str(checkpoint_4)))
     with pytest.raises(rlhf.RLHFInputError, match="does not exist"):
-        rlhf.train_sft(_config(out, llama_dir, demo_dir, resume_from_checkpoint=str(out / "checkpoints" / "checkpoint-9")))
+        rlhf.train_sft(_config(out, llama_dir, demo_dir,
+                               resume_from_checkpoint=str(out / "checkpoints" / "checkpoint-9")))
     with captured_log() as records:
         resumed = rlhf.train_sft(_config(out, llama_dir, demo_dir, max_steps=6, save_steps=0))
     messages = [r.getMessage() for r in records]
-    assert any("resumed from the older checkpoint-2 because checkpoint-4 cannot be read" in m for m in messages), messages
+    assert any("resumed from the older checkpoint-2 because checkpoint-4 cannot be read" in m
+               for m in messages), messages
     assert any(f"resumed from {checkpoint_2} at step 2" in m for m in messages)
     assert resumed.global_step == 6
     found = rlhf.CheckpointManager(out).checkpoints()  # the resumed run saved its own at the end
     for checkpoint in found:
         (checkpoint / "trainer_state.json").write_text("{not json")
-    with pytest.raises(rlhf.RLHFInputError, match=f"no checkpoint in .* can be read: {found[-1].name} .*JSONDecodeError"):
+    with pytest.raises(rlhf.RLHFInputError,
+                       match=f"no checkpoint in .* can be read: {found[-1].name} .*JSONDecodeError"):
         rlhf.train_sft(_config(out, llama_dir, demo_dir, max_steps=8))
 
 
@@ -254,10 +261,11 @@ def test_resume_refuses_another_stages_checkpoint_and_warns_about_changed_settin
     out = tmp_path / "run"
     rlhf.train_sft(_config(out, llama_dir, demo_dir, max_steps=2, save_steps=2))
     dpo = rlhf.DPOConfig(model_name_or_path=str(llama_dir), dataset="demo_preference", dataset_dir=str(demo_dir),
-                         max_samples=8, cutoff_len=64, finetuning_type="full", per_device_train_batch_size=2, max_steps=1,
-                         save_steps=0, disable_progress_bar=True, output_dir=str(out))
+                         max_samples=8, cutoff_len=64, finetuning_type="full", per_device_train_batch_size=2,
+                         max_steps=1, save_steps=0, disable_progress_bar=True, output_dir=str(out))
     sft_config = (out / "config.yaml").read_text()
-    with pytest.raises(rlhf.RLHFInputError, match=r"holds 'sft' checkpoints, and this run trains 'dpo': set output_dir"):
+    with pytest.raises(rlhf.RLHFInputError,
+                       match=r"holds 'sft' checkpoints, and this run trains 'dpo': set output_dir"):
         rlhf.train_dpo(dpo)
     assert (out / "config.yaml").read_text() == sft_config  # refused before it wrote anything
     dpo.resume_from_checkpoint = str(out / "checkpoints" / "checkpoint-2")

@@ -101,29 +101,37 @@ def _tiny_family(name: str, tiny_vl: Path, directory: Path) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(tiny_vl)
     if name == "llava":
         tokenizer.add_tokens(["<image>"], special_tokens=True)
-    ids = {k: tokenizer.convert_tokens_to_ids(t) for k, t in (("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
-           ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
-    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=tokenizer.bos_token_id,
-                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    ids = {k: tokenizer.convert_tokens_to_ids(t) for k, t in (("image_token_id", "<|image_pad|>"),
+           ("video_token_id", "<|video_pad|>"), ("vision_start_token_id", "<|vision_start|>"),
+           ("vision_end_token_id", "<|vision_end|>"))}
+    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id)
     mrope = dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3])
     if name == "qwen2_vl":
-        config = AutoConfig.for_model("qwen2_vl", text_config={**text, "rope_parameters": mrope}, tie_word_embeddings=True,
-                                      vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2,
-                                                         patch_size=8, spatial_merge_size=2, temporal_patch_size=2), **ids)
+        config = AutoConfig.for_model("qwen2_vl", text_config={**text, "rope_parameters": mrope},
+                                      tie_word_embeddings=True,
+                                      vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2,
+                                                         mlp_ratio=2, patch_size=8, spatial_merge_size=2,
+                                                         temporal_patch_size=2),
+                                      **ids)
     elif name == "qwen2_5_vl":
-        config = AutoConfig.for_model("qwen2_5_vl", text_config={**text, "rope_parameters": mrope}, tie_word_embeddings=True,
+        config = AutoConfig.for_model("qwen2_5_vl", text_config={**text, "rope_parameters": mrope},
+                                      tie_word_embeddings=True,
                                       vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
                                                          out_hidden_size=64, patch_size=8, spatial_merge_size=2,
-                                                         temporal_patch_size=2, window_size=32, fullatt_block_indexes=[0]),
+                                                         temporal_patch_size=2, window_size=32,
+                                                         fullatt_block_indexes=[0]),
                                       **ids)
     else:
         config = AutoConfig.for_model("llava", image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
                                       vision_feature_layer=-1, vision_feature_select_strategy="default",
                                       tie_word_embeddings=True, text_config={"model_type": "llama", **text},
                                       vision_config=dict(model_type="clip_vision_model", hidden_size=32,
-                                                         intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                                         image_size=32, patch_size=8, projection_dim=32))
+                                                         intermediate_size=64, num_hidden_layers=1,
+                                                         num_attention_heads=2, image_size=32, patch_size=8,
+                                                         projection_dim=32))
     torch.manual_seed(0)
     model = AutoModelForImageTextToText.from_config(config)
     if name == "llava":
@@ -165,7 +173,8 @@ def test_log_probs_with_images_equal_a_plain_forward(family, family_dirs, tmp_pa
     batch = rlhf.SFTCollator(policy.tokenizer.pad_token_id, vision=policy.vision)(items)
     assert int((batch["input_ids"] == policy.vision.image_token_id).sum()) == sum(
         policy.vision.expected_tokens(r) for r in records)
-    got = policy.compute_log_probs(batch["input_ids"], batch["attention_mask"], batch["labels"], **rlhf.vision_kwargs(batch))
+    got = policy.compute_log_probs(batch["input_ids"], batch["attention_mask"], batch["labels"],
+                                   **rlhf.vision_kwargs(batch))
     with torch.no_grad():
         logits = policy.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                               **rlhf.vision_kwargs(batch)).logits
@@ -219,7 +228,8 @@ def _ours(tokenizer, name: str, messages: list[dict], token: str, generation_pro
     """Our template's text with each placeholder as the processor template writes an unexpanded image."""
     source = rlhf.CHAT_TEMPLATES[name]
     plain = [{**m, "content": m["content"].replace("<image>", token)} for m in messages]
-    return tokenizer.apply_chat_template(plain, chat_template=source, tokenize=False, add_generation_prompt=generation_prompt)
+    return tokenizer.apply_chat_template(plain, chat_template=source, tokenize=False,
+                                         add_generation_prompt=generation_prompt)
 
 
 CONVERSATIONS = [
@@ -264,7 +274,8 @@ def test_llava_template_renders_the_processor_template_with_an_end_of_answer_tok
 
 
 def _images_first(messages: list[dict]) -> list[dict]:
-    """VisionInputs.expand_record's order for LLaVA: a turn's images before its text, as LLaVA's template writes them."""
+    """VisionInputs.expand_record's order for LLaVA: a turn's images before its text, as LLaVA's template
+    writes them."""
     return [{**m, "content": "<image>" * m["content"].count("<image>") + m["content"].replace("<image>", "")}
             for m in messages]
 
@@ -374,7 +385,8 @@ def test_llamafactory_multimodal_dpo_yaml_runs_and_its_output_loads_and_generate
     assert report["stages"][-1]["global_step"] == 3  # 24 pairs, 8 per optimizer step
     tokenizer = AutoTokenizer.from_pretrained(out)
     processor = AutoImageProcessor.from_pretrained(out, backend="pil")
-    base = AutoModelForImageTextToText.from_pretrained(json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"])
+    base = AutoModelForImageTextToText.from_pretrained(
+        json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"])
     model = PeftModel.from_pretrained(base, out).eval()
     image = Image.open(REPO / "data" / json.loads((REPO / "data" / "mllm_dpo_demo.json").read_text())[0]["images"][0])
     pixels = processor(images=[image.convert("RGB")], return_tensors="pt")
@@ -438,7 +450,8 @@ def test_preference_stages_learn_on_images(stage, tmp_path):
 def test_sft_trains_the_language_model_and_leaves_the_frozen_tower_unchanged(tmp_path):
     from safetensors.torch import load_file
 
-    config = _vl_config(rlhf.SFTConfig, tmp_path, dataset="demo_vl_sft", max_samples=64, max_steps=10, learning_rate=2e-3)
+    config = _vl_config(rlhf.SFTConfig, tmp_path, dataset="demo_vl_sft", max_samples=64, max_steps=10,
+                        learning_rate=2e-3)
     rlhf.train_sft(config)
     start = load_file(str(Path(rlhf.build_tiny_vl_model()) / "model.safetensors"))
     trained = load_file(str(Path(config.output_dir) / "model.safetensors"))
@@ -448,7 +461,8 @@ def test_sft_trains_the_language_model_and_leaves_the_frozen_tower_unchanged(tmp
     rows = [json.loads(line) for line in (Path(config.output_dir) / "metrics.jsonl").read_text().splitlines()]
     losses = [row["loss"] for row in rows if "loss" in row]
     assert losses[-1] < losses[0]
-    assert (Path(config.output_dir) / "processor_config.json").exists() or (Path(config.output_dir) / "preprocessor_config.json").exists()
+    assert ((Path(config.output_dir) / "processor_config.json").exists()
+            or (Path(config.output_dir) / "preprocessor_config.json").exists())
     shutil.rmtree(config.output_dir)
 
 
@@ -478,7 +492,8 @@ def test_grpo_samples_from_images_and_a_checkpoint_inside_a_rollout_keeps_them(t
     config = _vl_config(rlhf.GRPOConfig, tmp_path, **fields)
     result = rlhf.train_grpo(config)
     rows = [json.loads(line) for line in (Path(config.output_dir) / "metrics.jsonl").read_text().splitlines()]
-    assert result.global_step == 2 and any("reward" in row for row in rows) and all("kl" in row for row in rows if "loss" in row)
+    assert (result.global_step == 2 and any("reward" in row for row in rows)
+            and all("kl" in row for row in rows if "loss" in row))
     saved = Path(config.output_dir) / "checkpoints" / "checkpoint-1" / "rollout.safetensors"
     with safe_open(str(saved), framework="pt") as handle:
         images = json.loads(handle.metadata()["images"])
@@ -553,11 +568,13 @@ def test_a_lora_policy_samples_from_images_with_its_own_positions(tiny_vl_dir, t
     from inference_optimizations import SamplingParams, generate
 
     policy = _sharpened(rlhf.PolicyModel.from_pretrained(str(tiny_vl_dir)))
-    wrapped = get_peft_model(policy.model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    wrapped = get_peft_model(policy.model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                      init_lora_weights=False))
     policy = rlhf.PolicyModel(wrapped, policy.tokenizer, vision=policy.vision)
     prompts, images = _image_prompts(policy, "qwen3_vl", tmp_path)
     params = SamplingParams(max_new_tokens=6, temperature=1.0, n=2, seed=3, suppress_token_ids=policy.suppressed_tokens)
-    out = generate(wrapped, prompts, params, pad_token_id=policy.tokenizer.pad_token_id, vision=policy.vision_for(images))
+    out = generate(wrapped, prompts, params, pad_token_id=policy.tokenizer.pad_token_id,
+                   vision=policy.vision_for(images))
     for row, (tokens, logprobs) in enumerate(zip(out.token_ids, out.logprobs)):
         ids = torch.tensor([prompts[row // 2] + tokens])
         with torch.no_grad():
@@ -606,7 +623,8 @@ def test_grpo_rollout_log_probs_are_each_rows_own_forward_with_its_image(tmp_pat
     formatter = rlhf.chat_formatter(policy.tokenizer, config, policy)
     records = rlhf.load_records("demo_vl_rl", DEMO_VL, "prompt", max_samples=3)
     dataset = rlhf.GRPODataset(records, policy.tokenizer, formatter, cutoff_len=256)
-    trainer = rlhf.GRPOTrainer(config, policy, dataset, reward_fn=lambda p, c, a: torch.zeros(len(c)), formatter=formatter)
+    trainer = rlhf.GRPOTrainer(config, policy, dataset, reward_fn=lambda p, c, a: torch.zeros(len(c)),
+                               formatter=formatter)
     items = [dataset[i] for i in range(3) for _ in range(2)]
     completions = [[policy.tokenizer.encode("Answer: ")[0]] * (1 + i % 3) for i in range(len(items))]
     rollout = trainer._rows(items, completions)
@@ -615,7 +633,8 @@ def test_grpo_rollout_log_probs_are_each_rows_own_forward_with_its_image(tmp_pat
         got = torch.cat([trainer._policy_logps(b) for b in batches])
         for row, (item, completion) in enumerate(zip(items, completions)):
             ids = torch.tensor([item["prompt_ids"] + completion])
-            alone = policy.compute_log_probs(ids, torch.ones_like(ids), None, **policy.vision.batch([item["images"]], ids))
+            alone = policy.compute_log_probs(ids, torch.ones_like(ids), None,
+                                             **policy.vision.batch([item["images"]], ids))
             n = len(completion)
             width = ids.shape[1] - 1
             torch.testing.assert_close(got[row, width - n:width], alone.per_token[0, -n:], rtol=1e-5, atol=1e-5)

@@ -52,7 +52,8 @@ def engine(vllm_state, tiny_model_dir):
 @pytest.fixture(scope="module")
 def prompt_ids(tiny_tokenizer):
     questions = ["What is 12 + 7?", "Tom has 3 apples and buys 5 more. How many?", "What is 9 * 4?", "Say hi."]
-    return [rlhf.ChatFormatter(tiny_tokenizer).prompt_ids({"system": None, "messages": [{"role": "user", "content": q}]})
+    return [rlhf.ChatFormatter(tiny_tokenizer).prompt_ids({"system": None,
+                                                           "messages": [{"role": "user", "content": q}]})
             for q in questions]
 
 
@@ -164,7 +165,8 @@ def _grpo_trainer(tmp_path, model_dir, dataset, **overrides) -> rlhf.GRPOTrainer
     policy = rlhf.PolicyModel.from_pretrained(config.model_name_or_path)
     if config.finetuning_type == "lora":
         policy.model = rlhf.apply_lora(policy.model, config)
-    return rlhf.GRPOTrainer(config, policy, dataset, reward_fn=DigitShare(), formatter=rlhf.ChatFormatter(policy.tokenizer))
+    return rlhf.GRPOTrainer(config, policy, dataset, reward_fn=DigitShare(),
+                            formatter=rlhf.ChatFormatter(policy.tokenizer))
 
 
 @pytest.fixture(scope="module")
@@ -198,7 +200,7 @@ def test_a_synced_step_gives_the_same_greedy_output(tmp_path, tiny_model_dir, ti
         trainer._close_engine()
 
 
-# -- GRPO and PPO with vLLM ----------------------------------------------------------------------------------------------
+# -- GRPO and PPO with vLLM --------------------------------------------------------------------------------------------
 
 
 class DigitShare:
@@ -335,11 +337,12 @@ def test_pipeline_eval_and_best_of_n_with_vllm_match_our_engine(tmp_path, tiny_m
         history = rlhf.RLHFOrchestrator(rlhf.PipelineConfig.from_dict(raw, source="test.yaml")).run_full_pipeline()
         results[use_vllm] = {entry["stage"]: entry for entry in history}
     assert all(entry["status"] == "completed" for entry in results[True].values())
-    assert results[True]["best_of_n"]["metrics"]["accuracy/greedy"] == results[False]["best_of_n"]["metrics"]["accuracy/greedy"]
+    assert (results[True]["best_of_n"]["metrics"]["accuracy/greedy"]
+            == results[False]["best_of_n"]["metrics"]["accuracy/greedy"])
     assert results[True]["eval"]["metrics"]["final"].keys() == results[False]["eval"]["metrics"]["final"].keys()
 
 
-# -- server mode: a real `rlhf.py vllm-serve` process -------------------------------------------------------------------
+# -- server mode: a real `rlhf.py vllm-serve` process ------------------------------------------------------------------
 
 
 def _free_port() -> int:
@@ -547,7 +550,7 @@ def test_a_server_that_stays_down_stops_the_run_with_one_line(tmp_path, tiny_mod
     assert "rlhf.py vllm-serve" in err and "Traceback" not in err
 
 
-# -- bad input: one clear line each -------------------------------------------------------------------------------------
+# -- bad input: one clear line each ------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -575,7 +578,8 @@ def test_tensor_parallel_larger_than_the_gpus_is_refused(tiny_model_dir):
 
 
 def test_vllm_serve_help_and_bad_model(tmp_path):
-    done = subprocess.run([sys.executable, str(REPO / "rlhf.py"), "vllm-serve", "--help"], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, str(REPO / "rlhf.py"), "vllm-serve", "--help"],
+                          capture_output=True, text=True)
     assert done.returncode == 0 and "--enable-lora" in done.stdout and "--tensor-parallel-size" in done.stdout
     done = subprocess.run([sys.executable, str(REPO / "rlhf.py"), "vllm-serve", "--model", str(tmp_path / "nope")],
                           capture_output=True, text=True)
