@@ -2,8 +2,8 @@
 
 Supervised fine-tuning, reward and process-reward modelling, preference optimisation (DPO family,
 SimPO, ORPO, KTO) and online RL (GRPO and its variants, RLOO, REINFORCE++, online DPO, on-policy distillation,
-PPO), for text and vision-language models; evaluation, export and merging build on the same sections. Runs on a laptop CPU with the embedded ``tiny`` (and ``tiny-vl``) model and the bundled demo
-tasks, and on GPUs through accelerate.
+PPO), for text and vision-language models; evaluation, export and merging build on the same sections. Runs on a laptop
+CPU with the embedded ``tiny`` (and ``tiny-vl``) model and the bundled demo tasks, and on GPUs through accelerate.
 
     python rlhf.py pipeline --config configs/demo.yaml
     python rlhf.py sft --config configs/sft.yaml learning_rate=1e-4
@@ -287,7 +287,8 @@ STAGES: dict[str, Stage] = {}  # name -> Stage, in registration order (pipeline 
 def register_stage(stage: Stage) -> Stage:
     """Add a stage to STAGES (and so to every view below). Its config's ``stage`` must be its name."""
     if getattr(stage.config, "stage", None) != stage.name:
-        raise ValueError(f"stage {stage.name!r}: {stage.config.__name__}.stage is {getattr(stage.config, 'stage', None)!r}")
+        raise ValueError(f"stage {stage.name!r}: {stage.config.__name__}.stage is "
+                         f"{getattr(stage.config, 'stage', None)!r}")
     STAGES[stage.name] = stage
     return stage
 
@@ -395,65 +396,87 @@ class BaseConfig:
     """What every training stage shares. Field names follow LLaMA-Factory / Hugging Face where one exists."""
 
     # -- model
-    model_name_or_path: str = _opt("tiny", "Hugging Face model directory or hub id; a .gguf file (dequantised into a Hugging Face folder under the cache, once); 'tiny' builds the embedded demo model, 'tiny-vl' its vision-language twin (a small Qwen3-VL)")
-    gguf_file: str | None = _opt(None, "A GGUF file inside the model_name_or_path folder, as transformers' gguf_file: the two join into one .gguf path")
-    trust_remote_code: bool = _opt(False, "Allow custom modelling code shipped with the model (off: it runs arbitrary Python)")
-    attn_implementation: str = _opt("auto", "auto (flash_attention_2 -> sdpa -> eager) | flash_attention_2 | sdpa | eager")
-    model_dtype: str = _opt("auto", "Weights dtype on load: auto (fp32 for full/freeze, bf16/fp16 base for lora when mixed precision is on) | float32 | bfloat16 | float16")
-    finetuning_type: str = _opt("lora", "full | lora | oft (orthogonal fine-tuning on the LoRA targets) | freeze (train only the last freeze_trainable_layers blocks)")
+    model_name_or_path: str = _opt("tiny", "Hugging Face model directory or hub id; a .gguf file (dequantised into a "
+                                           "Hugging Face folder under the cache, once); 'tiny' builds the embedded "
+                                           "demo model, 'tiny-vl' its vision-language twin (a small Qwen3-VL)")
+    gguf_file: str | None = _opt(None, "A GGUF file inside the model_name_or_path folder, as transformers' gguf_file: "
+                                       "the two join into one .gguf path")
+    trust_remote_code: bool = _opt(False, "Allow custom modelling code shipped with the model (off: it runs arbitrary "
+                                          "Python)")
+    attn_implementation: str = _opt("auto", "auto (flash_attention_2 -> sdpa -> eager) | flash_attention_2 | sdpa | "
+                                            "eager")
+    model_dtype: str = _opt("auto", "Weights dtype on load: auto (fp32 for full/freeze, bf16/fp16 base for lora when "
+                                    "mixed precision is on) | float32 | bfloat16 | float16")
+    finetuning_type: str = _opt("lora", "full | lora | oft (orthogonal fine-tuning on the LoRA targets) | freeze "
+                                        "(train only the last freeze_trainable_layers blocks)")
     lora_rank: int = _opt(8, "LoRA rank r")
     lora_alpha: int | None = _opt(None, "LoRA alpha (default: 2 * lora_rank, as LLaMA-Factory)")
     lora_dropout: float = _opt(0.0, "Dropout on the LoRA branch")
-    lora_target: str = _opt("all", "Comma-separated module names for LoRA, or 'all' = every linear layer except the output head")
-    additional_target: str | None = _opt(None, "Comma-separated extra modules trained in full and saved with the adapter (e.g. embed_tokens,lm_head)")
-    freeze_trainable_layers: int = _opt(2, "With finetuning_type=freeze: train the last N blocks (negative: the first N)")
+    lora_target: str = _opt("all", "Comma-separated module names for LoRA, or 'all' = every linear layer except the "
+                                   "output head")
+    additional_target: str | None = _opt(None, "Comma-separated extra modules trained in full and saved with the "
+                                               "adapter (e.g. embed_tokens,lm_head)")
+    freeze_trainable_layers: int = _opt(2, "With finetuning_type=freeze: train the last N blocks (negative: the first "
+                                           "N)")
     freeze_vision_tower: bool = _opt(True, "Vision-language models: the vision encoder takes no gradient (and, with "
                                            "lora_target: all, no adapter)")
     freeze_multi_modal_projector: bool = _opt(True, "Vision-language models: the projector from vision features to the "
-                                                    "language model (Qwen's merger, LLaVA's multi_modal_projector) takes no gradient")
+                                                    "language model (Qwen's merger, LLaVA's multi_modal_projector) "
+                                                    "takes no gradient")
     freeze_language_model: bool = _opt(False, "Vision-language models: the language model takes no gradient (train the "
                                               "vision side only)")
     gradient_checkpointing: bool = _opt(False, "Recompute activations in backward to save memory")
-    quantization_bit: int | None = _opt(None, "QLoRA: load the base model in 4 or 8 bits through bitsandbytes and train "
-                                              "adapters over it (finetuning_type lora); the reference is the quantised "
-                                              "base with the adapter off")
+    quantization_bit: int | None = _opt(None, "QLoRA: load the base model in 4 or 8 bits through bitsandbytes and "
+                                              "train adapters over it (finetuning_type lora); the reference is the "
+                                              "quantised base with the adapter off")
     quantization_method: str = _opt("bnb", "Quantisation library: bnb (bitsandbytes), the only one supported")
     quantization_type: str = _opt("nf4", "4-bit data type: nf4 (QLoRA's NormalFloat) | fp4")
-    double_quantization: bool = _opt(True, "4-bit: quantise the quantisation constants too (QLoRA's double quantisation)")
-    disable_dropout: bool = _opt(True, "Zero the model's own dropout (its dropout layers and attention dropout), as TRL does: the "
-                                       "policy then equals its reference at the start and rollout log-probs equal the loss's; "
-                                       "lora_dropout still applies")
-    router_aux_loss_coef: float | None = _opt(None, "Mixture-of-experts models: weight of the router's load-balancing loss, "
-                                                    "added to every trainer's loss and logged as moe/aux_loss (default: "
-                                                    "the model's own router_aux_loss_coef; 0: off)")
+    double_quantization: bool = _opt(True, "4-bit: quantise the quantisation constants too (QLoRA's double "
+                                           "quantisation)")
+    disable_dropout: bool = _opt(True, "Zero the model's own dropout (its dropout layers and attention dropout), as "
+                                       "TRL does: the policy then equals its reference at the start and rollout "
+                                       "log-probs equal the loss's; lora_dropout still applies")
+    router_aux_loss_coef: float | None = _opt(None, "Mixture-of-experts models: weight of the router's load-balancing "
+                                                    "loss, added to every trainer's loss and logged as moe/aux_loss "
+                                                    "(default: the model's own router_aux_loss_coef; 0: off)")
     compile: bool = _opt(False, "torch.compile the model; a graph that fails to compile runs eagerly, with a warning "
-                                "(inside the model's calls only: torch's settings for the rest of the process are untouched)")
+                                "(inside the model's calls only: torch's settings for the rest of the process are "
+                                "untouched)")
     # -- data
-    dataset: str = _opt("", "Comma-separated dataset names from dataset_dir/dataset_info.json, or paths to JSON/JSONL/Parquet files or dataset directories")
+    dataset: str = _opt("", "Comma-separated dataset names from dataset_dir/dataset_info.json, or paths to "
+                            "JSON/JSONL/Parquet files or dataset directories")
     eval_dataset: str = _opt("", "Held-out prompts with an 'answer' (for exact-match accuracy), same syntax as dataset")
     dataset_dir: str = _opt("data", "Folder holding dataset_info.json and the files it names")
-    template: str = _opt("auto", "Chat template: auto (the model's own, else 'default') or a LLaMA-Factory name: llama3 | llama2 | "
-                                 "mistral | qwen | qwen3 | qwen3_nothink | gemma | gemma3 | phi | chatml | default | empty; vision-language: "
-                                 "qwen2_vl | qwen3_vl | qwen3_vl_nothink | llava")
+    template: str = _opt("auto", "Chat template: auto (the model's own, else 'default') or a LLaMA-Factory name: "
+                                 "llama3 | llama2 | mistral | qwen | qwen3 | qwen3_nothink | gemma | gemma3 | phi | "
+                                 "chatml | default | empty; vision-language: qwen2_vl | qwen3_vl | qwen3_vl_nothink | "
+                                 "llava")
     enable_thinking: bool | None = _opt(None, "Thinking switch of templates that have one (Qwen3): false puts an empty "
-                                              "reasoning block in the prompt, so answers train without one (default: the template's own)")
-    image_max_pixels: int = _opt(768 * 768, "Vision-language data: an image larger than this (width x height) is scaled "
-                                            "down, aspect kept, before the model's image processor")
+                                              "reasoning block in the prompt, so answers train without one (default: "
+                                              "the template's own)")
+    image_max_pixels: int = _opt(768 * 768, "Vision-language data: an image larger than this (width x height) is "
+                                            "scaled down, aspect kept, before the model's image processor")
     image_min_pixels: int = _opt(32 * 32, "Vision-language data: an image smaller than this is scaled up")
-    video_max_pixels: int = _opt(256 * 256, "Accepted for LLaMA-Factory configs; videos are not supported (a record with "
-                                            "videos is an error)")
+    video_max_pixels: int = _opt(256 * 256, "Accepted for LLaMA-Factory configs; videos are not supported (a record "
+                                            "with videos is an error)")
     media_dir: str = _opt("", "Folder that image paths in the data are relative to (default: dataset_dir)")
-    cutoff_len: int = _opt(2048, "Maximum tokens per example; longer ones are truncated (or dropped if no target token survives), and counted")
+    cutoff_len: int = _opt(2048, "Maximum tokens per example; longer ones are truncated (or dropped if no target token "
+                                 "survives), and counted")
     max_samples: int | None = _opt(None, "Use at most this many records from each dataset")
-    val_size: float = _opt(0.0, "Hold out this share (0-1) or count (>=1) of training records for eval loss / perplexity")
-    val_split_by_prompt: bool = _opt(False, "Hold out whole prompts: every record of a held-out prompt goes to validation (no prompt on both sides; for data with several pairs per prompt)")
+    val_size: float = _opt(0.0, "Hold out this share (0-1) or count (>=1) of training records for eval loss / "
+                                "perplexity")
+    val_split_by_prompt: bool = _opt(False, "Hold out whole prompts: every record of a held-out prompt goes to "
+                                            "validation (no prompt on both sides; for data with several pairs per "
+                                            "prompt)")
     streaming: bool = _opt(False, "Stream the dataset from disk in constant memory (needs max_steps)")
     buffer_size: int = _opt(0, "Shuffle buffer for streaming (0: file order, exactly resumable)")
     preprocessing_num_workers: int | None = _opt(None, "Processes for tokenisation (datasets.map num_proc)")
     dataloader_num_workers: int = _opt(0, "DataLoader worker processes")
-    group_by_length: bool = _opt(False, "Batch examples of similar length together (less padding; order stays seeded and resumable)")
+    group_by_length: bool = _opt(False, "Batch examples of similar length together (less padding; order stays seeded "
+                                        "and resumable)")
     skip_invalid_records: bool = _opt(False, "Skip (and count) malformed records instead of stopping at the first one")
-    cache_dir: str | None = _opt(None, "Cache for the embedded model and tokenised data (default: $RLHF_CACHE or ~/.cache/rlhf)")
+    cache_dir: str | None = _opt(None, "Cache for the embedded model and tokenised data (default: $RLHF_CACHE or "
+                                       "~/.cache/rlhf)")
     # -- optimisation
     output_dir: str = _opt("outputs/run", "Where checkpoints, the final model, logs and report.json go")
     overwrite_output_dir: bool = _opt(False, "Delete existing checkpoints in output_dir and start over")
@@ -463,14 +486,18 @@ class BaseConfig:
     adam_beta1: float = _opt(0.9, "AdamW beta1")
     adam_beta2: float = _opt(0.999, "AdamW beta2")
     adam_epsilon: float = _opt(1e-8, "AdamW epsilon")
-    optim: str = _opt("adamw_torch", "AdamW kernel, Hugging Face's names: adamw_torch (per tensor) | adamw_torch_fused (one fused pass over all tensors: far fewer kernel launches, so much faster steps for models of many small tensors; where the device has it)")
+    optim: str = _opt("adamw_torch", "AdamW kernel, Hugging Face's names: adamw_torch (per tensor) | adamw_torch_fused "
+                                     "(one fused pass over all tensors: far fewer kernel launches, so much faster "
+                                     "steps for models of many small tensors; where the device has it)")
     max_grad_norm: float = _opt(1.0, "Clip the global gradient norm to this (0: no clipping)")
     per_device_train_batch_size: int = _opt(8, "Micro-batch size per device")
     per_device_eval_batch_size: int = _opt(16, "Batch size for evaluation and generation")
-    gradient_accumulation_steps: int = _opt(1, "Micro-batches per optimizer step; the loss is normalised over all of them")
+    gradient_accumulation_steps: int = _opt(1, "Micro-batches per optimizer step; the loss is normalised over all of "
+                                               "them")
     num_train_epochs: float = _opt(1.0, "Passes over the training data (ignored when max_steps > 0)")
     max_steps: int = _opt(-1, "Optimizer steps to run; > 0 overrides num_train_epochs")
-    lr_scheduler_type: str = _opt("linear", "Learning-rate schedule from transformers: " + " | ".join(SCHEDULERS[:6]) + " | ...")
+    lr_scheduler_type: str = _opt("linear", "Learning-rate schedule from transformers: " + " | ".join(SCHEDULERS[:6])
+                                            + " | ...")
     warmup_ratio: float = _opt(0.0, "Share of steps spent warming up the learning rate")
     warmup_steps: int = _opt(0, "Warm-up steps (overrides warmup_ratio when > 0)")
     bf16: bool = _opt(False, "bfloat16 mixed precision (GPU, or CPU autocast)")
@@ -484,19 +511,29 @@ class BaseConfig:
     save_steps: int = _opt(500, "Write a checkpoint every N optimizer steps (0: only at the end)")
     save_total_limit: int = _opt(3, "Keep only the newest N checkpoints")
     save_only_model: bool = _opt(False, "Checkpoints hold weights only (smaller; resume then restarts optimizer state)")
-    resume_from_checkpoint: str = _opt("auto", "auto (latest complete checkpoint in output_dir, if any) | none | a checkpoint directory")
-    early_stopping_patience: int | None = _opt(None, "Stop after N evaluations without improvement of metric_for_best_model")
-    metric_for_best_model: str = _opt("eval/loss", "Metric watched by early stopping; lower is better unless the name contains 'accuracy'")
-    report_to: list[str] = _opt([], "Experiment trackers: tensorboard, wandb (offline unless WANDB_API_KEY is set), all, or none")
+    resume_from_checkpoint: str = _opt("auto", "auto (latest complete checkpoint in output_dir, if any) | none | a "
+                                               "checkpoint directory")
+    early_stopping_patience: int | None = _opt(None, "Stop after N evaluations without improvement of "
+                                                     "metric_for_best_model")
+    metric_for_best_model: str = _opt("eval/loss", "Metric watched by early stopping; lower is better unless the name "
+                                                   "contains 'accuracy'")
+    report_to: list[str] = _opt([], "Experiment trackers: tensorboard, wandb (offline unless WANDB_API_KEY is set), "
+                                    "all, or none")
     run_name: str | None = _opt(None, "Run name shown in trackers")
     logging_dir: str | None = _opt(None, "Folder for this stage's text log, <stage>.log (default: output_dir/logs)")
     plot_loss: bool = _opt(False, "Save loss and metric curves as PNG files in output_dir")
     disable_progress_bar: bool = _opt(False, "Hide the rich progress bar (logs still print)")
-    progress_interval: float = _opt(30.0, "Seconds between plain progress lines (step/total, rate, ETA, last loss) when output is not a terminal (a pipe, a CI log, a file), where no bar is drawn")
-    max_nonfinite_steps: int = _opt(5, "Steps in a row with a non-finite loss, reward or gradient (each skipped) before the run stops after a checkpoint")
+    progress_interval: float = _opt(30.0, "Seconds between plain progress lines (step/total, rate, ETA, last loss) "
+                                          "when output is not a terminal (a pipe, a CI log, a file), where no bar is "
+                                          "drawn")
+    max_nonfinite_steps: int = _opt(5, "Steps in a row with a non-finite loss, reward or gradient (each skipped) "
+                                       "before the run stops after a checkpoint")
     # -- protecting earlier skills (policy-optimisation stages: the DPO family, kto and the online stages)
-    ewc_lambda: float = _opt(0.0, "Elastic weight consolidation: lambda/2 * sum_i F_i (theta_i - theta0_i)^2 pulls trainable weights towards this stage's starting weights, F = diagonal Fisher on ewc_dataset (0: off)")
-    ewc_dataset: str = _opt("", "SFT-format dataset whose likelihood EWC protects (the pipeline fills in its sft stage's dataset)")
+    ewc_lambda: float = _opt(0.0, "Elastic weight consolidation: lambda/2 * sum_i F_i (theta_i - theta0_i)^2 pulls "
+                                  "trainable weights towards this stage's starting weights, F = diagonal Fisher on "
+                                  "ewc_dataset (0: off)")
+    ewc_dataset: str = _opt("", "SFT-format dataset whose likelihood EWC protects (the pipeline fills in its sft "
+                                "stage's dataset)")
     ewc_samples: int = _opt(64, "Examples of ewc_dataset used to estimate the diagonal Fisher")
 
     stage: typing.ClassVar[str] = "base"
@@ -533,7 +570,8 @@ class BaseConfig:
         _check(0 <= self.warmup_ratio < 1, "warmup_ratio", "must be in [0, 1)")
         _check(0 <= self.lora_dropout < 1, "lora_dropout", "must be in [0, 1)")
         _check(0 < self.adam_beta1 < 1 and 0 < self.adam_beta2 < 1, "adam_beta1/adam_beta2", "must be in (0, 1)")
-        _check(self.max_steps > 0 or self.num_train_epochs > 0, "max_steps", "set max_steps > 0 or num_train_epochs > 0")
+        _check(self.max_steps > 0 or self.num_train_epochs > 0, "max_steps",
+               "set max_steps > 0 or num_train_epochs > 0")
         _check(self.max_samples is None or self.max_samples > 0, "max_samples", "must be > 0 (or omit it)")
         _check(self.early_stopping_patience is None or self.early_stopping_patience > 0,
                "early_stopping_patience", "must be > 0 (or omit it)")
@@ -565,7 +603,8 @@ class BaseConfig:
             _check(self.stage in POLICY_OPTIMISATION_STAGES, "ewc_lambda",
                    f"only applies to policy-optimisation stages ({', '.join(POLICY_OPTIMISATION_STAGES)}); set it to 0 "
                    f"here")
-            _check(bool(self.ewc_dataset.strip()), "ewc_dataset", "must name the SFT dataset EWC protects when ewc_lambda > 0")
+            _check(bool(self.ewc_dataset.strip()), "ewc_dataset",
+                   "must name the SFT dataset EWC protects when ewc_lambda > 0")
 
     @property
     def mixed_precision(self) -> str:
@@ -584,42 +623,72 @@ class OnlineRLConfig(BaseConfig):
     temperature: float = _opt(1.0, "Sampling temperature for rollouts (the loss uses the same scaled log-probs)")
     top_p: float = _opt(1.0, "Nucleus sampling mass for rollouts")
     top_k: int = _opt(0, "Sample among the k most likely tokens (0: all)")
-    generation_engine: str = _opt("auto", "Rollout decoding: auto (a static KV cache; the decode step is compiled once a timed rollout shows the run's remaining rollouts would save more than the compilation costs) | compiled | static | eager")
-    reward_funcs: list[str] = _opt([], "Reward functions: exact_answer, format, length, reward_model, process_reward_model, api, or module:function")
+    generation_engine: str = _opt("auto", "Rollout decoding: auto (a static KV cache; the decode step is compiled once "
+                                          "a timed rollout shows the run's remaining rollouts would save more than the "
+                                          "compilation costs) | compiled | static | eager")
+    reward_funcs: list[str] = _opt([], "Reward functions: exact_answer, format, length, reward_model, "
+                                       "process_reward_model, api, or module:function")
     reward_weights: list[float] = _opt([], "One weight per reward function, in order (default: all 1.0)")
-    reward_model: str | None = _opt(None, "Reward model (or ensemble) directory saved by the rm stage ('rm' in a pipeline: its rm stage)")
-    process_reward_model: str | None = _opt(None, "Process reward model directory (prm stage; 'prm' in a pipeline), for reward_funcs 'process_reward_model'")
-    reward_model_type: str = _opt("full", "How reward_model is used: full | lora (an adapter over its base; both load from the directory) | api (reward_api_url)")
-    reward_uncertainty_penalty: float = _opt(0.0, "Subtract this times the ensemble's std from the learned reward (pessimism under uncertainty)")
-    reward_api_url: str | None = _opt(None, "HTTP endpoint for reward_funcs 'api': POST {prompts, responses} -> {rewards}")
+    reward_model: str | None = _opt(None, "Reward model (or ensemble) directory saved by the rm stage ('rm' in a "
+                                          "pipeline: its rm stage)")
+    process_reward_model: str | None = _opt(None, "Process reward model directory (prm stage; 'prm' in a pipeline), "
+                                                  "for reward_funcs 'process_reward_model'")
+    reward_model_type: str = _opt("full", "How reward_model is used: full | lora (an adapter over its base; both load "
+                                          "from the directory) | api (reward_api_url)")
+    reward_uncertainty_penalty: float = _opt(0.0, "Subtract this times the ensemble's std from the learned reward "
+                                                  "(pessimism under uncertainty)")
+    reward_api_url: str | None = _opt(None, "HTTP endpoint for reward_funcs 'api': POST {prompts, responses} -> "
+                                            "{rewards}")
     reward_api_timeout: float = _opt(30.0, "Seconds before one reward API request times out")
     reward_api_retries: int = _opt(3, "Attempts per reward API request (exponential backoff between them)")
     length_target_chars: int = _opt(200, "Target completion length in characters for the 'length' reward")
-    constitution: list[str] = _opt([], "Principles checked on every completion, as check[=arg][@weight]: answer_line, max_chars=N, no_repetition, regex=PATTERN, critique=TEXT (scored by the reward model)")
+    constitution: list[str] = _opt([], "Principles checked on every completion, as check[=arg][@weight]: answer_line, "
+                                       "max_chars=N, no_repetition, regex=PATTERN, critique=TEXT (scored by the reward "
+                                       "model)")
     reward_normalize: bool = _opt(False, "Normalise rewards by a running mean/std before computing advantages")
     reward_clip: float | None = _opt(None, "Clip (normalised) rewards to [-reward_clip, reward_clip]")
-    ref_model: str | None = _opt(None, "Reference model directory (default: the starting model; LoRA uses the adapter-disabled base)")
-    overlong_buffer_len: int = _opt(0, "DAPO's overlong shaping: completions longer than max_completion_length minus this many tokens lose reward linearly (0: off)")
-    overlong_penalty_factor: float = _opt(1.0, "The penalty at max_completion_length (and beyond) of the overlong shaping")
+    ref_model: str | None = _opt(None, "Reference model directory (default: the starting model; LoRA uses the "
+                                       "adapter-disabled base)")
+    overlong_buffer_len: int = _opt(0, "DAPO's overlong shaping: completions longer than max_completion_length minus "
+                                       "this many tokens lose reward linearly (0: off)")
+    overlong_penalty_factor: float = _opt(1.0, "The penalty at max_completion_length (and beyond) of the overlong "
+                                               "shaping")
     min_p: float = _opt(0.0, "Sample only tokens with probability >= min_p times the most likely one's (vLLM engine)")
     repetition_penalty: float = _opt(1.0, "Penalise tokens already in the prompt or completion (> 1; vLLM engine)")
-    use_vllm: bool = _opt(False, "Sample rollouts (and the online evaluation's answers) with vLLM instead of our engine; install: docs/vllm.md")
-    vllm_mode: str = _opt("colocate", "colocate (vLLM inside the trainer's process, sharing its device) | server (a `python rlhf.py vllm-serve` process)")
-    vllm_gpu_memory_utilization: float = _opt(0.3, "colocate on a GPU: the share of GPU memory vLLM takes (weights and KV cache)")
+    use_vllm: bool = _opt(False, "Sample rollouts (and the online evaluation's answers) with vLLM instead of our "
+                                 "engine; install: docs/vllm.md")
+    vllm_mode: str = _opt("colocate", "colocate (vLLM inside the trainer's process, sharing its device) | server (a "
+                                      "`python rlhf.py vllm-serve` process)")
+    vllm_gpu_memory_utilization: float = _opt(0.3, "colocate on a GPU: the share of GPU memory vLLM takes (weights and "
+                                                   "KV cache)")
     vllm_tensor_parallel_size: int = _opt(1, "colocate on GPUs: how many GPUs vLLM shards the model over")
-    vllm_enable_sleep_mode: bool = _opt(False, "colocate on a GPU: free vLLM's weights and KV cache while the policy trains")
-    vllm_max_model_len: int | None = _opt(None, "Longest prompt + completion vLLM plans its KV cache for (default: the model's)")
+    vllm_enable_sleep_mode: bool = _opt(False, "colocate on a GPU: free vLLM's weights and KV cache while the policy "
+                                               "trains")
+    vllm_max_model_len: int | None = _opt(None, "Longest prompt + completion vLLM plans its KV cache for (default: the "
+                                                "model's)")
     vllm_server_host: str = _opt("127.0.0.1", "server mode: the host of `rlhf.py vllm-serve`")
     vllm_server_port: int = _opt(8000, "server mode: its port")
     vllm_server_timeout: float = _opt(600.0, "server mode: seconds one request may take before it is retried")
     vllm_server_retries: int = _opt(3, "server mode: attempts per request (exponential backoff between them)")
-    vllm_weight_transfer: str = _opt("auto", "server mode: how full weights reach the server: files (safetensors shards in vllm_sync_dir, which both read) | collective (broadcast through a process group of trainer and server: NCCL from a GPU, gloo from a CPU; reaches another machine) | auto (collective from a GPU, files from a CPU)")
-    vllm_sync_dir: str | None = _opt(None, "server mode, files: a folder trainer and server both read, where each weight sync is written (default: a new one in /dev/shm)")
-    vllm_old_logprobs: str = _opt("trainer", "Old log-probs of the loss's ratio: trainer (one extra forward; the engine's mismatch is corrected by importance sampling) | engine (vLLM's own, no extra forward, no correction)")
-    vllm_importance_sampling_correction: bool = _opt(True, "Reweight each token by the trainer's over the engine's probability of it, capped (Yao et al. 2025)")
-    vllm_importance_sampling_mode: str = _opt("token_truncate", "token_truncate: min(rho, C) per token | token_mask: drop tokens with rho outside [1/C, C] | sequence_truncate / sequence_mask: the same on each sequence's ratio")
+    vllm_weight_transfer: str = _opt("auto", "server mode: how full weights reach the server: files (safetensors "
+                                             "shards in vllm_sync_dir, which both read) | collective (broadcast "
+                                             "through a process group of trainer and server: NCCL from a GPU, gloo "
+                                             "from a CPU; reaches another machine) | auto (collective from a GPU, "
+                                             "files from a CPU)")
+    vllm_sync_dir: str | None = _opt(None, "server mode, files: a folder trainer and server both read, where each "
+                                           "weight sync is written (default: a new one in /dev/shm)")
+    vllm_old_logprobs: str = _opt("trainer", "Old log-probs of the loss's ratio: trainer (one extra forward; the "
+                                             "engine's mismatch is corrected by importance sampling) | engine (vLLM's "
+                                             "own, no extra forward, no correction)")
+    vllm_importance_sampling_correction: bool = _opt(True, "Reweight each token by the trainer's over the engine's "
+                                                           "probability of it, capped (Yao et al. 2025)")
+    vllm_importance_sampling_mode: str = _opt("token_truncate", "token_truncate: min(rho, C) per token | token_mask: "
+                                                                "drop tokens with rho outside [1/C, C] | "
+                                                                "sequence_truncate / sequence_mask: the same on each "
+                                                                "sequence's ratio")
     vllm_importance_sampling_cap: float = _opt(2.0, "C, the cap of the importance-sampling correction")
-    async_rollouts: bool = _opt(False, "server mode: sample the next rollout while this one trains (one step off-policy; corrected by importance sampling)")
+    async_rollouts: bool = _opt(False, "server mode: sample the next rollout while this one trains (one step "
+                                       "off-policy; corrected by importance sampling)")
 
     stage: typing.ClassVar[str] = "online"
     scored_by_rewards: typing.ClassVar[bool] = True  # False: distillation, whose signal is a teacher
@@ -653,7 +722,8 @@ class OnlineRLConfig(BaseConfig):
         if not self.use_vllm:
             _check(self.min_p == 0 and self.repetition_penalty == 1.0, "min_p/repetition_penalty",
                    "are sampled by vLLM only: set use_vllm: true, or leave them at 0 and 1")
-            _check(not self.async_rollouts, "async_rollouts", "samples with a vLLM server: set use_vllm: true and vllm_mode: server")
+            _check(not self.async_rollouts, "async_rollouts",
+                   "samples with a vLLM server: set use_vllm: true and vllm_mode: server")
             return
         from inference_optimizations import vllm_missing
 
@@ -667,16 +737,18 @@ class OnlineRLConfig(BaseConfig):
         _check(0 < self.vllm_gpu_memory_utilization <= 1, "vllm_gpu_memory_utilization", "must be in (0, 1]")
         _check(self.vllm_tensor_parallel_size >= 1, "vllm_tensor_parallel_size", "must be >= 1")
         _check(1 <= self.vllm_server_port < 65536, "vllm_server_port", "must be a port number (1-65535)")
-        _check(self.vllm_server_timeout > 0 and self.vllm_server_retries >= 1, "vllm_server_timeout/vllm_server_retries",
-               "need a positive timeout and at least one attempt")
+        _check(self.vllm_server_timeout > 0 and self.vllm_server_retries >= 1,
+               "vllm_server_timeout/vllm_server_retries", "need a positive timeout and at least one attempt")
         _check(not self.async_rollouts or self.vllm_mode == "server", "async_rollouts",
-               "needs vllm_mode: server (a colocated engine shares the trainer's device, so it cannot sample while it trains)")
+               "needs vllm_mode: server (a colocated engine shares the trainer's device, so it cannot sample while it "
+               "trains)")
         _check(not (self.async_rollouts and self.vllm_old_logprobs == "engine"), "vllm_old_logprobs",
-               "must be 'trainer' with async_rollouts: the engine's log-probs are one update behind the policy being trained")
+               "must be 'trainer' with async_rollouts: the engine's log-probs are one update behind the policy being "
+               "trained")
         truncated = bool(self.top_k) or self.top_p < 1 or self.min_p > 0 or self.repetition_penalty != 1.0
         _check(not (self.vllm_old_logprobs == "engine" and truncated), "vllm_old_logprobs",
-               "is 'engine', but with top_k, top_p < 1, min_p or repetition_penalty vLLM's log-probs are of the narrowed "
-               "distribution it sampled from, not the policy's: use 'trainer'")
+               "is 'engine', but with top_k, top_p < 1, min_p or repetition_penalty vLLM's log-probs are of the "
+               "narrowed distribution it sampled from, not the policy's: use 'trainer'")
         _check(not (self.repetition_penalty != 1.0 and self.vllm_importance_sampling_correction), "repetition_penalty",
                "cannot be replayed by the trainer, so the importance-sampling correction would be biased: leave it at "
                "1.0 or set vllm_importance_sampling_correction: false")
@@ -757,9 +829,11 @@ def _check_choice(value: str, choices: Iterable[str], name: str) -> None:
 # LLaMA-Factory / HF Trainer keys that users' YAML files carry. Each either maps to one of ours
 # (value: our field name, optionally with a value translation) or is ignored with the reason given.
 LLAMAFACTORY_RENAMES: dict[str, tuple[str, dict[Any, Any] | None]] = {
-    "flash_attn": ("attn_implementation", {"fa2": "flash_attention_2", "sdpa": "sdpa", "disabled": "eager", "auto": "auto"}),
+    "flash_attn": ("attn_implementation", {"fa2": "flash_attention_2", "sdpa": "sdpa", "disabled": "eager",
+                                           "auto": "auto"}),
     "neat_packing": ("packing", None),
-    "infer_dtype": ("model_dtype", {"auto": "auto", "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}),
+    "infer_dtype": ("model_dtype", {"auto": "auto", "float32": "float32", "bfloat16": "bfloat16",
+                                    "float16": "float16"}),
     "eval_dataset_dir": ("dataset_dir", None),
     "lora_targets": ("lora_target", None),
     "moe_aux_loss_coef": ("router_aux_loss_coef", None),
@@ -787,12 +861,13 @@ LLAMAFACTORY_IGNORED: dict[str, str] = {
     "save_strategy": "checkpoints are written every save_steps",
     "logging_strategy": "metrics are logged every logging_steps",
     "overwrite_cache": "tokenised data is cached by a hash of the data, tokenizer and settings, so it never goes stale",
-    "deepspeed": "launch with `accelerate launch --config_file configs/accelerate/deepspeed_zero3.yaml rlhf.py ...` to use DeepSpeed",
+    "deepspeed": "launch with `accelerate launch --config_file configs/accelerate/deepspeed_zero3.yaml rlhf.py ...` to "
+                 "use DeepSpeed",
     "fsdp": "launch with an accelerate FSDP config file instead",
     "upcast_layernorm": "norm layers already stay in fp32 under autocast",
     "pure_bf16": "use bf16=true (mixed precision) or model_dtype=bfloat16",
-    "enable_liger_kernel": "Liger's kernels are not used; what its fused linear cross-entropy saves, the chunked output "
-                           "layer (OutputHead) already saves for every loss, on any device",
+    "enable_liger_kernel": "Liger's kernels are not used; what its fused linear cross-entropy saves, the chunked "
+                           "output layer (OutputHead) already saves for every loss, on any device",
     "use_unsloth": "Unsloth is not used",
     "resize_vocab": "the vocabulary is never resized",
     "tokenized_path": "tokenised data is cached automatically under cache_dir",
@@ -913,7 +988,8 @@ def _translate_keys(raw: dict[str, Any], cls: type[BaseConfig], where_of: Callab
                     raise RLHFInputError(f"{where}: '{key}' is {value!r}; valid: {', '.join(map(str, mapping))}")
                 value = mapping[value]
             if target in raw and raw[target] != value:
-                raise RLHFInputError(f"{where}: '{key}' ({value!r}) and '{target}' ({raw[target]!r}) are both set; keep one")
+                raise RLHFInputError(f"{where}: '{key}' ({value!r}) and '{target}' ({raw[target]!r}) are both set; "
+                                     "keep one")
             out[target] = value
         elif key in LLAMAFACTORY_IGNORED:
             logger.info("%s: ignoring '%s': %s", where, key, LLAMAFACTORY_IGNORED[key])
@@ -966,7 +1042,8 @@ def _key_where(source: str, section: str | None, key: str) -> str:
     path, _, preset = source.partition(" on the ")
     lines = _YAML_KEY_LINES.get(path, {})
     line = (lines.get((section, key)) if section else None) or lines.get((key,))
-    return (f"{path}:{line}" if line else path) + (f" on the {preset}" if preset else "") + (f" [{section}]" if section else "")
+    return ((f"{path}:{line}" if line else path) + (f" on the {preset}" if preset else "")
+            + (f" [{section}]" if section else ""))
 
 
 def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
@@ -985,7 +1062,8 @@ def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
     try:
         data = yaml.load(text, Loader=unique_key_yaml_loader()) or {}
     except DuplicateYAMLKeyError as err:
-        raise RLHFInputError(f"{path}:{err.line}: duplicate key '{err.key}' (first at line {err.first}); keep one") from None
+        raise RLHFInputError(f"{path}:{err.line}: duplicate key '{err.key}' (first at line {err.first}); "
+                             "keep one") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         line = f":{mark.line + 1}" if mark else ""
@@ -1041,7 +1119,8 @@ def save_config(config: BaseConfig | PipelineConfig, path: str | os.PathLike) ->
 
 
 def config_help(cls: type[BaseConfig]) -> str:
-    """One line per field: name, type, default, help — for ``--help`` (docs/configuration.md is written from the same help)."""
+    """One line per field: name, type, default, help — for ``--help`` (docs/configuration.md is written from the
+    same help)."""
     hints = _field_types(cls)
     rows = []
     for f in dataclasses.fields(cls):
@@ -1057,16 +1136,24 @@ class PipelineConfig:
     stage (``sft:``) overrides them for that stage. Each stage writes to ``output_dir/<stage>`` and
     starts from the previous stage's model."""
 
-    stages: list[str] = _opt(["sft"], "Stages to run, in order: training stages, then optionally eval, best_of_n, merge")
-    output_dir: str = _opt("outputs/pipeline", "Root folder; stage N writes output_dir/<stage>, its log output_dir/logs/<stage>.log")
+    stages: list[str] = _opt(["sft"], "Stages to run, in order: training stages, then optionally eval, best_of_n, "
+                                      "merge")
+    output_dir: str = _opt("outputs/pipeline", "Root folder; stage N writes output_dir/<stage>, its log "
+                                               "output_dir/logs/<stage>.log")
     shared: dict[str, Any] = _opt({}, "Keys applied to every stage")
     stage_overrides: dict[str, dict[str, Any]] = _opt({}, "Per-stage keys, overriding shared ones")
-    capability_tests: dict[str, dict[str, Any]] = _opt({}, "Probe tasks run before and after each policy-optimisation stage: {task: {dataset, dataset_dir?, max_samples?, verifier?}}")
-    capability_threshold: float = _opt(0.05, "Roll a stage back when a capability task's accuracy falls by more than this (absolute)")
-    rollback_on_error: bool = _opt(True, "A stage that crashes or diverges is rolled back (recorded) and the pipeline goes on from the previous model; false: stop")
-    final_stages: dict[str, dict[str, Any]] = _opt({}, "Options of the eval, best_of_n and merge stages (their YAML sections)")
+    capability_tests: dict[str, dict[str, Any]] = _opt({}, "Probe tasks run before and after each policy-optimisation "
+                                                           "stage: {task: {dataset, dataset_dir?, max_samples?, "
+                                                           "verifier?}}")
+    capability_threshold: float = _opt(0.05, "Roll a stage back when a capability task's accuracy falls by more than "
+                                             "this (absolute)")
+    rollback_on_error: bool = _opt(True, "A stage that crashes or diverges is rolled back (recorded) and the pipeline "
+                                         "goes on from the previous model; false: stop")
+    final_stages: dict[str, dict[str, Any]] = _opt({}, "Options of the eval, best_of_n and merge stages (their YAML "
+                                                       "sections)")
     source: str = _opt("config", "Where the config came from, for error messages")
-    command_line: tuple[str, ...] = _opt((), "The keys given as key=value overrides (e.g. merge.density), for error messages")
+    command_line: tuple[str, ...] = _opt((), "The keys given as key=value overrides (e.g. merge.density), for error "
+                                             "messages")
 
     def __post_init__(self) -> None:
         for stage in self.stages:
@@ -1138,7 +1225,8 @@ class PipelineConfig:
             config = model_merging.MergeConfig.from_dict(raw, source=f"{self.source} [merge]", command_line=given)
         except model_merging.MergeError as err:
             raise RLHFInputError(str(err)) from None
-        named = [("models", m.model) for m in config.models] + [("models.base", m.base) for m in config.models if m.base]
+        named = ([("models", m.model) for m in config.models]
+                 + [("models.base", m.base) for m in config.models if m.base])
         for option, name in named + ([("base_model", config.base_model)] if config.base_model else []):
             where = "command line" if option.split(".")[0] in given else f"{self.source} [merge]"
             if name in STAGE_CONFIGS or name in FINAL_STAGES:
@@ -1163,7 +1251,8 @@ class PipelineConfig:
             if raw.get(key) == stage_name:  # the model trained by this pipeline's rm / prm stage
                 raw[key] = str(Path(self.output_dir) / stage_name)
         if raw.get("ewc_lambda") and not raw.get("ewc_dataset") and "sft" in self.stages:
-            raw["ewc_dataset"] = {**self.shared, **self.stage_overrides.get("sft", {})}.get("dataset", "")  # protect SFT
+            # protect SFT
+            raw["ewc_dataset"] = {**self.shared, **self.stage_overrides.get("sft", {})}.get("dataset", "")
         given = {key.split(".", 1)[-1] for key in self.command_line if "." not in key or key.startswith(f"{stage}.")}
         return build_config(STAGE_CONFIGS[stage], raw, where=f"{self.source} [{stage}]", command_line=frozenset(given),
                             source=self.source, section=stage)
@@ -1203,7 +1292,8 @@ class PipelineConfig:
                                      f"to the pipeline's output_dir/{stage}, where the next stage reads it; set the "
                                      "pipeline's output_dir instead, or run the stage alone (python rlhf.py "
                                      f"{stage} --config ...)")
-        gates = {key: raw.pop(key) for key in ("capability_tests", "capability_threshold", "rollback_on_error") if key in raw}
+        gates = {key: raw.pop(key) for key in ("capability_tests", "capability_threshold", "rollback_on_error")
+                 if key in raw}
         if not isinstance(gates.get("capability_tests", {}), dict):
             raise RLHFInputError(f"{source}: 'capability_tests' maps task names to {{dataset, max_samples, verifier}}")
         gate_types = {"capability_threshold": float, "rollback_on_error": bool}
@@ -1344,9 +1434,11 @@ def estimate_memory(arch: dict[str, Any], *, gpus: int = 1, finetuning_type: str
     copies by ``gpus``; activations are per GPU. Excluded: CUDA context and allocator fragmentation
     (budget 1-3 GiB) and the generation KV cache of online stages."""
     params = count_parameters(arch)  # the vision tower and projector stay frozen (their defaults): weights only
-    trainable = params - arch.get("vision_parameters", 0) if finetuning_type == "full" else count_lora_parameters(arch, lora_rank)
+    trainable = (params - arch.get("vision_parameters", 0) if finetuning_type == "full"
+                 else count_lora_parameters(arch, lora_rank))
     share = gpus if sharded else 1
-    h, layers, heads, vocab = arch["hidden_size"], arch["num_hidden_layers"], arch["num_attention_heads"], arch["vocab_size"]
+    h, layers, heads, vocab = (arch["hidden_size"], arch["num_hidden_layers"], arch["num_attention_heads"],
+                               arch["vocab_size"])
     full_layer = seq_len * batch * h * (34 + 5 * heads * seq_len / h)
     stored = layers * 2 * batch * seq_len * h + full_layer if gradient_checkpointing else layers * full_layer
     frozen = 2 * params / share
@@ -1642,7 +1734,8 @@ class DeviceManager:
             offload = self.device.type == "cuda"  # with offload only the main process receives the weights
             state = get_model_state_dict(prepared, options=StateDictOptions(full_state_dict=True, cpu_offload=offload))
         # keyed as in the unwrapped module: without torch.compile's wrapper prefix
-        return {k.replace("_orig_mod.", ""): v.detach().cpu() for k, v in state.items()} if self.is_main_process else None
+        return ({k.replace("_orig_mod.", ""): v.detach().cpu() for k, v in state.items()} if self.is_main_process
+                else None)
 
     def full_optimizer_state(self, prepared: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
         """The optimizer state of an FSDP2-sharded model, whole (every parameter's moments unsharded) and keyed by
@@ -1860,7 +1953,8 @@ class TrainingLogger:
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.active:
             return
-        row = {"step": step, **{k: (float(v) if isinstance(v, (int, float, torch.Tensor)) else v) for k, v in metrics.items()}}
+        row = {"step": step, **{k: (float(v) if isinstance(v, (int, float, torch.Tensor)) else v)
+                                for k, v in metrics.items()}}
         self.history.append(row)
         with self.metrics_path.open("a", encoding="utf-8") as handle:
             handle.write(json.dumps(row) + "\n")
@@ -1970,21 +2064,23 @@ def _complete_checkpoints(root: Path) -> list[Path]:
 def _other_stage_checkpoint_error(path: Path, saved_stage: str, stage: str, explicit: bool) -> RLHFInputError:
     """The one-line error for resuming ``stage`` from a ``saved_stage`` checkpoint."""
     if explicit:
-        return RLHFInputError(f"config field 'resume_from_checkpoint': {path} is a '{saved_stage}' checkpoint, and this "
-                              f"run trains '{stage}'; point it at a '{stage}' checkpoint")
+        return RLHFInputError(f"config field 'resume_from_checkpoint': {path} is a '{saved_stage}' checkpoint, and "
+                              f"this run trains '{stage}'; point it at a '{stage}' checkpoint")
     return RLHFInputError(f"{path.parent.parent} holds '{saved_stage}' checkpoints, and this run trains '{stage}': set "
-                          f"output_dir to another directory, or resume_from_checkpoint=none to start over (removes them)")
+                          "output_dir to another directory, or resume_from_checkpoint=none to start over (removes "
+                          "them)")
 
 
 def _changed_structure_error(path: Path, changes: list[str], explicit: bool) -> RLHFInputError:
     """The one-line error for resuming a checkpoint that holds other parameters (LoRA against full, another rank)."""
     what = "; ".join(changes)
     if explicit:
-        return RLHFInputError(f"config field 'resume_from_checkpoint': {path} cannot be resumed with {what}: its weights "
-                              f"and optimizer state fit the old settings; resume with those, or start over with "
+        return RLHFInputError(f"config field 'resume_from_checkpoint': {path} cannot be resumed with {what}: its "
+                              "weights and optimizer state fit the old settings; resume with those, or start over with "
                               f"resume_from_checkpoint=none")
-    return RLHFInputError(f"{path.parent.parent} holds checkpoints that this run cannot resume ({what}): set output_dir "
-                          f"to another directory, or resume_from_checkpoint=none to start over (removes them)")
+    return RLHFInputError(f"{path.parent.parent} holds checkpoints that this run cannot resume ({what}): set "
+                          "output_dir to another directory, or resume_from_checkpoint=none to start over (removes "
+                          "them)")
 
 
 class CheckpointManager:
@@ -2059,7 +2155,8 @@ class CheckpointManager:
 
 
 def _checkpoint_read_errors() -> tuple[type[BaseException], ...]:
-    errors: tuple[type[BaseException], ...] = (OSError, ValueError, KeyError, RuntimeError)  # JSON errors are ValueErrors
+    # JSON errors are ValueErrors
+    errors: tuple[type[BaseException], ...] = (OSError, ValueError, KeyError, RuntimeError)
     try:
         from safetensors import SafetensorError
 
@@ -2101,7 +2198,8 @@ class CheckpointingMixin:
         process for the writes inside (every process enters: the gathers are collectives); nothing otherwise."""
         self.gathered_weights = self.devices.full_state_dict(self.model) if self.sharded else None
         gather_optimizer = optimizer and self.sharded and not self.config.save_only_model
-        self.gathered_optimizer = self.devices.full_optimizer_state(self.model, self.optimizer) if gather_optimizer else None
+        self.gathered_optimizer = (self.devices.full_optimizer_state(self.model, self.optimizer) if gather_optimizer
+                                   else None)
         try:
             yield
         finally:
@@ -2121,7 +2219,8 @@ class CheckpointingMixin:
         # and (FSDP2) the gathered optimizer state keyed by parameter name; ZeRO-3's optimizer state is not gathered
         model_only = self.config.save_only_model or (self.sharded and self.gathered_optimizer is None)
         if self.sharded:
-            save_file({k: v.contiguous() for k, v in self.gathered_weights.items()}, str(directory / self.SHARDED_WEIGHTS_FILE))
+            save_file({k: v.contiguous() for k, v in self.gathered_weights.items()},
+                      str(directory / self.SHARDED_WEIGHTS_FILE))
         else:
             self._save_model(directory)
         state = {"global_step": self.global_step, "micro_batches_done": self.micro_batches_done,
@@ -2226,7 +2325,8 @@ class CheckpointingMixin:
             self.train_dataset.load_state_dict(state["data"])
         if state.get("model_only"):
             logger.warning("%s holds weights only (save_only_model, or weights sharded by ZeRO-3): the "
-                           "optimizer's moments restart and the schedule continues from step %d", path, self.global_step)
+                           "optimizer's moments restart and the schedule continues from step %d",
+                           path, self.global_step)
             with warnings.catch_warnings():  # stepping the schedule to where it was, before any optimizer step
                 warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
                 for _ in range(self.global_step):
@@ -2241,12 +2341,14 @@ class CheckpointingMixin:
         else:
             self.optimizer.load_state_dict(optimizer_state)
         self.scheduler.load_state_dict(json.loads((path / "scheduler.json").read_text()))
-        restore_rng_state(load_file(str(path / "rng_state.safetensors")), json.loads((path / "rng_state.json").read_text()))
+        restore_rng_state(load_file(str(path / "rng_state.safetensors")),
+                          json.loads((path / "rng_state.json").read_text()))
 
     # settings that say how long a run goes, where and how it reports and evaluates, not what it trains:
     # changing them is a normal resume (extending max_steps is the usual one)
     RESUME_NEUTRAL_FIELDS = frozenset({"output_dir", "logging_dir", "resume_from_checkpoint", "overwrite_output_dir",
-                                       "report_to", "run_name", "disable_progress_bar", "progress_interval", "logging_steps", "save_steps",
+                                       "report_to", "run_name", "disable_progress_bar", "progress_interval",
+                                       "logging_steps", "save_steps",
                                        "save_total_limit", "save_only_model", "eval_steps", "plot_loss", "max_steps",
                                        "num_train_epochs", "dataloader_num_workers", "preprocessing_num_workers",
                                        "ddp_timeout", "cache_dir", "eval_dataset", "per_device_eval_batch_size",
@@ -2438,7 +2540,8 @@ def apply_lora(model: nn.Module, config: BaseConfig) -> nn.Module:
         parameters = experts
     else:
         named = [t.strip() for t in config.lora_target.split(",") if t.strip()]
-        expert_of = {e: e for e in experts} | {e.rsplit(".", 1)[-1]: e for e in experts if e.rsplit(".", 1)[-1] not in available}
+        expert_of = {e: e for e in experts} | {e.rsplit(".", 1)[-1]: e for e in experts
+                                               if e.rsplit(".", 1)[-1] not in available}
         parameters = [expert_of[t] for t in named if t in expert_of]  # 'experts.down_proj' or plain 'down_proj'
         targets = [t for t in named if t not in expert_of]
         missing = [t for t in targets if t not in available]
@@ -2450,7 +2553,8 @@ def apply_lora(model: nn.Module, config: BaseConfig) -> nn.Module:
         raise RLHFInputError(f"config field 'finetuning_type': OFT cannot adapt the fused expert weights "
                              f"({', '.join(parameters)}) of this mixture-of-experts model; use lora, or list the "
                              f"linear layers in lora_target")
-    logger.info("%s targets: %s%s", config.finetuning_type.upper(), ", ".join(sorted({t.rsplit(".", 1)[-1] for t in targets})) or "no linear layer",
+    logger.info("%s targets: %s%s", config.finetuning_type.upper(),
+                ", ".join(sorted({t.rsplit(".", 1)[-1] for t in targets})) or "no linear layer",
                 f"; expert weights {', '.join(parameters)} (each expert its own low-rank update; the router stays "
                 f"frozen)" if parameters else "")
     conv1d = any(isinstance(m, Conv1D) and n.rsplit(".", 1)[-1] in targets for n, m in model.named_modules())
@@ -2567,7 +2671,8 @@ def resolve_dataset(name: str, dataset_dir: str | os.PathLike) -> DatasetSpec:
     as_path = Path(name)
     for candidate in (as_path, Path(dataset_dir) / name):
         if candidate.exists():
-            if candidate.is_dir() and ((candidate / "dataset_info.json").exists() and (candidate / "state.json").exists()
+            if candidate.is_dir() and ((candidate / "dataset_info.json").exists()
+                                       and (candidate / "state.json").exists()
                                        or (candidate / "dataset_dict.json").exists()):
                 return DatasetSpec(name=name, hf_dir=candidate)
             files = _files_in(candidate)
@@ -2592,7 +2697,8 @@ def resolve_dataset(name: str, dataset_dir: str | os.PathLike) -> DatasetSpec:
         raise RLHFInputError(f"{info_path} must be a JSON object of name: entry (LLaMA-Factory's layout), "
                              f"not a {type(info).__name__}")
     if name not in info:
-        raise RLHFInputError(f"dataset '{name}' is not in {info_path}; {_where_registered(name, Path(dataset_dir), info)}")
+        raise RLHFInputError(f"dataset '{name}' is not in {info_path}; "
+                             f"{_where_registered(name, Path(dataset_dir), info)}")
     entry = info[name]
     _check_dataset_entry(info_path, name, entry)
     spec = DatasetSpec(name=name, formatting=entry.get("formatting", "alpaca"), columns=entry.get("columns", {}),
@@ -2649,10 +2755,12 @@ def _check_dataset_entry(info_path: Path, name: str, entry: Any) -> None:
         if key in DATASET_INFO_UNSUPPORTED:
             fail(key, f"'{key}': {DATASET_INFO_UNSUPPORTED[key]}")
         if key not in DATASET_INFO_KEYS:
-            fail(key, f"unknown key '{key}'; {did_you_mean(key, DATASET_INFO_KEYS)}valid: {', '.join(DATASET_INFO_KEYS)}")
+            fail(key, f"unknown key '{key}'; {did_you_mean(key, DATASET_INFO_KEYS)}valid: "
+                      f"{', '.join(DATASET_INFO_KEYS)}")
     formatting = entry.get("formatting", "alpaca")
     if formatting not in DATASET_COLUMNS:
-        fail("formatting", f"formatting '{formatting}' is not alpaca or sharegpt; {did_you_mean(str(formatting), DATASET_COLUMNS)}")
+        fail("formatting", f"formatting '{formatting}' is not alpaca or sharegpt; "
+                           f"{did_you_mean(str(formatting), DATASET_COLUMNS)}")
     for group, valid in (("columns", DATASET_COLUMNS[formatting]), ("tags", tuple(SHAREGPT_TAGS))):
         mapping = entry.get(group, {})
         if not isinstance(mapping, dict):
@@ -2699,8 +2807,9 @@ def _iter_json_file(path: Path) -> Iterator[tuple[str, Any]]:
 
     def refuse_extra_data(position: int) -> None:
         if skip_space(position) < len(text):
-            raise RLHFInputError(f"{path}:{line_of(skip_space(position))}: extra data after the file's first JSON value; "
-                                 f"a .json file holds one array of records (one object per line is .jsonl: rename it)")
+            raise RLHFInputError(f"{path}:{line_of(skip_space(position))}: extra data after the file's first JSON "
+                                 "value; a .json file holds one array of records (one object per line is .jsonl: "
+                                 "rename it)")
 
     pos = skip_space(0)
     if pos >= len(text):
@@ -2809,7 +2918,8 @@ def iter_raw_records(spec: DatasetSpec) -> Iterator[tuple[str, Any]]:
             data = load_dataset(**{k: v for k, v in spec.hub.items() if v is not None})
         except Exception as err:
             raise RLHFInputError(f"dataset '{spec.name}': could not load {spec.hub['path']} from the Hub "
-                                 f"({str(err).splitlines()[0]}); download it and register a file_name instead") from None
+                                 f"({str(err).splitlines()[0]}); download it and register a file_name "
+                                 "instead") from None
         for index, row in enumerate(data):
             yield f"{spec.hub['path']}:row {index + 1}", row
         return
@@ -2818,13 +2928,15 @@ def iter_raw_records(spec: DatasetSpec) -> Iterator[tuple[str, Any]]:
         try:
             yield from reader(path)
         except UnicodeDecodeError as err:  # CSV read by datasets
-            raise RLHFInputError(f"{path}: not UTF-8 text (bad byte at offset {err.start}); re-save the file as UTF-8") from None
+            raise RLHFInputError(f"{path}: not UTF-8 text (bad byte at offset {err.start}); re-save the file as "
+                                 "UTF-8") from None
         except RLHFInputError:
             raise
         except Exception as err:  # pyarrow / datasets parse errors on a corrupt Parquet or CSV file
             if path.suffix not in (".parquet", ".csv"):
                 raise
-            raise RLHFInputError(f"{path}: cannot read this {path.suffix} file ({str(err).splitlines()[0][:120]})") from None
+            raise RLHFInputError(f"{path}: cannot read this {path.suffix} file "
+                                 f"({str(err).splitlines()[0][:120]})") from None
 
 
 def _text(raw: dict[str, Any], key: str | None, location: str, required: bool = False) -> str | None:
@@ -2854,9 +2966,9 @@ def _parse_label(value: Any, location: str, key: str) -> bool:
 def _parse_alpaca(raw: dict[str, Any], columns: dict[str, str], location: str) -> dict[str, Any]:
     cols = {**ALPACA_COLUMNS, **columns}
     if cols["prompt"] not in raw:
-        raise RLHFInputError(f"{location}: record has no '{cols['prompt']}' field (it has: {', '.join(map(str, raw))}); "
-                             f"name your keys in the dataset's dataset_info.json entry, e.g. \"columns\": "
-                             f"{{\"prompt\": \"question\", \"response\": \"answer\"}}")
+        raise RLHFInputError(f"{location}: record has no '{cols['prompt']}' field (it has: "
+                             f"{', '.join(map(str, raw))}); name your keys in the dataset's dataset_info.json entry, "
+                             "e.g. \"columns\": {\"prompt\": \"question\", \"response\": \"answer\"}")
     prompt = _text(raw, cols["prompt"], location, required=True)
     query = _text(raw, cols["query"], location)
     if query:
@@ -2886,13 +2998,14 @@ def _message_text(message: Any, tags: dict[str, str], location: str, what: str) 
     raise RLHFInputError(f"{location}: {what} must be a message with '{tags['content_tag']}', got {message!r:.60}")
 
 
-def _parse_sharegpt(raw: dict[str, Any], columns: dict[str, str], tags: dict[str, str], location: str) -> dict[str, Any]:
+def _parse_sharegpt(raw: dict[str, Any], columns: dict[str, str], tags: dict[str, str],
+                    location: str) -> dict[str, Any]:
     cols = {**SHAREGPT_COLUMNS, **columns}
     turns = raw.get(cols["messages"])
     if cols["messages"] not in raw:
-        raise RLHFInputError(f"{location}: record has no '{cols['messages']}' field (it has: {', '.join(map(str, raw))}); "
-                             f"name the conversation's key in the dataset's dataset_info.json entry, e.g. "
-                             f"\"columns\": {{\"messages\": \"messages\"}}")
+        raise RLHFInputError(f"{location}: record has no '{cols['messages']}' field (it has: "
+                             f"{', '.join(map(str, raw))}); name the conversation's key in the dataset's "
+                             "dataset_info.json entry, e.g. \"columns\": {\"messages\": \"messages\"}")
     if not isinstance(turns, list):
         raise RLHFInputError(f"{location}: field '{cols['messages']}' must be a list of messages")
     if tags is None:  # not registered: tell ShareGPT ({from, value}) from OpenAI ({role, content})
@@ -2990,7 +3103,8 @@ def _parse_canonical(raw: dict[str, Any], location: str) -> dict[str, Any]:
     prompt = raw.get("prompt")
     if isinstance(prompt, list):
         parsed = _parse_sharegpt({"messages": prompt}, {"messages": "messages"}, OPENAI_TAGS, location)
-        messages = parsed["messages"] + ([{"role": "assistant", "content": parsed["response"]}] if parsed["response"] else [])
+        messages = parsed["messages"] + ([{"role": "assistant", "content": parsed["response"]}] if parsed["response"]
+                                         else [])
         system = parsed["system"]
     else:
         messages = [{"role": "user", "content": _text(raw, "prompt", location, required=True)}]
@@ -3097,8 +3211,8 @@ def _check_images(parsed: dict[str, Any], location: str) -> None:
     """One image per <image> placeholder, each a readable image file (LLaMA-Factory's rule)."""
     images, placeholders = parsed.get("images") or [], count_placeholders(parsed)
     if placeholders != len(images):
-        raise RLHFInputError(f"{location}: the text has {placeholders} {IMAGE_PLACEHOLDER} placeholder(s) but the record "
-                             f"has {len(images)} image(s); put one {IMAGE_PLACEHOLDER} where each image belongs")
+        raise RLHFInputError(f"{location}: the text has {placeholders} {IMAGE_PLACEHOLDER} placeholder(s) but the "
+                             f"record has {len(images)} image(s); put one {IMAGE_PLACEHOLDER} where each image belongs")
     for path in images:
         open_image(path, location, check_only=True)
 
@@ -3124,7 +3238,8 @@ def to_record(parsed: dict[str, Any], kind: str, location: str) -> dict[str, Any
         if value is None:
             raise RLHFInputError(f"{location}: record has no {what}; a {kind} record needs it")
         if not value.strip():
-            raise RLHFInputError(f"{location}: {what} is empty; fix or remove the record (or set skip_invalid_records=true)")
+            raise RLHFInputError(f"{location}: {what} is empty; fix or remove the record (or set "
+                                 "skip_invalid_records=true)")
         return value
 
     if not parsed["messages"] or not parsed["messages"][-1]["content"].strip():
@@ -3194,7 +3309,8 @@ def load_records(dataset: str, dataset_dir: str | os.PathLike, kind: str, *, max
             records.append(record)
             taken += 1
         if skipped:
-            logger.warning("dataset '%s': skipped %d invalid records, e.g. %s", name, len(skipped), "; ".join(skipped[:3]))
+            logger.warning("dataset '%s': skipped %d invalid records, e.g. %s", name, len(skipped),
+                           "; ".join(skipped[:3]))
         if ties:
             logger.warning("dataset '%s': skipped %d pairs whose chosen and rejected responses are the same, e.g. %s",
                            name, len(ties), ", ".join(ties[:3]))
@@ -3217,7 +3333,8 @@ def extract_answer(text: str) -> str | None:
 # each renders what its family's own template renders for system / user / assistant turns (tests compare them with
 # the real templates), so that a model trained with the name and served with its own template sees the same text.
 
-_SYSTEM_FIRST = ("{%- if messages and messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content'] %}"
+_SYSTEM_FIRST = ("{%- if messages and messages[0]['role'] == 'system' %}"
+                 "{%- set system_message = messages[0]['content'] %}"
                  "{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}{%- endif %}")
 _QWEN_TOOLS = (  # Qwen2.5 / Qwen3 (Hermes-style): the tool schemas in the system turn, calls and results in XML tags
     "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with "
@@ -3234,7 +3351,8 @@ _QWEN25_TOOL_CALL = ("{%- if tool_call.function is defined %}{%- set tool_call =
                      "{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}")
 _QWEN_TOOL_RESULT = ("{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}"
                      "{%- endif %}{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
-                     "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}")
+                     "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}"
+                     "{%- endif %}")
 _QWEN3_ASSISTANT = (  # Qwen3: reasoning shown only after the last user query; the final turn always gets a block
     "{%- set content = message['content'] %}{%- set reasoning = '' %}"
     "{%- if '</think>' in content %}{%- set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1]"
@@ -3293,7 +3411,8 @@ register_template(ChatTemplate("empty", (  # LLaMA-Factory's "empty": the turns'
         "{% for message in messages %}{{ message['content'] }}{% endfor %}")))
 
 register_template(ChatTemplate("chatml", (
-        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+        "{% for message in messages %}"
+        "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
         "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"),
     special_tokens=_CHATML_TOKENS, end_marker="<|im_end|>", tools=("tool results",)))
 
@@ -3312,7 +3431,8 @@ register_template(ChatTemplate("qwen", (  # Qwen2.5: ChatML with Qwen's default 
         "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"),
     special_tokens=_CHATML_TOKENS, end_marker="<|im_end|>", tools=("tools", "tool calls", "tool results")))
 
-register_template(ChatTemplate("qwen3", (  # Qwen3 (thinking models); enable_thinking=false puts an empty reasoning block in the prompt
+register_template(ChatTemplate("qwen3", (  # Qwen3 (thinking models); enable_thinking=false puts an empty
+        # reasoning block in the prompt
         "{%- set has_system = messages and messages[0]['role'] == 'system' %}"
         "{%- if tools %}{{- '<|im_start|>system\\n' + (messages[0]['content'] + '\\n\\n' if has_system else '') }}"
         + _QWEN_TOOLS +
@@ -3325,22 +3445,30 @@ register_template(ChatTemplate("qwen3", (  # Qwen3 (thinking models); enable_thi
         "{%- elif message['role'] == 'tool' %}" + _QWEN_TOOL_RESULT +
         "{%- else %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{%- endif %}"
         "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-        "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+        "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+        "{%- endif %}"
         "{%- endif %}"),
-    special_tokens=(*_CHATML_TOKENS, "<think>", "</think>"), end_marker="<|im_end|>", tools=("tools", "tool calls", "tool results"), thinking=True))
+    special_tokens=(*_CHATML_TOKENS, "<think>", "</think>"), end_marker="<|im_end|>",
+    tools=("tools", "tool calls", "tool results"), thinking=True))
 
-register_template(ChatTemplate("qwen3_nothink", (  # Qwen3 instruct models without a reasoning mode (2507): plain ChatML, no default system
-        "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+register_template(ChatTemplate("qwen3_nothink", (  # Qwen3 instruct models without a reasoning mode (2507): plain
+        # ChatML, no default system
+        "{%- for message in messages %}"
+        "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
         "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"),
     special_tokens=_CHATML_TOKENS, end_marker="<|im_end|>", tools=("tool results",)))
 
 register_template(ChatTemplate("llama3", (  # Llama 3 Instruct
         "{%- for message in messages %}{%- if loop.first %}{{- bos_token }}{%- endif %}"
-        "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}"
-        "{%- endfor %}{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"),
-    special_tokens=("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"), needs=("bos_token",), end_marker="<|eot_id|>"))
+        "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + "
+        "message['content'] | trim + '<|eot_id|>' }}"
+        "{%- endfor %}{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+        "{%- endif %}"),
+    special_tokens=("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"), needs=("bos_token",),
+    end_marker="<|eot_id|>"))
 
-register_template(ChatTemplate("llama2", (  # Llama 2 chat: the system prompt in <<SYS>> inside the first [INST]; no generation header
+register_template(ChatTemplate("llama2", (  # Llama 2 chat: the system prompt in <<SYS>> inside the first [INST]; no
+        # generation header
         _SYSTEM_FIRST + "{%- for message in loop_messages %}{%- if message['role'] == 'user' %}"
         "{%- set content = message['content'] %}{%- if loop.first and system_message is defined %}"
         "{%- set content = '<<SYS>>\\n' + system_message + '\\n<</SYS>>\\n\\n' + content %}{%- endif %}"
@@ -3348,7 +3476,8 @@ register_template(ChatTemplate("llama2", (  # Llama 2 chat: the system prompt in
         "{%- else %}{{- ' ' + message['content'].strip() + ' ' + eos_token }}{%- endif %}{%- endfor %}"),
     needs=("bos_token", "eos_token")))
 
-register_template(ChatTemplate("mistral", (  # Mistral v0.3 (SentencePiece): the system prompt joins the last user turn, as mistral-common does
+register_template(ChatTemplate("mistral", (  # Mistral v0.3 (SentencePiece): the system prompt joins the last user
+        # turn, as mistral-common does
         _SYSTEM_FIRST + "{%- set ns = namespace(last_user=-1) %}{%- for message in loop_messages %}"
         "{%- if message['role'] == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}"
         "{{- bos_token }}{%- for message in loop_messages %}{%- if message['role'] == 'user' %}"
@@ -3358,13 +3487,15 @@ register_template(ChatTemplate("mistral", (  # Mistral v0.3 (SentencePiece): the
         "{%- else %}{{- ' ' + message['content'] + eos_token }}{%- endif %}{%- endfor %}"),
     needs=("bos_token", "eos_token")))
 
-register_template(ChatTemplate("gemma", (  # Gemma 2 / 3: turns of 'user' and 'model'; a system prompt opens the first user turn
+register_template(ChatTemplate("gemma", (  # Gemma 2 / 3: turns of 'user' and 'model'; a system prompt opens the
+        # first user turn
         _SYSTEM_FIRST + "{{- bos_token }}{%- for message in loop_messages %}"
         "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
         "{{- '<start_of_turn>' + role + '\\n' }}{%- if loop.first and system_message is defined %}"
         "{{- system_message + '\\n\\n' }}{%- endif %}{{- message['content'] | trim + '<end_of_turn>\\n' }}"
         "{%- endfor %}{%- if add_generation_prompt %}{{- '<start_of_turn>model\\n' }}{%- endif %}"),
-    special_tokens=("<start_of_turn>", "<end_of_turn>"), needs=("bos_token",), end_marker="<end_of_turn>", tools=("tool results",)))
+    special_tokens=("<start_of_turn>", "<end_of_turn>"), needs=("bos_token",), end_marker="<end_of_turn>",
+    tools=("tool results",)))
 
 register_template(ChatTemplate("phi", (  # Phi-3 / 3.5: the conversation ends with the end-of-text token
         "{%- for message in messages %}{%- if message['role'] != 'system' or message['content'] %}"
@@ -3387,7 +3518,8 @@ register_template(ChatTemplate(  # Qwen3-VL Thinking: the answer opens with <thi
     "qwen3_vl",
     TEMPLATES["qwen3"].jinja.replace(
         "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-        "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}",
+        "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+        "{%- endif %}",
         "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n' }}"),
     special_tokens=(*_CHATML_TOKENS, "<think>", "</think>"), end_marker="<|im_end|>"))
 register_template(ChatTemplate(  # LLaVA-1.5 (llava-hf): 'USER: ' / 'ASSISTANT: ' turns; the end-of-sequence token
@@ -3444,9 +3576,9 @@ class ChatFormatter:
         missing += [f"a {need}" for need in record.needs if getattr(self.tokenizer, need) is None]
         if missing:
             raise RLHFInputError(f"config field 'template': '{self.name}' writes {', '.join(missing)}, which this "
-                                 f"tokenizer ({getattr(self.tokenizer, 'name_or_path', '')}) lacks as one token; the model "
-                                 f"would never learn to stop. Use the model's own template (template: auto) or the "
-                                 f"name of its family")
+                                 f"tokenizer ({getattr(self.tokenizer, 'name_or_path', '')}) lacks as one token; the "
+                                 "model would never learn to stop. Use the model's own template (template: auto) or "
+                                 "the name of its family")
 
     def _is_one_token(self, marker: str) -> bool:
         token = self.tokenizer.convert_tokens_to_ids(marker)
@@ -3468,7 +3600,8 @@ class ChatFormatter:
         """The template to save with a model trained through this formatter: its source, with the thinking switch
         fixed as trained, so that Hugging Face or vLLM inference renders the prompts the model learned."""
         if "enable_thinking" in self.template_kwargs:
-            return "{%- set enable_thinking = " + str(self.template_kwargs["enable_thinking"]).lower() + " %}" + self.source
+            return ("{%- set enable_thinking = " + str(self.template_kwargs["enable_thinking"]).lower() + " %}"
+                    + self.source)
         return self.source
 
     def render(self, system: str, messages: list[dict[str, Any]], add_generation_prompt: bool,
@@ -3521,7 +3654,7 @@ class ChatFormatter:
         if self.vision is None:
             raise RLHFInputError(f"{record.get('location', 'record')}: the record has images, but the model is a "
                                  f"text-only model (or the stage trains on text: images train vision-language "
-                                 f"policies in sft, dpo, kto and grpo); use a vision-language model (tiny-vl, Qwen2-VL, "
+                                 "policies in sft, dpo, kto and grpo); use a vision-language model (tiny-vl, Qwen2-VL, "
                                  f"Qwen2.5-VL, Qwen3-VL, LLaVA) or remove the images column")
         return {**self.vision.expand_record(record), "images_expanded": True}
 
@@ -3534,7 +3667,8 @@ class ChatFormatter:
         """Tokens of the prompt with the assistant header appended, ready for generation."""
         return self.encode(self.prompt_text(record))
 
-    def layout(self, record: dict[str, Any], final: str | dict[str, Any] | None = None) -> tuple[str, list[tuple[int, int]]]:
+    def layout(self, record: dict[str, Any],
+               final: str | dict[str, Any] | None = None) -> tuple[str, list[tuple[int, int]]]:
         """The conversation's text (with ``final`` as the last assistant turn) and the character span of every
         assistant turn in it: from the end of the prompt that precedes the turn to the end of what the template
         writes for it (its end-of-turn marker included). The text is the template's rendering of the whole
@@ -3760,7 +3894,8 @@ def _environment_kept(*names: str) -> Iterator[None]:
                 os.environ[name] = value
 
 
-SFT_RECORD_KEYS = ("system", "messages", "response", "response_message", "tools", "images")  # what an SFT example's tokens come from
+# what an SFT example's tokens come from
+SFT_RECORD_KEYS = ("system", "messages", "response", "response_message", "tools", "images")
 
 
 class SFTDataset(torch.utils.data.Dataset):
@@ -3779,8 +3914,8 @@ class SFTDataset(torch.utils.data.Dataset):
         self.formatter, self.cutoff_len = formatter, cutoff_len
         self.train_on_prompt, self.mask_history = train_on_prompt, mask_history
         key = _fingerprint("sft-v2", [{k: r.get(k) for k in SFT_RECORD_KEYS} for r in records],
-                           _tokenizer_fingerprint(tokenizer), formatter.source, cutoff_len, train_on_prompt, mask_history,
-                           *([formatter.vision.fingerprint()] if formatter.vision else []))
+                           _tokenizer_fingerprint(tokenizer), formatter.source, cutoff_len, train_on_prompt,
+                           mask_history, *([formatter.vision.fingerprint()] if formatter.vision else []))
         cache = Path(cache_dir or _default_cache_dir()) / "tokenized"
         cache.mkdir(parents=True, exist_ok=True)
         # one JSON string per record: Arrow would merge the records' nested tool calls into one schema, giving
@@ -3792,18 +3927,21 @@ class SFTDataset(torch.utils.data.Dataset):
                                 cache_file_name=str(cache / f"sft-{key}.arrow"), new_fingerprint=key,
                                 desc="tokenising")
         status = tokenized["status"]
-        self.stats = {"records": len(records), "truncated": status.count("truncated"), "dropped": status.count("dropped")}
+        self.stats = {"records": len(records), "truncated": status.count("truncated"),
+                      "dropped": status.count("dropped")}
         if self.stats["truncated"] or self.stats["dropped"]:
             logger.warning("cutoff_len=%d: truncated %d and dropped %d of %d records (raise cutoff_len to keep them)",
                            cutoff_len, self.stats["truncated"], self.stats["dropped"], len(records))
         kept = [i for i, s in enumerate(status) if s != "dropped"]
         if not kept:
             raise RLHFInputError(f"config field 'cutoff_len' ({cutoff_len}) leaves no trainable record; raise it")
-        self.data = tokenized.select(kept).select_columns(["input_ids", "labels", *(["images"] if formatter.vision else [])])
+        self.data = tokenized.select(kept).select_columns(["input_ids", "labels",
+                                                           *(["images"] if formatter.vision else [])])
         self.rows: list[dict[str, list[int]]] | None = None
         if packing:
             self.rows = pack_sequences(zip(self.data["input_ids"], self.data["labels"]), cutoff_len)
-            logger.info("packed %d examples into %d sequences of <= %d tokens", len(self.data), len(self.rows), cutoff_len)
+            logger.info("packed %d examples into %d sequences of <= %d tokens", len(self.data), len(self.rows),
+                        cutoff_len)
 
     def _encode_batch(self, batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
         out: dict[str, list[Any]] = {"input_ids": [], "labels": [], "status": [], "images": []}
@@ -3867,7 +4005,8 @@ class StreamingRecordDataset(torch.utils.data.IterableDataset):
             raise RLHFInputError(f"dataset '{spec.name}': streaming reads local files only")
         builders = {self.BUILDERS.get(p.suffix) for p in spec.files}
         if len(builders) != 1 or None in builders:
-            raise RLHFInputError(f"dataset '{spec.name}': streaming needs files of one type (.jsonl, .json, .parquet or .csv)")
+            raise RLHFInputError(f"dataset '{spec.name}': streaming needs files of one type (.jsonl, .json, .parquet "
+                                 "or .csv)")
         self.spec, self.formatter, self.cutoff_len = spec, formatter, cutoff_len
         self.train_on_prompt, self.mask_history, self.skip_invalid = train_on_prompt, mask_history, skip_invalid
         stream = load_dataset(builders.pop(), data_files=[str(p) for p in spec.files], split="train", streaming=True)
@@ -3950,7 +4089,8 @@ class SFTCollator:
         if self.pad_to_multiple_of:
             length = math.ceil(length / self.pad_to_multiple_of) * self.pad_to_multiple_of
         packed = "position_ids" in features[0]
-        batch: dict[str, list[list[int]]] = {"input_ids": [], "labels": [], ("position_ids" if packed else "attention_mask"): []}
+        batch: dict[str, list[list[int]]] = {"input_ids": [], "labels": [],
+                                             ("position_ids" if packed else "attention_mask"): []}
         for f in features:
             pad = length - len(f["input_ids"])
             batch["input_ids"].append(list(f["input_ids"]) + [self.pad_token_id] * pad)
@@ -4016,7 +4156,8 @@ class _EncodedRecords(torch.utils.data.Dataset):
 
     kind = ""
 
-    def __init__(self, records: list[dict[str, Any]], tokenizer: Any, formatter: ChatFormatter, *, cutoff_len: int) -> None:
+    def __init__(self, records: list[dict[str, Any]], tokenizer: Any, formatter: ChatFormatter, *,
+                 cutoff_len: int) -> None:
         self.formatter, self.cutoff_len = formatter, cutoff_len
         items, statuses = [], []
         for record in records:
@@ -4030,7 +4171,8 @@ class _EncodedRecords(torch.utils.data.Dataset):
         self.stats = {"records": len(records), "truncated": statuses.count("truncated"),
                       "dropped": statuses.count("dropped")}
         if self.stats["truncated"] or self.stats["dropped"]:
-            logger.warning("cutoff_len=%d: truncated %d and dropped %d of %d %s records (raise cutoff_len to keep them)",
+            logger.warning("cutoff_len=%d: truncated %d and dropped %d of %d %s records (raise cutoff_len to keep "
+                           "them)",
                            cutoff_len, self.stats["truncated"], self.stats["dropped"], len(records), self.kind)
         if records and not items:
             raise RLHFInputError(f"config field 'cutoff_len' ({cutoff_len}) leaves no trainable record; raise it")
@@ -4045,7 +4187,8 @@ class _EncodedRecords(torch.utils.data.Dataset):
         return self.items[int(index)]
 
     def lengths(self) -> list[int]:
-        return [len(item["prompt_ids"]) + max(len(v) for k, v in item.items() if k.endswith("_ids") and k != "prompt_ids")
+        return [len(item["prompt_ids"]) + max(len(v) for k, v in item.items()
+                                              if k.endswith("_ids") and k != "prompt_ids")
                 for item in self.items]
 
     def attach(self, key: str, values: list[float]) -> None:
@@ -4299,7 +4442,8 @@ class PreferenceCollator:
     pad_token_id: int
     share_prompt: bool = False  # also emit the prompt (left-padded) and completions apart, for shared_prefix_log_probs
     pack_pairs: bool = False  # with share_prompt: the packed tree layout instead of the prompt/completion rows
-    hidden_size: int | None = None  # the model's, for pack_rows' cost estimate (None: rows hold at most the longest pair)
+    # the model's, for pack_rows' cost estimate (None: rows hold at most the longest pair)
+    hidden_size: int | None = None
     vision: VisionInputs | None = None  # a vision-language model's: pixel inputs for both rows of each pair
 
     def __call__(self, items: list[dict[str, Any]]) -> PreferenceBatch:
@@ -4786,7 +4930,8 @@ def build_tiny_model(cache_dir: str | os.PathLike | None = None, corpus_dir: str
         raise RLHFInputError(f"model_name_or_path 'tiny' trains its tokenizer on {corpus_dir}, which has no .jsonl "
                              f"files; run from the project's checkout (it holds data/demo), or generate the data with "
                              f"`python scripts/make_demo_data.py`")
-    key = _fingerprint("tiny-v2", TINY_MODEL_SETTINGS, seed, [hashlib.sha256(p.read_bytes()).hexdigest() for p in files])
+    key = _fingerprint("tiny-v2", TINY_MODEL_SETTINGS, seed,
+                       [hashlib.sha256(p.read_bytes()).hexdigest() for p in files])
     target = Path(cache_dir or _default_cache_dir()) / f"tiny-llama-{key}"
     if (target / "config.json").exists():
         return target
@@ -4921,8 +5066,9 @@ def gguf_to_hf(gguf_path: str | os.PathLike, cache_dir: str | os.PathLike | None
     spellings = {architecture, architecture.replace("-", "_"), architecture.replace("moe", "_moe")}
     if not spellings & set(GGUF_SUPPORTED_ARCHITECTURES):
         raise RLHFInputError(f"config field '{field}': {path.name} is a GGUF of architecture '{architecture}', which "
-                             f"this transformers cannot read (it reads {', '.join(sorted(GGUF_SUPPORTED_ARCHITECTURES))}); "
-                             f"convert the original checkpoint instead, or upgrade transformers")
+                             "this transformers cannot read (it reads "
+                             f"{', '.join(sorted(GGUF_SUPPORTED_ARCHITECTURES))}); convert the original checkpoint "
+                             "instead, or upgrade transformers")
     logger.info("converting %s (%s, %.0f MB) into a Hugging Face folder, once: %s", path.name, architecture,
                 path.stat().st_size / 2**20, target)
     with _quiet_transformers():
@@ -4948,7 +5094,8 @@ def gguf_to_hf(gguf_path: str | os.PathLike, cache_dir: str | os.PathLike | None
     tmp = target.with_name(f".tmp-{target.name}-{uuid.uuid4().hex[:8]}")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    _write_json_atomic(tmp / "gguf_source.json", {"file": str(path.resolve()), "sha256": digest, "architecture": architecture,
+    _write_json_atomic(tmp / "gguf_source.json", {"file": str(path.resolve()), "sha256": digest,
+                                                  "architecture": architecture,
                                                   "name": metadata.get("general.name"),
                                                   "file_type": metadata.get("general.file_type"),
                                                   "conversion": GGUF_CONVERSION_VERSION})
@@ -5061,7 +5208,8 @@ def load_causal_lm(path: str, *, dtype: str | torch.dtype = "float32", attn_impl
     if attn_implementation in ("auto", implementation):
         logger.info("attention: %s (%s)", implementation, reason)
     else:
-        logger.warning("attention: %s was requested, but %s runs instead (%s)", attn_implementation, implementation, reason)
+        logger.warning("attention: %s was requested, but %s runs instead (%s)", attn_implementation, implementation,
+                       reason)
     return model, implementation
 
 
@@ -5184,8 +5332,10 @@ class VisionInputs:
         return self
 
     def fingerprint(self) -> str:
-        processor = self.image_processor.to_dict() if hasattr(self.image_processor, "to_dict") else repr(self.image_processor)
-        return _fingerprint(self.family, self.image_token, self.max_pixels, self.min_pixels, json.dumps(processor, sort_keys=True, default=str))
+        processor = (self.image_processor.to_dict() if hasattr(self.image_processor, "to_dict")
+                     else repr(self.image_processor))
+        return _fingerprint(self.family, self.image_token, self.max_pixels, self.min_pixels,
+                            json.dumps(processor, sort_keys=True, default=str))
 
     def encode(self, path: str, location: str = "record") -> tuple[torch.Tensor, torch.Tensor | None]:
         """(pixel_values, image_grid_thw or None) of one image file, as the model's processor gives them."""
@@ -5224,8 +5374,8 @@ class VisionInputs:
 
         expanded = dict(record)
         order = images_first if self.family == "llava" else (lambda text: text)
-        expanded["messages"] = [{**m, "content": expand(order(m["content"]))} if isinstance(m.get("content"), str) else m
-                                for m in record["messages"]]
+        expanded["messages"] = [{**m, "content": expand(order(m["content"]))} if isinstance(m.get("content"), str)
+                                else m for m in record["messages"]]
         for key in ("response", "chosen", "rejected"):
             if isinstance(record.get(key), str):
                 expanded[key] = expand(record[key])
@@ -5239,7 +5389,8 @@ class VisionInputs:
         return sum(self.tokens_text(path, record.get("location", "record")).count(self.image_token)
                    for path in record.get("images") or [])
 
-    def batch(self, images: Sequence[Sequence[str]], input_ids: torch.Tensor, repeats: int = 1) -> dict[str, torch.Tensor]:
+    def batch(self, images: Sequence[Sequence[str]], input_ids: torch.Tensor,
+              repeats: int = 1) -> dict[str, torch.Tensor]:
         """The pixel inputs of a batch whose rows carry ``images`` (one list of paths per row, in row order).
         ``repeats``: the rows are that many copies of the rows that ``images`` lists (a preference batch's chosen and
         rejected rows): the pixels are given once, with ``image_repeats``, so that PolicyModel.forward can encode
@@ -5257,7 +5408,8 @@ class VisionInputs:
         return out
 
 
-def load_vision_inputs(model: nn.Module, tokenizer: Any, path: str, trust_remote_code: bool = False) -> VisionInputs | None:
+def load_vision_inputs(model: nn.Module, tokenizer: Any, path: str,
+                       trust_remote_code: bool = False) -> VisionInputs | None:
     """The VisionInputs of a vision-language model (None for a text model), with its image processor from ``path``:
     the PIL implementation, which needs no torchvision."""
     if not is_vision_language(model):
@@ -5325,19 +5477,23 @@ def build_tiny_vl_model(cache_dir: str | os.PathLike | None = None, seed: int = 
     head_dim = hidden // TINY_MODEL_SETTINGS["num_attention_heads"]
     text = {**TINY_MODEL_SETTINGS, "vocab_size": len(tokenizer), "head_dim": head_dim,
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
-                                "mrope_section": [head_dim // 4, head_dim // 8, head_dim // 8], "mrope_interleaved": True},
+                                "mrope_section": [head_dim // 4, head_dim // 8, head_dim // 8],
+                                "mrope_interleaved": True},
             "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
             "pad_token_id": tokenizer.pad_token_id}
-    config = AutoConfig.for_model("qwen3_vl", text_config=text, vision_config={**TINY_VL_VISION, "out_hidden_size": hidden},
+    config = AutoConfig.for_model("qwen3_vl", text_config=text,
+                                  vision_config={**TINY_VL_VISION, "out_hidden_size": hidden},
                                   tie_word_embeddings=True, **ids)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = AutoModelForImageTextToText.from_config(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
-    processor = Qwen2VLImageProcessorPil(patch_size=TINY_VL_VISION["patch_size"], merge_size=TINY_VL_VISION["spatial_merge_size"],
+    processor = Qwen2VLImageProcessorPil(patch_size=TINY_VL_VISION["patch_size"],
+                                         merge_size=TINY_VL_VISION["spatial_merge_size"],
                                          temporal_patch_size=TINY_VL_VISION["temporal_patch_size"],
-                                         min_pixels=16 * 16, max_pixels=64 * 64, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+                                         min_pixels=16 * 16, max_pixels=64 * 64, image_mean=[0.5] * 3,
+                                         image_std=[0.5] * 3)
     tmp = target.with_name(f".tmp-{target.name}-{uuid.uuid4().hex[:8]}")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
@@ -5367,15 +5523,17 @@ class PolicyModel(nn.Module):
         self.rollout_engine: Any = None  # a vLLM engine holding these weights: generate() samples with it
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str, *, dtype: str | torch.dtype = "float32", attn_implementation: str = "auto",
-                        trust_remote_code: bool = False, device: torch.device | str = "cpu",
+    def from_pretrained(cls, name_or_path: str, *, dtype: str | torch.dtype = "float32",
+                        attn_implementation: str = "auto", trust_remote_code: bool = False,
+                        device: torch.device | str = "cpu",
                         cache_dir: str | os.PathLike | None = None, is_trainable: bool = True,
                         quantization: Any = None, field: str = "model_name_or_path") -> PolicyModel:
         """Load a model directory (or 'tiny'); a directory holding a PEFT adapter loads its base, then the adapter.
         ``quantization``: load the base quantised (QLoRA, ``quantization_config``)."""
         path = resolve_model_path(name_or_path, cache_dir)
         adapter_config = Path(path) / "adapter_config.json"
-        base_path = json.loads(adapter_config.read_text())["base_model_name_or_path"] if adapter_config.exists() else path
+        base_path = (json.loads(adapter_config.read_text())["base_model_name_or_path"] if adapter_config.exists()
+                     else path)
         if adapter_config.exists() and _names_a_local_path(base_path) and not Path(base_path).expanduser().exists():
             raise RLHFInputError(f"config field '{field}': {path} is an adapter whose base model {base_path} "
                                  f"(base_model_name_or_path in adapter_config.json) does not exist; restore the base "
@@ -5388,11 +5546,13 @@ class PolicyModel(nn.Module):
 
             with _peft_deprecation_quiet():
                 model = PeftModel.from_pretrained(model, path, is_trainable=is_trainable)
-        tokenizer_path = path if (Path(path) / "tokenizer_config.json").exists() or not Path(path).exists() else base_path
+        tokenizer_path = (path if (Path(path) / "tokenizer_config.json").exists() or not Path(path).exists()
+                          else base_path)
         if quantization is None:  # a quantised model was placed by its device_map and refuses .to()
             model = model.to(device)
         tokenizer = load_tokenizer(tokenizer_path, trust_remote_code)
-        return cls(model, tokenizer, implementation, load_vision_inputs(model, tokenizer, tokenizer_path, trust_remote_code))
+        return cls(model, tokenizer, implementation,
+                   load_vision_inputs(model, tokenizer, tokenizer_path, trust_remote_code))
 
     @property
     def device(self) -> torch.device:
@@ -5451,7 +5611,8 @@ class PolicyModel(nn.Module):
         scores, _ = head.scores(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                 **vision)
         if labels is None:
-            labels = input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX) if attention_mask is not None else input_ids
+            labels = (input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX) if attention_mask is not None
+                      else input_ids)
         mask = labels[:, 1:] != IGNORE_INDEX  # (B, T-1): target t+1 is predicted at position t
         per_token = head.log_probs(scores[:, :-1], input_ids[:, 1:], temperature) * mask
         return LogProbs(per_token=per_token, summed=per_token.sum(-1), lengths=mask.sum(-1))
@@ -5471,7 +5632,8 @@ class PolicyModel(nn.Module):
 
         stop = tuple(stop_token_ids or [self.tokenizer.eos_token_id])
         params = SamplingParams(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
-                                top_p=top_p, top_k=top_k, stop_token_ids=stop, suppress_token_ids=self.suppressed_tokens)
+                                top_p=top_p, top_k=top_k, stop_token_ids=stop,
+                                suppress_token_ids=self.suppressed_tokens)
         with_images = images is not None and any(images)
         if with_images and self.vision is None:
             raise RLHFInputError("prompts with images need a vision-language model; this one is text-only")
@@ -5536,7 +5698,8 @@ def load_weights_into(model: nn.Module, directory: str | os.PathLike) -> None:
         set_peft_model_state_dict(model, load_file(str(directory / "adapter_model.safetensors")))
         return
     index = directory / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists()
+             else ["model.safetensors"])
     state: dict[str, torch.Tensor] = {}
     for name in files:
         state.update(load_file(str(directory / name)))
@@ -5591,7 +5754,8 @@ class RewardScorer(nn.Module):
                 step_positions: torch.Tensor | None = None) -> torch.Tensor:
         """Shapes: (B, T) -> scores (B); with step_positions (B, S), the score at each of them (B, S).
         Step scores are read here, in forward, so that a DDP-wrapped scorer synchronises their gradients."""
-        hidden = decoder_of(self.backbone)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        hidden = decoder_of(self.backbone)(input_ids=input_ids, attention_mask=attention_mask,
+                                           use_cache=False).last_hidden_state
         if step_positions is not None:
             at_steps = hidden.gather(1, step_positions[..., None].expand(-1, -1, hidden.shape[-1]))  # (B, S, H)
             return scalar_head(self.head, at_steps)
@@ -5621,13 +5785,15 @@ class RewardModel(nn.Module):
         self.tokenizer = tokenizer
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str, *, dtype: str | torch.dtype = "float32", attn_implementation: str = "auto",
-                        trust_remote_code: bool = False, device: torch.device | str = "cpu",
+    def from_pretrained(cls, name_or_path: str, *, dtype: str | torch.dtype = "float32",
+                        attn_implementation: str = "auto", trust_remote_code: bool = False,
+                        device: torch.device | str = "cpu",
                         cache_dir: str | os.PathLike | None = None, head_hidden: int | None = None, seed: int = 0,
                         is_trainable: bool = True, quantization: Any = None) -> RewardModel:
         backbone = PolicyModel.from_pretrained(name_or_path, dtype=dtype, attn_implementation=attn_implementation,
                                                trust_remote_code=trust_remote_code, device=device,
-                                               cache_dir=cache_dir, is_trainable=is_trainable, quantization=quantization)
+                                               cache_dir=cache_dir, is_trainable=is_trainable,
+                                               quantization=quantization)
         path = Path(resolve_model_path(name_or_path, cache_dir))
         saved = json.loads((path / cls.CONFIG_FILE).read_text()) if (path / cls.CONFIG_FILE).exists() else {}
         scorer = RewardScorer(backbone.model, head_hidden=saved.get("head_hidden", head_hidden), seed=seed)
@@ -5662,7 +5828,8 @@ class RewardModel(nn.Module):
         from safetensors.torch import save_file
 
         directory = Path(directory)
-        PolicyModel(self.model.backbone, self.tokenizer).save_pretrained(directory, state_under(state_dict, "backbone."))
+        PolicyModel(self.model.backbone, self.tokenizer).save_pretrained(directory,
+                                                                         state_under(state_dict, "backbone."))
         head = state_under(state_dict, "head.") or self.model.head.state_dict()
         save_file({k: v.detach().contiguous() for k, v in head.items()}, str(directory / self.HEAD_FILE))
         config = {"reward_model_type": _adapter_type(self.model.backbone), "head_hidden": self.model.head_hidden,
@@ -5771,7 +5938,8 @@ class ProcessRewardModel(nn.Module):
 
     CONFIG_FILE = "prm_config.json"
 
-    def __init__(self, model: RewardScorer, tokenizer: Any, step_delimiter: str = "\n", aggregation: str = "min") -> None:
+    def __init__(self, model: RewardScorer, tokenizer: Any, step_delimiter: str = "\n",
+                 aggregation: str = "min") -> None:
         super().__init__()
         _check_choice(aggregation, PRM_AGGREGATIONS, "prm_aggregation")
         self.model, self.tokenizer = model, tokenizer
@@ -5793,7 +5961,8 @@ class ProcessRewardModel(nn.Module):
     def num_parameters(self, trainable_only: bool = False) -> int:
         return sum(p.numel() for p in self.model.parameters() if p.requires_grad or not trainable_only)
 
-    def step_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, step_positions: torch.Tensor) -> torch.Tensor:
+    def step_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    step_positions: torch.Tensor) -> torch.Tensor:
         """Shapes: ids, mask (B, T), step_positions (B, S) -> logits (B, S)."""
         return self.model(input_ids, attention_mask, step_positions)
 
@@ -5868,7 +6037,8 @@ class ValueModel(nn.Module):
         backbone_state = state_under(state_dict, "backbone.")
         if self.backbone is not None:
             PolicyModel(self.backbone, tokenizer).save_pretrained(directory, backbone_state) if tokenizer is not None \
-                else self.backbone.save_pretrained(directory, **({"state_dict": backbone_state} if backbone_state else {}))
+                else self.backbone.save_pretrained(directory,
+                                                   **({"state_dict": backbone_state} if backbone_state else {}))
         head = state_under(state_dict, "head.") or self.head.state_dict()
         save_file({k: v.detach().contiguous() for k, v in head.items()}, str(directory / self.HEAD_FILE))
 
@@ -6021,7 +6191,8 @@ def can_pack_pairs(model: nn.Module) -> bool:
             and config.model_type not in PREFIX_SHARING_EXCLUDED)
 
 
-def tree_attention_mask(pair: torch.Tensor, branch: torch.Tensor, implementation: str, dtype: torch.dtype) -> torch.Tensor:
+def tree_attention_mask(pair: torch.Tensor, branch: torch.Tensor, implementation: str,
+                        dtype: torch.dtype) -> torch.Tensor:
     """The 4D mask of packed pair rows: a token sees the earlier tokens of its own pair that are prompt
     or on its own branch (chosen or rejected). Padding (pair -1) sees earlier padding, so no row of
     the mask is empty. Boolean (True = attend) for sdpa, additive for eager, which adds it to the
@@ -6094,7 +6265,8 @@ def _prefill_prompts(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: to
     return scores[:, -1:], out
 
 
-def shared_prefix_log_probs(model: nn.Module, batch: PreferenceBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def shared_prefix_log_probs(model: nn.Module,
+                            batch: PreferenceBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Completion log-probs of chosen and rejected with their shared prompt run once.
 
     The prompt (left-padded, so every prompt ends in the last column) goes through the model once;
@@ -6135,7 +6307,8 @@ def _prompt_groups(input_ids: torch.Tensor, prompt_lengths: torch.Tensor) -> tup
     row of each group (U). Shapes: input_ids (N, T) with the prompt at the start, prompt_lengths (N)."""
     columns = torch.arange(input_ids.shape[1], device=input_ids.device)
     in_prompt = columns < prompt_lengths[:, None]
-    same_prompt = (prompt_lengths[1:] == prompt_lengths[:-1]) & ((input_ids[1:] == input_ids[:-1]) | ~in_prompt[1:]).all(-1)
+    same_prompt = ((prompt_lengths[1:] == prompt_lengths[:-1])
+                   & ((input_ids[1:] == input_ids[:-1]) | ~in_prompt[1:]).all(-1))
     starts = torch.cat([torch.ones(1, dtype=torch.bool, device=input_ids.device), ~same_prompt])
     return starts.long().cumsum(0) - 1, starts.nonzero().squeeze(-1)
 
@@ -6195,7 +6368,8 @@ def _pack_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_l
             "branch": torch.tensor(branch, device=device), "source": torch.tensor(source, device=device)}
 
 
-def _prefix_layout_work(attention_mask: torch.Tensor, prompt_lengths: torch.Tensor, groups: int, hidden_size: int) -> float:
+def _prefix_layout_work(attention_mask: torch.Tensor, prompt_lengths: torch.Tensor, groups: int,
+                        hidden_size: int) -> float:
     """pack_rows' work estimate for grouped_prefix_logits: the prompts' forward (groups x longest prompt)
     and the completions' (rows x longest completion, attending to the prompt too)."""
     prompt = int(prompt_lengths.max())
@@ -6217,8 +6391,8 @@ def grouped_packed_logits(model: nn.Module, input_ids: torch.Tensor, attention_m
     return flat[packed["source"]]
 
 
-def grouped_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_lengths: torch.Tensor,
-                   *, pad_token_id: int = 0, pack: bool = False) -> torch.Tensor:
+def grouped_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   prompt_lengths: torch.Tensor, *, pad_token_id: int = 0, pack: bool = False) -> torch.Tensor:
     """Logits of prompt + completion rows with each group's prompt run once: by ``grouped_packed_logits``
     when ``pack`` (and the model can) and its layout is less work than ``grouped_prefix_logits``' padded
     completion rows, else by the latter. Completions of uneven length (short and long answers in one
@@ -6289,7 +6463,8 @@ def create_reference_model(config: BaseConfig, policy: PolicyModel) -> Reference
     if config.finetuning_type in ("lora", "oft") and not policy.is_peft:
         return ReferenceModel(policy, disable_adapter=True)  # the adapter is added by prepare_for_training
     # full / freeze training, or continuing an existing adapter: the start must be kept as it is
-    frozen = PolicyModel(copy.deepcopy(policy.model).requires_grad_(False).eval(), policy.tokenizer, vision=policy.vision)
+    frozen = PolicyModel(copy.deepcopy(policy.model).requires_grad_(False).eval(), policy.tokenizer,
+                         vision=policy.vision)
     return ReferenceModel(frozen)
 
 
@@ -6367,7 +6542,8 @@ def causal_lm_loss_with(head: OutputHead, scores: torch.Tensor, labels: torch.Te
     return -head.log_probs(scores[:, :-1][keep], targets[keep]).sum(), int(keep.sum())
 
 
-# -- preference losses (docs/architecture.md: pure functions, each citing its paper). Each returns per-example losses [B]; the caller reduces.
+# -- preference losses (docs/architecture.md: pure functions, each citing its paper). Each returns per-example
+# losses [B]; the caller reduces.
 # Rewards are the implicit DPO rewards beta * (policy - reference) log-probs, detached, as TRL logs them.
 
 
@@ -6478,7 +6654,8 @@ def dpo_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Ten
     """The DPO family on summed sequence log-probs (``loss_type`` names in ``PREFERENCE_LOSSES``).
 
     c = policy_chosen - reference_chosen and r = policy_rejected - reference_rejected are the
-    log-ratios; ``ipo`` divides them by the completion lengths (as TRL does). ``bco_delta`` is BCO's reward shift (default: this batch's mean reward).
+    log-ratios; ``ipo`` divides them by the completion lengths (as TRL does). ``bco_delta`` is BCO's reward shift
+    (default: this batch's mean reward).
     Shapes: every input (B) -> losses (B), chosen_rewards (B), rejected_rewards (B).
     """
     if loss_type not in PREFERENCE_LOSSES:
@@ -6575,7 +6752,7 @@ def ewc_penalty(parameters: dict[str, torch.Tensor], anchors: dict[str, torch.Te
     return 0.5 * ewc_lambda * total
 
 
-# -- online RL: advantages, policy and value losses (docs/architecture.md: pure functions, each citing its paper) ---------------------------------
+# -- online RL: advantages, policy and value losses (docs/architecture.md: pure functions, each citing its paper) ------
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -6717,7 +6894,8 @@ def rollout_importance_weights(trainer_logps: torch.Tensor, engine_logps: torch.
     mu's samples (E[rho - 1 - log rho]), the mean weight and the share of tokens truncated or masked.
     Shapes: log-probs and mask (B, T) -> weights (B, T), zero outside the mask; metrics."""
     if mode not in IMPORTANCE_SAMPLING_MODES:
-        raise RLHFInputError(f"unknown importance sampling mode '{mode}'; valid: {', '.join(IMPORTANCE_SAMPLING_MODES)}")
+        raise RLHFInputError(f"unknown importance sampling mode '{mode}'; valid: "
+                             f"{', '.join(IMPORTANCE_SAMPLING_MODES)}")
     # a token outside pi's support (log-prob -inf) gets rho ~ 0; positions outside the mask count as rho = 1
     token_log_rho = torch.where(mask.bool(), trainer_logps - engine_logps, 0.0).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
     mask = mask.to(trainer_logps.dtype)
@@ -7044,11 +7222,13 @@ class LearnedReward:
         self.last_uncertainty = torch.zeros(0)
 
     @classmethod
-    def from_pretrained(cls, directory: str | os.PathLike, *, device: torch.device | str = "cpu", **kwargs: Any) -> LearnedReward:
+    def from_pretrained(cls, directory: str | os.PathLike, *, device: torch.device | str = "cpu",
+                        **kwargs: Any) -> LearnedReward:
         directory = Path(directory)
         if not (directory / RewardModel.CONFIG_FILE).exists() and not (directory / RewardEnsemble.MANIFEST).exists():
             raise RLHFInputError(f"config field 'reward_model': {directory} holds no reward model (no "
-                                 f"{RewardModel.CONFIG_FILE} or {RewardEnsemble.MANIFEST}); train one with the rm stage")
+                                 f"{RewardModel.CONFIG_FILE} or {RewardEnsemble.MANIFEST}); train one with the rm "
+                                 "stage")
         return cls(RewardEnsemble.from_pretrained(directory, device=device, is_trainable=False), **kwargs)
 
     def encode(self, record: dict[str, Any], completion: str) -> list[int]:
@@ -7107,15 +7287,16 @@ class ProcessReward:
         scores = []
         for start in range(0, len(completions), self.batch_size):
             items = []
-            for record, completion in zip(records[start:start + self.batch_size], completions[start:start + self.batch_size]):
+            for record, completion in zip(records[start:start + self.batch_size],
+                                          completions[start:start + self.batch_size]):
                 prompt, ids, ends = self.encode(record, completion)
                 items.append({"prompt_ids": prompt, "chosen_ids": ids, "rejected_ids": ids,
                               "chosen_steps": ends, "rejected_steps": ends, "chosen_labels": [-1.0] * len(ends),
                               "rejected_labels": [-1.0] * len(ends)})
             batch = {k: v.to(device) for k, v in collator(items).items()}
             rows = len(items)  # the collator doubles rows (chosen, rejected); both halves are the same completion
-            log_p = self.model(batch["input_ids"][:rows], batch["attention_mask"][:rows], batch["step_positions"][:rows],
-                               batch["step_mask"][:rows])
+            log_p = self.model(batch["input_ids"][:rows], batch["attention_mask"][:rows],
+                               batch["step_positions"][:rows], batch["step_mask"][:rows])
             scores.append(log_p.exp().float().cpu())
         return torch.cat(scores)
 
@@ -7158,7 +7339,8 @@ class HTTPReward:
                 body = self._request(payload)
             except urllib.error.HTTPError as err:
                 if err.code != 429 and err.code < 500:  # the request itself is wrong: retrying cannot help
-                    raise RewardAPIError(f"reward API {self.url} refused the request: HTTP {err.code} {err.reason}") from None
+                    raise RewardAPIError(f"reward API {self.url} refused the request: HTTP {err.code} "
+                                         f"{err.reason}") from None
                 last_error = err
             except (OSError, TimeoutError, http.client.HTTPException) as err:  # URLError, refused connections,
                 last_error = err  # timeouts (OSErrors) and a response cut short (IncompleteRead) are retried
@@ -7224,12 +7406,14 @@ class Principle:
                 raise ValueError
         except ValueError:
             if body.partition("=")[0] not in FREE_TEXT_PRINCIPLES:  # no free text the '@' could belong to
-                raise RLHFInputError(f"config field 'constitution': weight in {spec!r} is not a finite number") from None
+                raise RLHFInputError(f"config field 'constitution': weight in {spec!r} is not a finite "
+                                     "number") from None
             body, weight_value = spec, 1.0  # the '@' is part of the pattern or the critique
         name, _, arg = body.partition("=")
         if name == "critique":
             if not arg:
-                raise RLHFInputError("config field 'constitution': critique needs its text, e.g. critique=Be concise.@0.5")
+                raise RLHFInputError("config field 'constitution': critique needs its text, e.g. critique=Be "
+                                     "concise.@0.5")
             return cls(f"critique:{arg[:24]}", weight_value, critique=arg)
         if name not in PRINCIPLE_CHECKS:
             raise RLHFInputError(f"config field 'constitution': unknown check '{name}' in {spec!r}; valid: "
@@ -7255,7 +7439,8 @@ class ConstitutionalRewardWrapper:
 
     def __init__(self, base: RewardFn | None, principles: list[Principle], critic: LearnedReward | None = None) -> None:
         if any(p.critique for p in principles) and critic is None:
-            raise RLHFInputError("config field 'constitution': critique principles need a reward model (set reward_model)")
+            raise RLHFInputError("config field 'constitution': critique principles need a reward model (set "
+                                 "reward_model)")
         self.base, self.principles, self.critic = base, principles, critic
         self.last_components: dict[str, torch.Tensor] = {}
 
@@ -7321,13 +7506,16 @@ class RewardFunctionFactory:
         if name == "api" or (name == "reward_model" and config.reward_model_type == "api"):
             if not config.reward_api_url:
                 raise RLHFInputError(f"config field 'reward_api_url' is not set but reward '{name}' calls the API")
-            return HTTPReward(config.reward_api_url, timeout=config.reward_api_timeout, retries=config.reward_api_retries)
+            return HTTPReward(config.reward_api_url, timeout=config.reward_api_timeout,
+                              retries=config.reward_api_retries)
         if name == "reward_model":
             return self.learned()
         if name == "process_reward_model":
             if not config.process_reward_model:
-                raise RLHFInputError("config field 'process_reward_model' is not set; give the prm stage's output directory")
-            model = ProcessRewardModel.from_pretrained(config.process_reward_model, device=self.device, is_trainable=False)
+                raise RLHFInputError("config field 'process_reward_model' is not set; give the prm stage's output "
+                                     "directory")
+            model = ProcessRewardModel.from_pretrained(config.process_reward_model, device=self.device,
+                                                       is_trainable=False)
             return ProcessReward(model, template=config.template, batch_size=config.per_device_eval_batch_size,
                                  cutoff_len=config.cutoff_len, enable_thinking=config.enable_thinking)
         if ":" in name:
@@ -7543,7 +7731,8 @@ class HTTPEnvironment:
                 last = error
             else:
                 if not isinstance(answer, dict):
-                    raise RLHFInputError(f"environment {self.url}{path} must answer a JSON object; got {str(answer)[:200]}")
+                    raise RLHFInputError(f"environment {self.url}{path} must answer a JSON object; got "
+                                         f"{str(answer)[:200]}")
                 return answer
         raise RLHFInputError(f"environment {self.url} did not answer {path} after {self.retries} attempts (last error: "
                              f"{getattr(last, 'reason', last)}); start it or raise environment_retries / "
@@ -7691,7 +7880,8 @@ class RouterAuxLoss:
         default the model's own) is not 0."""
         from transformers import PreTrainedModel
 
-        routers = [m.gate for m in model.modules() if hasattr(m, "experts") and isinstance(getattr(m, "gate", None), nn.Module)]
+        routers = [m.gate for m in model.modules()
+                   if hasattr(m, "experts") and isinstance(getattr(m, "gate", None), nn.Module)]
         if not routers:
             return None
         # each router's decoder: the innermost Hugging Face model holding it (a PPO critic may be another model)
@@ -7839,7 +8029,8 @@ class BaseTrainer(CheckpointingMixin):
             return
         if len(self.train_dataset) == 0:
             raise RLHFInputError("the training set is empty after preprocessing")
-        lengths = self.train_dataset.lengths() if config.group_by_length and hasattr(self.train_dataset, "lengths") else None
+        lengths = (self.train_dataset.lengths() if config.group_by_length and hasattr(self.train_dataset, "lengths")
+                   else None)
         self.sampler = ResumableBatchSampler(len(self.train_dataset), config.per_device_train_batch_size, config.seed,
                                              rank=self.devices.process_index, world_size=self.devices.num_processes,
                                              lengths=lengths)
@@ -7987,7 +8178,8 @@ class BaseTrainer(CheckpointingMixin):
                 metrics = {**metrics, "ewc/penalty": float(penalty.detach())}
             self.devices.backward(objective)  # every process runs backward, so collectives stay in step
             losses.append(float(loss_sum.detach()))
-            window["tokens"] += int(batch["attention_mask"].sum()) if "attention_mask" in batch else batch["input_ids"].numel()
+            window["tokens"] += (int(batch["attention_mask"].sum()) if "attention_mask" in batch
+                                 else batch["input_ids"].numel())
             for key, value in metrics.items():
                 window["metrics"].setdefault(key, []).append(value)
         grad_norm = self.devices.clip_grad_norm(self.model.parameters(), self.config.max_grad_norm)
@@ -8048,7 +8240,8 @@ class BaseTrainer(CheckpointingMixin):
         elapsed = max(time.time() - window["since"], 1e-9)
         # the figures of all processes together, as one process would log them: the loss summed over every
         # process's micro-batches over the units of all of them, each metric averaged over every micro-batch
-        loss, units, tokens = self.devices.sum_list_across_processes([window["loss"], window["units"], window["tokens"]])
+        loss, units, tokens = self.devices.sum_list_across_processes([window["loss"], window["units"],
+                                                                      window["tokens"]])
         metrics: dict[str, list[float]] = {}
         for part in self.devices.gather_object(window["metrics"]):
             for key, values in part.items():
@@ -8084,7 +8277,8 @@ class BaseTrainer(CheckpointingMixin):
         if not getattr(config, "ewc_lambda", 0.0):
             return None
         path = self.output_dir / ElasticWeightConsolidation.FILE
-        source = {"model": str(config.model_name_or_path), "dataset": config.ewc_dataset, "samples": str(config.ewc_samples)}
+        source = {"model": str(config.model_name_or_path), "dataset": config.ewc_dataset,
+                  "samples": str(config.ewc_samples)}
         fresh_start = config.overwrite_output_dir or config.resume_from_checkpoint == "none"
         if path.exists() and not fresh_start:
             ewc = ElasticWeightConsolidation.load(path, config.ewc_lambda)
@@ -8236,7 +8430,8 @@ def read_stage_records(config: BaseConfig, kind: str
     _check_answers(eval_records, "eval_dataset", config.eval_dataset, "exact-match accuracy", required=False)
     if config.streaming:
         if getattr(config, "packing", False):
-            raise RLHFInputError("config fields 'streaming' and 'packing' cannot be combined yet; pack in memory or stream unpacked")
+            raise RLHFInputError("config fields 'streaming' and 'packing' cannot be combined yet; pack in memory or "
+                                 "stream unpacked")
         names = [n for n in config.dataset.split(",") if n.strip()]
         if len(names) != 1:
             raise RLHFInputError("config field 'dataset': streaming reads exactly one dataset")
@@ -8274,7 +8469,8 @@ def _preference_datasets(config: BaseConfig, records: tuple, tokenizer: Any, for
     kind = STAGE_RECORD_KINDS[config.stage]
     dataset_class = {"preference": PreferenceDataset, "kto": KTODataset}[kind]
     extra = {"seed": config.seed} if kind == "kto" else {}
-    validation = dataset_class(val_records, tokenizer, formatter, cutoff_len=config.cutoff_len, **extra) if val_records else None
+    validation = (dataset_class(val_records, tokenizer, formatter, cutoff_len=config.cutoff_len, **extra) if val_records
+                  else None)
     if train_records is None:
         stream_class = {"preference": StreamingPreferenceDataset, "kto": StreamingKTODataset}[kind]
         train = _streaming_dataset(stream_class, config, tokenizer, formatter, devices, cutoff_len=config.cutoff_len)
@@ -8342,7 +8538,8 @@ def _prepare_output_dir(config: BaseConfig) -> None:
             raise RLHFInputError(f"config field '{field_name}': {directory} is not writable; give a writable directory")
 
 
-_MODEL_FIELDS = ("model_name_or_path", "reward_model", "process_reward_model", "value_model", "ref_model", "teacher_model")
+_MODEL_FIELDS = ("model_name_or_path", "reward_model", "process_reward_model", "value_model", "ref_model",
+                 "teacher_model")
 
 
 def check_model_paths(config: BaseConfig, skip: Iterable[str] = ()) -> None:
@@ -8351,7 +8548,8 @@ def check_model_paths(config: BaseConfig, skip: Iterable[str] = ()) -> None:
     skip = set(skip)
     for field_name in _MODEL_FIELDS:
         path = getattr(config, field_name, None)
-        if path and str(path) not in skip and _names_a_local_path(str(path)) and not Path(str(path)).expanduser().exists():
+        if (path and str(path) not in skip and _names_a_local_path(str(path))
+                and not Path(str(path)).expanduser().exists()):
             raise RLHFInputError(f"config field '{field_name}': '{path}' does not exist; give a saved model directory "
                                  f"(check the path and the working directory {os.getcwd()})")
 
@@ -8387,7 +8585,8 @@ def _start_stage(config: BaseConfig, devices: DeviceManager | None, records: tup
 class SFTConfig(BaseConfig):
     """Supervised fine-tuning on prompt/response demonstrations."""
 
-    packing: bool = _opt(False, "Pack several examples per sequence; position ids restart so examples never see each other")
+    packing: bool = _opt(False, "Pack several examples per sequence; position ids restart so examples never see each "
+                                "other")
     train_on_prompt: bool = _opt(False, "Also compute the loss on prompt tokens (default: only on responses)")
     mask_history: bool = _opt(False, "In multi-turn records, train only on the last assistant turn")
 
@@ -8447,7 +8646,8 @@ class SFTTrainer(BaseTrainer):
         return {"eval/loss": mean, "eval/perplexity": math.exp(min(mean, 50.0))}
 
 
-def read_sft_records(config: SFTConfig) -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]], list[dict[str, Any]]]:
+def read_sft_records(config: SFTConfig
+                     ) -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]], list[dict[str, Any]]]:
     """Parse and validate the training, validation and held-out records. Runs before the model loads,
     so a bad record fails in seconds. Streaming reads its training records lazily (returned as None)."""
     return read_stage_records(config, "sft")
@@ -8459,11 +8659,13 @@ def build_sft_data(config: SFTConfig, tokenizer: Any, formatter: ChatFormatter, 
     """Training set (in memory or streaming), validation set, and held-out prompts for accuracy.
     ``records`` is what :func:`read_sft_records` returned, if it already ran."""
     train_records, val_records, eval_records = records or read_sft_records(config)
-    common = dict(cutoff_len=config.cutoff_len, train_on_prompt=config.train_on_prompt, mask_history=config.mask_history)
+    common = dict(cutoff_len=config.cutoff_len, train_on_prompt=config.train_on_prompt,
+                  mask_history=config.mask_history)
     cached = dict(cache_dir=config.cache_dir, num_proc=config.preprocessing_num_workers, **common)
     validation = SFTDataset(val_records, tokenizer, formatter, **cached) if val_records else None
     if train_records is None:
-        return _streaming_dataset(StreamingSFTDataset, config, tokenizer, formatter, devices, **common), validation, eval_records
+        return (_streaming_dataset(StreamingSFTDataset, config, tokenizer, formatter, devices, **common), validation,
+                eval_records)
     train = SFTDataset(train_records, tokenizer, formatter, packing=config.packing, **cached)
     return train, validation, eval_records
 
@@ -8484,7 +8686,8 @@ def train_sft(config: SFTConfig, devices: DeviceManager | None = None) -> TrainR
 
 
 def _train_sft_stage(config: SFTConfig, devices: DeviceManager | None, trainer_class: type[SFTTrainer]) -> TrainResult:
-    """What a stage that trains on SFT records runs: the policy, its datasets, the trainer (SFTTrainer or a subclass)."""
+    """What a stage that trains on SFT records runs: the policy, its datasets, the trainer (SFTTrainer or a
+    subclass)."""
     records, devices = _start_stage(config, devices)
     policy = _load_policy(config, devices.device)
     _check_packing_supported(policy, config)
@@ -8509,8 +8712,10 @@ register_stage(Stage("sft", SFTConfig, train_sft, SFTTrainer, record_kind="sft",
 class RewardModelConfig(BaseConfig):
     """Reward model: a scalar head on a transformer, trained on chosen/rejected pairs."""
 
-    reward_head_hidden: int | None = _opt(None, "Hidden width of the 2-layer reward head (default: the backbone's hidden size)")
-    center_rewards_coefficient: float = _opt(0.0, "Weight of the reward-centring term mean((r_c + r_r)^2) (Eisenstein et al. 2023)")
+    reward_head_hidden: int | None = _opt(None, "Hidden width of the 2-layer reward head (default: the backbone's "
+                                                "hidden size)")
+    center_rewards_coefficient: float = _opt(0.0, "Weight of the reward-centring term mean((r_c + r_r)^2) (Eisenstein "
+                                                  "et al. 2023)")
     ensemble_size: int = _opt(1, "Train this many reward models (seeds seed, seed+1, ...) and save them as an ensemble")
     ensemble_strategy: str = _opt("seeds", "How ensemble members differ: seeds (the same pairs in each member's own "
                                   "order) | boosting (each member trains on the pairs resampled by how likely the "
@@ -8527,7 +8732,8 @@ class RewardModelConfig(BaseConfig):
             _check(self.ensemble_size >= 2, "ensemble_strategy",
                    "must be seeds when ensemble_size is 1 (boosting needs ensemble_size >= 2)")
             _check(not self.streaming, "ensemble_strategy",
-                   "must be seeds with streaming (boosting resamples the training pairs in memory; set streaming=false)")
+                   "must be seeds with streaming (boosting resamples the training pairs in memory; set "
+                   "streaming=false)")
         _check(self.reward_head_hidden is None or self.reward_head_hidden > 0, "reward_head_hidden", "must be > 0")
 
 
@@ -8647,7 +8853,8 @@ def _reward_margins(config: RewardModelConfig, directory: str | os.PathLike, rec
     margins, data_margins = [], []
     for start in range(0, len(pairs), config.per_device_eval_batch_size):
         batch = collate([pairs[i] for i in range(start, min(start + config.per_device_eval_batch_size, len(pairs)))])
-        chosen, rejected = ensemble(batch["input_ids"].to(device), batch["attention_mask"].to(device))[0].float().chunk(2)
+        chosen, rejected = ensemble(batch["input_ids"].to(device),
+                                    batch["attention_mask"].to(device))[0].float().chunk(2)
         margins.append(chosen - rejected)
         data_margins.append(batch.get("margin", torch.zeros(len(chosen))).to(device).expand(len(chosen)))
     return torch.cat(margins), torch.cat(data_margins)
@@ -8692,7 +8899,8 @@ def _train_rm_ensemble(config: RewardModelConfig, devices: DeviceManager | None)
     RewardEnsemble.write_manifest(config.output_dir, [f"member-{k}" for k in range(config.ensemble_size)])
     metrics = {"steps": sum(m.global_step for m in members),
                "train_loss": float(np.mean([m.metrics["train_loss"] for m in members])),
-               **{f"member_{k}/eval_accuracy": m.eval.get("eval/accuracy", float("nan")) for k, m in enumerate(members)}}
+               **{f"member_{k}/eval_accuracy": m.eval.get("eval/accuracy", float("nan"))
+                  for k, m in enumerate(members)}}
     evaluation = _evaluate_reward_ensemble(config, records[1], devices) if records[1] else {}
     if evaluation:
         logger.info("reward-model ensemble of %d: held-out pairwise accuracy %.1f%% (members %s)",
@@ -8733,8 +8941,10 @@ class ProcessRewardModelConfig(RewardModelConfig):
 
     step_delimiter: str = _opt("\n", "Text that ends a reasoning step (escape sequences like \\n are understood)")
     prm_aggregation: str = _opt("min", "How step scores make a response's score: min | product | last")
-    step_label_weight: float = _opt(1.0, "Weight of the per-step cross-entropy on labelled steps (0: outcome ranking only)")
-    prm_step_labeler: str = _opt("none", "Label steps without labels in the data: none | arithmetic (the demo's verifier)")
+    step_label_weight: float = _opt(1.0, "Weight of the per-step cross-entropy on labelled steps (0: outcome ranking "
+                                         "only)")
+    prm_step_labeler: str = _opt("none", "Label steps without labels in the data: none | arithmetic (the demo's "
+                                         "verifier)")
 
     stage: typing.ClassVar[str] = "prm"
 
@@ -8767,13 +8977,15 @@ class ProcessRewardModelTrainer(RewardModelTrainer):
 
     def _pair_losses(self, batch: dict[str, torch.Tensor]) -> PairScores:
         model = self.forward_policy
-        logits = model.step_logits(batch["input_ids"], batch["attention_mask"], batch["step_positions"]).float()  # (2B, S)
+        logits = model.step_logits(batch["input_ids"], batch["attention_mask"],
+                                   batch["step_positions"]).float()  # (2B, S)
         scores = aggregate_step_scores(logits, batch["step_mask"], model.aggregation)
         chosen, rejected = scores.chunk(2)
         losses = reward_model_loss(chosen, rejected, batch.get("margin"))
         labelled = (batch["step_labels"] >= 0) & batch["step_mask"]
         if self.config.step_label_weight and labelled.any():
-            bce = F.binary_cross_entropy_with_logits(logits, batch["step_labels"].clamp(min=0), reduction="none") * labelled
+            bce = F.binary_cross_entropy_with_logits(logits, batch["step_labels"].clamp(min=0),
+                                                     reduction="none") * labelled
             per_row = bce.sum(-1) / labelled.sum(-1).clamp(min=1)  # mean over each response's labelled steps
             losses = losses + self.config.step_label_weight * sum(per_row.chunk(2))
         steps_right = int((((logits > 0).float() == batch["step_labels"]) & labelled).sum())
@@ -8805,7 +9017,8 @@ def train_prm(config: ProcessRewardModelConfig, devices: DeviceManager | None = 
                                                trust_remote_code=config.trust_remote_code, device=devices.device,
                                                cache_dir=config.cache_dir, head_hidden=config.reward_head_hidden,
                                                seed=config.seed, step_delimiter=config.step_delimiter,
-                                               aggregation=config.prm_aggregation, quantization=quantization_config(config))
+                                               aggregation=config.prm_aggregation,
+                                               quantization=quantization_config(config))
     formatter = chat_formatter(model.tokenizer, config)
     train_records, val_records, _ = records
     if train_records is None:
@@ -8849,7 +9062,8 @@ def _completion_forward(policy: PolicyModel, batch: PreferenceBatch, ld_alpha: f
     per_token = head.log_probs(scores, batch["input_ids"][:, 1:]) * mask
     lengths = mask.sum(-1).clamp(min=1)
     mean_logits = (head.mean_logits(scores) * mask).sum(-1) / lengths
-    return PolicyLogProbs(sequence_log_probs(per_token, mask, ld_alpha), per_token.sum(-1) / lengths, lengths, mean_logits)
+    return PolicyLogProbs(sequence_log_probs(per_token, mask, ld_alpha), per_token.sum(-1) / lengths, lengths,
+                          mean_logits)
 
 
 def _reference_logps(reference: ReferenceModel, batch: PreferenceBatch, ld_alpha: float | None = None) -> torch.Tensor:
@@ -8857,7 +9071,8 @@ def _reference_logps(reference: ReferenceModel, batch: PreferenceBatch, ld_alpha
     if "completion_input_ids" in batch:
         per_token, mask = reference.shared_prefix_log_probs(batch)
         return sequence_log_probs(per_token, mask, ld_alpha).detach()
-    out = reference.compute_log_probs(batch["input_ids"], batch["attention_mask"], batch["labels"], **vision_kwargs(batch))
+    out = reference.compute_log_probs(batch["input_ids"], batch["attention_mask"], batch["labels"],
+                                      **vision_kwargs(batch))
     mask = batch["labels"][:, 1:] != IGNORE_INDEX
     return sequence_log_probs(out.per_token, mask, ld_alpha).detach()
 
@@ -8937,7 +9152,8 @@ class _ReferenceTrainer(BaseTrainer):
             self.model.train()
 
     @torch.no_grad()
-    def _mean_over(self, dataset: Any, metric_fn: Callable[[dict[str, torch.Tensor]], dict[str, float]]) -> dict[str, float]:
+    def _mean_over(self, dataset: Any,
+                   metric_fn: Callable[[dict[str, torch.Tensor]], dict[str, float]]) -> dict[str, float]:
         if dataset is None or not len(dataset):
             return {}
         self.model.eval()
@@ -8982,12 +9198,18 @@ class DPOConfig(BaseConfig):
     pref_ftx: float = _opt(0.0, "Weight of the SFT (NLL) loss on chosen responses mixed into the preference loss")
     pref_bco_weight: float = _opt(0.0, "Blend in the BCO pair loss with this weight: (loss + w * bco) / (1 + w)")
     dpo_label_smoothing: float = _opt(0.0, "Label-flip rate for cDPO / robust / exo (0 to 0.5)")
-    ld_alpha: float | None = _opt(None, "LD-DPO: weight of response tokens beyond the chosen/rejected shared length (0-1)")
+    ld_alpha: float | None = _opt(None, "LD-DPO: weight of response tokens beyond the chosen/rejected shared length "
+                                        "(0-1)")
     simpo_gamma: float = _opt(0.5, "SimPO target reward margin gamma")
-    ref_model: str | None = _opt(None, "Reference model directory (default: the starting model; LoRA uses the adapter-disabled base)")
-    precompute_ref_log_probs: bool = _opt(False, "Compute reference log-probs once before training and free the reference model")
-    share_prompt: bool = _opt(True, "Run each pair's prompt once and share its KV cache between chosen and rejected (off for Mamba and gradient checkpointing)")
-    padding_free: bool = _opt(True, "With share_prompt: pack each batch's pairs into rows without padding (prompt once, chosen and rejected as branches under a tree attention mask); sdpa / eager attention only, else share_prompt's KV-cache path")
+    ref_model: str | None = _opt(None, "Reference model directory (default: the starting model; LoRA uses the "
+                                       "adapter-disabled base)")
+    precompute_ref_log_probs: bool = _opt(False, "Compute reference log-probs once before training and free the "
+                                                 "reference model")
+    share_prompt: bool = _opt(True, "Run each pair's prompt once and share its KV cache between chosen and rejected "
+                                    "(off for Mamba and gradient checkpointing)")
+    padding_free: bool = _opt(True, "With share_prompt: pack each batch's pairs into rows without padding (prompt "
+                                    "once, chosen and rejected as branches under a tree attention mask); sdpa / eager "
+                                    "attention only, else share_prompt's KV-cache path")
 
     stage: typing.ClassVar[str] = "dpo"
 
@@ -9048,7 +9270,8 @@ class DPOTrainer(_ReferenceTrainer):
             raise RLHFInputError(f"pref_loss={config.pref_loss} needs a reference model; pass one "
                                  f"(see create_reference_model) or use orpo / simpo")
         if config.pref_loss == "simpo" and not isinstance(self, SimPOTrainer):
-            raise RLHFInputError("pref_loss=simpo trains with SimPOTrainer (train_dpo picks it); construct that instead")
+            raise RLHFInputError("pref_loss=simpo trains with SimPOTrainer (train_dpo picks it); construct that "
+                                 "instead")
         # the packed layout needs no KV cache, so unlike the prompt/completion rows it runs under gradient checkpointing
         # a vision-language model takes its pixel inputs with the whole rows (its image features replace the prompt's
         # image tokens inside the forward), so its pairs run as plain concatenated rows
@@ -9058,7 +9281,8 @@ class DPOTrainer(_ReferenceTrainer):
                          and policy.model.config.model_type not in PREFIX_SHARING_EXCLUDED)
         super().__init__(config, policy, train_dataset, eval_dataset=eval_dataset, devices=devices,
                          collator=PreferenceCollator(policy.tokenizer.pad_token_id, share_prompt=share, pack_pairs=pack,
-                                                     hidden_size=text_config(policy.model).hidden_size, vision=policy.vision))
+                                                     hidden_size=text_config(policy.model).hidden_size,
+                                                     vision=policy.vision))
         self._setup_reference(reference if config.uses_reference else None, [train_dataset, eval_dataset])
 
     def loss_units(self, batch: PreferenceBatch) -> int:
@@ -9076,7 +9300,8 @@ class DPOTrainer(_ReferenceTrainer):
             metrics["sft_loss"] = float(-chosen_avg.detach().mean())
         logps_chosen, logps_rejected = out.summed.detach().chunk(2)
         logits_chosen, logits_rejected = out.mean_logits.chunk(2)
-        metrics.update({"rewards/chosen": float(chosen_rewards.mean()), "rewards/rejected": float(rejected_rewards.mean()),
+        metrics.update({"rewards/chosen": float(chosen_rewards.mean()),
+                        "rewards/rejected": float(rejected_rewards.mean()),
                         "rewards/accuracies": float((chosen_rewards > rejected_rewards).float().mean()),
                         "rewards/margins": float((chosen_rewards - rejected_rewards).mean()),
                         "logps/chosen": float(logps_chosen.mean()), "logps/rejected": float(logps_rejected.mean()),
@@ -9091,7 +9316,8 @@ class DPOTrainer(_ReferenceTrainer):
         chosen_avg, rejected_avg = out.averaged.chunk(2)
         metrics: dict[str, float] = {}
         if config.pref_loss == "orpo":
-            odds_losses, chosen_rewards, rejected_rewards, log_odds = orpo_loss(chosen_avg, rejected_avg, beta=config.pref_beta)
+            odds_losses, chosen_rewards, rejected_rewards, log_odds = orpo_loss(chosen_avg, rejected_avg,
+                                                                                beta=config.pref_beta)
             losses = -chosen_avg + odds_losses  # Hong et al. eq. 6: NLL of chosen + beta * odds-ratio loss
             metrics.update(odds_ratio=float(log_odds.mean()), sft_loss=float(-chosen_avg.detach().mean()))
         else:
@@ -9104,9 +9330,9 @@ class DPOTrainer(_ReferenceTrainer):
                 # BCO's shift includes this batch, as in TRL: update the running mean, then use it
                 self._update_bco_delta(config.pref_beta * torch.cat([policy_chosen - ref_chosen,
                                                                      policy_rejected - ref_rejected]).detach())
-            losses, chosen_rewards, rejected_rewards = dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected,
-                                                                loss_type=config.pref_loss, bco_delta=self.bco_delta,
-                                                                **common)
+            losses, chosen_rewards, rejected_rewards = dpo_loss(policy_chosen, policy_rejected, ref_chosen,
+                                                                ref_rejected, loss_type=config.pref_loss,
+                                                                bco_delta=self.bco_delta, **common)
             if config.pref_bco_weight:
                 bco, _, _ = dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, loss_type="bco_pair",
                                      bco_delta=self.bco_delta, **common)
@@ -9179,8 +9405,10 @@ class KTOConfig(BaseConfig):
     pref_beta: float = _opt(0.1, "beta: strength of the implicit KL regulariser")
     kto_chosen_weight: float = _opt(1.0, "Weight of desirable examples (lambda_D)")
     kto_rejected_weight: float = _opt(1.0, "Weight of undesirable examples (lambda_U)")
-    ref_model: str | None = _opt(None, "Reference model directory (default: the starting model; LoRA uses the adapter-disabled base)")
-    precompute_ref_log_probs: bool = _opt(False, "Compute reference log-probs once before training and free the reference model")
+    ref_model: str | None = _opt(None, "Reference model directory (default: the starting model; LoRA uses the "
+                                       "adapter-disabled base)")
+    precompute_ref_log_probs: bool = _opt(False, "Compute reference log-probs once before training and free the "
+                                                 "reference model")
 
     stage: typing.ClassVar[str] = "kto"
     uses_reference: typing.ClassVar[bool] = True
@@ -9360,7 +9588,8 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         self.current_rollout: Rollout | None = None
         self.resumed_rollout: Rollout | None = None  # the interrupted rollout, read back from a checkpoint
         self.rollouts_to_save: list[Rollout] = []  # every process's current rollout, for the checkpoint being written
-        self.engine: Any = None  # use_vllm: a VLLMEngine (colocate) or VLLMClient (server), started at the first rollout
+        # use_vllm: a VLLMEngine (colocate) or VLLMClient (server), started at the first rollout
+        self.engine: Any = None
         self.engine_step = -1  # the optimizer step whose weights the engine holds
         self.prefetched: tuple[list[dict[str, Any]], Any] | None = None  # async_rollouts: (prompts, future)
         self.upcoming_prompts: list[dict[str, Any]] | None = None
@@ -9500,7 +9729,8 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         from safetensors.torch import save_file  # resuming inside a rollout must train on the same rollout
 
         for process, rollout in enumerate(self.rollouts_to_save):
-            save_file({k: v.contiguous() for k, v in rollout.tensors().items()}, str(directory / self._rollout_file(process)),
+            save_file({k: v.contiguous() for k, v in rollout.tensors().items()},
+                      str(directory / self._rollout_file(process)),
                       metadata={"problem": rollout.problem, "processes": str(len(self.rollouts_to_save)),
                                 "images": json.dumps(rollout.images)})
 
@@ -9526,7 +9756,8 @@ class _OnlineRLTrainer(_ReferenceTrainer):
     def _rollout_engine(self) -> tuple[str, int | None]:
         """``generation_engine`` and, for ``auto``, the rollouts this run still plans (this one included): the engine
         compiles the decode step once a timed rollout shows that many would save more than the compilation costs
-        (``inference_optimizations.compile_pays``); None where the work ahead is unknown (streaming without max_steps)."""
+        (``inference_optimizations.compile_pays``); None where the work ahead is unknown (streaming without
+        max_steps)."""
         engine = self.config.generation_engine
         if engine != "auto" or not self.total_steps or self.total_steps < 0:
             return engine, None
@@ -9580,7 +9811,8 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         truncated = torch.tensor([reason == "length" for reason in output.finish_reasons])
         self.rollout_metrics.update({
             "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
-            "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float(truncated.float().mean()),
+            "completions/max_length": float(lengths.max()),
+            "completions/clipped_ratio": float(truncated.float().mean()),
             "perf/generation_s": time.time() - started})
         return output
 
@@ -9708,7 +9940,8 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         return output
 
     def _engine_logps(self, rollout: Rollout, output: Any) -> torch.Tensor:
-        """The engine's log-prob of each sampled token, aligned with the rollout's shifted labels. Shapes: -> (N, T-1)."""
+        """The engine's log-prob of each sampled token, aligned with the rollout's shifted labels.
+        Shapes: -> (N, T-1)."""
         logps = torch.zeros(rollout.labels.shape[0], rollout.labels.shape[1] - 1)
         for row, (start, values) in enumerate(zip(rollout.prompt_lengths.tolist(), output.logprobs)):
             logps[row, start - 1:start - 1 + len(values)] = torch.tensor(values, dtype=torch.float32)
@@ -9740,7 +9973,8 @@ class _OnlineRLTrainer(_ReferenceTrainer):
                 batch = _trim_columns(self._to_device(batch))
                 scores, _ = OutputHead.of(self.policy).scores(self.policy, input_ids=batch["input_ids"],
                                                               attention_mask=batch["attention_mask"])
-                full = OutputHead.of(self.policy).log_probs(scores[:, :-1], batch["input_ids"][:, 1:], self.config.temperature)
+                full = OutputHead.of(self.policy).log_probs(scores[:, :-1], batch["input_ids"][:, 1:],
+                                                            self.config.temperature)
                 trainer = self._trainer_sampled_logps(scores[:, :-1], batch["input_ids"], full)
                 sampled.append(F.pad(trainer.cpu(), (0, rollout.labels.shape[1] - 1 - trainer.shape[1])))
         _, metrics = rollout_importance_weights(torch.cat(sampled), self._engine_logps(rollout, output),
@@ -9840,7 +10074,8 @@ class _OnlineRLTrainer(_ReferenceTrainer):
                                   [i // params.n for i in range(len(records))])
         output.observation_mask, output.environment_rewards = observed, rewards
         self.rollout_metrics.update({"tools/calls_per_episode": calls / max(len(records), 1),
-                                     "tools/observed_token_frac": sum(map(sum, observed)) / max(sum(map(len, observed)), 1),
+                                     "tools/observed_token_frac": (sum(map(sum, observed))
+                                                                   / max(sum(map(len, observed)), 1)),
                                      "tools/environment_reward": float(rewards.mean())})
         return output
 
@@ -9902,7 +10137,8 @@ class _OnlineRLTrainer(_ReferenceTrainer):
                                                              zip(labels[len(labels) - len(seen):], seen)])
                     for (ids, labels), seen in zip(rows, observed)]
         if masked is not None:
-            rows = [(ids, [IGNORE_INDEX] * len(ids)) if drop else (ids, labels) for (ids, labels), drop in zip(rows, masked)]
+            rows = [(ids, [IGNORE_INDEX] * len(ids)) if drop else (ids, labels)
+                    for (ids, labels), drop in zip(rows, masked)]
         batch = _pad_rows([r[0] for r in rows], [r[1] for r in rows], self.policy.tokenizer.pad_token_id)
         images = [r.get("images") or [] for r in records]
         return Rollout(batch["input_ids"], batch["attention_mask"], batch["labels"],
@@ -10003,26 +10239,49 @@ class GRPOConfig(OnlineRLConfig):
     beta: float = _opt(0.04, "Weight of the k3 KL penalty to the reference model (0: no reference model is loaded)")
     epsilon_low: float = _opt(0.2, "Lower clip range of the probability ratio")
     epsilon_high: float | None = _opt(None, "Upper clip range (DAPO's clip-higher; default: epsilon_low)")
-    loss_type: str = _opt("grpo", "Policy loss (POLICY_LOSSES): grpo (per-sequence mean) | bnpo (per-micro-batch token mean) | dapo (token mean over the step) | dr_grpo (sum / (B * max_completion_length)) | cispo (MiniMax-M1: clipped importance weight times log-prob, token mean) | module:function registered with rlhf.register_policy_loss")
-    advantage_estimator: str = _opt("grpo", "grpo (group mean and std) | rloo (mean of the other completions) | reinforce_pp (token returns, KL in the reward, whitened over the batch) | reinforce_pp_baseline (group mean subtracted first)")
-    importance_sampling_level: str = _opt("token", "token: a ratio per token | sequence: GSPO's length-normalised sequence ratio (use epsilon_low ~3e-4, epsilon_high ~4e-4)")
-    environment: str | None = _opt(None, "Multi-turn tool use: calculator | http (environment_url) | module:function returning an Environment; tool outputs join the context and are never trained on")
+    loss_type: str = _opt("grpo", "Policy loss (POLICY_LOSSES): grpo (per-sequence mean) | bnpo (per-micro-batch token "
+                                  "mean) | dapo (token mean over the step) | dr_grpo (sum / (B * "
+                                  "max_completion_length)) | cispo (MiniMax-M1: clipped importance weight times "
+                                  "log-prob, token mean) | module:function registered with rlhf.register_policy_loss")
+    advantage_estimator: str = _opt("grpo", "grpo (group mean and std) | rloo (mean of the other completions) | "
+                                            "reinforce_pp (token returns, KL in the reward, whitened over the batch) | "
+                                            "reinforce_pp_baseline (group mean subtracted first)")
+    importance_sampling_level: str = _opt("token", "token: a ratio per token | sequence: GSPO's length-normalised "
+                                                   "sequence ratio (use epsilon_low ~3e-4, epsilon_high ~4e-4)")
+    environment: str | None = _opt(None, "Multi-turn tool use: calculator | http (environment_url) | module:function "
+                                         "returning an Environment; tool outputs join the context and are never "
+                                         "trained on")
     environment_url: str | None = _opt(None, "environment http: the service's base URL (POST /reset and /step)")
     environment_timeout: float = _opt(30.0, "environment http: seconds before one request times out")
     environment_retries: int = _opt(3, "environment http: attempts per request (exponential backoff between them)")
     max_turns: int = _opt(4, "With an environment: policy turns per episode at most")
-    max_turn_tokens: int | None = _opt(None, "With an environment: tokens one turn may generate (default: max_completion_length, which bounds the whole completion, tool outputs included)")
-    tool_format: str = _opt("tag", "tag: a call is the text between tool_tags and its output joins the turn inside tool_result_tags | chat_template: JSON calls (<tool_call>{...}</tool_call>) ending the turn, outputs rendered as the template's tool messages")
+    max_turn_tokens: int | None = _opt(None, "With an environment: tokens one turn may generate (default: "
+                                             "max_completion_length, which bounds the whole completion, tool outputs "
+                                             "included)")
+    tool_format: str = _opt("tag", "tag: a call is the text between tool_tags and its output joins the turn inside "
+                                   "tool_result_tags | chat_template: JSON calls (<tool_call>{...}</tool_call>) ending "
+                                   "the turn, outputs rendered as the template's tool messages")
     tool_tags: list[str] = _opt(["<calc>", "</calc>"], "tag format: the opening and closing tags of a tool call")
     tool_result_tags: list[str] = _opt(["<result>", "</result>"], "tag format: the tags around a tool's output")
-    dynamic_sampling: bool = _opt(False, "DAPO: drop groups whose completions all scored alike and sample more prompts until the rollout holds its number of informative groups")
-    max_sampling_rounds: int = _opt(3, "dynamic_sampling: sampling rounds per rollout at most; groups still missing then are left out of the loss")
-    scale_rewards: str = _opt("group", "Divide centred rewards by the group's std (group), the batch's (batch) or nothing (none, Dr. GRPO)")
-    num_iterations: int = _opt(1, "Optimizer steps per rollout (mu); > 1 reuses it with stored old log-probs and clipping")
-    mask_truncated_completions: bool = _opt(False, "Leave completions that hit max_completion_length out of the loss (DAPO)")
-    share_prompt: bool = _opt(True, "Run each group's prompt once per micro-batch and share its KV cache among the G completions (off for Mamba and gradient checkpointing)")
-    padding_free: bool = _opt(True, "With share_prompt: pack each micro-batch's groups into rows (the prompt once, every completion a branch under a tree attention mask) when that is less work than padded completion rows; sdpa / eager attention only")
-    skip_zero_gradient_rows: bool = _opt(True, "Skip the forward and backward of completions that add exactly nothing to the update (with beta 0: zero advantage, e.g. a group scored alike, or no token left in the loss); the update is the same, entropy and clip metrics cover the rows that trained")
+    dynamic_sampling: bool = _opt(False, "DAPO: drop groups whose completions all scored alike and sample more prompts "
+                                         "until the rollout holds its number of informative groups")
+    max_sampling_rounds: int = _opt(3, "dynamic_sampling: sampling rounds per rollout at most; groups still missing "
+                                       "then are left out of the loss")
+    scale_rewards: str = _opt("group", "Divide centred rewards by the group's std (group), the batch's (batch) or "
+                                       "nothing (none, Dr. GRPO)")
+    num_iterations: int = _opt(1, "Optimizer steps per rollout (mu); > 1 reuses it with stored old log-probs and "
+                                  "clipping")
+    mask_truncated_completions: bool = _opt(False, "Leave completions that hit max_completion_length out of the loss "
+                                                   "(DAPO)")
+    share_prompt: bool = _opt(True, "Run each group's prompt once per micro-batch and share its KV cache among the G "
+                                    "completions (off for Mamba and gradient checkpointing)")
+    padding_free: bool = _opt(True, "With share_prompt: pack each micro-batch's groups into rows (the prompt once, "
+                                    "every completion a branch under a tree attention mask) when that is less work "
+                                    "than padded completion rows; sdpa / eager attention only")
+    skip_zero_gradient_rows: bool = _opt(True, "Skip the forward and backward of completions that add exactly nothing "
+                                               "to the update (with beta 0: zero advantage, e.g. a group scored alike, "
+                                               "or no token left in the loss); the update is the same, entropy and "
+                                               "clip metrics cover the rows that trained")
 
     stage: typing.ClassVar[str] = "grpo"
 
@@ -10034,8 +10293,10 @@ class GRPOConfig(OnlineRLConfig):
 
     def _validate(self) -> None:
         super()._validate()
-        _check(self.num_generations >= 2, "num_generations", "must be >= 2 (advantages compare completions of one prompt"
-               + ("; dynamic_sampling keeps groups whose completions scored differently)" if self.dynamic_sampling else ")"))
+        _check(self.num_generations >= 2, "num_generations",
+               "must be >= 2 (advantages compare completions of one prompt"
+               + ("; dynamic_sampling keeps groups whose completions scored differently)" if self.dynamic_sampling
+                  else ")"))
         _check(self.max_sampling_rounds >= 1, "max_sampling_rounds", "must be >= 1")
         if self.environment:
             _check_choice(self.tool_format, TOOL_FORMATS, "tool_format")
@@ -10050,7 +10311,8 @@ class GRPOConfig(OnlineRLConfig):
             _check(not self.use_vllm, "use_vllm", "does not run environments yet: multi-turn episodes sample with our "
                    "engine (set use_vllm: false)")
         _check(not (self.dynamic_sampling and self.streaming), "dynamic_sampling",
-               "draws extra prompts at random from the prompt set, which a streaming dataset cannot do: set streaming: false")
+               "draws extra prompts at random from the prompt set, which a streaming dataset cannot do: set streaming: "
+               "false")
         _check(self.beta >= 0 and self.epsilon_low > 0 and self.epsilon_high > 0, "beta/epsilon_low/epsilon_high",
                "need beta >= 0 and positive clip ranges")
         loss_spec = policy_loss(self.loss_type)  # a registered name, or module:function registering one
@@ -10082,7 +10344,8 @@ class RLOOConfig(GRPOConfig):
     """RLOO (Ahmadian et al. 2024): GRPO's trainer with leave-one-out baselines, advantages not scaled."""
 
     advantage_estimator: str = _opt("rloo", "grpo | rloo | reinforce_pp | reinforce_pp_baseline (see the grpo stage)")
-    scale_rewards: str = _opt("none", "Divide the advantages by the group's std (group), the batch's (batch) or nothing (none)")
+    scale_rewards: str = _opt("none", "Divide the advantages by the group's std (group), the batch's (batch) or "
+                                      "nothing (none)")
 
     stage: typing.ClassVar[str] = "rloo"
 
@@ -10092,9 +10355,11 @@ class ReinforcePPConfig(GRPOConfig):
     """REINFORCE++ (Hu et al. 2025): token returns with the KL to the reference in the reward (beta is its
     coefficient), whitened over the batch; no critic."""
 
-    advantage_estimator: str = _opt("reinforce_pp", "reinforce_pp | reinforce_pp_baseline (group mean first) | grpo | rloo")
+    advantage_estimator: str = _opt("reinforce_pp", "reinforce_pp | reinforce_pp_baseline (group mean first) | grpo | "
+                                                    "rloo")
     scale_rewards: str = _opt("none", "Must stay none: REINFORCE++ whitens its returns over the batch")
-    beta: float = _opt(0.01, "Coefficient of the per-token KL penalty in the reward (k1 against the reference; 0: none)")
+    beta: float = _opt(0.01, "Coefficient of the per-token KL penalty in the reward (k1 against the reference; 0: "
+                             "none)")
 
     stage: typing.ClassVar[str] = "reinforce_pp"
 
@@ -10154,7 +10419,8 @@ class GRPOTrainer(_OnlineRLTrainer):
         rollout = self._rows(records, output.token_ids, masked, observed=getattr(output, "observation_mask", None))
         token_level = config.advantage_estimator.startswith("reinforce_pp")
         if not token_level:
-            advantages = (grpo_advantages(rewards, group, scale=config.scale_rewards) if config.advantage_estimator == "grpo"
+            advantages = (grpo_advantages(rewards, group, scale=config.scale_rewards)
+                          if config.advantage_estimator == "grpo"
                           else _scaled(rloo_advantages(rewards, group), group, config.scale_rewards))
             rollout.advantages = advantages.view(self.devices.num_processes, -1)[self.devices.process_index]
         # the trainer's own log-probs are the old ones when a rollout trains several steps, when vLLM sampled it
@@ -10167,7 +10433,8 @@ class GRPOTrainer(_OnlineRLTrainer):
             kl = rollout.old_logps - rollout.ref_logps if rollout.ref_logps is not None else None
             rollout.advantages = reinforce_pp_advantages(
                 rewards.view(self.devices.num_processes, -1)[self.devices.process_index], rollout.completion_mask,
-                kl=kl, kl_coef=config.beta, group_size=group if config.advantage_estimator.endswith("baseline") else None,
+                kl=kl, kl_coef=config.beta,
+                group_size=group if config.advantage_estimator.endswith("baseline") else None,
                 sum_across_processes=self.devices.sum_list_across_processes)
             rollout.ref_logps = None
             if config.num_iterations == 1 and not config.use_vllm:
@@ -10185,7 +10452,8 @@ class GRPOTrainer(_OnlineRLTrainer):
         from inference_optimizations import GenerationOutput
 
         config, group, needed = self.config, self.config.num_generations, len(prompts)
-        draw = torch.Generator().manual_seed((config.seed * 1_000_003 + self.rollout_index) * 7919 + self.devices.process_index)
+        draw = torch.Generator().manual_seed((config.seed * 1_000_003 + self.rollout_index) * 7919
+                                             + self.devices.process_index)
         kept: list[tuple] = []  # (record, token_ids, logprobs, finish_reasons, rewards) per informative group
         dropped: list[tuple] = []
         candidates, rounds, sampled = prompts, 0, 0
@@ -10214,12 +10482,14 @@ class GRPOTrainer(_OnlineRLTrainer):
                                      "dynamic_sampling/dropped_frac": 1.0 - len(kept) / max(sampled, 1),
                                      "dynamic_sampling/filler_frac": sum(fillers) / max(len(fillers), 1)})
         output = GenerationOutput([t for c in chosen for t in c[1]], [lp for c in chosen for lp in c[2]],
-                                  [r for c in chosen for r in c[3]], [i for i, _ in enumerate(chosen) for _ in range(group)])
+                                  [r for c in chosen for r in c[3]],
+                                  [i for i, _ in enumerate(chosen) for _ in range(group)])
         if observed is not None:
             output.observation_mask = [m for c in chosen for m in c[5]]
         records = [c[0] for c in chosen for _ in range(group)]
         rewards = self.devices.gather(torch.cat([c[4] for c in chosen]))
-        self.rollout_metrics.update({"reward": first_round_reward, "dynamic_sampling/kept_reward": float(rewards.mean())})
+        self.rollout_metrics.update({"reward": first_round_reward,
+                                     "dynamic_sampling/kept_reward": float(rewards.mean())})
         return records, output, rewards, fillers
 
     def _attach_log_probs(self, rollout: Rollout, output: Any, trainer_old: bool) -> None:
@@ -10238,7 +10508,8 @@ class GRPOTrainer(_OnlineRLTrainer):
             self._engine_correction(rollout, output, torch.cat(sampled) if sampled else None)
 
     def rollout_schedule(self, rollout: Rollout) -> list[dict[str, torch.Tensor]]:
-        return rollout.micro_batches(self.config.per_device_train_batch_size, vision=self.policy.vision) * self.config.num_iterations
+        return (rollout.micro_batches(self.config.per_device_train_batch_size, vision=self.policy.vision)
+                * self.config.num_iterations)
 
     @property
     def shares_prompts(self) -> bool:
@@ -10251,13 +10522,14 @@ class GRPOTrainer(_OnlineRLTrainer):
         if self.shares_prompts and batch.get("prompt_lengths") is not None:
             return grouped_logits(model.model, batch["input_ids"], batch["attention_mask"], batch["prompt_lengths"],
                                   pad_token_id=self.policy.tokenizer.pad_token_id, pack=self.config.padding_free)
-        scores, _ = OutputHead.of(model).scores(model, input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                                **vision_kwargs(batch))
+        scores, _ = OutputHead.of(model).scores(model, input_ids=batch["input_ids"],
+                                                attention_mask=batch["attention_mask"], **vision_kwargs(batch))
         return scores[:, :-1]
 
     def _logps(self, model: PolicyModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Temperature-scaled log-probs of each next token, as sampled. Shapes: -> (N, T-1)."""
-        return OutputHead.of(model).log_probs(self._scores(model, batch), batch["input_ids"][:, 1:], self.config.temperature)
+        return OutputHead.of(model).log_probs(self._scores(model, batch), batch["input_ids"][:, 1:],
+                                              self.config.temperature)
 
     def _reference_logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         with self.reference._frozen():
@@ -10292,7 +10564,8 @@ class GRPOTrainer(_OnlineRLTrainer):
         trains = (advantages != 0 if advantages.dim() == 1 else (advantages != 0).any(-1)) & (tokens > 0)
         if bool(trains.all()):
             return batch, 1.0
-        keep = trains.nonzero().squeeze(-1) if bool(trains.any()) else torch.zeros(1, dtype=torch.long, device=trains.device)
+        keep = (trains.nonzero().squeeze(-1) if bool(trains.any())
+                else torch.zeros(1, dtype=torch.long, device=trains.device))
         share = float(tokens[keep].sum()) / max(float(tokens.sum()), 1.0)
         return {k: v[keep] for k, v in batch.items()}, share
 
@@ -10408,10 +10681,12 @@ class OnlineDPOTrainer(_OnlineRLTrainer):
         decided = (scores[:, 0] != scores[:, 1]).float()
         rollout.pair_weights = torch.cat([decided[i:i + size].repeat(2) for i in range(0, len(prompts), size)])
         self.rollout_metrics.update({"online_dpo/ties_frac": 1.0 - float(decided.mean()),
-                                     "online_dpo/score_margin": float((scores.max(-1).values - scores.min(-1).values).mean())})
+                                     "online_dpo/score_margin": float((scores.max(-1).values
+                                                                       - scores.min(-1).values).mean())})
         if self.reference is not None:
             with self.devices.autocast():
-                rollout.ref_summed = torch.cat([_reference_logps(self.reference, _trim_columns(self._to_device(b))).cpu()
+                rollout.ref_summed = torch.cat([_reference_logps(self.reference,
+                                                                 _trim_columns(self._to_device(b))).cpu()
                                                 for b in rollout.micro_batches(2 * size)])
         if config.use_vllm:  # the correction has no place in a sequence-level loss: report the mismatch only
             self.rollout_metrics.update({f"vllm/{k}": v for k, v in self._engine_gap(rollout, output).items()})
@@ -10438,11 +10713,13 @@ class OnlineDPOTrainer(_OnlineRLTrainer):
             ref_chosen, ref_rejected = batch["ref_summed"].chunk(2)
             chosen_lengths, rejected_lengths = out.lengths.chunk(2)
             losses, chosen_rewards, rejected_rewards = dpo_loss(
-                policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=config.pref_beta, loss_type=config.pref_loss,
-                label_smoothing=config.dpo_label_smoothing, chosen_lengths=chosen_lengths, rejected_lengths=rejected_lengths)
+                policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=config.pref_beta,
+                loss_type=config.pref_loss, label_smoothing=config.dpo_label_smoothing,
+                chosen_lengths=chosen_lengths, rejected_lengths=rejected_lengths)
         ranked = weights.bool()
         metrics = {"rewards/chosen": float(chosen_rewards[ranked].mean()) if ranked.any() else 0.0,
-                   "rewards/margins": float((chosen_rewards - rejected_rewards)[ranked].mean()) if ranked.any() else 0.0,
+                   "rewards/margins": float((chosen_rewards - rejected_rewards)[ranked].mean())
+                   if ranked.any() else 0.0,
                    "rewards/accuracies": float((chosen_rewards > rejected_rewards)[ranked].float().mean())
                    if ranked.any() else 0.0}
         return (losses * weights).sum(), {**metrics, **self._pop_rollout_metrics()}
@@ -10469,11 +10746,16 @@ class DistillConfig(OnlineRLConfig):
     """On-policy distillation (GKD, Agarwal et al. 2024): the student learns the teacher's token distributions on
     its own samples (a share lmbda of the steps) and on the dataset's responses (or the teacher's, seq_kd)."""
 
-    teacher_model: str | None = _opt(None, "The teacher: a model directory with the student's tokenizer (never trained)")
-    teacher_model_dtype: str = _opt("auto", "The teacher's dtype: auto (as the student's base) | float32 | bfloat16 | float16")
-    lmbda: float = _opt(0.5, "Share of steps that train on the student's own samples (on-policy); the rest on the dataset's responses")
-    beta: float = _opt(0.5, "Generalised Jensen-Shannon interpolation: 0 forward KL(teacher || student), 1 reverse KL(student || teacher)")
-    seq_kd: bool = _opt(False, "Off-policy steps train on the teacher's own samples instead of the dataset's responses (sequence-level KD)")
+    teacher_model: str | None = _opt(None, "The teacher: a model directory with the student's tokenizer (never "
+                                           "trained)")
+    teacher_model_dtype: str = _opt("auto", "The teacher's dtype: auto (as the student's base) | float32 | bfloat16 | "
+                                            "float16")
+    lmbda: float = _opt(0.5, "Share of steps that train on the student's own samples (on-policy); the rest on the "
+                             "dataset's responses")
+    beta: float = _opt(0.5, "Generalised Jensen-Shannon interpolation: 0 forward KL(teacher || student), 1 reverse "
+                            "KL(student || teacher)")
+    seq_kd: bool = _opt(False, "Off-policy steps train on the teacher's own samples instead of the dataset's responses "
+                               "(sequence-level KD)")
 
     stage: typing.ClassVar[str] = "distill"
     scored_by_rewards: typing.ClassVar[bool] = False
@@ -10559,9 +10841,9 @@ def check_same_vocabulary(teacher_tokenizer: Any, student_tokenizer: Any, field_
     teacher, student = teacher_tokenizer.get_vocab(), student_tokenizer.get_vocab()
     if teacher != student:
         differ = len(set(teacher.items()) ^ set(student.items()))
-        raise RLHFInputError(f"config field '{field_name}': its tokenizer differs from the student's ({len(teacher)} vs "
-                             f"{len(student)} tokens, {differ} entries differ); distillation compares the two models' "
-                             f"next-token distributions, so the teacher must use the student's tokenizer")
+        raise RLHFInputError(f"config field '{field_name}': its tokenizer differs from the student's ({len(teacher)} "
+                             f"vs {len(student)} tokens, {differ} entries differ); distillation compares the two "
+                             "models' next-token distributions, so the teacher must use the student's tokenizer")
 
 
 @_leaves_logging_as_found
@@ -10570,7 +10852,8 @@ def train_distill(config: DistillConfig, devices: DeviceManager | None = None) -
     (train_records, _, eval_records), devices = _start_stage(config, devices)
     policy = _load_policy(config, devices.device)
     dtype = _model_dtype(config) if config.teacher_model_dtype == "auto" else config.teacher_model_dtype
-    teacher = PolicyModel.from_pretrained(config.teacher_model, dtype=dtype, attn_implementation=config.attn_implementation,
+    teacher = PolicyModel.from_pretrained(config.teacher_model, dtype=dtype,
+                                          attn_implementation=config.attn_implementation,
                                           trust_remote_code=config.trust_remote_code, device=devices.device,
                                           cache_dir=config.cache_dir, is_trainable=False, field="teacher_model")
     formatter = chat_formatter(policy.tokenizer, config, policy)
@@ -10598,7 +10881,8 @@ class PPOConfig(OnlineRLConfig):
     reward, GAE advantages, clipped policy and value losses; LLaMA-Factory's ppo_* options."""
 
     ppo_epochs: int = _opt(4, "Passes over each experience buffer")
-    ppo_buffer_size: int = _opt(1, "Mini-batches (per_device_train_batch_size x gradient_accumulation_steps completions each) per experience buffer")
+    ppo_buffer_size: int = _opt(1, "Mini-batches (per_device_train_batch_size x gradient_accumulation_steps "
+                                   "completions each) per experience buffer")
     ppo_target: float = _opt(6.0, "Target KL (nats per sequence) of the adaptive KL controller")
     ppo_score_norm: bool = _opt(False, "Normalise scores by their running mean/std")
     ppo_whiten_rewards: bool = _opt(False, "Whiten the per-token rewards (keeping their mean) before GAE")
@@ -10612,7 +10896,8 @@ class PPOConfig(OnlineRLConfig):
     vf_coef: float = _opt(0.1, "Weight of the value loss")
     entropy_coef: float = _opt(0.0, "Weight of the entropy bonus")
     whiten_advantages: bool = _opt(True, "Whiten advantages over each experience buffer")
-    value_model: str | None = _opt(None, "Separate critic: a model directory (e.g. the reward model). Default: a value head on the policy's backbone")
+    value_model: str | None = _opt(None, "Separate critic: a model directory (e.g. the reward model). Default: a value "
+                                         "head on the policy's backbone")
 
     stage: typing.ClassVar[str] = "ppo"
     uses_reference: typing.ClassVar[bool] = True
@@ -10640,7 +10925,8 @@ class RolloutBuffer:
     def micro_batches(self) -> list[dict[str, torch.Tensor]]:
         out = []
         for epoch in range(self.epochs):
-            order = torch.randperm(self.rollout.input_ids.shape[0], generator=torch.Generator().manual_seed(self.seed + epoch))
+            order = torch.randperm(self.rollout.input_ids.shape[0],
+                                   generator=torch.Generator().manual_seed(self.seed + epoch))
             out += self.rollout.micro_batches(self.micro_batch_size, order)
         return out
 
@@ -10724,7 +11010,8 @@ class PPOTrainer(_OnlineRLTrainer):
                 ref_logps.append(self._reference_logps(batch).cpu())
                 if config.use_vllm:
                     sampled.append(self._trainer_sampled_logps(head_scores, batch["input_ids"], logp).cpu())
-        rollout.old_logps, rollout.old_values, rollout.ref_logps = torch.cat(logps), torch.cat(values), torch.cat(ref_logps)
+        rollout.old_logps, rollout.old_values, rollout.ref_logps = (torch.cat(logps), torch.cat(values),
+                                                                    torch.cat(ref_logps))
         if config.use_vllm:
             self._engine_correction(rollout, output, torch.cat(sampled))
         mask = rollout.completion_mask.float()
@@ -10744,8 +11031,10 @@ class PPOTrainer(_OnlineRLTrainer):
         sequence_kl = kl.sum(-1)
         self.rollout_metrics.update({
             "objective/kl": float(sequence_kl.mean()), "objective/kl_coef": kl_coef,
-            "objective/scores": float(scores.mean()), "objective/rlhf_reward": float((scores - kl_coef * sequence_kl).mean()),
-            "returns/mean": float(_masked_mean(rollout.returns, mask)), "values/mean": float(_masked_mean(rollout.old_values, mask))})
+            "objective/scores": float(scores.mean()),
+            "objective/rlhf_reward": float((scores - kl_coef * sequence_kl).mean()),
+            "returns/mean": float(_masked_mean(rollout.returns, mask)),
+            "values/mean": float(_masked_mean(rollout.old_values, mask))})
         # one KL coefficient for all processes: the controller steps on the KL of the whole batch
         kl_sum, count = self.devices.sum_list_across_processes([float(sequence_kl.mean()) * len(scores), len(scores)])
         self.kl_controller.update(kl_sum / count, int(count))
@@ -10827,7 +11116,8 @@ def train_ppo(config: PPOConfig, devices: DeviceManager | None = None) -> TrainR
                        "ppo_score_norm=true to keep the value targets small")
     if config.value_model:
         critic, _ = ValueModel.from_pretrained(config.value_model, device=devices.device, seed=config.seed,
-                                               dtype=_model_dtype(config), attn_implementation=config.attn_implementation,
+                                               dtype=_model_dtype(config),
+                                               attn_implementation=config.attn_implementation,
                                                trust_remote_code=config.trust_remote_code, cache_dir=config.cache_dir,
                                                quantization=quantization_config(config))
     formatter = chat_formatter(policy.tokenizer, config, policy)
@@ -10883,10 +11173,12 @@ def self_similarity(samples: list[str], n: int = 2) -> float:
     return float(np.mean([len(a & b) / len(a | b) if a | b else 1.0 for a, b in pairs]))
 
 
-def win_rate(policy_scores: torch.Tensor | list[float], reference_scores: torch.Tensor | list[float]) -> dict[str, float]:
+def win_rate(policy_scores: torch.Tensor | list[float],
+             reference_scores: torch.Tensor | list[float]) -> dict[str, float]:
     """Share of prompts where the policy's response scores higher than the reference's, ties
     counting half (AlpacaEval's convention). Shapes: (P), (P) -> {"win_rate", "wins", "ties", "losses"}."""
-    policy, reference = torch.as_tensor(policy_scores, dtype=torch.float64), torch.as_tensor(reference_scores, dtype=torch.float64)
+    policy, reference = (torch.as_tensor(policy_scores, dtype=torch.float64),
+                         torch.as_tensor(reference_scores, dtype=torch.float64))
     if policy.shape != reference.shape or not policy.numel():
         raise ValueError("win_rate needs one policy and one reference score per prompt")
     wins, ties = int((policy > reference).sum()), int((policy == reference).sum())
@@ -10914,7 +11206,8 @@ class RLHFEvaluator:
     Rewards are ``reward_fn(prompts, responses) -> Tensor[B]`` (``LearnedReward`` or any callable)."""
 
     def __init__(self, policy: PolicyModel, reference: PolicyModel | None = None, *, template: str = "auto",
-                 max_new_tokens: int = 64, batch_size: int = 32, seed: int = 0, enable_thinking: bool | None = None) -> None:
+                 max_new_tokens: int = 64, batch_size: int = 32, seed: int = 0,
+                 enable_thinking: bool | None = None) -> None:
         self.policy, self.reference = policy, reference
         self.formatter = ChatFormatter(policy.tokenizer, template, enable_thinking=enable_thinking,
                                        generation_config=policy.model.generation_config)
@@ -10944,7 +11237,8 @@ class RLHFEvaluator:
                               batch_size=self.batch_size)
 
     @torch.no_grad()
-    def kl_to_reference(self, prompts: list[str] | list[dict[str, Any]], samples_per_prompt: int = 4) -> dict[str, float]:
+    def kl_to_reference(self, prompts: list[str] | list[dict[str, Any]],
+                        samples_per_prompt: int = 4) -> dict[str, float]:
         """Sample completions from the policy (temperature 1), score their tokens under both models."""
         if self.reference is None:
             raise RLHFInputError("kl_to_reference needs a reference model (RLHFEvaluator(policy, reference))")
@@ -11006,7 +11300,8 @@ class RLHFEvaluator:
         records = self.as_records(prompts)
         responses = [self.policy.decode(c) for c in self.complete(self.policy, records, sample=False)]
         rewards = torch.as_tensor(reward_fn([self._prompt_text(r) for r in records], responses), dtype=torch.float32)
-        return {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if rewards.numel() > 1 else 0.0}
+        return {"reward/mean": float(rewards.mean()),
+                "reward/std": float(rewards.std()) if rewards.numel() > 1 else 0.0}
 
     def task_accuracy(self, records: list[dict[str, Any]], verifier: Callable | None = None) -> dict[str, float]:
         """Greedy responses checked by ``verifier(response, record)``; default: exact ``Answer:`` match."""
@@ -11145,7 +11440,8 @@ class ElasticWeightConsolidation:
         model.zero_grad(set_to_none=True)
         model.train(was_training)
         if not count:
-            raise RLHFInputError("config field 'ewc_dataset': no example with a target token to estimate the Fisher from")
+            raise RLHFInputError("config field 'ewc_dataset': no example with a target token to estimate the Fisher "
+                                 "from")
         anchors = {name: p.detach().float().clone() for name, p in params.items()}
         return cls(anchors, {name: f / count for name, f in fisher.items()}, ewc_lambda, source)
 
@@ -11580,7 +11876,8 @@ class IterativeRefiner:
     def __init__(self, policy: PolicyModel, reward_fn: Callable, *, critic: Callable[[str, str], str] | None = None,
                  verifier: Callable | None = None, rounds: int = 2, num_candidates: int = 4,
                  min_improvement: float = 0.0, template: str = "auto", max_new_tokens: int = 64,
-                 temperature: float = 1.0, batch_size: int = 32, seed: int = 0, enable_thinking: bool | None = None) -> None:
+                 temperature: float = 1.0, batch_size: int = 32, seed: int = 0,
+                 enable_thinking: bool | None = None) -> None:
         if rounds < 0 or num_candidates < 1 or temperature <= 0:
             raise RLHFInputError(f"IterativeRefiner: rounds ({rounds}) must be >= 0, num_candidates ({num_candidates}) "
                                  f">= 1 and temperature ({temperature}) > 0")
@@ -11727,9 +12024,10 @@ def data_fingerprint(config: BaseConfig) -> list[Any]:
 
 
 # config fields that change how a run looks, not what it computes
-_COSMETIC_FIELDS = ("disable_progress_bar", "progress_interval", "report_to", "run_name", "logging_dir", "resume_from_checkpoint",
-                    "overwrite_output_dir", "plot_loss")
-STAGE_MARKER = "pipeline_stage.json"  # in output_dir/<stage>: the fingerprint it was started with, and whether it finished
+_COSMETIC_FIELDS = ("disable_progress_bar", "progress_interval", "report_to", "run_name", "logging_dir",
+                    "resume_from_checkpoint", "overwrite_output_dir", "plot_loss")
+# in output_dir/<stage>: the fingerprint it was started with, and whether it finished
+STAGE_MARKER = "pipeline_stage.json"
 
 
 def _stage_entry(stage: str, status: str, output_dir: str | os.PathLike, fingerprint: str, seconds: float = 0.0,
@@ -11818,7 +12116,8 @@ def write_pipeline_report(output_dir: Path, history: list[dict[str, Any]], secon
     lines += ["| " + " | ".join(cell.replace("|", "/") for cell in row) + " |" for row in rows]
     rollbacks = [e for e in history if e["status"] == "rolled_back"]
     lines += ["", f"## Rollbacks ({len(rollbacks)})", ""]
-    lines += [f"- {e['stage']}: {e.get('reason', '')}; continued from {e.get('input_model', '?')}" for e in rollbacks] or ["None."]
+    lines += [f"- {e['stage']}: {e.get('reason', '')}; continued from {e.get('input_model', '?')}"
+              for e in rollbacks] or ["None."]
     gated = [e for e in history if e.get("capabilities")]
     if gated:
         lines += ["", "## Capability tests (accuracy before -> after)", ""]
@@ -11830,7 +12129,8 @@ def write_pipeline_report(output_dir: Path, history: list[dict[str, Any]], secon
         if entry["stage"] == "eval" and entry["status"] == "completed":
             lines += ["", "## Final policy evaluation", ""]
             lines += [f"- {k}: {v:.4g}" for k, v in entry["metrics"].get("final", {}).items()]
-    plots = sorted(str(p.relative_to(output_dir)) for name in ("plot_loss.png", "plot_eval_accuracy.png", "plot_reward.png")
+    plots = sorted(str(p.relative_to(output_dir))
+                   for name in ("plot_loss.png", "plot_eval_accuracy.png", "plot_reward.png")
                    for p in output_dir.glob(f"*/{name}"))
     if plots:  # every other metric's curve is beside these, in each stage's directory
         lines += ["", "## Training curves", ""] + [f"- [{p}]({p})" for p in plots]
@@ -12016,8 +12316,9 @@ class RLHFOrchestrator:
                                      "threshold": report.threshold}
             if report.rollback:
                 entry["status"] = "rolled_back"
-                entry["reason"] = "capability regression: " + ", ".join(
-                    f"{task} {report.deltas[task]:+.1%}" for task in report.regressions) + f" (threshold {report.threshold:.0%})"
+                entry["reason"] = ("capability regression: "
+                                   + ", ".join(f"{task} {report.deltas[task]:+.1%}" for task in report.regressions)
+                                   + f" (threshold {report.threshold:.0%})")
                 logger.warning("stage %s rolled back (%s); the next stage starts from %s", stage, entry["reason"],
                                config.model_name_or_path)
         if self.is_main_process:
@@ -12097,8 +12398,8 @@ class RLHFOrchestrator:
             raise RLHFInputError(f"{self.config.source}: option '{option}' names stage '{name}', which has no adopted "
                                  f"output in this run (not run, or rolled back)")
         if not Path(name).exists():
-            raise RLHFInputError(f"{self.config.source}: option '{option}': '{name}' is neither a stage of this pipeline "
-                                 f"nor a directory")
+            raise RLHFInputError(f"{self.config.source}: option '{option}': '{name}' is neither a stage of this "
+                                 "pipeline nor a directory")
         return name
 
     def _eval_records(self, options: dict[str, Any]) -> list[dict[str, Any]]:
@@ -12130,7 +12431,8 @@ class RLHFOrchestrator:
         policy = self._load_policy(model, base, use_vllm=options["use_vllm"])
         max_new_tokens = options.get("max_new_tokens") or base.eval_max_new_tokens
         evaluator = RLHFEvaluator(policy, reference, template=base.template, max_new_tokens=max_new_tokens,
-                                  batch_size=options["batch_size"], seed=base.seed, enable_thinking=base.enable_thinking)
+                                  batch_size=options["batch_size"], seed=base.seed,
+                                  enable_thinking=base.enable_thinking)
         subset = records[:options["max_prompts"]]
         metrics: dict[str, float] = {}
         if accuracy:
@@ -12147,7 +12449,8 @@ class RLHFOrchestrator:
         final policy also: diversity, win rate over the reference and, given ``pairs``, reward accuracy."""
         options = {**FINAL_STAGE_OPTIONS["eval"], **(options or {})}
         if self.current_model is None:
-            raise RLHFInputError(f"{self.config.source}: the eval stage needs a trained policy; put it after a policy stage")
+            raise RLHFInputError(f"{self.config.source}: the eval stage needs a trained policy; put it after a policy "
+                                 "stage")
         records, reward_fn = self._eval_records(options), self._reward_function(options)
         base = self._base_config()
         name = options["reference"]  # a stage that did not run (or was rolled back) means: no KL, no win rate
@@ -12157,14 +12460,16 @@ class RLHFOrchestrator:
         for stage, path in self.models.items():
             if stage in POLICY_STAGES:
                 logger.info("eval: %s", stage)
-                per_stage[stage] = self._policy_metrics(path, records, reward_fn, None if path == reference_dir else reference,
+                per_stage[stage] = self._policy_metrics(path, records, reward_fn,
+                                                        None if path == reference_dir else reference,
                                                         options, accuracy=False)
                 if path == reference_dir:
                     per_stage[stage].update({"kl/k1": 0.0, "kl/k3": 0.0})
         evaluator = RLHFEvaluator(self._load_policy(self.current_model, base, use_vllm=options["use_vllm"]), reference,
                                   template=base.template,
                                   max_new_tokens=options.get("max_new_tokens") or base.eval_max_new_tokens,
-                                  batch_size=options["batch_size"], seed=base.seed, enable_thinking=base.enable_thinking)
+                                  batch_size=options["batch_size"], seed=base.seed,
+                                  enable_thinking=base.enable_thinking)
         subset = records[:options["max_prompts"]]
         final = evaluator.diversity(subset, options["samples_per_prompt"])
         if reference is not None and reward_fn is not None and self.current_model != reference_dir:
@@ -12208,15 +12513,16 @@ class RLHFOrchestrator:
             else:
                 reward_fn = self._reward_function(options)
                 if reward_fn is None:
-                    raise RLHFInputError(f"{self.config.source}: best_of_n scorer 'rm' needs a reward model (an rm stage "
-                                         f"or best_of_n.reward_model)")
+                    raise RLHFInputError(f"{self.config.source}: best_of_n scorer 'rm' needs a reward model (an rm "
+                                         "stage or best_of_n.reward_model)")
                 scores = torch.as_tensor(reward_fn([p for p in prompts for _ in range(options["n"])],
                                                    [c for row in candidates for c in row])).view(len(prompts), -1)
                 chosen = [row[i] for row, i in zip(answers, scores.argmax(-1).tolist())]
             metrics[f"accuracy/{scorer}"] = float(np.mean([a is not None and a == t for a, t in zip(chosen, truth)]))
         return metrics
 
-    def merge(self, options: dict[str, Any] | None = None, output_dir: str | os.PathLike | None = None) -> dict[str, Any]:
+    def merge(self, options: dict[str, Any] | None = None,
+              output_dir: str | os.PathLike | None = None) -> dict[str, Any]:
         """Merge trained policies (model_merging.ModelMerger; default TIES of every adopted
         policy-optimisation stage over the SFT model), then evaluate the merged model like the others."""
         import model_merging
@@ -12230,7 +12536,8 @@ class RLHFOrchestrator:
         if not names:
             raise StageNotRun(f"nothing to merge ({', '.join(dropped) or 'no policy-optimisation stage'} not adopted)")
         if dropped:
-            logger.warning("merge: %s not adopted (rolled back or not run); merging %s", ", ".join(dropped), ", ".join(names))
+            logger.warning("merge: %s not adopted (rolled back or not run); merging %s", ", ".join(dropped),
+                           ", ".join(names))
         raw = {k: v for k, v in options.items() if k != "evaluate"}
         raw["models"] = [{**e, "model": self._resolve_model(e["model"], "merge.models"),
                           **({"base": self._resolve_model(e["base"], "merge.models.base")} if e.get("base") else {})}
@@ -12377,7 +12684,8 @@ class RLHFOrchestrator:
             return self.history
         seconds = time.time() - started
         written = write_pipeline_report(self.output_dir, self.history, seconds)
-        rich_console().print(pipeline_table(self.history, title=f"pipeline summary ({self.output_dir}, {seconds:.0f}s)"))
+        rich_console().print(pipeline_table(self.history,
+                                            title=f"pipeline summary ({self.output_dir}, {seconds:.0f}s)"))
         logger.info("report: %s", ", ".join(str(p) for p in [self.output_dir / "report.json", *written]))
         return self.history
 
@@ -12402,22 +12710,36 @@ EXPORT_FORMATS = ("hf", "gguf")
 class ExportConfig:
     """Export a model, with its adapter merged into the base, as a Hugging Face folder or a GGUF file."""
 
-    model_name_or_path: str = _opt("", "The model to export: a trained output folder (an adapter's folder loads its base and merges it), a Hugging Face folder, a .gguf file or 'tiny'")
+    model_name_or_path: str = _opt("", "The model to export: a trained output folder (an adapter's folder loads its "
+                                       "base and merges it), a Hugging Face folder, a .gguf file or 'tiny'")
     gguf_file: str | None = _opt(None, "A GGUF file inside the model_name_or_path folder (as in the training stages)")
-    adapter_name_or_path: str | None = _opt(None, "A LoRA adapter folder to merge into model_name_or_path (LLaMA-Factory's key; an adapter output folder as model_name_or_path does the same)")
-    finetuning_type: str | None = _opt(None, "LLaMA-Factory's key, checked against the inputs: lora / oft need an adapter (adapter_name_or_path or an adapter output folder), full / freeze a plain model")
-    template: str = _opt("auto", "Chat template written into the exported tokenizer: auto (the model's own) or a named one (see `rlhf sft --help`), as training rendered it")
-    enable_thinking: bool | None = _opt(None, "Thinking switch of templates that have one, fixed in the exported template as training used it")
-    export_dir: str = _opt("", "Where the Hugging Face folder goes (format hf), or the folder that receives the .gguf file (format gguf)")
-    export_format: str = _opt("hf", "hf (a Hugging Face folder of safetensors shards) | gguf (one GGUF file, for llama.cpp, Ollama, LM Studio)")
+    adapter_name_or_path: str | None = _opt(None, "A LoRA adapter folder to merge into model_name_or_path "
+                                                  "(LLaMA-Factory's key; an adapter output folder as "
+                                                  "model_name_or_path does the same)")
+    finetuning_type: str | None = _opt(None, "LLaMA-Factory's key, checked against the inputs: lora / oft need an "
+                                             "adapter (adapter_name_or_path or an adapter output folder), full / "
+                                             "freeze a plain model")
+    template: str = _opt("auto", "Chat template written into the exported tokenizer: auto (the model's own) or a named "
+                                 "one (see `rlhf sft --help`), as training rendered it")
+    enable_thinking: bool | None = _opt(None, "Thinking switch of templates that have one, fixed in the exported "
+                                              "template as training used it")
+    export_dir: str = _opt("", "Where the Hugging Face folder goes (format hf), or the folder that receives the .gguf "
+                               "file (format gguf)")
+    export_format: str = _opt("hf", "hf (a Hugging Face folder of safetensors shards) | gguf (one GGUF file, for "
+                                    "llama.cpp, Ollama, LM Studio)")
     gguf_type: str = _opt("f16", "GGUF tensor type: f32 | f16 | bf16 | q8_0 (norms and biases stay f32)")
-    export_size: int = _opt(5, "Largest safetensors shard of a Hugging Face export, in GB (LLaMA-Factory's export_size)")
+    export_size: int = _opt(5, "Largest safetensors shard of a Hugging Face export, in GB (LLaMA-Factory's "
+                               "export_size)")
     export_device: str = _opt("cpu", "Device that merges the adapter: cpu | auto (a GPU when there is one)")
-    export_legacy_format: bool = _opt(False, "LLaMA-Factory's .bin export: refused; weights are written as safetensors only")
-    export_quantization_bit: int | None = _opt(None, "With export_format gguf: 8 is gguf_type q8_0 (LLaMA-Factory's GPTQ export of 2-4 bits is not supported)")
-    export_hub_model_id: str | None = _opt(None, "Refused: nothing is uploaded; push the folder with `huggingface-cli upload` yourself")
+    export_legacy_format: bool = _opt(False, "LLaMA-Factory's .bin export: refused; weights are written as safetensors "
+                                             "only")
+    export_quantization_bit: int | None = _opt(None, "With export_format gguf: 8 is gguf_type q8_0 (LLaMA-Factory's "
+                                                     "GPTQ export of 2-4 bits is not supported)")
+    export_hub_model_id: str | None = _opt(None, "Refused: nothing is uploaded; push the folder with `huggingface-cli "
+                                                 "upload` yourself")
     trust_remote_code: bool = _opt(False, "Allow custom modelling code shipped with the model")
-    cache_dir: str | None = _opt(None, "Cache of the embedded model and GGUF conversions (default: $RLHF_CACHE or ~/.cache/rlhf)")
+    cache_dir: str | None = _opt(None, "Cache of the embedded model and GGUF conversions (default: $RLHF_CACHE or "
+                                       "~/.cache/rlhf)")
 
     stage: typing.ClassVar[str] = "export"
 
@@ -12443,9 +12765,11 @@ class ExportConfig:
             _check_choice(self.finetuning_type, FINETUNING_TYPES, "finetuning_type")
             adapter = self.adapter_name_or_path or (
                 self.model_name_or_path if (Path(self.model_name_or_path) / "adapter_config.json").exists() else None)
+            advice = ("set adapter_name_or_path" if adapter is None
+                      else "remove adapter_name_or_path or set finetuning_type: lora")
             _check((self.finetuning_type in ("lora", "oft")) == (adapter is not None), "finetuning_type",
-                   f"is {self.finetuning_type}, but {'the adapter ' + adapter + ' is given' if adapter else 'no adapter is given'}; "
-                   f"{'set adapter_name_or_path' if adapter is None else 'remove adapter_name_or_path or set finetuning_type: lora'}")
+                   f"is {self.finetuning_type}, but "
+                   f"{'the adapter ' + adapter + ' is given' if adapter else 'no adapter is given'}; {advice}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -12567,16 +12891,16 @@ GGUF_EXPORT_ARCHITECTURES = {
     "qwen3": GGUFArchitecture("qwen3", head_dim_keys=True),
     "gemma3_text": GGUFArchitecture("gemma3", norm_shift=1.0, head_dim_keys=True, sliding_window=True),
 }
-GGUF_TOKEN_NORMAL, GGUF_TOKEN_UNKNOWN, GGUF_TOKEN_CONTROL, GGUF_TOKEN_USER_DEFINED, GGUF_TOKEN_UNUSED, GGUF_TOKEN_BYTE = \
-    1, 2, 3, 4, 5, 6  # llama.cpp's token types
+(GGUF_TOKEN_NORMAL, GGUF_TOKEN_UNKNOWN, GGUF_TOKEN_CONTROL, GGUF_TOKEN_USER_DEFINED, GGUF_TOKEN_UNUSED,
+ GGUF_TOKEN_BYTE) = 1, 2, 3, 4, 5, 6  # llama.cpp's token types
 
 
 def _gguf_architecture(config: Any) -> GGUFArchitecture:
     model_type = getattr(config, "model_type", "?")
     if model_type not in GGUF_EXPORT_ARCHITECTURES:
-        raise RLHFInputError(f"export_format gguf: model type '{model_type}' cannot be written as GGUF here (supported: "
-                             f"{', '.join(GGUF_EXPORT_ARCHITECTURES)}); export format hf and convert it with "
-                             f"llama.cpp's convert_hf_to_gguf.py")
+        raise RLHFInputError(f"export_format gguf: model type '{model_type}' cannot be written as GGUF here "
+                             f"(supported: {', '.join(GGUF_EXPORT_ARCHITECTURES)}); export format hf and convert it "
+                             "with llama.cpp's convert_hf_to_gguf.py")
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     rope_types = {rope.get("rope_type", "default")} if "rope_type" in rope or not rope else \
         {r.get("rope_type", "default") for r in rope.values() if isinstance(r, dict)}
@@ -12587,8 +12911,10 @@ def _gguf_architecture(config: Any) -> GGUFArchitecture:
     if model_type == "gemma3_text":
         # what GGUF readers derive instead of reading: llama.cpp scales queries by 1/sqrt(head_dim) and transformers by
         # its default query_pre_attn_scalar (256); both use local rope base 10000 and a full-attention layer every 6th
-        layers = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(config.num_hidden_layers)]
-        local = (rope.get("sliding_attention") or {}).get("rope_theta", getattr(config, "rope_local_base_freq", 10000.0))
+        layers = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                  for i in range(config.num_hidden_layers)]
+        local = (rope.get("sliding_attention") or {}).get("rope_theta",
+                                                          getattr(config, "rope_local_base_freq", 10000.0))
         if not (config.query_pre_attn_scalar == config.head_dim == 256) or float(local) != 10000.0 \
                 or list(getattr(config, "layer_types", layers)) != layers:
             raise RLHFInputError("export_format gguf: this Gemma 3's query scaling (query_pre_attn_scalar and head_dim "
@@ -12638,7 +12964,8 @@ def _gguf_tensors(model: nn.Module, arch: GGUFArchitecture) -> Iterator[tuple[st
     config = model.config
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.gguf_name.upper()], config.num_hidden_layers)
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    heads, kv_heads = (config.num_attention_heads,
+                       getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
     for hf_name, tensor in model.state_dict().items():
         if tied and hf_name == "lm_head.weight":
             continue
@@ -12681,7 +13008,8 @@ def _gguf_pre_tokenizer(tokenizer_json: dict[str, Any]) -> str:
     def parts(node: dict[str, Any] | None) -> list[dict[str, Any]]:
         if not node:
             return []
-        return [p for child in node.get("pretokenizers", []) for p in parts(child)] if node["type"] == "Sequence" else [node]
+        return ([p for child in node.get("pretokenizers", []) for p in parts(child)] if node["type"] == "Sequence"
+                else [node])
 
     steps = parts(tokenizer_json.get("pre_tokenizer"))
     kinds = [step["type"] for step in steps]
@@ -12691,7 +13019,8 @@ def _gguf_pre_tokenizer(tokenizer_json: dict[str, Any]) -> str:
         return "gpt-2"
     pattern = next((s["pattern"].get("Regex") for s in steps if s["type"] == "Split"), None)
     preferred = ("llama-bpe", "qwen2", "tekken", "gpt-4o")
-    for name in sorted(GGUF_PRE_TOKENIZER_SPLITS, key=lambda n: (n not in preferred, preferred.index(n) if n in preferred else 0)):
+    for name in sorted(GGUF_PRE_TOKENIZER_SPLITS,
+                       key=lambda n: (n not in preferred, preferred.index(n) if n in preferred else 0)):
         if pattern is not None and GGUF_PRE_TOKENIZER_SPLITS[name] == pattern:
             return name
     logger.warning("export: the tokenizer's pre-tokenizer %s has no llama.cpp name; written as 'default'", kinds)
@@ -12813,20 +13142,25 @@ def write_gguf(model: nn.Module, tokenizer: Any, path: str | os.PathLike, gguf_t
 class EvalConfig:
     """Measure a model (or an adapter) on a dataset with the pipeline's evaluator; writes output_dir/eval.json."""
 
-    model_name_or_path: str = _opt("", "The model to measure: an output folder (an adapter loads its base), a Hugging Face folder, a .gguf file or 'tiny'")
+    model_name_or_path: str = _opt("", "The model to measure: an output folder (an adapter loads its base), a Hugging "
+                                       "Face folder, a .gguf file or 'tiny'")
     gguf_file: str | None = _opt(None, "A GGUF file inside the model_name_or_path folder")
     adapter_name_or_path: str | None = _opt(None, "A LoRA adapter folder applied over model_name_or_path")
-    dataset: str = _opt("", "Prompts to answer, with an 'answer' for held-out accuracy (dataset names in dataset_dir/dataset_info.json or files, comma-separated)")
+    dataset: str = _opt("", "Prompts to answer, with an 'answer' for held-out accuracy (dataset names in "
+                            "dataset_dir/dataset_info.json or files, comma-separated)")
     dataset_dir: str = _opt("data", "Folder holding dataset_info.json and the files it names")
     max_samples: int | None = _opt(None, "Use at most this many records of each dataset")
     template: str = _opt("auto", "Chat template the prompts are rendered with (as in training)")
     enable_thinking: bool | None = _opt(None, "Thinking switch of templates that have one")
     max_new_tokens: int = _opt(64, "Token budget per answer")
     batch_size: int = _opt(32, "Prompts per generation batch")
-    reward_model: str | None = _opt(None, "A reward model (rm stage output): its mean score of the greedy answers (reward/mean)")
+    reward_model: str | None = _opt(None, "A reward model (rm stage output): its mean score of the greedy answers "
+                                          "(reward/mean)")
     ref_model: str | None = _opt(None, "A reference model: KL(model || reference) on sampled answers (kl/k1, kl/k3)")
-    compare_model: str | None = _opt(None, "Another model: win rate of this model's greedy answers over its answers, judged by reward_model if given, else by correctness")
-    max_prompts: int = _opt(100, "Prompts used for the sampled measures (KL) and the win rate (accuracy uses every prompt)")
+    compare_model: str | None = _opt(None, "Another model: win rate of this model's greedy answers over its answers, "
+                                           "judged by reward_model if given, else by correctness")
+    max_prompts: int = _opt(100, "Prompts used for the sampled measures (KL) and the win rate (accuracy uses every "
+                                 "prompt)")
     samples_per_prompt: int = _opt(4, "Samples per prompt for the KL estimate")
     output_dir: str = _opt("outputs/eval", "Where eval.json is written")
     seed: int = _opt(42, "Seed of the sampled measures")
@@ -12851,8 +13185,8 @@ def _correctness(policy: PolicyModel, formatter: ChatFormatter, records: list[di
                  config: EvalConfig) -> list[float]:
     """1.0 where the greedy answer's ``Answer:`` line equals the record's answer, else 0.0."""
     prompts = [formatter.prompt_ids(r) for r in records]
-    completions = policy.generate(prompts, max_new_tokens=config.max_new_tokens, stop_token_ids=formatter.stop_token_ids,
-                                  batch_size=config.batch_size)
+    completions = policy.generate(prompts, max_new_tokens=config.max_new_tokens,
+                                  stop_token_ids=formatter.stop_token_ids, batch_size=config.batch_size)
     return [float(_answer_matches(policy.decode(c), r)) for c, r in zip(completions, records)]
 
 
@@ -12926,7 +13260,8 @@ def eval_table(report: dict[str, Any]) -> Any:
 class ChatConfig:
     """Talk to a model in the terminal, rendered with its chat template, the reply streamed token by token."""
 
-    model_name_or_path: str = _opt("", "The model: an output folder (an adapter loads its base), a Hugging Face folder, a .gguf file or 'tiny'")
+    model_name_or_path: str = _opt("", "The model: an output folder (an adapter loads its base), a Hugging Face "
+                                       "folder, a .gguf file or 'tiny'")
     adapter_name_or_path: str | None = _opt(None, "A LoRA adapter folder applied over model_name_or_path")
     template: str = _opt("auto", "Chat template (as in training)")
     enable_thinking: bool | None = _opt(None, "Thinking switch of templates that have one")
@@ -12941,7 +13276,8 @@ class ChatConfig:
     stage: typing.ClassVar[str] = "chat"
 
     def __post_init__(self) -> None:
-        _check(bool(str(self.model_name_or_path).strip()), "model_name_or_path", "is empty; name the model to chat with")
+        _check(bool(str(self.model_name_or_path).strip()), "model_name_or_path",
+               "is empty; name the model to chat with")
         _check(self.max_new_tokens > 0, "max_new_tokens", f"must be > 0, got {self.max_new_tokens}")
         _check(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
         _check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
@@ -13018,7 +13354,8 @@ class ChatSession:
             replies += 1
 
 
-def chat(config: ChatConfig, read: Callable[[str], str] | None = None, write: Callable[[str], None] | None = None) -> int:
+def chat(config: ChatConfig, read: Callable[[str], str] | None = None,
+         write: Callable[[str], None] | None = None) -> int:
     """Load the model (its adapter merged) and run a ChatSession until /exit; returns the number of replies."""
     set_seed(config.seed)
     policy = load_merged_policy(config.model_name_or_path, config.adapter_name_or_path, cache_dir=config.cache_dir,
@@ -13072,8 +13409,8 @@ def _build_parser() -> Any:
     import model_merging
 
     parser = argparse.ArgumentParser(prog="rlhf", description="Post-training for causal language models: "
-                                     "SFT, reward and process-reward models, DPO/SimPO/ORPO/KTO, online RL (GRPO, RLOO, "
-                                     "REINFORCE++, online DPO, distillation, PPO).",
+                                     "SFT, reward and process-reward models, DPO/SimPO/ORPO/KTO, online RL (GRPO, "
+                                     "RLOO, REINFORCE++, online DPO, distillation, PPO).",
                                      epilog="LLaMA-Factory style: `rlhf --config FILE` and `rlhf train FILE` run the "
                                      "stage named by the file's `stage:` key.\n`rlhf COMMAND --help` lists every "
                                      "option of a command.",
@@ -13087,10 +13424,12 @@ def _build_parser() -> Any:
                                  epilog="options (YAML keys or key=value):\n" + config_help(cls),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
         command.add_argument("--config", help="YAML config file")
-        command.add_argument("overrides", nargs="*", metavar="key=value", help="override one option, e.g. learning_rate=1e-4")
+        command.add_argument("overrides", nargs="*", metavar="key=value",
+                             help="override one option, e.g. learning_rate=1e-4")
     pipeline = sub.add_parser("pipeline", help="Run several stages in order from one YAML file",
                               description="Run the stages listed in the config, in order, then print a summary table.",
-                              epilog=_pipeline_help() + "\n".join(f"[{s}]\n{config_help(c)}" for s, c in STAGE_CONFIGS.items()),
+                              epilog=_pipeline_help() + "\n".join(f"[{s}]\n{config_help(c)}"
+                                                                  for s, c in STAGE_CONFIGS.items()),
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     pipeline.add_argument("--config", required=True, help="pipeline YAML (see configs/demo.yaml)")
     pipeline.add_argument("--preset", choices=sorted(PRESET_ARCHITECTURES), default=None,
@@ -13136,7 +13475,8 @@ def _build_parser() -> Any:
     merge.add_argument("overrides", nargs="*", metavar="key=value", help="override a top-level key, e.g. density=0.3")
     merge.add_argument("--dry-run", action="store_true", help="check the config and inputs, write nothing")
     merge.add_argument("--no-progress", action="store_true", help="no progress bar")
-    export = sub.add_parser("export", help="Merge an adapter into its base and write a Hugging Face folder or a GGUF file",
+    export = sub.add_parser("export",
+                            help="Merge an adapter into its base and write a Hugging Face folder or a GGUF file",
                             description="Export a trained model: a LoRA adapter merged into its base, written as a "
                             "Hugging Face folder (safetensors) or, with --format gguf, one GGUF file for llama.cpp, "
                             "Ollama and LM Studio. LLaMA-Factory's export keys work: `rlhf export FILE` reads them.",
@@ -13164,7 +13504,8 @@ def _build_parser() -> Any:
     talk.add_argument("--adapter", default=None, help="a LoRA adapter folder over the model")
     talk.add_argument("--system", default=None, help="system prompt")
     talk.add_argument("--max-new-tokens", type=int, default=None, help="token budget per reply (default 256)")
-    talk.add_argument("--temperature", type=float, default=None, help="sampling temperature, 0 for greedy (default 0.7)")
+    talk.add_argument("--temperature", type=float, default=None,
+                      help="sampling temperature, 0 for greedy (default 0.7)")
     talk.add_argument("--top-p", type=float, default=None, help="nucleus sampling (default 0.9)")
     talk.add_argument("--template", default=None, help="chat template (default: the model's own)")
     talk.add_argument("--config", help="YAML config")
@@ -13190,8 +13531,9 @@ def memory_plan_table(args: Any) -> Any:
                                          gradient_checkpointing=config.gradient_checkpointing,
                                          sharded=not args.no_sharding, stage=stage)
     vision = f", vision {arch['vision_parameters'] / 1e9:.2f}B frozen" if arch.get("vision_parameters") else ""
-    table = Table(min_width=78, title=f"{arch['model']} ({count_parameters(arch) / 1e9:.1f}B{vision}), {args.finetuning_type}, "
-                  f"{args.gpus} GPU(s){'' if args.no_sharding else ' sharded (ZeRO-3 / FSDP)'}: GiB per GPU")
+    table = Table(min_width=78,
+                  title=f"{arch['model']} ({count_parameters(arch) / 1e9:.1f}B{vision}), {args.finetuning_type}, "
+                        f"{args.gpus} GPU(s){'' if args.no_sharding else ' sharded (ZeRO-3 / FSDP)'}: GiB per GPU")
     table.add_column("component")
     for stage in stages:
         table.add_column(stage, justify="right")
@@ -13274,8 +13616,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "export":
             config = _export_config(args)
             written = export_model(config)
-            console.print(f"exported {config.model_name_or_path}{' + ' + config.adapter_name_or_path if config.adapter_name_or_path else ''} "
-                          f"to {written} ({config.export_format}{', ' + config.gguf_type if config.export_format == 'gguf' else ''})")
+            console.print(f"exported {config.model_name_or_path}"
+                          f"{' + ' + config.adapter_name_or_path if config.adapter_name_or_path else ''} "
+                          f"to {written} ({config.export_format}"
+                          f"{', ' + config.gguf_type if config.export_format == 'gguf' else ''})")
             return 0
         if args.command == "eval":
             config = load_config(EvalConfig, args.config, args.overrides)
@@ -13296,7 +13640,8 @@ def main(argv: list[str] | None = None) -> int:
             stage = given[-1] if given else str(read_yaml(args.config).get("stage", ""))
             if not stage:
                 raise RLHFInputError(f"{args.config} has no 'stage:' key, which picks the trainer; add a line "
-                                     f"stage: {' | '.join(STAGE_CONFIGS)}, or give stage=sft (or another) after the file")
+                                     f"stage: {' | '.join(STAGE_CONFIGS)}, or give stage=sft (or another) after the "
+                                     "file")
             if stage not in STAGE_CONFIGS:
                 raise RLHFInputError(f"{args.config}: 'stage' is '{stage}'; valid: {', '.join(STAGE_CONFIGS)}")
         entries = _run_single_stage(stage, args.config, args.overrides)
@@ -13305,7 +13650,8 @@ def main(argv: list[str] | None = None) -> int:
             console.print(summary_table(entries))
         return 0
     except RLHFInputError as err:
-        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(err))}", markup=True, highlight=False, soft_wrap=True)
+        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(err))}", markup=True, highlight=False,
+                                   soft_wrap=True)
         return 2
     except KeyboardInterrupt as interrupt:
         advice = (str(interrupt) if isinstance(interrupt, TrainingInterrupted) else
