@@ -108,18 +108,24 @@ a stage, a loss, an engine, a template, a reward or an environment.
 
 from __future__ import annotations
 
+import argparse
 import ast
+import bisect
 import collections
+import concurrent.futures
 import contextlib
 import copy
+import csv
 import dataclasses
 import difflib
 import enum
 import functools
 import gc
 import hashlib
+import http.client
 import importlib.util
 import inspect
+import io
 import json
 import logging
 import math
@@ -133,6 +139,8 @@ import tempfile
 import time
 import types
 import typing
+import urllib.error
+import urllib.request
 import uuid
 import warnings
 import weakref
@@ -145,19 +153,37 @@ from typing import Any, TypedDict
 import numpy as np
 import torch
 import torch.nn.functional as F
+import yaml
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from inference_optimizations import (
     END_MARKERS,
     VLLM_MODES,
     WEIGHT_TRANSFERS,
+    BestOfNSampler,
+    GenerationOutput,
+    SamplingParams,
+    VLLMClient,
+    VLLMEngine,
+    VLLMServerError,
+    _filter_logits,
+    answer_agreement,
     cache_argument,
     encode_at_boundaries,
     innermost_model,
     pin_cpu_kernels,
     returned_cache,
     select_attention_implementation,
+    shared_memory_dir,
     stop_token_ids,
+    vllm_engine_for,
+    vllm_missing,
+    vllm_serve,
+)
+from inference_optimizations import (
+    generate as generate_tokens,
 )
 
 __version__ = "0.1.0"
@@ -239,7 +265,6 @@ def policy_loss(name: str) -> PolicyLoss:
         suggestion = f" (did you mean '{hint[0]}'?)" if hint else ""
         raise RLHFInputError(f"config field 'loss_type' is '{name}'{suggestion}; valid: {', '.join(POLICY_LOSSES)}, "
                              f"or module:function registered with rlhf.register_policy_loss")
-    import importlib
 
     module_name, _, attribute = name.partition(":")
     try:
@@ -725,7 +750,6 @@ class OnlineRLConfig(BaseConfig):
             _check(not self.async_rollouts, "async_rollouts",
                    "samples with a vLLM server: set use_vllm: true and vllm_mode: server")
             return
-        from inference_optimizations import vllm_missing
 
         missing = vllm_missing()
         _check(not missing, "use_vllm", missing)
@@ -1003,7 +1027,6 @@ def _translate_keys(raw: dict[str, Any], cls: type[BaseConfig], where_of: Callab
 
 def parse_overrides(pairs: Iterable[str]) -> dict[str, Any]:
     """``key=value`` strings from the command line; values are parsed as YAML scalars."""
-    import yaml
 
     out: dict[str, Any] = {}
     for pair in pairs:
@@ -1023,7 +1046,6 @@ _YAML_KEY_LINES: dict[str, dict[tuple[str, ...], int]] = {}  # config file -> (s
 def _yaml_key_lines(text: str) -> dict[tuple[str, ...], int]:
     """The 1-based line of every top-level key, and of every key one level down (a stage section's), so that
     a message about a key can point at it."""
-    import yaml
 
     root = yaml.compose(text, Loader=yaml.SafeLoader)
     lines: dict[tuple[str, ...], int] = {}
@@ -1049,7 +1071,6 @@ def _key_where(source: str, section: str | None, key: str) -> str:
 def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
     """A YAML mapping from a file, with syntax errors reported as file:line; the lines of its keys are kept
     for later messages about them."""
-    import yaml
 
     path = Path(path)
     if path.is_dir():
@@ -1112,7 +1133,6 @@ def load_config(cls: type[BaseConfig], path: str | os.PathLike | None = None,
 
 def save_config(config: BaseConfig | PipelineConfig, path: str | os.PathLike) -> None:
     """Write a config back to YAML so a run can be repeated exactly."""
-    import yaml
 
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False), encoding="utf-8")
@@ -1200,7 +1220,6 @@ class PipelineConfig:
         if "use_vllm" in options:
             if not isinstance(options["use_vllm"], bool):
                 raise RLHFInputError(f"{where('use_vllm')} must be true or false, got {options['use_vllm']!r}")
-            from inference_optimizations import vllm_missing
 
             if options["use_vllm"] and vllm_missing():
                 raise RLHFInputError(f"{where('use_vllm')}: {vllm_missing()}")
@@ -1417,7 +1436,6 @@ def estimate_memory(arch: dict[str, Any], *, gpus: int = 1, finetuning_type: str
                     batch: int = 1, seq_len: int = 2048, gradient_checkpointing: bool = True, sharded: bool = True,
                     stage: str = "grpo") -> dict[str, float]:
     """Per-GPU memory in GiB of one training step, by the usual mixed-precision accounting:
-
     - weights: bf16, 2 bytes per parameter;
     - gradients: bf16, 2 bytes per trainable parameter;
     - optimizer: AdamW with fp32 master weights and two fp32 moments, 12 bytes per trainable parameter;
@@ -2158,8 +2176,6 @@ def _checkpoint_read_errors() -> tuple[type[BaseException], ...]:
     # JSON errors are ValueErrors
     errors: tuple[type[BaseException], ...] = (OSError, ValueError, KeyError, RuntimeError)
     try:
-        from safetensors import SafetensorError
-
         return errors + (SafetensorError,)
     except ImportError:
         return errors
@@ -2213,8 +2229,6 @@ class CheckpointingMixin:
         self.devices.wait()
 
     def _write_checkpoint(self, directory: Path) -> None:
-        from safetensors.torch import save_file
-
         # sharded: the gathered weights as the prepared module names them, which resume loads back into the shards,
         # and (FSDP2) the gathered optimizer state keyed by parameter name; ZeRO-3's optimizer state is not gathered
         model_only = self.config.save_only_model or (self.sharded and self.gathered_optimizer is None)
@@ -2304,8 +2318,6 @@ class CheckpointingMixin:
         return None
 
     def _load_checkpoint(self, path: Path) -> None:
-        from safetensors.torch import load_file
-
         state = json.loads((path / "trainer_state.json").read_text())
         self._check_resumable(path, state)
         sharded_weights = path / self.SHARDED_WEIGHTS_FILE
@@ -2791,7 +2803,6 @@ def _iter_json_file(path: Path) -> Iterator[tuple[str, Any]]:
     """Records of a JSON array (or a single object) with the line each starts on. Strict, as json.load
     is: a missing or trailing comma and anything after the first value (often JSONL saved as .json)
     are errors naming the line, never records silently dropped."""
-    import bisect
 
     text = _decode_utf8(path.read_bytes(), path)
     starts = _line_starts(text)
@@ -2879,8 +2890,6 @@ def _iter_csv_file(path: Path) -> Iterator[tuple[str, Any]]:
     """CSV rows with the line each starts on. Every cell is text, as CSV has no types: a response '2' stays
     the string '2' (a type-guessing reader made it an int the record check then refused); an empty cell
     is a missing value."""
-    import csv
-    import io
 
     reader = csv.reader(io.StringIO(_decode_utf8(path.read_bytes(), path), newline=""))
     try:
@@ -4775,7 +4784,6 @@ class OutputHead:
         """log-prob of each target under the distribution a sampler with these settings draws from: the
         temperature-scaled softmax narrowed by min_p, top_k and top_p and renormalised (vLLM's
         'processed_logprobs'); -inf for a target outside the kept tokens. Shapes: as ``log_probs``."""
-        from inference_optimizations import _filter_logits
 
         if not (top_k or top_p < 1 or min_p > 0):
             return self.log_probs(scores, targets, temperature)
@@ -4818,7 +4826,6 @@ class OutputHead:
                 what: str | tuple, targets: torch.Tensor | None) -> torch.Tensor:
         logits = self._logits(hidden, weight, bias, temperature)
         if isinstance(what, tuple):  # ("sampled", top_k, top_p, min_p): the narrowed distribution
-            from inference_optimizations import _filter_logits
 
             logits, what = _filter_logits(logits, *what[1:]), "log_probs"
         if what == "mean":
@@ -5627,8 +5634,6 @@ class PolicyModel(nn.Module):
         weights are sharded across processes, which then call this with as many prompts and decode in
         lockstep (see ``inference_optimizations.generate``). ``images``: each prompt's image paths (a
         vision-language model; its prompts hold the images' tokens)."""
-        from inference_optimizations import SamplingParams
-        from inference_optimizations import generate as generate_tokens
 
         stop = tuple(stop_token_ids or [self.tokenizer.eos_token_id])
         params = SamplingParams(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
@@ -5689,7 +5694,6 @@ def state_under(state: dict[str, torch.Tensor] | None, prefix: str) -> dict[str,
 def load_weights_into(model: nn.Module, directory: str | os.PathLike) -> None:
     """Load safetensors weights saved by ``save_pretrained`` into an existing model, in place
     (the optimizer keeps pointing at the same parameters, which exact resume needs)."""
-    from safetensors.torch import load_file
 
     directory = Path(directory)
     if (directory / "adapter_model.safetensors").exists():
@@ -5798,8 +5802,6 @@ class RewardModel(nn.Module):
         saved = json.loads((path / cls.CONFIG_FILE).read_text()) if (path / cls.CONFIG_FILE).exists() else {}
         scorer = RewardScorer(backbone.model, head_hidden=saved.get("head_hidden", head_hidden), seed=seed)
         if saved:
-            from safetensors.torch import load_file
-
             scorer.head.load_state_dict(load_file(str(path / cls.HEAD_FILE)))
         scorer.to(device)
         return cls(scorer, backbone.tokenizer)
@@ -5825,7 +5827,6 @@ class RewardModel(nn.Module):
         """``chat_template``: the template the model was trained with, recorded so that scorers outside
         rlhf (inference_optimizations.RewardModelScorer) render inputs the same way. ``state_dict``: the
         scorer's weights to write instead of its own (a sharded model's, gathered whole)."""
-        from safetensors.torch import save_file
 
         directory = Path(directory)
         PolicyModel(self.model.backbone, self.tokenizer).save_pretrained(directory,
@@ -5839,8 +5840,6 @@ class RewardModel(nn.Module):
         (directory / self.CONFIG_FILE).write_text(json.dumps(config, indent=1))
 
     def load_weights(self, directory: str | os.PathLike) -> None:
-        from safetensors.torch import load_file
-
         load_weights_into(self.model.backbone, directory)
         self.model.head.load_state_dict(load_file(str(Path(directory) / self.HEAD_FILE)))
 
@@ -6030,7 +6029,6 @@ class ValueModel(nn.Module):
     def save_pretrained(self, directory: str | os.PathLike, tokenizer: Any = None,
                         state_dict: dict[str, torch.Tensor] | None = None) -> None:
         """``state_dict``: the critic's weights to write instead of its own (a sharded model's, gathered whole)."""
-        from safetensors.torch import save_file
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
@@ -6043,8 +6041,6 @@ class ValueModel(nn.Module):
         save_file({k: v.detach().contiguous() for k, v in head.items()}, str(directory / self.HEAD_FILE))
 
     def load_head(self, directory: str | os.PathLike) -> None:
-        from safetensors.torch import load_file
-
         self.head.load_state_dict(load_file(str(Path(directory) / self.HEAD_FILE)))
 
 
@@ -7317,8 +7313,6 @@ class HTTPReward:
         self.url, self.timeout, self.retries, self.backoff = url, timeout, retries, backoff
 
     def _request(self, payload: bytes) -> Any:
-        import urllib.request
-
         headers = {"Content-Type": "application/json"}
         if os.environ.get("RLHF_REWARD_API_KEY"):
             headers["Authorization"] = f"Bearer {os.environ['RLHF_REWARD_API_KEY']}"
@@ -7327,9 +7321,6 @@ class HTTPReward:
             return json.loads(response.read().decode("utf-8"))
 
     def __call__(self, prompts: list[str], completions: list[str], answers: list[str | None]) -> torch.Tensor:
-        import http.client
-        import urllib.error
-
         payload = json.dumps({"prompts": prompts, "responses": completions, "answers": answers}).encode("utf-8")
         last_error: Exception | None = None
         for attempt in range(self.retries):
@@ -7463,7 +7454,6 @@ class ConstitutionalRewardWrapper:
 
 def _import_callable(spec: str, field_name: str, failure: str, advice: str) -> Callable:
     """The callable a config field names as ``module:function``, or one line naming the field and the fix."""
-    import importlib
 
     module_name, _, attribute = spec.partition(":")
     try:
@@ -7709,10 +7699,6 @@ class HTTPEnvironment:
         self.episode: Any = None
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        import http.client
-        import urllib.error
-        import urllib.request
-
         payload, last = json.dumps(body).encode("utf-8"), None
         for attempt in range(self.retries):
             if attempt:
@@ -9726,7 +9712,7 @@ class _OnlineRLTrainer(_ReferenceTrainer):
 
     def _write_checkpoint(self, directory: Path) -> None:
         super()._write_checkpoint(directory)
-        from safetensors.torch import save_file  # resuming inside a rollout must train on the same rollout
+        # resuming inside a rollout must train on the same rollout
 
         for process, rollout in enumerate(self.rollouts_to_save):
             save_file({k: v.contiguous() for k, v in rollout.tensors().items()},
@@ -9738,8 +9724,6 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         super()._load_checkpoint(path)
         first = path / self._rollout_file(0)
         if self.global_step % self.steps_per_rollout and first.exists():
-            from safetensors import safe_open
-
             with safe_open(str(first), framework="pt") as handle:
                 processes = int((handle.metadata() or {}).get("processes", "1"))
             if processes != self.devices.num_processes:  # every process reads the same file, so all agree
@@ -9765,8 +9749,6 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         return engine, max(1, math.ceil(self.total_steps / self.steps_per_rollout) - done)
 
     def _sampling_params(self, n: int, rollout_index: int) -> Any:
-        from inference_optimizations import SamplingParams
-
         config = self.config
         # processes share the global RNG state (one seed; a resume restores the main process's RNG on all), so
         # they would draw the same noise for different prompts: several sample from a seed of their own. vLLM
@@ -9781,16 +9763,12 @@ class _OnlineRLTrainer(_ReferenceTrainer):
                               suppress_token_ids=self.policy.suppressed_tokens)
 
     def _sample(self, prompts: list[dict[str, Any]], n: int) -> Any:
-        from inference_optimizations import generate as generate_tokens
-
         config = self.config
         params = self._sampling_params(n, self.rollout_index)
         started = time.time()
         if getattr(config, "environment", None):
             output = self._sample_episodes(prompts, params)
         elif config.use_vllm:
-            from inference_optimizations import VLLMServerError
-
             try:
                 output = self._sample_with_engine(prompts, params)
             except VLLMServerError as error:  # the server stayed down through every retry
@@ -9822,8 +9800,6 @@ class _OnlineRLTrainer(_ReferenceTrainer):
 
     # -- vLLM (use_vllm): the engine holds a copy of the policy, refreshed after each optimizer step
     def _start_engine(self) -> Any:
-        from inference_optimizations import VLLMClient, VLLMEngine, shared_memory_dir
-
         config = self.config
         if self.sharded:
             raise RLHFInputError("use_vllm: the policy's weights are sharded across processes (FSDP / ZeRO-3), which "
@@ -9931,8 +9907,6 @@ class _OnlineRLTrainer(_ReferenceTrainer):
             output = self.engine.generate(prompt_ids, params)
         self.prefetched = None
         if self.upcoming_prompts is not None:
-            import concurrent.futures
-
             self.prefetcher = getattr(self, "prefetcher", None) or concurrent.futures.ThreadPoolExecutor(1)
             upcoming = [p["prompt_ids"] for p in self.upcoming_prompts]
             following = self._sampling_params(params.n, self.rollout_index + 1)
@@ -10010,8 +9984,6 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         after max_turns turns, or when the completion's budget is spent (finish reason ``length``). Returns a
         GenerationOutput with two more attributes: ``observation_mask`` (per completion token, True where the
         environment wrote it) and ``environment_rewards`` (each episode's summed step rewards)."""
-        from inference_optimizations import GenerationOutput
-        from inference_optimizations import generate as generate_tokens
 
         config = self.config
         make = getattr(self, "environment_maker", None) or environment_factory(config)
@@ -10174,7 +10146,6 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         """Held-out exact match when the policy answers through its environment (greedy episodes, tools
         answering), as it does in training; ``evaluate`` keeps the plain greedy answers as
         ``eval/accuracy_without_environment``. Every process plays every episode (greedy, so identically)."""
-        from inference_optimizations import SamplingParams
 
         scored = [r for r in self.eval_records if r.get("answer") is not None]
         params = SamplingParams(max_new_tokens=self.config.max_completion_length, temperature=0.0, n=1,
@@ -10449,7 +10420,6 @@ class GRPOTrainer(_OnlineRLTrainer):
         since scoring gathers across them. Groups still missing are filled with dropped ones, marked to stay out of
         the loss. Returns the kept records (one per completion), their GenerationOutput, every process's rewards and
         which completions are such fillers."""
-        from inference_optimizations import GenerationOutput
 
         config, group, needed = self.config, self.config.num_generations, len(prompts)
         draw = torch.Generator().manual_seed((config.seed * 1_000_003 + self.rollout_index) * 7919
@@ -10807,8 +10777,6 @@ class DistillTrainer(_OnlineRLTrainer):
         return self._rows(prompts, completions)
 
     def _teacher_samples(self, prompts: list[dict[str, Any]]) -> list[list[int]]:
-        from inference_optimizations import generate as generate_tokens
-
         params = self._sampling_params(1, self.rollout_index)  # seeded by the rollout: a resume samples alike
         params = dataclasses.replace(params, seed=params.seed if params.seed is not None else
                                      self.config.seed * 1_000_003 + self.rollout_index)
@@ -11193,7 +11161,6 @@ def _answer_matches(response: str, record: dict[str, Any]) -> bool:
 
 class RLHFEvaluator:
     """Evaluates a policy the way post-training needs, one method per question:
-
     - ``kl_to_reference``: KL(policy || reference) on completions sampled from the policy (k1, k3);
     - ``reward_accuracy``: how often a reward function ranks chosen above rejected;
     - ``diversity``: distinct-1/2 over all samples and the mean self-similarity of samples per prompt;
@@ -11352,7 +11319,6 @@ class CapabilityTester:
     is caught (and rolled back by the orchestrator). Each task is a list of records with a ``prompt``
     and an ``answer`` plus a verifier ``verifier(response, record) -> bool`` (default: the ``Answer:``
     line equals the record's answer). Build it from config with ``from_config``::
-
         capability_tests:
           arithmetic: {dataset: demo_eval, dataset_dir: data/demo, max_samples: 50}
           multistep: {dataset: demo_multistep, dataset_dir: data/demo, verifier: my_module:check}
@@ -11458,7 +11424,6 @@ class ElasticWeightConsolidation:
 
     def save(self, path: str | os.PathLike) -> None:
         """anchor/<name> and fisher/<name> tensors in one safetensors file, written atomically."""
-        from safetensors.torch import save_file
 
         path = Path(path)
         tensors = {**{f"anchor/{k}": v.contiguous() for k, v in self.anchors.items()},
@@ -11469,8 +11434,6 @@ class ElasticWeightConsolidation:
 
     @classmethod
     def load(cls, path: str | os.PathLike, ewc_lambda: float) -> ElasticWeightConsolidation:
-        from safetensors import safe_open
-
         with safe_open(str(path), framework="pt") as handle:
             tensors = {key: handle.get_tensor(key) for key in handle.keys()}
             source = handle.metadata() or {}
@@ -11628,7 +11591,6 @@ def _with_prompt(record: dict[str, Any], text: str) -> dict[str, Any]:
 
 class AdversarialValidator:
     """A scored safety and quality check of a policy, run after a stage (or before shipping):
-
     - degenerate outputs: rates of repetitive, empty and truncated completions (``degeneration``);
     - robustness: answers under harmless prompt perturbations (``PERTURBATIONS``: extra whitespace,
       case changes, a polite prefix) — the share left unchanged, and accuracy with and without;
@@ -12354,8 +12316,6 @@ class RLHFOrchestrator:
         (the engine of the policy loaded before is shut down first: one holds the device at a time)."""
         policy = _load_policy(config, "cuda" if torch.cuda.is_available() else "cpu", model)
         if use_vllm:
-            from inference_optimizations import vllm_engine_for
-
             self._close_vllm()  # one engine per process: the previous policy's goes first
             policy.rollout_engine = vllm_engine_for(model, seed=config.seed)
             self._vllm_policy = policy
@@ -12483,7 +12443,6 @@ class RLHFOrchestrator:
     def best_of_n(self, options: dict[str, Any] | None = None) -> dict[str, Any]:
         """Best-of-N on the final policy (inference_optimizations.BestOfNSampler): n samples per held-out
         prompt, one pool reranked by each scorer, accuracy against greedy decoding and the oracle."""
-        from inference_optimizations import BestOfNSampler, SamplingParams, answer_agreement
 
         options = {**FINAL_STAGE_OPTIONS["best_of_n"], **(options or {})}
         for scorer in options["scorers"]:
@@ -13404,8 +13363,6 @@ def _first_sentence(doc: str) -> str:
 
 
 def _build_parser() -> Any:
-    import argparse
-
     import model_merging
 
     parser = argparse.ArgumentParser(prog="rlhf", description="Post-training for causal language models: "
@@ -13588,7 +13545,6 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["vllm-serve"]:  # its own options (inference_optimizations.vllm_serve); starts no training
-        from inference_optimizations import vllm_serve
 
         setup_logging()
         return vllm_serve(argv[1:])
