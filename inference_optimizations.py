@@ -13,7 +13,7 @@ Public names: pin_cpu_kernels, select_attention_implementation, OptimizedAttenti
 generate, GENERATION_ENGINES, cache_argument, returned_cache, PagedKVCache,
 encode_at_boundaries, chat_prompt_ids, chat_completion_ids, chat_pair_ids, stop_token_ids,
 RewardModelScorer, BestOfNResult, BestOfNSampler,
-PolicyWeights, RolloutEngine, LocalEngine,
+PolicyWeights, RolloutEngine, LocalEngine, Int8Engine,
 VLLM_MODES, vllm_missing, vllm_sampling_params, VLLMEngine, VLLMServer, VLLMClient, VLLMServerError, vllm_serve,
 iter_safetensors, save_weight_shards,
 SpeculativeOutput, SpeculativeDecoder, MCTSNode, MCTSResult, puct_score, MCTSGenerator,
@@ -25,6 +25,7 @@ Command line: ``python inference_optimizations.py best-of-n --policy DIR --rewar
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import gc
@@ -40,6 +41,7 @@ import tempfile
 import time
 import typing
 import uuid
+import warnings
 import weakref
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -1330,6 +1332,78 @@ class LocalEngine:
         pass
 
 
+def _quantize_rows(weight: torch.Tensor) -> torch.Tensor:
+    """Symmetric int8 per output channel (row): scale = max |w| / 127, as fbgemm's dynamic linear expects."""
+    scales = (weight.detach().abs().amax(dim=1).to(torch.float64) / 127).clamp_min(1e-12)
+    zero_points = torch.zeros(weight.shape[0], dtype=torch.int64)
+    return torch.quantize_per_channel(weight.detach().float().cpu(), scales, zero_points, 0, torch.qint8)
+
+
+class Int8Engine:
+    """Rollouts from an int8 copy of the policy (``rollout_dtype: int8``): every ``nn.Linear`` becomes torch's
+    dynamically quantised linear (weights int8 per output channel, activations quantised per batch on the fly;
+    fbgemm / oneDNN kernels on x86 CPUs), the rest stays in fp32, and this project's ``generate`` samples from it.
+    A decode step reads a quarter of the weight bytes, which is what bounds it on a CPU. The log-probs it reports
+    are the int8 model's (the behaviour policy), so the trainer's importance correction accounts for the gap to
+    its own fp32 log-probs, as it does for vLLM's kernels (Yao et al. 2025; the FP8 rollouts of verl / slime).
+
+    ``model``: the policy's module, copied once at the start (LoRA layers too: their linears are quantised
+    alike); each ``sync_weights`` re-quantises from the trainer's tensors in place, tied weights included."""
+
+    holds_weights, shared, takes_images = True, False, False
+    metric_prefix, logprobs_after_truncation = "rollout", False  # generate's log-probs are of the whole distribution
+
+    def __init__(self, model: torch.nn.Module, *, pad_token_id: int, tokenizer=None, engine: str = "static") -> None:
+        from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+        if next(model.parameters()).device.type != "cpu":
+            raise ValueError("rollout_dtype int8 runs torch's quantised linear kernels, which are CPU kernels; on a "
+                             "GPU use vLLM (use_vllm: true)")
+        names_of: dict[int, list[str]] = {}  # storage -> every name sharing it (tied embeddings)
+        for name, tensor in model.state_dict().items():
+            names_of.setdefault(tensor.data_ptr(), []).append(name)
+        self.aliases = {name: names for names in names_of.values() for name in names}
+        self.model = copy.deepcopy(model).float().eval()
+        with warnings.catch_warnings():  # torch.ao.quantization's deprecation notice; its kernels are what we use
+            warnings.simplefilter("ignore")
+            quantize_dynamic(self.model, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8,
+                             inplace=True)
+        self.modules = dict(self.model.named_modules())
+        self.tokenizer, self.pad_token_id = tokenizer, pad_token_id
+        self.engine = "static" if engine in ("auto", "compiled") else engine  # quantised ops stay out of a graph
+
+    def sample(self, prompts: list[list[int]], params: SamplingParams,
+               images: list[list[str]] | None = None) -> GenerationOutput:
+        _text_only(images)
+        return generate(self.model, prompts, params, pad_token_id=self.pad_token_id, tokenizer=self.tokenizer,
+                        engine=self.engine)
+
+    def sync_weights(self, weights: PolicyWeights) -> None:
+        with torch.no_grad():
+            for name, tensor in weights.named():
+                for alias in self.aliases.get(name, [name]):
+                    module_name, _, attribute = alias.rpartition(".")
+                    module = self.modules.get(module_name)
+                    if isinstance(module, torch.ao.nn.quantized.dynamic.Linear):
+                        weight, bias = module.weight(), module.bias()
+                        if attribute == "weight":
+                            weight = _quantize_rows(tensor)
+                        else:
+                            bias = tensor.detach().float().cpu()
+                        module.set_weight_bias(weight, bias)
+                        continue
+                    target = getattr(module, attribute, None) if module is not None else None
+                    if not isinstance(target, torch.Tensor):
+                        raise ValueError(f"int8 rollout engine: the policy's tensor {alias} has no place in its copy")
+                    target.copy_(tensor)
+
+    def sleep(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.model = self.modules = None
+
+
 def _text_only(images: list[list[str]] | None) -> None:
     if images and any(images):
         raise ValueError("this engine samples text prompts; image prompts are sampled with this project's engine")
@@ -1529,6 +1603,7 @@ class VLLMEngine:
     A RolloutEngine: synced adapters are written to ``sync_dir`` (a temporary folder in shared memory)."""
 
     holds_weights, shared, takes_images = True, False, False
+    metric_prefix, logprobs_after_truncation = "vllm", True  # vLLM's processed_logprobs
 
     def __init__(self, model: str, *, dtype: str = "auto", seed: int = 0, max_model_len: int | None = None,
                  gpu_memory_utilization: float = 0.3, tensor_parallel_size: int = 1, enable_lora: bool = False,
@@ -1844,6 +1919,7 @@ class VLLMClient:
     (megabytes). A RolloutEngine shared by every training process: the main one syncs it."""
 
     holds_weights, shared, takes_images = True, True, False
+    metric_prefix, logprobs_after_truncation = "vllm", True  # vLLM's processed_logprobs
 
     def __init__(self, host: str = "127.0.0.1", port: int = 8000, *, timeout: float = 600.0, retries: int = 3,
                  backoff: float = 1.0, sync_dir: str | os.PathLike | None = None,

@@ -166,6 +166,7 @@ from inference_optimizations import (
     WEIGHT_TRANSFERS,
     BestOfNSampler,
     GenerationOutput,
+    Int8Engine,
     LocalEngine,
     PolicyWeights,
     RolloutEngine,
@@ -416,6 +417,7 @@ TOOL_FORMATS = ("tag", "chat_template")  # how environments' tool calls are writ
 REWARD_SCALES = ("group", "batch", "none")
 IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # section 7
 VLLM_OLD_LOGPROBS = ("trainer", "engine")
+ROLLOUT_DTYPES = ("auto", "int8")  # what our engine samples with: the policy itself, or an int8 copy (Int8Engine)
 PRM_AGGREGATIONS = ("min", "product", "last")  # how a process reward model combines its step scores
 ENSEMBLE_STRATEGIES = ("seeds", "boosting")  # how the members of a reward-model ensemble come to differ
 PREF_LOSSES = DPO_LOSS_TYPES + ("orpo", "simpo")  # LLaMA-Factory's pref_loss: the DPO family plus two reference-free
@@ -656,6 +658,9 @@ class OnlineRLConfig(BaseConfig):
     generation_engine: str = _opt("auto", "Rollout decoding: auto (a static KV cache; the decode step is compiled once "
                                           "a timed rollout shows the run's remaining rollouts would save more than the "
                                           "compilation costs) | compiled | static | eager")
+    rollout_dtype: str = _opt("auto", "What our engine samples from: auto (the policy itself) | int8 (a copy with int8 "
+                                      "linear layers, re-quantised after every step, on a CPU; the behaviour/trainer "
+                                      "gap is corrected as for vLLM, see vllm_importance_sampling_*)")
     reward_funcs: list[str] = _opt([], "Reward functions: exact_answer, format, length, reward_model, "
                                        "process_reward_model, api, or module:function")
     reward_weights: list[float] = _opt([], "One weight per reward function, in order (default: all 1.0)")
@@ -730,6 +735,9 @@ class OnlineRLConfig(BaseConfig):
                "need temperature > 0, 0 < top_p <= 1 and top_k >= 0")
         _check_choice(self.reward_model_type, ("full", "lora", "api"), "reward_model_type")
         _check_choice(self.generation_engine, ("auto", "compiled", "static", "eager"), "generation_engine")
+        _check_choice(self.rollout_dtype, ROLLOUT_DTYPES, "rollout_dtype")
+        _check(self.rollout_dtype == "auto" or not self.use_vllm, "rollout_dtype",
+               "int8 is our engine's; vLLM samples in its own dtype: set use_vllm: false or rollout_dtype: auto")
         if not self.scored_by_rewards:
             _check(not self.reward_names(), "reward_funcs",
                    f"is unused by the {self.stage} stage (the teacher is its signal): remove it")
@@ -9576,8 +9584,10 @@ def register_rollout_engine(name: str) -> Callable:
 
 def rollout_engine_name(config: OnlineRLConfig) -> str:
     """The engine a config samples with: vLLM in this process or on a server (``use_vllm``, ``vllm_mode``), else
-    ours."""
-    return f"vllm_{config.vllm_mode}" if config.use_vllm else "ours"
+    ours, on the policy itself or an int8 copy (``rollout_dtype``)."""
+    if config.use_vllm:
+        return f"vllm_{config.vllm_mode}"
+    return "ours" if config.rollout_dtype == "auto" else f"ours_{config.rollout_dtype}"
 
 
 @register_rollout_engine("ours")
@@ -9588,6 +9598,20 @@ def _our_rollout_engine(trainer: Any) -> LocalEngine:
                        engine=trainer.config.generation_engine, synced=trainer.sharded,
                        sampling_mode=trainer._sampling_mode, expected_calls=lambda: trainer._rollout_engine()[1],
                        vision_for=trainer.policy.vision_for)
+
+
+@register_rollout_engine("ours_int8")
+def _our_int8_rollout_engine(trainer: Any) -> Int8Engine:
+    """generate() on an int8 copy of the policy (Int8Engine), synced after every step."""
+    if trainer.sharded:
+        raise RLHFInputError("rollout_dtype int8: the policy's weights are sharded across processes (FSDP / ZeRO-3), "
+                             "and the int8 copy is made from whole weights; train with DDP, or set rollout_dtype: auto")
+    try:
+        return Int8Engine(trainer.devices.unwrap(trainer.policy.model), tokenizer=trainer.policy.tokenizer,
+                          pad_token_id=trainer.policy.tokenizer.pad_token_id,
+                          engine=trainer.config.generation_engine)
+    except ValueError as error:
+        raise RLHFInputError(f"config field 'rollout_dtype' {error}") from None
 
 
 def _refuse_sharded_vllm(trainer: Any) -> None:
@@ -9673,6 +9697,9 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         if config.use_vllm:
             raise RLHFInputError("config field 'use_vllm': image prompts are sampled with this project's engine; "
                                  "passing their pixels to vLLM is not supported yet, so set use_vllm: false")
+        if config.rollout_dtype != "auto":
+            raise RLHFInputError(f"config field 'rollout_dtype': image prompts are sampled from the policy itself, "
+                                 f"not a {config.rollout_dtype} copy: set rollout_dtype: auto")
         if getattr(config, "environment", None):
             raise RLHFInputError("config field 'environment': episodes with tools run on text prompts; image prompts "
                                  "train without an environment")
@@ -9982,7 +10009,7 @@ class _OnlineRLTrainer(_ReferenceTrainer):
             rollout.importance_weights = weights
         else:
             metrics = {k: v for k, v in metrics.items() if not k.startswith("is_")}
-        self.rollout_metrics.update({f"vllm/{k}": v for k, v in metrics.items()})
+        self.rollout_metrics.update({f"{self.engine.metric_prefix}/{k}": v for k, v in metrics.items()})
 
     def _engine_gap(self, rollout: Rollout, output: Any) -> dict[str, float]:
         """The engine/trainer log-prob mismatch on a rollout, for trainers whose loss takes no correction."""
@@ -10001,9 +10028,11 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         return {k: v for k, v in metrics.items() if not k.startswith("is_")}
 
     def _trainer_sampled_logps(self, scores: torch.Tensor, input_ids: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-        """The trainer's log-probs under the sampler's narrowed distribution (``full`` when it samples from all)."""
+        """The trainer's log-probs under the distribution the engine reports its log-probs of: vLLM's are of the
+        narrowed distribution it sampled from, ours of the whole one (``full``, as when nothing narrows it)."""
         config = self.config
-        if not (config.top_k or config.top_p < 1 or config.min_p > 0):
+        narrowed = getattr(self.engine, "logprobs_after_truncation", False)
+        if not narrowed or not (config.top_k or config.top_p < 1 or config.min_p > 0):
             return full
         return OutputHead.of(self.policy).sampled_log_probs(scores, input_ids[:, 1:], config.temperature,
                                                             top_k=config.top_k, top_p=config.top_p, min_p=config.min_p)
@@ -10433,11 +10462,12 @@ class GRPOTrainer(_OnlineRLTrainer):
                           if config.advantage_estimator == "grpo"
                           else _scaled(rloo_advantages(rewards, group), group, config.scale_rewards))
             rollout.advantages = advantages.view(self.devices.num_processes, -1)[self.devices.process_index]
-        # the trainer's own log-probs are the old ones when a rollout trains several steps, when vLLM sampled it
-        # (one extra forward) unless the engine's are asked for, and for REINFORCE++'s KL reward
-        trainer_old = (config.num_iterations > 1 or (config.use_vllm and config.vllm_old_logprobs == "trainer")
+        # the trainer's own log-probs are the old ones when a rollout trains several steps, when an engine holding a
+        # copy (vLLM, int8) sampled it (one extra forward) unless the engine's are asked for, and for REINFORCE++'s KL
+        copy = self.engine.holds_weights
+        trainer_old = (config.num_iterations > 1 or (copy and config.vllm_old_logprobs == "trainer")
                        or (token_level and self.reference is not None))
-        if trainer_old or self.reference is not None or config.use_vllm:
+        if trainer_old or self.reference is not None or copy:
             self._attach_log_probs(rollout, output, trainer_old)
         if token_level:  # REINFORCE++: the KL to the reference goes into the reward, not the loss
             kl = rollout.old_logps - rollout.ref_logps if rollout.ref_logps is not None else None
@@ -10447,7 +10477,7 @@ class GRPOTrainer(_OnlineRLTrainer):
                 group_size=group if config.advantage_estimator.endswith("baseline") else None,
                 sum_across_processes=self.devices.sum_list_across_processes)
             rollout.ref_logps = None
-            if config.num_iterations == 1 and not config.use_vllm:
+            if config.num_iterations == 1 and not copy:
                 rollout.old_logps = None  # on-policy: the loss needs no stored log-probs
         return rollout
 
@@ -10502,8 +10532,8 @@ class GRPOTrainer(_OnlineRLTrainer):
         return records, output, rewards, fillers
 
     def _attach_log_probs(self, rollout: Rollout, output: Any, trainer_old: bool) -> None:
-        """The rollout's old log-probs (a forward of the policy as it sampled), reference log-probs, and with vLLM
-        the engine/trainer correction."""
+        """The rollout's old log-probs (a forward of the policy as it sampled), reference log-probs, and from an
+        engine holding a copy (vLLM, int8) the engine/trainer correction."""
         config = self.config
         parts = [self._to_device(b) for b in rollout.micro_batches(config.per_device_train_batch_size,
                                                                    vision=self.policy.vision)]
@@ -10513,7 +10543,7 @@ class GRPOTrainer(_OnlineRLTrainer):
                 rollout.old_logps = torch.cat([self._policy_logps(b, sampled).cpu() for b in parts])
             if self.reference is not None:
                 rollout.ref_logps = torch.cat([self._reference_logps(b).cpu() for b in parts])
-        if config.use_vllm:
+        if self.engine.holds_weights:
             self._engine_correction(rollout, output, torch.cat(sampled) if sampled else None)
 
     def rollout_schedule(self, rollout: Rollout) -> list[dict[str, torch.Tensor]]:
@@ -10677,7 +10707,7 @@ class OnlineDPOTrainer(_OnlineRLTrainer):
     @torch.no_grad()
     def make_rollout(self, prompts: list[dict[str, Any]]) -> Rollout:
         """Rows ordered so that each micro-batch holds its pairs' chosen rows, then their rejected ones."""
-        config, size = self.config, self.config.per_device_train_batch_size
+        size = self.config.per_device_train_batch_size
         output = self._sample(prompts, 2)
         records = [prompts[i // 2] for i in range(len(output.token_ids))]
         scores = self._score(records, output.token_ids).view(-1, 2)  # (B, 2)
@@ -10697,8 +10727,9 @@ class OnlineDPOTrainer(_OnlineRLTrainer):
                 rollout.ref_summed = torch.cat([_reference_logps(self.reference,
                                                                  _trim_columns(self._to_device(b))).cpu()
                                                 for b in rollout.micro_batches(2 * size)])
-        if config.use_vllm:  # the correction has no place in a sequence-level loss: report the mismatch only
-            self.rollout_metrics.update({f"vllm/{k}": v for k, v in self._engine_gap(rollout, output).items()})
+        if self.engine.holds_weights:  # the correction has no place in a sequence-level loss: report the gap only
+            prefix = self.engine.metric_prefix
+            self.rollout_metrics.update({f"{prefix}/{k}": v for k, v in self._engine_gap(rollout, output).items()})
         return rollout
 
     def rollout_schedule(self, rollout: Rollout) -> list[dict[str, torch.Tensor]]:
@@ -11015,11 +11046,11 @@ class PPOTrainer(_OnlineRLTrainer):
                 logps.append(logp.cpu())
                 values.append(value.cpu())
                 ref_logps.append(self._reference_logps(batch).cpu())
-                if config.use_vllm:
+                if self.engine.holds_weights:
                     sampled.append(self._trainer_sampled_logps(head_scores, batch["input_ids"], logp).cpu())
         rollout.old_logps, rollout.old_values, rollout.ref_logps = (torch.cat(logps), torch.cat(values),
                                                                     torch.cat(ref_logps))
-        if config.use_vllm:
+        if self.engine.holds_weights:
             self._engine_correction(rollout, output, torch.cat(sampled))
         mask = rollout.completion_mask.float()
         kl = (rollout.old_logps - rollout.ref_logps) * mask  # k1 estimate per token (Ziegler et al. 2019 eq. 2)

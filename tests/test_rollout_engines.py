@@ -68,12 +68,12 @@ def prompts(tiny_tokenizer, demo_dir):
 
 
 def _run(tmp_path: Path, model_dir: Path, dataset, **overrides) -> rlhf.GRPOTrainer:
-    config = rlhf.GRPOConfig(model_name_or_path=str(model_dir), output_dir=str(tmp_path / "out"),
-                             finetuning_type="full", num_generations=4, per_device_train_batch_size=8,
-                             max_completion_length=12, cutoff_len=64, max_steps=3, beta=0.0, learning_rate=1e-3,
-                             save_steps=0, logging_steps=1, disable_progress_bar=True, report_to="none",
-                             reward_funcs=["format"], seed=0, resume_from_checkpoint="none",
-                             generation_engine="static", **overrides)
+    settings = dict(model_name_or_path=str(model_dir), output_dir=str(tmp_path / "out"), finetuning_type="full",
+                    num_generations=4, per_device_train_batch_size=8, max_completion_length=12, cutoff_len=64,
+                    max_steps=3, beta=0.0, learning_rate=1e-3, save_steps=0, logging_steps=1,
+                    disable_progress_bar=True, report_to="none", reward_funcs=["format"], seed=0,
+                    resume_from_checkpoint="none", generation_engine="static")
+    config = rlhf.GRPOConfig(**{**settings, **overrides})
     rlhf.set_seed(0)
     policy = rlhf.PolicyModel.from_pretrained(config.model_name_or_path)
     trainer = rlhf.GRPOTrainer(config, policy, dataset, formatter=rlhf.ChatFormatter(policy.tokenizer),
@@ -101,3 +101,64 @@ def test_a_new_engine_is_one_class(tmp_path, tiny_model_dir, prompts, monkeypatc
     trained = theirs.policy.model.state_dict()
     for name, value in ours.policy.model.state_dict().items():
         torch.testing.assert_close(trained[name], value, rtol=0, atol=1e-6)
+
+
+# -- int8 rollouts (rollout_dtype: int8) -------------------------------------------------------------------------------
+
+
+def _relative_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).pow(2).mean().sqrt() / b.std())
+
+
+def test_the_int8_engine_follows_every_sync(tiny_model_dir, tiny_tokenizer):
+    """The int8 copy's logits stay within int8 rounding of the policy's (relative RMS, as the q8_0 export check),
+    and after a sync they follow the changed policy, tied output layer included."""
+    policy = rlhf.PolicyModel.from_pretrained(str(tiny_model_dir)).model.eval()
+    engine = io.Int8Engine(policy, pad_token_id=tiny_tokenizer.pad_token_id, tokenizer=tiny_tokenizer)
+    ids = torch.tensor([io.chat_prompt_ids(tiny_tokenizer, "What is 12 + 7?")])
+    with torch.no_grad():
+        before = policy(ids).logits
+        assert _relative_rms(engine.model(ids).logits, before) < 0.05
+        for parameter in policy.parameters():  # a large update, every tensor (the tied embedding too)
+            parameter.add_(torch.randn_like(parameter) * parameter.std().clamp_min(1e-3))
+        after = policy(ids).logits
+        stale = _relative_rms(engine.model(ids).logits, after)
+        state = dict(policy.state_dict())
+        named = lambda: ((n, t) for n, t in state.items() if n != "lm_head.weight")  # noqa: E731 (tied: sent once)
+        engine.sync_weights(io.PolicyWeights(1, named))
+        assert _relative_rms(engine.model(ids).logits, after) < 0.05 < stale
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def int8_run(tmp_path_factory, tiny_model_dir, prompts):
+    return _run(tmp_path_factory.mktemp("int8"), tiny_model_dir, prompts, rollout_dtype="int8", max_steps=2,
+                generation_engine="auto")
+
+
+def test_int8_rollouts_report_and_correct_the_gap(int8_run):
+    """The behaviour log-probs come from the int8 copy; the trainer's fp32 ones differ by int8 rounding, which the
+    importance weights correct (logged under rollout/, as vLLM's under vllm/)."""
+    rows = [row for row in int8_run.result.history if "loss" in row]
+    assert len(rows) == 2
+    for row in rows:
+        assert 0 < row["rollout/logprob_abs_diff_mean"] < 0.1 and row["rollout/kl"] < 0.01
+        assert abs(row["rollout/is_weight_mean"] - 1) < 0.05 and "perf/weight_sync_s" in row
+
+
+def test_int8_is_refused_where_it_cannot_run(tmp_path):
+    with pytest.raises(rlhf.RLHFInputError, match="rollout_dtype"):
+        rlhf.GRPOConfig(reward_funcs=["format"], rollout_dtype="int4")
+
+
+def test_grpo_with_int8_rollouts_learns_like_fp32(tmp_path, tiny_model_dir, demo_dir, tiny_tokenizer):
+    """test_grpo.py's test_grpo_learns_a_simple_reward (the same run and threshold), sampled from the int8 copy."""
+    from test_grpo import DigitShare, _config, _trainer
+
+    records = rlhf.load_records("demo_rl", demo_dir, "prompt", max_samples=32)
+    dataset = rlhf.GRPODataset(records, tiny_tokenizer, rlhf.ChatFormatter(tiny_tokenizer), cutoff_len=64)
+    config = _config(tmp_path, tiny_model_dir, max_steps=30, learning_rate=3e-3, rollout_dtype="int8")
+    result = _trainer(config, dataset, DigitShare()).train()
+    rewards = [row["reward"] for row in result.history if "loss" in row]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert first < 0.25 and last > first + 0.3, rewards
