@@ -1347,8 +1347,9 @@ class Int8Engine:
     are the int8 model's (the behaviour policy), so the trainer's importance correction accounts for the gap to
     its own fp32 log-probs, as it does for vLLM's kernels (Yao et al. 2025; the FP8 rollouts of verl / slime).
 
-    ``model``: the policy's module, copied once at the start (LoRA layers too: their linears are quantised
-    alike); each ``sync_weights`` re-quantises from the trainer's tensors in place, tied weights included."""
+    ``model``: the policy's module, copied once at the start (a LoRA policy's base layers are quantised, its
+    adapters stay fp32); each ``sync_weights`` re-quantises from the trainer's tensors in place, tied weights
+    included."""
 
     holds_weights, shared, takes_images = True, False, False
     metric_prefix, logprobs_after_truncation = "rollout", False  # generate's log-probs are of the whole distribution
@@ -1366,8 +1367,10 @@ class Int8Engine:
         self.model = copy.deepcopy(model).float().eval()
         with warnings.catch_warnings():  # torch.ao.quantization's deprecation notice; its kernels are what we use
             warnings.simplefilter("ignore")
-            quantize_dynamic(self.model, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8,
-                             inplace=True)
+            # a LoRA policy's adapters stay fp32 (PEFT reads their weights' dtype in its forward; they are small)
+            linears = {name: per_channel_dynamic_qconfig for name, module in self.model.named_modules()
+                       if isinstance(module, torch.nn.Linear) and ".lora_" not in name}
+            quantize_dynamic(self.model, linears, dtype=torch.qint8, inplace=True)
         self.modules = dict(self.model.named_modules())
         self.tokenizer, self.pad_token_id = tokenizer, pad_token_id
         self.engine = "static" if engine in ("auto", "compiled") else engine  # quantised ops stay out of a graph

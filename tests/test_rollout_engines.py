@@ -146,6 +146,14 @@ def test_int8_rollouts_report_and_correct_the_gap(int8_run):
         assert abs(row["rollout/is_weight_mean"] - 1) < 0.05 and "perf/weight_sync_s" in row
 
 
+def test_int8_rollouts_of_a_lora_policy_follow_its_adapter(tmp_path, tiny_model_dir, prompts):
+    """A LoRA policy's base layers are quantised and its adapters synced in fp32 (PEFT reads their dtype)."""
+    trainer = _run(tmp_path, tiny_model_dir, prompts, rollout_dtype="int8", max_steps=2, finetuning_type="lora",
+                   lora_rank=8)
+    rows = [row for row in trainer.result.history if "loss" in row]
+    assert len(rows) == 2 and all(0 < row["rollout/logprob_abs_diff_mean"] < 0.1 for row in rows)
+
+
 def test_int8_is_refused_where_it_cannot_run(tmp_path):
     with pytest.raises(rlhf.RLHFInputError, match="rollout_dtype"):
         rlhf.GRPOConfig(reward_funcs=["format"], rollout_dtype="int4")
