@@ -1274,6 +1274,11 @@ class RolloutEngine(typing.Protocol):
     sleep mode).
     ``close()``: release the engine for good (idempotent).
     ``shared``: one engine serves every training process (a server): the main process alone syncs it.
+    Optional, with the default the trainer assumes: ``answers_evaluation`` (False) whether the online evaluation's
+    held-out answers come from it too (vLLM, at the trainer's precision; never an approximate copy such as int8,
+    whose accuracy would not be the policy's); ``metric_prefix`` ("rollout") where the engine/trainer log-prob gap
+    of an engine holding a copy is logged; ``logprobs_after_truncation`` (False) whether its log-probs are of the
+    top-k / top-p narrowed distribution it sampled from (vLLM's) rather than the whole one.
 
     A new engine is one class with these members, and one builder registered in rlhf.py's
     ``ROLLOUT_ENGINES``."""
@@ -1304,6 +1309,7 @@ class LocalEngine:
     each prompt's images to the pixel inputs ``generate`` takes."""
 
     holds_weights, shared, takes_images = False, False, True
+    answers_evaluation = False  # the trainer's evaluation generates from the policy itself, as this engine does
 
     def __init__(self, model: Callable[[], torch.nn.Module], *, pad_token_id: int, tokenizer=None,
                  engine: str = "auto", synced: bool = False,
@@ -1353,6 +1359,7 @@ class Int8Engine:
 
     holds_weights, shared, takes_images = True, False, False
     metric_prefix, logprobs_after_truncation = "rollout", False  # generate's log-probs are of the whole distribution
+    answers_evaluation = False  # an approximation of the policy: held-out accuracy is the policy's own
 
     def __init__(self, model: torch.nn.Module, *, pad_token_id: int, tokenizer=None, engine: str = "static") -> None:
         from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
@@ -1607,6 +1614,7 @@ class VLLMEngine:
 
     holds_weights, shared, takes_images = True, False, False
     metric_prefix, logprobs_after_truncation = "vllm", True  # vLLM's processed_logprobs
+    answers_evaluation = True  # the policy at the trainer's precision: held-out answers may come from it too
 
     def __init__(self, model: str, *, dtype: str = "auto", seed: int = 0, max_model_len: int | None = None,
                  gpu_memory_utilization: float = 0.3, tensor_parallel_size: int = 1, enable_lora: bool = False,
@@ -1923,6 +1931,7 @@ class VLLMClient:
 
     holds_weights, shared, takes_images = True, True, False
     metric_prefix, logprobs_after_truncation = "vllm", True  # vLLM's processed_logprobs
+    answers_evaluation = True  # the policy at the trainer's precision: held-out answers may come from it too
 
     def __init__(self, host: str = "127.0.0.1", port: int = 8000, *, timeout: float = 600.0, retries: int = 3,
                  backoff: float = 1.0, sync_dir: str | os.PathLike | None = None,

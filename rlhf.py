@@ -10009,7 +10009,11 @@ class _OnlineRLTrainer(_ReferenceTrainer):
             rollout.importance_weights = weights
         else:
             metrics = {k: v for k, v in metrics.items() if not k.startswith("is_")}
-        self.rollout_metrics.update({f"{self.engine.metric_prefix}/{k}": v for k, v in metrics.items()})
+        self.rollout_metrics.update({f"{self._gap_prefix()}/{k}": v for k, v in metrics.items()})
+
+    def _gap_prefix(self) -> str:
+        """Where the engine/trainer gap is logged: vllm/ for vLLM, rollout/ for any other engine holding a copy."""
+        return getattr(self.engine, "metric_prefix", "rollout")
 
     def _engine_gap(self, rollout: Rollout, output: Any) -> dict[str, float]:
         """The engine/trainer log-prob mismatch on a rollout, for trainers whose loss takes no correction."""
@@ -10200,7 +10204,8 @@ class _OnlineRLTrainer(_ReferenceTrainer):
 
     def evaluate(self) -> dict[str, float]:
         engine = self._sync_engine() if self.eval_records else None
-        if engine is not None and engine.holds_weights:  # the held-out answers come from the engine too
+        # vLLM: the held-out answers come from the engine too (an int8 copy never gives them)
+        if engine is not None and engine.holds_weights and getattr(engine, "answers_evaluation", False):
             self.policy.rollout_engine = engine
         try:
             metrics = self._generation_eval()
@@ -10728,8 +10733,8 @@ class OnlineDPOTrainer(_OnlineRLTrainer):
                                                                  _trim_columns(self._to_device(b))).cpu()
                                                 for b in rollout.micro_batches(2 * size)])
         if self.engine.holds_weights:  # the correction has no place in a sequence-level loss: report the gap only
-            prefix = self.engine.metric_prefix
-            self.rollout_metrics.update({f"{prefix}/{k}": v for k, v in self._engine_gap(rollout, output).items()})
+            self.rollout_metrics.update({f"{self._gap_prefix()}/{k}": v
+                                         for k, v in self._engine_gap(rollout, output).items()})
         return rollout
 
     def rollout_schedule(self, rollout: Rollout) -> list[dict[str, torch.Tensor]]:

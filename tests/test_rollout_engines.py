@@ -28,8 +28,9 @@ def test_every_engine_implements_the_protocol(engine):
 
 
 def test_the_registry_holds_an_engine_for_every_setting():
-    assert set(rlhf.ROLLOUT_ENGINES) == {"ours", "vllm_colocate", "vllm_server"}
+    assert set(rlhf.ROLLOUT_ENGINES) == {"ours", "ours_int8", "vllm_colocate", "vllm_server"}
     assert rlhf.rollout_engine_name(rlhf.GRPOConfig(reward_funcs=["format"])) == "ours"
+    assert rlhf.rollout_engine_name(rlhf.GRPOConfig(reward_funcs=["format"], rollout_dtype="int8")) == "ours_int8"
     assert all(f"vllm_{mode}" in rlhf.ROLLOUT_ENGINES for mode in io.VLLM_MODES)
 
 
@@ -85,8 +86,9 @@ def _run(tmp_path: Path, model_dir: Path, dataset, **overrides) -> rlhf.GRPOTrai
 
 @pytest.mark.parametrize("environment", [None, "test_tools:scripted"])
 def test_a_new_engine_is_one_class(tmp_path, tiny_model_dir, prompts, monkeypatch, environment):
-    """A registered engine that holds a copy of the policy, synced after every step, trains exactly as our engine
-    sampling from the policy itself: single-turn rollouts and multi-turn episodes alike."""
+    """A registered engine that holds a copy of the policy, synced after every step, trains as our engine sampling
+    from the policy itself: the same samples, no gap for the importance correction to find, the same weights;
+    single-turn rollouts and multi-turn episodes alike."""
     tools = dict(environment=environment, max_turns=3, max_turn_tokens=4) if environment else {}
     ours = _run(tmp_path / "ours", tiny_model_dir, prompts, **tools)
     engines: list[CopyEngine] = []
@@ -98,9 +100,10 @@ def test_a_new_engine_is_one_class(tmp_path, tiny_model_dir, prompts, monkeypatc
     assert theirs.engine is None  # closed and dropped at the end of the run
     rows = [row for row in theirs.result.history if "loss" in row]
     assert len(rows) == 3 and all("perf/weight_sync_s" in row for row in rows)
-    trained = theirs.policy.model.state_dict()
+    assert all(row["rollout/logprob_abs_diff_max"] < 1e-5 for row in rows)  # an exact copy: no gap to correct
+    trained = theirs.policy.model.state_dict()  # equal up to the rounding of the correction's own old-log-prob pass
     for name, value in ours.policy.model.state_dict().items():
-        torch.testing.assert_close(trained[name], value, rtol=0, atol=1e-6)
+        torch.testing.assert_close(trained[name], value, rtol=0, atol=2e-5)
 
 
 # -- int8 rollouts (rollout_dtype: int8) -------------------------------------------------------------------------------
@@ -152,6 +155,17 @@ def test_int8_rollouts_of_a_lora_policy_follow_its_adapter(tmp_path, tiny_model_
                    lora_rank=8)
     rows = [row for row in trainer.result.history if "loss" in row]
     assert len(rows) == 2 and all(0 < row["rollout/logprob_abs_diff_mean"] < 0.1 for row in rows)
+
+
+def test_held_out_answers_are_the_policys_own_with_int8_rollouts(int8_run, demo_dir):
+    """The int8 copy approximates the policy: the online evaluation answers with the policy itself."""
+    int8_run.eval_records = rlhf.load_records("demo_rl", demo_dir, "prompt", max_samples=8)
+    try:
+        metrics = int8_run.evaluate()
+        assert isinstance(int8_run.engine, io.Int8Engine) and int8_run.policy.rollout_engine is None
+    finally:
+        int8_run._close_engine()
+    assert metrics == int8_run._generation_eval()
 
 
 def test_int8_is_refused_where_it_cannot_run(tmp_path):
