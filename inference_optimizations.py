@@ -13,7 +13,7 @@ Public names: pin_cpu_kernels, select_attention_implementation, OptimizedAttenti
 generate, GENERATION_ENGINES, cache_argument, returned_cache, PagedKVCache,
 encode_at_boundaries, chat_prompt_ids, chat_completion_ids, chat_pair_ids, stop_token_ids,
 RewardModelScorer, BestOfNResult, BestOfNSampler,
-PolicyWeights, RolloutEngine, LocalEngine, Int8Engine,
+PolicyWeights, RolloutEngine, LocalEngine, QuantizedEngine, QUANTIZED_ROLLOUT_DTYPES,
 VLLM_MODES, vllm_missing, vllm_sampling_params, VLLMEngine, VLLMServer, VLLMClient, VLLMServerError, vllm_serve,
 iter_safetensors, save_weight_shards,
 SpeculativeOutput, SpeculativeDecoder, MCTSNode, MCTSResult, puct_score, MCTSGenerator,
@@ -1345,39 +1345,53 @@ def _quantize_rows(weight: torch.Tensor) -> torch.Tensor:
     return torch.quantize_per_channel(weight.detach().float().cpu(), scales, zero_points, 0, torch.qint8)
 
 
-class Int8Engine:
-    """Rollouts from an int8 copy of the policy (``rollout_dtype: int8``): every ``nn.Linear`` becomes torch's
-    dynamically quantised linear (weights int8 per output channel, activations quantised per batch on the fly;
-    fbgemm / oneDNN kernels on x86 CPUs), the rest stays in fp32, and this project's ``generate`` samples from it.
-    A decode step reads a quarter of the weight bytes, which is what bounds it on a CPU. The log-probs it reports
-    are the int8 model's (the behaviour policy), so the trainer's importance correction accounts for the gap to
-    its own fp32 log-probs, as it does for vLLM's kernels (Yao et al. 2025; the FP8 rollouts of verl / slime).
+QUANTIZED_ROLLOUT_DTYPES = ("fp16", "int8")  # QuantizedEngine's weight formats
 
-    ``model``: the policy's module, copied once at the start (a LoRA policy's base layers are quantised, its
-    adapters stay fp32); each ``sync_weights`` re-quantises from the trainer's tensors in place, tied weights
-    included."""
+
+class QuantizedEngine:
+    """Rollouts from a low-precision copy of the policy (``rollout_dtype``), on a CPU: every ``nn.Linear`` becomes
+    torch's dynamically quantised linear (fbgemm / oneDNN kernels on x86), the rest stays fp32, and this project's
+    ``generate`` samples from it. A decode step is bound by reading the weights, and reads fewer bytes:
+
+    - ``fp16``: fp16 weights, fp32 activations (fbgemm's half-precision GEMM): half the bytes, log-probs within
+      rounding of the policy's;
+    - ``int8``: int8 weights per output channel, activations quantised per tensor on the fly (W8A8): a quarter of
+      the bytes, but a language model's activation outliers (the MLP's down projection above all, LLM.int8()'s
+      finding) make it a visibly different policy.
+
+    The log-probs it reports are the copy's (the behaviour policy), so the trainer's importance correction accounts
+    for the gap to its own, as it does for vLLM's kernels (Yao et al. 2025; the FP8 rollouts of verl / slime).
+
+    ``model``: the policy's module, copied once at the start (a LoRA policy's base layers are converted, its
+    adapters stay fp32); each ``sync_weights`` converts the trainer's tensors in place, tied weights included."""
 
     holds_weights, shared, takes_images = True, False, False
     metric_prefix, logprobs_after_truncation = "rollout", False  # generate's log-probs are of the whole distribution
     answers_evaluation = False  # an approximation of the policy: held-out accuracy is the policy's own
 
-    def __init__(self, model: torch.nn.Module, *, pad_token_id: int, tokenizer=None, engine: str = "static") -> None:
-        from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+    def __init__(self, model: torch.nn.Module, *, dtype: str = "fp16", pad_token_id: int, tokenizer=None,
+                 engine: str = "static") -> None:
+        from torch.ao.quantization import float16_dynamic_qconfig, per_channel_dynamic_qconfig, quantize_dynamic
 
+        if dtype not in QUANTIZED_ROLLOUT_DTYPES:
+            raise ValueError(f"'{dtype}' is not one of {', '.join(QUANTIZED_ROLLOUT_DTYPES)}")
         if next(model.parameters()).device.type != "cpu":
-            raise ValueError("rollout_dtype int8 runs torch's quantised linear kernels, which are CPU kernels; on a "
-                             "GPU use vLLM (use_vllm: true)")
+            raise ValueError(f"{dtype} runs torch's quantised linear kernels, which are CPU kernels; on a GPU use vLLM "
+                             "(use_vllm: true)")
         names_of: dict[int, list[str]] = {}  # storage -> every name sharing it (tied embeddings)
         for name, tensor in model.state_dict().items():
             names_of.setdefault(tensor.data_ptr(), []).append(name)
         self.aliases = {name: names for names in names_of.values() for name in names}
+        self.dtype = dtype
         self.model = copy.deepcopy(model).float().eval()
+        qconfig = float16_dynamic_qconfig if dtype == "fp16" else per_channel_dynamic_qconfig
         with warnings.catch_warnings():  # torch.ao.quantization's deprecation notice; its kernels are what we use
             warnings.simplefilter("ignore")
             # a LoRA policy's adapters stay fp32 (PEFT reads their weights' dtype in its forward; they are small)
-            linears = {name: per_channel_dynamic_qconfig for name, module in self.model.named_modules()
+            linears = {name: qconfig for name, module in self.model.named_modules()
                        if isinstance(module, torch.nn.Linear) and ".lora_" not in name}
-            quantize_dynamic(self.model, linears, dtype=torch.qint8, inplace=True)
+            quantize_dynamic(self.model, linears, dtype=torch.float16 if dtype == "fp16" else torch.qint8,
+                             inplace=True)
         self.modules = dict(self.model.named_modules())
         self.tokenizer, self.pad_token_id = tokenizer, pad_token_id
         self.engine = "static" if engine in ("auto", "compiled") else engine  # quantised ops stay out of a graph
@@ -1396,15 +1410,16 @@ class Int8Engine:
                     module = self.modules.get(module_name)
                     if isinstance(module, torch.ao.nn.quantized.dynamic.Linear):
                         weight, bias = module.weight(), module.bias()
-                        if attribute == "weight":
-                            weight = _quantize_rows(tensor)
+                        if attribute == "weight":  # fp16: the fp32 tensor, which prepacking rounds
+                            weight = _quantize_rows(tensor) if self.dtype == "int8" else tensor.detach().float().cpu()
                         else:
                             bias = tensor.detach().float().cpu()
                         module.set_weight_bias(weight, bias)
                         continue
                     target = getattr(module, attribute, None) if module is not None else None
                     if not isinstance(target, torch.Tensor):
-                        raise ValueError(f"int8 rollout engine: the policy's tensor {alias} has no place in its copy")
+                        raise ValueError(f"{self.dtype} rollout engine: the policy's tensor {alias} has no place in "
+                                         "its copy")
                     target.copy_(tensor)
 
     def sleep(self) -> None:

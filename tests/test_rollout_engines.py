@@ -22,13 +22,13 @@ def test_the_protocol_names_what_the_trainer_calls():
     assert declared == set(MEMBERS)
 
 
-@pytest.mark.parametrize("engine", [io.LocalEngine, io.VLLMEngine, io.VLLMClient])
+@pytest.mark.parametrize("engine", [io.LocalEngine, io.QuantizedEngine, io.VLLMEngine, io.VLLMClient])
 def test_every_engine_implements_the_protocol(engine):
     assert all(hasattr(engine, name) for name in MEMBERS)
 
 
 def test_the_registry_holds_an_engine_for_every_setting():
-    assert set(rlhf.ROLLOUT_ENGINES) == {"ours", "ours_int8", "vllm_colocate", "vllm_server"}
+    assert set(rlhf.ROLLOUT_ENGINES) == {"ours", "ours_fp16", "ours_int8", "vllm_colocate", "vllm_server"}
     assert rlhf.rollout_engine_name(rlhf.GRPOConfig(reward_funcs=["format"])) == "ours"
     assert rlhf.rollout_engine_name(rlhf.GRPOConfig(reward_funcs=["format"], rollout_dtype="int8")) == "ours_int8"
     assert all(f"vllm_{mode}" in rlhf.ROLLOUT_ENGINES for mode in io.VLLM_MODES)
@@ -106,22 +106,24 @@ def test_a_new_engine_is_one_class(tmp_path, tiny_model_dir, prompts, monkeypatc
         torch.testing.assert_close(trained[name], value, rtol=0, atol=2e-5)
 
 
-# -- int8 rollouts (rollout_dtype: int8) -------------------------------------------------------------------------------
+# -- low-precision rollouts (rollout_dtype: fp16, int8) ----------------------------------------------------------------
 
 
 def _relative_rms(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).pow(2).mean().sqrt() / b.std())
 
 
-def test_the_int8_engine_follows_every_sync(tiny_model_dir, tiny_tokenizer):
-    """The int8 copy's logits stay within int8 rounding of the policy's (relative RMS, as the q8_0 export check),
-    and after a sync they follow the changed policy, tied output layer included."""
+@pytest.mark.parametrize("dtype, bound", [("fp16", 1e-3), ("int8", 0.05)])
+def test_the_quantized_engine_follows_every_sync(tiny_model_dir, tiny_tokenizer, dtype, bound):
+    """The copy's logits stay within its format's rounding of the policy's (relative RMS, as the q8_0 export
+    check), and after a sync they follow the changed policy, tied output layer included."""
     policy = rlhf.PolicyModel.from_pretrained(str(tiny_model_dir)).model.eval()
-    engine = io.Int8Engine(policy, pad_token_id=tiny_tokenizer.pad_token_id, tokenizer=tiny_tokenizer)
+    engine = io.QuantizedEngine(policy, dtype=dtype, pad_token_id=tiny_tokenizer.pad_token_id,
+                                tokenizer=tiny_tokenizer)
     ids = torch.tensor([io.chat_prompt_ids(tiny_tokenizer, "What is 12 + 7?")])
     with torch.no_grad():
         before = policy(ids).logits
-        assert _relative_rms(engine.model(ids).logits, before) < 0.05
+        assert _relative_rms(engine.model(ids).logits, before) < bound
         for parameter in policy.parameters():  # a large update, every tensor (the tied embedding too)
             parameter.add_(torch.randn_like(parameter) * parameter.std().clamp_min(1e-3))
         after = policy(ids).logits
@@ -129,57 +131,60 @@ def test_the_int8_engine_follows_every_sync(tiny_model_dir, tiny_tokenizer):
         state = dict(policy.state_dict())
         named = lambda: ((n, t) for n, t in state.items() if n != "lm_head.weight")  # noqa: E731 (tied: sent once)
         engine.sync_weights(io.PolicyWeights(1, named))
-        assert _relative_rms(engine.model(ids).logits, after) < 0.05 < stale
+        assert _relative_rms(engine.model(ids).logits, after) < bound < stale
     engine.close()
 
 
-@pytest.fixture(scope="module")
-def int8_run(tmp_path_factory, tiny_model_dir, prompts):
-    return _run(tmp_path_factory.mktemp("int8"), tiny_model_dir, prompts, rollout_dtype="int8", max_steps=2,
-                generation_engine="auto")
+@pytest.fixture(scope="module", params=["fp16", "int8"])
+def quantized_run(request, tmp_path_factory, tiny_model_dir, prompts):
+    return _run(tmp_path_factory.mktemp(request.param), tiny_model_dir, prompts, rollout_dtype=request.param,
+                max_steps=2, generation_engine="auto")
 
 
-def test_int8_rollouts_report_and_correct_the_gap(int8_run):
-    """The behaviour log-probs come from the int8 copy; the trainer's fp32 ones differ by int8 rounding, which the
+def test_low_precision_rollouts_report_and_correct_the_gap(quantized_run):
+    """The behaviour log-probs come from the copy; the trainer's fp32 ones differ by the format's rounding, which the
     importance weights correct (logged under rollout/, as vLLM's under vllm/)."""
-    rows = [row for row in int8_run.result.history if "loss" in row]
+    rows = [row for row in quantized_run.result.history if "loss" in row]
+    bound = 1e-3 if quantized_run.config.rollout_dtype == "fp16" else 0.1
     assert len(rows) == 2
     for row in rows:
-        assert 0 < row["rollout/logprob_abs_diff_mean"] < 0.1 and row["rollout/kl"] < 0.01
+        assert 0 < row["rollout/logprob_abs_diff_mean"] < bound and row["rollout/kl"] < 0.01
         assert abs(row["rollout/is_weight_mean"] - 1) < 0.05 and "perf/weight_sync_s" in row
 
 
-def test_int8_rollouts_of_a_lora_policy_follow_its_adapter(tmp_path, tiny_model_dir, prompts):
-    """A LoRA policy's base layers are quantised and its adapters synced in fp32 (PEFT reads their dtype)."""
-    trainer = _run(tmp_path, tiny_model_dir, prompts, rollout_dtype="int8", max_steps=2, finetuning_type="lora",
+def test_held_out_answers_are_the_policys_own_with_low_precision_rollouts(quantized_run, demo_dir):
+    """The copy approximates the policy: the online evaluation answers with the policy itself."""
+    quantized_run.eval_records = rlhf.load_records("demo_rl", demo_dir, "prompt", max_samples=8)
+    try:
+        metrics = quantized_run.evaluate()
+        assert isinstance(quantized_run.engine, io.QuantizedEngine) and quantized_run.policy.rollout_engine is None
+    finally:
+        quantized_run._close_engine()
+    assert metrics == quantized_run._generation_eval()
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "int8"])
+def test_low_precision_rollouts_of_a_lora_policy_follow_its_adapter(tmp_path, tiny_model_dir, prompts, dtype):
+    """A LoRA policy's base layers are converted and its adapters synced in fp32 (PEFT reads their dtype)."""
+    trainer = _run(tmp_path, tiny_model_dir, prompts, rollout_dtype=dtype, max_steps=2, finetuning_type="lora",
                    lora_rank=8)
     rows = [row for row in trainer.result.history if "loss" in row]
     assert len(rows) == 2 and all(0 < row["rollout/logprob_abs_diff_mean"] < 0.1 for row in rows)
 
 
-def test_held_out_answers_are_the_policys_own_with_int8_rollouts(int8_run, demo_dir):
-    """The int8 copy approximates the policy: the online evaluation answers with the policy itself."""
-    int8_run.eval_records = rlhf.load_records("demo_rl", demo_dir, "prompt", max_samples=8)
-    try:
-        metrics = int8_run.evaluate()
-        assert isinstance(int8_run.engine, io.Int8Engine) and int8_run.policy.rollout_engine is None
-    finally:
-        int8_run._close_engine()
-    assert metrics == int8_run._generation_eval()
-
-
-def test_int8_is_refused_where_it_cannot_run(tmp_path):
+def test_an_unknown_rollout_dtype_is_one_line():
     with pytest.raises(rlhf.RLHFInputError, match="rollout_dtype"):
         rlhf.GRPOConfig(reward_funcs=["format"], rollout_dtype="int4")
 
 
-def test_grpo_with_int8_rollouts_learns_like_fp32(tmp_path, tiny_model_dir, demo_dir, tiny_tokenizer):
-    """test_grpo.py's test_grpo_learns_a_simple_reward (the same run and threshold), sampled from the int8 copy."""
+@pytest.mark.parametrize("dtype", ["fp16", "int8"])
+def test_grpo_with_low_precision_rollouts_learns_like_fp32(tmp_path, tiny_model_dir, demo_dir, tiny_tokenizer, dtype):
+    """test_grpo.py's test_grpo_learns_a_simple_reward (the same run and threshold), sampled from the copy."""
     from test_grpo import DigitShare, _config, _trainer
 
     records = rlhf.load_records("demo_rl", demo_dir, "prompt", max_samples=32)
     dataset = rlhf.GRPODataset(records, tiny_tokenizer, rlhf.ChatFormatter(tiny_tokenizer), cutoff_len=64)
-    config = _config(tmp_path, tiny_model_dir, max_steps=30, learning_rate=3e-3, rollout_dtype="int8")
+    config = _config(tmp_path, tiny_model_dir, max_steps=30, learning_rate=3e-3, rollout_dtype=dtype)
     result = _trainer(config, dataset, DigitShare()).train()
     rewards = [row["reward"] for row in result.history if "loss" in row]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
