@@ -212,6 +212,19 @@ def run_once(engine: str, model, prompts: list[list[int]], new_tokens: int, pad:
     return seconds, sum(len(t) for t in out.token_ids)
 
 
+def copy_kl(model: torch.nn.Module, copy_model: torch.nn.Module, prompts: list[list[int]], pad: int) -> float:
+    """Mean KL(model || copy) in nats per prompt position (the next-token distributions over every prompt token):
+    how far the policy a low-precision copy samples is from the model's."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.inference_mode():
+        reference = model(ids, attention_mask=mask).logits.float().log_softmax(-1)
+        other = copy_model(ids, attention_mask=mask).logits.float().log_softmax(-1)
+    per_position = (reference.exp() * (reference - other)).sum(-1)
+    return float(per_position[mask.bool()].mean())
+
+
 def quantized_weight_bytes(model: torch.nn.Module, dtype: str) -> int:
     """Bytes a decode step of a QuantizedEngine copy reads: its linear weights in their format (int8 with a scale
     per row, or fp16) and the other parameters but the input embedding, which a step gathers a row of."""
@@ -302,6 +315,10 @@ def main(argv: list[str] | None = None) -> int:
         if fmt in args.engines:
             models[fmt] = io.QuantizedEngine(model, dtype=fmt, pad_token_id=pad, tokenizer=tokenizer).model
             bytes_read[fmt] = quantized_weight_bytes(models[fmt], fmt)
+            if device.type == "cpu":
+                kl = copy_kl(model, models[fmt], demo_prompts(tokenizer, 16), pad)
+                print(f"  ours {fmt} copy: KL(model || copy) = {kl:.2e} nats per prompt token (16 prompts)",
+                      flush=True)
     in_process = [engine for engine in args.engines if engine != "vllm"]
     peaks = [matmul_peak(args.matmul_size, device, dtype)]
     bandwidths = [bandwidth_peak(device)]
