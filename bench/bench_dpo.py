@@ -37,6 +37,16 @@ TRL). With ``--repeats`` > 1 the order of the trainers alternates and each row s
 highest peak memory over the repeats. On 2 cores another busy process slows a run many times over, so the driver
 measures the CPU the rest of the machine used during each run ("bg cores": /proc/stat minus the worker's own CPU time)
 and warns above ``--max-background``. The exit status is 0 whatever the timing (non-zero only if a run breaks).
+
+The limit (``bench/limits.py``): the peak fp32 matmul FLOP/s at ``--threads`` threads and the memory bandwidth are
+measured before the first worker and after the last (the best of each is kept, printed above the table), each time in
+a subprocess of its own, so its 256 MiB buffer counts in no worker's peak memory. Every worker counts the non-padding
+tokens of each optimizer step's batch (the attention-mask sum: prompt + chosen and prompt + rejected of every pair;
+ours in ``_optimizer_step``, TRL in ``training_step``), the same for both trainers. "GFLOP/s" = (6 x parameters x
+tokens, the policy's forward and backward, + 2 x parameters x tokens for the live reference's forward in the live
+variant) per step, mean over the timed steps, / the median seconds per step; parameters = the model's
+``model_params`` (all of them, the tied embedding once); attention's own FLOPs ignored; ours may run a pair's
+shared prompt once, which this count (the workload's) does not credit. "% of peak" = GFLOP/s / the peak.
 """
 
 from __future__ import annotations
@@ -53,6 +63,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from limits import Limits, forward_flops, fraction, giga, limits_epilog, training_flops  # bench/limits.py
 from tables import print_table  # bench/tables.py (the script's folder is on sys.path)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -64,7 +75,11 @@ LABELS = {"ours": "ours (rlhf)", "trl": "TRL"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog=limits_epilog(
+                                         "GFLOP/s = (6 x parameters x tokens per step, + 2 x parameters x tokens for "
+                                         "the live reference) / median s per step; % of peak = that / the peak matmul"
+                                         " FLOP/s"))
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps per run, warm-up included")
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the timing")
     parser.add_argument("--batch-size", type=int, default=8, help="preference pairs per optimizer step")
@@ -149,6 +164,26 @@ def trl_step_timer():
     return StepTimer()
 
 
+def batch_tokens(batch: dict) -> int:
+    """Non-padding tokens of one collated batch: its attention-mask sum (all of ``input_ids`` without a mask), as
+    rlhf's trainers count them for ``perf/tokens_per_s``; used for both trainers' steps."""
+    if "attention_mask" in batch:
+        return int(batch["attention_mask"].sum())
+    return int(batch["input_ids"].numel())
+
+
+def count_trl_tokens(trainer, counts: list[int]) -> None:
+    """Append the non-padding tokens of every batch TRL's ``training_step`` trains on to ``counts`` (wraps the
+    instance's method; the real one runs)."""
+    inner = trainer.training_step
+
+    def counted(model, inputs, *args, **kwargs):
+        counts.append(batch_tokens(inputs))
+        return inner(model, inputs, *args, **kwargs)
+
+    trainer.training_step = counted
+
+
 def step_times(begins: list[float], ends: list[float], warmup: int) -> dict:
     """Per-step seconds (begin -> end) and cycle seconds (previous end -> end) of the timed steps."""
     cycles = [b - a for a, b in zip(ends, ends[1:])]  # cycles[k - 1] ends at step k
@@ -204,6 +239,8 @@ def run_trl(args: argparse.Namespace, precompute: bool) -> dict:
     started = time.perf_counter()
     trainer = trl.DPOTrainer(model=args.model_dir, args=config, train_dataset=dataset, processing_class=tokenizer,
                              callbacks=[timer])
+    tokens: list[int] = []
+    count_trl_tokens(trainer, tokens)
     setup = time.perf_counter() - started
     loaded = rss_mib()
     started = time.perf_counter()
@@ -212,6 +249,7 @@ def run_trl(args: argparse.Namespace, precompute: bool) -> dict:
     if output.global_step != args.steps or len(timer.ends) != args.steps:
         raise RuntimeError(f"TRL ran {output.global_step} steps ({len(timer.ends)} timed), expected {args.steps}")
     return {**step_times(timer.begins, timer.ends, args.warmup), "step_source": "on_step_begin/on_step_end",
+            "step_tokens": tokens[args.warmup:],
             "precompute": sum(precompute_seconds) if precompute else None, "setup": setup, "wall": wall,
             "mean_loss": output.training_loss, "reference_in_memory": trainer.ref_model is not None,
             "rss_base": base, "rss_loaded": loaded, "version": f"trl {trl.__version__}"}
@@ -232,10 +270,12 @@ def run_ours(args: argparse.Namespace, precompute: bool) -> dict:
     # time every optimizer step (the fallback timer and the cycle); the real method runs
     begins: list[float] = []
     ends: list[float] = []
+    tokens: list[int] = []
     trainer_cls = rlhf.DPOTrainer
     inner_step = trainer_cls._optimizer_step
 
     def timed_step(self, group, window):
+        tokens.append(sum(batch_tokens(batch) for batch in group))
         begins.append(time.perf_counter())
         try:
             return inner_step(self, group, window)
@@ -282,7 +322,8 @@ def run_ours(args: argparse.Namespace, precompute: bool) -> dict:
         times["step"] = [float(row["perf/step_seconds"]) for row in timed_rows][args.warmup:]
         source = "history perf/step_seconds"
     losses = [float(row["loss"]) for row in history if "loss" in row]
-    return {**times, "step_source": source, "precompute": sum(precompute_seconds) if precompute else None,
+    return {**times, "step_source": source, "step_tokens": tokens[args.warmup:],
+            "precompute": sum(precompute_seconds) if precompute else None,
             "setup": None, "wall": wall, "mean_loss": statistics.fmean(losses) if losses else None,
             "reference_in_memory": None, "rss_base": base, "rss_loaded": None,
             "version": f"rlhf {getattr(rlhf, '__version__', '')}".strip()}
@@ -379,11 +420,21 @@ def summarise(runs: list[dict]) -> dict:
             "peak": max(r["peak_rss"] for r in ok), "base": max(r["rss_base"] for r in ok),
             "background": max(r["background"] for r in ok),
             "timed": len(best["step"]), "runs": len(ok), "source": best["step_source"],
-            "mean_loss": best["mean_loss"], "version": best["version"]}
+            "mean_loss": best["mean_loss"], "version": best["version"],
+            "tokens": statistics.fmean(best["step_tokens"]) if best.get("step_tokens") else None}
+
+
+def step_flops(params: int, tokens: float | None, live_reference: bool) -> float | None:
+    """A DPO step's FLOPs: the policy's forward and backward over the step's tokens, plus the live reference's
+    forward when it runs on every batch."""
+    if tokens is None:
+        return None
+    return training_flops(params, tokens) + (forward_flops(params, tokens) if live_reference else 0.0)
 
 
 HEADERS = ["variant", "trainer", "timed steps", "s/step median", "s/step mean", "cycle s median", "precompute s",
-           "base MiB", "peak MiB", "time ours/TRL", "memory ours/TRL", "bg cores"]
+           "tokens per step", "GFLOP/s", "% of peak", "base MiB", "peak MiB", "time ours/TRL", "memory ours/TRL",
+           "bg cores"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -396,6 +447,9 @@ def main(argv: list[str] | None = None) -> int:
           f"lr {args.lr:g} constant, beta {args.beta:g} sigmoid; {args.steps} steps, first {args.warmup} untimed; "
           f"torch {torch.__version__}, trl {trl_version}")
 
+    # the limits in a process of their own (not this one, whose peak memory every worker's ru_maxrss starts from)
+    limits = Limits("float32")
+    params = limits.measure_in_subprocess(args.threads, model=model_dir)["params"]
     runs: dict[tuple[str, str], list[dict]] = {}
     for variant in args.variants:
         for repeat in range(args.repeats):
@@ -415,8 +469,10 @@ def main(argv: list[str] | None = None) -> int:
                     if result["background"] > args.max_background:
                         print(f"  warning: other processes used {result['background']:.2f} CPU cores during this run "
                               f"(> {args.max_background:g}); its times are not trustworthy, rerun on a quiet machine")
+    limits.measure_in_subprocess(args.threads)
     if args.json:
-        args.json.write_text(json.dumps({f"{v}/{i}": r for (v, i), r in runs.items()}, indent=1))
+        args.json.write_text(json.dumps({**{f"{v}/{i}": r for (v, i), r in runs.items()},
+                                         "limits": {**limits.to_json(), "params": params}}, indent=1))
 
     rows, verdicts = [], []
     summary = {key: summarise(value) for key, value in runs.items()}
@@ -432,8 +488,11 @@ def main(argv: list[str] | None = None) -> int:
             if both and impl == "ours":
                 time_ratio = f"{s[args.metric] / theirs[args.metric]:.2f}x"
                 mem_ratio = f"{s['peak'] / theirs['peak']:.2f}x"
+            flops = step_flops(params, s["tokens"], variant == "live")
+            rate = flops / s["step"] if flops is not None else None
             rows.append([variant, LABELS[impl], f"{s['timed']}x{s['runs']}", f"{s['step']:.4f}", f"{s['mean']:.4f}",
                          f"{s['cycle']:.4f}", "-" if s["precompute"] is None else f"{s['precompute']:.2f}",
+                         "-" if s["tokens"] is None else f"{s['tokens']:.0f}", giga(rate), fraction(rate, limits.peak),
                          f"{s['base']:.0f}", f"{s['peak']:.0f}", time_ratio, mem_ratio, f"{s['background']:.2f}"])
         if both:
             t, m = ours[args.metric] / theirs[args.metric], ours["peak"] / theirs["peak"]
@@ -448,9 +507,14 @@ def main(argv: list[str] | None = None) -> int:
             verdicts.append(f"n/a {variant}: no ratio, only {LABELS[args.impls[0]]} was run (--impls)")
         else:
             verdicts.append(f"n/a {variant}: no ratio, a trainer's run broke")
+    print(limits.describe())
     print_table(HEADERS, rows, f"DPO: batch {args.batch_size} pairs, cutoff {args.seq_len}, threads {args.threads}, "
                 f"fp32 CPU (seconds per optimizer step; peak = max RSS of the run's process)", label_columns=2,
-                wrap_values=True, min_width=150)
+                wrap_values=True, min_width=170)
+    print(f"tokens per step = non-padding tokens of the step's batch (prompt + chosen, prompt + rejected), mean over "
+          f"the timed steps; GFLOP/s = (6 x {params / 1e6:.3f}M parameters x tokens, + 2 x parameters x tokens for the "
+          "live reference's forward) / median s/step, attention FLOPs ignored; % of peak = that / the peak matmul "
+          "FLOP/s above")
     for line in verdicts:
         print(line)
     return 1 if any("error" in r for value in runs.values() for r in value) else 0

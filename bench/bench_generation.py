@@ -42,8 +42,8 @@ engine's time is its best over the repeats (the machine is shared: the spread ma
 Every engine first gets one untimed warm-up call per batch size; for ``ours (compiled)`` that call
 compiles the decode step, its seconds are printed as "first call" and the compile time as measured
 inside the engine (``inference_optimizations.compile_seconds``). Peak matmul FLOP/s is measured in
-the same run (best of square ``torch.matmul`` timings in ``--dtype`` at the same thread count, or on
-the GPU); on CUDA every timing ends with ``torch.cuda.synchronize()``;
+the same run (``bench/limits.py``, which every bench shares: best of square ``torch.matmul`` timings in ``--dtype``
+at the same thread count, or on the GPU); on CUDA every timing ends with ``torch.cuda.synchronize()``;
 achieved FLOP/s = 2 x parameters x generated tokens / seconds, which ignores attention FLOPs. The limit at small
 batches is memory: each decode step reads every weight once, so "weights GB/s" (the weights' bytes x new tokens /
 seconds) is set beside the measured bandwidth (the best read of a 256 MiB tensor, before and after each batch size).
@@ -60,6 +60,7 @@ import time
 from pathlib import Path
 
 import torch
+from limits import bandwidth_peak, describe_limits, fraction, limits_epilog, matmul_peak, synchronize  # bench/limits.py
 from tables import print_table  # bench/tables.py (the script's folder is on sys.path)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -76,7 +77,10 @@ NAMED_MODELS = ("tiny", "medium", "large", "tiny-vl")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog=limits_epilog(
+                                         "GFLOP/s = 2 x parameters x tokens / best s (% of peak); weights GB/s = "
+                                         "weight bytes x new tokens / best s (% of bandwidth)"))
     parser.add_argument("--model", default="tiny",
                         help="tiny demo model, a bigger random-weight Llama: medium (34M) or large (0.2B, for a GPU), "
                              "tiny-vl (the embedded Qwen3-VL, image prompts), or PATH: any Hugging Face model folder "
@@ -115,25 +119,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if min(args.batch_sizes + [args.new_tokens, args.threads, args.repeats]) < 1:
         parser.error("--batch-sizes, --new-tokens, --threads and --repeats must be >= 1")
     return args
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def matmul_peak(size: int, device: torch.device, dtype: torch.dtype, repeats: int = 5) -> float:
-    """Best FLOP/s of a square torch.matmul in ``dtype`` on ``device`` (random data, not zeros)."""
-    a, b = torch.randn(size, size, device=device, dtype=dtype), torch.randn(size, size, device=device, dtype=dtype)
-    torch.matmul(a, b)
-    synchronize(device)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.matmul(a, b)
-        synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return 2 * size ** 3 / best
 
 
 SHAPES = {  # hidden, intermediate, layers, heads, kv heads, vocabulary (None: the demo tokenizer's)
@@ -234,21 +219,6 @@ def quantized_weight_bytes(model: torch.nn.Module, dtype: str) -> int:
     if dtype == "fp16":
         return sum(2 * m.weight().numel() for m in linear) + rest
     return sum(m.weight().numel() + 8 * m.weight().shape[0] for m in linear) + rest
-
-
-def bandwidth_peak(device: torch.device, repeats: int = 5) -> float:
-    """Best bytes/s of reading a 256 MiB tensor (a sum) on ``device``: the memory bandwidth a decode step, which
-    reads every weight once, can use at most."""
-    data = torch.randn(64 * 2**20, device=device)
-    data.sum()
-    synchronize(device)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        data.sum()
-        synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return data.numel() * data.element_size() / best
 
 
 def vllm_rates(args: argparse.Namespace) -> dict:
@@ -370,12 +340,10 @@ def main(argv: list[str] | None = None) -> int:
                          "", f"{first[engine]:.1f}", compile_note or "-"])
     peak, bandwidth = max(peaks), max(bandwidths)
     for row in rows:
-        row[9] = f"{float(row[8]) * 1e9 / peak:.1%}"
-        row[11] = f"{float(row[10]) * 1e9 / bandwidth:.1%}"
-    print(f"peak {args.dtype} matmul: {peak / 1e9:.1f} GFLOP/s ({args.matmul_size}^2 torch.matmul, best of "
-          f"{', '.join(f'{p / 1e9:.1f}' for p in peaks)} measured before and after each batch size); memory "
-          f"bandwidth: {bandwidth / 1e9:.1f} GB/s (best read of a 256 MiB tensor, "
-          f"{', '.join(f'{b / 1e9:.1f}' for b in bandwidths)})")
+        row[9] = fraction(float(row[8]) * 1e9, peak)
+        row[11] = fraction(float(row[10]) * 1e9, bandwidth)
+    print(describe_limits(peaks, bandwidths, args.dtype, args.matmul_size,
+                          "measured before and after each batch size"))
     print_table(["model", "batch", "engine", "tokens", "best s", "spread", "tokens/s", "vs HF", "GFLOP/s",
                  "% of peak", "weights GB/s", "% of bandwidth", "first call s", "compile s"], rows,
                 title=f"Generation: {args.new_tokens} new tokens per row, sampling T=1.0, {args.dtype}, {where}",

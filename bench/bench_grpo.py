@@ -69,6 +69,17 @@ tokens-per-second ratios too. With ``--repeats`` > 1 the order of the trainers a
 repeat with the best median. On 2 cores another busy process slows a run many times over, so the driver
 measures the CPU the rest of the machine used during each run ("bg cores": /proc/stat minus the worker's own CPU time)
 and warns above ``--max-background``. The exit status is 0 whatever the timing (non-zero only if a run breaks).
+
+The limit (``bench/limits.py``): the peak fp32 matmul FLOP/s at ``--threads`` threads and the memory bandwidth are
+measured before the first worker and after the last (the best of each is kept, printed above the table), each time in
+a subprocess of its own, so its buffers count in no worker's peak memory. A step's FLOPs = 2 x parameters x the
+completion tokens it sampled (prompt prefill not counted) + 6 x parameters x the tokens it trained on (prompt +
+completion of every row that ran forward and backward: ours counts the rows ``_rows_that_train`` keeps, so skipped
+rows count nothing; TRL's are its ``compute_loss`` inputs' prompt and completion masks) + 2 x parameters x the tokens
+of forwards without backward (ours: old log-probs and reference, ``_policy_logps`` / ``_reference_logps``, which only
+the reinforce_pp row runs here; TRL runs none with beta 0 and one step per generation), all counted per step in the
+workers. Parameters = the model's ``model_params`` (all of them, the tied embedding once); attention's own FLOPs
+ignored. "GFLOP/s" is the median over the timed steps of a step's FLOPs / its seconds; "% of peak" = that / the peak.
 """
 
 from __future__ import annotations
@@ -83,7 +94,8 @@ import time
 from pathlib import Path
 
 # bench/ (the script's folder) is on sys.path; bench_dpo has no side effects on import
-from bench_dpo import bench_setup, peak_rss_mib, rss_mib, run_measured, trl_step_timer
+from bench_dpo import batch_tokens, bench_setup, peak_rss_mib, rss_mib, run_measured, trl_step_timer
+from limits import Limits, fraction, giga, limits_epilog, rl_step_flops
 from tables import print_table
 
 REPO = Path(__file__).resolve().parents[1]
@@ -108,7 +120,11 @@ PROMPT_CUTOFF = 512  # the tiny model's max_position_embeddings; the demo prompt
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog=limits_epilog(
+                                         "GFLOP/s = median over steps of (2 x parameters x sampled + 6 x parameters x"
+                                         " trained + 2 x parameters x no-grad forward tokens) / step s; % of peak = "
+                                         "that / the peak matmul FLOP/s"))
     parser.add_argument("--steps", type=int, default=12, help="optimizer steps per run, warm-up included")
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the timing (at least 1)")
     parser.add_argument("--batch-size", type=int, default=64, help="completions per optimizer step (B)")
@@ -165,8 +181,56 @@ def load_prompt_records(n: int) -> list[dict]:
     return rlhf.load_records(DATASET, DATA_DIR, "prompt", max_samples=n)
 
 
+def count_ours_grpo_tokens(trainer_cls, events: list[tuple[float, str, int]]) -> None:
+    """Record (time, kind, tokens) in ``events`` for every micro-batch our GRPO trainer trains on ("trained": the rows
+    ``_rows_that_train`` keeps, which run forward and backward) and every forward without backward ("extra": old
+    log-probs ``_policy_logps``, reference ``_reference_logps``). Wraps the class's methods; the real ones run."""
+    inner_rows, inner_policy, inner_reference = (trainer_cls._rows_that_train, trainer_cls._policy_logps,
+                                                 trainer_cls._reference_logps)
+
+    def rows_that_train(self, batch):
+        kept, share = inner_rows(self, batch)
+        events.append((time.perf_counter(), "trained", batch_tokens(kept)))
+        return kept, share
+
+    def policy_logps(self, batch, *args, **kwargs):
+        events.append((time.perf_counter(), "extra", batch_tokens(batch)))
+        return inner_policy(self, batch, *args, **kwargs)
+
+    def reference_logps(self, batch, *args, **kwargs):
+        events.append((time.perf_counter(), "extra", batch_tokens(batch)))
+        return inner_reference(self, batch, *args, **kwargs)
+
+    trainer_cls._rows_that_train, trainer_cls._policy_logps = rows_that_train, policy_logps
+    trainer_cls._reference_logps = reference_logps
+
+
+def count_trl_grpo_tokens(trainer_cls, events: list[tuple[float, str, int]]) -> None:
+    """Record (time, "trained", tokens) in ``events`` for every micro-batch TRL's GRPO ``compute_loss`` trains on: its
+    prompt and completion masks' sums. Wraps the class's method; the real one runs."""
+    inner = trainer_cls.compute_loss
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        tokens = int(inputs["prompt_mask"].sum() + inputs["completion_mask"].sum())
+        events.append((time.perf_counter(), "trained", tokens))
+        return inner(self, model, inputs, *args, **kwargs)
+
+    trainer_cls.compute_loss = compute_loss
+
+
+def tokens_by_step(events: list[tuple[float, str, int]], ends: list[float], kind: str) -> list[int]:
+    """The ``kind`` tokens of each optimizer step: step k holds the events after ends[k - 1] up to ends[k]."""
+    totals = [0] * len(ends)
+    for stamp, what, tokens in events:
+        if what == kind:
+            step = next((k for k, end in enumerate(ends) if stamp <= end), None)
+            if step is not None:
+                totals[step] += tokens
+    return totals
+
+
 def timed_steps(ends: list[float], generations: list[dict], steps: int, warmup: int,
-                begins: list[float] | None = None) -> dict:
+                begins: list[float] | None = None, events: list[tuple[float, str, int]] | None = None) -> dict:
     """Per-step numbers of the timed steps. Step k (k >= 1) runs from ends[k - 1] to ends[k]; its generation is the
     one call that started inside that window (checked)."""
     if len(ends) != steps or len(generations) != steps:
@@ -186,6 +250,10 @@ def timed_steps(ends: list[float], generations: list[dict], steps: int, warmup: 
               "truncated": [generations[k]["truncated"] for k in timed]}
     if begins:  # TRL: its own begin -> end window, shown to confirm it holds the generation
         result["begin_end"] = [ends[k] - begins[k] for k in timed]
+    if events is not None:  # tokens trained on (forward and backward) and forwarded without backward, per step
+        for kind in ("trained", "extra"):
+            counts = tokens_by_step(events, ends, kind)
+            result[f"{kind}_tokens"] = [counts[k] for k in timed]
     return result
 
 
@@ -232,6 +300,8 @@ def run_trl(args: argparse.Namespace) -> dict:
         return completion_ids, logprobs
 
     trl.GRPOTrainer._generate_single_turn = timed_generate
+    events: list[tuple[float, str, int]] = []
+    count_trl_grpo_tokens(trl.GRPOTrainer, events)
 
     def exact_answer(prompts, completions, answer, **kwargs):
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]  # conversational completions
@@ -267,7 +337,7 @@ def run_trl(args: argparse.Namespace) -> dict:
     if output.global_step != args.steps:
         raise RuntimeError(f"TRL ran {output.global_step} steps, expected {args.steps}")
     rewards = [row["reward"] for row in trainer.state.log_history if "reward" in row]
-    return {**timed_steps(timer.ends, generations, args.steps, args.warmup, timer.begins), "setup": setup,
+    return {**timed_steps(timer.ends, generations, args.steps, args.warmup, timer.begins, events), "setup": setup,
             "wall": wall, "mean_loss": output.training_loss,
             "mean_reward": statistics.fmean(rewards) if rewards else None,
             "stop_ids": eos, "reference_in_memory": trainer.ref_model is not None, "rss_base": base,
@@ -304,6 +374,8 @@ def run_ours(args: argparse.Namespace) -> dict:
         skip_zero_gradient_rows=args.worker != "ours-dense")
     settings.update(VARIANTS.get(args.worker, {}))  # one estimator or loss in place of GRPO's
     config = rlhf.GRPOConfig(**settings)
+    events: list[tuple[float, str, int]] = []
+    count_ours_grpo_tokens(rlhf.GRPOTrainer, events)
     reference = rlhf.create_reference_model(config, policy) if config.beta > 0 else None  # reinforce_pp's KL reward
     trainer = rlhf.GRPOTrainer(config, policy, dataset, reward_fn=rlhf.exact_answer_reward, reference=reference,
                                formatter=formatter)
@@ -339,7 +411,7 @@ def run_ours(args: argparse.Namespace) -> dict:
     rewards = [float(row["reward"]) for row in history if "reward" in row]
     timed = [row for row in history if row["step"] > args.warmup]
     skipped = [float(row["skipped_rows_frac"]) for row in timed if "skipped_rows_frac" in row]
-    return {**timed_steps(ends, generations, args.steps, args.warmup), "setup": setup, "wall": wall,
+    return {**timed_steps(ends, generations, args.steps, args.warmup, events=events), "setup": setup, "wall": wall,
             "skipped": statistics.fmean(skipped) if skipped else 0.0,
             "mean_loss": statistics.fmean(losses) if losses else None,
             "mean_reward": statistics.fmean(rewards) if rewards else None,
@@ -375,14 +447,24 @@ def _fmt(value: float | None, spec: str = ".4f") -> str:
     return "-" if value is None else format(value, spec)
 
 
-def summarise(runs: list[dict]) -> dict:
+def step_flop_rates(run: dict, params: int) -> list[float]:
+    """FLOP/s of each timed step of a run (``limits.rl_step_flops`` / the step's seconds): sampling, training and
+    forwards without backward, from the per-step token counts; empty when the run has none."""
+    if "trained_tokens" not in run:
+        return []
+    return [rl_step_flops(params, generated, trained, extra) / seconds for generated, trained, extra, seconds
+            in zip(run["tokens"], run["trained_tokens"], run["extra_tokens"], run["cycle"])]
+
+
+def summarise(runs: list[dict], params: int | None = None) -> dict:
     """One row from the repeats of one trainer: the repeat with the best median step (its numbers), the fastest step
-    of all repeats, the highest peak memory."""
+    of all repeats, the highest peak memory; with ``params``, the median FLOP/s of that repeat's steps."""
     ok = [r for r in runs if "error" not in r]
     if not ok:
         return {"error": runs[-1]["error"]}
     best = min(ok, key=lambda r: statistics.median(r["cycle"]))
     rest = [c - g for c, g in zip(best["cycle"], best["gen"])]
+    rates = step_flop_rates(best, params) if params else []
     return {"step": statistics.median(best["cycle"]), "mean": statistics.fmean(best["cycle"]),
             "min": min(min(r["cycle"]) for r in ok),
             "gen": statistics.median(best["gen"]), "rest": statistics.median(rest),
@@ -391,12 +473,16 @@ def summarise(runs: list[dict]) -> dict:
             "tokens_per_s": statistics.median([t / c for t, c in zip(best["tokens"], best["cycle"])]),
             "peak": max(r["peak_rss"] for r in ok), "base": max(r["rss_base"] for r in ok),
             "skipped": best.get("skipped"), "rounds": statistics.fmean(best.get("rounds") or [1]),
-            "background": max(r["background"] for r in ok), "timed": len(best["cycle"]), "runs": len(ok)}
+            "background": max(r["background"] for r in ok), "timed": len(best["cycle"]), "runs": len(ok),
+            "trained": statistics.fmean(best["trained_tokens"]) if best.get("trained_tokens") else None,
+            "extra": statistics.fmean(best["extra_tokens"]) if best.get("extra_tokens") else None,
+            "flops_per_s": statistics.median(rates) if rates else None}
 
 
 HEADERS = ["trainer", "timed steps", "s/step median", "s/step mean", "s/step min", "gen s median", "rest s median",
-           "compl. tokens per step", "mean compl. length", "hit max length", "rows skipped", "tokens per s", "base MiB",
-           "peak MiB", "sampling rounds", "time / TRL", "time / ours (GRPO)", "bg cores"]
+           "compl. tokens per step", "mean compl. length", "hit max length", "rows skipped", "tokens per s",
+           "trained tokens per step", "no-grad fwd tokens per step", "GFLOP/s", "% of peak", "base MiB", "peak MiB",
+           "sampling rounds", "time / TRL", "time / ours (GRPO)", "bg cores"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -416,6 +502,9 @@ def main(argv: list[str] | None = None) -> int:
           f"temperature 1.0, beta 0, loss grpo, lr {args.lr:g} constant; {args.steps} steps, first {args.warmup} "
           f"untimed; torch {torch.__version__}, trl {trl_version}")
 
+    # the limits in a process of their own (not this one, whose peak memory every worker's ru_maxrss starts from)
+    limits = Limits("float32")
+    params = limits.measure_in_subprocess(args.threads, model=model_dir)["params"]
     runs: dict[str, list[dict]] = {}
     for repeat in range(args.repeats):
         order = args.impls if repeat % 2 == 0 else args.impls[::-1]
@@ -437,10 +526,11 @@ def main(argv: list[str] | None = None) -> int:
             if result["background"] > args.max_background:
                 print(f"  warning: other processes used {result['background']:.2f} CPU cores during this run "
                       f"(> {args.max_background:g}); its times are not trustworthy, rerun on a quiet machine")
+    limits.measure_in_subprocess(args.threads)
     if args.json:
-        args.json.write_text(json.dumps(runs, indent=1))
+        args.json.write_text(json.dumps({**runs, "limits": {**limits.to_json(), "params": params}}, indent=1))
 
-    summary = {impl: summarise(value) for impl, value in runs.items()}
+    summary = {impl: summarise(value, params) for impl, value in runs.items()}
     ours, theirs, dense = summary.get("ours"), summary.get("trl"), summary.get("ours-dense")
     both = ours and theirs and "error" not in ours and "error" not in theirs
     rows = []
@@ -455,13 +545,20 @@ def main(argv: list[str] | None = None) -> int:
                      f"{s['min']:.3f}", f"{s['gen']:.3f}", f"{s['rest']:.3f}", f"{s['tokens']:.0f}",
                      f"{s['tokens'] / s['completions']:.1f}", f"{s['truncated']:.0%}",
                      "-" if s["skipped"] is None else f"{s['skipped']:.0%}", f"{s['tokens_per_s']:.0f}",
+                     _fmt(s["trained"], ".0f"), _fmt(s["extra"], ".0f"), giga(s["flops_per_s"]),
+                     fraction(s["flops_per_s"], limits.peak),
                      f"{s['base']:.0f}", f"{s['peak']:.0f}", f"{s['rounds']:.1f}", ratio, to_ours,
                      f"{s['background']:.2f}"])
+    print(limits.describe())
     print_table(HEADERS, rows, f"GRPO: {args.batch_size} completions per step (G {args.num_generations}), at most "
                 f"{args.completion_len} new tokens, threads {args.threads}, fp32 CPU (seconds per step: end of one "
                 f"optimizer step to the end of the next, generation included; gen = sampling alone; rest = step - "
                 f"gen; tokens per s = median over steps; peak = max RSS of the run's process)", label_columns=1,
-                wrap_values=True, min_width=170)
+                wrap_values=True, min_width=230)
+    print(f"GFLOP/s = median over the timed steps of (2 x {params / 1e6:.3f}M parameters x completion tokens sampled + "
+          "6 x parameters x tokens trained (prompt + completion of the rows run forward and backward) + 2 x parameters "
+          "x no-grad forward tokens (old log-probs, reference)) / the step's seconds, attention FLOPs ignored; "
+          "% of peak = that / the peak matmul FLOP/s above")
     if both:
         t = ours["step"] / theirs["step"]
         busy = max(ours["background"], theirs["background"]) > args.max_background

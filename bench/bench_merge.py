@@ -26,6 +26,13 @@ CPU other processes used meanwhile ("bg cores"; times on a busy 2-core machine a
 compared tensor by tensor at the end: the streaming trim keeps exactly PEFT's top-k set unless magnitudes tie at the
 threshold, where either choice is arbitrary; the fine-tuned - base differences of float32 weights are quantised, so a
 few such ties do occur.
+
+The limit (``bench/limits.py``): a merge is bound by memory traffic, so each row is set against the memory bandwidth,
+measured in this (the driver's) process at ``--threads`` threads before the first worker and after the last (the best
+of each is kept, printed above the table, with the peak fp32 matmul FLOP/s); the workers' peak is VmHWM, which the
+driver's buffers do not reach. "GB/s moved" = (the bytes of every input checkpoint, read once, + the merged output's
+bytes, written once) / the row's seconds: the least traffic the merge needs (the streaming TIES's first pass over each
+fine-tuned model and the page-cache copies are not counted); "% of bandwidth" = that / the measured bandwidth.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from limits import Limits, fraction, giga, limits_epilog  # bench/limits.py
 from tables import print_table  # bench/tables.py (the script's folder is on sys.path)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,7 +60,10 @@ MODES = ("streaming", "whole")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog=limits_epilog(
+                                         "GB/s moved = (input checkpoints read + merged output written) bytes / s; % "
+                                         "of bandwidth = that / the memory bandwidth"))
     parser.add_argument("--models", type=int, default=3, help="fine-tuned models merged onto the base (default 3)")
     parser.add_argument("--hidden", type=int, default=1024, help="hidden size (default 1024)")
     parser.add_argument("--intermediate", type=int, default=2048, help="MLP size (default 2048)")
@@ -309,6 +320,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.models} fine-tuned + base Llama checkpoints of {model_mib:.0f} MiB each (fp32, hidden "
               f"{args.hidden}, MLP {args.intermediate}, {args.layers} layers, vocab {args.vocab}, shards "
               f"{args.shard_size}); TIES density {args.density:g}; threads {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
+        limits = Limits("float32").measure()  # here: the workers' peak is VmHWM, which this process does not reach
         runs: dict[str, list[dict]] = {m: [] for m in args.modes}
         outputs = {m: root / f"merged-{m}" for m in args.modes}
         for repeat in range(args.repeats):
@@ -323,21 +338,27 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{mode} (repeat {repeat + 1}): {result['seconds']:.1f} s, peak {result['peak']:.0f} MiB, "
                           f"baseline {result['baseline']:.0f} MiB, background load {result['background']:.2f} cores",
                           flush=True)
+        limits.measure()
+        read_bytes = sum(dir_bytes(p) for p in inputs)
         difference = (compare_outputs(outputs["streaming"], outputs["whole"])
                       if all(runs[m] and "error" not in runs[m][-1] for m in MODES if m in runs) and len(runs) == 2
                       else None)
         if args.json:
-            args.json.write_text(json.dumps({"model_mib": model_mib, "runs": runs, "difference": difference}, indent=1))
+            args.json.write_text(json.dumps({"model_mib": model_mib, "runs": runs, "difference": difference,
+                                             "limits": limits.to_json()}, indent=1))
         rows, verdict = [], None
         for mode in args.modes:
             ok = [r for r in runs[mode] if "error" not in r]
             if not ok:
-                rows.append([mode, "failed"] + ["-"] * 7)
+                rows.append([mode, "failed"] + ["-"] * 9)
                 continue
             seconds = min(r["seconds"] for r in ok)
             peak = max(r["peak"] for r in ok)
             baseline = statistics.median(r["baseline"] for r in ok)
-            rows.append([mode, f"{seconds:.1f}", f"{baseline:.0f}", f"{peak:.0f}", f"{peak - baseline:.0f}",
+            written = dir_bytes(outputs[mode]) or dir_bytes(inputs[0])  # the merged model (one checkpoint's size)
+            moved = (read_bytes + written) / seconds
+            rows.append([mode, f"{seconds:.1f}", giga(moved), fraction(moved, limits.bandwidth),
+                         f"{baseline:.0f}", f"{peak:.0f}", f"{peak - baseline:.0f}",
                          f"{peak / model_mib:.2f}x", f"{(peak - baseline) / model_mib:.2f}x", f"{len(ok)}",
                          f"{max(r['background'] for r in ok):.2f}"])
             if mode == "streaming":
@@ -346,11 +367,14 @@ def main(argv: list[str] | None = None) -> int:
                            f"{added:.2f}x one model (target <= {args.target:g}x); raw peak {raw:.2f}x "
                            f"({'within' if raw <= args.target else 'above'} the target: the raw figure includes "
                            f"{baseline:.0f} MiB of Python + torch)")
-        print_table(["mode", "seconds", "baseline MiB", "peak MiB", "peak - baseline MiB", "peak / model",
-                     "(peak - baseline) / model", "runs", "bg cores"], rows,
+        print(limits.describe())
+        print_table(["mode", "seconds", "GB/s moved", "% of bandwidth", "baseline MiB", "peak MiB",
+                     "peak - baseline MiB", "peak / model", "(peak - baseline) / model", "runs", "bg cores"], rows,
                     f"TIES merge of {args.models} x {model_mib:.0f} MiB checkpoints onto a base "
                     f"(peak = max RSS of the merging process; baseline = RSS after importing torch)",
-                    wrap_values=True)
+                    wrap_values=True, min_width=140)
+        print("GB/s moved = (every input checkpoint's bytes, read once, + the merged output's, written once) / "
+              "seconds; % of bandwidth = that / the memory bandwidth above")
         if verdict:
             print(verdict)
         if difference is not None:

@@ -38,6 +38,17 @@ shows per-step reward, loss and KL with held-out accuracy before and after. It s
 inside a rollout (num_iterations 2, step 3) and checks that every process's rollout is in it, that
 the final model and exactly one report.json entry were written.
 Exits 1 if a comparison fails or a run breaks.
+
+The limit (``bench/limits.py``): only the summary table times training, so only it has limit columns; the per-step
+tables compare loss and gradient-norm curves (and GRPO's reward, loss and KL), which time nothing. The peak fp32
+matmul FLOP/s on one thread (every run's processes have ``OMP_NUM_THREADS=1``) and the memory bandwidth are measured in
+this (the driver's) process before the first run and after the last (the best of each is kept, printed above the
+summary). "GFLOP/s 1p / 2p" = FLOPs per token x the median over the steps of the run's logged ``perf/tokens_per_s``
+(non-padding tokens of every process's micro-batches per second of the step): SFT 6 x parameters, DPO 8 x parameters
+(the policy's forward and backward plus the live reference's forward: ``precompute_ref_log_probs=false``), parameters =
+the tiny model's ``model_params`` (all of them, the tied embedding once), attention FLOPs ignored. "% of peak 1p / 2p"
+sets the 1-process run against the one-thread peak and the 2-process run against twice it (two processes, one thread
+each).
 """
 
 from __future__ import annotations
@@ -52,6 +63,15 @@ import tempfile
 import time
 from pathlib import Path
 
+from limits import (  # bench/limits.py
+    Limits,
+    folder_params,
+    forward_flops,
+    fraction,
+    giga,
+    limits_epilog,
+    training_flops,
+)
 from tables import print_table  # bench/tables.py (the script's folder is on sys.path)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -115,6 +135,16 @@ def relative(a: float, b: float) -> float:
     return abs(a - b) / max(abs(a), abs(b), 1e-12)
 
 
+def flop_rate(output_dir: Path, stage: str, params: int) -> float | None:
+    """The run's FLOP/s: FLOPs per token (SFT 6 x params; DPO 8 x params, the live reference's forward included) x the
+    median over its logged steps of ``perf/tokens_per_s``; None when the rows have no such figure."""
+    rates = sorted(row["perf/tokens_per_s"] for row in metric_rows(output_dir) if "perf/tokens_per_s" in row)
+    if not rates:
+        return None
+    per_token = training_flops(params, 1) + (forward_flops(params, 1) if stage == "dpo" else 0.0)
+    return per_token * rates[len(rates) // 2]
+
+
 def compare(stage: str, args: argparse.Namespace, work: Path) -> dict:
     budget = args.steps * 2 * args.accumulation * args.batch_size
     if budget > RECORDS[stage]:
@@ -145,7 +175,8 @@ def compare(stage: str, args: argparse.Namespace, work: Path) -> dict:
                 f"{2 * args.accumulation * args.batch_size} examples/step)")
     passed = worst["rel"] <= args.tolerance
     return {"stage": stage, "steps": args.steps, **worst, "passed": passed,
-            "seconds": (seconds_one, seconds_two)}
+            "seconds": (seconds_one, seconds_two),
+            "flops": (flop_rate(one_dir, stage, args.params), flop_rate(two_dir, stage, args.params))}
 
 
 def grpo(args: argparse.Namespace, work: Path) -> list[str]:
@@ -198,7 +229,11 @@ def grpo(args: argparse.Namespace, work: Path) -> list[str]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     epilog=limits_epilog(
+                                         "summary: GFLOP/s = (SFT 6, DPO 8) x parameters x the median logged "
+                                         "tokens/s; % of peak against the one-thread peak (the 2-process run against "
+                                         "twice it)"))
     parser.add_argument("--steps", type=int, default=25, help="optimizer steps of each SFT / DPO run")
     parser.add_argument("--batch-size", type=int, default=4, help="micro-batch per process (B)")
     parser.add_argument("--accumulation", type=int, default=2,
@@ -216,14 +251,29 @@ def main() -> int:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-mp-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
     print(f"runs in {work}; RLHF_CACHE={os.environ.get('RLHF_CACHE', '~/.cache/rlhf')}; OMP_NUM_THREADS=1 per process")
+    import torch
+
+    sys.path.insert(0, str(REPO))
+    import rlhf
+
+    args.params = folder_params(rlhf.resolve_model_path("tiny"))  # model_name_or_path=tiny in every run
+    torch.set_num_threads(1)  # as each run's processes (OMP_NUM_THREADS=1)
+    limits = Limits("float32").measure()  # before the runs (and again after them)
     results = [compare(stage.strip(), args, work) for stage in args.stages.split(",") if stage.strip()]
+    limits.measure()
     if results:
+        print(limits.describe())
         print_table(["stage", "steps", "max |loss diff|", "max rel loss diff", "max rel grad-norm diff", "tolerance",
-                     "result", "s, 1p / 2p"],
+                     "result", "s, 1p / 2p", "GFLOP/s 1p / 2p", "% of peak 1p / 2p"],
                     [[r["stage"], str(r["steps"]), f"{r['abs']:.1e}", f"{r['rel']:.1e}", f"{r['grad_rel']:.1e}",
                       f"{args.tolerance:.0e}", "PASS" if r["passed"] else "FAIL",
-                      f"{r['seconds'][0]:.0f} / {r['seconds'][1]:.0f}"] for r in results],
-                    "2 processes x A vs 1 process x 2A: the same examples per optimizer step")
+                      f"{r['seconds'][0]:.0f} / {r['seconds'][1]:.0f}",
+                      f"{giga(r['flops'][0])} / {giga(r['flops'][1])}",
+                      f"{fraction(r['flops'][0], limits.peak)} / {fraction(r['flops'][1], 2 * limits.peak)}"]
+                     for r in results],
+                    "2 processes x A vs 1 process x 2A: the same examples per optimizer step", min_width=170)
+        print(f"GFLOP/s = (SFT 6, DPO 8) x {args.params / 1e6:.3f}M parameters x the median logged perf/tokens_per_s; "
+              "% of peak: 1 process against the one-thread peak above, 2 processes against twice it")
     problems = [f"{r['stage']}: max relative loss difference {r['rel']:.1e} > {args.tolerance:.0e}"
                 for r in results if not r["passed"]]
     if args.grpo_steps:

@@ -23,6 +23,14 @@ Speed (tokens generated / seconds of one generate call, prefill included; best o
 order rotating): paged with prefix sharing (n = 16), our static engine with n = 16 (prefill shared,
 cache repeated per row), 16 independent generations (the prompt 16 times, n = 1: 16 prefills), and
 Hugging Face ``generate(num_return_sequences=16)``.
+
+The limit (``bench/limits.py``), speed table only (the memory table times nothing: it counts KV bytes): the peak
+fp32 matmul FLOP/s and the memory bandwidth, measured in this process at ``--threads`` threads before the timed calls
+and after them (the best of each is kept, printed above the table). Every engine decodes the 16 rows as one batch,
+so a call makes ``--new-tokens`` decode steps, each reading every weight once: "weights GB/s" = the weights' bytes
+(``model_weight_bytes``: fp32, the tied embedding once) x new tokens / seconds, against the bandwidth ("% of
+bandwidth"; decoding at this batch is bound by that traffic); "GFLOP/s" = 2 x parameters (``model_params``) x
+generated tokens / seconds (attention FLOPs and the prefill ignored), against the peak ("% of peak").
 """
 
 from __future__ import annotations
@@ -34,6 +42,15 @@ import time
 from pathlib import Path
 
 import torch
+from limits import (  # bench/limits.py
+    Limits,
+    forward_flops,
+    fraction,
+    giga,
+    limits_epilog,
+    model_params,
+    model_weight_bytes,
+)
 from tables import print_table  # bench/tables.py (the script's folder is on sys.path)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,7 +61,10 @@ import rlhf  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog=limits_epilog(
+                                         "speed table: GFLOP/s = 2 x parameters x tokens / s (% of peak); weights "
+                                         "GB/s = weight bytes x new tokens / s (% of bandwidth)"))
     parser.add_argument("--policy", default=str(REPO / "outputs/demo/sft"),
                         help="policy directory (default: the demo SFT output; the untrained tiny model if absent)")
     parser.add_argument("--samples", type=int, default=16, help="samples of the one prompt")
@@ -118,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
               "independent": "ours static, 16 independent prompts", "hf": "HF generate(num_return_sequences=16)"}
     for engine in engines:  # warm-up (one-time allocations, kernel selection)
         run(engine, model, prompt, argparse.Namespace(**{**vars(args), "new_tokens": 4}), pad, seed=0)
+    limits = Limits("float32").measure()  # before the timed calls (and again after them)
     best: dict[str, float] = {}
     spread: dict[str, list[float]] = {e: [] for e in engines}
     tokens: dict[str, int] = {}
@@ -128,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             spread[engine].append(seconds)
             best[engine] = min(best.get(engine, float("inf")), seconds)
             tokens[engine] = generated
+    limits.measure()
     expected = args.samples * args.new_tokens
     if any(count != expected for count in tokens.values()):
         raise SystemExit(f"error: engines generated {tokens} tokens, expected {expected} each")
@@ -155,10 +177,20 @@ def main(argv: list[str] | None = None) -> int:
     print_table(["KV cache", "stored tokens", "allocated slots", "stored / allocated", "KV MiB", "vs contiguous"],
                 memory_rows, f"KV memory: {args.samples} samples of one {args.prompt_tokens}-token prompt, "
                 f"{args.new_tokens} new tokens each ({Path(directory).name}, {per_token} bytes/token)")
+    params, weight_bytes = model_params(model), model_weight_bytes(model)
+    flops = {e: forward_flops(params, tokens[e]) / best[e] for e in engines}
+    reads = {e: weight_bytes * args.new_tokens / best[e] for e in engines}  # one batched decode step per new token
     speed_rows = [[labels[e], f"{best[e]:.3f}", f"{tokens[e] / best[e]:,.0f}", f"{best['independent'] / best[e]:.2f}x",
-                   f"{max(spread[e]) / min(spread[e]):.2f}"] for e in engines]
-    print_table(["engine", "seconds", "tokens/s", "vs independent", "spread max/min"], speed_rows,
-                f"Best-of-{args.samples} generation speed (best of {args.repeats}, {args.threads} threads)")
+                   f"{max(spread[e]) / min(spread[e]):.2f}", giga(flops[e]), fraction(flops[e], limits.peak),
+                   giga(reads[e]), fraction(reads[e], limits.bandwidth)] for e in engines]
+    print(limits.describe())
+    print_table(["engine", "seconds", "tokens/s", "vs independent", "spread max/min", "GFLOP/s", "% of peak",
+                 "weights GB/s", "% of bandwidth"], speed_rows,
+                f"Best-of-{args.samples} generation speed (best of {args.repeats}, {args.threads} threads)",
+                min_width=150)
+    print(f"GFLOP/s = 2 x {params / 1e6:.3f}M parameters x generated tokens / s (attention and prefill ignored); "
+          f"weights GB/s = {weight_bytes / 1e6:.1f} MB of weights x {args.new_tokens} decode steps / s; % of peak and "
+          "% of bandwidth against the limits above")
     floor = (args.prompt_tokens + args.samples * (args.new_tokens - 1)) / (args.samples * positions)
     for (size, cow), peak in peaks.items():
         ratio = peak["kv_bytes"] / contiguous
@@ -167,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{peak['copied_blocks']} copy-on-write copies)")
     print(f"(no waste at all would be {floor:.3f}: the prompt once plus every sample's own tokens)")
     if args.output:
-        Path(args.output).write_text(json.dumps({"memory": memory_rows, "speed": speed_rows,
+        Path(args.output).write_text(json.dumps({"memory": memory_rows, "speed": speed_rows, "limits": limits.to_json(),
                                                  "paged_peaks": {f"{size}{'-cow' if cow else ''}": v
                                                                  for (size, cow), v in peaks.items()}}, indent=2))
     return 0

@@ -18,6 +18,15 @@ libraries, model, reference, optimizer state, activations) is its own. Seconds p
 the first ``--warmup`` steps are dropped. Where ours differs in memory it is mostly the output layer: ours never holds a
 (batch, tokens, 151,936) logits tensor (rlhf.OutputHead), TRL does, with its gradient. The exit status is 0 whatever the
 figures (non-zero only if a run breaks).
+
+The limit (``bench/limits.py``): the peak fp32 matmul FLOP/s at ``--threads`` threads and the memory bandwidth are
+measured before the first run and after the last (the best of each is kept, printed above the table), each time in a
+subprocess of its own, so its buffers count in no run's peak memory; it also counts the model's parameters
+(``model_params``: all of them, the tied embedding once: 596M, of which the 151,936 x 1024 embedding, as the output
+head, is 156M). Every worker counts each step's non-padding tokens (the batch's attention-mask sum; DPO: prompt +
+chosen and prompt + rejected; ours in ``_optimizer_step``, TRL in ``training_step``): "tokens per step" is their mean
+over the timed steps. "GFLOP/s" = (6 x parameters x tokens, + 2 x parameters x tokens for DPO's live reference
+forward) / the median s/step, attention FLOPs ignored; "% of peak" = that / the peak.
 """
 
 from __future__ import annotations
@@ -30,7 +39,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_dpo import peak_rss_mib, rss_mib, run_measured, step_times, trl_step_timer  # bench/ is on sys.path
+from bench_dpo import (  # bench/ is on sys.path
+    batch_tokens,
+    count_trl_tokens,
+    peak_rss_mib,
+    rss_mib,
+    run_measured,
+    step_times,
+    trl_step_timer,
+)
+from limits import Limits, forward_flops, fraction, giga, training_flops
 from tables import print_table
 
 REPO = Path(__file__).resolve().parents[1]
@@ -114,9 +132,11 @@ def run_ours(args: argparse.Namespace) -> dict:
     base = rss_mib()
     begins: list[float] = []
     ends: list[float] = []
+    tokens: list[int] = []
     inner_step = rlhf.BaseTrainer._optimizer_step
 
     def timed_step(self, group, window):  # forward, backward, clipping and the optimizer step of one step
+        tokens.append(sum(batch_tokens(batch) for batch in group))
         begins.append(time.perf_counter())
         try:
             return inner_step(self, group, window)
@@ -137,16 +157,20 @@ def run_ours(args: argparse.Namespace) -> dict:
                   logging_steps=1, disable_progress_bar=True, report_to="none", seed=0, resume_from_checkpoint="none",
                   template="qwen3")
     started = time.perf_counter()
+    live_reference = False
     if args.stage == "sft":
         result = rlhf.train_sft(rlhf.SFTConfig(**common))
     else:
-        result = rlhf.train_dpo(rlhf.DPOConfig(**common, pref_beta=0.1, pref_loss="sigmoid"))
+        config = rlhf.DPOConfig(**common, pref_beta=0.1, pref_loss="sigmoid")
+        result = rlhf.train_dpo(config)
+        live_reference = str(config.precompute_ref_log_probs).lower() != "true"  # as the run decided it
     wall = time.perf_counter() - started
     if len(ends) != args.steps:
         raise RuntimeError(f"ours ran {len(ends)} optimizer steps, expected {args.steps}")
     losses = [float(row["loss"]) for row in result.history if "loss" in row]
     return {**step_times(begins, ends, args.warmup), "wall": wall, "rss_base": base,
-            "mean_loss": statistics.fmean(losses), "version": "rlhf",
+            "mean_loss": statistics.fmean(losses), "version": "rlhf", "step_tokens": tokens[args.warmup:],
+            "live_reference": live_reference,
             "chunked_head": rlhf.OutputHead.of(rlhf.PolicyModel.from_pretrained(args.model_dir).model).chunked}
 
 
@@ -187,13 +211,17 @@ def run_trl(args: argparse.Namespace) -> dict:
     timer = trl_step_timer()
     trainer = trainer_class(model=args.model_dir, args=config, train_dataset=dataset, processing_class=tokenizer,
                             callbacks=[timer])
+    tokens: list[int] = []
+    count_trl_tokens(trainer, tokens)
     started = time.perf_counter()
     output = trainer.train()
     wall = time.perf_counter() - started
     if len(timer.ends) != args.steps:
         raise RuntimeError(f"TRL ran {len(timer.ends)} timed steps, expected {args.steps}")
     return {**step_times(timer.begins, timer.ends, args.warmup), "wall": wall, "rss_base": base,
-            "mean_loss": output.training_loss, "version": f"trl {trl.__version__}", "chunked_head": False}
+            "mean_loss": output.training_loss, "version": f"trl {trl.__version__}", "chunked_head": False,
+            "step_tokens": tokens[args.warmup:],
+            "live_reference": args.stage == "dpo" and not config.precompute_ref_log_probs}
 
 
 def worker(args: argparse.Namespace) -> int:
@@ -212,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
         return worker(args)
     model_dir = Path(args.model_dir) if args.model_dir else Path.home() / ".cache" / "rlhf" / "bench-qwen3-0.6b-random"
     build_model(model_dir)
+    # the limits in a process of their own (not this one, whose peak memory every worker's ru_maxrss starts from)
+    limits = Limits("float32")
+    params = limits.measure_in_subprocess(args.threads, model=model_dir)["params"]
     rows, failures = [], 0
     for stage in [s.strip() for s in args.stages.split(",") if s.strip()]:
         results = {}
@@ -232,14 +263,25 @@ def main(argv: list[str] | None = None) -> int:
             other = results.get("trl" if impl == "ours" else "ours", {})
             ratio = (f"{seconds / statistics.median(other['step']):.2f}x / "
                      f"{result['peak_rss'] / other['peak_rss']:.2f}x") if impl == "ours" and "step" in other else ""
-            rows.append([stage, result["version"], f"{seconds:.1f}", f"{result['peak_rss'] / 1024:.1f}",
+            tokens = statistics.fmean(result["step_tokens"]) if result.get("step_tokens") else None
+            rate = None
+            if tokens is not None:
+                flops = training_flops(params, tokens) + (forward_flops(params, tokens)
+                                                          if result.get("live_reference") else 0.0)
+                rate = flops / seconds
+            rows.append([stage, result["version"], f"{seconds:.1f}", "-" if tokens is None else f"{tokens:.0f}",
+                         giga(rate, 1), fraction(rate, limits.peak), f"{result['peak_rss'] / 1024:.1f}",
                          "yes" if result.get("chunked_head") else "no", f"{result['mean_loss']:.3f}",
                          f"{result['background']:.2f}", ratio])
-    print_table(["stage", "trainer", "s/step", "peak GiB", "chunked head", "mean loss", "bg cores",
-                 "ours/TRL time / memory"], rows,
+    limits.measure_in_subprocess(args.threads)
+    print(limits.describe())
+    print_table(["stage", "trainer", "s/step", "tokens per step", "GFLOP/s", "% of peak", "peak GiB", "chunked head",
+                 "mean loss", "bg cores", "ours/TRL time / memory"], rows,
                 "Qwen3-0.6B shape (random weights, vocabulary 151,936), fp32 full fine-tuning, "
                 f"batch {args.batch_size}, {args.seq_len} tokens, {args.steps} steps ({args.warmup} warm-up), "
-                f"{args.threads} threads", label_columns=2)
+                f"{args.threads} threads", label_columns=2, min_width=150)
+    print(f"GFLOP/s = (6 x {params / 1e6:.0f}M parameters x tokens per step, + 2 x parameters x tokens for DPO's live "
+          "reference forward) / s/step, attention FLOPs ignored; % of peak = that / the peak matmul FLOP/s above")
     return 1 if failures else 0
 
 

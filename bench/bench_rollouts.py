@@ -61,6 +61,21 @@ again, best of 2). The requests are ``--sync-prompts`` prompts x 1 sample x 16 t
 
 Background load on the 2-core machine slows single runs many times over: every row shows the CPU other processes
 used meanwhile ("bg cores"). The exit status is 0 whatever the timing (non-zero only if a run broke).
+
+The limits (``bench/limits.py``): the peak fp32 matmul FLOP/s and the memory bandwidth at ``--threads`` threads,
+measured before the first section and again after each section's timed runs (each table uses the best of every
+measurement so far, printed above it), each time in a subprocess of its own, so its buffers count in no worker's peak
+memory. Parameters P = the "params" column (every parameter once, the tied embedding once), weight bytes = 4 P (fp32).
+Generation: "GFLOP/s" = 2 P x tokens / best s
+(attention and prefill ignored), against the peak; "weights GB/s" = 4 P x ``--new-tokens`` / best s: one batched
+decode step per new token reads every weight once, the limit at small batches, against the bandwidth. Every engine's
+row is counted the same way, so they compare: HF decodes in chunks of ``--hf-chunk`` prompts and reads the weights
+once per chunk and step, which its figure does not credit (it is the workload's reads). GRPO: "GFLOP/s" = the mean over
+the timed steps of (2 P x completion tokens sampled + 6 P x tokens trained (prompt + completion of every row run
+forward and backward, counted in ``_rows_that_train``) + 2 P x tokens of forwards without backward (old log-probs:
+with vLLM the trainer recomputes them for the importance-sampling correction; reference: none, beta 0)) / the mean
+s/step, attention FLOPs ignored. Weight sync: "MB/s" = the bytes sent (full: the state dict; LoRA: the adapter's
+files) / best s, "% of bandwidth" against the measured bandwidth.
 """
 
 from __future__ import annotations
@@ -79,6 +94,8 @@ from pathlib import Path
 
 # bench/ (the script's folder) is on sys.path; bench_dpo has no side effects on import
 from bench_dpo import busy_cpu_seconds, peak_rss_mib, rss_mib, run_measured
+from bench_grpo import count_ours_grpo_tokens, tokens_by_step
+from limits import Limits, fraction, giga, limits_epilog, rl_step_flops
 from tables import print_table
 
 REPO = Path(__file__).resolve().parents[1]
@@ -94,6 +111,11 @@ LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog=limits_epilog(
+                                         "generation GFLOP/s = 2 x params x tokens / best s (% of peak), weights GB/s"
+                                         " = 4 x params x new tokens / best s (% of bandwidth); GRPO GFLOP/s = (2 x "
+                                         "params x sampled + 6 x params x trained + 2 x params x no-grad tokens) / s "
+                                         "(% of peak); sync MB/s (% of bandwidth)"),
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--quick", action="store_true",
                         help="a short check: models tiny,23m, 16 prompts, 64 new tokens, 4 GRPO steps of 4 prompts "
@@ -394,6 +416,8 @@ def run_grpo(args: argparse.Namespace) -> dict:
     def length_reward(prompts, completions, answers):  # varies within every group: every row is trained
         return torch.tensor([len(c) / 100.0 for c in completions])
 
+    events: list[tuple[float, str, int]] = []
+    count_ours_grpo_tokens(rlhf.GRPOTrainer, events)  # tokens trained on and forwarded without backward, per step
     trainer = rlhf.GRPOTrainer(config, policy, dataset, reward_fn=length_reward, reference=None, formatter=formatter)
     ends: list[float] = []
     generations: list[dict] = []
@@ -425,12 +449,14 @@ def run_grpo(args: argparse.Namespace) -> dict:
         trainer._sync_engine = timed_sync
     started = time.perf_counter()
     trainer.train()
+    trained, extra = tokens_by_step(events, ends, "trained"), tokens_by_step(events, ends, "extra")
     ends.insert(0, started)
     steps = [b - a for a, b in zip(ends, ends[1:])]
     if len(steps) != args.grpo_steps or len(generations) != args.grpo_steps:
         raise RuntimeError(f"{len(steps)} steps and {len(generations)} generations, expected {args.grpo_steps}")
     return {"steps": steps, "gen": [g["seconds"] for g in generations], "tokens": [g["tokens"] for g in generations],
-            "syncs": syncs, "start": getattr(trainer.engine, "start_seconds", None)}
+            "trained_tokens": trained, "extra_tokens": extra, "syncs": syncs,
+            "start": getattr(trainer.engine, "start_seconds", None)}
 
 
 def named_weights(model):
@@ -688,8 +714,10 @@ def measure_generation(args: argparse.Namespace, name: str, directory: Path) -> 
     return results
 
 
-def generation_section(args: argparse.Namespace, dirs: dict[str, Path], raw: dict) -> list[tuple[float, float]]:
+def generation_section(args: argparse.Namespace, dirs: dict[str, Path], raw: dict,
+                       limits: Limits) -> list[tuple[float, float]]:
     rows, points = [], []
+    achieved: list[tuple[list[str], float, float]] = []  # (row, FLOP/s, weight bytes/s): filled in once measured
     for name in args.models:
         results = raw[f"generate {name}"] = measure_generation(args, name, dirs[name])
         size = millions(dirs[name])
@@ -697,33 +725,44 @@ def generation_section(args: argparse.Namespace, dirs: dict[str, Path], raw: dic
         for engine in args.engines:
             r = results[engine]
             if "error" in r:
-                rows.append([name, f"{size:.1f}M", LABELS[engine], "failed"] + ["-"] * 11)
+                rows.append([name, f"{size:.1f}M", LABELS[engine], "failed"] + ["-"] * 15)
                 continue
+            flops = 2 * size * 1e6 * rates[engine]  # 2 x params x tokens / best s
+            reads = 4 * size * 1e6 * args.new_tokens / min(r["times"])  # fp32 weights x decode steps / best s
             warm = f"{r['warmup']:.1f}" + (f" (compile {r['compile']:.1f})" if r.get("compile") else "") \
                 + ("" if r["warmup_tokens"] == args.new_tokens else f" [{r['warmup_tokens']} tok]")
             rows.append([name, f"{size:.1f}M", LABELS[engine] + (f" {args.ours_engine}" if engine == "ours" else ""),
                          f"{args.prompts[name]}x{args.samples}", str(r["tokens"]), f"{min(r['times']):.2f}",
                          f"{max(r['times']) / min(r['times']):.2f} ({len(r['times'])})", f"{rates[engine]:,.0f}",
                          f"{rates[engine] / rates['hf']:.2f}x" if "hf" in rates else "-",
-                         f"{rates[engine] / rates['ours']:.2f}x" if "ours" in rates else "-",
+                         f"{rates[engine] / rates['ours']:.2f}x" if "ours" in rates else "-", "", "", "", "",
                          f"{r['start']:.1f}", warm, str(r.get("kv_gib", "-")), f"{r['peak_rss']:.0f}",
                          f"{r['backgrounds'][r['times'].index(min(r['times']))]:.2f}"])
+            achieved.append((rows[-1], flops, reads))
         if "ours" in rates and "vllm" in rates:
             points.append((size, rates["vllm"] / rates["ours"]))
+    limits.measure_in_subprocess(args.threads)  # after the section's timed runs
+    for row, flops, reads in achieved:
+        row[10:14] = [giga(flops), fraction(flops, limits.peak), giga(reads), fraction(reads, limits.bandwidth)]
+    print(limits.describe())
     print_table(["model", "params", "engine", "prompts x n", "tokens", "best s", "spread (runs)", "tokens/s", "vs HF",
-                 "vs ours", "start s", "warm-up s", "KV GiB", "peak MiB", "bg cores"], rows,
+                 "vs ours", "GFLOP/s", "% of peak", "weights GB/s", "% of bandwidth", "start s", "warm-up s", "KV GiB",
+                 "peak MiB", "bg cores"], rows,
                 f"Generation: {args.new_tokens} new tokens per completion (no stop), T=1.0, fp32, {args.threads} CPU "
-                "threads; best of the timed runs, warm-up excluded", label_columns=3, min_width=200)
+                "threads; best of the timed runs, warm-up excluded", label_columns=3, min_width=240)
     print("timed calls alternate between the engines (order rotating each round); spread = slowest / best timed call; "
           "start s = model load (vLLM: engine start incl. KV allocation); warm-up s = the untimed first call (ours: "
           "full call incl. compilation; [k tok] = a k-token call); peak MiB = max RSS of the engine's process; "
-          "bg cores = CPU other processes used during the best call")
+          "bg cores = CPU other processes used during the best call; GFLOP/s = 2 x params x tokens / best s; weights "
+          "GB/s = 4 x params x new tokens / best s (one batched decode step per new token; HF's chunks re-read the "
+          "weights, not credited); % of peak / bandwidth against the limits above")
     return points
 
 
-def grpo_section(args: argparse.Namespace, dirs: dict[str, Path], raw: dict) -> None:
-    rows = []
+def grpo_section(args: argparse.Namespace, dirs: dict[str, Path], raw: dict, limits: Limits) -> None:
+    rows, achieved = [], []
     for name in args.grpo_models:
+        params = millions(dirs[name]) * 1e6
         runs = [("ours", e) for e in args.grpo_ours_engines if "ours" in args.engines]
         runs += [("vllm", None)] if "vllm" in args.engines else []
         for engine, ours_engine in runs:
@@ -731,41 +770,55 @@ def grpo_section(args: argparse.Namespace, dirs: dict[str, Path], raw: dict) -> 
                                                                          grpo_engine=ours_engine)
             label = "vLLM (use_vllm)" if engine == "vllm" else f"ours ({ours_engine})"
             if "error" in r:
-                rows.append([name, label, "failed"] + ["-"] * 9)
+                rows.append([name, label, "failed"] + ["-"] * 11)
                 continue
             steps, gen, tokens = r["steps"][1:], r["gen"][1:], r["tokens"][1:]
+            flops = [rl_step_flops(params, g, t, x)
+                     for g, t, x in zip(tokens, r["trained_tokens"][1:], r["extra_tokens"][1:])]
+            rate = statistics.fmean(flops) / statistics.fmean(steps)
             sync = statistics.fmean(r["syncs"][1:]) if len(r["syncs"]) > 1 else None
             rows.append([name, label, str(len(steps)), f"{statistics.fmean(steps):.3f}",
                          f"{statistics.median(steps):.3f}", f"{min(steps):.3f}", f"{statistics.fmean(gen):.3f}",
-                         "-" if sync is None else f"{sync:.3f}", f"{statistics.fmean(tokens):.0f}",
+                         "-" if sync is None else f"{sync:.3f}", f"{statistics.fmean(tokens):.0f}", "", "",
                          f"{r['steps'][0]:.1f}", f"{r['peak_rss']:.0f}", f"{r['background']:.2f}"])
+            achieved.append((rows[-1], rate))
+    limits.measure_in_subprocess(args.threads)  # after the section's timed runs
+    for row, rate in achieved:
+        row[9:11] = [giga(rate), fraction(rate, limits.peak)]
+    print(limits.describe())
     print_table(["model", "engine", "timed steps", "s/step mean", "s/step median", "s/step min", "gen s mean",
-                 "sync s mean", "compl. tokens/step", "first step s", "peak MiB", "bg cores"], rows,
+                 "sync s mean", "compl. tokens/step", "GFLOP/s", "% of peak", "first step s", "peak MiB", "bg cores"],
+                rows,
                 f"GRPO: {args.grpo_prompts} prompts x {args.samples} completions per step, at most "
                 f"{args.grpo_tokens} tokens, full fine-tuning fp32, {args.grpo_steps} steps (first excluded: it "
-                "holds vLLM's start and our first compile)", label_columns=2, min_width=190)
+                "holds vLLM's start and our first compile)", label_columns=2, min_width=210)
     print("gen s = GRPOTrainer._sample (vLLM: weight sync included); sync s = the full-weight sync before each "
-          "rollout; ours (auto) = the trainer's default engine choice")
+          "rollout; ours (auto) = the trainer's default engine choice; GFLOP/s = mean over the timed steps of (2 x "
+          "params x sampled + 6 x params x trained + 2 x params x no-grad forward tokens) / mean s/step")
 
 
-def sync_section(args: argparse.Namespace, dirs: dict[str, Path], raw: dict) -> None:
+def sync_section(args: argparse.Namespace, dirs: dict[str, Path], raw: dict, limits: Limits) -> None:
     directory = dirs[args.sync_model]
     full = raw["sync-full"] = run_worker(args, "sync-full", directory)
     lora = raw["sync-lora"] = run_worker(args, "sync-lora", directory)
+    limits.measure_in_subprocess(args.threads)  # after the section's timed runs
     rows = []
     if "error" in full:
-        rows.append(["full weights", "failed"] + ["-"] * 6)
+        rows.append(["full weights", "failed"] + ["-"] * 8)
     else:
+        rate = full["bytes"] / min(full["seconds"])
         rows.append(["full weights (load_weights)", f"{full['bytes'] / 2**20:.1f}", f"{min(full['seconds']):.3f}",
-                     f"{statistics.median(full['seconds']):.3f}", f"{max(full['extra']):.0f}",
+                     f"{statistics.median(full['seconds']):.3f}", f"{rate / 1e6:,.0f}",
+                     fraction(rate, limits.bandwidth), f"{max(full['extra']):.0f}",
                      f"{full['start']:.1f}", f"{full['peak_rss']:.0f}", f"{full['background']:.2f}"])
     if "error" in lora:
-        rows.append(["LoRA adapter", "failed"] + ["-"] * 6)
+        rows.append(["LoRA adapter", "failed"] + ["-"] * 8)
     else:
         totals = [x["save"] + x["load"] + max(0.0, x["first"] - x["again"]) for x in lora["rows"]]
+        rate = lora["rows"][0]["bytes"] / min(totals)
         rows.append([f"LoRA r16 adapter ({lora['lora_params'] / 1e6:.2f}M params)",
                      f"{lora['rows'][0]['bytes'] / 2**20:.1f}", f"{min(totals):.3f}",
-                     f"{statistics.median(totals):.3f}",
+                     f"{statistics.median(totals):.3f}", f"{rate / 1e6:,.0f}", fraction(rate, limits.bandwidth),
                      f"{max(x['extra'] for x in lora['rows']):.0f}", f"{lora['start']:.1f}", f"{lora['peak_rss']:.0f}",
                      f"{lora['background']:.2f}"])
         print("LoRA sync parts (median): save_pretrained "
@@ -773,9 +826,11 @@ def sync_section(args: argparse.Namespace, dirs: dict[str, Path], raw: dict) -> 
               f"{statistics.median(x['load'] for x in lora['rows']):.4f} s, first generate with it "
               f"{statistics.median(x['first'] for x in lora['rows']):.3f} s vs "
               f"{statistics.median(x['again'] for x in lora['rows']):.3f} s for the same call again")
-    print_table(["sync", "MB sent", "best s", "median s", "peak extra MiB", "engine start s", "peak MiB", "bg cores"],
+    print(limits.describe())
+    print_table(["sync", "MB sent", "best s", "median s", "MB/s", "% of bandwidth", "peak extra MiB", "engine start s",
+                 "peak MiB", "bg cores"],
                 rows, f"vLLM weight sync on {args.sync_model} ({millions(directory):.1f}M params, fp32), "
-                f"{args.sync_repeats} syncs each", label_columns=1, min_width=140)
+                f"{args.sync_repeats} syncs each", label_columns=1, min_width=160)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -796,11 +851,16 @@ def main(argv: list[str] | None = None) -> int:
           + ", ".join(f"{n} {millions(d):.1f}M ({d})" for n, d in dirs.items()), flush=True)
     raw: dict = {}
     started = time.perf_counter()
-    points = generation_section(args, dirs, raw) if "generation" in args.sections else []
+    # the limits in a process of their own (not this one, whose peak memory every worker's ru_maxrss starts from);
+    # each table uses the best of every measurement so far
+    limits = Limits("float32")
+    limits.measure_in_subprocess(args.threads)  # before the first section; every section measures again after its runs
+    points = generation_section(args, dirs, raw, limits) if "generation" in args.sections else []
     if "grpo" in args.sections:
-        grpo_section(args, dirs, raw)
+        grpo_section(args, dirs, raw, limits)
     if "sync" in args.sections:
-        sync_section(args, dirs, raw)
+        sync_section(args, dirs, raw, limits)
+    raw["limits"] = limits.to_json()
     if args.json:
         args.json.write_text(json.dumps(raw, indent=1))
     if points:

@@ -34,6 +34,12 @@ every repeat), and overhead = (sum of the trainer's step-wise best) / (the bare 
 printed: the plain ratio of all step times and the median of the per-step trainer/bare ratios.
 The script prints a PASS/FAIL line against the target (default 10%) and always exits 0 for
 timing results (only a broken run exits non-zero).
+
+The limit (``bench/limits.py``): the peak fp32 matmul FLOP/s at ``--threads`` threads and the memory bandwidth are
+measured in this process before the first repeat and after the last (the best of each is kept, printed above the
+table). "GFLOP/s best" = 6 x parameters x tokens / best seconds (forward and backward of every parameter for every
+non-padding token; attention's own FLOPs ignored; parameters = the tiny model's ``model_params``: all of them, the
+tied embedding once); "% of peak" = that / the peak matmul FLOP/s: the headroom left on this machine.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from limits import Limits, fraction, giga, limits_epilog, model_params, training_flops  # bench/limits.py
 from tables import print_table  # bench/tables.py (the script's folder is on sys.path)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,7 +67,10 @@ LABELS = {"trainer": "rlhf.SFTTrainer", "bare": "bare PyTorch"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog=limits_epilog(
+                                         "GFLOP/s best = 6 x parameters x non-padding tokens / best s; % of peak = "
+                                         "that / the peak matmul FLOP/s"))
     parser.add_argument("--steps", type=int, default=60, help="timed optimizer steps (after warm-up)")
     parser.add_argument("--warmup", type=int, default=5, help="warm-up steps excluded from timing")
     parser.add_argument("--batch-size", type=int, default=32, help="sequences per optimizer step")
@@ -169,11 +179,12 @@ def run_lockstep(model_dir: Path, dataset, collator, args: argparse.Namespace, s
     difference = max(float((p.detach() - theirs[name].detach()).abs().max())
                      for name, p in trainer.policy.model.named_parameters())
     return {"trainer": trainer_seconds[timed], "bare": bare.seconds[timed], "tokens": sum(bare.tokens[timed]),
-            "difference": difference, "wall": wall, "final_loss": bare.losses[-1]}
+            "difference": difference, "wall": wall, "final_loss": bare.losses[-1], "params": model_params(bare.model)}
 
 
 # "best": each timed step's fastest repeat, summed (what the overhead uses); "all": every repeat's steps
-HEADERS = ["loop", "steps", "tokens", "best (s)", "tok/s best", "all (s)", "tok/s all", "median step (ms)"]
+HEADERS = ["loop", "steps", "tokens", "best (s)", "tok/s best", "all (s)", "tok/s all", "median step (ms)",
+           "GFLOP/s best", "% of peak"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
           f"sequences (cutoff {args.seq_len}), batch {args.batch_size}, {args.warmup} warm-up + {args.steps} timed "
           f"steps ({needed / len(dataset):.2f} epochs), {args.repeats} lockstep repeats")
 
+    limits = Limits("float32").measure()  # before the timed runs, at --threads threads (and again after them)
     runs = []
     with tempfile.TemporaryDirectory(prefix="bench-sft-") as tmp:
         for repeat in range(args.repeats):
@@ -200,9 +212,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"{sum(run['trainer']):.2f}s, bare {sum(run['bare']):.2f}s, max |weight difference| "
                   f"{run['difference']:.1e}, whole run {run['wall']:.1f}s (both loops, warm-up, final save)")
 
+    limits.measure()
     if len({run["tokens"] for run in runs}) != 1:
         raise RuntimeError("repeats saw different batches")
     tokens = runs[0]["tokens"]
+    flops = training_flops(runs[0]["params"], tokens)  # of the timed steps, the same for both loops
     best, totals, rows = {}, {}, []
     for which in ("trainer", "bare"):
         best[which] = sum(min(run[which][k] for run in runs) for k in range(args.steps))
@@ -210,10 +224,14 @@ def main(argv: list[str] | None = None) -> int:
         totals[which] = sum(every)
         rows.append([LABELS[which], f"{args.steps}x{len(runs)}", f"{tokens:,}x{len(runs)}", f"{best[which]:.2f}",
                      f"{tokens / best[which]:,.0f}", f"{totals[which]:.2f}",
-                     f"{tokens * len(runs) / totals[which]:,.0f}", f"{1000 * statistics.median(every):.1f}"])
+                     f"{tokens * len(runs) / totals[which]:,.0f}", f"{1000 * statistics.median(every):.1f}",
+                     giga(flops / best[which]), fraction(flops / best[which], limits.peak)])
     title = (f"SFT throughput: batch {args.batch_size}, cutoff {args.seq_len}, threads {args.threads} "
              "(non-padding tokens)")
-    print_table(HEADERS, rows, title)
+    print(limits.describe())
+    print_table(HEADERS, rows, title, min_width=140)
+    print(f"GFLOP/s best = 6 x {runs[0]['params'] / 1e6:.3f}M parameters x tokens / best s (attention FLOPs ignored); "
+          "% of peak = that / the peak matmul FLOP/s above")
     ratios = [t / b for run in runs for t, b in zip(run["trainer"], run["bare"])]
     ratio = best["trainer"] / best["bare"]
     overhead = 100 * (ratio - 1)

@@ -45,6 +45,16 @@ the result: with cost ratio c = draft / target forward, drafting pays only when 
 k * c + (target k+1 forward / target 1 forward). The CPU that other processes used during the timed
 repeats is measured (/proc/stat minus this process) and a warning printed above 0.25 cores.
 
+The limit (``bench/limits.py``): decoding one sequence is bound by memory traffic, each target forward reading every
+target weight once, so the rows are set against the memory bandwidth (and the peak fp32 matmul FLOP/s), measured in
+this process at ``--threads`` threads before the timed repeats and after them (the best of each is kept, printed
+above the table). "equiv. weights GB/s" = generated tokens x the target's weight bytes (``model_weight_bytes``: its
+fp32 parameters, the tied embedding once) / best s: the bytes a target-only decoder reads for those tokens, one
+forward per token. For the target-only rows that is what they read; for ``spec`` and ``assisted`` it is an
+equivalent: several tokens are accepted per target forward (one weight read), and the draft's reads are not counted,
+so their figure can exceed 100% of the bandwidth: how far drafting takes decoding past the single-token limit.
+"% of bandwidth" = that / the measured bandwidth.
+
 Output: progress lines, the table (rich if installed, plain otherwise), the cost model and a PASS/FAIL
 line for ``spec`` against ``--target-speedup`` x target-only. Exit status 0 whatever the timing, 1 when
 an output differs.
@@ -63,6 +73,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from limits import Limits, fraction, giga, limits_epilog, model_weight_bytes  # bench/limits.py
 from tables import print_table  # bench/tables.py (the script's folder is on sys.path)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -79,7 +90,11 @@ LABELS = {"hf": "target-only HF generate (baseline)", "loop": "target-only greed
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog=limits_epilog(
+                                         "equiv. weights GB/s = tokens x the target's weight bytes / best s, which "
+                                         "can pass 100% of the bandwidth because drafting accepts several tokens per "
+                                         "target forward"))
     parser.add_argument("--target", default="outputs/demo/sft", help="target model directory")
     parser.add_argument("--draft", default="outputs/demo/draft", help="draft model directory")
     parser.add_argument("--build-draft", action="store_true",
@@ -351,7 +366,8 @@ def main(argv: list[str] | None = None) -> int:
                 else {args.k})
     profile = forward_profile(target, draft, prompts[0][1], ks)
 
-    # timed repeats
+    # timed repeats, between two measurements of the limits
+    limits = Limits("float32").measure()
     times: dict[str, list[list[float]]] = {m: [[] for _ in prompts] for m in args.methods}
     background = []
     for repeat in range(args.repeats):
@@ -368,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  repeat {repeat + 1}: " + ", ".join(f"{m} {sum(t[-1] for t in times[m]):.3f} s" for m in args.methods)
               + f"; background {background[-1]:.2f} cores", flush=True)
 
+    limits.measure()
+    target_bytes = model_weight_bytes(target)
     profile = {key: min(value, after) for (key, value), after in
                zip(profile.items(), forward_profile(target, draft, prompts[0][1], ks).values())}
     print("forward profile (ms, lower quartile, best of before and after the repeats; cache = prompt + 24 tokens): "
@@ -380,21 +398,27 @@ def main(argv: list[str] | None = None) -> int:
     for method in args.methods:
         s = stats[method]
         forwards = s.get("target_forwards")
+        equivalent = total_tokens * target_bytes / best[method]  # bytes/s a one-token-per-forward decoder would read
         rows.append([LABELS[method], str(total_tokens), f"{best[method]:.3f}", f"{median[method]:.3f}",
                      f"{total_tokens / best[method]:,.0f}", f"{best['hf'] / best[method]:.2f}x",
                      f"{fastest_plain / best[method]:.2f}x",
                      f"{best['assisted'] / best[method]:.2f}x" if "assisted" in args.methods else "-",
                      f"{s['accepted'] / s['proposed']:.1%}" if s.get("proposed") else "-",
                      f"{s['proposed'] / s['rounds']:.2f}" if s.get("rounds") else "-",
-                     f"{total_tokens / forwards:.2f}" if forwards else "-"])
+                     f"{total_tokens / forwards:.2f}" if forwards else "-", giga(equivalent, 1),
+                     fraction(equivalent, limits.bandwidth)])
+    print(limits.describe())
     print_table(["method", "tokens", "best s", "median s", "tokens/s", "vs target-only", "vs fastest target-only",
-                 "vs HF assisted", "acceptance", "mean k", "tok/fwd"], rows,
+                 "vs HF assisted", "acceptance", "mean k", "tok/fwd", "equiv. weights GB/s", "% of bandwidth"], rows,
                 title=f"Greedy speculative decoding, batch 1: {len(prompts)} demo prompts, <= {args.new_tokens} new "
                       f"tokens, {args.threads} thread(s), best of {args.repeats}",
-                label_columns=1, min_width=170)
+                label_columns=1, min_width=210)
     print("vs target-only = HF generate(do_sample=False) seconds / method seconds (the baseline); vs fastest "
           "target-only = the fastest of the target-only rows; acceptance = accepted / drafted tokens; mean k = drafted "
-          "tokens per round; tok/fwd = generated tokens per target forward (prefill not counted)")
+          "tokens per round; tok/fwd = generated tokens per target forward (prefill not counted); equiv. weights "
+          f"GB/s = tokens x the target's {target_bytes / 1e6:.1f} MB of weights / best s, what one-token-per-forward "
+          "decoding would read: above 100% of the bandwidth only because drafting accepts several tokens per target "
+          "forward")
     if max(background) > 0.25:
         print(f"WARNING: other processes used up to {max(background):.2f} cores during the timed repeats; "
               f"the figures are unreliable, rerun on a quiet machine")
@@ -419,6 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "sizes": sizes, "stats": stats, "profile": profile,
                                                "background": background, "tokens": total_tokens,
+                                               "limits": limits.to_json(), "target_bytes": target_bytes,
                                                "times": times}, indent=1))
     return 0
 

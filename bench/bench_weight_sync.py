@@ -14,6 +14,12 @@ broadcast and reload it as it arrives). The collective transfer's first sync for
 apart ("first s"). After every sync one greedy request checks that the server answers with the new weights: its
 first tokens must equal Hugging Face ``generate`` with the trainer's model. "best s" is the fastest sync, MB/s the
 weights' bytes over it.
+
+The limit (``bench/limits.py``): a sync moves bytes, so MB/s is set against the memory bandwidth of ``--device``
+(the best read of a 256 MiB tensor, with the peak fp32 matmul FLOP/s beside it), measured in this process before the
+first sync and after the last (the best of each is kept, printed above the table). "% of bandwidth" = the weights'
+bytes / best s / that bandwidth: how far the transfer (serialisation, the socket or NCCL, the server's reload) stays
+from one plain read of the same bytes.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from pathlib import Path
 
 import torch
 from bench_rollouts import SHAPES, demo_prompts, model_dir  # bench/ is on sys.path when run as a script
+from limits import Limits, fraction, limits_epilog
 from tables import print_table
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,7 +44,9 @@ import inference_optimizations as io  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog=limits_epilog(
+                                         "% of bandwidth = the weights' bytes / best s / the memory bandwidth"))
     parser.add_argument("--model", default="110m", choices=("tiny", *SHAPES), help="the model synced")
     parser.add_argument("--repeats", type=int, default=3, help="syncs timed per transfer")
     parser.add_argument("--device", default="cpu", help="where the trainer's copy lives (cpu, or cuda: NCCL)")
@@ -104,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                for transfer in io.WEIGHT_TRANSFERS}
     seconds: dict[str, list[float]] = {transfer: [] for transfer in clients}
     first: dict[str, float] = {}
+    limits = Limits("float32", device=args.device).measure()  # before the first sync (and again after the last)
     try:
         for repeat in range(args.repeats + 1):  # the first round forms the weight group: timed apart
             for transfer, client in clients.items():
@@ -122,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                     raise SystemExit(f"{transfer}: the server answered {got} after the sync, "
                                      f"the trainer's model {want}")
                 print(f"  round {repeat}: {transfer} {took:.3f} s", flush=True)
+        limits.measure()
     finally:
         server.kill()
         server.wait(timeout=30)
@@ -129,13 +140,15 @@ def main(argv: list[str] | None = None) -> int:
     for transfer, times in seconds.items():
         best = min(times)
         rows.append([transfer, f"{weight_bytes / 1e6:,.0f}", f"{first[transfer]:.3f}", f"{best:.3f}",
-                     f"{sum(times) / len(times):.3f}", f"{weight_bytes / 1e6 / best:,.0f}"])
+                     f"{sum(times) / len(times):.3f}", f"{weight_bytes / 1e6 / best:,.0f}",
+                     fraction(weight_bytes / best, limits.bandwidth)])
     params_count = sum(p.numel() for p in model.parameters())
-    print_table(["transfer", "MB", "first s", "best s", "mean s", "MB/s"], rows,
+    print(limits.describe("measured before the first sync and after the last"))
+    print_table(["transfer", "MB", "first s", "best s", "mean s", "MB/s", "% of bandwidth"], rows,
                 title=f"Server-mode weight sync: {args.model} ({params_count / 1e6:.1f}M parameters, fp32), "
                       f"{args.repeats} syncs each, trainer on {args.device}")
     print("first s = the first sync (collective: forms the weight group); every sync was checked: the server's "
-          "greedy tokens equal the trainer's model's")
+          "greedy tokens equal the trainer's model's; % of bandwidth = MB/s / the memory bandwidth above")
     return 0
 
 
