@@ -72,7 +72,8 @@ says what a contributor adds there, and docs/architecture.md walks through each:
        RouterAuxLoss, BaseTrainer, evaluate_exact_match, read_stage_records, check_model_paths, SFTConfig, SFTTrainer,
        read_sft_records, build_sft_data, train_sft, RewardModelConfig, PairScores, RewardModelTrainer, train_rm,
        ProcessRewardModelConfig, ProcessRewardModelTrainer, train_prm, PolicyLogProbs, precompute_ref_log_probs,
-       DPOConfig, SimPOConfig, ORPOConfig, DPOTrainer, SimPOTrainer, train_dpo, KTOConfig, KTOTrainer, train_kto,
+       reference_cache_fingerprint, reference_cache_tensors, read_reference_cache, DPOConfig, SimPOConfig, ORPOConfig,
+       DPOTrainer, SimPOTrainer, train_dpo, KTOConfig, KTOTrainer, train_kto,
        Rollout, ROLLOUT_ENGINES, register_rollout_engine, rollout_engine_name, token_entropy, disable_dropout,
        GRPOConfig, RLOOConfig, ReinforcePPConfig, GRPOTrainer, train_grpo, OnlineDPOConfig, OnlineDPOTrainer,
        train_online_dpo, DistillConfig, DistillTrainer, check_same_vocabulary, train_distill, PPOConfig,
@@ -111,6 +112,7 @@ a stage, a loss, an engine, a template, a reward or an environment.
 from __future__ import annotations
 
 import argparse
+import array
 import ast
 import bisect
 import collections
@@ -8563,7 +8565,7 @@ def _start_stage(config: BaseConfig, devices: DeviceManager | None, records: tup
     _prepare_output_dir(config)
     setup_logging(log_file=Path(config.logging_dir or Path(config.output_dir) / "logs") / f"{config.stage}.log")
     set_seed(config.seed)
-    if getattr(config, "precompute_ref_log_probs", False) and config.streaming:
+    if getattr(config, "precompute_ref_log_probs", "false") == "true" and config.streaming:
         raise RLHFInputError("config field 'precompute_ref_log_probs' needs an in-memory dataset; set streaming=false "
                              "or precompute_ref_log_probs=false")
     if records is None:
@@ -9110,6 +9112,50 @@ def precompute_ref_log_probs(reference: ReferenceModel, dataset: _EncodedRecords
     return mine
 
 
+REFERENCE_CACHE_FILE = "reference_log_probs.safetensors"
+
+
+def reference_cache_fingerprint(datasets: list[Any], keys: tuple[str, str], config: BaseConfig) -> str:
+    """What precomputed reference log-probs depend on: every item's token ids (and image tensors), the
+    reference (model and ref_model paths, LoRA or not) and the weighting (ld_alpha). A stored cache is used
+    only when this matches, so a changed dataset or reference never reads stale values."""
+    digest = hashlib.sha256(json.dumps([list(keys), config.model_name_or_path, getattr(config, "ref_model", None),
+                                        config.finetuning_type, getattr(config, "ld_alpha", None)]).encode())
+    for dataset in datasets:
+        digest.update(f"dataset {len(dataset)}".encode())
+        for item in dataset.items:
+            for key in sorted(k for k in item if k not in keys):
+                value = item[key]
+                digest.update(key.encode())
+                if isinstance(value, torch.Tensor):
+                    digest.update(value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+                elif isinstance(value, list) and all(isinstance(v, int) for v in value):
+                    digest.update(array.array("q", value).tobytes())
+                else:
+                    digest.update(repr(value).encode())
+    return digest.hexdigest()
+
+
+def reference_cache_tensors(datasets: list[Any], keys: tuple[str, str]) -> dict[str, torch.Tensor]:
+    """The attached values as tensors named ``{dataset index}.{key}`` (float64 holds each float exactly)."""
+    return {f"{index}.{key}": torch.tensor([item[key] for item in dataset.items], dtype=torch.float64)
+            for index, dataset in enumerate(datasets) for key in keys}
+
+
+def read_reference_cache(path: Path, fingerprint: str) -> dict[str, torch.Tensor] | None:
+    """A stored reference cache's tensors when ``path`` exists, reads and carries ``fingerprint``; else None."""
+    if not path.exists():
+        return None
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            if (handle.metadata() or {}).get("fingerprint") != fingerprint:
+                return None
+            return {key: handle.get_tensor(key) for key in handle.keys()}
+    except (SafetensorError, OSError) as err:
+        logger.warning("ignoring %s (%s): the reference log-probs are computed again", path, _one_line(err))
+        return None
+
+
 class _ReferenceTrainer(BaseTrainer):
     """Shared by DPO and KTO: the reference model (live, or precomputed and freed) and the
     held-out exact-match evaluation of the policy."""
@@ -9118,19 +9164,81 @@ class _ReferenceTrainer(BaseTrainer):
 
     def _setup_reference(self, reference: ReferenceModel | None, datasets: list[Any]) -> None:
         self.reference = reference.to(self.devices.device) if reference is not None else None
-        if reference is None or not self.config.precompute_ref_log_probs:
+        self.reference_cache: dict[str, torch.Tensor] = {}  # what a checkpoint stores (reference_cache_tensors)
+        if reference is None or not self._precompute_reference(datasets):
             return
-        started, batches = time.time(), 0
-        for dataset in datasets:
-            if dataset is not None and len(dataset):
+        datasets = [d for d in datasets if d is not None and len(d)]
+        fingerprint = reference_cache_fingerprint(datasets, self.reference_keys, self.config)
+        started, batches, source = time.time(), 0, self._cached_reference(datasets, fingerprint)
+        if source is None:
+            for dataset in datasets:
                 batches += precompute_ref_log_probs(reference, dataset, self.collator, device=self.devices.device,
                                                     batch_size=self.config.per_device_eval_batch_size,
                                                     ld_alpha=getattr(self.config, "ld_alpha", None),
                                                     keys=self.reference_keys, devices=self.devices)
+        self.reference_cache = reference_cache_tensors(datasets, self.reference_keys)
+        self.reference_fingerprint = fingerprint
         self.reference = None  # nothing of the reference stays referenced by the trainer
         gc.collect()
-        logger.info("reference log-probs precomputed in %.1fs (%d batches by this process of %d); reference model "
-                    "released", time.time() - started, batches, self.devices.num_processes)
+        if source is not None:
+            logger.info("reference log-probs read from %s (computed by the run that wrote it); reference model "
+                        "released", source)
+        else:
+            logger.info("reference log-probs precomputed in %.1fs (%d batches by this process of %d); reference "
+                        "model released", time.time() - started, batches, self.devices.num_processes)
+
+    def _precompute_reference(self, datasets: list[Any]) -> bool:
+        """``precompute_ref_log_probs``: true / false as given; auto precomputes when a live reference would run
+        more forwards than one pass over the data (several epochs, or the held-out set evaluated more than once),
+        or when a checkpoint this run resumes from holds them already. Decided from the whole run's settings, so a
+        resumed run decides as the uninterrupted one did."""
+        choice = self.config.precompute_ref_log_probs
+        if choice != "auto":
+            return choice == "true"
+        if self.sampler is None:  # streaming: no fixed set of items to attach values to
+            return False
+        train, held_out = (len(d) if d is not None else 0 for d in datasets)
+        passes = self.total_steps * self.config.gradient_accumulation_steps / self.sampler.batches_per_epoch
+        live = passes * train + self._evaluations() * held_out
+        precomputed = train + held_out
+        if any((path / REFERENCE_CACHE_FILE).exists() for path in self._resume_candidates()):
+            live = math.inf
+        decision = live > precomputed
+        logger.info("precompute_ref_log_probs=auto: %s (a live reference would run %.0f item forwards, precomputing "
+                    "%d)", "on" if decision else "off", live if math.isfinite(live) else 0, precomputed)
+        return decision
+
+    def _evaluations(self) -> int:
+        """How many times the run evaluates its held-out set (every eval_steps, at the end, and before)."""
+        steps, every = self.total_steps, self.config.eval_steps
+        periodic = steps // every if every else 0
+        final = 0 if every and steps % every == 0 else 1
+        return periodic + final + int(bool(self.config.eval_before_training))
+
+    def _resume_candidates(self) -> list[Path]:
+        """Checkpoints this run may resume from, newest first (none when it starts over)."""
+        choice = self.config.resume_from_checkpoint
+        if self.config.overwrite_output_dir or choice == "none":
+            return []
+        return [Path(choice)] if choice != "auto" else self.checkpoints.checkpoints()[::-1]
+
+    def _cached_reference(self, datasets: list[Any], fingerprint: str) -> Path | None:
+        """Attach the values a checkpoint of this run stored, when one holds them for these items and this
+        reference (its fingerprint matches); the file they came from, or None."""
+        for path in self._resume_candidates():
+            tensors = read_reference_cache(path / REFERENCE_CACHE_FILE, fingerprint)
+            if tensors is not None:
+                for index, dataset in enumerate(datasets):
+                    for key in self.reference_keys:
+                        dataset.attach(key, tensors[f"{index}.{key}"].tolist())
+                return path / REFERENCE_CACHE_FILE
+        return None
+
+    def _write_checkpoint(self, directory: Path) -> None:
+        super()._write_checkpoint(directory)
+        if getattr(self, "reference_cache", None):  # a resumed run reads them back instead of running the reference
+            save_file(self.reference_cache, str(directory / REFERENCE_CACHE_FILE),
+                      metadata={"fingerprint": self.reference_fingerprint})
 
     def _reference_pair(self, batch: PreferenceBatch | KTOBatch) -> tuple[torch.Tensor, torch.Tensor]:
         first, second = self.reference_keys
@@ -9184,6 +9292,19 @@ def _train_policy_stage(config: BaseConfig, devices: DeviceManager | None, train
                          formatter=formatter, devices=devices).train()
 
 
+PRECOMPUTE_REF_HELP = ("Reference log-probs computed once before training (the reference model then freed) and "
+                       "stored with each checkpoint: true | false (live reference in every step) | auto (true when a "
+                       "live reference would run more forwards: several epochs, or repeated evaluations)")
+
+
+def _normalise_precompute(value: Any) -> str:
+    """precompute_ref_log_probs given as a bool (TRL's type) or a word: one of auto / true / false."""
+    word = str(value).strip().lower()
+    word = {"1": "true", "yes": "true", "on": "true", "0": "false", "no": "false", "off": "false"}.get(word, word)
+    _check_choice(word, ("auto", "true", "false"), "precompute_ref_log_probs")
+    return word
+
+
 # ---- DPO family (DPO, IPO, hinge, robust, BCO, ..., SimPO, ORPO) ----
 #   config: DPOConfig, SimPOConfig, ORPOConfig (below)
 #   runner: train_dpo (the dpo, simpo and orpo stages); registered by register_stage after it
@@ -9205,8 +9326,7 @@ class DPOConfig(BaseConfig):
     simpo_gamma: float = _opt(0.5, "SimPO target reward margin gamma")
     ref_model: str | None = _opt(None, "Reference model directory (default: the starting model; LoRA uses the "
                                        "adapter-disabled base)")
-    precompute_ref_log_probs: bool = _opt(False, "Compute reference log-probs once before training and free the "
-                                                 "reference model")
+    precompute_ref_log_probs: str = _opt("auto", PRECOMPUTE_REF_HELP)
     share_prompt: bool = _opt(True, "Run each pair's prompt once and share its KV cache between chosen and rejected "
                                     "(off for Mamba and gradient checkpointing)")
     padding_free: bool = _opt(True, "With share_prompt: pack each batch's pairs into rows without padding (prompt "
@@ -9217,6 +9337,7 @@ class DPOConfig(BaseConfig):
 
     def _validate(self) -> None:
         super()._validate()
+        self.precompute_ref_log_probs = _normalise_precompute(self.precompute_ref_log_probs)
         _check_choice(self.pref_loss, PREF_LOSSES, "pref_loss")
         _check(self.pref_beta > 0, "pref_beta", "must be > 0")
         _check(self.pref_ftx >= 0 and self.pref_bco_weight >= 0, "pref_ftx/pref_bco_weight", "must be >= 0")
@@ -9409,14 +9530,14 @@ class KTOConfig(BaseConfig):
     kto_rejected_weight: float = _opt(1.0, "Weight of undesirable examples (lambda_U)")
     ref_model: str | None = _opt(None, "Reference model directory (default: the starting model; LoRA uses the "
                                        "adapter-disabled base)")
-    precompute_ref_log_probs: bool = _opt(False, "Compute reference log-probs once before training and free the "
-                                                 "reference model")
+    precompute_ref_log_probs: str = _opt("auto", PRECOMPUTE_REF_HELP)
 
     stage: typing.ClassVar[str] = "kto"
     uses_reference: typing.ClassVar[bool] = True
 
     def _validate(self) -> None:
         super()._validate()
+        self.precompute_ref_log_probs = _normalise_precompute(self.precompute_ref_log_probs)
         _check(self.pref_beta > 0, "pref_beta", "must be > 0")
         _check(self.kto_chosen_weight > 0 and self.kto_rejected_weight > 0, "kto_chosen_weight/kto_rejected_weight",
                "must be > 0")

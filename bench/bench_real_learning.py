@@ -43,8 +43,9 @@ Held equal, stage by stage (TRL 1.16 field names on the right where they differ 
   step's target tokens (both).
 * DPO: ``--dpo-batch`` (8) pairs per step, ``--dpo-lr`` (5e-6), the sigmoid loss with beta ``--beta`` (0.1) against a
   reference model (the starting checkpoint), ``cutoff_len`` / ``max_length`` ``--seq-len``. Ours keeps
-  ``precompute_ref_log_probs`` at its default (``rlhf.DPOConfig``'s: off at the time of writing, so the reference runs
-  live on every batch) and TRL gets the same value, read from ours; the run line prints it.
+  ``precompute_ref_log_probs`` as our default (``auto``) decides for the run: on only when the steps pass over the
+  pairs more than once (there is no held-out set), so a short run keeps the reference live on every batch; both get
+  that value explicitly and the run line prints it.
 * GRPO: ``--grpo-batch`` (32) completions per step = ``--grpo-batch`` / G prompts, all sampled in that step (TRL
   ``steps_per_generation=1``, so ``generation_batch_size`` = the batch; ours: one rollout per step), G =
   ``--num-generations`` (8), at most ``--completion-len`` (48) new tokens, temperature 1.0, no top-k / top-p, beta 0
@@ -94,6 +95,21 @@ same function, the base model and the SFT checkpoint (the "before" rows) and eve
 first repeat (kept under ``--workdir``/bench-runs until then). "answer line" is the share of completions with an
 ``Answer: N`` line at all.
 
+The limit (``bench/limits.py``): the peak fp32 matmul FLOP/s at ``--threads`` threads (the workers' CPU kernels
+pinned the same way) and the memory bandwidth are measured before the first training run and after the last (the best
+of each is kept, printed above the table), each time in a subprocess of its own (this driver keeps torch out of its
+own process, and the buffers count in no run's memory); it also counts ``--model``'s parameters (``model_params``: all
+of them, the tied embedding once). Every worker counts the tokens of each optimizer step: SFT and DPO the non-padding
+tokens of the step's batch (attention-mask sum; DPO: prompt + chosen and prompt + rejected; ours in
+``_optimizer_step``, TRL in ``training_step``), GRPO the prompt + completion tokens of the rows trained (ours: the rows
+``_rows_that_train`` keeps; TRL: its ``compute_loss`` masks) and the completion tokens sampled. "trained tokens per
+step" is their mean over the timed steps. A step's FLOPs: SFT 6 x parameters x tokens; DPO 6 x parameters x tokens +
+2 x parameters x tokens while the reference runs live (``precompute_ref_log_probs`` off); GRPO 2 x parameters x
+completion tokens sampled + 6 x parameters x tokens trained (+ 2 x parameters x tokens of forwards without backward:
+none here, beta 0, one step per rollout); attention's own FLOPs ignored. "GFLOP/s" = a step's FLOPs / its seconds
+(SFT, DPO: mean FLOPs per timed step / the median s/step; GRPO: the median over the timed steps); "% of peak" = that /
+the peak: the headroom each trainer leaves on this machine. The evaluation is not timed against a limit.
+
 Targets (PASS / FAIL lines): GRPO ours <= 0.5x TRL's median seconds per step with held-out accuracy >= TRL's; SFT
 and DPO ours <= 0.8x TRL's median seconds per step. The exit status is 0 whatever the figures (1 only if a run broke).
 """
@@ -113,8 +129,9 @@ import time
 from pathlib import Path
 
 # bench/ (the script's folder) is on sys.path; neither module has side effects on import
-from bench_dpo import peak_rss_mib, rss_mib, run_measured, step_times, trl_step_timer
-from bench_grpo import per_step, timed_steps
+from bench_dpo import batch_tokens, count_trl_tokens, peak_rss_mib, rss_mib, run_measured, step_times, trl_step_timer
+from bench_grpo import count_ours_grpo_tokens, count_trl_grpo_tokens, per_step, step_flop_rates, timed_steps
+from limits import Limits, forward_flops, fraction, giga, limits_epilog, training_flops
 from tables import print_table
 
 REPO = Path(__file__).resolve().parents[1]
@@ -139,7 +156,11 @@ PASSED = ("threads", "warmup", "sft_steps", "dpo_steps", "grpo_steps", "sft_lr",
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog=limits_epilog(
+                                         "GFLOP/s = SFT 6 x parameters x tokens, DPO + 2 x parameters x tokens with a"
+                                         " live reference, GRPO 2 x parameters x sampled + 6 x parameters x trained "
+                                         "tokens, per step / its seconds; % of peak = that / the peak matmul FLOP/s"))
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help="Hugging Face model folder SFT starts from (default: SmolLM2-135M-Instruct, made by "
                              "`python scripts/fetch_real_models.py smollm2`)")
@@ -264,11 +285,14 @@ def run_ours(args: argparse.Namespace) -> dict:
     stage, s = args.stage, stage_settings(args, args.stage)
     begins: list[float] = []
     ends: list[float] = []
+    tokens: list[int] = []
+    events: list[tuple[float, str, int]] = []
     generations: list[dict] = []
     stop_ids: list[int] = []
     inner_step = rlhf.BaseTrainer._optimizer_step
 
     def timed_step(self, group, window):  # forward(s), backward, clipping and the optimizer step of one step
+        tokens.append(sum(batch_tokens(batch) for batch in group))
         begins.append(time.perf_counter())
         try:
             return inner_step(self, group, window)
@@ -290,6 +314,7 @@ def run_ours(args: argparse.Namespace) -> dict:
             return output
 
         rlhf.GRPOTrainer._sample = timed_sample
+        count_ours_grpo_tokens(rlhf.GRPOTrainer, events)
 
     common = dict(
         model_name_or_path=args.start, dataset=DATASETS[stage], dataset_dir=str(DATA_DIR), template="auto",
@@ -304,9 +329,8 @@ def run_ours(args: argparse.Namespace) -> dict:
         config = rlhf.SFTConfig(**common, cutoff_len=args.seq_len, packing=False)
         result = rlhf.train_sft(config)
     elif stage == "dpo":
-        config = rlhf.DPOConfig(**common, cutoff_len=args.seq_len, pref_beta=args.beta, pref_loss="sigmoid")
-        if config.precompute_ref_log_probs != bool(args.dpo_precompute):
-            raise RuntimeError("our DPOConfig's precompute_ref_log_probs default is not what TRL was given")
+        config = rlhf.DPOConfig(**common, cutoff_len=args.seq_len, pref_beta=args.beta, pref_loss="sigmoid",
+                                precompute_ref_log_probs=bool(args.dpo_precompute))
         result = rlhf.train_dpo(config)
     else:
         config = rlhf.GRPOConfig(
@@ -323,16 +347,17 @@ def run_ours(args: argparse.Namespace) -> dict:
     out = {"wall": wall, "rss_base": base, "version": "rlhf", "mean_loss": _mean(losses), "losses": losses,
            "data": {k: v for k, v in result.metrics.items() if k.startswith("data/")}}
     if stage == "grpo":
-        timed = timed_steps(ends, per_step(generations, ends), s["steps"], args.warmup)
+        timed = timed_steps(ends, per_step(generations, ends), s["steps"], args.warmup, events=events)
         skipped = [float(row["skipped_rows_frac"]) for row in history
                    if row["step"] > args.warmup and "skipped_rows_frac" in row]
         out.update(timed, step=timed["cycle"], step_timer="end of one _optimizer_step to the end of the next",
                    mean_reward=_mean([float(row["reward"]) for row in history if "reward" in row]),
                    skipped=_mean(skipped) or 0.0, stop_ids=stop_ids)
     else:
-        out.update(step_times(begins, ends, args.warmup), step_timer="_optimizer_step begin -> end")
+        out.update(step_times(begins, ends, args.warmup), step_timer="_optimizer_step begin -> end",
+                   step_tokens=tokens[args.warmup:])
     if stage == "dpo":
-        out["precompute_ref_log_probs"] = config.precompute_ref_log_probs
+        out["precompute_ref_log_probs"] = config.precompute_ref_log_probs == "true"
     return out
 
 
@@ -367,6 +392,9 @@ def run_trl(args: argparse.Namespace) -> dict:
             return completion_ids, logprobs
 
         trl.GRPOTrainer._generate_single_turn = timed_generate
+    events: list[tuple[float, str, int]] = []
+    if stage == "grpo":
+        count_trl_grpo_tokens(trl.GRPOTrainer, events)
 
     def user(text: str) -> list[dict]:
         return [{"role": "user", "content": text}]
@@ -415,6 +443,9 @@ def run_trl(args: argparse.Namespace) -> dict:
     timer = trl_step_timer()
     trainer = trainer_class(model=args.start, args=config, train_dataset=dataset, processing_class=tokenizer,
                             callbacks=[timer], **kwargs)
+    tokens: list[int] = []
+    if stage != "grpo":
+        count_trl_tokens(trainer, tokens)
     started = time.perf_counter()
     output = trainer.train()
     wall = time.perf_counter() - started
@@ -424,12 +455,13 @@ def run_trl(args: argparse.Namespace) -> dict:
     out = {"wall": wall, "rss_base": base, "version": f"trl {trl.__version__}", "mean_loss": output.training_loss,
            "losses": [float(row["loss"]) for row in trainer.state.log_history if "loss" in row]}
     if stage == "grpo":
-        timed = timed_steps(timer.ends, generations, s["steps"], args.warmup, timer.begins)
+        timed = timed_steps(timer.ends, generations, s["steps"], args.warmup, timer.begins, events)
         rewards = [row["reward"] for row in trainer.state.log_history if "reward" in row]
         out.update(timed, step=timed["cycle"], step_timer="on_step_end to the next on_step_end",
                    mean_reward=_mean(rewards), stop_ids=sorted(trainer.eos_token_ids))
     else:
-        out.update(step_times(timer.begins, timer.ends, args.warmup), step_timer="on_step_begin -> on_step_end")
+        out.update(step_times(timer.begins, timer.ends, args.warmup), step_timer="on_step_begin -> on_step_end",
+                   step_tokens=tokens[args.warmup:])
     if stage == "dpo":
         out["precompute_ref_log_probs"] = config.precompute_ref_log_probs
         out["reference_in_memory"] = trainer.ref_model is not None
@@ -574,18 +606,39 @@ def sft_start_folder(args: argparse.Namespace, model: Path, workdir: Path) -> tu
     return folder, stamp, cached
 
 
-def summarise(runs: list[dict]) -> dict:
+def flop_rate(run: dict, stage: str, params: int | None) -> float | None:
+    """A run's FLOP/s (see the module docstring): SFT and DPO, the mean FLOPs of a timed step / the median seconds per
+    step; GRPO, the median over the timed steps of a step's FLOPs / its seconds. None without the token counts."""
+    if not params:
+        return None
+    if stage == "grpo":
+        rates = step_flop_rates(run, params)
+        return statistics.median(rates) if rates else None
+    if not run.get("step_tokens"):
+        return None
+    tokens = statistics.fmean(run["step_tokens"])
+    live_reference = stage == "dpo" and not run.get("precompute_ref_log_probs")
+    flops = training_flops(params, tokens) + (forward_flops(params, tokens) if live_reference else 0.0)
+    return flops / statistics.median(run["step"])
+
+
+def summarise(runs: list[dict], stage: str | None = None, params: int | None = None) -> dict:
     """One row from the repeats of one (stage, implementation): the best median, the fastest step, the highest
-    peak memory; loss, reward and GRPO token counts of the first repeat that ran."""
+    peak memory, the FLOP/s of the repeat with the best median (with ``params``); loss, reward and GRPO token counts
+    of the first repeat that ran."""
     ok = [r for r in runs if "error" not in r]
     if not ok:
         return {"error": runs[-1]["error"]}
     first = ok[0]
+    fastest = min(ok, key=lambda r: statistics.median(r["step"]))
+    trained = fastest.get("trained_tokens") or fastest.get("step_tokens")
     row = {"step": min(statistics.median(r["step"]) for r in ok), "min": min(min(r["step"]) for r in ok),
            "cycle": min(statistics.median(r["cycle"]) for r in ok), "peak": max(r["peak_rss"] for r in ok),
            "base": max(r["rss_base"] for r in ok), "background": max(r["background"] for r in ok),
            "timed": len(first["step"]), "runs": len(ok), "mean_loss": first.get("mean_loss"),
-           "mean_reward": first.get("mean_reward"), "skipped": first.get("skipped")}
+           "mean_reward": first.get("mean_reward"), "skipped": first.get("skipped"),
+           "trained": statistics.fmean(trained) if trained else None,
+           "flops_per_s": flop_rate(fastest, stage, params)}
     if "tokens" in first:
         row.update(gen=statistics.median(first["gen"]), tokens=statistics.fmean(first["tokens"]),
                    length=sum(first["tokens"]) / max(sum(first["completions"]), 1),
@@ -598,8 +651,8 @@ def _fmt(value: float | None, spec: str = ".3f") -> str:
 
 
 HEADERS = ["stage", "impl.", "starts from", "timed steps", "s/step median", "s/step min", "cycle s median",
-           "gen s median", "compl. tokens per step", "peak MiB", "base MiB", "mean loss", "mean reward",
-           "held-out accuracy", "answer line", "time ours/TRL", "bg cores"]
+           "gen s median", "compl. tokens per step", "trained tokens per step", "GFLOP/s", "% of peak", "peak MiB",
+           "base MiB", "mean loss", "mean reward", "held-out accuracy", "answer line", "time ours/TRL", "bg cores"]
 SHORT = {"ours": "ours", "trl": "TRL"}
 
 
@@ -611,7 +664,11 @@ def main(argv: list[str] | None = None) -> int:
     if not (model / "config.json").is_file():
         raise SystemExit(f"error: --model {args.model}: no config.json there; run `python scripts/fetch_real_models.py "
                          "smollm2` for the default, or pass a Hugging Face model folder")
-    args.dpo_precompute = our_default("DPOConfig", "precompute_ref_log_probs")
+    # what our default (precompute_ref_log_probs=auto) decides for this run, given to both explicitly: with no
+    # held-out set, precompute when the steps pass over the pairs more than once
+    if our_default("DPOConfig", "precompute_ref_log_probs") != "auto":
+        raise SystemExit("error: rlhf.DPOConfig's precompute_ref_log_probs default is no longer auto; update the bench")
+    args.dpo_precompute = args.dpo_steps * args.dpo_batch > args.dpo_records
     workdir = (args.workdir or default_workdir()).expanduser().resolve()
     runs_dir = workdir / "bench-runs"
     shutil.rmtree(runs_dir, ignore_errors=True)
@@ -629,7 +686,7 @@ def main(argv: list[str] | None = None) -> int:
               f"constant, {s['steps']} steps (first {args.warmup} untimed)"
               + {"sft": f", cutoff {args.seq_len}",
                  "dpo": f", cutoff {args.seq_len}, sigmoid beta {args.beta:g}, precompute_ref_log_probs "
-                        f"{args.dpo_precompute} (our default, both)",
+                        f"{args.dpo_precompute} (what our default, auto, decides here; both)",
                  "grpo": f" ({args.grpo_batch // args.num_generations} prompts x G {args.num_generations}), at most "
                          f"{args.completion_len} new tokens, temperature 1.0, beta 0, loss grpo"}[stage])
     print(f"  held-out: first {args.eval_prompts} prompts of {DATASETS['eval']}, greedy, at most "
@@ -695,6 +752,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"answer line {value['answer_line']:.0%}, {value['mean_new_tokens']:.1f} new tokens on average, "
                   f"{value['seconds']:.0f}s")
 
+    # the limits in a process of their own: this driver imports no torch (its peak memory every run's ru_maxrss
+    # starts from), and its buffers count in no run's memory; kernels pinned as the workers pin them
+    limits = Limits("float32")
+    params = limits.measure_in_subprocess(args.threads, model=model, pin_kernels=True)["params"]
     runs: dict[str, list[dict]] = {}
     for stage in args.stages:
         start, _ = starts[stage]
@@ -741,14 +802,15 @@ def main(argv: list[str] | None = None) -> int:
                     shutil.rmtree(out, ignore_errors=True)
         if pending is not None and stage == "sft":
             pending = None
+    limits.measure_in_subprocess(args.threads, pin_kernels=True)  # after the training runs
     evaluate(evals_wanted)  # one evaluation process after the training runs: the same function for every model
 
-    summary = {key: summarise(value) for key, value in runs.items()}
+    summary = {key: summarise(value, key.split("/")[0], params) for key, value in runs.items()}
     rows = []
     for key, label in [("base model", "base model"), ("SFT checkpoint", "SFT checkpoint")]:
         if key in evals_wanted:
             e = evals.get(key, {})
-            rows.append(["before", label, "-"] + ["-"] * 10
+            rows.append(["before", label, "-"] + ["-"] * 13
                         + [_fmt(e.get("accuracy"), ".1%"), _fmt(e.get("answer_line"), ".0%"), "-", "-"])
     verdicts = []
     for stage in args.stages:
@@ -762,6 +824,7 @@ def main(argv: list[str] | None = None) -> int:
             ratio = f"{s['step'] / theirs['step']:.2f}x" if both and impl == "ours" else "-"
             rows.append([stage, SHORT[impl], starts[stage][1], f"{s['timed']}x{s['runs']}", _fmt(s["step"]),
                          _fmt(s["min"]), _fmt(s["cycle"]), _fmt(s.get("gen")), _fmt(s.get("tokens"), ".0f"),
+                         _fmt(s["trained"], ".0f"), giga(s["flops_per_s"]), fraction(s["flops_per_s"], limits.peak),
                          _fmt(s["peak"], ".0f"), _fmt(s["base"], ".0f"), _fmt(s["mean_loss"], ".4f"),
                          _fmt(s["mean_reward"]), _fmt(e.get("accuracy"), ".1%"), _fmt(e.get("answer_line"), ".0%"),
                          ratio, f"{s['background']:.2f}"])
@@ -791,10 +854,14 @@ def main(argv: list[str] | None = None) -> int:
             line += "; MACHINE BUSY, times unreliable"
         verdicts.append(f"{'PASS' if ok else 'FAIL'} {line}")
 
+    print(limits.describe("measured before and after the training runs"))
     print_table(HEADERS, rows, f"{model.name}: SFT, DPO and GRPO, ours beside TRL ({args.threads} threads, fp32 CPU; "
                 f"s/step: SFT/DPO step begin -> end, GRPO end of one step to the end of the next, generation included; "
                 f"peak = max RSS of the run's process; accuracy: greedy on {args.eval_prompts} held-out prompts)",
-                label_columns=3, wrap_values=True, min_width=210)
+                label_columns=3, wrap_values=True, min_width=240)
+    print(f"GFLOP/s: SFT 6 x {params / 1e6:.1f}M parameters x trained tokens, DPO the same + 2 x parameters x tokens "
+          "while the reference runs live, GRPO 2 x parameters x sampled + 6 x parameters x trained tokens, per step / "
+          "its seconds (attention FLOPs ignored); % of peak = that / the peak matmul FLOP/s above")
     for line in verdicts:
         print(line)
     if args.json:
@@ -802,7 +869,8 @@ def main(argv: list[str] | None = None) -> int:
                     if k not in ("worker", "stage", "start", "out", "eval_dirs", "json")}
         args.json.write_text(json.dumps({"settings": settings, "model": str(model),
                                          "starts": {k: v[0] for k, v in starts.items()}, "runs": runs,
-                                         "summary": summary, "evals": evals, "verdicts": verdicts}, indent=1))
+                                         "summary": summary, "evals": evals, "verdicts": verdicts,
+                                         "limits": {**limits.to_json(), "params": params}}, indent=1))
     if not args.keep_outputs:
         shutil.rmtree(runs_dir, ignore_errors=True)
     return 1 if failures else 0

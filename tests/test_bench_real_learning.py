@@ -31,7 +31,7 @@ def test_the_evaluator_takes_the_number_after_the_last_answer_line(bench):
 
 def test_the_driver_reads_our_dpo_default_without_importing_rlhf(bench):
     default = rlhf.DPOConfig.__dataclass_fields__["precompute_ref_log_probs"].default
-    assert bench.our_default("DPOConfig", "precompute_ref_log_probs") is default
+    assert bench.our_default("DPOConfig", "precompute_ref_log_probs") == default == "auto"
 
 
 def test_every_stage_and_implementation_has_finite_times_memory_and_an_accuracy(bench, tmp_path, tiny_model_dir,

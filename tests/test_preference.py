@@ -581,6 +581,64 @@ def test_precomputed_reference_log_probs_equal_a_live_reference(stage, tmp_path,
     assert _max_diff(weights[True], weights[False]) < 1e-6
 
 
+def test_precompute_auto_runs_the_reference_live_for_one_pass_and_precomputes_for_several(tmp_path, llama_dir,
+                                                                                          tiny_tokenizer, pref_records):
+    """auto precomputes when a live reference would run more item forwards than one pass over the data: here 12
+    pairs at batch 4, so 3 steps are one epoch (live) and 6 steps two (precomputed); repeated evaluations of a
+    held-out set count too (3 steps evaluating 4 held-out pairs each time: 12 + 3 * 4 live forwards against 16)."""
+    policy = rlhf.PolicyModel.from_pretrained(str(llama_dir))
+    decided = {}
+    for name, overrides, held_out in (("one epoch", dict(max_steps=3), None),
+                                      ("two epochs", dict(max_steps=6), None),
+                                      ("fraction", dict(max_steps=2), None),
+                                      ("evaluated once", dict(max_steps=3, eval_steps=0), pref_records[12:]),
+                                      ("evaluated 3 times", dict(max_steps=3, eval_steps=1), pref_records[12:])):
+        config = _exact_config(rlhf.DPOConfig, tmp_path / name.replace(" ", "_"), llama_dir, **overrides)
+        assert config.precompute_ref_log_probs == "auto"  # the default
+        held = _pref_dataset(held_out, tiny_tokenizer) if held_out else None
+        trainer = rlhf.DPOTrainer(config, policy, _pref_dataset(pref_records[:12], tiny_tokenizer), eval_dataset=held,
+                                  reference=rlhf.create_reference_model(config, policy))
+        decided[name] = trainer.reference is None
+    assert decided == {"one epoch": False, "two epochs": True, "fraction": False, "evaluated once": False,
+                       "evaluated 3 times": True}
+
+
+def test_precompute_takes_a_bool_or_a_word_and_refuses_others(tmp_path, llama_dir):
+    for given, want in ((True, "true"), (False, "false"), ("auto", "auto"), ("off", "false"), ("TRUE", "true")):
+        assert _exact_config(rlhf.KTOConfig, tmp_path, llama_dir, precompute_ref_log_probs=given
+                             ).precompute_ref_log_probs == want
+    with pytest.raises(rlhf.RLHFInputError, match="precompute_ref_log_probs.*valid: auto, true, false"):
+        _exact_config(rlhf.DPOConfig, tmp_path, llama_dir, precompute_ref_log_probs="sometimes")
+
+
+def test_precomputed_reference_log_probs_are_stored_with_checkpoints_and_a_resume_reads_them(
+        tmp_path, llama_dir, tiny_tokenizer, pref_records, monkeypatch):
+    """A run stopped after 2 of 4 steps resumes without running the reference again (its checkpoint holds the
+    values) and ends with the weights of an uninterrupted run; a checkpoint for other data is not read."""
+    def run(output_dir, max_steps, records=pref_records[:16]):
+        config = _exact_config(rlhf.DPOConfig, output_dir, llama_dir, max_steps=max_steps, save_steps=2,
+                               precompute_ref_log_probs=True, resume_from_checkpoint="auto")
+        policy = rlhf.PolicyModel.from_pretrained(str(llama_dir))
+        trainer = rlhf.DPOTrainer(config, policy, _pref_dataset(records, tiny_tokenizer),
+                                  reference=rlhf.create_reference_model(config, policy))
+        trainer.train()
+        return _state(policy.model)
+
+    whole = run(tmp_path / "whole", 4)
+    run(tmp_path / "split", 2)
+    stored = tmp_path / "split" / "checkpoints" / "checkpoint-2" / rlhf.REFERENCE_CACHE_FILE
+    assert stored.exists()
+    inner, forwards = rlhf._reference_logps, []
+    monkeypatch.setattr(rlhf, "_reference_logps", lambda *a, **k: forwards.append(1) or inner(*a, **k))
+    resumed = run(tmp_path / "split", 4)
+    assert forwards == []  # read from checkpoint-2, not computed
+    assert _max_diff(resumed, whole) == 0.0
+    # the same output folder with other pairs: the stored values do not fit them (fingerprint), so they are computed
+    other = [dict(r, chosen=r["rejected"], rejected=r["chosen"]) for r in pref_records[:16]]
+    run(tmp_path / "split", 6, records=other)
+    assert forwards
+
+
 def test_kto_kl_reference_is_the_mean_over_processes(tmp_path, llama_dir, tiny_tokenizer):
     """KTO's z0 estimates the KL over the whole batch: with several processes every rank uses the mean
     of all ranks' estimates (TRL gathers them too). A second process is stood in for by a gather that
