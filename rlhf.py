@@ -9123,7 +9123,7 @@ def reference_cache_fingerprint(datasets: list[Any], keys: tuple[str, str], conf
                                         config.finetuning_type, getattr(config, "ld_alpha", None)]).encode())
     for dataset in datasets:
         digest.update(f"dataset {len(dataset)}".encode())
-        for item in dataset.items:
+        for item in (dataset[i] for i in range(len(dataset))):
             for key in sorted(k for k in item if k not in keys):
                 value = item[key]
                 digest.update(key.encode())
@@ -9138,7 +9138,7 @@ def reference_cache_fingerprint(datasets: list[Any], keys: tuple[str, str], conf
 
 def reference_cache_tensors(datasets: list[Any], keys: tuple[str, str]) -> dict[str, torch.Tensor]:
     """The attached values as tensors named ``{dataset index}.{key}`` (float64 holds each float exactly)."""
-    return {f"{index}.{key}": torch.tensor([item[key] for item in dataset.items], dtype=torch.float64)
+    return {f"{index}.{key}": torch.tensor([dataset[i][key] for i in range(len(dataset))], dtype=torch.float64)
             for index, dataset in enumerate(datasets) for key in keys}
 
 
@@ -9195,8 +9195,8 @@ class _ReferenceTrainer(BaseTrainer):
         choice = self.config.precompute_ref_log_probs
         if choice != "auto":
             return choice == "true"
-        if self.sampler is None:  # streaming: no fixed set of items to attach values to
-            return False
+        if self.sampler is None or not all(hasattr(d, "attach") for d in datasets if d is not None):
+            return False  # streaming, or a dataset (e.g. a Subset) with no place to keep the values
         train, held_out = (len(d) if d is not None else 0 for d in datasets)
         passes = self.total_steps * self.config.gradient_accumulation_steps / self.sampler.batches_per_epoch
         live = passes * train + self._evaluations() * held_out
