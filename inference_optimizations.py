@@ -74,6 +74,15 @@ def flash_attention_available(device: torch.device | str) -> tuple[bool, str]:
 CPU_KERNEL_SETTINGS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 
+def use_persistent_compile_cache() -> Path:
+    """Point inductor's on-disk caches (compiled kernels, FX and AOTAutograd graphs) at ``$RLHF_CACHE/torch_compile``
+    (default ~/.cache/rlhf/torch_compile) unless TORCHINDUCTOR_CACHE_DIR is set: torch's default is a folder under
+    /tmp, which schedulers and reboots empty, so a later run of the same shapes would compile again. With the cache a
+    later process re-traces (dynamo) and loads the kernels instead of generating them. Call before torch.compile."""
+    default = Path(os.environ.get("RLHF_CACHE", Path.home() / ".cache" / "rlhf")) / "torch_compile"
+    return Path(os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(default)))
+
+
 def pin_cpu_kernels() -> str | None:
     """Make CPU results the same on every x86-64 machine with AVX2 (2013 on): run ATen's kernels and MKL's and
     oneDNN's matrix code on their AVX2 paths (MKL's conditional numerical reproducibility, ``MKL_CBWR``) even
@@ -524,6 +533,7 @@ def _compiled_step(state: _FastState, device: torch.device):
     HF generate's tokens/s compiled, 9.2x as a CUDA graph). A replay reuses its output buffers, so each
     call marks a new step and hands back copies (four small tensors)."""
     if state.compiled_step is None:
+        use_persistent_compile_cache()
         if device.type != "cuda":
             state.compiled_step = torch.compile(_decode_step, dynamic=False)
         else:
@@ -2613,6 +2623,7 @@ class SpeculativeDecoder:
         if self.engine != "compiled":
             return plain
         if name not in self._steps:
+            use_persistent_compile_cache()
             self._steps[name] = torch.compile(plain, dynamic=False)
         return self._steps[name]
 

@@ -24,8 +24,9 @@ says what a contributor adds there, and docs/architecture.md walks through each:
   2. Infrastructure
        rich_console, setup_logging, logging_restored, set_seed, weight_sharding, DeviceManager, smoothed, plot_metrics,
        PlainProgress, TrainingLogger, optimizer_state_to_safetensors, optimizer_state_from_safetensors,
-       capture_rng_state, restore_rng_state, CheckpointManager, CheckpointingMixin, create_optimizer, EarlyStopping,
-       find_linear_module_names, find_expert_parameter_names, apply_lora, apply_freeze, compile_model
+       capture_rng_state, restore_rng_state, CheckpointManager, PreemptionGuard, CheckpointingMixin, create_optimizer,
+       EarlyStopping, find_linear_module_names, find_expert_parameter_names, apply_lora, apply_freeze, compile_model,
+       compile_training_step
        add: a logging target (REPORT_TARGETS), something a checkpoint carries (CheckpointManager), an optimizer
   3. Data
        DatasetSpec, resolve_dataset, iter_raw_records, parse_record, to_record, load_records, extract_answer,
@@ -38,8 +39,8 @@ says what a contributor adds there, and docs/architecture.md walks through each:
        ProcessPreferenceCollator
        add: a dataset format (parse_record), a chat template (one register_template(ChatTemplate(...))), a dataset class
   4. Model loading and the output head
-       token_log_probs, OutputHead, LogProbs, load_tokenizer, build_tiny_model, resolve_model_path, gguf_metadata,
-       gguf_to_hf, quantization_config, is_quantized, load_causal_lm
+       token_log_probs, OutputHead, head_logits, head_reduction, LogProbs, load_tokenizer, build_tiny_model,
+       resolve_model_path, gguf_metadata, gguf_to_hf, quantization_config, is_quantized, load_causal_lm
        add: a model family's loading quirk, a model file format (GGUF's conversion is the example)
   5. Vision-language models
        text_config, is_vision_language, vision_kwargs, count_placeholders, open_image, fit_pixels, VisionInputs,
@@ -187,6 +188,7 @@ from inference_optimizations import (
     select_attention_implementation,
     shared_memory_dir,
     stop_token_ids,
+    use_persistent_compile_cache,
     vllm_engine_for,
     vllm_missing,
     vllm_serve,
@@ -474,9 +476,10 @@ class BaseConfig:
     router_aux_loss_coef: float | None = _opt(None, "Mixture-of-experts models: weight of the router's load-balancing "
                                                     "loss, added to every trainer's loss and logged as moe/aux_loss "
                                                     "(default: the model's own router_aux_loss_coef; 0: off)")
-    compile: bool = _opt(False, "torch.compile the model; a graph that fails to compile runs eagerly, with a warning "
-                                "(inside the model's calls only: torch's settings for the rest of the process are "
-                                "untouched)")
+    torch_compile: bool = _opt(False, "torch.compile the training step: each decoder block's forward and backward and "
+                                      "the output head's chunked loss (HF/TRL's name); a block that fails to compile "
+                                      "runs eagerly, with a warning. Compiled kernels are cached in "
+                                      "$RLHF_CACHE/torch_compile across runs")
     # -- data
     dataset: str = _opt("", "Comma-separated dataset names from dataset_dir/dataset_info.json, or paths to "
                             "JSON/JSONL/Parquet files or dataset directories")
@@ -879,6 +882,7 @@ LLAMAFACTORY_RENAMES: dict[str, tuple[str, dict[Any, Any] | None]] = {
     "eval_dataset_dir": ("dataset_dir", None),
     "lora_targets": ("lora_target", None),
     "moe_aux_loss_coef": ("router_aux_loss_coef", None),
+    "compile": ("torch_compile", None),  # this project's own name for it before it took HF's
 }
 # The same knobs under TRL's, OpenRLHF's and verl's names (their config files, flattened), for the stages that have
 # them; in a stage without the knob the key is an error like any unknown key.
@@ -2639,6 +2643,52 @@ def compile_model(model: nn.Module, enabled: bool = True, backend: str = "induct
     compiled.forward = _eager_on_compile_error(compiled.forward)
     logger.info("model compiled with torch.compile (backend=%s)", backend)
     return compiled
+
+
+def compile_training_step(model: nn.Module, enabled: bool = True, backend: str = "inductor") -> nn.Module:
+    """``torch_compile``: each decoder block's forward (and so its backward, through AOTAutograd) compiled in place,
+    torchtune's and torchtitan's per-block scheme: the blocks share one code object, so one compilation serves every
+    layer, the module tree and its state-dict names stay as they were, and the chunked output head
+    (``OutputHead``) keeps working and compiles its per-chunk loss too. Only forwards without a KV cache (training,
+    reference and log-prob passes) take the compiled path; decoding, whose cache grows every step, stays with the
+    generation engine's own choice. A backend that cannot start leaves the model eager with a warning, and a block
+    that fails to compile runs eagerly (``_eager_on_compile_error``). A model without a stack of blocks is compiled
+    whole (``compile_model``)."""
+    if not enabled:
+        return model
+    use_persistent_compile_cache()
+    try:
+        blocks = _decoder_blocks(model)
+    except RLHFInputError:
+        return compile_model(model, True, backend)
+    try:
+        for block in blocks:
+            block.forward = _CompiledBlockForward(block.forward, backend)
+    except Exception as err:  # backend missing, unsupported platform: training must go on
+        for block in blocks:
+            block.__dict__.pop("forward", None)
+        logger.warning("torch.compile failed (%s); continuing without compilation", str(err).splitlines()[0])
+        return model
+    innermost_model(model)._rlhf_compiled_step = True  # read by OutputHead: compile the per-chunk loss too
+    logger.info("torch_compile: %d decoder blocks compiled (backend=%s), and the output head's loss", len(blocks),
+                backend)
+    return model
+
+
+class _CompiledBlockForward:
+    """A block's forward that runs compiled when no KV cache is passed (a training or scoring forward) and eagerly
+    otherwise; what ``compile_training_step`` puts on each block."""
+
+    def __init__(self, forward: Callable[..., Any], backend: str) -> None:
+        # dynamic shapes from the start: batches differ in length (and DPO's packed rows in layout), which would
+        # otherwise compile a static graph per shape until dynamo gives up on it
+        self.eager = forward
+        self.compiled = _eager_on_compile_error(torch.compile(forward, backend=backend, dynamic=True))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        cached = any(kwargs.get(name) is not None for name in ("cache", "past_key_values", "past_key_value"))
+        decoding = cached and not torch.is_grad_enabled()
+        return self.eager(*args, **kwargs) if decoding else self.compiled(*args, **kwargs)
 
 
 def _eager_on_compile_error(forward: Callable[..., Any]) -> Callable[..., Any]:
@@ -4772,6 +4822,7 @@ class OutputHead:
     def scores(self, model: nn.Module, **inputs: Any) -> tuple[torch.Tensor, Any]:
         """Run ``model(**inputs)``; return (scores, the model's output). Scores: logits, or with a chunked head the
         final hidden states (the output's ``logits`` are then a NaN placeholder that must not be read)."""
+        inputs.setdefault("use_cache", False)  # a scoring forward keeps no KV cache (unless given one to extend)
         if not self.chunked:
             out = model(**inputs)
             return out.logits, out
@@ -4831,34 +4882,51 @@ class OutputHead:
         weight, bias = output.weight, output.bias
         if not flat.requires_grad:  # detached scores (a logged entropy): no gradient into the output layer either
             weight, bias = weight.detach(), bias.detach() if bias is not None else None
+        reduce = _compiled_head_reduction() if getattr(self.model, "_rlhf_compiled_step", False) else head_reduction
         pieces = []
         for start in range(0, flat.shape[0], rows):
-            args = (flat[start:start + rows], weight, bias, temperature, what,
+            args = (flat[start:start + rows], weight, bias, temperature, self.softcap, what,
                     picked[start:start + rows] if picked is not None else None)
             needs_grad = torch.is_grad_enabled() and (flat.requires_grad or weight.requires_grad)
-            pieces.append(torch.utils.checkpoint.checkpoint(self._reduce, *args, use_reentrant=False)
-                          if needs_grad else self._reduce(*args))
+            pieces.append(torch.utils.checkpoint.checkpoint(reduce, *args, use_reentrant=False)
+                          if needs_grad else reduce(*args))
         return torch.cat(pieces).reshape(scores.shape[:-1]) if pieces else flat.new_zeros(scores.shape[:-1])
-
-    def _reduce(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float,
-                what: str | tuple, targets: torch.Tensor | None) -> torch.Tensor:
-        logits = self._logits(hidden, weight, bias, temperature)
-        if isinstance(what, tuple):  # ("sampled", top_k, top_p, min_p): the narrowed distribution
-
-            logits, what = _filter_logits(logits, *what[1:]), "log_probs"
-        if what == "mean":
-            return logits.mean(-1)
-        normaliser = torch.logsumexp(logits, -1)
-        if what == "log_probs":
-            return logits.gather(-1, targets[:, None]).squeeze(-1) - normaliser
-        return normaliser - (logits.softmax(-1) * logits).sum(-1)
 
     def _logits(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 temperature: float) -> torch.Tensor:
-        logits = F.linear(hidden, weight, bias).float()
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits / temperature if temperature != 1.0 else logits
+        return head_logits(hidden, weight, bias, temperature, self.softcap)
+
+
+def head_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float,
+                softcap: float | None) -> torch.Tensor:
+    """fp32 logits of one chunk of positions, Gemma's soft-capping and the temperature applied. (N, H) -> (N, V)."""
+    logits = F.linear(hidden, weight, bias).float()
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits / temperature if temperature != 1.0 else logits
+
+
+def head_reduction(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float,
+                   softcap: float | None, what: str | tuple, targets: torch.Tensor | None) -> torch.Tensor:
+    """One chunk's reduction over the vocabulary (``OutputHead._per_position``): the target's log-prob, entropy,
+    mean logit, or ("sampled", top_k, top_p, min_p) the target's log-prob under the narrowed distribution.
+    (N, H) -> (N)."""
+    logits = head_logits(hidden, weight, bias, temperature, softcap)
+    if isinstance(what, tuple):  # ("sampled", top_k, top_p, min_p): the narrowed distribution
+        logits, what = _filter_logits(logits, *what[1:]), "log_probs"
+    if what == "mean":
+        return logits.mean(-1)
+    normaliser = torch.logsumexp(logits, -1)
+    if what == "log_probs":
+        return logits.gather(-1, targets[:, None]).squeeze(-1) - normaliser
+    return normaliser - (logits.softmax(-1) * logits).sum(-1)
+
+
+@functools.cache
+def _compiled_head_reduction() -> Callable[..., torch.Tensor]:
+    """``head_reduction`` under torch.compile (``torch_compile``): the chunk's logits, log-sum-exp and gather fused,
+    so the fp32 (N, V) logits are written once instead of by each elementwise step."""
+    return _eager_on_compile_error(torch.compile(head_reduction, dynamic=True))
 
 
 class _HiddenStates(nn.Module):
@@ -7984,7 +8052,7 @@ class BaseTrainer(CheckpointingMixin):
     def _setup_model(self) -> None:
         self.policy.prepare_for_training(self.config)
         self.policy.model.to(self.devices.device)
-        self.policy.model = compile_model(self.policy.model, self.config.compile)
+        self.policy.model = compile_training_step(self.policy.model, self.config.torch_compile)
         self.model = self.devices.prepare(self.policy.model)
         self._setup_sharding()
         self.model.train()

@@ -61,7 +61,8 @@ QWEN3_0_6B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stages", default="sft,dpo", help="comma-separated: sft, dpo")
-    parser.add_argument("--impls", default="ours,trl", help="comma-separated: ours, trl")
+    parser.add_argument("--impls", default="ours,trl",
+                        help="comma-separated: ours, ours-compiled (torch_compile=true), trl")
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=1, help="first steps left out of the timing")
     parser.add_argument("--batch-size", type=int, default=1)
@@ -69,7 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--model-dir", default="", help="the random-weight model (default: built once, cached)")
-    parser.add_argument("--worker", choices=("ours", "trl"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=("ours", "ours-compiled", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--stage", choices=("sft", "dpo"), help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     parser.add_argument("--attn", default="sdpa", help=argparse.SUPPRESS)
@@ -155,7 +156,7 @@ def run_ours(args: argparse.Namespace) -> dict:
                   optim="adamw_torch_fused", finetuning_type="full",
                   attn_implementation=args.attn, output_dir=str(Path(args.workdir) / "ours"), save_steps=0,
                   logging_steps=1, disable_progress_bar=True, report_to="none", seed=0, resume_from_checkpoint="none",
-                  template="qwen3")
+                  template="qwen3", torch_compile=args.worker == "ours-compiled")
     started = time.perf_counter()
     live_reference = False
     if args.stage == "sft":
@@ -169,7 +170,8 @@ def run_ours(args: argparse.Namespace) -> dict:
         raise RuntimeError(f"ours ran {len(ends)} optimizer steps, expected {args.steps}")
     losses = [float(row["loss"]) for row in result.history if "loss" in row]
     return {**step_times(begins, ends, args.warmup), "wall": wall, "rss_base": base,
-            "mean_loss": statistics.fmean(losses), "version": "rlhf", "step_tokens": tokens[args.warmup:],
+            "mean_loss": statistics.fmean(losses), "step_tokens": tokens[args.warmup:],
+            "version": "rlhf, torch_compile" if args.worker == "ours-compiled" else "rlhf",
             "live_reference": live_reference,
             "chunked_head": rlhf.OutputHead.of(rlhf.PolicyModel.from_pretrained(args.model_dir).model).chunked}
 
@@ -225,7 +227,7 @@ def run_trl(args: argparse.Namespace) -> dict:
 
 
 def worker(args: argparse.Namespace) -> int:
-    result = (run_ours if args.worker == "ours" else run_trl)(args)
+    result = (run_trl if args.worker == "trl" else run_ours)(args)
     result.update(impl=args.worker, stage=args.stage, peak_rss=peak_rss_mib())
     print(MARK + json.dumps(result), flush=True)
     return 0
@@ -260,9 +262,9 @@ def main(argv: list[str] | None = None) -> int:
             if "error" in result:
                 continue
             seconds = statistics.median(result["step"])
-            other = results.get("trl" if impl == "ours" else "ours", {})
+            other = results.get("trl", {})
             ratio = (f"{seconds / statistics.median(other['step']):.2f}x / "
-                     f"{result['peak_rss'] / other['peak_rss']:.2f}x") if impl == "ours" and "step" in other else ""
+                     f"{result['peak_rss'] / other['peak_rss']:.2f}x") if impl != "trl" and "step" in other else ""
             tokens = statistics.fmean(result["step_tokens"]) if result.get("step_tokens") else None
             rate = None
             if tokens is not None:
