@@ -11,8 +11,8 @@ CPU with the embedded ``tiny`` (and ``tiny-vl``) model and the bundled demo task
 Table of contents: every public name, by section (each opens with a ``# ==== N. Title ====`` banner); "add:"
 says what a contributor adds there, and docs/architecture.md walks through each:
   0. Notation and registries
-       IGNORE_INDEX, RLHFInputError, TrainingInterrupted, POLICY_LOSS_AGGREGATIONS, PolicyLoss, POLICY_LOSSES,
-       register_policy_loss, policy_loss, Stage, STAGES, register_stage
+       IGNORE_INDEX, RLHFInputError, TrainingInterrupted, TrainingPreempted, POLICY_LOSS_AGGREGATIONS, PolicyLoss,
+       POLICY_LOSSES, register_policy_loss, policy_loss, Stage, STAGES, register_stage
        add: a constant or error type every section shares, a registry whose entries live in later sections
   1. Configs
        BaseConfig, OnlineRLConfig, parse_overrides, read_yaml, build_config, load_config, save_config, config_help,
@@ -139,8 +139,10 @@ import os
 import random
 import re
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 import types
 import typing
@@ -223,6 +225,15 @@ class RLHFInputError(ValueError):
 class TrainingInterrupted(KeyboardInterrupt):
     """Ctrl-C during training, carrying what to run next for this config (resume, or how to keep the checkpoints
     a config that starts over would delete). A KeyboardInterrupt still, so every handler of one sees it."""
+
+
+class TrainingPreempted(TrainingInterrupted):
+    """A scheduler's stop signal (SIGTERM, or SIGUSR1 that SLURM sends ahead of a job's end) during training: the
+    current optimizer step finished and a checkpoint was written; ``exit_code`` is the shell's 128 + signal."""
+
+    def __init__(self, message: str, signal_number: int) -> None:
+        super().__init__(message)
+        self.exit_code = 128 + signal_number
 
 
 # An RL policy loss (the grpo stage's ``loss_type``; rloo and reinforce_pp use it too) is one registered function
@@ -2209,6 +2220,38 @@ CHECKPOINT_READ_ERRORS = _checkpoint_read_errors()  # what a damaged checkpoint 
 def _one_line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
     return f"{type(err).__name__}: {text[0][:160]}" if text else type(err).__name__
+
+
+PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1")  # a scheduler's stop; SLURM's --signal=USR1@seconds sends USR1 ahead
+
+
+class PreemptionGuard:
+    """For the length of a training run, SIGTERM and SIGUSR1 set ``received`` instead of ending the process, so the
+    trainer finishes its optimizer step, writes a checkpoint and exits (``TrainingPreempted``); the previous
+    handlers come back afterwards. Only the main thread can take signals; elsewhere this does nothing."""
+
+    def __init__(self) -> None:
+        self.received: signal.Signals | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> PreemptionGuard:
+        if threading.current_thread() is threading.main_thread():
+            for name in PREEMPTION_SIGNALS:
+                number = getattr(signal, name, None)  # Windows has no SIGUSR1
+                if number is not None:
+                    self._previous[number] = signal.signal(number, self._note)
+        return self
+
+    def _note(self, number: int, frame: Any) -> None:
+        if self.received is None:
+            logger.warning("%s received: finishing this optimizer step, then writing a checkpoint and stopping",
+                           signal.Signals(number).name)
+        self.received = signal.Signals(number)
+
+    def __exit__(self, *exc: Any) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+        self._previous.clear()
 
 
 class CheckpointingMixin:
@@ -8149,13 +8192,34 @@ class BaseTrainer(CheckpointingMixin):
 
     # -- the loop
     def train(self) -> TrainResult:
+        self.preemption = PreemptionGuard()
         try:
-            return self._train()
+            with self.preemption:
+                return self._train()
+        except TrainingPreempted:
+            raise
         except KeyboardInterrupt as interrupt:
             progress = getattr(getattr(self, "training_logger", None), "_progress", None)
             if progress is not None:
                 progress.stop()
             raise TrainingInterrupted(self._resume_advice()) from interrupt
+
+    def _preempted(self) -> bool:
+        """Whether a stop signal reached any process (all of them then stop after the same step, so their
+        collective checkpoint stays in step: one small all-reduce per step when there are several)."""
+        guard = getattr(self, "preemption", None)
+        local = guard is not None and guard.received is not None
+        if self.devices.num_processes > 1:
+            return self.devices.sum_across_processes(float(local)) > 0
+        return local
+
+    def _stop_for_preemption(self) -> None:
+        self.training_logger.close()
+        received = self.preemption.received
+        by = received.name if received is not None else "a stop signal to another process"
+        raise TrainingPreempted(f"stopped by {by} after step {self.global_step} of {self.total_steps}, with a "
+                                f"checkpoint: " + self._resume_advice().removeprefix("interrupted: "),
+                                int(received or signal.SIGTERM))
 
     def _resume_advice(self) -> str:
         """What to run after an interrupt, true for this config: a config that starts over would delete the
@@ -8202,8 +8266,13 @@ class BaseTrainer(CheckpointingMixin):
                 if last_eval:
                     self.training_logger.log(self.global_step, last_eval)
                 stopped_early = self._should_stop(last_eval)
-            if (config.save_steps and self.global_step % config.save_steps == 0) or final or stopped_early:
+            saving = (config.save_steps and self.global_step % config.save_steps == 0) or final or stopped_early
+            if saving:
                 self._save_checkpoint()
+            if not final and self._preempted():
+                if not saving:
+                    self._save_checkpoint()
+                self._stop_for_preemption()
             if stopped_early:
                 logger.info("early stopping at step %d: %s did not improve for %d evaluations", self.global_step,
                             config.metric_for_best_model, config.early_stopping_patience)
@@ -13886,7 +13955,7 @@ def main(argv: list[str] | None = None) -> int:
                   "interrupted: run the same command again to resume from the last checkpoint (one stopped before "
                   "its first save starts over)")
         Console(stderr=True).print(advice, markup=False, highlight=False, soft_wrap=True)
-        return 130
+        return interrupt.exit_code if isinstance(interrupt, TrainingPreempted) else 130
     finally:
         _close_process_group(finished)
 

@@ -135,3 +135,63 @@ def test_vision_language_model_trains_in_two_processes_like_one(tmp_path, tiny_m
     assert len(one) == len(two) == 3
     for step, (a, b) in enumerate(zip(one, two), start=1):
         assert abs(a - b) <= 1e-5 * abs(a), f"step {step}: one process {a!r}, two processes {b!r}"
+
+
+def _launch_rank_pid(output_dir: Path, rank: int) -> int | None:
+    """The pid of the launched worker of ``rank`` training into ``output_dir`` (read from /proc)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes().split(b"\0")
+            environment = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"output_dir={output_dir}".encode() in command and f"RANK={rank}".encode() in environment:
+            return int(entry.name)
+    return None
+
+
+def test_a_stop_signal_to_one_process_stops_both_after_the_same_step_and_resumes_exactly(tmp_path, tiny_model_dir):
+    """SIGUSR1 reaches only rank 1 of a 2-process run (a scheduler may signal one task first): both processes stop
+    after the same optimizer step, one checkpoint of it is written, and the same launch run again ends with the
+    logged losses of an uninterrupted 2-process run."""
+    import signal
+    import time
+
+    args = [{"max_steps=4": "max_steps=30", "save_steps=0": "save_steps=100"}.get(arg, arg) for arg in SFT]
+    stopped = tmp_path / "stopped"
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                "--main_process_port", str(_free_port())]
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false")
+    for name in ("ACCELERATE_USE_CPU", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        env.pop(name, None)
+    with open(tmp_path / "stopped.log", "wb") as log:
+        proc = subprocess.Popen([*launcher, "rlhf.py", "sft", *args, f"output_dir={stopped}"], cwd=REPO, env=env,
+                                stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline, metrics = time.time() + 240, stopped / "metrics.jsonl"
+            while proc.poll() is None and time.time() < deadline:
+                if metrics.exists() and len(metrics.read_text().splitlines()) >= 5:
+                    pid = _launch_rank_pid(stopped, 1)
+                    if pid is not None:
+                        os.kill(pid, signal.SIGUSR1)
+                        break
+                time.sleep(0.02)
+            proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    output = (tmp_path / "stopped.log").read_text()
+    assert proc.returncode != 0, output[-3000:]
+    checkpoints = sorted((stopped / "checkpoints").glob("checkpoint-*"))
+    assert len(checkpoints) == 1 and (checkpoints[0] / "COMPLETE").exists(), output[-3000:]
+    step = int(checkpoints[0].name.rsplit("-", 1)[1])
+    assert 5 <= step < 30
+    assert f"stopped by SIGUSR1 after step {step} of 30" in output  # rank 1, which received it
+    assert f"stopped by a stop signal to another process after step {step} of 30" in output  # rank 0: the same step
+    resumed = _train(stopped, processes=2, accumulation=1, args=args)
+    straight = _train(tmp_path / "straight", processes=2, accumulation=1, args=args)
+    assert len(resumed) == 30 and resumed == straight

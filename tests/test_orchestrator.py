@@ -146,6 +146,46 @@ def test_a_killed_stage_resumes_to_the_same_weights(tiny_model_dir, demo_dir, tm
         torch.testing.assert_close(resumed[name], value, rtol=0, atol=0, msg=name)
 
 
+def test_a_preempted_pipeline_resumes_at_the_interrupted_stage(tiny_model_dir, demo_dir, tmp_path, monkeypatch,
+                                                                 caplog):
+    """SIGTERM during the second stage (dpo, after its step 2): the step finishes, a checkpoint is written and the
+    pipeline stops with TrainingPreempted; run again, it skips the finished sft stage, resumes dpo from that
+    checkpoint and ends with the weights of an uninterrupted pipeline."""
+    import os
+    import signal
+
+    from conftest import rlhf_log
+
+    def pipeline(root):
+        return _pipeline(root, tiny_model_dir, demo_dir, ["sft", "dpo"],
+                         sft={"dataset": "demo_sft", "max_steps": 3, "learning_rate": 1e-3},
+                         dpo={"dataset": "demo_preference", "max_steps": 5, "learning_rate": 1e-4})
+
+    config = pipeline(tmp_path)
+    original = rlhf.BaseTrainer._optimizer_step
+
+    def signalled_during_dpo_step_3(self, group, window):
+        if self.stage == "dpo" and self.global_step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # arrives while the step runs; the step still finishes
+        return original(self, group, window)
+
+    monkeypatch.setattr(rlhf.BaseTrainer, "_optimizer_step", signalled_during_dpo_step_3)
+    with pytest.raises(rlhf.TrainingPreempted, match="stopped by SIGTERM after step 3 of 5") as stop:
+        rlhf.RLHFOrchestrator(config).run_full_pipeline()
+    assert stop.value.exit_code == 128 + signal.SIGTERM
+    monkeypatch.setattr(rlhf.BaseTrainer, "_optimizer_step", original)
+    with rlhf_log(caplog):
+        entries = rlhf.RLHFOrchestrator(config).run_full_pipeline()
+    assert [e["stage"] for e in entries] == ["sft", "dpo"] and entries[0].get("skipped")
+    assert "resumed from" in caplog.text and "checkpoint-3" in caplog.text
+    straight = pipeline(tmp_path / "straight")
+    rlhf.RLHFOrchestrator(straight).run_full_pipeline()
+    resumed = rlhf.PolicyModel.from_pretrained(entries[1]["output_dir"]).model.state_dict()
+    uninterrupted = rlhf.PolicyModel.from_pretrained(str(Path(straight.output_dir) / "dpo")).model.state_dict()
+    for name, value in uninterrupted.items():
+        torch.testing.assert_close(resumed[name], value, rtol=0, atol=0, msg=name)
+
+
 # -- eval, best_of_n, merge, reports and saved models ----------------------------------------------------------
 
 def test_final_stages_report_and_saved_models(sft_model, demo_dir, tmp_path):

@@ -411,6 +411,68 @@ def test_sigkill_and_rerun_is_bit_identical_to_uninterrupted(tmp_path, repo, lla
     assert len(report["stages"]) == 1 and report["stages"][0]["global_step"] == 40
 
 
+def test_sigterm_and_sigusr1_finish_the_step_checkpoint_and_resume_bit_identical(tmp_path, repo, llama_dir):
+    """A scheduler's stop: SIGTERM to a ``python rlhf.py sft ...`` process, and SIGUSR1 (SLURM's warning ahead of a
+    job's end) to a run in this process, each after some logged steps and with no periodic checkpoint due
+    (save_steps=100). Each finishes its optimizer step, writes a checkpoint of it, exits 128 + signal with one line
+    that says how to resume, and the same command run again ends with exactly the weights and logged losses of an
+    uninterrupted run."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+    assert torch.get_num_threads() == 1
+
+    def args(out: Path) -> list[str]:
+        return [*_cli_args(repo, llama_dir, out), "save_steps=100"]
+
+    def logged_steps(out: Path) -> int:
+        metrics = out / "metrics.jsonl"
+        return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+    reference_dir, terminated_dir, warned_dir = tmp_path / "uninterrupted", tmp_path / "sigterm", tmp_path / "sigusr1"
+    with open(tmp_path / "victim.log", "wb") as log:
+        victim = subprocess.Popen([sys.executable, str(repo / "rlhf.py"), *args(terminated_dir)], env=env, cwd=tmp_path,
+                                  stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.time() + 300
+            while logged_steps(terminated_dir) < 8 and victim.poll() is None and time.time() < deadline:
+                time.sleep(0.01)
+            victim.send_signal(signal.SIGTERM)
+            victim.wait(timeout=120)
+        finally:
+            if victim.poll() is None:
+                victim.kill()
+                victim.wait()
+    output = (tmp_path / "victim.log").read_text()
+    assert victim.returncode == 128 + signal.SIGTERM, output[-3000:]
+    stopped = rlhf.CheckpointManager(terminated_dir).latest()
+    assert stopped is not None and 8 <= _step_of(stopped) < 40
+    assert f"stopped by SIGTERM after step {_step_of(stopped)} of 40" in output
+    assert "run the same command again to resume" in output and "Traceback" not in output
+
+    # SIGUSR1 to this process (the handler runs in the main thread, between the trainer's Python bytecodes)
+    def warn_after_five_steps() -> None:
+        deadline = time.time() + 300
+        while logged_steps(warned_dir) < 5 and time.time() < deadline:
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGUSR1)
+
+    sender = threading.Thread(target=warn_after_five_steps, daemon=True)
+    sender.start()
+    assert rlhf.main(args(warned_dir)) == 128 + signal.SIGUSR1
+    sender.join(timeout=10)
+    warned = rlhf.CheckpointManager(warned_dir).latest()
+    assert warned is not None and 5 <= _step_of(warned) < 40
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # the handlers are put back after the run
+
+    assert rlhf.main(args(reference_dir)) == 0
+    for out, latest in ((terminated_dir, stopped), (warned_dir, warned)):
+        with captured_log() as records:
+            assert rlhf.main(args(out)) == 0  # the same command, run again
+        assert any(f"resumed from {latest}" in r.getMessage() for r in records)
+        _assert_bit_identical(_weights(reference_dir), _weights(out))
+        assert _loss_rows(out) == _loss_rows(reference_dir)
+
+
 # -- (d) SFT learns the demo task -------------------------------------------------------------------------
 
 
