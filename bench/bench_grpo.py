@@ -146,6 +146,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--engine", default="auto", choices=("auto", "compiled", "static", "eager"),
                         help="our rollout decoding (GRPOConfig.generation_engine); compiled pays its compile time in "
                              "the untimed warm-up steps")
+    parser.add_argument("--rollout-dtype", default="auto", choices=("auto", "fp16", "int8"),
+                        help="what our engine samples from on a CPU (GRPOConfig.rollout_dtype): auto = the policy "
+                             "itself, fp16 / int8 = a low-precision copy refreshed every step, its gap corrected")
     parser.add_argument("--repeats", type=int, default=1, help="runs per trainer (order alternates)")
     parser.add_argument("--target", type=float, default=0.5, help="target: ours / TRL seconds per step at most")
     parser.add_argument("--max-background", type=float, default=0.25,
@@ -371,6 +374,7 @@ def run_ours(args: argparse.Namespace) -> dict:
         adam_epsilon=1e-8, max_grad_norm=1.0, logging_steps=1, save_steps=0,
         output_dir=str(Path(args.workdir) / "ours"),
         disable_progress_bar=True, report_to=[], seed=0, resume_from_checkpoint="none", generation_engine=args.engine,
+        rollout_dtype=args.rollout_dtype,
         skip_zero_gradient_rows=args.worker != "ours-dense")
     settings.update(VARIANTS.get(args.worker, {}))  # one estimator or loss in place of GRPO's
     config = rlhf.GRPOConfig(**settings)
@@ -438,7 +442,8 @@ def run_worker(args: argparse.Namespace, impl: str, model_dir: str, attn: str) -
                    "--attn", attn, "--workdir", tmp, "--steps", str(args.steps), "--warmup", str(args.warmup),
                    "--batch-size", str(args.batch_size), "--num-generations", str(args.num_generations),
                    "--completion-len", str(args.completion_len), "--records", str(args.records),
-                   "--threads", str(args.threads), "--lr", repr(args.lr), "--engine", args.engine]
+                   "--threads", str(args.threads), "--lr", repr(args.lr), "--engine", args.engine,
+                   "--rollout-dtype", args.rollout_dtype]
         result = run_measured(command, args.threads, MARK)
     return {"impl": impl, **result} if "error" in result else result
 
@@ -550,8 +555,10 @@ def main(argv: list[str] | None = None) -> int:
                      f"{s['base']:.0f}", f"{s['peak']:.0f}", f"{s['rounds']:.1f}", ratio, to_ours,
                      f"{s['background']:.2f}"])
     print(limits.describe())
+    source = "the policy" if args.rollout_dtype == "auto" else f"an {args.rollout_dtype} copy"
     print_table(HEADERS, rows, f"GRPO: {args.batch_size} completions per step (G {args.num_generations}), at most "
-                f"{args.completion_len} new tokens, threads {args.threads}, fp32 CPU (seconds per step: end of one "
+                f"{args.completion_len} new tokens, threads {args.threads}, fp32 CPU, our rollouts from {source} "
+                f"(seconds per step: end of one "
                 f"optimizer step to the end of the next, generation included; gen = sampling alone; rest = step - "
                 f"gen; tokens per s = median over steps; peak = max RSS of the run's process)", label_columns=1,
                 wrap_values=True, min_width=230)
