@@ -456,13 +456,23 @@ def test_sigterm_and_sigusr1_finish_the_step_checkpoint_and_resume_bit_identical
             time.sleep(0.01)
         os.kill(os.getpid(), signal.SIGUSR1)
 
-    sender = threading.Thread(target=warn_after_five_steps, daemon=True)
-    sender.start()
-    assert rlhf.main(args(warned_dir)) == 128 + signal.SIGUSR1
-    sender.join(timeout=10)
+    late = []  # a signal arriving outside the run (a slow machine) must not end pytest: SIGUSR1's default would
+
+    def outside_the_run(*_):
+        late.append(True)
+
+    previous = signal.signal(signal.SIGUSR1, outside_the_run)
+    try:
+        sender = threading.Thread(target=warn_after_five_steps, daemon=True)
+        sender.start()
+        assert rlhf.main(args(warned_dir)) == 128 + signal.SIGUSR1
+        sender.join(timeout=10)
+        assert signal.getsignal(signal.SIGUSR1) is outside_the_run  # the run put back the handler it found
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert not late
     warned = rlhf.CheckpointManager(warned_dir).latest()
     assert warned is not None and 5 <= _step_of(warned) < 40
-    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # the handlers are put back after the run
 
     assert rlhf.main(args(reference_dir)) == 0
     for out, latest in ((terminated_dir, stopped), (warned_dir, warned)):
