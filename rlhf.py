@@ -2692,9 +2692,10 @@ def compile_training_step(model: nn.Module, enabled: bool = True, backend: str =
     """``torch_compile``: each decoder block's forward (and so its backward, through AOTAutograd) compiled in place,
     torchtune's and torchtitan's per-block scheme: the blocks share one code object, so one compilation serves every
     layer, the module tree and its state-dict names stay as they were, and the chunked output head
-    (``OutputHead``) keeps working and compiles its per-chunk loss too. Only forwards without a KV cache (training,
-    reference and log-prob passes) take the compiled path; decoding, whose cache grows every step, stays with the
-    generation engine's own choice. A backend that cannot start leaves the model eager with a warning, and a block
+    (``OutputHead``) keeps working and compiles its per-chunk loss too. Every forward but decoding takes the compiled
+    path (training, reference and log-prob passes, and GRPO's training pass over a group's shared prompt cache);
+    decoding (a KV cache extended without gradients, its length growing every step) stays with the generation
+    engine's own choice. A backend that cannot start leaves the model eager with a warning, and a block
     that fails to compile runs eagerly (``_eager_on_compile_error``). A model without a stack of blocks is compiled
     whole (``compile_model``)."""
     if not enabled:
@@ -2719,7 +2720,7 @@ def compile_training_step(model: nn.Module, enabled: bool = True, backend: str =
 
 
 class _CompiledBlockForward:
-    """A block's forward that runs compiled when no KV cache is passed (a training or scoring forward) and eagerly
+    """A block's forward that runs eagerly when it extends a KV cache without gradients (decoding) and compiled
     otherwise; what ``compile_training_step`` puts on each block."""
 
     def __init__(self, forward: Callable[..., Any], backend: str) -> None:
