@@ -1358,6 +1358,15 @@ def _quantize_rows(weight: torch.Tensor) -> torch.Tensor:
 QUANTIZED_ROLLOUT_DTYPES = ("fp16", "int8")  # QuantizedEngine's weight formats
 
 
+def _tensor_state(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """A tensor's storage address and in-place version counter: equal pairs mean the same, unchanged values (a
+    detached view shares its parameter's counter). None where there is no counter (an inference-mode tensor)."""
+    try:
+        return tensor.data_ptr(), tensor._version
+    except RuntimeError:
+        return None
+
+
 class QuantizedEngine:
     """Rollouts from a low-precision copy of the policy (``rollout_dtype``), on a CPU: every ``nn.Linear`` becomes
     torch's dynamically quantised linear (fbgemm / oneDNN kernels on x86), the rest stays fp32, and this project's
@@ -1403,6 +1412,9 @@ class QuantizedEngine:
             quantize_dynamic(self.model, linears, dtype=torch.float16 if dtype == "fp16" else torch.qint8,
                              inplace=True)
         self.modules = dict(self.model.named_modules())
+        # what each tensor of the copy was made from: (storage, version counter); an in-place update (the optimizer's
+        # step) bumps the counter, so a sync converts only what changed (a LoRA policy's frozen base never is)
+        self.synced = {name: _tensor_state(tensor) for name, tensor in model.state_dict().items()}
         self.tokenizer, self.pad_token_id = tokenizer, pad_token_id
         self.engine = "static" if engine in ("auto", "compiled") else engine  # quantised ops stay out of a graph
 
@@ -1415,6 +1427,10 @@ class QuantizedEngine:
     def sync_weights(self, weights: PolicyWeights) -> None:
         with torch.no_grad():
             for name, tensor in weights.named():
+                state = _tensor_state(tensor)
+                if state is not None and self.synced.get(name) == state:
+                    continue  # the very tensor the copy already holds, unchanged since
+                self.synced[name] = state
                 for alias in self.aliases.get(name, [name]):
                     module_name, _, attribute = alias.rpartition(".")
                     module = self.modules.get(module_name)

@@ -189,3 +189,31 @@ def test_grpo_with_low_precision_rollouts_learns_like_fp32(tmp_path, tiny_model_
     rewards = [row["reward"] for row in result.history if "loss" in row]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert first < 0.25 and last > first + 0.3, rewards
+
+
+def test_a_sync_converts_only_the_tensors_that_changed(tiny_model_dir, tiny_tokenizer, monkeypatch):
+    """The copy remembers each tensor's storage and in-place version: a sync of unchanged weights (a LoRA policy's
+    frozen base, or step 0) converts nothing, and after an in-place update only that tensor is converted again,
+    with the copy following it."""
+    policy = rlhf.PolicyModel.from_pretrained(str(tiny_model_dir)).model.eval()
+    engine = io.QuantizedEngine(policy, dtype="fp16", pad_token_id=tiny_tokenizer.pad_token_id,
+                                tokenizer=tiny_tokenizer)
+    converted = []
+    inner = torch.ao.nn.quantized.dynamic.Linear.set_weight_bias
+    monkeypatch.setattr(torch.ao.nn.quantized.dynamic.Linear, "set_weight_bias",
+                        lambda self, w, b: converted.append(self) or inner(self, w, b))
+
+    def named():
+        return ((n, t.detach()) for n, t in policy.state_dict().items() if n != "lm_head.weight")
+
+    engine.sync_weights(io.PolicyWeights(0, named))
+    assert converted == []  # the weights the copy was made from
+    target = policy.model.layers[0].mlp.down_proj
+    with torch.no_grad():
+        target.weight.add_(torch.randn_like(target.weight))
+    engine.sync_weights(io.PolicyWeights(1, named))
+    assert converted == [engine.modules["model.layers.0.mlp.down_proj"]]
+    ids = torch.tensor([io.chat_prompt_ids(tiny_tokenizer, "What is 12 + 7?")])
+    with torch.no_grad():
+        assert _relative_rms(engine.model(ids).logits, policy(ids).logits) < 1e-3
+    engine.close()
