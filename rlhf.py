@@ -9340,10 +9340,11 @@ class _ReferenceTrainer(BaseTrainer):
         live = passes * train + self._evaluations() * held_out
         precomputed = train + held_out
         if any((path / REFERENCE_CACHE_FILE).exists() for path in self._resume_candidates()):
-            live = math.inf
+            logger.info("precompute_ref_log_probs=auto: on (a checkpoint of this run holds them)")
+            return True
         decision = live > precomputed
         logger.info("precompute_ref_log_probs=auto: %s (a live reference would run %.0f item forwards, precomputing "
-                    "%d)", "on" if decision else "off", live if math.isfinite(live) else 0, precomputed)
+                    "%d)", "on" if decision else "off", live, precomputed)
         return decision
 
     def _evaluations(self) -> int:

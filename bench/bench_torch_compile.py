@@ -31,6 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
+from bench_dpo import batch_tokens  # noqa: E402
 from limits import Limits, forward_flops, fraction, giga, training_flops  # noqa: E402
 from tables import print_table  # noqa: E402
 
@@ -69,7 +70,7 @@ def worker(args: argparse.Namespace) -> int:
         started = time.perf_counter()
         out = inner(trainer, group, window)
         seconds.append(time.perf_counter() - started)
-        tokens.append(sum(int(b["attention_mask"].sum()) for b in group if "attention_mask" in b))
+        tokens.append(sum(batch_tokens(batch) for batch in group))
         return out
 
     rlhf.BaseTrainer._optimizer_step = timed

@@ -39,6 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
+from bench_dpo import batch_tokens  # noqa: E402
 from limits import forward_flops, giga, matmul_peak, model_params, training_flops  # noqa: E402
 from tables import print_table  # noqa: E402
 
@@ -99,13 +100,6 @@ def build_model(args: argparse.Namespace, directory: Path) -> Path:
     AutoModelForCausalLM.from_config(config).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
-
-
-def batch_tokens(batch: dict) -> int:
-    """Non-padding tokens of one micro-batch: its attention-mask sum, or every input id of a packed batch."""
-    if "attention_mask" in batch:
-        return int(batch["attention_mask"].sum())
-    return int(batch["input_ids"].numel())
 
 
 class StepClock:
