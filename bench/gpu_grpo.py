@@ -18,7 +18,8 @@ which our default would skip, as prime-rl and TRL do not), one optimizer step pe
 master weights. SFT: the demo's SFT set packed into ``--seq-len``-token rows, ``--sft-batch`` rows per step. The
 first ``--warmup`` steps (compilation) are left out.
 
-Figures per timed step (the median): seconds; sampled tokens/s (completion tokens); processed tokens/s (prompt +
+Figures per timed step (the median): seconds, whole (from the end of one optimizer step to the end of the next), and
+of them the rollout's sampling and the forward, backward and update; sampled tokens/s (completion tokens); processed tokens/s (prompt +
 completion tokens of every trained row, prime-rl's count as we read it: "tokens/s" over the whole step); MFU = FLOPs /
 s / peak, with FLOPs = 2 x P x sampled + 6 x P x trained (GRPO; prompt prefill and attention ignored) or 6 x P x
 tokens (SFT), P = the model's parameters (tied embedding once), and the peak the measured bf16 matmul FLOP/s (fp32 on a
@@ -29,6 +30,7 @@ Results go to ``--out`` as JSON too.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -63,12 +65,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompts-per-step", type=int, default=64)
     parser.add_argument("--num-generations", type=int, default=8)
     parser.add_argument("--completion-len", type=int, default=256)
+    parser.add_argument("--micro-batch", type=int, default=64,
+                        help="GRPO rows per forward/backward (the step's rows are accumulated over micro-batches)")
     parser.add_argument("--sft-steps", type=int, default=8)
     parser.add_argument("--sft-batch", type=int, default=8, help="packed rows per SFT step")
     parser.add_argument("--seq-len", type=int, default=2048, help="tokens per packed SFT row")
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out (compilation)")
     parser.add_argument("--workdir", default="/tmp/gpu-grpo")
     parser.add_argument("--out", default="", help="write the figures here as JSON")
+    parser.add_argument("--stages", type=lambda text: text.split(","), default=["sft", "grpo"],
+                        help="comma-separated: sft, grpo (default both)")
+    parser.add_argument("--torch-compile", action="store_true", help="train with torch_compile: true")
+    parser.add_argument("--profile", default="", help="a folder: profile both runs with torch.profiler and write "
+                                                      "each one's operator table there (sft.txt, grpo.txt)")
     args = parser.parse_args(argv)
     if min(args.grpo_steps, args.sft_steps) <= args.warmup:
         parser.error("--grpo-steps and --sft-steps must be larger than --warmup")
@@ -103,12 +112,16 @@ def build_model(args: argparse.Namespace, directory: Path) -> Path:
 
 
 class StepClock:
-    """Times every optimizer step of our trainers (``BaseTrainer._optimizer_step``; the online trainers sample the
-    rollout inside it) and counts its trained tokens (the attention-mask sum of its micro-batches)."""
+    """Times every optimizer step of our trainers, whole: from the end of one optimizer step to the end of the next
+    (data, the online trainers' rollout, forward, backward, update and logging), and apart from that the time inside
+    ``BaseTrainer._optimizer_step`` (forward, backward and update alone); counts each step's trained tokens (the
+    attention-mask sum of its micro-batches). The first step has no start and is not timed."""
 
     def __init__(self, rlhf) -> None:
         self.seconds: list[float] = []
+        self.inside: list[float] = []
         self.tokens: list[int] = []
+        self.last_end: float | None = None
         inner = rlhf.BaseTrainer._optimizer_step
         clock = self
 
@@ -119,11 +132,42 @@ class StepClock:
                 import torch
 
                 torch.cuda.synchronize()
-            clock.seconds.append(time.perf_counter() - started)
-            clock.tokens.append(sum(batch_tokens(batch) for batch in group))
+            ended = time.perf_counter()
+            if clock.last_end is not None:
+                clock.seconds.append(ended - clock.last_end)
+                clock.inside.append(ended - started)
+                clock.tokens.append(sum(batch_tokens(batch) for batch in group))
+            clock.last_end = ended
             return out
 
         rlhf.BaseTrainer._optimizer_step = timed
+
+    def figures(self, warmup: int) -> dict:
+        """Medians over the steps after the first ``warmup`` (the first step is never timed)."""
+        timed = slice(max(warmup - 1, 0), None)
+        return {"seconds": statistics.median(self.seconds[timed]), "inside": statistics.median(self.inside[timed]),
+                "tokens": statistics.median(self.tokens[timed])}
+
+
+@contextlib.contextmanager
+def profiled(args: argparse.Namespace, name: str):
+    """With ``--profile``: torch.profiler over the whole run, its operator tables (by device time, by CPU time)
+    written to ``<profile>/<name>.txt``: where a step's time goes when the figures are far from the peak."""
+    if not args.profile:
+        yield
+        return
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        yield
+    table = prof.key_averages()
+    device_key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    text = "\n\n".join(f"sorted by {key}\n" + table.table(sort_by=key, row_limit=30, max_name_column_width=60)
+                       for key in (device_key, "cpu_time_total"))
+    Path(args.profile).mkdir(parents=True, exist_ok=True)
+    (Path(args.profile) / f"{name}.txt").write_text(text)
 
 
 def run_sft(args: argparse.Namespace, rlhf, model: Path, common: dict) -> dict:
@@ -131,25 +175,31 @@ def run_sft(args: argparse.Namespace, rlhf, model: Path, common: dict) -> dict:
     config = rlhf.SFTConfig(**common, dataset="demo_sft", packing=True, cutoff_len=args.seq_len,
                             per_device_train_batch_size=args.sft_batch, max_steps=args.sft_steps,
                             output_dir=str(Path(args.workdir) / "sft"))
-    rlhf.train_sft(config)
-    timed = slice(args.warmup, None)
-    return {"seconds": statistics.median(clock.seconds[timed]), "tokens": statistics.median(clock.tokens[timed])}
+    with profiled(args, "sft"):
+        rlhf.train_sft(config)
+    return clock.figures(args.warmup)
 
 
 def run_grpo(args: argparse.Namespace, rlhf, model: Path, common: dict) -> dict:
     clock = StepClock(rlhf)
     rows = args.prompts_per_step * args.num_generations
-    config = rlhf.GRPOConfig(**common, dataset="demo_rl", cutoff_len=256, per_device_train_batch_size=rows,
+    micro = min(args.micro_batch, rows)
+    if rows % micro:
+        raise SystemExit(f"error: --micro-batch {micro} must divide the step's {rows} rows")
+    config = rlhf.GRPOConfig(**common, dataset="demo_rl", cutoff_len=256, per_device_train_batch_size=micro,
+                             gradient_accumulation_steps=rows // micro,
                              num_generations=args.num_generations, max_completion_length=args.completion_len,
                              max_steps=args.grpo_steps, reward_funcs=["exact_answer"], beta=0.0, temperature=1.0,
                              skip_zero_gradient_rows=False,  # random weights earn no reward: train every row anyway
                              output_dir=str(Path(args.workdir) / "grpo"))
-    result = rlhf.train_grpo(config)
+    with profiled(args, "grpo"):
+        result = rlhf.train_grpo(config)
     history = sorted((row for row in result.history if "step" in row and "completions/mean_length" in row),
                      key=lambda row: row["step"])
     timed = slice(args.warmup, None)
     sampled = [row["completions/mean_length"] * rows for row in history][timed]
-    return {"seconds": statistics.median(clock.seconds[timed]), "tokens": statistics.median(clock.tokens[timed]),
+    generation = [row["perf/generation_s"] for row in history if "perf/generation_s" in row][timed]
+    return {**clock.figures(args.warmup), "generation_s": statistics.median(generation) if generation else 0.0,
             "sampled": statistics.median(sampled) if sampled else float(rows * args.completion_len)}
 
 
@@ -169,27 +219,32 @@ def main(argv: list[str] | None = None) -> int:
     common = dict(model_name_or_path=str(model_dir), dataset_dir=str(REPO / "data" / "demo"), template="qwen3",
                   finetuning_type="full", learning_rate=1e-6, lr_scheduler_type="constant", logging_steps=1,
                   save_steps=0, disable_progress_bar=True, report_to="none", seed=0, resume_from_checkpoint="none",
-                  bf16=device.type == "cuda", eval_steps=0)
+                  bf16=device.type == "cuda", eval_steps=0, torch_compile=args.torch_compile)
     figures = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "params": params,
-               "peak_flops": peak, "peak_dtype": str(dtype), "shape": args.shape, "prime_rl": PRIME_RL}
-    figures["sft"] = sft = run_sft(args, rlhf, model_dir, common)
-    figures["grpo"] = grpo = run_grpo(args, rlhf, model_dir, common)
-    sft_flops = training_flops(params, sft["tokens"]) / sft["seconds"]
-    grpo_flops = (forward_flops(params, grpo["sampled"]) + training_flops(params, grpo["tokens"])) / grpo["seconds"]
-    rows = [["SFT", f"{sft['seconds']:.3f}", "-", f"{sft['tokens'] / sft['seconds']:,.0f}", giga(sft_flops / 1e3, 1),
-             f"{sft_flops / peak:.1%}", f"{sft_flops / H100_BF16_DENSE:.1%}", "-"],
-            ["GRPO", f"{grpo['seconds']:.3f}", f"{grpo['sampled'] / grpo['seconds']:,.0f}",
-             f"{grpo['tokens'] / grpo['seconds']:,.0f}", giga(grpo_flops / 1e3, 1), f"{grpo_flops / peak:.1%}",
-             f"{grpo_flops / H100_BF16_DENSE:.1%}",
-             f"{PRIME_RL['tokens_per_s']:,} tokens/s, {PRIME_RL['mfu']:.1%} MFU"]]
+               "peak_flops": peak, "peak_dtype": str(dtype), "shape": args.shape, "prime_rl": PRIME_RL,
+               "torch_compile": args.torch_compile}
+    rows = []
+    if "sft" in args.stages:
+        figures["sft"] = sft = run_sft(args, rlhf, model_dir, common)
+        flops = training_flops(params, sft["tokens"]) / sft["seconds"]
+        sft.update(flops=flops, mfu=flops / peak)
+        rows.append(["SFT", f"{sft['seconds']:.3f}", "-", f"{sft['inside']:.3f}", "-",
+                     f"{sft['tokens'] / sft['seconds']:,.0f}", giga(flops / 1e3, 1), f"{flops / peak:.1%}",
+                     f"{flops / H100_BF16_DENSE:.1%}", "-"])
+    if "grpo" in args.stages:
+        figures["grpo"] = grpo = run_grpo(args, rlhf, model_dir, common)
+        flops = (forward_flops(params, grpo["sampled"]) + training_flops(params, grpo["tokens"])) / grpo["seconds"]
+        grpo.update(flops=flops, mfu=flops / peak)
+        rows.append(["GRPO", f"{grpo['seconds']:.3f}", f"{grpo['generation_s']:.3f}", f"{grpo['inside']:.3f}",
+                     f"{grpo['sampled'] / grpo['seconds']:,.0f}", f"{grpo['tokens'] / grpo['seconds']:,.0f}",
+                     giga(flops / 1e3, 1), f"{flops / peak:.1%}", f"{flops / H100_BF16_DENSE:.1%}",
+                     f"{PRIME_RL['tokens_per_s']:,} tokens/s, {PRIME_RL['mfu']:.1%} MFU"])
     print(f"{figures['device']}: {params / 1e6:.0f}M parameters ({args.shape}, random weights), measured {dtype} "
-          f"matmul peak {peak / 1e12:.2f} TFLOP/s")
-    print_table(["stage", "s/step", "sampled tokens/s", "processed tokens/s", "TFLOP/s", "MFU (measured peak)",
-                 "MFU (989 TFLOP/s)", "prime-rl (H100)"], rows,
+          f"matmul peak {peak / 1e12:.2f} TFLOP/s" + (", torch_compile" if args.torch_compile else ""))
+    print_table(["stage", "s/step", "of which sampling", "of which forward, backward, update", "sampled tokens/s",
+                 "processed tokens/s", "TFLOP/s", "MFU (measured peak)", "MFU (989 TFLOP/s)", "prime-rl (H100)"], rows,
                 f"GRPO {args.prompts_per_step} prompts x {args.num_generations}, {args.completion_len} tokens; "
                 f"SFT {args.sft_batch} x {args.seq_len} packed; median of steps after {args.warmup}")
-    figures["sft"].update(flops=sft_flops, mfu=sft_flops / peak)
-    figures["grpo"].update(flops=grpo_flops, mfu=grpo_flops / peak)
     if args.out:
         Path(args.out).write_text(json.dumps(figures, indent=1))
     return 0
