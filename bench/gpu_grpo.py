@@ -19,12 +19,12 @@ master weights. SFT: the demo's SFT set packed into ``--seq-len``-token rows, ``
 first ``--warmup`` steps (compilation) are left out.
 
 Figures per timed step (the median): seconds, whole (from the end of one optimizer step to the end of the next), and
-of them the rollout's sampling and the forward, backward and update; sampled tokens/s (completion tokens); processed tokens/s (prompt +
-completion tokens of every trained row, prime-rl's count as we read it: "tokens/s" over the whole step); MFU = FLOPs /
-s / peak, with FLOPs = 2 x P x sampled + 6 x P x trained (GRPO; prompt prefill and attention ignored) or 6 x P x
-tokens (SFT), P = the model's parameters (tied embedding once), and the peak the measured bf16 matmul FLOP/s (fp32 on a
-CPU) of an 8192^2 matmul (the H100's and H200's datasheet dense bf16: 989 TFLOP/s; both figures are printed).
-Results go to ``--out`` as JSON too.
+of them the rollout's sampling and the forward, backward and update; sampled tokens/s (completion tokens); processed
+tokens/s (prompt + completion tokens of every trained row, prime-rl's count as we read it: "tokens/s" over the whole
+step); MFU = FLOPs / s / peak, with FLOPs = 2 x P x sampled + 6 x P x trained (GRPO; prompt prefill and attention
+ignored) or 6 x P x tokens (SFT), P = the model's parameters (tied embedding once), and the peak the measured bf16
+matmul FLOP/s (fp32 on a CPU) of an 8192^2 matmul (the H100's and H200's datasheet dense bf16: 989 TFLOP/s; both
+figures are printed). Results go to ``--out`` as JSON too.
 """
 
 from __future__ import annotations
