@@ -380,11 +380,72 @@ def compile_gain(state: _FastState) -> float:
     return min(0.9, max(0.0, sum(gains) / len(gains))) if gains else EXPECTED_COMPILE_GAIN
 
 
+WARM_COMPILE_SHARE = 0.2  # a compilation with inductor's cache warm / a cold one (SmolLM2's decode step: 2.3 / 14.4 s)
+COMPILE_TIMES_FILE = "rlhf_compile_seconds.json"  # in the compile cache: measured compilations per model signature
+_RECORDED_HERE: set[str] = set()  # signatures this process recorded a compilation of
+
+
+def compile_signature(model: torch.nn.Module) -> str:
+    """What makes two models' decode steps compile to the same graphs: architecture, sizes, dtype, device, torch."""
+    config = getattr(model, "config", None)
+    sizes = [getattr(config, name, None) for name in ("num_hidden_layers", "hidden_size", "intermediate_size",
+                                                      "num_attention_heads", "num_key_value_heads", "vocab_size")]
+    parameter = next(model.parameters(), None)
+    where = (str(parameter.dtype), parameter.device.type) if parameter is not None else ("", "")
+    return "|".join(map(str, [type(model).__name__, *sizes, *where, torch.__version__]))
+
+
+def _compile_times_path() -> Path:
+    return Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or use_persistent_compile_cache()) / COMPILE_TIMES_FILE
+
+
+def recorded_compile_seconds(model: torch.nn.Module) -> dict[str, float]:
+    """``{"cold": s, "warm": s}`` (either may be missing) measured by earlier processes for ``model``'s signature,
+    while their compilations are still in the cache folder; empty otherwise (an unreadable record counts as none)."""
+    path = _compile_times_path()
+    try:
+        recorded = json.loads(path.read_text()).get(compile_signature(model), {})
+    except (OSError, ValueError, AttributeError):
+        return {}
+    if not any(entry.name != COMPILE_TIMES_FILE for entry in path.parent.iterdir()):
+        return {}  # the cache was emptied: the next compilation is cold again
+    return {k: float(v) for k, v in recorded.items() if k in ("cold", "warm") and isinstance(v, (int, float))}
+
+
+def record_compile_seconds(model: torch.nn.Module, seconds: float) -> None:
+    """Remember how long this process's first compilation of ``model``'s decode step took: as ``warm`` when an
+    earlier process had compiled the same signature into the cache, else ``cold``. Best effort (atomic replace;
+    a read-only cache folder records nothing)."""
+    signature = compile_signature(model)
+    if signature in _RECORDED_HERE:
+        return
+    _RECORDED_HERE.add(signature)
+    path = _compile_times_path()
+    kind = "warm" if recorded_compile_seconds(model) else "cold"
+    try:
+        table = json.loads(path.read_text()) if path.exists() else {}
+        table = table if isinstance(table, dict) else {}
+    except (OSError, ValueError):
+        table = {}
+    table.setdefault(signature, {})[kind] = round(seconds, 3)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_suffix(f".{os.getpid()}.tmp")
+        temporary.write_text(json.dumps(table, indent=1))
+        os.replace(temporary, path)
+    except OSError:
+        pass
+
+
 def compile_estimate(model: torch.nn.Module, state: _FastState) -> float:
-    """Seconds a compilation of ``model``'s decode step is expected to take: the longest of its earlier ones, else an
-    estimate from its number of layers."""
+    """Seconds a compilation of ``model``'s decode step is expected to take: the longest of this process's earlier
+    ones; else what an earlier process measured for the same signature with the cache warm (or its cold figure x
+    WARM_COMPILE_SHARE, since its graphs are now in the cache); else an estimate from the number of layers."""
     if state.compile_seconds:
         return max(state.compile_seconds.values())
+    recorded = recorded_compile_seconds(model)
+    if recorded:
+        return recorded.get("warm", recorded.get("cold", 0.0) * WARM_COMPILE_SHARE)
     layers = getattr(getattr(model, "config", None), "num_hidden_layers", None) or 12
     return COMPILE_SECONDS_BASE + COMPILE_SECONDS_PER_LAYER * layers
 
@@ -762,6 +823,7 @@ def _generate_static(model: torch.nn.Module, prompts: list[list[int]], params: S
                 else:
                     if key not in state.compile_seconds:
                         state.compile_seconds[key] = time.perf_counter() - started
+                        record_compile_seconds(model, state.compile_seconds[key])
                         logger.info("compiled the decode step for rows=%d cache_len=%d in %.1f s", key[0], key[1],
                                     state.compile_seconds[key])
                         for layer in cache.layers:  # the same step uncompiled, writing the same cache slot again

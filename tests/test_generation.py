@@ -185,7 +185,8 @@ def test_cache_length_buckets_and_auto_engine(tiny_arch_dir):
         io.generate(model, [[1, 2]], params, pad_token_id=0, engine="fast")
 
 
-def test_auto_compiles_a_shape_when_its_measured_costs_say_it_pays(tiny_arch_dir):
+def test_auto_compiles_a_shape_when_its_measured_costs_say_it_pays(tiny_arch_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))  # no earlier process's compilations
     model = _model(tiny_arch_dir, "llama")
     params = io.SamplingParams(max_new_tokens=8)
     key = (16, 64, False, 0, 1.0, 0)  # rows, cache length, greedy, top_k, top_p, suppressed tokens
@@ -211,6 +212,34 @@ def test_auto_compiles_a_shape_when_its_measured_costs_say_it_pays(tiny_arch_dir
     state.uncompiled_cost[other], state.compiled_cost[other] = [10.0, 2, 1000], [6.0, 2, 1000]
     assert io.compile_estimate(model, state) == 30.0 and io.compile_gain(state) == pytest.approx(0.4)
     assert io._choose_engine(model, "auto", params, 8, 64)[0] == "compiled"  # compiled before: stays compiled
+
+
+def test_the_compile_estimate_knows_a_warm_cache_from_earlier_processes(tiny_arch_dir, tmp_path, monkeypatch):
+    """A later process's estimate for the same model comes from what earlier ones measured: a cold compilation's
+    seconds x WARM_COMPILE_SHARE (its graphs are now in the cache), then a measured warm one; an emptied cache or
+    another model's signature falls back to the layer-count estimate."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache))
+    monkeypatch.setattr(io, "_RECORDED_HERE", set())
+    model = _model(tiny_arch_dir, "llama")
+    by_layers = io.COMPILE_SECONDS_BASE + 2 * io.COMPILE_SECONDS_PER_LAYER
+    assert io.compile_estimate(model, io._FastState()) == pytest.approx(by_layers)
+    io.record_compile_seconds(model, 20.0)  # the first process: a cold compilation
+    (cache / "fxgraph").mkdir()  # what inductor leaves in the cache
+    assert io.recorded_compile_seconds(model) == {"cold": 20.0}
+    assert io.compile_estimate(model, io._FastState()) == pytest.approx(20.0 * io.WARM_COMPILE_SHARE)
+    io.record_compile_seconds(model, 99.0)  # the same process again: its first figure stands
+    assert io.recorded_compile_seconds(model) == {"cold": 20.0}
+    monkeypatch.setattr(io, "_RECORDED_HERE", set())  # a second process, the cache warm
+    io.record_compile_seconds(model, 3.0)
+    assert io.compile_estimate(model, io._FastState()) == pytest.approx(3.0)
+    assert io.compile_estimate(model.to(torch.float64), io._FastState()) == pytest.approx(by_layers)  # another dtype
+    model.to(torch.float32)
+    (cache / "fxgraph").rmdir()  # the cache emptied: cold again
+    assert io.compile_estimate(model, io._FastState()) == pytest.approx(by_layers)
+    (cache / "fxgraph").mkdir()
+    (cache / io.COMPILE_TIMES_FILE).write_text("{not json")
+    assert io.recorded_compile_seconds(model) == {}
 
 
 def test_auto_measures_its_calls_and_compiles_when_the_plan_pays(tiny_arch_dir, tiny_tokenizer, prompts, monkeypatch):
