@@ -75,7 +75,8 @@ says what a contributor adds there, and docs/architecture.md walks through each:
        ProcessRewardModelConfig, ProcessRewardModelTrainer, train_prm, PolicyLogProbs, precompute_ref_log_probs,
        reference_cache_fingerprint, reference_cache_tensors, read_reference_cache, DPOConfig, SimPOConfig, ORPOConfig,
        DPOTrainer, SimPOTrainer, train_dpo, KTOConfig, KTOTrainer, train_kto,
-       Rollout, ROLLOUT_ENGINES, register_rollout_engine, rollout_engine_name, token_entropy, disable_dropout,
+       Rollout, ROLLOUT_ENGINES, register_rollout_engine, rollout_engine_name, MeasuredEngineChoice, token_entropy,
+       disable_dropout,
        GRPOConfig, RLOOConfig, ReinforcePPConfig, GRPOTrainer, train_grpo, OnlineDPOConfig, OnlineDPOTrainer,
        train_online_dpo, DistillConfig, DistillTrainer, check_same_vocabulary, train_distill, PPOConfig,
        RolloutBuffer, PPOTrainer, train_ppo, TrainingStage
@@ -709,8 +710,10 @@ class OnlineRLConfig(BaseConfig):
                                                "shaping")
     min_p: float = _opt(0.0, "Sample only tokens with probability >= min_p times the most likely one's (vLLM engine)")
     repetition_penalty: float = _opt(1.0, "Penalise tokens already in the prompt or completion (> 1; vLLM engine)")
-    use_vllm: bool = _opt(False, "Sample rollouts (and the online evaluation's answers) with vLLM instead of our "
-                                 "engine; install: docs/vllm.md")
+    use_vllm: bool | str = _opt(False, "Sample rollouts (and the online evaluation's answers) with vLLM instead of "
+                                       "our engine; auto: with vLLM installed, a colocated vLLM samples one trial "
+                                       "rollout after one of ours, and the faster per rollout (weight sync included) "
+                                       "samples the rest; install: docs/vllm.md")
     vllm_mode: str = _opt("colocate", "colocate (vLLM inside the trainer's process, sharing its device) | server (a "
                                       "`python rlhf.py vllm-serve` process)")
     vllm_gpu_memory_utilization: float = _opt(0.3, "colocate on a GPU: the share of GPU memory vLLM takes (weights and "
@@ -755,7 +758,8 @@ class OnlineRLConfig(BaseConfig):
         _check_choice(self.reward_model_type, ("full", "lora", "api"), "reward_model_type")
         _check_choice(self.generation_engine, ("auto", "compiled", "static", "eager"), "generation_engine")
         _check_choice(self.rollout_dtype, ROLLOUT_DTYPES, "rollout_dtype")
-        _check(self.rollout_dtype == "auto" or not self.use_vllm, "rollout_dtype",
+        _check(self.use_vllm in (True, False, "auto"), "use_vllm", f"is {self.use_vllm!r}: give true, false or auto")
+        _check(self.rollout_dtype == "auto" or self.use_vllm is False, "rollout_dtype",
                "is our engine's; vLLM samples in its own dtype: set use_vllm: false or rollout_dtype: auto")
         if not self.scored_by_rewards:
             _check(not self.reward_names(), "reward_funcs",
@@ -776,15 +780,18 @@ class OnlineRLConfig(BaseConfig):
     def _validate_sampling_engine(self) -> None:
         _check(0 <= self.min_p < 1 and self.repetition_penalty > 0, "min_p/repetition_penalty",
                "need 0 <= min_p < 1 and repetition_penalty > 0")
-        if not self.use_vllm:
+        if self.use_vllm is not True:  # our engine samples (auto: at least the first rollout)
             _check(self.min_p == 0 and self.repetition_penalty == 1.0, "min_p/repetition_penalty",
                    "are sampled by vLLM only: set use_vllm: true, or leave them at 0 and 1")
             _check(not self.async_rollouts, "async_rollouts",
                    "samples with a vLLM server: set use_vllm: true and vllm_mode: server")
-            return
-
-        missing = vllm_missing()
-        _check(not missing, "use_vllm", missing)
+            _check(self.use_vllm is False or self.vllm_mode == "colocate", "use_vllm",
+                   "auto measures a colocated vLLM against our engine; with a server set use_vllm: true")
+            if self.use_vllm is False:
+                return
+        else:
+            missing = vllm_missing()
+            _check(not missing, "use_vllm", missing)
         _check_choice(self.vllm_mode, VLLM_MODES, "vllm_mode")
         _check_choice(self.vllm_weight_transfer, ("auto", *WEIGHT_TRANSFERS), "vllm_weight_transfer")
         _check_choice(self.vllm_old_logprobs, VLLM_OLD_LOGPROBS, "vllm_old_logprobs")
@@ -979,6 +986,12 @@ def _coerce(value: Any, annotation: Any, name: str, where: str) -> Any:
             if type(None) in args:
                 return None
         non_none = [a for a in args if a is not type(None)]
+        if non_none == [bool, str]:  # true / false, or a word (use_vllm: auto)
+            if isinstance(value, bool):
+                return value
+            word = str(value).strip().lower()
+            return {"true": True, "1": True, "yes": True, "on": True,
+                    "false": False, "0": False, "no": False, "off": False}.get(word, word)
         return _coerce(value, non_none[0], name, where)
     if origin is list:
         try:
@@ -9848,6 +9861,8 @@ def register_rollout_engine(name: str) -> Callable:
 def rollout_engine_name(config: OnlineRLConfig) -> str:
     """The engine a config samples with: vLLM in this process or on a server (``use_vllm``, ``vllm_mode``), else
     ours, on the policy itself or a low-precision copy (``rollout_dtype``)."""
+    if config.use_vllm == "auto":
+        return "measured"
     if config.use_vllm:
         return f"vllm_{config.vllm_mode}"
     return "ours" if config.rollout_dtype == "auto" else f"ours_{config.rollout_dtype}"
@@ -9924,6 +9939,132 @@ def _vllm_server_engine(trainer: Any) -> VLLMClient:
     return client
 
 
+VLLM_START_SECONDS = 10.0  # a colocated vLLM's start (weights to shared memory, engine, KV cache): 2-10 s on a CPU
+EXPECTED_VLLM_GAIN = 0.4  # share of our engine's rollout time vLLM saves, until measured (1.6-2x at 23M-110M on a CPU)
+
+
+class MeasuredEngineChoice:
+    """``use_vllm: auto``: our engine or a colocated vLLM, whichever samples a rollout faster, by measurement.
+
+    The first rollout is sampled by ours and timed. If the rollouts still planned would save more than vLLM's start
+    (VLLM_START_SECONDS) at the expected gain (EXPECTED_VLLM_GAIN), vLLM is started, sent the current weights
+    (timed: every later rollout pays one sync) and samples the second rollout (a trial, timed); vLLM keeps sampling
+    when its rollout plus a sync took less than ours would have for as many tokens, else it is closed and ours
+    samples the rest. The choice is measured anew by a resumed run. Each rollout is marked with the engine that
+    sampled it (``holds_weights`` is the last sampler's), so a vLLM rollout gets the importance correction and one of
+    ours needs none. A RolloutEngine (inference_optimizations.RolloutEngine) whose members follow the engine in use."""
+
+    shared, takes_images = False, False
+
+    def __init__(self, ours: RolloutEngine, start_vllm: Callable[[], RolloutEngine],
+                 weights: Callable[[], PolicyWeights], rollouts_left: Callable[[], int | None]) -> None:
+        self.ours, self.start_vllm, self.weights, self.rollouts_left = ours, start_vllm, weights, rollouts_left
+        self.vllm: RolloutEngine | None = None
+        self.active: RolloutEngine = ours  # samples the next rollout
+        self.last: RolloutEngine = ours  # sampled the last one
+        self.ours_seconds_per_token: float | None = None
+        self.decided = False
+        self.figures: dict[str, float] = {}
+
+    @property
+    def holds_weights(self) -> bool:
+        return self.last.holds_weights
+
+    @property
+    def answers_evaluation(self) -> bool:
+        return self.decided and self.active is self.vllm and getattr(self.vllm, "answers_evaluation", False)
+
+    @property
+    def metric_prefix(self) -> str:
+        return getattr(self.last, "metric_prefix", "rollout")
+
+    @property
+    def logprobs_after_truncation(self) -> bool:
+        return getattr(self.last, "logprobs_after_truncation", False)
+
+    def sample(self, prompts: list[list[int]], params: SamplingParams,
+               images: list[list[str]] | None = None) -> GenerationOutput:
+        if self.decided or self.ours_seconds_per_token is None:
+            engine = self.active
+            started = time.perf_counter()
+            output = engine.sample(prompts, params, images)
+            if not self.decided:
+                self._after_ours(time.perf_counter() - started, _sampled_tokens(output))
+            self.last = engine
+            return output
+        return self._trial(prompts, params, images)
+
+    def _after_ours(self, seconds: float, tokens: int) -> None:
+        """Our first rollout is timed: is a vLLM trial worth its start?"""
+        self.ours_seconds_per_token = seconds / max(tokens, 1)
+        left = self.rollouts_left()
+        ahead = (left - 1) if left is not None else 0  # after this one
+        if ahead * seconds * EXPECTED_VLLM_GAIN <= VLLM_START_SECONDS:
+            self.decided = True
+            logger.info("use_vllm=auto: our engine samples every rollout (a rollout took %.2f s; the %d left would "
+                        "save about %.1f s with vLLM, less than its %.0f s start)", seconds, max(ahead, 0),
+                        ahead * seconds * EXPECTED_VLLM_GAIN, VLLM_START_SECONDS)
+
+    def _trial(self, prompts: list[list[int]], params: SamplingParams,
+               images: list[list[str]] | None) -> GenerationOutput:
+        """vLLM started and timed on one rollout and one weight sync; the faster engine samples from now on."""
+        started = time.perf_counter()
+        self.vllm = self.start_vllm()
+        start_seconds = time.perf_counter() - started
+        started = time.perf_counter()
+        self.vllm.sync_weights(self.weights())  # a LoRA policy's adapter; what every later rollout pays
+        sync_seconds = time.perf_counter() - started
+        started = time.perf_counter()
+        output = self.vllm.sample(prompts, params, images)
+        sample_seconds = time.perf_counter() - started
+        self.last, tokens = self.vllm, _sampled_tokens(output)
+        ours = self.ours_seconds_per_token * tokens
+        theirs = sample_seconds + sync_seconds
+        self.figures = {"ours_s": ours, "vllm_s": theirs, "vllm_sample_s": sample_seconds,
+                        "vllm_sync_s": sync_seconds, "vllm_start_s": start_seconds}
+        self.decided = True
+        keep = theirs < ours
+        logger.info("use_vllm=auto: a rollout of %d tokens takes %.2f s with our engine, %.2f s with vLLM (sampling "
+                    "%.2f s + weight sync %.2f s; it started in %.1f s): %s samples from now on", tokens, ours, theirs,
+                    sample_seconds, sync_seconds, start_seconds, "vLLM" if keep else "our engine")
+        if keep:
+            self.active = self.vllm
+        else:
+            self.vllm.close()
+        return output
+
+    def sync_weights(self, weights: PolicyWeights) -> None:
+        if self.active is self.vllm and self.vllm is not None:
+            self.vllm.sync_weights(weights)
+
+    def sleep(self) -> None:
+        self.active.sleep()
+
+    def close(self) -> None:
+        for engine in (self.ours, self.vllm):
+            if engine is not None:
+                engine.close()
+
+
+def _sampled_tokens(output: GenerationOutput) -> int:
+    return sum(len(ids) for ids in output.token_ids)
+
+
+@register_rollout_engine("measured")
+def _measured_rollout_engine(trainer: Any) -> RolloutEngine:
+    """``use_vllm: auto``: ours, with a measured vLLM trial where vLLM can sample this run (MeasuredEngineChoice)."""
+    ours = _our_rollout_engine(trainer)
+    why_not = (vllm_missing() or ("the policy takes images" if trainer.policy.vision is not None else "")
+               or ("several training processes (each would start its own vLLM): set use_vllm: true"
+                   if trainer.devices.num_processes > 1 else "")
+               or ("the policy is sharded" if trainer.sharded else ""))
+    if why_not:
+        logger.info("use_vllm=auto: our engine samples (%s)", why_not.rstrip("."))
+        return ours
+    return MeasuredEngineChoice(ours, lambda: _vllm_colocate_engine(trainer), trainer._policy_weights,
+                                trainer._rollouts_left)
+
+
 class _OnlineRLTrainer(_ReferenceTrainer):
     """Shared by every online stage: prompts -> sampled completions -> rewards -> a :class:`Rollout` that
     feeds ``steps_per_rollout`` optimizer steps. A resumed run samples the interrupted rollout again
@@ -9962,7 +10103,7 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         if not self.takes_images:
             raise RLHFInputError(f"stage '{config.stage}' does not train on image prompts; grpo, rloo and reinforce_pp "
                                  f"do (or give this stage text prompts)")
-        if config.use_vllm:
+        if config.use_vllm is True:
             raise RLHFInputError("config field 'use_vllm': image prompts are sampled with this project's engine; "
                                  "passing their pixels to vLLM is not supported yet, so set use_vllm: false")
         if config.rollout_dtype != "auto":
@@ -10115,10 +10256,14 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         (``inference_optimizations.compile_pays``); None where the work ahead is unknown (streaming without
         max_steps)."""
         engine = self.config.generation_engine
-        if engine != "auto" or not self.total_steps or self.total_steps < 0:
-            return engine, None
+        return engine, (self._rollouts_left() if engine == "auto" else None)
+
+    def _rollouts_left(self) -> int | None:
+        """The rollouts this run still plans, this one included; None where the work ahead is unknown."""
+        if not self.total_steps or self.total_steps < 0:
+            return None
         done = getattr(self, "global_step", 0) // self.steps_per_rollout
-        return engine, max(1, math.ceil(self.total_steps / self.steps_per_rollout) - done)
+        return max(1, math.ceil(self.total_steps / self.steps_per_rollout) - done)
 
     def _sampling_params(self, n: int, rollout_index: int) -> Any:
         config = self.config
@@ -10126,7 +10271,7 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         # they would draw the same noise for different prompts: several sample from a seed of their own. vLLM
         # always gets one, from the rollout's index: its draws do not follow torch's RNG, and a resumed run must
         # sample the interrupted rollout again alike
-        own_seed = self.devices.num_processes > 1 or config.use_vllm
+        own_seed = self.devices.num_processes > 1 or config.use_vllm is not False
         seed = (config.seed * 1_000_003 + rollout_index) * 1009 + self.devices.process_index if own_seed else None
         return SamplingParams(max_new_tokens=config.max_completion_length, temperature=config.temperature,
                               top_p=config.top_p, top_k=config.top_k, min_p=config.min_p,

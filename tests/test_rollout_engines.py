@@ -4,6 +4,7 @@ through it alone, so a new engine is one class and a registry row."""
 from __future__ import annotations
 
 import copy
+import re
 import typing
 from pathlib import Path
 
@@ -28,8 +29,10 @@ def test_every_engine_implements_the_protocol(engine):
 
 
 def test_the_registry_holds_an_engine_for_every_setting():
-    assert set(rlhf.ROLLOUT_ENGINES) == {"ours", "ours_fp16", "ours_int8", "vllm_colocate", "vllm_server"}
+    assert set(rlhf.ROLLOUT_ENGINES) == {"ours", "ours_fp16", "ours_int8", "vllm_colocate", "vllm_server",
+                                         "measured"}
     assert rlhf.rollout_engine_name(rlhf.GRPOConfig(reward_funcs=["format"])) == "ours"
+    assert rlhf.rollout_engine_name(rlhf.GRPOConfig(reward_funcs=["format"], use_vllm="auto")) == "measured"
     assert rlhf.rollout_engine_name(rlhf.GRPOConfig(reward_funcs=["format"], rollout_dtype="int8")) == "ours_int8"
     assert all(f"vllm_{mode}" in rlhf.ROLLOUT_ENGINES for mode in io.VLLM_MODES)
 
@@ -106,6 +109,76 @@ def test_a_new_engine_is_one_class(tmp_path, tiny_model_dir, prompts, monkeypatc
         torch.testing.assert_close(trained[name], value, rtol=0, atol=2e-5)
 
 
+# -- use_vllm: auto (MeasuredEngineChoice): a copy engine stands in for vLLM, which the main install lacks -------------
+
+
+@pytest.fixture
+def copy_as_vllm(monkeypatch):
+    """vLLM's place taken by CopyEngine (an exact copy, synced like vLLM): the choice's logic runs on real engines."""
+    started: list[CopyEngine] = []
+    monkeypatch.setattr(rlhf, "vllm_missing", lambda: "")
+    monkeypatch.setattr(rlhf, "_vllm_colocate_engine", lambda trainer: started.append(CopyEngine(trainer))
+                        or started[-1])
+    return started
+
+
+def test_auto_tries_vllm_on_the_second_rollout_and_keeps_the_faster(tmp_path, tiny_model_dir, prompts, copy_as_vllm,
+                                                                    monkeypatch, caplog):
+    """With a start said to be free, the second rollout is a timed trial: the engine kept is the one whose rollout
+    (with a weight sync) was faster by the figures it logged; the trial's rollout is corrected as a copy's, and the
+    run trains as our engine alone would (the copy is exact)."""
+    monkeypatch.setattr(rlhf, "VLLM_START_SECONDS", 0.0)
+    with caplog.at_level("INFO", logger="rlhf"):
+        run = _run(tmp_path / "auto", tiny_model_dir, prompts, use_vllm="auto", max_steps=4)
+    assert len(copy_as_vllm) == 1  # one trial start
+    trial = copy_as_vllm[0]
+    rows = [row for row in run.result.history if "loss" in row]
+    assert len(rows) == 4 and "rollout/logprob_abs_diff_max" not in rows[0]  # ours: nothing to correct
+    assert rows[1]["rollout/logprob_abs_diff_max"] < 1e-5  # the trial: the copy sampled it
+    message = next(r.getMessage() for r in caplog.records if "use_vllm=auto: a rollout of" in r.getMessage())
+    ours_s, theirs_s = (float(x) for x in re.findall(r"takes ([0-9.]+) s with our engine, ([0-9.]+) s", message)[0])
+    kept = message.endswith("vLLM samples from now on")
+    assert kept == (theirs_s < ours_s)
+    assert all(("rollout/logprob_abs_diff_max" in row) == kept for row in rows[2:])
+    assert trial.versions[0] == 1 and trial.versions[1:] == ([2, 3] if kept else [])  # started after step 1
+    assert trial.closed
+    alone = _run(tmp_path / "ours", tiny_model_dir, prompts, use_vllm="auto", max_steps=4)  # the trial never pays
+    for name, value in alone.policy.model.state_dict().items():
+        torch.testing.assert_close(run.policy.model.state_dict()[name], value, rtol=0, atol=2e-5)
+
+
+def test_auto_skips_the_trial_when_the_run_is_too_short_to_earn_the_start(tmp_path, tiny_model_dir, prompts,
+                                                                          copy_as_vllm, caplog):
+    with caplog.at_level("INFO", logger="rlhf"):
+        _run(tmp_path, tiny_model_dir, prompts, use_vllm="auto", max_steps=2)
+    assert copy_as_vllm == []
+    assert any("use_vllm=auto: our engine samples every rollout" in r.getMessage() for r in caplog.records)
+
+
+def test_auto_without_vllm_samples_with_ours_and_says_why(tmp_path, tiny_model_dir, prompts, monkeypatch, caplog):
+    monkeypatch.setattr(rlhf, "vllm_missing", lambda: "vLLM is not installed")
+    with caplog.at_level("INFO", logger="rlhf"):
+        run = _run(tmp_path, tiny_model_dir, prompts, use_vllm="auto", max_steps=1)
+    assert any("use_vllm=auto: our engine samples (vLLM is not installed)" in r.getMessage() for r in caplog.records)
+    assert len([row for row in run.result.history if "loss" in row]) == 1
+
+
+@pytest.mark.parametrize(("given", "read"), [("auto", "auto"), ("true", True), ("off", False), (True, True)])
+def test_use_vllm_reads_true_false_or_auto(given, read, monkeypatch):
+    monkeypatch.setattr(rlhf, "vllm_missing", lambda: "")
+    config = rlhf.load_config(rlhf.GRPOConfig, None, [f"use_vllm={given}", "reward_funcs=format"])
+    assert config.use_vllm == read
+
+
+def test_use_vllm_auto_refuses_what_it_cannot_measure():
+    with pytest.raises(rlhf.RLHFInputError, match="use_vllm.*true, false or auto"):
+        rlhf.GRPOConfig(reward_funcs=["format"], use_vllm="maybe")
+    with pytest.raises(rlhf.RLHFInputError, match="auto measures a colocated vLLM"):
+        rlhf.GRPOConfig(reward_funcs=["format"], use_vllm="auto", vllm_mode="server")
+    with pytest.raises(rlhf.RLHFInputError, match="rollout_dtype"):
+        rlhf.GRPOConfig(reward_funcs=["format"], use_vllm="auto", rollout_dtype="int8")
+
+
 # -- low-precision rollouts (rollout_dtype: fp16, int8) ----------------------------------------------------------------
 
 
@@ -124,6 +197,7 @@ def test_the_quantized_engine_follows_every_sync(tiny_model_dir, tiny_tokenizer,
     with torch.no_grad():
         before = policy(ids).logits
         assert _relative_rms(engine.model(ids).logits, before) < bound
+        torch.manual_seed(0)  # the update's draw, whatever ran before
         for parameter in policy.parameters():  # a large update, every tensor (the tied embedding too)
             parameter.add_(torch.randn_like(parameter) * parameter.std().clamp_min(1e-3))
         after = policy(ids).logits
