@@ -746,6 +746,12 @@ class OnlineRLConfig(BaseConfig):
     vllm_importance_sampling_cap: float = _opt(2.0, "C, the cap of the importance-sampling correction")
     async_rollouts: bool = _opt(False, "server mode: sample the next rollout while this one trains (one step "
                                        "off-policy; corrected by importance sampling)")
+    rollout_retries: int = _opt(2, "Retries of an environment or reward call that raises or times out; after them its "
+                                   "episode is dropped (its group left out of the loss) and counted in "
+                                   "rollout/failed_episodes")
+    rollout_timeout: float = _opt(1800.0, "Seconds a rollout may go without progress (a turn sampled, an environment "
+                                          "or reward call answered) before the run stops with a line naming what "
+                                          "hung; 0: no limit")
 
     stage: typing.ClassVar[str] = "online"
     scored_by_rewards: typing.ClassVar[bool] = True  # False: distillation, whose signal is a teacher
@@ -764,6 +770,8 @@ class OnlineRLConfig(BaseConfig):
         if not self.scored_by_rewards:
             _check(not self.reward_names(), "reward_funcs",
                    f"is unused by the {self.stage} stage (the teacher is its signal): remove it")
+        _check(self.rollout_retries >= 0 and self.rollout_timeout >= 0, "rollout_retries/rollout_timeout",
+               "need rollout_retries >= 0 and rollout_timeout >= 0 (0: no limit)")
         _check(bool(self.reward_names()) or not self.scored_by_rewards, "reward_funcs",
                "is empty: name at least one, e.g. reward_funcs=exact_answer,format (or set reward_model)")
         _check(not self.reward_weights or len(self.reward_weights) == len(self.reward_names()), "reward_weights",
@@ -7830,6 +7838,11 @@ class CalculatorEnvironment(ToolEnvironment):
         super().__init__({"calculator": lambda expression="", **_: calculate(str(expression))}, **options)
 
 
+class EnvironmentFault(RuntimeError):
+    """An environment that failed to answer (a service down after its retries): the episode is dropped, the run
+    goes on (a refusal that a request itself caused is an RLHFInputError instead)."""
+
+
 class HTTPEnvironment:
     """An environment served over HTTP (like the API reward: timeouts, retries with backoff, one clear error).
     POST ``{url}/reset`` ``{"record": ...}`` -> ``{"episode_id", "observation"}``; POST ``{url}/step``
@@ -7863,9 +7876,9 @@ class HTTPEnvironment:
                     raise RLHFInputError(f"environment {self.url}{path} must answer a JSON object; got "
                                          f"{str(answer)[:200]}")
                 return answer
-        raise RLHFInputError(f"environment {self.url} did not answer {path} after {self.retries} attempts (last error: "
-                             f"{getattr(last, 'reason', last)}); start it or raise environment_retries / "
-                             f"environment_timeout")
+        raise EnvironmentFault(f"environment {self.url} did not answer {path} after {self.retries} attempts (last "
+                               f"error: {getattr(last, 'reason', last)}); start it or raise environment_retries / "
+                               f"environment_timeout")
 
     def reset(self, record: dict[str, Any]) -> str | None:
         answer = self._post("/reset", {"record": {k: v for k, v in record.items() if k != "prompt_ids"}})
@@ -7878,6 +7891,95 @@ class HTTPEnvironment:
         if not isinstance(reward, (int, float)) or isinstance(reward, bool):
             raise RLHFInputError(f"environment {self.url}/step: 'reward' must be a number, got {reward!r}")
         return answer.get("observation"), float(reward), bool(answer.get("done", False))
+
+
+# ---- Faults in rollouts: bounded retries, dropped episodes, a watchdog for what hangs ----
+
+
+class CallTimedOut(TimeoutError):
+    """An environment call that did not return within its time limit (its thread is left to finish on its own)."""
+
+
+def call_with_timeout(function: Callable[..., Any], *args: Any, timeout: float | None) -> Any:
+    """``function(*args)``, or CallTimedOut after ``timeout`` seconds (None: no limit). The call runs in a daemon
+    thread, since Python cannot stop a call it is waiting on; a timed-out call's thread ends when the call does."""
+    if not timeout:
+        return function(*args)
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            box["value"] = function(*args)
+        except BaseException as error:  # handed to the caller
+            box["error"] = error
+        finally:
+            done.set()
+
+    threading.Thread(target=run, daemon=True, name="rlhf-rollout-call").start()
+    if not done.wait(timeout):
+        raise CallTimedOut(f"no answer in {timeout:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def retried(function: Callable[[], Any], attempts: int) -> Any:
+    """``function()``, tried up to ``attempts`` times while it raises (a user mistake, RLHFInputError, is not
+    retried); the last error propagates."""
+    for attempt in range(attempts):
+        try:
+            return function()
+        except RLHFInputError:
+            raise
+        except Exception:
+            if attempt + 1 == attempts:
+                raise
+    raise AssertionError("attempts must be >= 1")
+
+
+class RolloutHung(BaseException):
+    """Raised in the main thread when a rollout made no progress for ``rollout_timeout`` seconds. A BaseException, so
+    the retry loops around environment and reward calls never take it for a fault of theirs."""
+
+
+class RolloutWatchdog:
+    """Stops a rollout that makes no progress: ``with watchdog:`` arms a real-time timer (SIGALRM) for ``timeout``
+    seconds, each ``progress(what)`` (a turn sampled, an environment or reward call begun or answered) re-arms it and
+    names what runs now, and a timer that runs out raises RolloutHung naming it. A signal interrupts a blocked socket
+    read or sleep, which a flag checked between calls could not. Only in the main thread, where Python runs signal
+    handlers, and where the platform has SIGALRM; a timeout of 0 turns it off."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout, self.what, self.armed, self.previous = timeout, "the rollout", False, None
+
+    def __enter__(self) -> RolloutWatchdog:
+        self.armed = (self.timeout > 0 and hasattr(signal, "SIGALRM")
+                      and threading.current_thread() is threading.main_thread())
+        if self.armed:
+            self.previous = signal.signal(signal.SIGALRM, self._fire)
+            signal.setitimer(signal.ITIMER_REAL, self.timeout)
+        return self
+
+    def progress(self, what: str) -> None:
+        self.what = what
+        if self.armed:
+            signal.setitimer(signal.ITIMER_REAL, self.timeout)
+
+    def _fire(self, signum: int, frame: Any) -> None:
+        raise RolloutHung(f"{self.what} made no progress for {self.timeout:g} s")
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.armed:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, self.previous)
+            self.armed = False
+
+
+def failed_groups(failed: Sequence[bool], group: int) -> list[bool]:
+    """Per completion: whether any completion of its group (``group`` consecutive ones) failed."""
+    return [any(failed[start:start + group]) for start in range(0, len(failed), group) for _ in range(group)][
+        :len(failed)]
 
 
 def environment_factory(config: Any) -> Callable[[], Environment]:
@@ -10081,6 +10183,8 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         self.reward_fn = reward_fn
         self.normalizer = RunningRewardNormalizer() if self._normalise_rewards(config) else None
         self.rollout_metrics: dict[str, float] = {}
+        self.watchdog = RolloutWatchdog(0)  # armed while a rollout is made (rollout_timeout)
+        self.failed_completions: torch.Tensor | None = None  # the last scoring's completions without a reward
         self.rollout_index = 0
         self.current_rollout: Rollout | None = None
         self.resumed_rollout: Rollout | None = None  # the interrupted rollout, read back from a checkpoint
@@ -10208,9 +10312,21 @@ class _OnlineRLTrainer(_ReferenceTrainer):
 
     def _next_rollout(self, prompts: list[dict[str, Any]]) -> Rollout:
         self.pending_problem = ""
-        rollout = self.make_rollout(prompts)
+        try:
+            with RolloutWatchdog(self.config.rollout_timeout) as self.watchdog:
+                rollout = self.make_rollout(prompts)
+        except RolloutHung as hung:
+            raise RLHFInputError(f"rollout {self.rollout_index} stopped: {hung}; look at it, or raise "
+                                 f"rollout_timeout. {self._resume_advice()}") from None
+        finally:
+            self.watchdog = RolloutWatchdog(0)
         rollout.problem = self.pending_problem
         return rollout
+
+    def _engine_label(self) -> str:
+        """What samples, as the watchdog names it."""
+        url = getattr(self.engine, "url", None)
+        return f"the vLLM server {url}" if url else f"the rollout engine ({type(self.engine).__name__})"
 
     def _save_checkpoint(self) -> None:
         # each process trains on a rollout of its own prompts, and only the main process writes: a checkpoint
@@ -10378,7 +10494,9 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         images = [p.get("images") or [] for p in prompts]  # a vision-language policy's image prompts
         images = images if any(images) else None
         if not self.config.async_rollouts:
-            output = self._sync_engine().sample(prompt_ids, params, images)
+            engine = self._sync_engine()
+            self.watchdog.progress(self._engine_label())
+            output = engine.sample(prompt_ids, params, images)
             self.engine.sleep()
             return output
         # one step off-policy (a shared engine): the rollout sampled while the last one trained, then this step's
@@ -10484,6 +10602,28 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         observed: list[list[bool]] = [[] for _ in records]
         conversations = [list(r["messages"]) for r in records]
         rewards, reasons, calls = torch.zeros(len(records)), ["stop"] * len(records), 0
+        failed, faults = [False] * len(records), []  # episodes whose environment failed after the retries
+
+        def environment_call(i: int, what: str, call: Callable[[], Any]) -> Any:
+            """An environment's reset or step, timed out and retried; EnvironmentFault once it keeps failing. An HTTP
+            environment times and retries its own requests."""
+            own = isinstance(envs[i], HTTPEnvironment)
+            self.watchdog.progress(f"environment {config.environment!r} ({what}, episode {i})")
+            try:
+                return retried(lambda: call_with_timeout(call, timeout=None if own else config.environment_timeout),
+                               1 if own else 1 + config.rollout_retries)
+            except RLHFInputError:
+                raise
+            except Exception as error:  # noqa: BLE001 (a user's environment: any error is a fault of its episode)
+                failed[i] = True
+                faults.append(f"{what}: {type(error).__name__}: {error}")
+                raise EnvironmentFault(str(error)) from None
+
+        def reset(i: int, record: dict[str, Any]) -> str | None:
+            def fresh() -> str | None:  # a retried reset starts from a new environment
+                envs[i] = make()
+                return envs[i].reset(record)
+            return environment_call(i, "reset", fresh)
 
         def observe(i: int, ids: list[int]) -> None:
             ids = ids[:config.max_completion_length - len(tokens[i])]
@@ -10492,11 +10632,14 @@ class _OnlineRLTrainer(_ReferenceTrainer):
             observed[i] += [True] * len(ids)
             context[i] += ids
 
-        for i, (env, record) in enumerate(zip(envs, records)):
-            first = env.reset(record)
+        for i, record in enumerate(records):
+            try:
+                first = reset(i, record)
+            except EnvironmentFault:
+                continue
             if first:
                 observe(i, self.policy.tokenizer(first, add_special_tokens=False)["input_ids"])
-        active = [i for i in range(len(records)) if len(tokens[i]) < config.max_completion_length]
+        active = [i for i in range(len(records)) if len(tokens[i]) < config.max_completion_length and not failed[i]]
         per_turn = config.max_turn_tokens or config.max_completion_length
         stop_strings = (config.tool_tags[1],) if config.tool_format == "tag" else ()
         engine = self._sync_engine()
@@ -10507,6 +10650,7 @@ class _OnlineRLTrainer(_ReferenceTrainer):
             turn_params = dataclasses.replace(params, n=1, max_new_tokens=min(per_turn, max(room.values())),
                                               stop_strings=stop_strings,
                                               seed=None if params.seed is None else params.seed + 7919 * turn)
+            self.watchdog.progress(f"{self._engine_label()} (turn {turn + 1})")
             out = engine.sample([context[i] for i in active], turn_params)
             still = []
             for i, new, new_logps, reason in zip(active, out.token_ids, out.logprobs, out.finish_reasons):
@@ -10516,7 +10660,11 @@ class _OnlineRLTrainer(_ReferenceTrainer):
                 observed[i] += [False] * len(new)
                 context[i] += new
                 text = self.policy.decode(new)
-                observation, reward, done = envs[i].step(text)
+                try:
+                    observation, reward, done = environment_call(i, f"step {turn + 1}",
+                                                                 functools.partial(envs[i].step, text))
+                except EnvironmentFault:
+                    continue
                 rewards[i] += reward
                 spent = len(tokens[i]) >= config.max_completion_length
                 if done or observation is None or turn + 1 == config.max_turns or spent:
@@ -10531,7 +10679,11 @@ class _OnlineRLTrainer(_ReferenceTrainer):
             active = still
         engine.sleep()
         output = GenerationOutput(tokens, logps, reasons, [i // params.n for i in range(len(records))])
-        output.observation_mask, output.environment_rewards = observed, rewards
+        output.observation_mask, output.environment_rewards, output.failed = observed, rewards, failed
+        if faults:
+            logger.warning("environment %r failed in %d of %d episodes after %d attempts per call (last: %s); they "
+                           "are dropped", config.environment, sum(failed), len(records), 1 + config.rollout_retries,
+                           faults[-1])
         self.rollout_metrics.update({"tools/calls_per_episode": calls / max(len(records), 1),
                                      "tools/observed_token_frac": (sum(map(sum, observed))
                                                                    / max(sum(map(len, observed)), 1)),
@@ -10559,31 +10711,91 @@ class _OnlineRLTrainer(_ReferenceTrainer):
                                  "tool_format: tag")
         return encode(rendered[where + len(generated):])
 
+    # an online stage that can leave a failed episode's group out of the loss (GRPO and its estimators); the others
+    # stop with one line when a reward cannot be had after the retries
+    drops_failed_episodes = False
+
     def _score_output(self, records: list[dict[str, Any]], output: Any) -> torch.Tensor:
-        """Rewards of an output's completions: the reward functions, plus an environment's step rewards."""
-        rewards = self._score(records, output.token_ids)
+        """Rewards of an output's completions: the reward functions, plus an environment's step rewards. Sets
+        ``output.failed`` (per completion: its episode or its reward failed after the retries) and counts them in
+        rollout/failed_episodes."""
+        episodes = torch.tensor(getattr(output, "failed", None) or [False] * len(output.token_ids), dtype=torch.bool)
+        rewards = self._score(records, output.token_ids, failed_already=episodes)
+        failed = episodes | self.failed_completions
+        output.failed = failed.tolist()
+        self.rollout_metrics["rollout/failed_episodes"] = (self.rollout_metrics.get("rollout/failed_episodes", 0.0)
+                                                           + float(failed.sum()))
         extra = getattr(output, "environment_rewards", None)
         return rewards + extra if extra is not None else rewards
 
-    def _score(self, records: list[dict[str, Any]], completions: list[list[int]]) -> torch.Tensor:
-        """Raw rewards of the completions, logged per reward function; a non-finite reward is zeroed
-        and makes the step skip its update."""
+    def _reward_name(self) -> str:
+        return getattr(self.reward_fn, "__name__", type(self.reward_fn).__name__)
+
+    def _rewards_or_failures(self, prompts: list[str], texts: list[str], answers: list[Any],
+                             records: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reward function on the batch, retried ``rollout_retries`` times when it raises; if it still fails,
+        on each completion alone (retried too), so only the completions it cannot score fail. Returns the scores
+        (0 where failed) and which failed. A user mistake (RLHFInputError) stops the run as always."""
+        attempts, n = 1 + self.config.rollout_retries, len(texts)
+        self.watchdog.progress(f"reward function {self._reward_name()}")
+        try:
+            return (retried(lambda: _call_reward(self.reward_fn, prompts, texts, answers, records), attempts),
+                    torch.zeros(n, dtype=torch.bool))
+        except RLHFInputError:
+            raise
+        except Exception as error:  # noqa: BLE001 (a user's reward function: any error is a fault of its call)
+            last = error
+        scores, failed = torch.zeros(n), torch.zeros(n, dtype=torch.bool)
+        for i in range(n):
+            self.watchdog.progress(f"reward function {self._reward_name()} (completion {i} alone)")
+            try:
+                alone = slice(i, i + 1)
+                scores[i] = retried(functools.partial(_call_reward, self.reward_fn, prompts[alone], texts[alone],
+                                                      answers[alone], records[alone]), attempts)[0]
+            except RLHFInputError:
+                raise
+            except Exception as error:  # noqa: BLE001
+                failed[i], last = True, error
+        if failed.any():
+            logger.warning("reward function %s failed on %d of %d completions after %d attempts each (last error: "
+                           "%s: %s); they are dropped", self._reward_name(), int(failed.sum()), n, attempts,
+                           type(last).__name__, last)
+        return scores, failed
+
+    def _score(self, records: list[dict[str, Any]], completions: list[list[int]],
+               failed_already: torch.Tensor | None = None) -> torch.Tensor:
+        """Raw rewards of the completions, logged per reward function; a non-finite reward is zeroed and makes the
+        step skip its update. Completions whose reward failed after the retries are in ``self.failed_completions``;
+        their reward is the mean of the others' (so batch statistics and the normaliser keep their mean) and a
+        stage that cannot drop them stops with one line. ``failed_already``: completions dropped before scoring
+        (a failed episode), left out of the reward metrics."""
         texts = [self.policy.decode(ids) for ids in completions]
         prompts = [r["messages"][-1]["content"] if r.get("messages") else "" for r in records]
-        rewards = _call_reward(self.reward_fn, prompts, texts, [r.get("answer") for r in records], records)
+        rewards, failed = self._rewards_or_failures(prompts, texts, [r.get("answer") for r in records], records)
+        self.failed_completions = failed
+        if failed.any() and not self.drops_failed_episodes:
+            raise RLHFInputError(f"reward function {self._reward_name()} failed on {int(failed.sum())} completions "
+                                 f"after {1 + self.config.rollout_retries} attempts each, and the {self.config.stage} "
+                                 f"stage cannot leave completions out; fix it or raise rollout_retries")
+        lost = failed | (failed_already if failed_already is not None else torch.zeros_like(failed))
+        if lost.any():
+            rewards = torch.where(lost, rewards[~lost].mean() if (~lost).any() else torch.tensor(0.0), rewards)
         if self.config.overlong_buffer_len:  # DAPO: long completions lose reward before they hit the limit
             shaping = overlong_penalty(torch.tensor([len(c) for c in completions]), self.config.max_completion_length,
                                        self.config.overlong_buffer_len, self.config.overlong_penalty_factor)
             rewards = rewards.to(torch.float32) + shaping
             self.rollout_metrics["rewards/overlong/mean"] = float(shaping.mean())
-        for name, scores in getattr(self.reward_fn, "last_components", {}).items():
+        components = getattr(self.reward_fn, "last_components", {})
+        for name, scores in components.items() if not failed.any() else ():  # one call's parts when none failed
             self.rollout_metrics[f"rewards/{name}/mean"] = float(scores.mean())
             self.rollout_metrics[f"rewards/{name}/std"] = float(scores.std()) if scores.numel() > 1 else 0.0
         bad = ~torch.isfinite(rewards)
         if bad.any():
             self.pending_problem = f"reward ({int(bad.sum())} of {bad.numel()} completions)"
             rewards = torch.where(bad, torch.zeros_like(rewards), rewards)
-        self.rollout_metrics["reward"] = float(rewards.mean())
+        if lost.all():
+            self.pending_problem = f"every episode of the rollout failed ({int(lost.sum())})"
+        self.rollout_metrics["reward"] = float(rewards[~lost].mean()) if (~lost).any() else 0.0
         return rewards
 
     def _rows(self, records: list[dict[str, Any]], completions: list[list[int]], masked: list[bool] | None = None,
@@ -10711,7 +10923,8 @@ class GRPOConfig(OnlineRLConfig):
                                          "returning an Environment; tool outputs join the context and are never "
                                          "trained on")
     environment_url: str | None = _opt(None, "environment http: the service's base URL (POST /reset and /step)")
-    environment_timeout: float = _opt(30.0, "environment http: seconds before one request times out")
+    environment_timeout: float = _opt(30.0, "Seconds one environment call may take (http: one request) before it "
+                                            "counts as failed and is retried")
     environment_retries: int = _opt(3, "environment http: attempts per request (exponential backoff between them)")
     max_turns: int = _opt(4, "With an environment: policy turns per episode at most")
     max_turn_tokens: int | None = _opt(None, "With an environment: tokens one turn may generate (default: "
@@ -10831,6 +11044,7 @@ class GRPOTrainer(_OnlineRLTrainer):
     stage = "grpo"
 
     takes_images = True
+    drops_failed_episodes = True
 
     def __init__(self, config: GRPOConfig, *args: Any, **kwargs: Any) -> None:
         self.stage = config.stage  # grpo, rloo or reinforce_pp: one trainer, the estimator is the config's
@@ -10873,6 +11087,10 @@ class GRPOTrainer(_OnlineRLTrainer):
         masked = [r == "length" for r in output.finish_reasons] if config.mask_truncated_completions else None
         if uninformative is not None:  # dynamic sampling ran out of rounds: those groups stay out of the loss
             masked = [m or u for m, u in zip(masked or [False] * len(uninformative), uninformative)]
+        dropped = failed_groups(getattr(output, "failed", None) or [], group)
+        if any(dropped):  # an episode without a reward: its group's advantages would be made up, so none trains
+            masked = [m or d for m, d in zip(masked or [False] * len(dropped), dropped)]
+            self.rollout_metrics["rollout/dropped_groups"] = sum(dropped) / group
         rollout = self._rows(records, output.token_ids, masked, observed=getattr(output, "observation_mask", None))
         token_level = config.advantage_estimator.startswith("reinforce_pp")
         if not token_level:
@@ -10926,7 +11144,8 @@ class GRPOTrainer(_OnlineRLTrainer):
                 rows = slice(g * group, (g + 1) * group)
                 entry = (candidates[g], output.token_ids[rows], output.logprobs[rows], output.finish_reasons[rows],
                          rewards[rows], observed[rows] if observed is not None else None)
-                (kept if float(rewards[rows].std()) > 1e-6 else dropped).append(entry)
+                informative = float(rewards[rows].std()) > 1e-6 and not any(output.failed[rows])
+                (kept if informative else dropped).append(entry)
             sampled += len(candidates)
             missing = max(0, needed - len(kept))
             if not self.devices.sum_list_across_processes([float(missing)])[0] or rounds >= config.max_sampling_rounds:
@@ -10941,6 +11160,8 @@ class GRPOTrainer(_OnlineRLTrainer):
         output = GenerationOutput([t for c in chosen for t in c[1]], [lp for c in chosen for lp in c[2]],
                                   [r for c in chosen for r in c[3]],
                                   [i for i, _ in enumerate(chosen) for _ in range(group)])
+        output.failed = [False] * len(output.token_ids)  # a group with a failed episode is never kept; fillers are
+        # masked anyway
         if observed is not None:
             output.observation_mask = [m for c in chosen for m in c[5]]
         records = [c[0] for c in chosen for _ in range(group)]

@@ -776,6 +776,7 @@ def test_auto_engine_is_told_how_many_rollouts_the_run_still_plans():
     def engine(setting: str, total_steps: int, done: int = 0, iterations: int = 1) -> tuple:
         trainer = SimpleNamespace(config=SimpleNamespace(generation_engine=setting), total_steps=total_steps,
                                   steps_per_rollout=iterations, global_step=done)
+        trainer._rollouts_left = lambda: rlhf._OnlineRLTrainer._rollouts_left(trainer)
         return rlhf._OnlineRLTrainer._rollout_engine(trainer)
 
     assert engine("auto", 150) == ("auto", 150)  # the demo's GRPO: 150 rollouts ahead at the start

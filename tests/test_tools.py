@@ -1,6 +1,7 @@
 """Multi-turn tool use: tool-call parsing (tags and the chat templates' JSON), the calculator, episodes turn by
 turn with their token budgets, tool outputs that are never trained on (no label, zero gradient), the chat
-template's own tool turns, and the HTTP environment adapter with its one-line error."""
+template's own tool turns, the HTTP environment adapter, and faults: retried calls, dropped episodes, the
+watchdog."""
 
 from __future__ import annotations
 
@@ -281,7 +282,7 @@ class _Service(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
 
-def test_http_environment_runs_episodes_and_a_dead_one_is_one_line(tmp_path, tiny_model_dir, prompts):
+def test_http_environment_runs_episodes_and_a_dead_one_drops_them(tmp_path, tiny_model_dir, prompts):
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Service)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_address[1]}"
@@ -294,8 +295,8 @@ def test_http_environment_runs_episodes_and_a_dead_one_is_one_line(tmp_path, tin
         server.server_close()
     trainer = _trainer(tmp_path / "down", tiny_model_dir, prompts, environment="http", environment_url=url,
                        environment_retries=2, environment_timeout=1.0)
-    with pytest.raises(rlhf.RLHFInputError, match=r"did not answer /reset after 2 attempts"):
-        trainer._sample_episodes([prompts[0]], trainer._sampling_params(2, 0))
+    output = trainer._sample_episodes([prompts[0]], trainer._sampling_params(2, 0))  # the service is gone: dropped
+    assert output.failed == [True, True] and output.token_ids == [[], []]
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -319,3 +320,129 @@ def test_the_completion_budget_cuts_an_episode(tmp_path, tiny_model_dir, prompts
     output = trainer._sample_episodes([prompts[0]], trainer._sampling_params(2, 0))
     assert all(len(t) == 12 for t in output.token_ids) and output.finish_reasons == ["length", "length"]
     assert all(seen[6:] == [True] * 6 for seen in output.observation_mask)  # the first answer, cut to fit
+
+
+# -- faults: retried calls, dropped episodes and groups, the watchdog (issue 46 part 5) ----------------------------------
+
+
+class FailsFirstStep(Scripted):
+    """Raises on the first call of its first step, then behaves: a transient fault a retry mends."""
+
+    calls = 0
+
+    def step(self, completion):
+        FailsFirstStep.calls += 1
+        if self.turns == 0 and not getattr(self, "failed_once", False):
+            self.failed_once = True
+            raise ConnectionError("transient")
+        return super().step(completion)
+
+
+class BrokenForFirstPrompt(Scripted):
+    """Every step raises for episodes of the first prompt (its record says so), so they fail after every retry."""
+
+    def reset(self, record):
+        self.broken = record["prompt_ids"] == BrokenForFirstPrompt.first
+        return super().reset(record)
+
+    def step(self, completion):
+        if self.broken:
+            raise RuntimeError("tool crashed")
+        return super().step(completion)
+
+
+class Hangs(Scripted):
+    def step(self, completion):
+        import time
+
+        time.sleep(Hangs.seconds)
+        return super().step(completion)
+
+
+def test_a_transient_environment_fault_is_retried(tmp_path, tiny_model_dir, prompts):
+    FailsFirstStep.calls = 0
+    trainer = _trainer(tmp_path, tiny_model_dir, prompts, environment="test_tools:FailsFirstStep", rollout_retries=1)
+    output = trainer._sample_episodes([prompts[0]], trainer._sampling_params(2, 0))
+    assert output.failed == [False, False] and all(any(seen) for seen in output.observation_mask)  # answered
+    assert FailsFirstStep.calls >= 2 * 2  # each episode's first step twice
+    once = _trainer(tmp_path / "none", tiny_model_dir, prompts, environment="test_tools:FailsFirstStep",
+                    rollout_retries=0)
+    assert once._sample_episodes([prompts[0]], once._sampling_params(2, 0)).failed == [True, True]
+
+
+def test_a_failing_environment_drops_its_episodes_group_and_the_run_goes_on(tmp_path, tiny_model_dir, prompts):
+    """Episodes of the first prompt fail on every try: they are counted, their group (both completions) gets no
+    label, so no loss term covers them, the other group trains, and the run ends normally."""
+    BrokenForFirstPrompt.first = prompts[0]["prompt_ids"]
+    trainer = _trainer(tmp_path, tiny_model_dir, prompts, environment="test_tools:BrokenForFirstPrompt",
+                       rollout_retries=1, max_steps=2)
+    rollout = trainer.make_rollout([prompts[0], prompts[1]])
+    trained = (rollout.labels != rlhf.IGNORE_INDEX).any(-1).tolist()
+    assert trained[:2] == [False, False] and trained[2:] == [True, True]
+    assert trainer.rollout_metrics["rollout/failed_episodes"] == 2
+    assert trainer.rollout_metrics["rollout/dropped_groups"] == 1
+    result = _trainer(tmp_path / "run", tiny_model_dir, prompts, environment="test_tools:BrokenForFirstPrompt",
+                      rollout_retries=1, max_steps=2).train()
+    rows = [row for row in result.history if "loss" in row]
+    assert result.global_step == 2 and all("rollout/failed_episodes" in row for row in rows)
+
+
+def test_an_environment_call_that_times_out_is_a_fault(tmp_path, tiny_model_dir, prompts):
+    Hangs.seconds = 3.0
+    trainer = _trainer(tmp_path, tiny_model_dir, prompts, environment="test_tools:Hangs", environment_timeout=0.2,
+                       rollout_retries=1)
+    output = trainer._sample_episodes([prompts[0]], trainer._sampling_params(2, 0))
+    assert output.failed == [True, True]
+
+
+def test_a_rollout_without_progress_stops_the_run_naming_what_hung(tmp_path, tiny_model_dir, prompts):
+    Hangs.seconds = 30.0
+    trainer = _trainer(tmp_path, tiny_model_dir, prompts, environment="test_tools:Hangs", environment_timeout=60,
+                       rollout_timeout=1.0)
+    with pytest.raises(rlhf.RLHFInputError, match=r"environment 'test_tools:Hangs' \(step 1, episode 0\) made no "
+                                                  r"progress for 1 s; .*raise rollout_timeout"):
+        trainer.train()
+    import signal
+
+    assert signal.getsignal(signal.SIGALRM) in (signal.SIG_DFL, None) and signal.getitimer(signal.ITIMER_REAL)[0] == 0
+
+
+def _first_prompt_fails(first_prompt: str):
+    def reward(prompts, completions, answers):
+        if first_prompt in prompts:
+            raise ValueError("scorer crashed")
+        return torch.ones(len(completions))
+    return reward
+
+
+def test_a_reward_that_fails_on_some_completions_drops_only_their_groups(tmp_path, tiny_model_dir, prompts):
+    trainer = _trainer(tmp_path, tiny_model_dir, prompts, environment=None)
+    trainer.reward_fn = _first_prompt_fails(prompts[0]["messages"][-1]["content"])
+    rollout = trainer.make_rollout([prompts[0], prompts[1]])
+    trained = (rollout.labels != rlhf.IGNORE_INDEX).any(-1).tolist()
+    assert trained == [False, False, True, True] and trainer.rollout_metrics["rollout/failed_episodes"] == 2
+    assert trainer.rollout_metrics["reward"] == 1.0  # the scored completions' mean, not a made-up zero
+
+
+def test_when_every_reward_fails_the_step_skips_its_update(tmp_path, tiny_model_dir, prompts):
+    trainer = _trainer(tmp_path, tiny_model_dir, prompts, environment=None, rollout_retries=0)
+    trainer.reward_fn = lambda p, c, a: (_ for _ in ()).throw(TimeoutError("reward service timed out"))
+    before = {k: v.clone() for k, v in trainer.policy.model.state_dict().items()}
+    result = trainer.train()
+    row = next(row for row in result.history if "stability/skipped_steps" in row)
+    assert row["stability/skipped_steps"] == 1 and row["rollout/failed_episodes"] == 4
+    for name, value in trainer.policy.model.state_dict().items():
+        assert torch.equal(value, before[name])
+
+
+def test_a_stage_that_cannot_drop_completions_stops_with_one_line(tmp_path, tiny_model_dir, prompts, monkeypatch):
+    trainer = _trainer(tmp_path, tiny_model_dir, prompts, environment=None, rollout_retries=0)
+    monkeypatch.setattr(type(trainer), "drops_failed_episodes", False)
+    trainer.reward_fn = _first_prompt_fails(prompts[0]["messages"][-1]["content"])
+    with pytest.raises(rlhf.RLHFInputError, match="failed on 2 completions after 1 attempts each.*cannot leave"):
+        trainer.make_rollout([prompts[0], prompts[1]])
+
+
+def test_bad_fault_settings_are_one_line():
+    with pytest.raises(rlhf.RLHFInputError, match="rollout_retries >= 0"):
+        rlhf.GRPOConfig(reward_funcs=["format"], rollout_retries=-1)
