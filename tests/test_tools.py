@@ -322,7 +322,7 @@ def test_the_completion_budget_cuts_an_episode(tmp_path, tiny_model_dir, prompts
     assert all(seen[6:] == [True] * 6 for seen in output.observation_mask)  # the first answer, cut to fit
 
 
-# -- faults: retried calls, dropped episodes and groups, the watchdog (issue 46 part 5) ----------------------------------
+# -- faults: retried calls, dropped episodes and groups, the watchdog (issue 46 part 5) --------------------------------
 
 
 class FailsFirstStep(Scripted):
