@@ -62,10 +62,11 @@ says what a contributor adds there, and docs/architecture.md walks through each:
        add: a loss or advantage estimator as a pure function citing its paper and equation; a DPO variant is a
             PREFERENCE_LOSSES row, an RL policy loss a @register_policy_loss function of PolicyLossInputs
   8. Rewards
-       exact_answer_reward, format_reward, length_penalty, CompositeReward, LearnedReward, ProcessReward,
+       exact_answer_reward, format_reward, length_penalty, no_reward, CompositeReward, LearnedReward, ProcessReward,
        RewardAPIError, HTTPReward, Principle, ConstitutionalRewardWrapper, RewardFunctionFactory,
        RunningRewardNormalizer, process_rewards, Environment, ToolCall, parse_tool_call, calculate, ToolEnvironment,
-       CalculatorEnvironment, HTTPEnvironment, environment_factory
+       CalculatorEnvironment, EnvironmentFault, HTTPEnvironment, AgentCall, AgentEndpoint, concatenated_trajectory,
+       CallTimedOut, call_with_timeout, retried, RolloutHung, RolloutWatchdog, failed_groups, environment_factory
        add: a rule reward (RewardFunctionFactory.RULES, or module:function from your own file), an environment
             (Environment subclass, environment_factory)
   9. Trainers
@@ -772,7 +773,8 @@ class OnlineRLConfig(BaseConfig):
                    f"is unused by the {self.stage} stage (the teacher is its signal): remove it")
         _check(self.rollout_retries >= 0 and self.rollout_timeout >= 0, "rollout_retries/rollout_timeout",
                "need rollout_retries >= 0 and rollout_timeout >= 0 (0: no limit)")
-        _check(bool(self.reward_names()) or not self.scored_by_rewards, "reward_funcs",
+        _check(bool(self.reward_names()) or not self.scored_by_rewards or getattr(self, "environment", None) == "agent",
+               "reward_funcs",
                "is empty: name at least one, e.g. reward_funcs=exact_answer,format (or set reward_model)")
         _check(not self.reward_weights or len(self.reward_weights) == len(self.reward_names()), "reward_weights",
                f"needs one weight per reward function ({', '.join(self.reward_names())})")
@@ -7311,6 +7313,12 @@ def length_penalty(target_chars: int, scale: float = 1.0) -> RewardFn:
     return reward
 
 
+def no_reward(prompts: list[str], completions: list[str], answers: list[str | None]) -> torch.Tensor:
+    """Zero for every completion: the reward functions' part of a run whose signal comes from elsewhere (an agent
+    program's returned reward)."""
+    return torch.zeros(len(completions))
+
+
 def _call_reward(function: RewardFn, prompts: list[str], completions: list[str], answers: list[str | None],
                  records: list[dict[str, Any]] | None) -> torch.Tensor:
     """Reward functions that declare ``wants_records`` also get the prompt records (system prompt and
@@ -7630,6 +7638,8 @@ class RewardFunctionFactory:
 
     def build(self) -> RewardFn:
         names = self.config.reward_names()
+        if not names and getattr(self.config, "environment", None) == "agent":
+            return no_reward  # the agents' own rewards are the signal
         weights = self.config.reward_weights or [1.0] * len(names)
         reward: RewardFn = CompositeReward([(name, self.build_one(name), float(w)) for name, w in zip(names, weights)])
         if self.config.constitution:
@@ -7891,6 +7901,137 @@ class HTTPEnvironment:
         if not isinstance(reward, (int, float)) or isinstance(reward, bool):
             raise RLHFInputError(f"environment {self.url}/step: 'reward' must be a number, got {reward!r}")
         return answer.get("observation"), float(reward), bool(answer.get("done", False))
+
+
+# ---- Agent programs: an OpenAI-compatible endpoint for the policy (environment: agent) ----
+# A user's agent, written against the OpenAI API, runs unchanged: ``agent(client, record) -> reward`` gets an
+# ``openai.OpenAI`` client whose base_url is this episode's address on the endpoint; every chat or completion request
+# it makes is sampled by the run's rollout engine, batched with the other episodes' requests, and recorded (prompt
+# ids, sampled ids, log-probs) under the episode, which becomes a trajectory with the agent's reward.
+
+
+@dataclass
+class AgentCall:
+    """One request of an agent: its prompt's token ids and budget in, the sampled ids and log-probs out."""
+
+    episode: int
+    prompt_ids: list[int]
+    max_new_tokens: int
+    stop: tuple[str, ...] = ()
+    prompt_text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str = "stop"
+    error: str = ""
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class AgentEndpoint:
+    """``/episodes/<id>/v1/chat/completions``, ``/episodes/<id>/v1/completions`` and ``/v1/models`` on 127.0.0.1
+    (AReaL's way: each episode's client gets its own base_url). A request becomes an AgentCall in ``pending``, which
+    the trainer's main thread samples (batched) and answers; ``prepare(episode, body, kind)`` turns a request's
+    body into (prompt text, prompt ids, budget, stop strings) or raises ValueError, which the agent receives as an
+    OpenAI error (HTTP 400). Request threads wait for their answer at most ``timeout`` seconds."""
+
+    def __init__(self, prepare: Callable[[int, dict[str, Any], str], tuple[str, list[int], int, tuple[str, ...]]],
+                 answer: Callable[[AgentCall, dict[str, Any], str], dict[str, Any]], *, port: int = 0,
+                 timeout: float = 1800.0) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.pending: list[AgentCall] = []
+        self.lock = threading.Lock()
+        self.arrived = threading.Condition(self.lock)
+        endpoint = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:  # the trainer's log is ours
+                pass
+
+            def _send(self, status: int, body: dict[str, Any]) -> None:
+                data = json.dumps(body).encode("utf-8")
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _error(self, status: int, message: str) -> None:
+                self._send(status, {"error": {"message": message, "type": "invalid_request_error", "code": status}})
+
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                if self.path.rstrip("/").endswith("/v1/models"):
+                    self._send(200, {"object": "list", "data": [{"id": "policy", "object": "model",
+                                                                 "owned_by": "rlhf"}]})
+                else:
+                    self._error(404, f"no such path: {self.path}")
+
+            def do_POST(self) -> None:  # noqa: N802
+                match = re.fullmatch(r"/episodes/(\d+)/v1/(chat/completions|completions)/?", self.path)
+                if not match:
+                    return self._error(404, f"no such path: {self.path}; use this episode's base_url")
+                kind = "chat" if match.group(2) == "chat/completions" else "completion"
+                try:
+                    body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+                    if body.get("stream"):
+                        raise ValueError("stream: true is not served; ask for the whole answer")
+                    text, prompt_ids, budget, stop = prepare(int(match.group(1)), body, kind)
+                except ValueError as error:
+                    return self._error(400, str(error))
+                call = AgentCall(int(match.group(1)), prompt_ids, budget, stop, text)
+                with endpoint.arrived:
+                    endpoint.pending.append(call)
+                    endpoint.arrived.notify_all()
+                if not call.done.wait(timeout):
+                    return self._error(504, f"not sampled within {timeout:g} s")
+                if call.error:
+                    return self._error(400, call.error)
+                self._send(200, answer(call, body, kind))
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True, name="rlhf-agent-endpoint")
+        self.thread.start()
+
+    def base_url(self, episode: int) -> str:
+        return f"http://127.0.0.1:{self.port}/episodes/{episode}/v1"
+
+    def take(self, waiting_for: int, linger: float = 0.02, idle: float = 0.05) -> list[AgentCall]:
+        """The pending calls, once ``waiting_for`` of them are in (every running episode asks) or ``linger`` seconds
+        after the first arrived (some episode is busy with its tools); an empty list after ``idle`` seconds."""
+        with self.arrived:
+            if not self.pending:
+                self.arrived.wait(idle)
+            if self.pending and len(self.pending) < waiting_for:
+                deadline = time.monotonic() + linger
+                while len(self.pending) < waiting_for and time.monotonic() < deadline:
+                    self.arrived.wait(max(deadline - time.monotonic(), 0.0))
+            calls, self.pending = self.pending, []
+        return calls
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def concatenated_trajectory(calls: list[AgentCall]) -> tuple[list[int], list[int], list[float], list[bool]]:
+    """One episode's calls as one trajectory: the first call's prompt, then every sampled token (trained) and the
+    tokens the agent added between calls (tool results, user turns: observed, never trained). Each call's prompt
+    ids must extend the last call's prompt and sampled ids, which the endpoint ensures whenever the request's text
+    extends the last one's (``_agent_prepare``). Returns (prompt ids, completion ids, their log-probs (0 where
+    observed), observed mask); ValueError naming the request that does not extend the last."""
+    context, tokens, logps, observed = list(calls[0].prompt_ids), [], [], []
+    for number, call in enumerate(calls, 1):
+        if list(call.prompt_ids[:len(context)]) != context:
+            raise ValueError(f"request {number} does not begin with request {number - 1}'s prompt and answer (the "
+                             f"chat template re-renders earlier turns differently, or the agent rewrote them), so "
+                             f"the episode is not one trajectory")
+        added = list(call.prompt_ids[len(context):])
+        tokens += added + list(call.token_ids)
+        logps += [0.0] * len(added) + list(call.logprobs)
+        observed += [True] * len(added) + [False] * len(call.token_ids)
+        context = list(call.prompt_ids) + list(call.token_ids)
+    return list(calls[0].prompt_ids), tokens, logps, observed
 
 
 # ---- Faults in rollouts: bounded retries, dropped episodes, a watchdog for what hangs ----
@@ -10581,6 +10722,9 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         if self.engine is not None:
             self.engine.close()
         self.engine, self.engine_step = None, -1
+        if getattr(self, "agent_endpoint", None) is not None:
+            self.agent_endpoint.close()
+            self.agent_endpoint = None
 
     # -- environments (GRPO's environment): multi-turn episodes with tools
     def _sample_episodes(self, prompts: list[dict[str, Any]], params: Any) -> Any:
@@ -10592,6 +10736,8 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         environment wrote it) and ``environment_rewards`` (each episode's summed step rewards)."""
 
         config = self.config
+        if config.environment == "agent":
+            return self._sample_agent_episodes(prompts, params)
         make = getattr(self, "environment_maker", None) or environment_factory(config)
         self.environment_maker = make
         records = [p for p in prompts for _ in range(params.n)]
@@ -10689,6 +10835,229 @@ class _OnlineRLTrainer(_ReferenceTrainer):
                                                                    / max(sum(map(len, observed)), 1)),
                                      "tools/environment_reward": float(rewards.mean())})
         return output
+
+    # -- agent programs (environment: agent): the OpenAI-compatible endpoint, AgentEndpoint
+    def _sample_agent_episodes(self, prompts: list[dict[str, Any]], params: Any) -> Any:
+        """``params.n`` episodes per prompt, each the user's agent (``agent``: module:function(client, record) ->
+        reward) run in a thread of its own with an ``openai.OpenAI`` client on this episode's address of the
+        endpoint. The main thread samples the requests as they come, batched across episodes (AgentEndpoint.take),
+        with the rollout engine; an agent that raises is run again (rollout_retries), then its episode is dropped.
+        Each episode becomes one trajectory (concatenated_trajectory): the output carries ``records`` (each
+        episode's record with the first request's prompt ids), ``observation_mask``, ``environment_rewards`` (the
+        agents' rewards) and ``failed``."""
+        config = self.config
+        try:
+            import openai
+        except ImportError:
+            raise RLHFInputError("environment: agent gives each agent an openai.OpenAI client, and the openai package "
+                                 "is not installed: pip install openai") from None
+        agent = getattr(self, "agent_function", None) or _import_callable(
+            config.agent or "", "agent", f"cannot load {config.agent!r}", "give module:function(client, record) -> "
+            "reward")
+        self.agent_function = agent
+        if getattr(self, "agent_endpoint", None) is None:
+            self.agent_endpoint = AgentEndpoint(self._agent_prepare, self._agent_answer, port=config.agent_port,
+                                                timeout=config.rollout_timeout or 1e9)
+        endpoint, records = self.agent_endpoint, [p for p in prompts for _ in range(params.n)]
+        first = getattr(self, "agent_episodes_started", 0)
+        self.agent_episodes_started = first + len(records)
+        texts = [self.policy.tokenizer.decode(r["prompt_ids"], skip_special_tokens=False) for r in records]
+        self.agent_rollout = {"first": first, "calls": [[] for _ in records], "params": params, "warned": set(),
+                              "records": records, "texts": texts}
+        # what the agent gets: the record (messages, answer, ...) and prompt_text, the prompt as the run's chat
+        # template writes it, for agents that use the completions API
+        view = [{**{k: v for k, v in r.items() if k != "prompt_ids"}, "prompt_text": text}
+                for r, text in zip(records, texts)]
+
+        def play(i: int) -> float:
+            last: Exception | None = None
+            for _ in range(1 + config.rollout_retries):
+                self.agent_rollout["calls"][i] = []
+                client = openai.OpenAI(base_url=endpoint.base_url(first + i), api_key="rlhf", max_retries=0,
+                                       timeout=config.rollout_timeout or None)
+                try:
+                    reward = agent(client, copy.deepcopy(view[i]))
+                    if not isinstance(reward, (int, float)) or isinstance(reward, bool) or not math.isfinite(reward):
+                        raise RLHFInputError(f"agent {config.agent} returned {reward!r}; return the episode's reward "
+                                             f"as a finite number")
+                    return float(reward)
+                except RLHFInputError:
+                    raise
+                except Exception as error:  # noqa: BLE001 (a user's agent: any error is a fault of its episode)
+                    last = error
+            raise EnvironmentFault(f"{type(last).__name__}: {last}")
+
+        engine = self._sync_engine()
+        batches = 0
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(records), thread_name_prefix="rlhf-agent")
+        try:
+            futures = [pool.submit(play, i) for i in range(len(records))]
+            while True:
+                running = sum(not f.done() for f in futures)
+                calls = endpoint.take(waiting_for=running) if running else endpoint.take(0, idle=0.0)
+                if calls:
+                    self._sample_agent_calls(engine, calls, params, batches)
+                    batches += 1
+                elif not running:
+                    break
+        except BaseException:  # the run stops (a hang, an interrupt): answer what waits, leave the agents behind
+            for call in endpoint.take(0, idle=0.0):
+                call.error = "the rollout stopped"
+                call.done.set()
+            self.agent_rollout = None
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        pool.shutdown(wait=True)
+        engine.sleep()
+        tokens, logps, observed, reasons, rewards, failed, kept, faults = [], [], [], [], [], [], [], []
+        for i, future in enumerate(futures):
+            calls = [c for c in self.agent_rollout["calls"][i] if not c.error]
+            try:
+                reward = future.result()
+                if not calls:
+                    raise EnvironmentFault("the agent made no request")
+                prompt, ids, lps, seen = concatenated_trajectory(calls)
+            except (EnvironmentFault, ValueError) as error:
+                faults.append(f"episode {i}: {error}")
+                prompt, ids, lps, seen, reward = records[i]["prompt_ids"], [], [], [], 0.0
+                failed.append(True)
+            else:
+                failed.append(False)
+            kept.append({**records[i], "prompt_ids": list(prompt)})
+            tokens.append(ids)
+            logps.append(lps)
+            observed.append(seen)
+            reasons.append(calls[-1].finish_reason if calls and not failed[-1] else "stop")
+            rewards.append(reward)
+        if faults:
+            logger.warning("agent %s failed in %d of %d episodes (last: %s); they are dropped", config.agent,
+                           sum(failed), len(records), faults[-1])
+        output = GenerationOutput(tokens, logps, reasons, [i // params.n for i in range(len(records))])
+        output.observation_mask, output.failed, output.records = observed, failed, kept
+        output.environment_rewards = torch.tensor(rewards, dtype=torch.float32)
+        calls_made = sum(len(c) for c in self.agent_rollout["calls"])
+        self.rollout_metrics.update({"tools/calls_per_episode": calls_made / max(len(records), 1),
+                                     "tools/observed_token_frac": (sum(map(sum, observed))
+                                                                   / max(sum(map(len, observed)), 1)),
+                                     "tools/environment_reward": float(output.environment_rewards.mean())})
+        self.agent_rollout = None
+        return output
+
+    def _sample_agent_calls(self, engine: RolloutEngine, calls: list[AgentCall], params: Any, batch: int) -> None:
+        """One batch of agents' requests sampled by the engine (one ``sample`` per distinct set of stop strings),
+        each cut to its own budget, recorded under its episode and answered."""
+        state = self.agent_rollout
+
+        def record(call: AgentCall) -> None:
+            index = call.episode - state["first"]
+            if 0 <= index < len(state["calls"]):
+                state["calls"][index].append(call)
+            call.done.set()
+
+        for call in [c for c in calls if c.max_new_tokens == 0]:
+            call.finish_reason = "length"
+            record(call)
+        calls = [c for c in calls if c.max_new_tokens > 0]
+        for stop in dict.fromkeys(c.stop for c in calls):
+            group = [c for c in calls if c.stop == stop]
+            self.watchdog.progress(f"{self._engine_label()} (agent requests, batch {batch + 1})")
+            call_params = dataclasses.replace(
+                params, n=1, max_new_tokens=max(c.max_new_tokens for c in group),
+                stop_strings=tuple(params.stop_strings or ()) + stop,
+                seed=None if params.seed is None else params.seed + 7919 * (batch + 1))
+            try:
+                out = engine.sample([c.prompt_ids for c in group], call_params)
+            except Exception as error:
+                for call in group:
+                    call.error = f"sampling failed: {error}"
+                    call.done.set()
+                raise
+            for call, ids, lps, reason in zip(group, out.token_ids, out.logprobs, out.finish_reasons):
+                call.token_ids, call.logprobs = list(ids[:call.max_new_tokens]), list(lps[:call.max_new_tokens])
+                call.finish_reason = "length" if len(ids) > call.max_new_tokens else reason
+                record(call)
+
+    def _agent_prepare(self, episode: int, body: dict[str, Any],
+                       kind: str) -> tuple[str, list[int], int, tuple[str, ...]]:
+        """A request's prompt text and ids, token budget and stop strings (AgentEndpoint's ``prepare``; a request
+        thread)."""
+        config, state = self.config, self.agent_rollout
+        if state is None or not 0 <= episode - state["first"] < len(state["calls"]):
+            raise ValueError(f"episode {episode} is not running")
+        calls = state["calls"][episode - state["first"]]
+        if kind == "chat":
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+                raise ValueError("messages must be a non-empty list of {role, content} objects")
+            try:
+                text = self.formatter.render("", messages, True, "agent request", body.get("tools"))
+            except RLHFInputError as error:
+                raise ValueError(str(error)) from None
+            prompt_ids = self.formatter.encode(text)
+        else:
+            text = body.get("prompt")
+            if not isinstance(text, str):
+                raise ValueError("prompt must be one string")
+            prompt_ids = self.formatter.encode(text)
+        if (body.get("n") or 1) != 1:
+            raise ValueError("n must be 1: each request is one sample of the episode")
+        index = episode - state["first"]
+        if not calls and text == state["texts"][index]:  # the record's prompt as the run encoded it
+            prompt_ids = list(state["records"][index]["prompt_ids"])
+        if calls:  # token in, token out: a request whose text extends the last request and its answer gets the
+            # sampled ids back as sampled, not re-encoded from their text (which need not give them back), so the
+            # model conditions on the trajectory it will be trained on
+            last = calls[-1]
+            before = last.prompt_text + self.policy.tokenizer.decode(last.token_ids, skip_special_tokens=False)
+            if text.startswith(before):
+                prompt_ids = list(last.prompt_ids) + list(last.token_ids) + self.formatter.encode(text[len(before):])
+        if len(calls) >= config.max_turns:
+            raise ValueError(f"this episode made its {config.max_turns} requests (max_turns)")
+        temperature = body.get("temperature")
+        if temperature is not None and abs(float(temperature) - config.temperature) > 1e-9 \
+                and "temperature" not in state["warned"]:
+            state["warned"].add("temperature")
+            logger.warning("agent requests ask for temperature %s; the run samples at its own temperature %s, the one "
+                           "its loss assumes", temperature, config.temperature)
+        room = config.max_completion_length - (len(prompt_ids) - len(calls[0].prompt_ids) if calls else 0)
+        asked = body.get("max_completion_tokens") or body.get("max_tokens") or room
+        # an episode whose budget (max_completion_length, what the agent added included) is spent is answered with
+        # nothing and finish_reason length, as an OpenAI server answers max_tokens reached
+        budget = max(0, min(int(asked), config.max_turn_tokens or config.max_completion_length, room))
+        stop = body.get("stop") or ()
+        stop = (stop,) if isinstance(stop, str) else tuple(str(s) for s in stop)
+        return text, prompt_ids, budget, stop
+
+    def _agent_answer(self, call: AgentCall, body: dict[str, Any], kind: str) -> dict[str, Any]:
+        """The OpenAI-format answer to a sampled request (AgentEndpoint's ``answer``; a request thread). With
+        ``tools`` in a chat request, a JSON tool call in the answer (the Hermes / Qwen form) is returned as
+        ``tool_calls``, as vLLM's tool parser does."""
+        tokenizer = self.policy.tokenizer
+        text = tokenizer.decode(call.token_ids, skip_special_tokens=True)
+        ends = [text.find(stop) for stop in call.stop if stop and stop in text]
+        if ends:  # OpenAI's (and vLLM's) answer leaves out the stop string it ended at; the trajectory keeps it
+            text = text[:min(ends)]
+        usage = {"prompt_tokens": len(call.prompt_ids), "completion_tokens": len(call.token_ids),
+                 "total_tokens": len(call.prompt_ids) + len(call.token_ids)}
+        base = {"id": f"rlhf-{call.episode}-{uuid.uuid4().hex[:8]}", "created": int(time.time()),
+                "model": str(body.get("model") or "policy"), "usage": usage}
+        logprobs = None
+        if body.get("logprobs"):
+            logprobs = {"content": [{"token": tokenizer.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []}
+                                    for t, lp in zip(call.token_ids, call.logprobs)]}
+        if kind != "chat":
+            return {**base, "object": "text_completion",
+                    "choices": [{"index": 0, "text": text, "finish_reason": call.finish_reason, "logprobs": None}]}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        finish = call.finish_reason
+        tool = parse_tool_call(text, "chat_template") if body.get("tools") else None
+        if tool is not None:
+            message["content"] = text[:text.find("<tool_call>")].strip() if "<tool_call>" in text else None
+            message["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
+                                      "function": {"name": tool.name, "arguments": json.dumps(tool.arguments)}}]
+            finish = "tool_calls"
+        return {**base, "object": "chat.completion",
+                "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs}]}
 
     def _observation_ids(self, record: dict[str, Any], conversation: list[dict[str, Any]], turn_ids: list[int],
                          observation: str) -> list[int]:
@@ -10919,14 +11288,20 @@ class GRPOConfig(OnlineRLConfig):
                                             "reinforce_pp_baseline (group mean subtracted first)")
     importance_sampling_level: str = _opt("token", "token: a ratio per token | sequence: GSPO's length-normalised "
                                                    "sequence ratio (use epsilon_low ~3e-4, epsilon_high ~4e-4)")
-    environment: str | None = _opt(None, "Multi-turn tool use: calculator | http (environment_url) | module:function "
-                                         "returning an Environment; tool outputs join the context and are never "
-                                         "trained on")
+    environment: str | None = _opt(None, "Multi-turn tool use: calculator | http (environment_url) | agent (your "
+                                         "agent program through an OpenAI-compatible endpoint: agent) | "
+                                         "module:function returning an Environment; tool outputs join the context "
+                                         "and are never trained on")
     environment_url: str | None = _opt(None, "environment http: the service's base URL (POST /reset and /step)")
     environment_timeout: float = _opt(30.0, "Seconds one environment call may take (http: one request) before it "
                                             "counts as failed and is retried")
     environment_retries: int = _opt(3, "environment http: attempts per request (exponential backoff between them)")
-    max_turns: int = _opt(4, "With an environment: policy turns per episode at most")
+    agent: str | None = _opt(None, "environment agent: module:function(client, record) -> reward, your agent program, "
+                                   "run once per episode with an openai.OpenAI client whose base_url serves the "
+                                   "policy (its requests are sampled, batched, recorded and trained on)")
+    agent_port: int = _opt(0, "environment agent: the port of the OpenAI-compatible endpoint on 127.0.0.1 (0: a "
+                              "free one)")
+    max_turns: int = _opt(4, "With an environment: policy turns per episode at most (agent: requests)")
     max_turn_tokens: int | None = _opt(None, "With an environment: tokens one turn may generate (default: "
                                              "max_completion_length, which bounds the whole completion, tool outputs "
                                              "included)")
@@ -10978,6 +11353,14 @@ class GRPOConfig(OnlineRLConfig):
             _check(self.max_turn_tokens is None or self.max_turn_tokens >= 1, "max_turn_tokens", "must be >= 1")
             _check(self.environment != "http" or bool(self.environment_url), "environment_url",
                    "is required with environment: http (the service's base URL)")
+            _check(self.environment != "agent" or bool(self.agent), "agent",
+                   "is required with environment: agent (module:function(client, record) -> reward)")
+            _check(self.environment != "agent" or self.vllm_mode == "colocate" or self.use_vllm is False, "agent",
+                   "samples the agents' requests in the trainer's process; use vllm_mode: colocate")
+            _check(0 <= self.agent_port < 65536, "agent_port", "must be a port number, or 0 for a free one")
+            _check(self.environment != "agent" or not self.dynamic_sampling, "dynamic_sampling",
+                   "regroups completions by prompt, and an agent writes each episode's prompt itself: set "
+                   "dynamic_sampling: false with environment: agent")
             _check(self.environment_timeout > 0 and self.environment_retries >= 1,
                    "environment_timeout/environment_retries", "need a positive timeout and at least one attempt")
         _check(not (self.dynamic_sampling and self.streaming), "dynamic_sampling",
@@ -11075,7 +11458,7 @@ class GRPOTrainer(_OnlineRLTrainer):
             records, output, rewards, uninformative = self._sample_informative_groups(prompts)
         else:
             output = self._sample(prompts, group)
-            records = [prompts[i // group] for i in range(len(output.token_ids))]
+            records = getattr(output, "records", None) or [prompts[i // group] for i in range(len(output.token_ids))]
             # the reward normaliser and batch-scaled advantages see every process's rewards, as one process
             # with the whole batch would; each process keeps its own rows (a prompt's group is on one process)
             rewards, uninformative = self.devices.gather(self._score_output(records, output)), None  # (P * B*G)
@@ -11135,7 +11518,8 @@ class GRPOTrainer(_OnlineRLTrainer):
         while True:
             rounds += 1
             output = self._sample(candidates, group)
-            records = [candidates[i // group] for i in range(len(output.token_ids))]
+            records = getattr(output, "records", None) or [candidates[i // group]
+                                                           for i in range(len(output.token_ids))]
             rewards = self._score_output(records, output)  # raw: whether a group varies is decided before shaping
             if rounds == 1:  # the policy's reward as sampled, comparable with a run without dynamic sampling
                 first_round_reward = self.rollout_metrics["reward"]

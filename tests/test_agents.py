@@ -1,0 +1,195 @@
+"""Agent programs through the OpenAI-compatible endpoint (environment: agent, issue 46 part 4): agents written
+against the ``openai`` package call the policy, their requests are sampled in batches by the rollout engine and
+recorded, each episode becomes one trajectory (sampled tokens trained, the agent's additions observed) with the
+agent's reward, the behaviour log-probs are the policy's own, and faults drop episodes instead of the run."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import rlhf
+
+openai = pytest.importorskip("openai", reason="the agent tests need the openai package (requirements-dev.txt)")
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+CALLS: list[dict] = []  # what the test agents saw, for the assertions
+
+
+def two_call_agent(client, record):
+    """Asks, reads a tool result the agent writes itself, asks again: two requests, one concatenated trajectory."""
+    messages = list(record["messages"])
+    first = client.chat.completions.create(model="policy", messages=messages, max_tokens=6)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "<result>7</result>"}]
+    second = client.chat.completions.create(model="policy", messages=messages, max_tokens=5, logprobs=True)
+    CALLS.append({"first": first, "second": second, "thread": threading.current_thread().name})
+    return float(len(second.choices[0].message.content or ""))
+
+
+def calculator_agent(client, record):
+    """A small agent: it lets the model call the calculator with <calc>...</calc> and returns 1.0 when the final
+    answer holds the record's answer."""
+    messages = list(record["messages"])
+    text = ""
+    for _ in range(3):
+        reply = client.chat.completions.create(model="policy", messages=messages, max_tokens=8, stop=["</calc>"])
+        text = reply.choices[0].message.content or ""
+        call = rlhf.parse_tool_call(text + "</calc>" if "<calc>" in text else text, "tag")
+        if call is None:
+            break
+        messages += [{"role": "assistant", "content": text + "</calc>"},
+                     {"role": "user", "content": f"<result>{rlhf.calculate(call.arguments['expression'])}</result>"}]
+    return float(str(record.get("answer")) in text)
+
+
+def failing_agent(client, record):
+    if "7" in record["messages"][-1]["content"]:
+        raise RuntimeError("the agent's tool crashed")
+    return two_call_agent(client, record)
+
+
+def raw_completion_agent(client, record):
+    reply = client.completions.create(model="policy", prompt="Q: 2 + 2 =", max_tokens=4)
+    CALLS.append({"completion": reply})
+    return 0.5
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_tokenizer, demo_dir) -> rlhf.GRPODataset:
+    records = rlhf.load_records("demo_rl", demo_dir, "prompt", max_samples=16)
+    return rlhf.GRPODataset(records, tiny_tokenizer, rlhf.ChatFormatter(tiny_tokenizer), cutoff_len=64)
+
+
+def _trainer(tmp_path: Path, model_dir: Path, dataset, **overrides) -> rlhf.GRPOTrainer:
+    settings = dict(model_name_or_path=str(model_dir), output_dir=str(tmp_path / "out"), finetuning_type="full",
+                    num_generations=2, per_device_train_batch_size=4, max_completion_length=48, cutoff_len=64,
+                    max_steps=1, beta=0.0, learning_rate=1e-3, save_steps=0, logging_steps=1, disable_progress_bar=True,
+                    report_to="none", seed=0, resume_from_checkpoint="none", environment="agent",
+                    agent="test_agents:two_call_agent", max_turns=4, generation_engine="static")
+    settings.update(overrides)
+    config = rlhf.GRPOConfig(**settings)
+    rlhf.set_seed(0)
+    policy = rlhf.PolicyModel.from_pretrained(config.model_name_or_path)
+    return rlhf.GRPOTrainer(config, policy, dataset, reward_fn=rlhf.RewardFunctionFactory(config, "cpu").build(),
+                            formatter=rlhf.ChatFormatter(policy.tokenizer))
+
+
+def test_an_openai_agent_makes_one_trajectory_per_episode_with_the_policys_log_probs(tmp_path, tiny_model_dir,
+                                                                                      prompts):
+    """Two requests per episode through openai.OpenAI: the trajectory is the first prompt, the first answer as
+    sampled, the agent's added turn (observed), the second answer; the recorded log-probs are the policy's own
+    (our engine samples the policy itself) and the agent's reward is the episode's."""
+    CALLS.clear()
+    trainer = _trainer(tmp_path, tiny_model_dir, prompts)
+    try:
+        output = trainer._sample_episodes([prompts[0], prompts[1]], trainer._sampling_params(2, 0))
+    finally:
+        trainer._close_engine()
+    assert len(CALLS) == 4 and output.failed == [False] * 4
+    assert all(c["thread"].startswith("rlhf-agent") for c in CALLS)
+    assert trainer.rollout_metrics["tools/calls_per_episode"] == 2
+    tokenizer = trainer.policy.tokenizer
+    for i, (record, ids, logps, seen) in enumerate(zip(output.records, output.token_ids, output.logprobs,
+                                                        output.observation_mask)):
+        assert record["prompt_ids"] == prompts[i // 2]["prompt_ids"]  # the agent sent the record's own messages
+        observed = tokenizer.decode([t for t, o in zip(ids, seen) if o])
+        assert "<result>7</result>" in observed and sum(not o for o in seen) <= 6 + 5
+        # the behaviour log-probs are the policy's, at the run's temperature, token by token
+        full = torch.tensor([record["prompt_ids"] + ids])
+        with torch.no_grad():
+            logits = trainer.policy.model(full).logits[0, len(record["prompt_ids"]) - 1:-1].float()
+        mine = torch.log_softmax(logits / trainer.config.temperature, -1).gather(-1, full[0, len(
+            record["prompt_ids"]):, None])[:, 0]
+        sampled = torch.tensor([not o for o in seen])
+        torch.testing.assert_close(torch.tensor(logps)[sampled], mine[sampled], rtol=0, atol=1e-4)
+    # the agents' rewards, and the OpenAI answer's own log-probs match the recorded ones
+    lengths = sorted(float(len(c["second"].choices[0].message.content or "")) for c in CALLS)
+    assert sorted(output.environment_rewards.tolist()) == lengths
+    answer = CALLS[0]["second"].choices[0]
+    assert answer.finish_reason in ("stop", "length") and len(answer.logprobs.content) >= 1
+
+
+def test_a_grpo_run_trains_on_agent_episodes(tmp_path, tiny_model_dir, prompts):
+    """The run end to end: rollouts from agents, the sampled tokens trained, the agent's additions never."""
+    trainer = _trainer(tmp_path, tiny_model_dir, prompts, agent="test_agents:calculator_agent", max_steps=2,
+                       per_device_train_batch_size=8, num_generations=4)
+    rollout = trainer.make_rollout([prompts[0], prompts[1]])
+    trainer._close_engine()
+    assert rollout.input_ids.shape[0] == 8 and (rollout.labels != rlhf.IGNORE_INDEX).any()
+    result = _trainer(tmp_path / "run", tiny_model_dir, prompts, agent="test_agents:calculator_agent", max_steps=2,
+                      per_device_train_batch_size=8, num_generations=4).train()
+    rows = [row for row in result.history if "loss" in row]
+    assert result.global_step == 2 and all("tools/calls_per_episode" in row for row in rows)
+
+
+def test_a_failing_agent_drops_its_episodes_and_the_run_goes_on(tmp_path, tiny_model_dir, prompts):
+    failing = next(i for i in range(len(prompts)) if "7" in prompts[i]["messages"][-1]["content"])
+    working = next(i for i in range(len(prompts)) if "7" not in prompts[i]["messages"][-1]["content"])
+    trainer = _trainer(tmp_path, tiny_model_dir, prompts, agent="test_agents:failing_agent", rollout_retries=1)
+    try:
+        rollout = trainer.make_rollout([prompts[failing], prompts[working]])
+    finally:
+        trainer._close_engine()
+    trained = (rollout.labels != rlhf.IGNORE_INDEX).any(-1).tolist()
+    assert trained == [False, False, True, True] and trainer.rollout_metrics["rollout/failed_episodes"] == 2
+
+
+def test_the_completions_endpoint_and_the_models_list(tmp_path, tiny_model_dir, prompts):
+    CALLS.clear()
+    trainer = _trainer(tmp_path, tiny_model_dir, prompts, agent="test_agents:raw_completion_agent")
+    try:
+        output = trainer._sample_episodes([prompts[0]], trainer._sampling_params(2, 0))
+        client = openai.OpenAI(base_url=trainer.agent_endpoint.base_url(0), api_key="x", max_retries=0)
+        assert [m.id for m in client.models.list()] == ["policy"]
+        with pytest.raises(openai.BadRequestError, match="episode 0 is not running"):  # the rollout is over
+            client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+    finally:
+        trainer._close_engine()
+    assert output.failed == [False, False] and len(CALLS) == 2
+    reply = CALLS[0]["completion"].choices[0]
+    assert reply.finish_reason in ("stop", "length") and isinstance(reply.text, str)
+    assert trainer.policy.tokenizer.decode(output.records[0]["prompt_ids"]) == "Q: 2 + 2 ="
+
+
+def test_concatenated_trajectory_marks_the_agents_additions_and_refuses_a_rewritten_history():
+    def call(ids, sampled, logps):
+        return rlhf.AgentCall(0, ids, 8, (), token_ids=sampled, logprobs=logps)
+
+    calls = [call([1, 2], [5, 6], [-0.5, -0.25]), call([1, 2, 5, 6, 7, 7], [8], [-1.0])]
+    prompt, tokens, logps, observed = rlhf.concatenated_trajectory(calls)
+    assert prompt == [1, 2] and tokens == [5, 6, 7, 7, 8]
+    assert logps == [-0.5, -0.25, 0.0, 0.0, -1.0] and observed == [False, False, True, True, False]
+    with pytest.raises(ValueError, match="request 2 does not begin with request 1's prompt and answer"):
+        rlhf.concatenated_trajectory([calls[0], call([1, 2, 5, 9], [8], [-1.0])])
+
+
+def test_bad_agent_settings_are_one_line():
+    with pytest.raises(rlhf.RLHFInputError, match="'agent' is required with environment: agent"):
+        rlhf.GRPOConfig(environment="agent")
+    with pytest.raises(rlhf.RLHFInputError, match="dynamic_sampling"):
+        rlhf.GRPOConfig(environment="agent", agent="m:f", dynamic_sampling=True)
+
+
+def test_the_demo_agent_is_the_tool_demo_with_an_agent_program(tmp_path, tiny_model_dir, prompts, monkeypatch):
+    """experiments/configs/demo_agent.yaml differs from demo_tools.yaml's GRPO only in how the calculator is run,
+    and its agent (experiments/agents/calculator_agent.py) plays episodes on the endpoint without a fault."""
+    import dataclasses
+
+    repo = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(repo)
+    monkeypatch.syspath_prepend(str(repo))
+    agent = rlhf.PipelineConfig.load("experiments/configs/demo_agent.yaml").stage_config("grpo")
+    tools = rlhf.PipelineConfig.load("experiments/configs/demo_tools.yaml").stage_config("grpo")
+    differ = {f.name for f in dataclasses.fields(agent) if getattr(agent, f.name) != getattr(tools, f.name)}
+    assert differ == {"environment", "agent", "reward_funcs", "tool_tags", "tool_result_tags", "output_dir",
+                      "logging_dir"}
+    trainer = _trainer(tmp_path, tiny_model_dir, prompts, agent=agent.agent, max_completion_length=24)
+    try:
+        output = trainer._sample_episodes([prompts[0], prompts[1]], trainer._sampling_params(2, 0))
+    finally:
+        trainer._close_engine()
+    assert output.failed == [False] * 4 and all(ids for ids in output.token_ids)
