@@ -10045,16 +10045,19 @@ class Rollout:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                 if isinstance(getattr(self, f.name), torch.Tensor)}
 
-    def micro_batches(self, size: int, order: torch.Tensor | None = None,
-                      vision: VisionInputs | None = None) -> list[dict[str, torch.Tensor]]:
-        """Consecutive micro-batches of ``size`` rows, in ``order`` (a permutation) if given; with ``vision``, each
-        also holds the pixel inputs of its rows' images."""
+    def micro_batches(self, size: int, order: torch.Tensor | None = None, vision: VisionInputs | None = None,
+                      chunks: int | None = None) -> list[dict[str, torch.Tensor]]:
+        """Consecutive micro-batches of ``size`` rows, in ``order`` (a permutation) if given; ``chunks``: exactly
+        that many micro-batches of near-equal size instead (a rollout whose row count is not the planned one, e.g.
+        an agent's calls as rows, still fills one optimizer step); with ``vision``, each also holds the pixel
+        inputs of its rows' images."""
         fields = self.tensors()
         rows = order if order is not None else torch.arange(self.input_ids.shape[0])
-        batches = [{k: v[rows[i:i + size]] for k, v in fields.items()} for i in range(0, len(rows), size)]
+        parts = rows.tensor_split(chunks) if chunks else [rows[i:i + size] for i in range(0, len(rows), size)]
+        batches = [{k: v[part] for k, v in fields.items()} for part in parts]
         if vision is not None and self.images:
-            for i, batch in zip(range(0, len(rows), size), batches):
-                batch.update(vision.batch([self.images[int(r)] for r in rows[i:i + size]], batch["input_ids"]))
+            for part, batch in zip(parts, batches):
+                batch.update(vision.batch([self.images[int(r)] for r in part], batch["input_ids"]))
         return batches
 
 
@@ -10916,7 +10919,12 @@ class _OnlineRLTrainer(_ReferenceTrainer):
                 reward = future.result()
                 if not calls:
                     raise EnvironmentFault("the agent made no request")
-                prompt, ids, lps, seen = concatenated_trajectory(calls)
+                if config.agent_trajectory == "per_call":  # the rows come from the calls (_per_call_rows); the
+                    # episode's answers, joined, are what reward functions and metrics read
+                    prompt, ids = calls[0].prompt_ids, [t for c in calls for t in c.token_ids]
+                    lps, seen = [lp for c in calls for lp in c.logprobs], [False] * len(ids)
+                else:
+                    prompt, ids, lps, seen = concatenated_trajectory(calls)
             except (EnvironmentFault, ValueError) as error:
                 faults.append(f"episode {i}: {error}")
                 prompt, ids, lps, seen, reward = records[i]["prompt_ids"], [], [], [], 0.0
@@ -10935,6 +10943,10 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         output = GenerationOutput(tokens, logps, reasons, [i // params.n for i in range(len(records))])
         output.observation_mask, output.failed, output.records = observed, failed, kept
         output.environment_rewards = torch.tensor(rewards, dtype=torch.float32)
+        if config.agent_trajectory == "per_call":
+            output.calls = [[] if failed[i] else [(c.prompt_ids, c.token_ids, c.logprobs, c.finish_reason)
+                                                  for c in self.agent_rollout["calls"][i] if not c.error]
+                            for i in range(len(records))]
         calls_made = sum(len(c) for c in self.agent_rollout["calls"])
         self.rollout_metrics.update({"tools/calls_per_episode": calls_made / max(len(records), 1),
                                      "tools/observed_token_frac": (sum(map(sum, observed))
@@ -11301,6 +11313,10 @@ class GRPOConfig(OnlineRLConfig):
                                    "policy (its requests are sampled, batched, recorded and trained on)")
     agent_port: int = _opt(0, "environment agent: the port of the OpenAI-compatible endpoint on 127.0.0.1 (0: a "
                               "free one)")
+    agent_trajectory: str = _opt("concatenated", "environment agent: concatenated (each episode one trajectory: its "
+                                                 "answers trained, what the agent added between requests observed) "
+                                                 "| per_call (each request a row of its own, with its episode's "
+                                                 "advantage; for agents that rewrite their history)")
     max_turns: int = _opt(4, "With an environment: policy turns per episode at most (agent: requests)")
     max_turn_tokens: int | None = _opt(None, "With an environment: tokens one turn may generate (default: "
                                              "max_completion_length, which bounds the whole completion, tool outputs "
@@ -11358,6 +11374,11 @@ class GRPOConfig(OnlineRLConfig):
             _check(self.environment != "agent" or self.vllm_mode == "colocate" or self.use_vllm is False, "agent",
                    "samples the agents' requests in the trainer's process; use vllm_mode: colocate")
             _check(0 <= self.agent_port < 65536, "agent_port", "must be a port number, or 0 for a free one")
+            _check_choice(self.agent_trajectory, ("concatenated", "per_call"), "agent_trajectory")
+            _check(self.environment != "agent" or self.agent_trajectory == "concatenated"
+                   or not self.advantage_estimator.startswith("reinforce_pp"), "agent_trajectory",
+                   "per_call gives each row its episode's advantage, and REINFORCE++'s token returns run along one "
+                   "sequence: use agent_trajectory: concatenated or advantage_estimator: grpo / rloo")
             _check(self.environment != "agent" or not self.dynamic_sampling, "dynamic_sampling",
                    "regroups completions by prompt, and an agent writes each episode's prompt itself: set "
                    "dynamic_sampling: false with environment: agent")
@@ -11481,6 +11502,8 @@ class GRPOTrainer(_OnlineRLTrainer):
                           if config.advantage_estimator == "grpo"
                           else _scaled(rloo_advantages(rewards, group), group, config.scale_rewards))
             rollout.advantages = advantages.view(self.devices.num_processes, -1)[self.devices.process_index]
+        if getattr(output, "calls", None) is not None:  # an agent's requests, each a row (agent_trajectory)
+            rollout, output = self._per_call_rows(records, output, masked, rollout.advantages)
         # the trainer's own log-probs are the old ones when a rollout trains several steps, when an engine holding a
         # copy (vLLM, int8) sampled it (one extra forward) unless the engine's are asked for, and for REINFORCE++'s KL
         copy = self.engine.holds_weights
@@ -11570,8 +11593,31 @@ class GRPOTrainer(_OnlineRLTrainer):
             self._engine_correction(rollout, output, torch.cat(sampled) if sampled else None)
 
     def rollout_schedule(self, rollout: Rollout) -> list[dict[str, torch.Tensor]]:
-        return (rollout.micro_batches(self.config.per_device_train_batch_size, vision=self.policy.vision)
-                * self.config.num_iterations)
+        config = self.config
+        planned = config.per_device_train_batch_size * config.gradient_accumulation_steps
+        chunks = config.gradient_accumulation_steps if rollout.input_ids.shape[0] != planned else None  # per_call
+        return (rollout.micro_batches(config.per_device_train_batch_size, vision=self.policy.vision, chunks=chunks)
+                * config.num_iterations)
+
+    def _per_call_rows(self, records: list[dict[str, Any]], output: Any, masked: list[bool] | None,
+                       advantages: torch.Tensor) -> tuple[Rollout, GenerationOutput]:
+        """``agent_trajectory: per_call``: every request of an episode a row of its own (its prompt as the agent
+        sent it, its answer as sampled), each with its episode's advantage; a dropped episode keeps one masked row.
+        Returns the rollout of those rows and their GenerationOutput (the recorded log-probs)."""
+        rows, completions, logps, reasons, dropped, row_advantages = [], [], [], [], [], []
+        for episode, (record, calls) in enumerate(zip(records, output.calls)):
+            for prompt_ids, ids, lps, reason in calls or [(record["prompt_ids"], [], [], "stop")]:
+                rows.append({**record, "prompt_ids": list(prompt_ids)})
+                completions.append(list(ids))
+                logps.append(list(lps))
+                reasons.append(reason)
+                dropped.append(bool(masked and masked[episode]) or not calls)
+                row_advantages.append(float(advantages[episode]))
+        self.rollout_metrics["tools/trained_rows"] = float(len(rows))
+        row_output = GenerationOutput(completions, logps, reasons, list(range(len(rows))))
+        rollout = self._rows(rows, completions, dropped)
+        rollout.advantages = torch.tensor(row_advantages, dtype=torch.float32)
+        return rollout, row_output
 
     @property
     def shares_prompts(self) -> bool:

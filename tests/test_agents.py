@@ -193,3 +193,29 @@ def test_the_demo_agent_is_the_tool_demo_with_an_agent_program(tmp_path, tiny_mo
     finally:
         trainer._close_engine()
     assert output.failed == [False] * 4 and all(ids for ids in output.token_ids)
+
+
+def test_per_call_makes_each_request_a_row_with_its_episodes_advantage(tmp_path, tiny_model_dir, prompts):
+    """agent_trajectory: per_call: two requests per episode are two rows, each trained on its own answer under the
+    prompt the agent sent, both with the episode's advantage; the schedule still fills one optimizer step."""
+    CALLS.clear()
+    trainer = _trainer(tmp_path, tiny_model_dir, prompts, agent_trajectory="per_call", reward_funcs=["length"])
+    try:
+        rollout = trainer.make_rollout([prompts[0], prompts[1]])
+    finally:
+        trainer._close_engine()
+    assert rollout.input_ids.shape[0] == 8 and trainer.rollout_metrics["tools/trained_rows"] == 8
+    assert torch.equal(rollout.advantages[0::2], rollout.advantages[1::2])  # an episode's two rows
+    assert (rollout.labels != rlhf.IGNORE_INDEX).any(-1).all()
+    second = rollout.input_ids[1][rollout.attention_mask[1].bool()].tolist()
+    assert "<result>7</result>" in trainer.policy.tokenizer.decode(second)  # its prompt holds the agent's turn
+    assert len(trainer.rollout_schedule(rollout)) == 1  # one micro-batch (accumulation 1) of all 8 rows
+    result = _trainer(tmp_path / "run", tiny_model_dir, prompts, agent_trajectory="per_call", max_steps=2,
+                      per_device_train_batch_size=2, gradient_accumulation_steps=2).train()
+    assert result.global_step == 2
+
+
+def test_per_call_refuses_reinforce_pp():
+    with pytest.raises(rlhf.RLHFInputError, match="agent_trajectory"):
+        rlhf.GRPOConfig(environment="agent", agent="m:f", agent_trajectory="per_call",
+                        advantage_estimator="reinforce_pp")
