@@ -7987,8 +7987,11 @@ class AgentEndpoint:
                     return self._error(400, call.error)
                 self._send(200, answer(call, body, kind))
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-        self.server.daemon_threads = True
+        class Server(ThreadingHTTPServer):
+            request_queue_size = 1024  # every episode of a rollout may connect at once (socketserver's default: 5)
+            daemon_threads = True
+
+        self.server = Server(("127.0.0.1", port), Handler)
         self.port = self.server.server_address[1]
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True, name="rlhf-agent-endpoint")
         self.thread.start()
@@ -10516,7 +10519,10 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         (``inference_optimizations.compile_pays``); None where the work ahead is unknown (streaming without
         max_steps)."""
         engine = self.config.generation_engine
-        return engine, (self._rollouts_left() if engine == "auto" else None)
+        # an agent's requests come in batches of every size, not one shape per rollout: no plan, so each shape is
+        # compiled only once its own past calls would have paid for it
+        planned = engine == "auto" and getattr(self.config, "environment", None) != "agent"
+        return engine, (self._rollouts_left() if planned else None)
 
     def _rollouts_left(self) -> int | None:
         """The rollouts this run still plans, this one included; None where the work ahead is unknown."""
@@ -10876,8 +10882,8 @@ class _OnlineRLTrainer(_ReferenceTrainer):
             last: Exception | None = None
             for _ in range(1 + config.rollout_retries):
                 self.agent_rollout["calls"][i] = []
-                client = openai.OpenAI(base_url=endpoint.base_url(first + i), api_key="rlhf", max_retries=0,
-                                       timeout=config.rollout_timeout or None)
+                client = openai.OpenAI(base_url=endpoint.base_url(first + i), api_key="rlhf", max_retries=2,
+                                       timeout=config.rollout_timeout or None)  # retries: connection errors only
                 try:
                     reward = agent(client, copy.deepcopy(view[i]))
                     if not isinstance(reward, (int, float)) or isinstance(reward, bool) or not math.isfinite(reward):
