@@ -7999,18 +7999,22 @@ class AgentEndpoint:
     def base_url(self, episode: int) -> str:
         return f"http://127.0.0.1:{self.port}/episodes/{episode}/v1"
 
-    def take(self, waiting_for: int, linger: float = 0.02, idle: float = 0.05) -> list[AgentCall]:
-        """The pending calls, once ``waiting_for`` of them are in (every running episode asks) or ``linger`` seconds
-        after the first arrived (some episode is busy with its tools); an empty list after ``idle`` seconds."""
+    def take(self, running: Callable[[], int], linger: float = 0.0, poll: float = 0.01) -> list[AgentCall]:
+        """The pending calls, in episode order, once every running episode has one in (``running()`` counts the
+        episodes still playing), or, with ``linger`` > 0, that many seconds after the first arrived (an episode
+        busy with its tools does not hold the others up); an empty list once no episode runs. Waiting for every
+        episode makes the batches, and so the samples, the same in every run."""
+        first = None
         with self.arrived:
-            if not self.pending:
-                self.arrived.wait(idle)
-            if self.pending and len(self.pending) < waiting_for:
-                deadline = time.monotonic() + linger
-                while len(self.pending) < waiting_for and time.monotonic() < deadline:
-                    self.arrived.wait(max(deadline - time.monotonic(), 0.0))
-            calls, self.pending = self.pending, []
-        return calls
+            while True:
+                left = running()
+                if self.pending and first is None:
+                    first = time.monotonic()
+                if (self.pending and (len(self.pending) >= left or (linger and time.monotonic() - first >= linger))
+                        or not left):
+                    calls, self.pending = self.pending, []
+                    return sorted(calls, key=lambda call: call.episode)
+                self.arrived.wait(poll)
 
     def close(self) -> None:
         self.server.shutdown()
@@ -10902,15 +10906,13 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         try:
             futures = [pool.submit(play, i) for i in range(len(records))]
             while True:
-                running = sum(not f.done() for f in futures)
-                calls = endpoint.take(waiting_for=running) if running else endpoint.take(0, idle=0.0)
-                if calls:
-                    self._sample_agent_calls(engine, calls, params, batches)
-                    batches += 1
-                elif not running:
-                    break
+                calls = endpoint.take(lambda: sum(not f.done() for f in futures), linger=config.agent_batch_wait)
+                if not calls:
+                    break  # every episode is over
+                self._sample_agent_calls(engine, calls, params, batches)
+                batches += 1
         except BaseException:  # the run stops (a hang, an interrupt): answer what waits, leave the agents behind
-            for call in endpoint.take(0, idle=0.0):
+            for call in endpoint.take(lambda: 0):
                 call.error = "the rollout stopped"
                 call.done.set()
             self.agent_rollout = None
@@ -11052,9 +11054,12 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         ``tool_calls``, as vLLM's tool parser does."""
         tokenizer = self.policy.tokenizer
         text = tokenizer.decode(call.token_ids, skip_special_tokens=True)
-        ends = [text.find(stop) for stop in call.stop if stop and stop in text]
+        ends = sorted((text.find(stop), stop) for stop in call.stop if stop and stop in text)
         if ends:  # OpenAI's (and vLLM's) answer leaves out the stop string it ended at; the trajectory keeps it
-            text = text[:min(ends)]
+            text = text[:ends[0][0]]
+        # vLLM's extension of the answer: which stop string (or stop token id) ended it, None at the length limit
+        stop_reason = ends[0][1] if ends else (call.token_ids[-1] if call.token_ids and call.finish_reason == "stop"
+                                                else None)
         usage = {"prompt_tokens": len(call.prompt_ids), "completion_tokens": len(call.token_ids),
                  "total_tokens": len(call.prompt_ids) + len(call.token_ids)}
         base = {"id": f"rlhf-{call.episode}-{uuid.uuid4().hex[:8]}", "created": int(time.time()),
@@ -11065,7 +11070,8 @@ class _OnlineRLTrainer(_ReferenceTrainer):
                                     for t, lp in zip(call.token_ids, call.logprobs)]}
         if kind != "chat":
             return {**base, "object": "text_completion",
-                    "choices": [{"index": 0, "text": text, "finish_reason": call.finish_reason, "logprobs": None}]}
+                    "choices": [{"index": 0, "text": text, "finish_reason": call.finish_reason, "logprobs": None,
+                                 "stop_reason": stop_reason}]}
         message: dict[str, Any] = {"role": "assistant", "content": text}
         finish = call.finish_reason
         tool = parse_tool_call(text, "chat_template") if body.get("tools") else None
@@ -11075,7 +11081,8 @@ class _OnlineRLTrainer(_ReferenceTrainer):
                                       "function": {"name": tool.name, "arguments": json.dumps(tool.arguments)}}]
             finish = "tool_calls"
         return {**base, "object": "chat.completion",
-                "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs}]}
+                "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs,
+                             "stop_reason": stop_reason}]}
 
     def _observation_ids(self, record: dict[str, Any], conversation: list[dict[str, Any]], turn_ids: list[int],
                          observation: str) -> list[int]:
@@ -11113,7 +11120,12 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         self.rollout_metrics["rollout/failed_episodes"] = (self.rollout_metrics.get("rollout/failed_episodes", 0.0)
                                                            + float(failed.sum()))
         extra = getattr(output, "environment_rewards", None)
-        return rewards + extra if extra is not None else rewards
+        if extra is None:
+            return rewards
+        total = rewards + extra  # what the advantages see: the reward functions' and the environment's (an agent's)
+        kept = ~failed
+        self.rollout_metrics["reward"] = float(total[kept].mean()) if kept.any() else 0.0
+        return total
 
     def _reward_name(self) -> str:
         return getattr(self.reward_fn, "__name__", type(self.reward_fn).__name__)
@@ -11319,6 +11331,10 @@ class GRPOConfig(OnlineRLConfig):
                                    "policy (its requests are sampled, batched, recorded and trained on)")
     agent_port: int = _opt(0, "environment agent: the port of the OpenAI-compatible endpoint on 127.0.0.1 (0: a "
                               "free one)")
+    agent_batch_wait: float = _opt(0.0, "environment agent: 0 samples a batch once every running episode has a "
+                                        "request in (the same batches, so the same samples, in every run); > 0: "
+                                        "also after this many seconds, so an episode busy with a slow tool does not "
+                                        "hold the others up")
     agent_trajectory: str = _opt("concatenated", "environment agent: concatenated (each episode one trajectory: its "
                                                  "answers trained, what the agent added between requests observed) "
                                                  "| per_call (each request a row of its own, with its episode's "
@@ -11381,6 +11397,7 @@ class GRPOConfig(OnlineRLConfig):
                    "samples the agents' requests in the trainer's process; use vllm_mode: colocate")
             _check(0 <= self.agent_port < 65536, "agent_port", "must be a port number, or 0 for a free one")
             _check_choice(self.agent_trajectory, ("concatenated", "per_call"), "agent_trajectory")
+            _check(self.agent_batch_wait >= 0, "agent_batch_wait", "must be >= 0 (0: wait for every episode)")
             _check(self.environment != "agent" or self.agent_trajectory == "concatenated"
                    or not self.advantage_estimator.startswith("reinforce_pp"), "agent_trajectory",
                    "per_call gives each row its episode's advantage, and REINFORCE++'s token returns run along one "

@@ -5,6 +5,7 @@ agent's reward, the behaviour log-probs are the policy's own, and faults drop ep
 
 from __future__ import annotations
 
+import re
 import threading
 from pathlib import Path
 
@@ -219,3 +220,62 @@ def test_per_call_refuses_reinforce_pp():
     with pytest.raises(rlhf.RLHFInputError, match="agent_trajectory"):
         rlhf.GRPOConfig(environment="agent", agent="m:f", agent_trajectory="per_call",
                         advantage_estimator="reinforce_pp")
+
+
+# -- the agent example's learning curve --------------------------------------------------------------------------------
+
+
+def calculator_use_agent(client, record):
+    """The tool demo's calculator as an agent on the completions API (experiments/agents/calculator_agent.py's loop,
+    two requests at most): 1 when the calculator answered one of its calls with a number, the reward
+    test_tools.CalculatorAnswered gives the environment's episodes."""
+    written = ""
+    for _ in range(2):
+        reply = client.completions.create(model="policy", prompt=record["prompt_text"] + written, stop=[">>"],
+                                          max_tokens=32)
+        choice = reply.choices[0]
+        written += choice.text
+        if getattr(choice, "stop_reason", None) != ">>" or "<<" not in choice.text:
+            break  # not a call: the end of the answer (vLLM's stop_reason says which stop ended it)
+        written += ">> = " + rlhf.calculate(choice.text[choice.text.rfind("<<") + 2:])
+    return float(re.search(r">> = -?\d", written) is not None)
+
+
+@pytest.fixture(scope="module")
+def calculator_caller(tmp_path_factory, tiny_model_dir, demo_dir) -> Path:
+    from test_tools import train_calculator_caller
+
+    return train_calculator_caller(tmp_path_factory.mktemp("calculator-caller"), tiny_model_dir, demo_dir)
+
+
+def test_grpo_on_an_agent_program_learns_to_call_the_calculator(tmp_path, calculator_caller, demo_dir):
+    """test_tools.py's calculator learning run with the calculator run by an agent program through the endpoint
+    instead of an environment, the agent's reward the only one. Token in, token out and batches in episode order
+    make it the same run: step for step the same rewards, until an episode whose call ended inside a token (`>>`
+    and more in one token, so the agent's text cannot extend the sampled one) is dropped, about one in 300; the
+    share of episodes the calculator answered rises as there (0.41 to about 0.9 over 30 steps)."""
+    from test_tools import CALCULATOR, calculator_rows
+
+    tokenizer = rlhf.load_tokenizer(calculator_caller)
+    records = rlhf.load_records("demo_tool_rl", demo_dir, "prompt", max_samples=256)
+    dataset = rlhf.GRPODataset(records, tokenizer, rlhf.ChatFormatter(tokenizer), cutoff_len=128)
+    config = rlhf.GRPOConfig(model_name_or_path=str(calculator_caller), output_dir=str(tmp_path / "out"),
+                             finetuning_type="full", num_generations=8, per_device_train_batch_size=32,
+                             max_completion_length=32, cutoff_len=128, max_steps=30, beta=0.0, learning_rate=5e-4,
+                             lr_scheduler_type="constant", save_steps=0, logging_steps=1, disable_progress_bar=True,
+                             report_to="none", seed=0, resume_from_checkpoint="none", generation_engine="static",
+                             environment="agent", agent="test_agents:calculator_use_agent",
+                             max_turns=CALCULATOR["max_turns"])
+    rlhf.set_seed(config.seed)
+    policy = rlhf.PolicyModel.from_pretrained(config.model_name_or_path)
+    result = rlhf.GRPOTrainer(config, policy, dataset, reward_fn=rlhf.no_reward,
+                              formatter=rlhf.ChatFormatter(policy.tokenizer)).train()
+    rows = [row for row in result.history if "loss" in row]
+    rewards = [row["reward"] for row in rows]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last > first + 0.1 and last > 0.75, rewards
+    assert sum(row["rollout/failed_episodes"] for row in rows) <= 10 and all(row["tools/calls_per_episode"] > 0
+                                                                           for row in rows)
+    environment = calculator_rows(tmp_path / "environment", calculator_caller, demo_dir, max_steps=5)
+    same = min(5, next((i for i, row in enumerate(rows) if row["rollout/failed_episodes"]), 5))
+    assert [round(r, 5) for r in rewards[:same]] == [round(row["reward"], 5) for row in environment[:same]]
