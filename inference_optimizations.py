@@ -1781,8 +1781,12 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         self.wake_up()
-        results = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
-                                    vllm_sampling_params(params), use_tqdm=False, lora_request=self.adapter)
+        # a seed per prompt (the seed + its index): one seed for the batch would draw the same noise for every
+        # prompt, so identical prompts (an episode's turns of one group) would get identical samples
+        per_prompt = ([vllm_sampling_params(dataclasses.replace(params, seed=params.seed + i))
+                       for i in range(len(prompts))] if params.seed is not None else vllm_sampling_params(params))
+        results = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], per_prompt,
+                                    use_tqdm=False, lora_request=self.adapter)
         return _vllm_output(results)
 
     def load_weights(self, named_tensors) -> None:

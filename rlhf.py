@@ -11114,6 +11114,11 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         ``output.failed`` (per completion: its episode or its reward failed after the retries) and counts them in
         rollout/failed_episodes."""
         episodes = torch.tensor(getattr(output, "failed", None) or [False] * len(output.token_ids), dtype=torch.bool)
+        if episodes.numel() and episodes.all():  # not a fault of some episodes: nothing of this rollout can train
+            raise RLHFInputError(f"every episode of rollout {self.rollout_index} failed in its environment "
+                                 f"({self.config.environment}; the warning above names the last error), so the run "
+                                 f"stops: fix it, or raise rollout_retries / environment_timeout. "
+                                 f"{self._resume_advice()}")
         rewards = self._score(records, output.token_ids, failed_already=episodes)
         failed = episodes | self.failed_completions
         output.failed = failed.tolist()
@@ -11155,6 +11160,8 @@ class _OnlineRLTrainer(_ReferenceTrainer):
                 raise
             except Exception as error:  # noqa: BLE001
                 failed[i], last = True, error
+        if failed.all():  # a broken reward, not a fault of some calls: the run stops with its own error
+            raise last
         if failed.any():
             logger.warning("reward function %s failed on %d of %d completions after %d attempts each (last error: "
                            "%s: %s); they are dropped", self._reward_name(), int(failed.sum()), n, attempts,
@@ -11192,8 +11199,6 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         if bad.any():
             self.pending_problem = f"reward ({int(bad.sum())} of {bad.numel()} completions)"
             rewards = torch.where(bad, torch.zeros_like(rewards), rewards)
-        if lost.all():
-            self.pending_problem = f"every episode of the rollout failed ({int(lost.sum())})"
         self.rollout_metrics["reward"] = float(rewards[~lost].mean()) if (~lost).any() else 0.0
         return rewards
 

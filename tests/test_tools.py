@@ -425,15 +425,22 @@ def test_a_reward_that_fails_on_some_completions_drops_only_their_groups(tmp_pat
     assert trainer.rollout_metrics["reward"] == 1.0  # the scored completions' mean, not a made-up zero
 
 
-def test_when_every_reward_fails_the_step_skips_its_update(tmp_path, tiny_model_dir, prompts):
-    trainer = _trainer(tmp_path, tiny_model_dir, prompts, environment=None, rollout_retries=0)
+def test_a_reward_that_fails_on_every_completion_stops_the_run_with_its_own_error(tmp_path, tiny_model_dir,
+                                                                                  prompts):
+    """Failing on every completion is a broken reward, not a fault of some calls: after the retries the run stops
+    with the reward's own error (which a pipeline's rollback_on_error then handles)."""
+    trainer = _trainer(tmp_path, tiny_model_dir, prompts, environment=None, rollout_retries=1)
     trainer.reward_fn = lambda p, c, a: (_ for _ in ()).throw(TimeoutError("reward service timed out"))
-    before = {k: v.clone() for k, v in trainer.policy.model.state_dict().items()}
-    result = trainer.train()
-    row = next(row for row in result.history if "stability/skipped_steps" in row)
-    assert row["stability/skipped_steps"] == 1 and row["rollout/failed_episodes"] == 4
-    for name, value in trainer.policy.model.state_dict().items():
-        assert torch.equal(value, before[name])
+    with pytest.raises(TimeoutError, match="reward service timed out"):
+        trainer.train()
+
+
+def test_an_environment_that_fails_every_episode_stops_the_run_with_one_line(tmp_path, tiny_model_dir, prompts):
+    BrokenForFirstPrompt.first = prompts[0]["prompt_ids"]
+    trainer = _trainer(tmp_path, tiny_model_dir, prompts, environment="test_tools:BrokenForFirstPrompt",
+                       rollout_retries=0)
+    with pytest.raises(rlhf.RLHFInputError, match="every episode of rollout 0 failed in its environment"):
+        trainer.make_rollout([prompts[0], prompts[0]])
 
 
 def test_a_stage_that_cannot_drop_completions_stops_with_one_line(tmp_path, tiny_model_dir, prompts, monkeypatch):

@@ -228,6 +228,24 @@ def test_grpo_with_vllm_learns_like_our_engine(tmp_path, tiny_model_dir, dataset
     assert all("perf/weight_sync_s" in row for row in rows[1:])
 
 
+def test_use_vllm_auto_times_both_engines_and_keeps_the_faster(tmp_path, tiny_model_dir, dataset, monkeypatch,
+                                                                caplog):
+    """use_vllm: auto with vLLM's start said to be free: our engine samples the first rollout (nothing to correct),
+    vLLM the second (a trial, corrected as vLLM's rollouts are), and the engine the logged figures call faster
+    samples the rest."""
+    import re
+
+    monkeypatch.setattr(rlhf, "VLLM_START_SECONDS", 0.0)
+    with caplog.at_level("INFO", logger="rlhf"):
+        rows = _rows(_grpo_trainer(tmp_path, tiny_model_dir, dataset, use_vllm="auto", max_steps=4).train())
+    message = next(r.getMessage() for r in caplog.records if "use_vllm=auto: a rollout of" in r.getMessage())
+    ours, theirs = (float(x) for x in re.findall(r"takes ([0-9.]+) s with our engine, ([0-9.]+) s", message)[0])
+    kept = message.endswith("vLLM samples from now on")
+    assert kept == (theirs < ours)
+    assert "vllm/logprob_abs_diff_max" not in rows[0] and rows[1]["vllm/logprob_abs_diff_max"] < 1e-4
+    assert all(("vllm/logprob_abs_diff_max" in row) == kept for row in rows[2:])
+
+
 def test_truncated_sampling_is_corrected_against_what_was_sampled(tmp_path, tiny_model_dir, dataset):
     """top_p / top_k narrow the sampled distribution: the logged engine/trainer gap stays at fp32 noise, the
     importance weights at 1 (nothing to correct), where a full-vocabulary comparison would weight every token
@@ -305,6 +323,30 @@ def test_episodes_run_on_vllm_as_on_our_engine(tmp_path, tiny_model_dir, dataset
         engine._close_engine()
     assert rows and all(row["tools/calls_per_episode"] > 0 for row in rows)
     assert all(row["vllm/logprob_abs_diff_max"] < 1e-4 for row in rows)
+
+
+@pytest.fixture(scope="module")
+def calculator_caller(tmp_path_factory, tiny_model_dir, demo_dir):
+    from test_tools import train_calculator_caller
+
+    return train_calculator_caller(tmp_path_factory.mktemp("calculator-caller"), tiny_model_dir, demo_dir)
+
+
+def test_calculator_use_is_learned_on_vllm_as_on_our_engine(tmp_path, calculator_caller, demo_dir):
+    """test_tools.py's test_grpo_learns_to_call_the_calculator (the demo's calculator, rewarded when it answers a
+    call) with vLLM sampling the episodes, beside the same run on our engine: both pass that test's threshold, and
+    vLLM's last five steps end within 0.2 of ours. Runs that differ only in their samples end about 0.05 apart
+    (their last-five means spread with a standard deviation of about 0.05, so 0.2 is about three of their
+    difference's), while a run that learned nothing would stay near the 0.5 it starts from, 0.4 below."""
+    from test_tools import calculator_rows, first_and_last_rewards
+
+    ours = calculator_rows(tmp_path / "ours", calculator_caller, demo_dir)
+    sampled = calculator_rows(tmp_path / "vllm", calculator_caller, demo_dir, use_vllm=True)
+    (ours_first, ours_last), (first, last) = first_and_last_rewards(ours), first_and_last_rewards(sampled)
+    curves = [row["reward"] for row in ours], [row["reward"] for row in sampled]
+    assert ours_last > ours_first + 0.1 and ours_last > 0.75, curves
+    assert last > first + 0.1 and last > 0.75 and abs(last - ours_last) < 0.2, curves
+    assert all(row["vllm/logprob_abs_diff_max"] < 1e-4 for row in sampled)  # the tool's tokens stay out of it
 
 
 # -- Best-of-N and the pipeline's final stages ----------------------------------------------------------------------
@@ -524,6 +566,50 @@ def test_async_rollouts_train_one_step_off_policy_and_are_corrected(tmp_path, se
     assert rows[0]["vllm/logprob_abs_diff_max"] < 1e-4
     assert max(row["vllm/logprob_abs_diff_mean"] for row in rows[1:]) > 1e-3
     assert all(0 < row["vllm/is_weight_mean"] for row in rows)
+
+
+def test_episodes_in_server_mode_keep_the_tool_out_and_agree_with_the_trainer(tmp_path, server, tiny_model_dir,
+                                                                                dataset):
+    """Multi-turn episodes on a `vllm-serve` server, one /generate a turn: the tool's tokens come back with log-prob
+    0 and get no label and no importance weight; the generated ones carry the server's log-probs, which are the
+    trainer's within fp32 noise, so their weights are 1; the episodes of one prompt are samples of their own (each
+    request draws from a seed of its own); and a run keeps the gap at noise after each weight sync."""
+    port, _ = server
+    tools = dict(environment="test_tools:scripted", max_turns=4, max_turn_tokens=6, max_completion_length=64)
+    trainer = _grpo_trainer(tmp_path, tiny_model_dir, dataset, vllm_mode="server", vllm_server_port=port, **tools)
+    observation = trainer.formatter.encode(" [tool says 7] ")
+    prompts = [dataset[0], dataset[1]]
+    sampled = []
+    sample_episodes = trainer._sample_episodes
+    trainer._sample_episodes = lambda *args: sampled.append(sample_episodes(*args)) or sampled[-1]
+    try:
+        trainer.rollout_index = 0
+        rollout = trainer.make_rollout(prompts)
+        output, metrics = sampled[0], dict(trainer.rollout_metrics)
+        for index, tokens, logps, seen in zip(output.prompt_index, output.token_ids, output.logprobs,
+                                              output.observation_mask):
+            assert len(tokens) == len(logps) == len(seen)
+            assert [t for t, s in zip(tokens, seen) if s] == observation * 2  # two answers, the third step ends it
+            generated = ~torch.tensor(seen)
+            engine = torch.tensor(logps)
+            assert torch.all(engine[~generated] == 0) and torch.all(engine[generated] < 0)
+            trainer_logps = _trainer_logps(trainer.policy.model, prompts[index]["prompt_ids"], tokens)
+            assert (trainer_logps[generated] - engine[generated]).abs().max() < 1e-4
+        for group in (output.token_ids[:4], output.token_ids[4:]):
+            assert len({tuple(tokens) for tokens in group}) == 4
+        labelled = rollout.completion_mask
+        for row in range(rollout.input_ids.shape[0]):
+            start, width = int(rollout.prompt_lengths[row]), int(rollout.attention_mask[row].sum())
+            tokens, labels = rollout.input_ids[row, start:width].tolist(), rollout.labels[row, start:width]
+            assert [t for t, label in zip(tokens, labels) if label == rlhf.IGNORE_INDEX] == observation * 2
+        weights = rollout.importance_weights
+        assert torch.all(weights[~labelled] == 0) and (weights[labelled] - 1).abs().max() < 1e-4
+        assert metrics["vllm/logprob_abs_diff_max"] < 1e-4 and abs(metrics["vllm/is_weight_mean"] - 1) < 1e-4
+        rows = _rows(trainer.train())
+    finally:
+        trainer._close_engine()
+    assert len(rows) == 2 and all(row["tools/calls_per_episode"] == 2 for row in rows)
+    assert all(row["vllm/logprob_abs_diff_max"] < 1e-4 for row in rows)
 
 
 @pytest.mark.parametrize("transfer", ["files", "collective"])
