@@ -1781,9 +1781,11 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         self.wake_up()
-        # a seed per prompt (the seed + its index): one seed for the batch would draw the same noise for every
-        # prompt, so identical prompts (an episode's turns of one group) would get identical samples
-        per_prompt = ([vllm_sampling_params(dataclasses.replace(params, seed=params.seed + i))
+        # a seed per prompt, n apart: vLLM seeds a prompt's n samples seed .. seed + n - 1, so one seed for the batch
+        # (or seeds one apart) would give identical prompts (an episode group's turns) the same noise; mixing in the
+        # index keeps neighbouring rollouts' and processes' seeds apart too
+        per_prompt = ([vllm_sampling_params(dataclasses.replace(params, seed=(params.seed * 1_000_003 + i) * params.n
+                                                                % 2 ** 63))
                        for i in range(len(prompts))] if params.seed is not None else vllm_sampling_params(params))
         results = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], per_prompt,
                                     use_tqdm=False, lora_request=self.adapter)
