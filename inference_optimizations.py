@@ -44,7 +44,7 @@ import uuid
 import warnings
 import weakref
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -218,6 +218,11 @@ class SamplingParams:
     # never sampled (a vision-language model's image tokens: one in a completion would ask the next forward for image
     # features it does not have); the reported log-probs stay those of the unsuppressed distribution, as with top_k
     suppress_token_ids: tuple[int, ...] = ()
+    # vLLM seeds each prompt from its place in the whole rollout: prompt i of this call is place
+    # seed_index_start + i * seed_index_stride, so a rollout split across processes (each taking every
+    # world_size-th prompt) samples what one process sampling it whole would
+    seed_index_start: int = 0
+    seed_index_stride: int = 1
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1 or self.n < 1:
@@ -1332,6 +1337,21 @@ class PolicyWeights:
     save_adapter: Callable[[Path], None] | None = None
 
 
+@dataclass
+class GatheredRead:
+    """(Hugging Face name, tensor) pairs of a policy sharded across processes (FSDP2, ZeRO-3), each tensor gathered
+    whole only when the iteration reaches it: calling it starts a collective that every training process runs in
+    the same order, so an engine reads it once per sync, to the end, and holds as little of it at a time as it can.
+    ``layout()``: the same pairs' names, dtypes and shapes, known without gathering anything (what a collective
+    transfer announces to the server before the tensors follow)."""
+
+    read: Callable[[], Any]
+    layout: Callable[[], list[tuple[str, str, list[int]]]]
+
+    def __call__(self) -> Any:
+        return self.read()
+
+
 @typing.runtime_checkable
 class RolloutEngine(typing.Protocol):
     """What the online trainers sample with: one engine per run, the same calls whichever it is.
@@ -1742,6 +1762,13 @@ class VLLMEngine:
             options.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=sleep_mode)
         if enable_lora:
             options.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1)
+        # inside a multi-process trainer (torchrun / accelerate launch): vLLM joins the trainer's process group, as
+        # TRL's colocate mode does, and each process runs an engine of its own (tensor_parallel_size 1), made by
+        # every process at once (vLLM forms its groups collectively)
+        self.in_trainer_group = torch.distributed.is_available() and torch.distributed.is_initialized() and (
+            torch.distributed.get_world_size() > 1)
+        if self.in_trainer_group:
+            options["distributed_executor_backend"] = "external_launcher"
         from vllm import LLM
 
         global _OPEN_ENGINE
@@ -1784,9 +1811,10 @@ class VLLMEngine:
         # a seed per prompt, n apart: vLLM seeds a prompt's n samples seed .. seed + n - 1, so one seed for the batch
         # (or seeds one apart) would give identical prompts (an episode group's turns) the same noise; mixing in the
         # index keeps neighbouring rollouts' and processes' seeds apart too
-        per_prompt = ([vllm_sampling_params(dataclasses.replace(params, seed=(params.seed * 1_000_003 + i) * params.n
-                                                                % 2 ** 63))
-                       for i in range(len(prompts))] if params.seed is not None else vllm_sampling_params(params))
+        places = [params.seed_index_start + i * params.seed_index_stride for i in range(len(prompts))]
+        per_prompt = ([vllm_sampling_params(dataclasses.replace(params, seed=(params.seed * 1_000_003 + place)
+                                                                * params.n % 2 ** 63))
+                       for place in places] if params.seed is not None else vllm_sampling_params(params))
         results = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], per_prompt,
                                     use_tqdm=False, lora_request=self.adapter)
         return _vllm_output(results)
@@ -1847,7 +1875,8 @@ class VLLMEngine:
         """Shut the engine down now (its memory, and vLLM's distributed state in this process)."""
         if not self.closed:
             self.closed = True
-            self.llm.llm_engine.engine_core.shutdown()
+            with _trainer_group_kept(self.in_trainer_group):
+                self.llm.llm_engine.engine_core.shutdown()
             self.llm = None
             gc.collect()
             for folder in self.owned:
@@ -1863,6 +1892,29 @@ class VLLMEngine:
         if self.asleep:
             self.llm.wake_up()
             self.asleep = False
+
+
+@contextlib.contextmanager
+def _trainer_group_kept(keep: bool) -> Iterator[None]:
+    """vLLM's shutdown destroys torch.distributed's default process group along with its own groups: one it joined
+    (a multi-process trainer's) is kept, its own groups still go."""
+    if not keep:
+        yield
+        return
+    from vllm.distributed import parallel_state
+
+    original = parallel_state.destroy_distributed_environment
+
+    def destroy_own_groups() -> None:
+        if parallel_state._WORLD:
+            parallel_state._WORLD.destroy()
+        parallel_state._WORLD = parallel_state._NODE_COUNT = None
+
+    parallel_state.destroy_distributed_environment = destroy_own_groups
+    try:
+        yield
+    finally:
+        parallel_state.destroy_distributed_environment = original
 
 
 def vllm_engine_for(model_dir: str | os.PathLike, **options) -> VLLMEngine:
@@ -1913,6 +1965,7 @@ def save_weight_shards(named_tensors, directory: str | os.PathLike, shard_bytes:
         if size >= shard_bytes:
             save_file(shard, str(directory / f"part-{index:05d}.safetensors"))
             written, shard, size, index = written + size, {}, 0, index + 1
+        del tensor  # a gathered tensor (GatheredRead) is freed before the next one is gathered
     if shard:
         save_file(shard, str(directory / f"part-{index:05d}.safetensors"))
         written += size
@@ -2108,6 +2161,10 @@ class VLLMClient:
         if self.last_load is not None and answer.get("weight_version", 0) < self.weight_version:
             logger.warning("vLLM server %s restarted: sending it the current weights again", self.url)
             how, what = self.last_load
+            if how == "collective" and isinstance(what, GatheredRead):
+                raise VLLMServerError(f"vLLM server {self.url} restarted, and a sharded policy's weights are "
+                                      f"gathered by every training process together, at a sync only (set "
+                                      f"vllm_weight_transfer: files to have a restarted server reload them)")
             if how == "collective":
                 self.group = None  # the restarted server's workers know no weight group
                 self._send_collective(what)
@@ -2125,18 +2182,24 @@ class VLLMClient:
         """Send full weights: (name, tensor) pairs, or a function returning them, which a restarted server can be
         sent again from; the collective transfer keeps no copy, so it takes the function only."""
         # files stream the pairs; the other transfers look at them first (the trainer's own tensors: no copy)
-        tensors = list(named_tensors()) if callable(named_tensors) and self.weight_transfer != "files" else None
+        gathered = isinstance(named_tensors, GatheredRead)  # a collective: read once, as it streams
+        if gathered and self.weight_transfer == "auto":
+            self.weight_transfer = self._transfer_for(torch.empty(0, device="cuda") if torch.cuda.is_available()
+                                                      else None)
+        tensors = (list(named_tensors()) if callable(named_tensors) and self.weight_transfer != "files" and not gathered
+                   else None)
         if self.weight_transfer == "auto":  # decided once, on the first sync's tensors
             self.weight_transfer = self._transfer_for(tensors[0][1] if tensors else None)
         if self.weight_transfer == "collective":
-            if tensors is None:
+            if tensors is None and not gathered:
                 raise ValueError("the collective transfer takes a function returning the (name, tensor) pairs, "
                                  "so that a restarted server can be sent them again")
             self._send_collective(named_tensors, tensors)
             return
         if tensors is None:
             tensors = named_tensors() if callable(named_tensors) else named_tensors
-        save_weight_shards(tensors, self.sync_dir / "weights")
+        # gathered tensors: a file each, so the trainer holds one gathered tensor at a time, not a shard's worth
+        save_weight_shards(tensors, self.sync_dir / "weights", shard_bytes=0 if gathered else 1 << 30)
         self._load("/load_weights", str(self.sync_dir / "weights"))
 
     def _transfer_for(self, tensor: torch.Tensor | None) -> str:
@@ -2157,28 +2220,37 @@ class VLLMClient:
         broadcast still pending would hang the trainer's next kernel) and the next sync forms a new one."""
         import threading
 
-        tensors = [(name, tensor.detach().contiguous())
-                   for name, tensor in (tensors if tensors is not None else source())]
-        backend = "nccl" if tensors and tensors[0][1].is_cuda else "gloo"
+        gathered = isinstance(source, GatheredRead)
+        if gathered:  # announced from the layout; each tensor gathered as the broadcast reaches it
+            metadata = [[name, dtype, list(shape)] for name, dtype, shape in source.layout()]
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+            device = device or torch.device("cpu")
+        else:
+            tensors = [(name, tensor.detach().contiguous())
+                       for name, tensor in (tensors if tensors is not None else source())]
+            metadata = [[name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape)]
+                        for name, tensor in tensors]
+            device = tensors[0][1].device if tensors else torch.device("cpu")
+        backend = "nccl" if device.type == "cuda" else "gloo"
         server = self.health()  # waits out a restart within the retries, as every request does
-        if backend == "nccl" and self._shares_gpu(tensors[0][1].device, server):
+        if backend == "nccl" and self._shares_gpu(device, server):
             raise VLLMServerError(f"vLLM server {self.url} runs on this trainer's GPU, and NCCL cannot join two "
                                   f"processes on one GPU: set vllm_weight_transfer: files (or auto)")
         if self.group is None or self.group[3:] != (backend, server.get("server_id")):
-            self._join_weight_group(backend, tensors[0][1].device if tensors else torch.device("cpu"), server)
+            self._join_weight_group(backend, device, server)
         _, group, key, _, _ = self.group
         failures: list[BaseException] = []
 
         def broadcast() -> None:
             try:
-                for _, tensor in tensors:
-                    _broadcast_from_trainer(group, tensor)
+                for _, tensor in (source() if gathered else tensors):
+                    _broadcast_from_trainer(group, tensor.detach().contiguous().to(device))
+                    del tensor  # a gathered one is freed before the next is gathered
             except Exception as error:  # noqa: BLE001 - reported below, in the trainer's thread
                 failures.append(error)
 
         sender = threading.Thread(target=broadcast, daemon=True)
         sender.start()
-        metadata = [[name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape)] for name, tensor in tensors]
         try:
             answer = self._request("/load_weights", {"collective": metadata, "key": key, "backend": backend},
                                    attempts=1)

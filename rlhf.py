@@ -22,7 +22,8 @@ says what a contributor adds there, and docs/architecture.md walks through each:
             LLaMA-Factory or TRL key in LLAMAFACTORY_RENAMES / TRL_OPENRLHF_RENAMES (a stage's own config lives in its
             section 9 slice)
   2. Infrastructure
-       rich_console, setup_logging, logging_restored, set_seed, weight_sharding, DeviceManager, smoothed, plot_metrics,
+       rich_console, setup_logging, logging_restored, set_seed, weight_sharding, GatherMeter, gathered_named_tensors,
+       sharded_layout, DeviceManager, smoothed, plot_metrics,
        PlainProgress, TrainingLogger, optimizer_state_to_safetensors, optimizer_state_from_safetensors,
        capture_rng_state, restore_rng_state, CheckpointManager, PreemptionGuard, CheckpointingMixin, create_optimizer,
        EarlyStopping, find_linear_module_names, find_expert_parameter_names, apply_lora, apply_freeze, compile_model,
@@ -173,6 +174,7 @@ from inference_optimizations import (
     VLLM_MODES,
     WEIGHT_TRANSFERS,
     BestOfNSampler,
+    GatheredRead,
     GenerationOutput,
     LocalEngine,
     PolicyWeights,
@@ -189,6 +191,7 @@ from inference_optimizations import (
     innermost_model,
     pin_cpu_kernels,
     returned_cache,
+    save_weight_shards,
     select_attention_implementation,
     shared_memory_dir,
     stop_token_ids,
@@ -1650,6 +1653,118 @@ def weight_sharding(model: nn.Module) -> str:
     return ""
 
 
+class GatherMeter:
+    """The bytes of gathered tensors still alive during a sharded weight sync, and their peak: a sync gathers one
+    tensor (FSDP2) or one module (ZeRO-3) at a time and its consumer frees each once sent, so the peak is what a
+    sync costs on top of the shards (a layer's worth, not the model)."""
+
+    def __init__(self) -> None:
+        self.live = self.peak = self.total = 0
+
+    def track(self, tensor: torch.Tensor) -> torch.Tensor:
+        size = tensor.numel() * tensor.element_size()
+        self.live += size
+        self.total += size
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(tensor, self._freed, size)
+        return tensor
+
+    def _freed(self, size: int) -> None:
+        self.live -= size
+
+
+def gathered_named_tensors(model: nn.Module, kind: str, wanted: Callable[[str], bool] | None = None,
+                           meter: GatherMeter | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """A sharded model's weights (``kind``: ``weight_sharding``) under their unsharded names, each gathered whole
+    when asked: FSDP2 a tensor at a time (``DTensor.full_tensor``), ZeRO-3 a module's own parameters at a time
+    (``GatheredParameters``, copied out, since DeepSpeed frees the gathered storage on leaving). Tied weights come
+    once; ``wanted(name)`` picks which (e.g. a LoRA adapter's). Every process must iterate it to the end in the same
+    order, since each gather is a collective: a consumer that stops early (an error) has the rest gathered and
+    dropped when the generator closes, so the other processes are not left waiting."""
+    wanted = wanted or (lambda name: True)
+    if kind == "zero3":
+        yield from _zero3_named_tensors(model, wanted, meter)
+        return
+    from torch.distributed.tensor import DTensor
+
+    plan = _fsdp2_plan(model, wanted)
+    done = 0
+    try:
+        for name, tensor in plan:
+            done += 1
+            if isinstance(tensor, DTensor):
+                full = tensor.full_tensor().detach()
+                yield name, (meter.track(full) if meter is not None else full)
+                del full  # before the next gather, so that one gathered tensor is held here at a time
+            else:
+                yield name, tensor.detach()
+    finally:  # closed early: the other processes still gather the rest
+        for _, tensor in plan[done:]:
+            if isinstance(tensor, DTensor):
+                tensor.full_tensor()
+
+
+def _fsdp2_plan(model: nn.Module, wanted: Callable[[str], bool]) -> list[tuple[str, torch.Tensor]]:
+    """The (name, tensor) pairs an FSDP2 model's gather goes through, tied ones once: the same on every process, so
+    the gathers pair up."""
+    from torch.distributed.tensor import DTensor
+
+    seen: set[int] = set()
+    plan = []
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        key = local.data_ptr() if local.numel() else id(tensor)
+        if key not in seen and wanted(name):
+            plan.append((name, tensor))
+        seen.add(key)
+    return plan
+
+
+def _zero3_plan(model: nn.Module, wanted: Callable[[str], bool]) -> list[list[tuple[str, nn.Parameter]]]:
+    """A ZeRO-3 model's parameters grouped by the module that owns them (each group gathered at once), tied ones
+    once: the same on every process."""
+    seen: set[int] = set()
+    plan = []
+    for prefix, module in model.named_modules():
+        params = [(f"{prefix}.{name}" if prefix else name, p) for name, p in module.named_parameters(recurse=False)
+                  if id(p) not in seen]
+        seen.update(id(p) for _, p in params)
+        params = [(name, p) for name, p in params if wanted(name)]
+        if params:
+            plan.append(params)
+    return plan
+
+
+def sharded_layout(model: nn.Module, kind: str, wanted: Callable[[str], bool] | None = None
+                   ) -> list[tuple[str, str, list[int]]]:
+    """The names, dtypes and whole shapes ``gathered_named_tensors`` yields, in its order, without gathering."""
+    wanted = wanted or (lambda name: True)
+    if kind == "zero3":
+        return [(name, str(p.dtype).removeprefix("torch."), list(p.ds_shape))
+                for params in _zero3_plan(model, wanted) for name, p in params]
+    return [(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in _fsdp2_plan(model, wanted)]
+
+
+def _zero3_named_tensors(model: nn.Module, wanted: Callable[[str], bool],
+                         meter: GatherMeter | None) -> Iterator[tuple[str, torch.Tensor]]:
+    import deepspeed
+
+    plan = _zero3_plan(model, wanted)
+    done = 0
+    try:
+        for params in plan:
+            done += 1
+            with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
+                copies = [(name, p.data.detach().clone()) for name, p in params]
+            for name, tensor in copies:
+                yield name, (meter.track(tensor) if meter is not None else tensor)
+            del copies
+    finally:
+        for params in plan[done:]:
+            with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
+                pass
+
+
 class DeviceManager:
     """Device, mixed precision, gradient scaling, clipping and process layout, over ``accelerate``.
 
@@ -1759,6 +1874,14 @@ class DeviceManager:
 
     def wait(self) -> None:
         self.accelerator.wait_for_everyone()
+
+    def broadcast_object(self, value: Any) -> Any:
+        """The main process's ``value`` on every process (each passes its own; only the main one's is kept)."""
+        if self.num_processes == 1:
+            return value
+        from accelerate.utils import broadcast_object_list
+
+        return broadcast_object_list([value], from_process=0)[0]
 
     # -- models sharded across processes (FSDP2, DeepSpeed ZeRO-3): their forwards and state are collectives
     def check_sharding(self, prepared: nn.Module) -> str:
@@ -10150,16 +10273,9 @@ for _dtype in QUANTIZED_ROLLOUT_DTYPES:
     register_rollout_engine(f"ours_{_dtype}")(_our_quantized_rollout_engine)
 
 
-def _refuse_sharded_vllm(trainer: Any) -> None:
-    if trainer.sharded:
-        raise RLHFInputError("use_vllm: the policy's weights are sharded across processes (FSDP / ZeRO-3), which "
-                             "the weight sync does not gather yet; train with DDP, or set use_vllm: false")
-
-
 @register_rollout_engine("vllm_colocate")
 def _vllm_colocate_engine(trainer: Any) -> VLLMEngine:
     """vLLM in this process, started from the policy's weights (a LoRA policy's base) written to shared memory."""
-    _refuse_sharded_vllm(trainer)
     config = trainer.config
     start = Path(tempfile.mkdtemp(prefix="rlhf-vllm-", dir=shared_memory_dir()))
     rank = getattr(config, "lora_rank", 8)
@@ -10181,7 +10297,6 @@ def _vllm_colocate_engine(trainer: Any) -> VLLMEngine:
 @register_rollout_engine("vllm_server")
 def _vllm_server_engine(trainer: Any) -> VLLMClient:
     """A client of ``rlhf.py vllm-serve``; a server that is not there fails here, before any rollout."""
-    _refuse_sharded_vllm(trainer)
     config = trainer.config
     transfer = config.vllm_weight_transfer
     if transfer == "auto":
@@ -10541,9 +10656,14 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         # they would draw the same noise for different prompts: several sample from a seed of their own. vLLM
         # always gets one, from the rollout's index: its draws do not follow torch's RNG, and a resumed run must
         # sample the interrupted rollout again alike
+        # vLLM seeds each prompt from its place in the rollout across processes instead (seed_index_*): the
+        # interleaved sampler gives process r the places r, r + world_size, ... so any process count samples alike
         own_seed = self.devices.num_processes > 1 or config.use_vllm is not False
-        seed = (config.seed * 1_000_003 + rollout_index) * 1009 + self.devices.process_index if own_seed else None
-        return SamplingParams(max_new_tokens=config.max_completion_length, temperature=config.temperature,
+        rank, world = self.devices.process_index, self.devices.num_processes
+        by_place = config.use_vllm is True
+        seed = (config.seed * 1_000_003 + rollout_index) * 1009 + (0 if by_place else rank) if own_seed else None
+        return SamplingParams(seed_index_start=rank if by_place else 0, seed_index_stride=world if by_place else 1,
+                              max_new_tokens=config.max_completion_length, temperature=config.temperature,
                               top_p=config.top_p, top_k=config.top_k, min_p=config.min_p,
                               repetition_penalty=config.repetition_penalty, n=n, seed=seed,
                               stop_token_ids=tuple(self.formatter.stop_token_ids),
@@ -10586,21 +10706,29 @@ class _OnlineRLTrainer(_ReferenceTrainer):
 
     def _write_engine_start(self, directory: Path) -> None:
         """What the colocated engine loads first: the policy's weights, or for LoRA its base (adapters are synced
-        on their own), with the tokenizer."""
-        model = self.devices.unwrap(self.policy.model)
-        model = getattr(model, "_orig_mod", model)
-        if self.policy.is_peft:
-            model.get_base_model().save_pretrained(directory, state_dict=dict(self._base_weights()))
+        on their own), with the tokenizer. A sharded policy's are gathered a tensor at a time into a file each."""
+        model = self._unwrapped_module()
+        target = model.get_base_model() if self.policy.is_peft else model
+        if self.sharded:
+            target.config.save_pretrained(directory)
+            if getattr(target, "generation_config", None) is not None:
+                target.generation_config.save_pretrained(directory)
+            reads = self._weight_reads()
+            save_weight_shards(reads["base" if self.policy.is_peft else "named"](), directory, shard_bytes=0)
+        elif self.policy.is_peft:
+            target.save_pretrained(directory, state_dict=dict(self._base_weights()))
         else:
             model.save_pretrained(directory)
         self.policy.tokenizer.save_pretrained(directory)
 
+    def _unwrapped_module(self) -> nn.Module:
+        model = self.devices.unwrap(self.policy.model)
+        return getattr(model, "_orig_mod", model)
+
     def _named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The policy's weights under their Hugging Face names, one tensor at a time (tied ones once)."""
-        model = self.devices.unwrap(self.policy.model)
-        model = getattr(model, "_orig_mod", model)
         seen: set[int] = set()
-        for name, tensor in model.state_dict().items():
+        for name, tensor in self._unwrapped_module().state_dict().items():
             if tensor.data_ptr() in seen:
                 continue
             seen.add(tensor.data_ptr())
@@ -10608,40 +10736,109 @@ class _OnlineRLTrainer(_ReferenceTrainer):
 
     def _base_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """A LoRA policy's frozen base weights under the base model's own names."""
-        model = self.devices.unwrap(self.policy.model)
-        base = getattr(model, "_orig_mod", model).get_base_model()
+        base = self._unwrapped_module().get_base_model()
         seen: set[int] = set()
         for name, tensor in base.state_dict().items():
             if "lora_" not in name and tensor.data_ptr() not in seen:  # tied weights once
                 seen.add(tensor.data_ptr())
                 yield name.replace(".base_layer.", "."), tensor.detach()
 
+    def _weight_reads(self) -> dict[str, GatheredRead]:
+        """A sharded policy's weights as an engine reads them (each a collective every process iterates alike):
+        ``named`` all of them, and for LoRA ``base`` (the frozen base under the base model's names) and ``adapter``
+        (the LoRA tensors under the PEFT model's names). The gathered bytes alive at once are metered
+        (``sync_meter``)."""
+        model, kind = self._unwrapped_module(), weight_sharding(self.model)
+
+        def read(module: nn.Module, wanted: Callable[[str], bool] | None = None,
+                 rename: Callable[[str], str] = str) -> GatheredRead:
+            def gathered() -> Iterator[tuple[str, torch.Tensor]]:
+                for name, tensor in gathered_named_tensors(module, kind, wanted, self.sync_meter):
+                    yield rename(name), tensor
+                    del tensor  # not held while the next one is gathered
+
+            return GatheredRead(gathered, lambda: [(rename(name), dtype, shape)
+                                                   for name, dtype, shape in sharded_layout(module, kind, wanted)])
+
+        reads = {"named": read(model)}
+        if self.policy.is_peft:
+            reads["base"] = read(model.get_base_model(), lambda name: "lora_" not in name,
+                                 lambda name: name.replace(".base_layer.", "."))
+            reads["adapter"] = read(model, lambda name: "lora_" in name)
+        return reads
+
     def _policy_weights(self) -> PolicyWeights:
         """The policy's weights as of this optimizer step, read lazily by the engine's sync."""
-        model = self.devices.unwrap(self.policy.model)
-        model = getattr(model, "_orig_mod", model)
+        model = self._unwrapped_module()
+        if self.sharded:
+            reads = self._weight_reads()
+            return PolicyWeights(self.global_step, reads["named"], base=reads.get("base"), save_adapter=(
+                (lambda directory: model.save_pretrained(directory, state_dict=dict(reads["adapter"]())))
+                if self.policy.is_peft else None))
         if not self.policy.is_peft:
             return PolicyWeights(self.global_step, self._named_weights)
         return PolicyWeights(self.global_step, self._named_weights, base=self._base_weights,
                              save_adapter=model.save_pretrained)
 
+    sync_meter: GatherMeter | None = None  # a sharded policy's sync: the gathered bytes alive at once
+
     def _sync_engine(self) -> RolloutEngine:
         """The run's engine, started at the first call, holding the weights of the current optimizer step (synced
         once per step where it holds a copy: with several processes the main one syncs a shared engine, each its
-        own otherwise)."""
+        own otherwise). A sharded policy's weights are gathered by every process together as the engine reads
+        them: for a shared engine the other processes follow the main one's reads (``_follow_weight_reads``)."""
         if self.engine is None:
             self.engine = ROLLOUT_ENGINES[rollout_engine_name(self.config)](self)
         engine = self.engine
         if not engine.holds_weights or self.engine_step == self.global_step:
             return engine
         started = time.time()
-        if self.devices.is_main_process or not engine.shared:
+        self.sync_meter = GatherMeter() if self.sharded else None
+        if self.sharded and engine.shared and self.devices.num_processes > 1:
+            self._sync_shared_from_shards(engine)
+        elif self.devices.is_main_process or not engine.shared:
             engine.sync_weights(self._policy_weights())
         if engine.shared:
             self.devices.wait()
         self.engine_step = self.global_step
         self.rollout_metrics["perf/weight_sync_s"] = time.time() - started
+        if self.sync_meter is not None:
+            self.rollout_metrics["perf/weight_sync_gathered_peak_mb"] = self.sync_meter.peak / 2 ** 20
         return engine
+
+    def _sync_shared_from_shards(self, engine: RolloutEngine) -> None:
+        """A shared engine (a server) synced from a sharded policy: the main process sends, and each weight read it
+        makes (``_weight_reads``: which ones depends on the engine, e.g. a LoRA base only once) is announced to the
+        other processes first, which gather alongside and drop what they gather. A read left unfinished (an error)
+        is gathered to its end before the processes part."""
+        reads = self._weight_reads()
+        if not self.devices.is_main_process:
+            while (kind := self.devices.broadcast_object(None)) != "done":
+                collections.deque(reads[kind](), maxlen=0)  # each gathered tensor dropped before the next
+            return
+        opened: list[Iterator] = []
+
+        def announced(kind: str) -> GatheredRead:
+            def read() -> Iterator:
+                self.devices.broadcast_object(kind)
+                opened.append(reads[kind]())
+                return opened[-1]
+
+            return GatheredRead(read, reads[kind].layout)
+
+        model = self._unwrapped_module()
+        weights = PolicyWeights(self.global_step, announced("named"),
+                                base=announced("base") if self.policy.is_peft else None,
+                                save_adapter=((lambda directory: model.save_pretrained(
+                                    directory, state_dict=dict(announced("adapter")())))
+                                    if self.policy.is_peft else None))
+        try:
+            engine.sync_weights(weights)
+        finally:
+            for generator in opened:
+                with contextlib.suppress(ValueError):  # still running in a sender thread: it finishes there
+                    generator.close()
+            self.devices.broadcast_object("done")
 
     def _sample_turn(self, prompts: list[dict[str, Any]], params: SamplingParams) -> GenerationOutput:
         prompt_ids = [p["prompt_ids"] for p in prompts]

@@ -302,5 +302,119 @@ def trainers(model_dir: str, out_dir: str) -> None:
     devices.wait()
 
 
+class DigitShare:
+    """Share of digit characters in a completion: varies within the tiny model's groups, so updates are not 0."""
+
+    __name__ = "digit_share"
+
+    def __call__(self, prompts, completions, answers):
+        return torch.tensor([sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions])
+
+
+class _KeepsEngine:
+    """Leaves the rollout engine open after training, so the test can sync it once more and ask it."""
+
+    def _close_engine(self) -> None:
+        if getattr(self, "closing", False):
+            super()._close_engine()
+
+
+class PlainGRPOTrainer(_KeepsEngine, rlhf.GRPOTrainer):
+    """One process, or several without sharding, with dropout off as the sharded trainer has it."""
+
+    def _setup_model(self) -> None:
+        rlhf.disable_dropout(self.policy.model)
+        super()._setup_model()
+
+
+class ShardedVLLMGRPOTrainer(_KeepsEngine, ShardedGRPOTrainer):
+    pass
+
+
+def vllm(model_dir: str, out_dir: str, mode: str, port: str, sharded: str = "1", accumulation: str = "1",
+         transfer: str = "files") -> None:
+    """GRPO sampling with vLLM (``mode``: server, ``rlhf.py vllm-serve`` on ``port``; or colocate, an engine in each
+    process), the policy FSDP2-sharded across the processes (``sharded`` 1) or whole on each: 2 optimizer steps,
+    then the weights of step 2 synced through the trainer's own sync, and the engine's greedy answers compared
+    with Hugging Face generate on the gathered weights; then a LoRA run (sharded, server)."""
+    devices = rlhf.DeviceManager()
+    rank, out = devices.process_index, Path(out_dir)
+    policy = rlhf.PolicyModel.from_pretrained(model_dir)
+    formatter = rlhf.ChatFormatter(policy.tokenizer, "auto")
+    records = rlhf.load_records("demo_rl", REPO / "data/demo", "prompt", max_samples=32)
+    dataset = rlhf.GRPODataset(records, policy.tokenizer, formatter, cutoff_len=64)
+    common = dict(model_name_or_path=model_dir, finetuning_type="full", max_completion_length=8, cutoff_len=64,
+                  num_generations=4, per_device_train_batch_size=8, gradient_accumulation_steps=int(accumulation),
+                  beta=0.0, learning_rate=1e-3, lr_scheduler_type="constant", logging_steps=1, save_steps=0,
+                  disable_progress_bar=True, report_to="none", seed=0, resume_from_checkpoint="none",
+                  use_vllm=True, vllm_mode=mode, vllm_server_port=int(port), reward_funcs=["format"],
+                  vllm_weight_transfer=transfer)
+    trainer_class = ShardedVLLMGRPOTrainer if sharded == "1" else PlainGRPOTrainer
+    report: dict = {"rank": rank, "processes": devices.num_processes}
+    rlhf.set_seed(0)
+    config = rlhf.GRPOConfig(**common, output_dir=str(out / "full"), max_steps=2,
+                             vllm_sync_dir=str(out / f"sync-full-{rank}"))
+    trainer = trainer_class(config, policy, dataset, formatter=formatter, devices=devices, reward_fn=DigitShare())
+    result = trainer.train()
+    report["sharded"] = trainer.sharded
+    report["rows"] = [{k: v for k, v in row.items() if k.startswith(("loss", "reward", "grad_norm", "vllm/", "perf/"))}
+                      for row in result.history if "loss" in row]
+    trainer._sync_engine()  # the weights of step 2 (every process gathers alongside)
+    report["sync_peak_bytes"] = trainer.sync_meter.peak if trainer.sync_meter else None
+    gathered = (devices.full_state_dict(trainer.model) if trainer.sharded
+                else {k: v.detach().clone() for k, v in trainer.policy.model.state_dict().items()})
+    stops = tuple(formatter.stop_token_ids)
+    prompts = [formatter.prompt_ids(r) for r in records[:4]]
+    params = io.SamplingParams(max_new_tokens=12, do_sample=False, stop_token_ids=stops)
+    if devices.is_main_process or mode == "colocate":
+        report["engine_greedy"] = trainer.engine.generate(prompts, params).token_ids
+    if devices.is_main_process:
+        from safetensors.torch import save_file
+        from transformers import AutoModelForCausalLM
+
+        save_file({k: v.contiguous() for k, v in gathered.items()}, str(out / "trained.safetensors"))
+        model = AutoModelForCausalLM.from_pretrained(model_dir)
+        start = {k: v.clone() for k, v in model.state_dict().items()}
+        model.load_state_dict(gathered, strict=False)
+        model.eval()
+        hf = []
+        for ids in prompts:
+            tokens = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
+                                    pad_token_id=0)[0, len(ids):].tolist()
+            cut = next((i + 1 for i, t in enumerate(tokens) if t in stops), len(tokens))
+            hf.append(tokens[:cut])
+        report["hf_greedy"] = hf
+        report["trained_vs_start"] = max(float((v.float() - start[k].float()).abs().max())
+                                         for k, v in gathered.items() if k in start)
+        sizes = {k: v.numel() * v.element_size() for k, v in gathered.items()}
+        layers: dict[str, int] = {}
+        for k, size in sizes.items():
+            layer = k.split(".layers.")[1].split(".")[0] if ".layers." in k else k
+            layers[layer] = layers.get(layer, 0) + size
+        report["largest_tensor_bytes"] = max(sizes.values())
+        report["largest_layer_bytes"] = max(layers.values())
+        report["model_bytes"] = sum(sizes.values())
+        if mode == "server" and transfer == "files":
+            report["files_per_sync"] = len(list((out / f"sync-full-{rank}" / "weights").glob("*.safetensors")))
+    trainer.closing = True
+    trainer._close_engine()
+    if sharded == "1" and mode == "server" and transfer == "files":  # a LoRA policy: the base once, then the adapter alone
+        rlhf.set_seed(0)
+        config = rlhf.GRPOConfig(**dict(common, finetuning_type="lora", lora_rank=8, lora_target="all",
+                                        learning_rate=1e-2), output_dir=str(out / "lora"), max_steps=2,
+                                 vllm_sync_dir=str(out / f"sync-lora-{rank}"))
+        lora = ShardedGRPOTrainer(config, rlhf.PolicyModel.from_pretrained(model_dir), dataset, formatter=formatter,
+                                  devices=devices, reward_fn=DigitShare())
+        rows = [row for row in lora.train().history if "loss" in row]
+        report["lora_sharded"] = lora.sharded
+        report["lora_logprob_gap"] = [row.get("vllm/logprob_abs_diff_max") for row in rows]
+        if devices.is_main_process:
+            sync = out / f"sync-lora-{rank}"
+            report["lora_synced"] = {"weights": len(list((sync / "weights").glob("*.safetensors"))),
+                                     "adapters": len(list(sync.glob("adapter-*")))}
+    (out / f"rank{rank}.json").write_text(json.dumps(report, indent=1, default=str))
+    devices.wait()
+
+
 if __name__ == "__main__":
-    {"parts": parts, "trainers": trainers}[sys.argv[1]](*sys.argv[2:4])
+    {"parts": parts, "trainers": trainers, "vllm": vllm}[sys.argv[1]](*sys.argv[2:])

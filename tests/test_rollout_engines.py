@@ -138,7 +138,7 @@ def test_auto_tries_vllm_on_the_second_rollout_and_keeps_the_faster(tmp_path, ti
     message = next(r.getMessage() for r in caplog.records if "use_vllm=auto: a rollout of" in r.getMessage())
     ours_s, theirs_s = (float(x) for x in re.findall(r"takes ([0-9.]+) s with our engine, ([0-9.]+) s", message)[0])
     kept = message.endswith("vLLM samples from now on")
-    assert kept == (theirs_s < ours_s)
+    assert kept == (theirs_s < ours_s) or theirs_s == ours_s  # the log rounds to 10 ms: a tie may go either way
     assert all(("rollout/logprob_abs_diff_max" in row) == kept for row in rows[2:])
     assert trial.versions[0] == 1 and trial.versions[1:] == ([2, 3] if kept else [])  # started after step 1
     assert trial.closed

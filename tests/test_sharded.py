@@ -115,3 +115,46 @@ def test_trainers_on_a_sharded_model_train_checkpoint_and_resume(trainer_reports
                 assert report["head_vs_trained"] == 0.0
             if stage == "sft_lora":  # the adapter file holds every trained LoRA tensor
                 assert report["adapter_tensors"][0] == report["adapter_tensors"][1] > 0
+
+
+def test_zero3_weights_gather_a_module_at_a_time_for_the_weight_sync(tmp_path, tiny_model_dir):
+    """DeepSpeed ZeRO-3 (2 CPU processes over gloo, tests/_zero3_worker.py): after one AdamW step the partitioned
+    policy's weights come back whole, one module at a time, under the unsharded names (the tied LM head once),
+    equal to an unsharded copy trained alike and the same on both processes; ``sharded_layout`` tells their dtypes
+    and shapes without gathering; the gathered bytes alive at once are one module's; a filter picks a layer; and a
+    reader that stops early still gathers the rest, so the other process is not left waiting."""
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("DeepSpeed is not installed (not in requirements.txt): `DS_BUILD_OPS=0 pip install deepspeed`")
+    out = tmp_path / "zero3"
+    out.mkdir()
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false",
+               DS_ACCELERATOR="cpu")
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "ACCELERATE_USE_CPU"):
+        env.pop(name, None)
+    # the first run builds DeepSpeed's CPU communication op (~2 minutes, cached after)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(_free_port()), str(REPO / "tests/_zero3_worker.py"), str(tiny_model_dir), str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    reports = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+    for report in reports:
+        assert report["processes"] == 2 and report["sharding"] == "zero3" and report["partitioned"]
+        assert report["tied"] and "lm_head.weight" not in report["expected_names"]
+        assert report["names"] == report["expected_names"]  # the unsharded state_dict's order, tied weights once
+        assert report["loss"][0] == pytest.approx(report["loss"][1])
+        assert report["trained_vs_initial"] > 5e-4  # the step moved the weights by about the learning rate
+        assert report["max_diff"] < 1e-4 and report["identical_across_ranks"]
+        assert report["layout"] == report["gathered_layout"]
+        assert report["partitioned_after"]  # nothing left gathered
+        meter = report["meter"]
+        assert meter["peak"] == report["largest_module_bytes"] < report["model_bytes"] / 10
+        assert meter["total"] == report["model_bytes"] and meter["live_after"] == 0
+        assert report["wanted_names"] == report["wanted_expected"] == [row[0] for row in report["wanted_layout"]]
+        assert len(report["wanted_names"]) == 9 and report["wanted_max_diff"] < 1e-4
+        assert report["after_close"] == {"names_equal": True, "max_diff": report["max_diff"],
+                                         "identical_across_ranks": True}
+    assert reports[0]["early_close"]["taken"] == reports[1]["names"][:3]
+    assert reports[1]["early_close"]["taken"] == reports[1]["names"]
+    assert reports[0]["trained_after"] == pytest.approx(reports[1]["trained_after"])

@@ -555,6 +555,63 @@ def test_lora_run_in_server_mode_ships_adapters(tmp_path, server, tiny_model_dir
     assert len(list((tmp_path / "sync" / "weights").iterdir())) == 1 and list((tmp_path / "sync").glob("adapter-*"))
 
 
+def _sharded_run(out: Path, model_dir: Path, mode: str, port: int, processes: int, sharded: bool,
+                 transfer: str = "files") -> dict:
+    """tests/_sharded_worker.py's vllm mode: GRPO on ``processes`` CPU processes (gloo), the policy FSDP2-sharded or
+    whole; rank 0's report."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false")
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    out.mkdir(parents=True)
+    launch = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port",
+               str(_free_port())] if processes > 1 else [sys.executable])
+    accumulation = 2 // processes  # as many prompts per optimizer step either way
+    proc = subprocess.run([*launch, str(REPO / "tests/_sharded_worker.py"), "vllm", str(model_dir), str(out), mode,
+                           str(port), str(int(sharded)), str(accumulation), transfer], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    reports = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(processes)]
+    assert all(report["sharded"] == sharded for report in reports)
+    return {**reports[0], "all": reports, "weights": rlhf.load_file(str(out / "trained.safetensors"))}
+
+
+def test_sharded_policies_sync_into_vllm_a_tensor_at_a_time(tmp_path, server, tiny_model_dir):
+    """FSDP2 policies sampling with vLLM: 2 CPU trainer processes, the policy sharded across them (as accelerate's
+    fsdp_version 2 prepare does it), sync into a vllm-serve server (through files and through a weight group) and
+    into an engine in each process (colocate). After two optimizer steps the engine's greedy answers equal Hugging
+    Face generate on the gathered weights; the run samples, scores and trains as one process with doubled
+    accumulation does (the same rewards, losses, grad norms and weights up to float rounding: each prompt is seeded
+    by its place in the rollout); a sync holds one gathered tensor at a time (the largest, not a layer, not the
+    model), and colocated vLLM's layer-wise reload at most a layer. A LoRA policy sends its base once, then the
+    adapter alone."""
+    port, _ = server
+    one = _sharded_run(tmp_path / "one", tiny_model_dir, "server", port, 1, sharded=False)
+    runs = {"server": _sharded_run(tmp_path / "server", tiny_model_dir, "server", port, 2, sharded=True),
+            "collective": _sharded_run(tmp_path / "collective", tiny_model_dir, "server", port, 2, sharded=True,
+                                       transfer="collective"),
+            "colocate": _sharded_run(tmp_path / "colocate", tiny_model_dir, "colocate", port, 2, sharded=True)}
+    assert one["engine_greedy"] == one["hf_greedy"] and one["trained_vs_start"] > 1e-3
+    for name, run in runs.items():
+        assert run["engine_greedy"] == run["hf_greedy"], name
+        if name == "colocate":  # each process's own engine
+            assert run["all"][1]["engine_greedy"] == run["engine_greedy"]
+        assert [r["reward"] for r in run["rows"]] == [r["reward"] for r in one["rows"]], name
+        for row, single in zip(run["rows"], one["rows"]):
+            assert row["loss"] == pytest.approx(single["loss"], abs=1e-6)
+            assert row["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-4)
+            assert row["vllm/logprob_abs_diff_max"] < 1e-4
+        assert max(float((run["weights"][k] - one["weights"][k]).abs().max()) for k in one["weights"]) < 1e-4, name
+        peaks = [report["sync_peak_bytes"] for report in run["all"]]
+        bound = run["largest_layer_bytes"] if name == "colocate" else run["largest_tensor_bytes"]
+        assert all(0 < peak <= bound for peak in peaks), (name, peaks, bound)
+        assert all(row["perf/weight_sync_gathered_peak_mb"] * 2 ** 20 <= bound for row in run["rows"])
+    tensors = len([k for k in runs["server"]["weights"] if k != "lm_head.weight"])  # the tied LM head goes once
+    assert runs["server"]["files_per_sync"] == tensors  # a file per tensor
+    assert runs["server"]["largest_tensor_bytes"] < runs["server"]["largest_layer_bytes"] < runs["server"]["model_bytes"]
+    assert runs["server"]["lora_sharded"] and all(gap < 1e-4 for gap in runs["server"]["lora_logprob_gap"])
+    assert runs["server"]["lora_synced"] == {"weights": tensors, "adapters": 2}
+
+
 def test_async_rollouts_train_one_step_off_policy_and_are_corrected(tmp_path, server, tiny_model_dir, dataset):
     port, _ = server
     result = _grpo_trainer(tmp_path, tiny_model_dir, dataset, max_steps=30, learning_rate=3e-3, vllm_mode="server",
