@@ -24,6 +24,7 @@ Command line: ``python inference_optimizations.py best-of-n --policy DIR --rewar
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import copy
 import dataclasses
@@ -253,6 +254,9 @@ class GenerationOutput:
     finish_reasons: list[str]
     prompt_index: list[int]
     cache_stats: dict = field(default_factory=dict)  # engine="paged": PagedKVCache.memory_stats() at its peak
+    # an engine holding a copy of the policy: the optimizer step of the weights that sampled it (the oldest, when
+    # several engines shared the call); None where unknown (our engine samples from the policy itself)
+    policy_version: int | None = None
 
 
 def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
@@ -1787,6 +1791,7 @@ class VLLMEngine:
         self.tensor_parallel_size = tensor_parallel_size
         self.adapter = None  # the LoRARequest every generate uses once an adapter is loaded
         self.adapter_version = 0
+        self.policy_version: int | None = None  # the trainer's step of the weights it holds (None: the start's)
         self.sync_dir = Path(tempfile.mkdtemp(prefix="rlhf-vllm-sync-", dir=shared_memory_dir()))
         self.owned = [self.sync_dir] + ([Path(model)] if owns_model else [])
 
@@ -1798,6 +1803,7 @@ class VLLMEngine:
     def sync_weights(self, weights: PolicyWeights) -> None:
         """Full weights reloaded in place, tensor by tensor; a LoRA policy's adapter alone (the engine started from
         its base)."""
+        self.policy_version = weights.version
         if weights.save_adapter is not None:
             _ship_adapter(self, weights, self.sync_dir)
         else:
@@ -1817,7 +1823,7 @@ class VLLMEngine:
                        for place in places] if params.seed is not None else vllm_sampling_params(params))
         results = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], per_prompt,
                                     use_tqdm=False, lora_request=self.adapter)
-        return _vllm_output(results)
+        return dataclasses.replace(_vllm_output(results), policy_version=self.policy_version)
 
     def load_weights(self, named_tensors) -> None:
         """Reload the full weights in place from (Hugging Face name, tensor) pairs (or a function returning them),
@@ -1994,6 +2000,7 @@ class VLLMServer:
         from http.server import ThreadingHTTPServer
 
         self.engine, self.lock, self.weight_version = engine, threading.Lock(), 0
+        self.policy_version: int | None = None  # the optimizer step of the trainer's weights it serves
         self.server_id = uuid.uuid4().hex  # a restarted server is a new one: its workers are in no weight group
         # NCCL cannot join two processes on one GPU: a trainer on one of these sends its weights through files
         self.gpus = [str(torch.cuda.get_device_properties(i).uuid)
@@ -2043,13 +2050,14 @@ class VLLMServer:
             output = engine.generate(request["prompts"], SamplingParams(**{
                 k: tuple(v) if k in ("stop_token_ids", "stop_strings") else v for k, v in request["params"].items()}))
             return {"token_ids": output.token_ids, "logprobs": output.logprobs, "finish_reasons": output.finish_reasons,
-                    "prompt_index": output.prompt_index, "weight_version": self.weight_version}
+                    "prompt_index": output.prompt_index, "weight_version": self.weight_version,
+                    "policy_version": self.policy_version}
         if path == "/load_weights" and "collective" in request:
             try:
                 engine.receive_weights(request["key"], request["collective"], request["backend"])
             except Exception:
                 # partly reloaded weights: serve as a restarted server would, so every client sends its weights again
-                self.server_id, self.weight_version = uuid.uuid4().hex, 0
+                self.server_id, self.weight_version, self.policy_version = uuid.uuid4().hex, 0, None
                 raise
         elif path == "/leave_weight_group":
             engine.leave_weight_group(request["key"])
@@ -2065,7 +2073,9 @@ class VLLMServer:
             engine.reset_cache()
         else:
             raise ValueError(f"no endpoint POST {path}")
-        self.weight_version += path in ("/load_weights", "/load_adapter")
+        if path in ("/load_weights", "/load_adapter"):
+            self.weight_version += 1
+            self.policy_version = request.get("policy_version")  # the trainer's step, returned with each sample
         return {"status": "ok", "weight_version": self.weight_version}
 
     def serve_forever(self) -> None:
@@ -2108,6 +2118,7 @@ class VLLMClient:
         self.weight_version = 0  # the server's count of loads once it had ours
         self.group: tuple | None = None  # collective: (store, process group, key, backend, server_id) once joined
         self.base_sent = False  # a LoRA policy's base weights have gone to the server
+        self.policy_version: int | None = None  # the trainer's step of the weights being sent / last sent
 
     def sample(self, prompts: list[list[int]], params: SamplingParams,
                images: list[list[str]] | None = None) -> GenerationOutput:
@@ -2117,6 +2128,7 @@ class VLLMClient:
     def sync_weights(self, weights: PolicyWeights) -> None:
         """Full weights (a function: a restarted server can be sent them again), or a LoRA policy's adapter; a
         shared server may hold another run's weights, so this run's base goes first, once."""
+        self.policy_version = weights.version
         if weights.save_adapter is None:
             self.load_weights(weights.named)
             return
@@ -2172,10 +2184,11 @@ class VLLMClient:
                 self._load(how, what)
             answer = self._request("/generate", body)
         return GenerationOutput(answer["token_ids"], answer["logprobs"], answer["finish_reasons"],
-                                answer["prompt_index"])
+                                answer["prompt_index"], policy_version=answer.get("policy_version"))
 
     def _load(self, endpoint: str, path: str) -> None:
-        self.weight_version = self._request(endpoint, {"path": path})["weight_version"]
+        self.weight_version = self._request(endpoint, {"path": path, "policy_version": self.policy_version}
+                                            )["weight_version"]
         self.last_load = (endpoint, path)
 
     def load_weights(self, named_tensors) -> None:
@@ -2252,8 +2265,8 @@ class VLLMClient:
         sender = threading.Thread(target=broadcast, daemon=True)
         sender.start()
         try:
-            answer = self._request("/load_weights", {"collective": metadata, "key": key, "backend": backend},
-                                   attempts=1)
+            answer = self._request("/load_weights", {"collective": metadata, "key": key, "backend": backend,
+                                                     "policy_version": self.policy_version}, attempts=1)
             sender.join(self.timeout)
         except VLLMServerError:
             self._abandon_group()
@@ -2338,6 +2351,161 @@ class VLLMClient:
 
     def wake_up(self) -> None:
         pass
+
+
+class VLLMServerPool:
+    """Several ``rlhf.py vllm-serve`` servers as one rollout engine (``vllm_servers``). Each call's prompts are split
+    into contiguous shares, one per live server, sampled at once and joined in order; each prompt keeps the seed of
+    its place in the call, so the answers are those one server would give. Every weight sync goes to every live
+    server (full weights through files are written once and loaded by each). A server that stays down through its
+    client's retries is taken out, its share sampled by the others, and tried again at each later sync, which sends
+    it the current weights before it samples again. A RolloutEngine shared by every training process."""
+
+    holds_weights, shared, takes_images = True, True, False
+    metric_prefix, logprobs_after_truncation = "vllm", True  # vLLM's processed_logprobs
+    answers_evaluation = True
+
+    def __init__(self, clients: list[VLLMClient]) -> None:
+        import threading
+
+        if not clients:
+            raise ValueError("a server pool needs at least one server")
+        self.clients, self.live = list(clients), list(clients)
+        self.down: dict[str, str] = {}  # url -> why it was taken out
+        self.lock = threading.Lock()  # the sampling thread (async rollouts) and the trainer's both use the pool
+        self.pool = concurrent.futures.ThreadPoolExecutor(len(clients), thread_name_prefix="vllm-pool")
+
+    @property
+    def url(self) -> str:
+        return ", ".join(client.url for client in self.clients)
+
+    def metrics(self) -> dict[str, float]:
+        return {"vllm/servers_live": float(len(self.live))}
+
+    def health(self) -> dict:
+        """Every server asked once; those that do not answer are taken out. Raises when none answers."""
+        answers = {}
+        for client in list(self.live):
+            try:
+                answers[client.url] = client.health()
+            except VLLMServerError as error:
+                self._take_out(client, error)
+        self._need_one()
+        return answers
+
+    def _take_out(self, client: VLLMClient, error: BaseException) -> None:
+        with self.lock:
+            if client in self.live:
+                self.live.remove(client)
+                self.down[client.url] = str(error)
+                logger.warning("vLLM server %s is down and taken out of the pool (%d left; it is tried again at the "
+                               "next weight sync): %s", client.url, len(self.live), error)
+
+    def _need_one(self) -> None:
+        if not self.live:
+            reasons = "; ".join(self.down.values())
+            raise VLLMServerError(f"every vLLM server of the pool is down ({reasons})")
+
+    def sample(self, prompts: list[list[int]], params: SamplingParams,
+               images: list[list[str]] | None = None) -> GenerationOutput:
+        _text_only(images)
+        return self.generate(prompts, params)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> GenerationOutput:
+        """Shares of the prompts on the live servers at once; a share whose server failed goes to the others."""
+        pending = [(0, [list(p) for p in prompts])]  # (index of its first prompt in this call, its prompts)
+        done: dict[int, GenerationOutput] = {}
+        while pending:
+            with self.lock:
+                live = list(self.live)
+            self._need_one()
+            shares = [(start + offset, part, client) for start, chunk in pending
+                      for (offset, part), client in zip(_shares(chunk, len(live)), live) if part]
+            futures = [(start, client, self.pool.submit(
+                client.generate, part, dataclasses.replace(
+                    params, seed_index_start=params.seed_index_start + start * params.seed_index_stride)), part)
+                for start, part, client in shares]
+            pending = []
+            for start, client, future, part in futures:
+                try:
+                    done[start] = future.result()
+                except VLLMServerError as error:
+                    self._take_out(client, error)
+                    pending.append((start, part))
+        return _joined(done, params.n)
+
+    def sync_weights(self, weights: PolicyWeights) -> None:
+        """Servers taken out are asked again first; then every live server gets the weights (a failure takes it
+        out). Full weights through files are written once, by the first server's client, and loaded by each."""
+        for client in [c for c in self.clients if c not in self.live]:
+            try:
+                client.health()
+            except VLLMServerError:
+                continue
+            with self.lock:
+                self.live.append(client)
+                self.down.pop(client.url, None)
+            client.base_sent = False  # a restarted server holds no base of ours
+            logger.warning("vLLM server %s answers again: back in the pool after this sync", client.url)
+        written: Path | None = None
+        for client in list(self.live):
+            try:
+                if written is not None:
+                    client.policy_version = weights.version
+                    client._load("/load_weights", str(written))
+                    continue
+                client.sync_weights(weights)
+                if weights.save_adapter is None and client.weight_transfer == "files":
+                    written = client.sync_dir / "weights"
+            except VLLMServerError as error:
+                self._take_out(client, error)
+        self._need_one()
+
+    def load_weights(self, named_tensors) -> None:
+        for client in list(self.live):
+            client.load_weights(named_tensors)
+
+    def load_adapter(self, directory: str | os.PathLike) -> None:
+        for client in list(self.live):
+            client.load_adapter(directory)
+
+    def reset_cache(self) -> None:
+        for client in list(self.live):
+            client.reset_cache()
+
+    def sleep(self) -> None:
+        pass
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _shares(prompts: list[list[int]], parts: int) -> list[tuple[int, list[list[int]]]]:
+    """``prompts`` split into ``parts`` contiguous shares of near-equal size, each with the index of its first."""
+    size, extra = divmod(len(prompts), parts)
+    shares, start = [], 0
+    for part in range(parts):
+        end = start + size + (part < extra)
+        shares.append((start, prompts[start:end]))
+        start = end
+    return shares
+
+
+def _joined(outputs: dict[int, GenerationOutput], n: int) -> GenerationOutput:
+    """Shares' outputs (keyed by the index of their first prompt) as one, in prompt order; the policy version is
+    the oldest that sampled any of it."""
+    token_ids, logprobs, reasons, prompt_index = [], [], [], []
+    for start in sorted(outputs):
+        output = outputs[start]
+        token_ids += output.token_ids
+        logprobs += output.logprobs
+        reasons += output.finish_reasons
+        prompt_index += [start + i for i in output.prompt_index]
+    versions = [output.policy_version for output in outputs.values()]
+    version = None if None in versions else min(versions)
+    return GenerationOutput(token_ids, logprobs, reasons, prompt_index, policy_version=version)
 
 
 def vllm_serve(argv: list[str] | None = None) -> int:

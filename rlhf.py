@@ -134,6 +134,7 @@ import http.client
 import importlib.util
 import inspect
 import io
+import itertools
 import json
 import logging
 import math
@@ -184,6 +185,7 @@ from inference_optimizations import (
     VLLMClient,
     VLLMEngine,
     VLLMServerError,
+    VLLMServerPool,
     _filter_logits,
     answer_agreement,
     cache_argument,
@@ -748,8 +750,15 @@ class OnlineRLConfig(BaseConfig):
                                                                 "sequence_truncate / sequence_mask: the same on each "
                                                                 "sequence's ratio")
     vllm_importance_sampling_cap: float = _opt(2.0, "C, the cap of the importance-sampling correction")
-    async_rollouts: bool = _opt(False, "server mode: sample the next rollout while this one trains (one step "
-                                       "off-policy; corrected by importance sampling)")
+    vllm_servers: list[str] | None = _opt(None, "server mode: several servers (host:port each) instead of "
+                                                "vllm_server_host/port; each rollout's prompts are spread across "
+                                                "them, each gets every weight sync, a dead one is taken out and tried "
+                                                "again at the next sync")
+    max_staleness: int = _opt(0, "server mode: sample up to this many optimizer steps ahead of training, in the "
+                                 "background (fully async rollouts): a completion is trained on at most k steps after "
+                                 "the weights that sampled it, older ones are dropped and counted; 0: on-policy")
+    async_rollouts: bool = _opt(False, "server mode: max_staleness: 1, the next rollout sampled while this one "
+                                       "trains (one step off-policy; corrected by importance sampling)")
     rollout_retries: int = _opt(2, "Retries of an environment or reward call that raises or times out; after them its "
                                    "episode is dropped (its group left out of the loss) and counted in "
                                    "rollout/failed_episodes")
@@ -796,8 +805,9 @@ class OnlineRLConfig(BaseConfig):
         if self.use_vllm is not True:  # our engine samples (auto: at least the first rollout)
             _check(self.min_p == 0 and self.repetition_penalty == 1.0, "min_p/repetition_penalty",
                    "are sampled by vLLM only: set use_vllm: true, or leave them at 0 and 1")
-            _check(not self.async_rollouts, "async_rollouts",
-                   "samples with a vLLM server: set use_vllm: true and vllm_mode: server")
+            _check(not self.async_rollouts and not self.max_staleness, "async_rollouts/max_staleness",
+                   "sample with a vLLM server: set use_vllm: true and vllm_mode: server")
+            _check(not self.vllm_servers, "vllm_servers", "are vLLM servers: set use_vllm: true and vllm_mode: server")
             _check(self.use_vllm is False or self.vllm_mode == "colocate", "use_vllm",
                    "auto measures a colocated vLLM against our engine; with a server set use_vllm: true")
             if self.use_vllm is False:
@@ -815,12 +825,19 @@ class OnlineRLConfig(BaseConfig):
         _check(1 <= self.vllm_server_port < 65536, "vllm_server_port", "must be a port number (1-65535)")
         _check(self.vllm_server_timeout > 0 and self.vllm_server_retries >= 1,
                "vllm_server_timeout/vllm_server_retries", "need a positive timeout and at least one attempt")
-        _check(not self.async_rollouts or self.vllm_mode == "server", "async_rollouts",
+        _check(self.max_staleness >= 0, "max_staleness", "must be >= 0 (0: on-policy)")
+        if self.async_rollouts and not self.max_staleness:
+            self.max_staleness = 1
+        _check(not self.max_staleness or self.vllm_mode == "server", "async_rollouts/max_staleness",
                "needs vllm_mode: server (a colocated engine shares the trainer's device, so it cannot sample while it "
                "trains)")
-        _check(not (self.async_rollouts and self.vllm_old_logprobs == "engine"), "vllm_old_logprobs",
-               "must be 'trainer' with async_rollouts: the engine's log-probs are one update behind the policy being "
-               "trained")
+        _check(not (self.max_staleness and self.vllm_old_logprobs == "engine"), "vllm_old_logprobs",
+               "must be 'trainer' with async rollouts: the engine's log-probs are of older weights than the policy "
+               "being trained")
+        _check(not self.vllm_servers or self.vllm_mode == "server", "vllm_servers", "needs vllm_mode: server")
+        for entry in self.vllm_servers or []:
+            _check(bool(re.fullmatch(r"(https?://)?[^\s:/]+:\d{1,5}/?", str(entry))), "vllm_servers",
+                   f"entry {entry!r} is not host:port (e.g. 127.0.0.1:8000)")
         truncated = bool(self.top_k) or self.top_p < 1 or self.min_p > 0 or self.repetition_penalty != 1.0
         _check(not (self.vllm_old_logprobs == "engine" and truncated), "vllm_old_logprobs",
                "is 'engine', but with top_k, top_p < 1, min_p or repetition_penalty vLLM's log-probs are of the "
@@ -10295,16 +10312,25 @@ def _vllm_colocate_engine(trainer: Any) -> VLLMEngine:
 
 
 @register_rollout_engine("vllm_server")
-def _vllm_server_engine(trainer: Any) -> VLLMClient:
-    """A client of ``rlhf.py vllm-serve``; a server that is not there fails here, before any rollout."""
+def _vllm_server_engine(trainer: Any) -> VLLMClient | VLLMServerPool:
+    """A client of ``rlhf.py vllm-serve`` (several: a VLLMServerPool); a server that is not there fails here, before
+    any rollout (of a pool, at least one must answer)."""
     config = trainer.config
     transfer = config.vllm_weight_transfer
     if transfer == "auto":
         transfer = "collective" if trainer.devices.device.type == "cuda" else "files"
-    client = VLLMClient(config.vllm_server_host, config.vllm_server_port, timeout=config.vllm_server_timeout,
-                        retries=config.vllm_server_retries, sync_dir=config.vllm_sync_dir, weight_transfer=transfer)
-    client.health()
-    return client
+    addresses = ([str(entry).split("://")[-1].rstrip("/").rsplit(":", 1) for entry in config.vllm_servers]
+                 if config.vllm_servers else [(config.vllm_server_host, config.vllm_server_port)])
+    clients = [VLLMClient(host, int(port), timeout=config.vllm_server_timeout, retries=config.vllm_server_retries,
+                          sync_dir=(Path(config.vllm_sync_dir) / f"server-{i}" if config.vllm_sync_dir and
+                                    len(addresses) > 1 else config.vllm_sync_dir), weight_transfer=transfer)
+               for i, (host, port) in enumerate(addresses)]
+    if len(clients) == 1:
+        clients[0].health()
+        return clients[0]
+    pool = VLLMServerPool(clients)
+    pool.health()
+    return pool
 
 
 VLLM_START_SECONDS = 10.0  # a colocated vLLM's start (weights to shared memory, engine, KV cache): 2-10 s on a CPU
@@ -10457,8 +10483,11 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         self.rollouts_to_save: list[Rollout] = []  # every process's current rollout, for the checkpoint being written
         self.engine: RolloutEngine | None = None  # ROLLOUT_ENGINES' pick for the config, started at the first rollout
         self.engine_step = -1  # the optimizer step whose weights the engine holds
-        self.prefetched: tuple[list[dict[str, Any]], Any] | None = None  # async_rollouts: (prompts, future)
-        self.upcoming_prompts: list[dict[str, Any]] | None = None
+        # max_staleness: the rollouts sampling ahead, oldest first, as (prompt ids, future), and the prompt batches
+        # coming after the current one
+        self.prefetched: collections.deque = collections.deque()
+        self.upcoming_prompts: list[list[dict[str, Any]]] = []
+        self.stale_dropped = 0  # completions sampled ahead and dropped for being older than max_staleness
         self._check_image_prompts(config, policy, train_dataset)
         super().__init__(config, policy, train_dataset, devices=devices, collator=list)
         uses_reference = getattr(config, "uses_reference", True)
@@ -10552,8 +10581,8 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         resumed = self.resumed_rollout if steps_done else None  # a checkpoint taken inside a rollout kept it
         self.resumed_rollout = None
         prompt_batches = self._prompt_batches(index + (resumed is not None))
-        if self.config.async_rollouts:
-            prompt_batches = self._looking_ahead(prompt_batches)
+        if self._rollouts_ahead():
+            prompt_batches = self._looking_ahead(prompt_batches, self._rollouts_ahead())
         while True:
             self.rollout_index = index  # seeds the rollout's mini-batch order (PPO)
             rollout = resumed or self._next_rollout(next(prompt_batches))
@@ -10565,16 +10594,25 @@ class _OnlineRLTrainer(_ReferenceTrainer):
                 yield schedule[position]
             index, steps_done = index + 1, 0
 
-    def _looking_ahead(self, batches: Iterator[list[dict[str, Any]]]) -> Iterator[list[dict[str, Any]]]:
-        """The prompt batches, each yielded with the next one already in ``upcoming_prompts`` (async_rollouts
-        samples it while the current one trains)."""
-        current = next(batches)
-        for following in batches:
-            self.upcoming_prompts = following
+    def _rollouts_ahead(self) -> int:
+        """How many rollouts async sampling keeps in flight: max_staleness optimizer steps' worth. A rollout sampled
+        ahead is sent off right after a weight sync and trained on that many rollouts later, so its staleness at its
+        first step is at most max_staleness (its later steps, with steps_per_rollout > 1, come after)."""
+        return getattr(self.config, "max_staleness", 0) // self.steps_per_rollout
+
+    def _looking_ahead(self, batches: Iterator[list[dict[str, Any]]],
+                       ahead: int) -> Iterator[list[dict[str, Any]]]:
+        """The prompt batches, each yielded with the ``ahead`` following ones already in ``upcoming_prompts`` (async
+        rollouts sample them while the current one trains)."""
+        window = collections.deque(itertools.islice(batches, ahead + 1))
+        while window:
+            current = window.popleft()
+            self.upcoming_prompts = list(window)
             yield current
-            current = following
-        self.upcoming_prompts = None
-        yield current
+            following = next(batches, None)
+            if following is not None:
+                window.append(following)
+        self.upcoming_prompts = []
 
     def _next_rollout(self, prompts: list[dict[str, Any]]) -> Rollout:
         self.pending_problem = ""
@@ -10802,6 +10840,7 @@ class _OnlineRLTrainer(_ReferenceTrainer):
             self.devices.wait()
         self.engine_step = self.global_step
         self.rollout_metrics["perf/weight_sync_s"] = time.time() - started
+        self.rollout_metrics.update(getattr(engine, "metrics", dict)())  # a server pool's live servers
         if self.sync_meter is not None:
             self.rollout_metrics["perf/weight_sync_gathered_peak_mb"] = self.sync_meter.peak / 2 ** 20
         return engine
@@ -10844,27 +10883,46 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         prompt_ids = [p["prompt_ids"] for p in prompts]
         images = [p.get("images") or [] for p in prompts]  # a vision-language policy's image prompts
         images = images if any(images) else None
-        if not self.config.async_rollouts:
+        if not self._rollouts_ahead():
             engine = self._sync_engine()
             self.watchdog.progress(self._engine_label())
             output = engine.sample(prompt_ids, params, images)
             self.engine.sleep()
             return output
-        # one step off-policy (a shared engine): the rollout sampled while the last one trained, then this step's
-        # weights go to the engine and the next rollout starts sampling with them
+        return self._sample_ahead(prompt_ids, params)
+
+    def _sample_ahead(self, prompt_ids: list[list[int]], params: SamplingParams) -> GenerationOutput:
+        """Fully async rollouts (max_staleness k, a shared engine): this rollout was sent off up to k rollouts ago and
+        sampled in a background thread while the policy trained. Each sampled completion carries the optimizer step
+        of the weights that sampled it (``policy_version``); one older than k steps is dropped and counted, and its
+        prompts are sampled again now. Then this step's weights go to the engine and the rollouts k ahead are sent
+        off with them. The importance correction compares the behaviour log-probs with the policy trained."""
         waited = time.time()
-        ready = self.prefetched if self.prefetched is not None and self.prefetched[0] == prompt_ids else None
-        output = ready[1].result() if ready is not None else None
+        output = None
+        if self.prefetched and self.prefetched[0][0] == prompt_ids:  # else extra prompts (dynamic_sampling's)
+            self.watchdog.progress(self._engine_label())
+            output = self.prefetched.popleft()[1].result()
         self.rollout_metrics["perf/rollout_wait_s"] = time.time() - waited
         engine = self._sync_engine()
-        if output is None:  # the first rollout (or the first after a resume) has nothing sampled ahead
-            output = engine.sample(prompt_ids, params, images)
-        self.prefetched = None
-        if self.upcoming_prompts is not None:
-            self.prefetcher = getattr(self, "prefetcher", None) or concurrent.futures.ThreadPoolExecutor(1)
-            upcoming = [p["prompt_ids"] for p in self.upcoming_prompts]
-            following = self._sampling_params(params.n, self.rollout_index + 1)
-            self.prefetched = (upcoming, self.prefetcher.submit(engine.sample, upcoming, following))
+        staleness = self.global_step - output.policy_version if output is not None else 0
+        if output is not None and (output.policy_version is None or staleness > self.config.max_staleness):
+            self.stale_dropped += len(output.token_ids)
+            logger.warning("rollout %d was sampled with the weights of step %s, more than max_staleness=%d steps "
+                           "before step %d: dropped (%d completions so far), its prompts sampled again",
+                           self.rollout_index, output.policy_version, self.config.max_staleness, self.global_step,
+                           self.stale_dropped)
+            output = None
+        if output is None:  # the first rollout (or the first after a resume, or a stale one) samples now
+            self.watchdog.progress(self._engine_label())
+            output, staleness = engine.sample(prompt_ids, params), 0
+        self.rollout_metrics.update({"rollout/staleness": float(staleness),
+                                     "rollout/stale_dropped": float(self.stale_dropped)})
+        self.prefetcher = getattr(self, "prefetcher", None) or concurrent.futures.ThreadPoolExecutor(1)
+        for position, upcoming in enumerate(self.upcoming_prompts):
+            if position >= len(self.prefetched):
+                ids = [p["prompt_ids"] for p in upcoming]
+                following = self._sampling_params(params.n, self.rollout_index + 1 + position)
+                self.prefetched.append((ids, self.prefetcher.submit(engine.sample, ids, following)))
         return output
 
     def _engine_logps(self, rollout: Rollout, output: Any) -> torch.Tensor:
@@ -10927,7 +10985,7 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         if getattr(self, "prefetcher", None) is not None:
             self.prefetcher.shutdown(wait=True, cancel_futures=True)
             self.prefetcher = None
-        self.prefetched = None
+        self.prefetched.clear()
         self.policy.rollout_engine = None
         if self.engine is not None:
             self.engine.close()
@@ -11609,6 +11667,9 @@ class GRPOConfig(OnlineRLConfig):
                    "dynamic_sampling: false with environment: agent")
             _check(self.environment_timeout > 0 and self.environment_retries >= 1,
                    "environment_timeout/environment_retries", "need a positive timeout and at least one attempt")
+            _check(not self.max_staleness, "max_staleness",
+                   "samples ahead of training, and episodes are sampled turn by turn with the environment's answers: "
+                   "set max_staleness: 0 (and async_rollouts: false) with an environment")
         _check(not (self.dynamic_sampling and self.streaming), "dynamic_sampling",
                "draws extra prompts at random from the prompt set, which a streaming dataset cannot do: set streaming: "
                "false")

@@ -708,6 +708,8 @@ def test_use_vllm_without_vllm_names_the_install_command():
     ({"min_p": 0.1}, "are sampled by vLLM only"),
     ({"repetition_penalty": 1.1}, "are sampled by vLLM only"),
     ({"async_rollouts": True}, "set use_vllm: true and vllm_mode: server"),
+    ({"max_staleness": 2}, "set use_vllm: true and vllm_mode: server"),
+    ({"vllm_servers": ["127.0.0.1:8000"]}, "set use_vllm: true and vllm_mode: server"),
 ])
 def test_vllm_only_options_without_use_vllm_are_refused(overrides, message):
     with pytest.raises(rlhf.RLHFInputError, match=message):

@@ -607,7 +607,8 @@ def test_sharded_policies_sync_into_vllm_a_tensor_at_a_time(tmp_path, server, ti
         assert all(row["perf/weight_sync_gathered_peak_mb"] * 2 ** 20 <= bound for row in run["rows"])
     tensors = len([k for k in runs["server"]["weights"] if k != "lm_head.weight"])  # the tied LM head goes once
     assert runs["server"]["files_per_sync"] == tensors  # a file per tensor
-    assert runs["server"]["largest_tensor_bytes"] < runs["server"]["largest_layer_bytes"] < runs["server"]["model_bytes"]
+    sizes = runs["server"]
+    assert sizes["largest_tensor_bytes"] < sizes["largest_layer_bytes"] < sizes["model_bytes"]
     assert runs["server"]["lora_sharded"] and all(gap < 1e-4 for gap in runs["server"]["lora_logprob_gap"])
     assert runs["server"]["lora_synced"] == {"weights": tensors, "adapters": 2}
 
@@ -623,6 +624,93 @@ def test_async_rollouts_train_one_step_off_policy_and_are_corrected(tmp_path, se
     assert rows[0]["vllm/logprob_abs_diff_max"] < 1e-4
     assert max(row["vllm/logprob_abs_diff_mean"] for row in rows[1:]) > 1e-3
     assert all(0 < row["vllm/is_weight_mean"] for row in rows)
+
+
+def test_max_staleness_samples_k_steps_ahead_and_drops_older_completions(tmp_path, server, tiny_model_dir, dataset,
+                                                                          monkeypatch):
+    """max_staleness 2: two rollouts sample in the background while the policy trains, each sent off right after a
+    weight sync, so every rollout is trained on at most 2 steps after the weights that sampled it (the server tags
+    each sample with the step of its weights). A rollout whose tag is older (a server that missed syncs, made up here)
+    is dropped, counted, and its prompts sampled again with the current weights; the run goes on."""
+    port, _ = server
+    rows = _rows(_grpo_trainer(tmp_path / "k2", tiny_model_dir, dataset, max_steps=8, vllm_mode="server",
+                               vllm_server_port=port, max_staleness=2).train())
+    staleness = [row["rollout/staleness"] for row in rows]
+    assert staleness[0] == 0 and max(staleness) == 2 and all(0 <= s <= 2 for s in staleness), staleness
+    assert all(row["rollout/stale_dropped"] == 0 for row in rows), [(r["rollout/staleness"], r["rollout/stale_dropped"]) for r in rows]
+    assert max(row["vllm/logprob_abs_diff_mean"] for row in rows[2:]) > 1e-3  # sampled by older weights: corrected
+
+    build = rlhf.ROLLOUT_ENGINES["vllm_server"]
+
+    def lagging(trainer):
+        client = build(trainer)
+        sample, calls = client.sample, []
+
+        def sample_late_once(prompts, params, images=None):
+            output = sample(prompts, params, images)
+            calls.append(output.policy_version)
+            return dataclasses.replace(output, policy_version=output.policy_version - 5) if len(calls) == 3 else output
+
+        client.sample = sample_late_once
+        return client
+
+    monkeypatch.setitem(rlhf.ROLLOUT_ENGINES, "vllm_server", lagging)
+    rows = _rows(_grpo_trainer(tmp_path / "late", tiny_model_dir, dataset, max_steps=6, vllm_mode="server",
+                               vllm_server_port=port, max_staleness=2).train())
+    assert len(rows) == 6 and rows[-1]["rollout/stale_dropped"] == 8  # one rollout: 2 prompts x 4 completions
+    dropped_at = next(i for i, row in enumerate(rows) if row["rollout/stale_dropped"])
+    assert rows[dropped_at]["rollout/staleness"] == 0  # sampled again with this step's weights
+
+
+def test_a_pool_of_servers_samples_as_one_and_takes_a_dead_server_out_and_back(tmp_path, server, tiny_model_dir,
+                                                                                 tiny_tokenizer, prompt_ids, dataset):
+    """vllm_servers: prompts are spread across the live servers and each keeps the seed of its place, so a pool
+    answers as one server does; a server that does not answer is taken out (its share goes to the others), and at
+    the next weight sync it is asked again and, answering, sent the weights and put back. A GRPO run on two servers
+    equals a run on one."""
+    from transformers import AutoModelForCausalLM
+
+    port, _ = server
+    spare = _free_port()  # nothing listens there yet
+    pool = io.VLLMServerPool([io.VLLMClient("127.0.0.1", port), io.VLLMClient("127.0.0.1", spare, retries=1)])
+    pool.health()
+    assert [client.port for client in pool.live] == [port] and pool.metrics() == {"vllm/servers_live": 1.0}
+    stops = io.stop_token_ids(tiny_tokenizer)
+    params = io.SamplingParams(max_new_tokens=12, n=2, seed=3, stop_token_ids=stops)
+    assert pool.generate(prompt_ids, params).token_ids == io.VLLMClient("127.0.0.1", port).generate(
+        prompt_ids, params).token_ids
+    process = _start_server(tiny_model_dir, spare)
+    original = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if "layers.0." in name:
+                    parameter.mul_(0.5)
+        pool.sync_weights(io.PolicyWeights(7, lambda: [(k, v) for k, v in model.state_dict().items()
+                                                          if k != "lm_head.weight"]))  # tied: once
+        assert len(pool.live) == 2
+        greedy = pool.generate(prompt_ids, io.SamplingParams(max_new_tokens=12, do_sample=False, stop_token_ids=stops))
+        assert greedy.token_ids == _hf_greedy(model, prompt_ids, 12, stops) and greedy.policy_version == 7
+        sampled = pool.generate(prompt_ids, params)
+        assert sampled.token_ids == io.VLLMClient("127.0.0.1", spare).generate(prompt_ids, params).token_ids
+        assert sampled.prompt_index == [i for i in range(len(prompt_ids)) for _ in range(2)]
+        servers = [f"127.0.0.1:{port}", f"http://127.0.0.1:{spare}"]
+        two = _rows(_grpo_trainer(tmp_path / "two", tiny_model_dir, dataset, max_steps=3, vllm_mode="server",
+                                  vllm_servers=servers).train())
+        one = _rows(_grpo_trainer(tmp_path / "one", tiny_model_dir, dataset, max_steps=3, vllm_mode="server",
+                                  vllm_server_port=port).train())
+        assert [r["reward"] for r in two] == [r["reward"] for r in one]
+        assert all(row["vllm/servers_live"] == 2 for row in two)
+        pool.sync_weights(io.PolicyWeights(8, lambda: [(k, v) for k, v in model.state_dict().items()
+                                                          if k != "lm_head.weight"]))  # the runs left theirs
+        _stop(process)  # a server dying between calls: its share goes to the other, as before
+        assert pool.generate(prompt_ids, params).token_ids == sampled.token_ids and len(pool.live) == 1
+    finally:
+        if process.poll() is None:
+            _stop(process)
+        io.VLLMClient("127.0.0.1", port).load_weights(lambda: [(k, v) for k, v in original.state_dict().items()
+                                                                 if k != "lm_head.weight"])
 
 
 def test_episodes_in_server_mode_keep_the_tool_out_and_agree_with_the_trainer(tmp_path, server, tiny_model_dir,
@@ -726,6 +814,11 @@ def test_a_server_that_stays_down_stops_the_run_with_one_line(tmp_path, tiny_mod
     ({"vllm_importance_sampling_mode": "token"}, "vllm_importance_sampling_mode"),
     ({"vllm_importance_sampling_cap": 1.0}, "must be > 1"),
     ({"vllm_weight_transfer": "nccl"}, "vllm_weight_transfer"),
+    ({"max_staleness": 1}, "needs vllm_mode: server"),
+    ({"max_staleness": -1, "vllm_mode": "server"}, "must be >= 0"),
+    ({"max_staleness": 1, "vllm_mode": "server", "environment": "calculator"}, "set max_staleness: 0"),
+    ({"vllm_servers": ["localhost"], "vllm_mode": "server"}, "is not host:port"),
+    ({"vllm_servers": ["a:1", "b:2"]}, "vllm_servers' needs vllm_mode: server"),
 ])
 def test_bad_vllm_settings_are_one_line(tiny_model_dir, overrides, message):
     with pytest.raises(rlhf.RLHFInputError, match=message.replace("(", r"\(").replace(")", r"\)")):
