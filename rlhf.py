@@ -5429,10 +5429,11 @@ def _torch_dtype(name: str | torch.dtype) -> torch.dtype | str:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def _names_a_local_path(name: str) -> bool:
+def _names_a_local_path(name: str | os.PathLike) -> bool:
     """A hub id is 'name' or 'owner/name'; anything with a leading '/', '.' or '~', a backslash, more
     than one '/', or an 'owner' that is a folder here can only be a local path (so a missing one gets
     'does not exist' at once, not a minute of hub retries and a connection error)."""
+    name = str(name)
     return (name.startswith(("/", ".", "~")) or "\\" in name or name.count("/") > 1
             or ("/" in name and Path(name.split("/")[0]).is_dir()))
 
@@ -10873,10 +10874,10 @@ class _OnlineRLTrainer(_ReferenceTrainer):
                                     if self.policy.is_peft else None))
         try:
             engine.sync_weights(weights)
-        finally:
+        finally:  # a read left unfinished (or never started) is gathered to its end, as the others do
             for generator in opened:
                 with contextlib.suppress(ValueError):  # still running in a sender thread: it finishes there
-                    generator.close()
+                    collections.deque(generator, maxlen=0)
             self.devices.broadcast_object("done")
 
     def _sample_turn(self, prompts: list[dict[str, Any]], params: SamplingParams) -> GenerationOutput:

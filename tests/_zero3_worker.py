@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import gc
 import json
 import sys
 import time
@@ -150,6 +151,8 @@ def main(model_dir: str, out_dir: str) -> None:
     report["trained_after"] = loss.item()
 
     (out / f"rank{rank}.json").write_text(json.dumps(report, indent=1))
+    del engine, model, policy  # DeepSpeed's hooks and groups go before the process group does
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()  # else the first process aborts on exit
 
