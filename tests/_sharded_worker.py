@@ -398,7 +398,7 @@ def vllm(model_dir: str, out_dir: str, mode: str, port: str, sharded: str = "1",
             report["files_per_sync"] = len(list((out / f"sync-full-{rank}" / "weights").glob("*.safetensors")))
     trainer.closing = True
     trainer._close_engine()
-    if sharded == "1" and mode == "server" and transfer == "files":  # a LoRA policy: the base once, then the adapter alone
+    if sharded == "1" and mode == "server" and transfer == "files":  # LoRA: the base once, then the adapter alone
         rlhf.set_seed(0)
         config = rlhf.GRPOConfig(**dict(common, finetuning_type="lora", lora_rank=8, lora_target="all",
                                         learning_rate=1e-2), output_dir=str(out / "lora"), max_steps=2,
