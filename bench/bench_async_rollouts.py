@@ -39,6 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
+import torch  # noqa: E402
 from tables import print_table  # noqa: E402
 
 import inference_optimizations as io  # noqa: E402
@@ -64,12 +65,16 @@ def sft_model(directory: Path | None) -> Path:
     return out / "sft"
 
 
-def start_servers(model: Path, count: int) -> tuple[list[subprocess.Popen], list[str]]:
+def start_servers(model: Path, count: int, cores: list[int] | None) -> tuple[list[subprocess.Popen], list[str]]:
+    """``count`` vllm-serve processes; ``cores``: the CPU cores they are pinned to (their OpenMP threads too)."""
     processes, addresses = [], []
+    env = dict(os.environ, **({"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores))} if cores else {}))
     for _ in range(count):
         port = free_port()
-        processes.append(subprocess.Popen([sys.executable, str(REPO / "rlhf.py"), "vllm-serve", "--model", str(model),
-                                           "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        processes.append(subprocess.Popen(
+            [sys.executable, str(REPO / "rlhf.py"), "vllm-serve", "--model", str(model), "--port", str(port)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+            preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None))
         addresses.append(f"127.0.0.1:{port}")
     for process, address in zip(processes, addresses):
         client = io.VLLMClient(*address.split(":")[:1], int(address.split(":")[1]), retries=1)
@@ -127,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sft-dir", type=Path, default=None, help="the SFT model (default: trained once, cached)")
     parser.add_argument("--out", type=Path, default=Path("outputs/bench_async"), help="where the runs write")
     parser.add_argument("--quick", action="store_true", help="20 steps, k = 0, 1")
+    parser.add_argument("--layout", choices=("split", "shared"), default="split",
+                        help="split: the trainer on the first half of the cores, the servers on the other half (what "
+                             "separate GPUs give); shared: every process on every core")
     args = parser.parse_args(argv)
     if io.vllm_missing():
         print(f"vLLM is needed: {io.vllm_missing()}")
@@ -136,8 +144,14 @@ def main(argv: list[str] | None = None) -> int:
     ks, seeds = [int(k) for k in args.ks.split(",")], [int(s) for s in args.seeds.split(",")]
     model = sft_model(args.sft_dir)
     records = rlhf.load_records("demo_eval", REPO / "data/demo", "prompt")
+    cores = sorted(os.sched_getaffinity(0))
+    server_cores = cores[len(cores) // 2:] if args.layout == "split" and len(cores) > 1 else None
+    if server_cores:
+        trainer_cores = cores[:len(cores) // 2]
+        os.sched_setaffinity(0, trainer_cores)
+        torch.set_num_threads(len(trainer_cores))
     before = held_out(model, records)
-    processes, servers = start_servers(model, args.servers)
+    processes, servers = start_servers(model, args.servers, server_cores)
     results = {}
     try:
         for seed in seeds:
@@ -148,13 +162,22 @@ def main(argv: list[str] | None = None) -> int:
                 results[k, seed]["after"] = held_out(out, records)
     finally:
         stop(processes)
+    layout = (f"trainer on core(s) {','.join(map(str, cores[:len(cores) // 2]))}, servers on "
+              f"{','.join(map(str, server_cores))}" if server_cores else "every process on every core")
     rows = [[str(k), str(seed), f"{r['steps_per_s']:.2f}", f"{r['wait']:.2f}", f"{r['staleness']:.2f}",
              f"{r['dropped']:.0f}", f"{r['first']:.3f}", f"{r['last']:.3f}", f"{100 * before:.1f}%",
              f"{100 * r['after']:.1f}%"] for (k, seed), r in sorted(results.items())]
-    print_table(["k", "seed", "steps/s", "wait s/step", "staleness", "dropped", "reward first 20", "reward last 20",
-                 "held-out before", "held-out after"], rows,
-                f"GRPO, careless demo, {args.steps} steps, {len(servers)} vllm-serve servers, "
-                f"{os.cpu_count()} CPU cores", label_columns=2)
+    print_table(["k", "seed", "steps/s", "wait s", "staleness", "dropped", "reward 1-20", "reward last 20",
+                 "held-out before", "after"], rows,
+                f"GRPO, careless demo, {args.steps} steps, {len(servers)} vllm-serve servers, {len(cores)} CPU cores "
+                f"({layout})", label_columns=2, min_width=160)
+    for k in ks:  # the spread over seeds is the noise the k's are compared against
+        after = [results[k, seed]["after"] for seed in seeds]
+        last = [results[k, seed]["last"] for seed in seeds]
+        print(f"k={k}: held-out after {100 * statistics.fmean(after):.1f}% "
+              f"(seeds {min(after):.1%} .. {max(after):.1%}), "
+              f"reward last 20 {statistics.fmean(last):.3f}, steps/s "
+              f"{statistics.fmean(results[k, seed]['steps_per_s'] for seed in seeds):.2f}")
     return 0
 
 
