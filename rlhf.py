@@ -7946,7 +7946,10 @@ def calculate(expression: str) -> str:
         raise ValueError(f"unsupported: {type(node).__name__}")
 
     try:
-        result = value(ast.parse(expression.strip(), mode="eval").body)
+        with warnings.catch_warnings():  # a policy's "2x" is an error answered to it, not a warning to the user
+            warnings.simplefilter("ignore", SyntaxWarning)
+            tree = ast.parse(expression.strip(), mode="eval")
+        result = value(tree.body)
     except (SyntaxError, ValueError, ZeroDivisionError, OverflowError) as error:
         return f"error: {error}"
     if isinstance(result, float) and result.is_integer():
@@ -10677,9 +10680,9 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         (``inference_optimizations.compile_pays``); None where the work ahead is unknown (streaming without
         max_steps)."""
         engine = self.config.generation_engine
-        # an agent's requests come in batches of every size, not one shape per rollout: no plan, so each shape is
-        # compiled only once its own past calls would have paid for it
-        planned = engine == "auto" and getattr(self.config, "environment", None) != "agent"
+        # episodes (an environment's turns, an agent's requests) come in batches of every size, not one shape per
+        # rollout: no plan, so each shape is compiled only once its own past calls would have paid for it
+        planned = engine == "auto" and not getattr(self.config, "environment", None)
         return engine, (self._rollouts_left() if planned else None)
 
     def _rollouts_left(self) -> int | None:

@@ -141,6 +141,17 @@ def test_a_seed_reproduces_samples(engine, prompt_ids):
     assert other.token_ids != engine.generate(prompt_ids, params).token_ids
 
 
+def test_identical_prompts_in_one_call_get_samples_of_their_own(engine, prompt_ids):
+    """An episode group's turns repeat one prompt in a call: each prompt is seeded by its place (n seeds apart), so
+    no two of its 3 x 4 samples share their noise; a call split at a place (another process's or server's share)
+    continues the same seeds."""
+    params = io.SamplingParams(max_new_tokens=16, n=4, seed=7)
+    samples = engine.generate([prompt_ids[0]] * 3, params).token_ids
+    assert len({tuple(s) for s in samples}) == 12
+    tail = engine.generate([prompt_ids[0]] * 2, dataclasses.replace(params, seed_index_start=1)).token_ids
+    assert tail == samples[4:]
+
+
 # -- weight sync after a training step --------------------------------------------------------------------------------
 
 
