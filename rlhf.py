@@ -955,8 +955,8 @@ LLAMAFACTORY_IGNORED: dict[str, str] = {
     "save_strategy": "checkpoints are written every save_steps",
     "logging_strategy": "metrics are logged every logging_steps",
     "overwrite_cache": "tokenised data is cached by a hash of the data, tokenizer and settings, so it never goes stale",
-    "deepspeed": "launch with `accelerate launch --config_file configs/accelerate/deepspeed_zero3.yaml rlhf.py ...` to "
-                 "use DeepSpeed",
+    "deepspeed": "the accelerate launch picks the engine; the trainers refuse DeepSpeed for now, so shard with "
+                 "`accelerate launch --config_file configs/accelerate/fsdp.yaml rlhf.py ...`",
     "fsdp": "launch with an accelerate FSDP config file instead",
     "upcast_layernorm": "norm layers already stay in fp32 under autocast",
     "pure_bf16": "use bf16=true (mixed precision) or model_dtype=bfloat16",
@@ -1817,7 +1817,12 @@ class DeviceManager:
 
             AcceleratorState._reset_state(True)
             GradientState._reset_state()
-            self.accelerator = Accelerator(cpu=True, **kwargs)
+            if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":  # cpu=True would drop DeepSpeed
+                kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo",
+                                                                    timeout=timedelta(seconds=ddp_timeout))]
+                self.accelerator = Accelerator(**kwargs)
+            else:
+                self.accelerator = Accelerator(cpu=True, **kwargs)
 
     @property
     def device(self) -> torch.device:
@@ -1836,6 +1841,14 @@ class DeviceManager:
         return self.accelerator.process_index
 
     def prepare(self, *objects: Any) -> Any:
+        if self.accelerator.distributed_type == "DEEPSPEED":
+            # accelerate's DeepSpeed prepare takes the model, its optimizer and a micro-batch size (or a dataloader)
+            # in one call, and the trainers prepare the model first and the optimizer apart: refused in one line
+            # rather than failing inside accelerate. ZeRO-3's weight gather (gathered_named_tensors) is ready for it.
+            raise RLHFInputError("accelerate config: DeepSpeed (distributed_type: DEEPSPEED) is not supported by the "
+                                 "trainers yet (they prepare the model and the optimizer apart, which accelerate's "
+                                 "DeepSpeed integration refuses); shard with FSDP2 instead: accelerate launch "
+                                 "--config_file configs/accelerate/fsdp.yaml ...")
         return self.accelerator.prepare(*objects)
 
     def unwrap(self, model: nn.Module) -> nn.Module:

@@ -158,3 +158,25 @@ def test_zero3_weights_gather_a_module_at_a_time_for_the_weight_sync(tmp_path, t
     assert reports[0]["early_close"]["taken"] == reports[1]["names"][:3]
     assert reports[1]["early_close"]["taken"] == reports[1]["names"]
     assert reports[0]["trained_after"] == pytest.approx(reports[1]["trained_after"])
+
+
+def test_a_deepspeed_launch_is_refused_in_one_line(tmp_path):
+    """The trainers prepare the model and the optimizer apart, which accelerate's DeepSpeed integration refuses: a
+    ZeRO-3 launch (here on 2 CPU processes, where DeepSpeed runs over gloo and the launch keeps it rather than
+    falling back to DDP) stops at the first prepare with one line that names the FSDP2 launch instead."""
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("DeepSpeed is not installed (not in requirements.txt): `DS_BUILD_OPS=0 pip install deepspeed`")
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "ACCELERATE_USE_CPU"):
+        env.pop(name, None)
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--zero_stage", "3",
+                           "--num_processes", "2", "--mixed_precision", "no", "--main_process_port",
+                           str(_free_port()), str(REPO / "rlhf.py"), "grpo", "--config", "configs/grpo.yaml",
+                           "model_name_or_path=tiny", "max_steps=1", f"output_dir={tmp_path / 'out'}", "save_steps=0",
+                           "report_to=none"], cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert output.count("error: accelerate config: DeepSpeed (distributed_type: DEEPSPEED) is not supported") == 2
+    assert "configs/accelerate/fsdp.yaml" in output and "[rank0]: Traceback" not in output
