@@ -2196,13 +2196,11 @@ class VLLMClient:
         sent again from; the collective transfer keeps no copy, so it takes the function only."""
         # files stream the pairs; the other transfers look at them first (the trainer's own tensors: no copy)
         gathered = isinstance(named_tensors, GatheredRead)  # a collective: read once, as it streams
-        if gathered and self.weight_transfer == "auto":
-            self.weight_transfer = self._transfer_for(torch.empty(0, device="cuda") if torch.cuda.is_available()
-                                                      else None)
         tensors = (list(named_tensors()) if callable(named_tensors) and self.weight_transfer != "files" and not gathered
                    else None)
-        if self.weight_transfer == "auto":  # decided once, on the first sync's tensors
-            self.weight_transfer = self._transfer_for(tensors[0][1] if tensors else None)
+        if self.weight_transfer == "auto":  # decided once, on the first sync's tensors (gathered: where they land)
+            where = torch.empty(0, device="cuda") if gathered and torch.cuda.is_available() else None
+            self.weight_transfer = self._transfer_for(tensors[0][1] if tensors else where)
         if self.weight_transfer == "collective":
             if tensors is None and not gathered:
                 raise ValueError("the collective transfer takes a function returning the (name, tensor) pairs, "
@@ -2236,8 +2234,7 @@ class VLLMClient:
         gathered = isinstance(source, GatheredRead)
         if gathered:  # announced from the layout; each tensor gathered as the broadcast reaches it
             metadata = [[name, dtype, list(shape)] for name, dtype, shape in source.layout()]
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-            device = device or torch.device("cpu")
+            device = torch.device(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
         else:
             tensors = [(name, tensor.detach().contiguous())
                        for name, tensor in (tensors if tensors is not None else source())]
@@ -2327,6 +2324,10 @@ class VLLMClient:
 
     def load_adapter(self, directory: str | os.PathLike) -> None:
         self._load("/load_adapter", str(directory))
+
+    def load_folder(self, directory: str | os.PathLike) -> None:
+        """Have the server reload the full weights from a folder of safetensors files it reads itself."""
+        self._load("/load_weights", str(directory))
 
     def reset_cache(self) -> None:
         self._request("/reset_prefix_cache", {})
@@ -2432,7 +2433,7 @@ class VLLMServerPool:
                 except VLLMServerError as error:
                     self._take_out(client, error)
                     pending.append((start, part))
-        return _joined(done, params.n)
+        return _joined(done)
 
     def sync_weights(self, weights: PolicyWeights) -> None:
         """Servers taken out are asked again first; then every live server gets the weights (a failure takes it
@@ -2452,7 +2453,7 @@ class VLLMServerPool:
             try:
                 if written is not None:
                     client.policy_version = weights.version
-                    client._load("/load_weights", str(written))
+                    client.load_folder(written)
                     continue
                 client.sync_weights(weights)
                 if weights.save_adapter is None and client.weight_transfer == "files":
@@ -2484,16 +2485,11 @@ class VLLMServerPool:
 
 def _shares(prompts: list[list[int]], parts: int) -> list[tuple[int, list[list[int]]]]:
     """``prompts`` split into ``parts`` contiguous shares of near-equal size, each with the index of its first."""
-    size, extra = divmod(len(prompts), parts)
-    shares, start = [], 0
-    for part in range(parts):
-        end = start + size + (part < extra)
-        shares.append((start, prompts[start:end]))
-        start = end
-    return shares
+    bounds = [len(prompts) * part // parts for part in range(parts + 1)]
+    return [(start, prompts[start:end]) for start, end in zip(bounds, bounds[1:])]
 
 
-def _joined(outputs: dict[int, GenerationOutput], n: int) -> GenerationOutput:
+def _joined(outputs: dict[int, GenerationOutput]) -> GenerationOutput:
     """Shares' outputs (keyed by the index of their first prompt) as one, in prompt order; the policy version is
     the oldest that sampled any of it."""
     token_ids, logprobs, reasons, prompt_index = [], [], [], []

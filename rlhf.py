@@ -10822,11 +10822,12 @@ class _OnlineRLTrainer(_ReferenceTrainer):
             reads["adapter"] = read(model, lambda name: "lora_" in name)
         return reads
 
-    def _policy_weights(self) -> PolicyWeights:
-        """The policy's weights as of this optimizer step, read lazily by the engine's sync."""
+    def _policy_weights(self, reads: dict[str, GatheredRead] | None = None) -> PolicyWeights:
+        """The policy's weights as of this optimizer step, read lazily by the engine's sync; a sharded policy's
+        through ``reads`` (default ``_weight_reads()``)."""
         model = self._unwrapped_module()
         if self.sharded:
-            reads = self._weight_reads()
+            reads = reads or self._weight_reads()
             return PolicyWeights(self.global_step, reads["named"], base=reads.get("base"), save_adapter=(
                 (lambda directory: model.save_pretrained(directory, state_dict=dict(reads["adapter"]())))
                 if self.policy.is_peft else None))
@@ -10841,7 +10842,7 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         """The run's engine, started at the first call, holding the weights of the current optimizer step (synced
         once per step where it holds a copy: with several processes the main one syncs a shared engine, each its
         own otherwise). A sharded policy's weights are gathered by every process together as the engine reads
-        them: for a shared engine the other processes follow the main one's reads (``_follow_weight_reads``)."""
+        them: for a shared engine the other processes follow the main one's reads (``_sync_shared_from_shards``)."""
         if self.engine is None:
             self.engine = ROLLOUT_ENGINES[rollout_engine_name(self.config)](self)
         engine = self.engine
@@ -10882,14 +10883,8 @@ class _OnlineRLTrainer(_ReferenceTrainer):
 
             return GatheredRead(read, reads[kind].layout)
 
-        model = self._unwrapped_module()
-        weights = PolicyWeights(self.global_step, announced("named"),
-                                base=announced("base") if self.policy.is_peft else None,
-                                save_adapter=((lambda directory: model.save_pretrained(
-                                    directory, state_dict=dict(announced("adapter")())))
-                                    if self.policy.is_peft else None))
         try:
-            engine.sync_weights(weights)
+            engine.sync_weights(self._policy_weights({kind: announced(kind) for kind in reads}))
         finally:  # a read left unfinished (or never started) is gathered to its end, as the others do
             for generator in opened:
                 with contextlib.suppress(ValueError):  # still running in a sender thread: it finishes there
