@@ -1654,6 +1654,11 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def parameter_numel(param: nn.Parameter) -> int:
+    """A parameter's size, also when DeepSpeed built it partitioned (its ``ds_numel`` is the whole one's)."""
+    return getattr(param, "ds_numel", param.numel())
+
+
 def weight_sharding(model: nn.Module) -> str:
     """How a model prepared by accelerate splits its weights across processes: ``fsdp1`` (the FSDP v1
     wrapper), ``fsdp2`` (``fully_shard``, applied in place), ``zero3`` (DeepSpeed ZeRO-3 partitioned
@@ -1782,6 +1787,27 @@ def _zero3_named_tensors(model: nn.Module, wanted: Callable[[str], bool],
                 pass
 
 
+def _set_deepspeed_partition(param: nn.Parameter, value: torch.Tensor, key: str | None) -> None:
+    """This process's part of DeepSpeed's float32 copy of ``param`` (``key`` None) or of its optimizer state ``key``,
+    from the whole ``value``. ZeRO-3 pads a parameter to a multiple of the processes, and its own
+    ``safe_set_full_*`` slices past the end of a parameter smaller than that (a bias of 1): the slice is taken here."""
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    flat = value.flatten()
+    if not hasattr(param, "ds_id"):  # ZeRO-1/2: DeepSpeed maps the fragments itself
+        if key is None:
+            safe_set_full_fp32_param(param, flat)
+        else:
+            safe_set_full_optimizer_state(param, flat, key)
+        return
+    zero = param._z3_optimizer
+    part, _ = zero._get_fp32_opt_state_partition(param, release_swap_buffers=False, optim_state_key=key)
+    start = part.numel() * zero._get_param_partition_rank(param)
+    mine = flat[start:start + part.numel()]
+    part.data.zero_()
+    part.data[:mine.numel()].copy_(mine)
+
+
 class DeviceManager:
     """Device, mixed precision, gradient scaling, clipping and process layout, over ``accelerate``.
 
@@ -1823,6 +1849,7 @@ class DeviceManager:
                 self.accelerator = Accelerator(**kwargs)
             else:
                 self.accelerator = Accelerator(cpu=True, **kwargs)
+        self._hold_zero3_init()
 
     @property
     def device(self) -> torch.device:
@@ -1841,15 +1868,104 @@ class DeviceManager:
         return self.accelerator.process_index
 
     def prepare(self, *objects: Any) -> Any:
-        if self.accelerator.distributed_type == "DEEPSPEED":
-            # accelerate's DeepSpeed prepare takes the model, its optimizer and a micro-batch size (or a dataloader)
-            # in one call, and the trainers prepare the model first and the optimizer apart: refused in one line
-            # rather than failing inside accelerate. ZeRO-3's weight gather (gathered_named_tensors) is ready for it.
-            raise RLHFInputError("accelerate config: DeepSpeed (distributed_type: DEEPSPEED) is not supported by the "
-                                 "trainers yet (they prepare the model and the optimizer apart, which accelerate's "
-                                 "DeepSpeed integration refuses); shard with FSDP2 instead: accelerate launch "
-                                 "--config_file configs/accelerate/fsdp.yaml ...")
         return self.accelerator.prepare(*objects)
+
+    # -- DeepSpeed: the model and its optimizer are one engine, which steps, clips and partitions them itself
+    @property
+    def uses_deepspeed(self) -> bool:
+        return self.accelerator.distributed_type == "DEEPSPEED"
+
+    def _hold_zero3_init(self) -> None:
+        """accelerate's ``zero3_init_flag`` (on by default at ZeRO stage 3) makes every later ``from_pretrained`` in
+        the process build its model partitioned (DeepSpeed's zero.Init), through a reference transformers keeps.
+        Such a model works only inside a DeepSpeed engine, and building it is a collective of every process: a
+        reference copy, an evaluator, or a model the main process loads alone would break or hang. So the reference
+        is held here and applied only where a stage loads the model it is about to train (``zero3_init``)."""
+        self._zero3_init_config = None
+        if self.uses_deepspeed:
+            from transformers.integrations import deepspeed as hf_deepspeed
+
+            held = hf_deepspeed._hf_deepspeed_config_weak_ref  # no public getter for the object itself
+            self._zero3_init_config = held() if held is not None else None
+            hf_deepspeed.unset_hf_deepspeed_config()
+
+    @contextlib.contextmanager
+    def zero3_init(self) -> Iterator[None]:
+        """Around loading the model a stage trains: under DeepSpeed with ``zero3_init_flag`` it is built partitioned
+        (a 70B model never sits whole in one process); otherwise nothing."""
+        if getattr(self, "_zero3_init_config", None) is None:
+            yield
+            return
+        from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
+
+        set_hf_deepspeed_config(self._zero3_init_config)
+        try:
+            yield
+        finally:
+            unset_hf_deepspeed_config()
+
+    # DeepSpeed config keys the trainers decide, from the rlhf config field beside each
+    DEEPSPEED_KEYS_FROM_CONFIG = {"train_micro_batch_size_per_gpu": "per_device_train_batch_size",
+                                  "gradient_accumulation_steps": "gradient_accumulation_steps",
+                                  "gradient_clipping": "max_grad_norm"}
+
+    def prepare_engine(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: BaseConfig
+                       ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """``model`` and ``optimizer`` made one DeepSpeed engine by accelerate (its DeepSpeed ``prepare`` takes both in
+        one call). The trainers accumulate over micro-batches themselves and mark the last one (``no_sync``), so
+        DeepSpeed is told to accumulate 1 and steps once per optimizer step (``engine_step``); it clips at
+        ``max_grad_norm``. A DeepSpeed config that sets these otherwise, or brings its own optimizer or schedule
+        (the trainers build them from ``optim``, ``learning_rate`` and ``lr_scheduler_type``), is refused."""
+        ds_config = self.accelerator.state.deepspeed_plugin.deepspeed_config
+        if not hasattr(self, "_deepspeed_as_given"):  # as the launch gave it: a pipeline's stages each fill it in
+            self._deepspeed_as_given = {key: ds_config.get(key, "auto")
+                                        for key in [*self.DEEPSPEED_KEYS_FROM_CONFIG, "train_batch_size"]}
+        given = self._deepspeed_as_given
+        for key in ("optimizer", "scheduler"):
+            if key in ds_config:
+                raise RLHFInputError(f"DeepSpeed config: remove '{key}'; the trainers build the optimizer and its "
+                                     f"schedule from the rlhf config (optim, learning_rate, lr_scheduler_type)")
+        for key, config_field in self.DEEPSPEED_KEYS_FROM_CONFIG.items():
+            ours, theirs = getattr(config, config_field), given[key]
+            # accelerate writes gradient_accumulation_steps: 1 into a config file that leaves it out
+            if theirs not in ("auto", ours) and not (key == "gradient_accumulation_steps" and theirs == 1):
+                raise RLHFInputError(f"DeepSpeed config key '{key}' is {theirs!r}, but the rlhf config's "
+                                     f"'{config_field}' is {ours!r}: the trainers take it from '{config_field}'; set "
+                                     f"'{key}' to \"auto\"")
+        micro_batch = config.per_device_train_batch_size
+        whole_batch = micro_batch * config.gradient_accumulation_steps * self.num_processes
+        if given["train_batch_size"] not in ("auto", whole_batch):
+            raise RLHFInputError(f"DeepSpeed config key 'train_batch_size' is {given['train_batch_size']!r}, but "
+                                 f"per_device_train_batch_size x gradient_accumulation_steps x processes is "
+                                 f"{whole_batch}; set it to \"auto\"")
+        ds_config.update(train_micro_batch_size_per_gpu=micro_batch, gradient_accumulation_steps=1,
+                         train_batch_size=micro_batch * self.num_processes,
+                         gradient_clipping=float(max(config.max_grad_norm, 0.0)))
+        # which parameters each group holds, for a checkpoint's optimizer state (DeepSpeed swaps them for flat ones)
+        self._deepspeed_groups = [[id(p) for p in group["params"]] for group in optimizer.param_groups]
+        self.accelerator.deepspeed_engine_wrapped = None  # accelerate keeps the first engine it made: a later stage's
+        model, optimizer = self.accelerator.prepare(model, optimizer)
+        self.deepspeed_engine = model  # the engine training now (a pipeline's stages each make one)
+        return model, optimizer
+
+    def _engine(self) -> Any:
+        return self.deepspeed_engine
+
+    def engine_step(self, model: nn.Module) -> float:
+        """DeepSpeed's optimizer step (clip, check, update, zero the gradients); the gradient norm before clipping,
+        inf when it was not finite and DeepSpeed skipped the update."""
+        engine = self._engine()
+        engine.step()
+        norm = engine.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan")
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        """Drop the accumulated gradients: under DeepSpeed its partitioned ones (accelerate's wrapper makes the
+        optimizer's own ``zero_grad`` a no-op there, since the engine zeroes them in its step)."""
+        if self.uses_deepspeed:
+            self._engine().optimizer.zero_grad(set_to_none=True)
+        else:
+            optimizer.zero_grad(set_to_none=True)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return self.accelerator.unwrap_model(model)
@@ -1858,6 +1974,9 @@ class DeviceManager:
         return self.accelerator.autocast()
 
     def backward(self, loss: torch.Tensor) -> None:
+        if self.uses_deepspeed:  # accelerate's backward would also step DeepSpeed's optimizer: ours is engine_step
+            self._engine().backward(loss)
+            return
         self.accelerator.backward(loss)  # applies the fp16 loss scale when active
 
     def clip_grad_norm(self, parameters: Iterable[nn.Parameter], max_norm: float) -> float:
@@ -1870,7 +1989,11 @@ class DeviceManager:
         return float(self.accelerator.clip_grad_norm_(parameters, max_norm))
 
     def no_sync(self, model: nn.Module, skip: bool) -> contextlib.AbstractContextManager:
-        """Skip the gradient all-reduce on micro-batches that are not the last of an accumulation."""
+        """Skip the gradient all-reduce on micro-batches that are not the last of an accumulation (around the
+        forward). DeepSpeed reduces its partitioned gradients itself and is told where the accumulation ends."""
+        if self.uses_deepspeed:
+            self._engine().set_gradient_accumulation_boundary(not skip)
+            return contextlib.nullcontext()
         return self.accelerator.no_sync(model) if skip and self.num_processes > 1 else contextlib.nullcontext()
 
     def sum_across_processes(self, value: float | int) -> float:
@@ -1953,8 +2076,19 @@ class DeviceManager:
         kind = weight_sharding(prepared)
         if not kind:
             return None
-        if kind == "zero3":
-            state = self.accelerator.get_state_dict(prepared)  # needs zero3_save_16bit_model (our config sets it)
+        if kind == "zero3":  # a module's parameters at a time, kept by the main process only
+            module = self.unwrap(prepared)
+            state = {}
+            for name, tensor in gathered_named_tensors(module, kind):
+                if self.is_main_process:
+                    state[name] = tensor.cpu()
+            first: dict[int, str] = {}
+            for name, param in module.named_parameters(remove_duplicate=False):  # tied weights under every name,
+                first.setdefault(id(param), name)                                  # apart, as FSDP2 gives them
+                if self.is_main_process and name not in state:
+                    state[name] = state[first[id(param)]].clone()
+            state.update({name: tensor for name, tensor in module.state_dict().items() if name not in first.values()
+                          and name not in state})
         else:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -1969,6 +2103,8 @@ class DeviceManager:
         parameter name, on the main process (None on the others; None when the model is not FSDP2-sharded).
         Every process must call it: the gather is a collective. One file of the main process can then hold it,
         written and rolled like any checkpoint file, instead of a shard file per process."""
+        if self.uses_deepspeed:
+            return self._deepspeed_optimizer_state(self.unwrap(prepared))
         if weight_sharding(prepared) != "fsdp2":
             return None
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
@@ -1982,6 +2118,9 @@ class DeviceManager:
         """Load a whole optimizer state keyed by parameter name (``full_optimizer_state``; every process read the
         same file) into the optimizer: of an FSDP2-sharded model, each process keeps the shard of the moments its
         parameters hold; of an unsharded one, every process the whole moments."""
+        if self.uses_deepspeed:
+            self._load_deepspeed_optimizer_state(self.unwrap(prepared), state)
+            return
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         set_optimizer_state_dict(prepared, getattr(optimizer, "optimizer", optimizer), state,
@@ -1991,18 +2130,95 @@ class DeviceManager:
         """Load whole weights (every process read the same file) into a model, sharded or not; each process keeps
         its shard. Keys as in the unwrapped module."""
         kind = weight_sharding(prepared)
-        if kind == "zero3":  # refused rather than done half-way
-            raise RLHFInputError("resuming under DeepSpeed ZeRO-3 is not supported: its optimizer keeps a float32 copy "
-                                 "of the weights that loading them into the model would not update. The checkpoint's "
-                                 f"{BaseTrainer.SHARDED_WEIGHTS_FILE} holds the weights; start a new run "
-                                 "(resume_from_checkpoint=none), or use FSDP2 (configs/accelerate/fsdp.yaml)")
-        if kind:
+        if kind == "zero3":
+            self._load_zero3_weights(self.unwrap(prepared), state)
+        elif kind:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
             # a copy: set_model_state_dict swaps the dict's entries for the shards it distributes
             set_model_state_dict(prepared, dict(state), options=StateDictOptions(full_state_dict=True, strict=False))
         else:
             self.unwrap(prepared).load_state_dict(state, strict=False)
+
+    # -- DeepSpeed's state: its optimizer keeps float32 weights and moments in flat partitions of its own, read and
+    # written a parameter at a time through deepspeed.utils' safe_get/safe_set functions (ZeRO stages 1 to 3)
+    def _deepspeed_optimizer_state(self, module: nn.Module) -> dict[str, Any] | None:
+        """DeepSpeed's optimizer state keyed by parameter name, each parameter's moments whole, on the main process
+        (None on the others): the layout ``full_optimizer_state`` gives for FSDP2. Every process must call it (under
+        ZeRO-3 each parameter's moments are gathered from the processes in turn)."""
+        from deepspeed.utils import safe_get_full_optimizer_state
+
+        base = self._engine().optimizer.optimizer  # the torch optimizer over DeepSpeed's flat float32 partitions
+        flat_state = next((entry for entry in base.state.values() if entry), {})  # empty before the first step
+        moments = [key for key, value in flat_state.items() if torch.is_tensor(value) and value.dim() > 0]
+        state: dict[str, dict[str, Any]] = {}
+        for name, param in module.named_parameters():
+            if not param.requires_grad or not moments:
+                continue
+            entry = {key: safe_get_full_optimizer_state(param, key) for key in moments}
+            if self.is_main_process:
+                shape = tuple(getattr(param, "ds_shape", param.shape))
+                state[name] = {key: value.detach().reshape(shape).cpu() for key, value in entry.items()}
+                state[name].update({key: value.detach().cpu().clone() if torch.is_tensor(value) else value
+                                    for key, value in flat_state.items() if key not in moments})
+        if not self.is_main_process:
+            return None
+        names = {id(param): name for name, param in module.named_parameters()}
+        groups = [{**{key: value for key, value in group.items() if key != "params"},  # lr as the schedule left it
+                   "params": [names[pid] for pid in self._deepspeed_groups[index] if pid in names]}
+                  for index, group in enumerate(base.param_groups)]
+        return {"state": state, "param_groups": groups}
+
+    def _load_deepspeed_optimizer_state(self, module: nn.Module, state: dict[str, Any]) -> None:
+        """Set DeepSpeed's moments (and step) from a state keyed by parameter name; each process keeps its
+        partition. AdamW creates its state at its first step: before it, the state is created here as AdamW would."""
+        zero = self._engine().optimizer
+        base = zero.optimizer
+        for group, saved in zip(base.param_groups, state["param_groups"]):  # lr, weight decay, betas
+            group.update({key: value for key, value in saved.items() if key != "params"})
+        entries = state["state"]
+        if not entries:
+            return
+        first = next(iter(entries.values()))
+        moments = [key for key, value in first.items() if torch.is_tensor(value) and value.dim() > 0]
+        # the flat float32 partitions the moments belong to (ZeRO-3 lists them in the param groups only while it steps)
+        flats = getattr(zero, "fp32_partitioned_groups_flat", None) or zero.single_partition_of_fp32_groups
+        on_device = any(group.get("fused") or group.get("capturable") for group in base.param_groups)
+        for flat in flats:
+            if not base.state[flat]:
+                base.state[flat] = {key: torch.zeros_like(flat) for key in moments}
+            for key, value in first.items():
+                if key not in moments:  # the step count, one for every parameter
+                    base.state[flat][key] = (torch.as_tensor(value, dtype=torch.float32,
+                                                             device=flat.device if on_device else "cpu").clone()
+                                             if torch.is_tensor(value) else value)
+        params = dict(module.named_parameters())
+        for name, entry in entries.items():
+            if name in params and params[name].requires_grad:
+                for key in moments:
+                    _set_deepspeed_partition(params[name], entry[key].to(self.device), key)
+
+    def _load_zero3_weights(self, module: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        """Whole weights into a ZeRO-3 model, a module's parameters at a time (the main process's copy is partitioned
+        to every process), and into DeepSpeed's float32 copy of them, which its optimizer steps from."""
+        import deepspeed
+
+        for params in _zero3_plan(module, lambda name: name in state):
+            with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=0):
+                if self.is_main_process:
+                    for name, param in params:
+                        param.data.copy_(state[name].reshape(param.shape))
+        self.sync_master_weights(module, state)
+
+    def sync_master_weights(self, module: nn.Module, state: dict[str, torch.Tensor] | None = None) -> None:
+        """Under DeepSpeed: its float32 copy of the trainable weights set from ``state`` (the module's own weights
+        when None, for ZeRO-1/2, where every process holds them whole), after the weights were loaded."""
+        if not self.uses_deepspeed:
+            return
+        for name, param in module.named_parameters():
+            if param.requires_grad:
+                value = state[name] if state is not None and name in state else param.data
+                _set_deepspeed_partition(param, value.to(self.device, torch.float32), None)
 
     def lockstep_share(self, count: int) -> list[tuple[int, bool]]:
         """This process's share of ``count`` batches split round-robin across processes, as (batch index, keep)
@@ -2454,7 +2670,8 @@ class CheckpointingMixin:
         """A sharded model's weights (and with ``optimizer`` its FSDP2 optimizer state) gathered whole onto the main
         process for the writes inside (every process enters: the gathers are collectives); nothing otherwise."""
         self.gathered_weights = self.devices.full_state_dict(self.model) if self.sharded else None
-        gather_optimizer = optimizer and self.sharded and not self.config.save_only_model
+        gather_optimizer = (optimizer and (self.sharded or self.devices.uses_deepspeed)
+                            and not self.config.save_only_model)
         self.gathered_optimizer = (self.devices.full_optimizer_state(self.model, self.optimizer) if gather_optimizer
                                    else None)
         try:
@@ -2470,9 +2687,10 @@ class CheckpointingMixin:
         self.devices.wait()
 
     def _write_checkpoint(self, directory: Path) -> None:
-        # sharded: the gathered weights as the prepared module names them, which resume loads back into the shards,
-        # and (FSDP2) the gathered optimizer state keyed by parameter name; ZeRO-3's optimizer state is not gathered
-        model_only = self.config.save_only_model or (self.sharded and self.gathered_optimizer is None)
+        # sharded: the gathered weights as the prepared module names them, which resume loads back into the shards;
+        # sharded or under DeepSpeed (whose optimizer partitions its state at any ZeRO stage): the gathered optimizer
+        # state keyed by parameter name
+        model_only = self.config.save_only_model
         if self.sharded:
             save_file({k: v.contiguous() for k, v in self.gathered_weights.items()},
                       str(directory / self.SHARDED_WEIGHTS_FILE))
@@ -2484,7 +2702,8 @@ class CheckpointingMixin:
                  "data": self.train_dataset.state_dict() if self.sampler is None else None,
                  "model_only": model_only}
         if not model_only:
-            optimizer_state = self.gathered_optimizer if self.sharded else self.optimizer.state_dict()
+            optimizer_state = (self.gathered_optimizer if self.gathered_optimizer is not None
+                               else self.optimizer.state_dict())
             tensors, meta = optimizer_state_to_safetensors(optimizer_state)
             save_file(tensors, str(directory / "optimizer.safetensors"))
             (directory / "optimizer.json").write_text(json.dumps(meta))
@@ -2570,6 +2789,7 @@ class CheckpointingMixin:
                                  f"(model_name_or_path={path})")
         else:
             self._load_model(path)
+            self.devices.sync_master_weights(self.devices.unwrap(self.model))  # ZeRO-1/2's float32 copy
         self._load_extra_state(state.get("trainer") or {})
         self.global_step, self.micro_batches_done = state["global_step"], state["micro_batches_done"]
         if self.early_stopping and state.get("early_stopping"):
@@ -2577,7 +2797,7 @@ class CheckpointingMixin:
         if self.sampler is None and state.get("data"):
             self.train_dataset.load_state_dict(state["data"])
         if state.get("model_only"):
-            logger.warning("%s holds weights only (save_only_model, or weights sharded by ZeRO-3): the "
+            logger.warning("%s holds weights only (save_only_model): the "
                            "optimizer's moments restart and the schedule continues from step %d",
                            path, self.global_step)
             with warnings.catch_warnings():  # stepping the schedule to where it was, before any optimizer step
@@ -2684,8 +2904,8 @@ def create_optimizer(model: nn.Module, config: BaseConfig, num_training_steps: i
 
     decay, no_decay = [], []
     for _, param in model.named_parameters():
-        if param.requires_grad:
-            (decay if param.ndim >= 2 else no_decay).append(param)
+        if param.requires_grad:  # (a parameter DeepSpeed built partitioned is 1-d here: its ds_shape is its own)
+            (decay if len(getattr(param, "ds_shape", param.shape)) >= 2 else no_decay).append(param)
     if not decay and not no_decay:
         raise RLHFInputError("config field 'finetuning_type' leaves no trainable parameters; "
                              "check lora_target or freeze_trainable_layers")
@@ -5879,7 +6099,7 @@ class PolicyModel(nn.Module):
         return isinstance(self.model, PeftModel)
 
     def num_parameters(self, trainable_only: bool = False) -> int:
-        return sum(p.numel() for p in self.model.parameters() if p.requires_grad or not trainable_only)
+        return sum(parameter_numel(p) for p in self.model.parameters() if p.requires_grad or not trainable_only)
 
     def prepare_for_training(self, config: BaseConfig) -> PolicyModel:
         """Apply the finetuning type (LoRA / OFT / freeze / full) and gradient checkpointing."""
@@ -6118,7 +6338,7 @@ class RewardModel(nn.Module):
         return hasattr(self.model.backbone, "peft_config")
 
     def num_parameters(self, trainable_only: bool = False) -> int:
-        return sum(p.numel() for p in self.model.parameters() if p.requires_grad or not trainable_only)
+        return sum(parameter_numel(p) for p in self.model.parameters() if p.requires_grad or not trainable_only)
 
     def prepare_for_training(self, config: BaseConfig) -> RewardModel:
         self.model.backbone = _prepare_backbone(self.model.backbone, config)
@@ -6265,7 +6485,7 @@ class ProcessRewardModel(nn.Module):
         return self
 
     def num_parameters(self, trainable_only: bool = False) -> int:
-        return sum(p.numel() for p in self.model.parameters() if p.requires_grad or not trainable_only)
+        return sum(parameter_numel(p) for p in self.model.parameters() if p.requires_grad or not trainable_only)
 
     def step_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                     step_positions: torch.Tensor) -> torch.Tensor:
@@ -6766,6 +6986,10 @@ def create_reference_model(config: BaseConfig, policy: PolicyModel) -> Reference
     if config.finetuning_type in ("lora", "oft") and not policy.is_peft:
         return ReferenceModel(policy, disable_adapter=True)  # the adapter is added by prepare_for_training
     # full / freeze training, or continuing an existing adapter: the start must be kept as it is
+    if weight_sharding(policy.model) == "zero3":  # built partitioned (zero3_init_flag): a copy of the start, whole
+        frozen = _load_policy(config, policy.device)
+        frozen.model.requires_grad_(False).eval()
+        return ReferenceModel(frozen)
     frozen = PolicyModel(copy.deepcopy(policy.model).requires_grad_(False).eval(), policy.tokenizer,
                          vision=policy.vision)
     return ReferenceModel(frozen)
@@ -8481,6 +8705,7 @@ class BaseTrainer(CheckpointingMixin):
         self.router_loss = RouterAuxLoss.attach(self.devices.unwrap(self.model), config)
         self._setup_schedule()
         self._setup_optimizer()
+        self._after_prepare()
         self.checkpoints = CheckpointManager(self.output_dir, config.save_total_limit)
         self.early_stopping = None
         if config.early_stopping_patience:
@@ -8517,7 +8742,16 @@ class BaseTrainer(CheckpointingMixin):
         self.policy.prepare_for_training(self.config)
         self.policy.model.to(self.devices.device)
         self.policy.model = compile_training_step(self.policy.model, self.config.torch_compile)
-        self.model = self.devices.prepare(self.policy.model)
+        self.model = self._prepared(self.policy.model)
+
+    def _prepared(self, module: nn.Module) -> nn.Module:
+        """``module`` prepared for training by accelerate (DDP / FSDP wrap it here). Under DeepSpeed it is returned
+        as it is, and prepared in ``_setup_optimizer``: DeepSpeed makes a model and its optimizer one engine, in one
+        call."""
+        return module if self.devices.uses_deepspeed else self.devices.prepare(module)
+
+    def _after_prepare(self) -> None:
+        """Once model and optimizer are prepared: sharding, train mode, and the prepared view training forwards use."""
         self._setup_sharding()
         self.model.train()
         self.train_policy = self._prepared_view()
@@ -8525,11 +8759,7 @@ class BaseTrainer(CheckpointingMixin):
     def _setup_sharding(self) -> None:
         """After ``prepare``: with weights sharded across processes (FSDP2, ZeRO-3) every forward of the policy is a
         collective, so generation runs in lockstep (``synced``) and saving gathers the weights first."""
-        kind = self.devices.check_sharding(self.model)
-        self.sharded = bool(kind)
-        if kind == "zero3" and not self.config.save_only_model and self.devices.is_main_process:
-            logger.warning("weights sharded by DeepSpeed ZeRO-3: checkpoints hold the whole weights but not the "
-                           "optimizer's state, and a resume is refused (use FSDP2 to resume sharded runs)")
+        self.sharded = bool(self.devices.check_sharding(self.model))
 
     def _generating(self) -> contextlib.AbstractContextManager:
         """Around a generation with the unwrapped policy: what a sharded model needs first
@@ -8576,7 +8806,10 @@ class BaseTrainer(CheckpointingMixin):
 
     def _setup_optimizer(self) -> None:
         optimizer, self.scheduler = create_optimizer(self.model, self.config, self.total_steps)
-        self.optimizer = self.devices.prepare(optimizer)
+        if self.devices.uses_deepspeed:
+            self.model, self.optimizer = self.devices.prepare_engine(self.model, optimizer, self.config)
+        else:
+            self.optimizer = self.devices.prepare(optimizer)
 
     # -- data
     def make_batches(self) -> Iterator[dict[str, torch.Tensor]]:
@@ -8744,17 +8977,24 @@ class BaseTrainer(CheckpointingMixin):
                                  else batch["input_ids"].numel())
             for key, value in metrics.items():
                 window["metrics"].setdefault(key, []).append(value)
-        grad_norm = self.devices.clip_grad_norm(self.model.parameters(), self.config.max_grad_norm)
+        engine_steps = self.devices.uses_deepspeed  # DeepSpeed clips (gradient_clipping) and steps in its own step
+        grad_norm = 0.0 if engine_steps else self.devices.clip_grad_norm(self.model.parameters(),
+                                                                         self.config.max_grad_norm)
         problem = self._nonfinite_problem(losses, grad_norm)
+        if not problem and engine_steps:
+            grad_norm = self.devices.engine_step(self.model)  # inf: DeepSpeed found it non-finite and did not update
+            if not math.isfinite(grad_norm) and self.config.mixed_precision != "fp16":
+                problem = "gradient norm"
         if problem:
             self._skip_update(problem)
             return {"grad_norm": grad_norm, "stability/skipped_steps": 1.0}
         self.nonfinite_in_a_row = 0
         window["loss"] += sum(losses)
         window["units"] += units / self.devices.num_processes
-        self.optimizer.step()
+        if not engine_steps:
+            self.optimizer.step()
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.devices.zero_grad(self.optimizer)
         return {"grad_norm": grad_norm}
 
     # -- stability
@@ -8776,7 +9016,7 @@ class BaseTrainer(CheckpointingMixin):
     def _skip_update(self, problem: str) -> None:
         """Drop this step's gradients (the schedule still advances, so the learning rate follows
         global_step, as a weights-only resume assumes); after max_nonfinite_steps in a row, checkpoint and stop."""
-        self.optimizer.zero_grad(set_to_none=True)
+        self.devices.zero_grad(self.optimizer)
         with warnings.catch_warnings():  # torch warns when the schedule steps before the first optimizer step
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
             self.scheduler.step()
@@ -8838,6 +9078,10 @@ class BaseTrainer(CheckpointingMixin):
         config = self.config
         if not getattr(config, "ewc_lambda", 0.0):
             return None
+        if self.devices.uses_deepspeed:  # the Fisher is read from each parameter's own gradient
+            raise RLHFInputError("config field 'ewc_lambda' is not supported under DeepSpeed, which partitions the "
+                                 "gradients EWC's Fisher is read from; launch with DDP or FSDP2 "
+                                 "(configs/accelerate/fsdp.yaml), or set ewc_lambda=0")
         path = self.output_dir / ElasticWeightConsolidation.FILE
         source = {"model": str(config.model_name_or_path), "dataset": config.ewc_dataset,
                   "samples": str(config.ewc_samples)}
@@ -9039,6 +9283,12 @@ def _preference_datasets(config: BaseConfig, records: tuple, tokenizer: Any, for
     else:
         train = dataset_class(train_records, tokenizer, formatter, cutoff_len=config.cutoff_len, **extra)
     return train, validation, eval_records
+
+
+def _load_trained_policy(config: BaseConfig, devices: DeviceManager) -> PolicyModel:
+    """The model a stage trains: built partitioned under DeepSpeed's zero3_init_flag (``DeviceManager.zero3_init``)."""
+    with devices.zero3_init():
+        return _load_policy(config, devices.device)
 
 
 def _load_policy(config: BaseConfig, device: torch.device | str, model: str | None = None) -> PolicyModel:
@@ -9251,7 +9501,7 @@ def _train_sft_stage(config: SFTConfig, devices: DeviceManager | None, trainer_c
     """What a stage that trains on SFT records runs: the policy, its datasets, the trainer (SFTTrainer or a
     subclass)."""
     records, devices = _start_stage(config, devices)
-    policy = _load_policy(config, devices.device)
+    policy = _load_trained_policy(config, devices)
     _check_packing_supported(policy, config)
     formatter = chat_formatter(policy.tokenizer, config, policy)
     train, validation, eval_records = build_sft_data(config, policy.tokenizer, formatter, devices, records)
@@ -9375,11 +9625,12 @@ class RewardModelTrainer(BaseTrainer):
 def _train_reward_model(config: RewardModelConfig, devices: DeviceManager | None, records: tuple | None = None
                         ) -> TrainResult:
     records, devices = _start_stage(config, devices, records)
-    reward_model = RewardModel.from_pretrained(config.model_name_or_path, dtype=_model_dtype(config),
-                                               attn_implementation=config.attn_implementation,
-                                               trust_remote_code=config.trust_remote_code, device=devices.device,
-                                               cache_dir=config.cache_dir, head_hidden=config.reward_head_hidden,
-                                               seed=config.seed, quantization=quantization_config(config))
+    with devices.zero3_init():  # the model this stage trains
+        reward_model = RewardModel.from_pretrained(config.model_name_or_path, dtype=_model_dtype(config),
+                                                   attn_implementation=config.attn_implementation,
+                                                   trust_remote_code=config.trust_remote_code, device=devices.device,
+                                                   cache_dir=config.cache_dir, head_hidden=config.reward_head_hidden,
+                                                   seed=config.seed, quantization=quantization_config(config))
     formatter = chat_formatter(reward_model.tokenizer, config)
     train, validation, _ = _preference_datasets(config, records, reward_model.tokenizer, formatter, devices)
     return RewardModelTrainer(config, reward_model, train, eval_dataset=validation, devices=devices).train()
@@ -9574,13 +9825,14 @@ class ProcessRewardModelTrainer(RewardModelTrainer):
 def train_prm(config: ProcessRewardModelConfig, devices: DeviceManager | None = None) -> TrainResult:
     """Run the process-reward-model stage on preference pairs (step labels from the data or a labeler)."""
     records, devices = _start_stage(config, devices)
-    model = ProcessRewardModel.from_pretrained(config.model_name_or_path, dtype=_model_dtype(config),
-                                               attn_implementation=config.attn_implementation,
-                                               trust_remote_code=config.trust_remote_code, device=devices.device,
-                                               cache_dir=config.cache_dir, head_hidden=config.reward_head_hidden,
-                                               seed=config.seed, step_delimiter=config.step_delimiter,
-                                               aggregation=config.prm_aggregation,
-                                               quantization=quantization_config(config))
+    with devices.zero3_init():  # the model this stage trains
+        model = ProcessRewardModel.from_pretrained(config.model_name_or_path, dtype=_model_dtype(config),
+                                                   attn_implementation=config.attn_implementation,
+                                                   trust_remote_code=config.trust_remote_code, device=devices.device,
+                                                   cache_dir=config.cache_dir, head_hidden=config.reward_head_hidden,
+                                                   seed=config.seed, step_delimiter=config.step_delimiter,
+                                                   aggregation=config.prm_aggregation,
+                                                   quantization=quantization_config(config))
     formatter = chat_formatter(model.tokenizer, config)
     train_records, val_records, _ = records
     if train_records is None:
@@ -9843,7 +10095,7 @@ class _ReferenceTrainer(BaseTrainer):
 def _train_policy_stage(config: BaseConfig, devices: DeviceManager | None, trainer_class: type[BaseTrainer]
                         ) -> TrainResult:
     records, devices = _start_stage(config, devices)
-    policy = _load_policy(config, devices.device)
+    policy = _load_trained_policy(config, devices)
     formatter = chat_formatter(policy.tokenizer, config, policy)
     train, validation, eval_records = _preference_datasets(config, records, policy.tokenizer, formatter, devices)
     reference = create_reference_model(config, policy)
@@ -12017,7 +12269,7 @@ def _train_online_stage(config: OnlineRLConfig, devices: DeviceManager | None, t
     records, devices = _start_stage(config, devices)
     _check_reward_answers(config, records[0])
     reward_fn = RewardFunctionFactory(config, devices.device).build()
-    policy = _load_policy(config, devices.device)
+    policy = _load_trained_policy(config, devices)
     formatter = chat_formatter(policy.tokenizer, config, policy)
     train, eval_records = _prompt_datasets(config, records, policy.tokenizer, formatter, devices)
     reference = create_reference_model(config, policy)
@@ -12255,7 +12507,7 @@ def check_same_vocabulary(teacher_tokenizer: Any, student_tokenizer: Any, field_
 def train_distill(config: DistillConfig, devices: DeviceManager | None = None) -> TrainResult:
     """Run the distill stage: the student (model_name_or_path) learns the teacher's distributions."""
     (train_records, _, eval_records), devices = _start_stage(config, devices)
-    policy = _load_policy(config, devices.device)
+    policy = _load_trained_policy(config, devices)
     dtype = _model_dtype(config) if config.teacher_model_dtype == "auto" else config.teacher_model_dtype
     teacher = PolicyModel.from_pretrained(config.teacher_model, dtype=dtype,
                                           attn_implementation=config.attn_implementation,
@@ -12384,7 +12636,9 @@ class PPOTrainer(_OnlineRLTrainer):
         if self.config.disable_dropout:  # the backbones' own dropout went in _prepare_backbone; this is the head's
             disable_dropout(self.critic)
         self.actor_critic = ActorCritic(self.policy.model, self.critic).to(self.devices.device)
-        self.model = self.devices.prepare(self.actor_critic)
+        self.model = self._prepared(self.actor_critic)
+
+    def _after_prepare(self) -> None:  # the actor-critic trains through its own forward: no policy view
         self._setup_sharding()
         self.model.train()
 
@@ -12510,7 +12764,7 @@ def train_ppo(config: PPOConfig, devices: DeviceManager | None = None) -> TrainR
     records, devices = _start_stage(config, devices)
     _check_reward_answers(config, records[0])
     reward_fn = RewardFunctionFactory(config, devices.device).build()
-    policy = _load_policy(config, devices.device)
+    policy = _load_trained_policy(config, devices)
     critic = None
     if not (config.value_model or config.ppo_score_norm) and config.finetuning_type == "full" and config.vf_coef > 0:
         # Why warn: the critic's regression on raw scores can outweigh the policy term and retrain the shared

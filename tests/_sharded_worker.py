@@ -195,6 +195,41 @@ class ShardedPPOTrainer(_ShardedResume, rlhf.PPOTrainer):
         self.model.train()
 
 
+class _Accelerated(_ShardedResume):
+    """A trainer as accelerate prepares it under the launch's own configuration (``accelerate launch --use_deepspeed
+    --zero_stage 3``, or DDP), with dropout off, so that two launch configurations train alike."""
+
+    def _setup_model(self) -> None:
+        rlhf.disable_dropout(self.policy.model)
+        super()._setup_model()
+
+
+class AcceleratedSFTTrainer(_Accelerated, rlhf.SFTTrainer):
+    pass
+
+
+class AcceleratedDPOTrainer(_Accelerated, rlhf.DPOTrainer):
+    pass
+
+
+class AcceleratedGRPOTrainer(_Accelerated, rlhf.GRPOTrainer):
+    pass
+
+
+class AcceleratedRewardModelTrainer(_ShardedResume, rlhf.RewardModelTrainer):
+    pass
+
+
+class AcceleratedPPOTrainer(_Accelerated, rlhf.PPOTrainer):
+    pass
+
+
+TRAINER_CLASSES = {  # layout -> sft, rm, dpo, grpo, ppo
+    "fsdp2": (ShardedSFTTrainer, ShardedRewardModelTrainer, ShardedDPOTrainer, ShardedGRPOTrainer, ShardedPPOTrainer),
+    "accelerate": (AcceleratedSFTTrainer, AcceleratedRewardModelTrainer, AcceleratedDPOTrainer,
+                   AcceleratedGRPOTrainer, AcceleratedPPOTrainer)}
+
+
 def completion_length(prompts: list[str], completions: list[str], answers: list) -> torch.Tensor:
     """A reward that varies within every group of the untrained model (format_reward is 0 for all of them, so
     GRPO's advantages, and its updates, would all be 0)."""
@@ -227,6 +262,8 @@ def train_twice(name: str, trainer_class: type, config_class: type, settings: di
             break
         report.setdefault("sharded", []).append(trainer.sharded)
         report.setdefault("steps", []).append([row["step"] for row in result.history if "loss" in row])
+        report.setdefault("losses", []).append([row["loss"] for row in result.history if "loss" in row])
+        report.setdefault("grad_norms", []).append([row["grad_norm"] for row in result.history if "loss" in row])
         report.setdefault("eval", []).append(result.eval)
         report.setdefault("eval_before", []).append(result.eval_before)
         resumed = getattr(trainer, "resumed_from", None)
@@ -257,7 +294,10 @@ def train_twice(name: str, trainer_class: type, config_class: type, settings: di
     return report
 
 
-def trainers(model_dir: str, out_dir: str) -> None:
+def trainers(model_dir: str, out_dir: str, layout: str = "fsdp2") -> None:
+    """``layout`` fsdp2: sharded by hand as accelerate's FSDP2 does it on GPUs; accelerate: prepared by accelerate
+    as launched (DeepSpeed ZeRO-3 runs on CPU processes, over gloo)."""
+    sft_class, rm_class, dpo_class, grpo_class, ppo_class = TRAINER_CLASSES[layout]
     devices = rlhf.DeviceManager()
     rank, out = devices.process_index, Path(out_dir)
     policy = rlhf.PolicyModel.from_pretrained(model_dir)
@@ -276,25 +316,25 @@ def trainers(model_dir: str, out_dir: str) -> None:
     offline = {k: v for k, v in common.items() if k not in ("max_completion_length", "reward_funcs")}
     # SFT and DPO also evaluate held-out loss / preference metrics in lockstep (eval_dataset: 5 items, batch 1)
     report = {"rank": rank,
-              "sft": train_twice("sft", ShardedSFTTrainer, rlhf.SFTConfig, dict(offline, per_device_train_batch_size=4),
+              "sft": train_twice("sft", sft_class, rlhf.SFTConfig, dict(offline, per_device_train_batch_size=4),
                                  sft, devices, formatter, eval_records, model_dir, out,
                                  eval_dataset=torch.utils.data.Subset(sft, range(5))),
-              "sft_lora": train_twice("sft_lora", ShardedSFTTrainer, rlhf.SFTConfig,
+              "sft_lora": train_twice("sft_lora", sft_class, rlhf.SFTConfig,
                                       dict(offline, per_device_train_batch_size=4, finetuning_type="lora",
                                            lora_target="all", learning_rate=1e-2),
                                       sft, devices, formatter, eval_records, model_dir, out,
                                       eval_dataset=torch.utils.data.Subset(sft, range(5))),
-              "rm": train_twice("rm", ShardedRewardModelTrainer, rlhf.RewardModelConfig,
+              "rm": train_twice("rm", rm_class, rlhf.RewardModelConfig,
                                 dict(offline, per_device_train_batch_size=4), pairs, devices, formatter, eval_records,
                                 model_dir, out, eval_dataset=torch.utils.data.Subset(pairs, range(5))),
-              "dpo": train_twice("dpo", ShardedDPOTrainer, rlhf.DPOConfig, dict(offline, per_device_train_batch_size=4),
+              "dpo": train_twice("dpo", dpo_class, rlhf.DPOConfig, dict(offline, per_device_train_batch_size=4),
                                  pairs, devices, formatter, eval_records, model_dir, out,
                                  eval_dataset=torch.utils.data.Subset(pairs, range(5))),
-              "grpo": train_twice("grpo", ShardedGRPOTrainer, rlhf.GRPOConfig,
+              "grpo": train_twice("grpo", grpo_class, rlhf.GRPOConfig,
                                   dict(common, num_generations=4, per_device_train_batch_size=8, beta=0.0),
                                   dataset, devices, formatter, eval_records, model_dir, out,
                                   reward_fn=completion_length),
-              "ppo": train_twice("ppo", ShardedPPOTrainer, rlhf.PPOConfig,
+              "ppo": train_twice("ppo", ppo_class, rlhf.PPOConfig,
                                  dict(common, per_device_train_batch_size=4, ppo_epochs=2),
                                  dataset, devices, formatter, eval_records, model_dir, out,
                                  reward_fn=rlhf.format_reward)}
@@ -349,6 +389,7 @@ def vllm(model_dir: str, out_dir: str, mode: str, port: str, sharded: str = "1",
                   disable_progress_bar=True, report_to="none", seed=0, resume_from_checkpoint="none",
                   use_vllm=True, vllm_mode=mode, vllm_server_port=int(port), reward_funcs=["format"],
                   vllm_weight_transfer=transfer)
+    # sharded "1": FSDP2 by hand; "zero3": DeepSpeed ZeRO-3 as ``accelerate launch --use_deepspeed`` prepares it
     trainer_class = ShardedVLLMGRPOTrainer if sharded == "1" else PlainGRPOTrainer
     report: dict = {"rank": rank, "processes": devices.num_processes}
     rlhf.set_seed(0)
@@ -398,12 +439,12 @@ def vllm(model_dir: str, out_dir: str, mode: str, port: str, sharded: str = "1",
             report["files_per_sync"] = len(list((out / f"sync-full-{rank}" / "weights").glob("*.safetensors")))
     trainer.closing = True
     trainer._close_engine()
-    if sharded == "1" and mode == "server" and transfer == "files":  # LoRA: the base once, then the adapter alone
+    if sharded in ("1", "zero3") and mode == "server" and transfer == "files":  # LoRA: the base, then adapters
         rlhf.set_seed(0)
         config = rlhf.GRPOConfig(**dict(common, finetuning_type="lora", lora_rank=8, lora_target="all",
                                         learning_rate=1e-2), output_dir=str(out / "lora"), max_steps=2,
                                  vllm_sync_dir=str(out / f"sync-lora-{rank}"))
-        lora = ShardedGRPOTrainer(config, rlhf.PolicyModel.from_pretrained(model_dir), dataset, formatter=formatter,
+        lora = (ShardedGRPOTrainer if sharded == "1" else rlhf.GRPOTrainer)(config, rlhf.PolicyModel.from_pretrained(model_dir), dataset, formatter=formatter,
                                   devices=devices, reward_fn=DigitShare())
         rows = [row for row in lora.train().history if "loss" in row]
         report["lora_sharded"] = lora.sharded
