@@ -6915,16 +6915,20 @@ def grouped_packed_logits(model: nn.Module, input_ids: torch.Tensor, attention_m
 
 
 def grouped_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   prompt_lengths: torch.Tensor, *, pad_token_id: int = 0, pack: bool = False) -> torch.Tensor:
+                   prompt_lengths: torch.Tensor, *, pad_token_id: int = 0, pack: bool = False,
+                   agree: Callable[[bool], bool] | None = None) -> torch.Tensor:
     """Logits of prompt + completion rows with each group's prompt run once: by ``grouped_packed_logits``
     when ``pack`` (and the model can) and its layout is less work than ``grouped_prefix_logits``' padded
     completion rows, else by the latter. Completions of uneven length (short and long answers in one
     batch) favour the packed layout; completions that all run to the length limit favour the KV cache,
-    whose attention spans one row instead of a whole packed one."""
+    whose attention spans one row instead of a whole packed one. The two run different numbers of forwards (one;
+    the prompts', then the completions'), and a model across processes (DDP, FSDP, ZeRO-3) makes collectives in
+    each: ``agree`` turns this process's choice into the one every process takes."""
     hidden_size = getattr(text_config(model), "hidden_size", None)
     if pack and hidden_size and can_pack_pairs(model):
         plan = _plan_group_packing(input_ids, attention_mask, prompt_lengths, hidden_size)
-        if plan["work"] < _prefix_layout_work(attention_mask, prompt_lengths, plan["groups"], hidden_size):
+        packs = plan["work"] < _prefix_layout_work(attention_mask, prompt_lengths, plan["groups"], hidden_size)
+        if agree(packs) if agree is not None else packs:
             layout = _pack_groups(input_ids, attention_mask, prompt_lengths, pad_token_id, hidden_size, plan)
             return grouped_packed_logits(model, input_ids, attention_mask, prompt_lengths, layout=layout)
     return grouped_prefix_logits(model, input_ids, attention_mask, prompt_lengths)
@@ -12175,11 +12179,16 @@ class GRPOTrainer(_OnlineRLTrainer):
         return (self.config.share_prompt and not self.config.gradient_checkpointing and self.policy.vision is None
                 and self.policy.model.config.model_type not in PREFIX_SHARING_EXCLUDED)
 
+    def _all_processes_agree(self, choice: bool) -> bool:
+        """True when ``choice`` is True on every process (one small all-reduce)."""
+        return self.devices.sum_across_processes(float(choice)) == self.devices.num_processes
+
     def _scores(self, model: PolicyModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """OutputHead scores of the positions that predict the next token. Shapes: -> (N, T-1, V|H)."""
         if self.shares_prompts and batch.get("prompt_lengths") is not None:
             return grouped_logits(model.model, batch["input_ids"], batch["attention_mask"], batch["prompt_lengths"],
-                                  pad_token_id=self.policy.tokenizer.pad_token_id, pack=self.config.padding_free)
+                                  pad_token_id=self.policy.tokenizer.pad_token_id, pack=self.config.padding_free,
+                                  agree=self._all_processes_agree if self.devices.num_processes > 1 else None)
         scores, _ = OutputHead.of(model).scores(model, input_ids=batch["input_ids"],
                                                 attention_mask=batch["attention_mask"], **vision_kwargs(batch))
         return scores[:, :-1]

@@ -84,6 +84,21 @@ def _eval_rows(output_dir: Path) -> list[dict]:
             for row in rows if any(k.startswith("eval/") for k in row)]
 
 
+GRPO = ["model_name_or_path=tiny", "finetuning_type=full", "dataset=demo_rl", "dataset_dir=data/demo",
+        "max_samples=32", "eval_dataset=", "cutoff_len=64", "seed=0", "max_steps=3", "per_device_train_batch_size=4",
+        "num_generations=4", "max_completion_length=16", "beta=0.04", "learning_rate=1e-5", "logging_steps=1",
+        "save_steps=2", "disable_progress_bar=true", "report_to=none", "reward_funcs=[exact_answer]"]
+
+
+def test_grpo_in_two_processes_takes_one_forward_layout_on_both(tmp_path, tiny_model_dir):
+    """GRPO's forwards run each group's prompt once, packed (one forward) or through a KV cache (two), whichever
+    is less work for the micro-batch at hand. With these samples the two processes' micro-batches favour different
+    layouts; under DDP each forward is a collective (its buffer broadcast), so the run hung at step 2 until the
+    processes agreed on one layout."""
+    losses = _train(tmp_path / "two", processes=2, accumulation=1, stage="grpo", args=GRPO)
+    assert len(losses) == 3
+
+
 def test_held_out_evaluation_is_split_across_processes(tmp_path, tiny_model_dir):
     """Each process evaluates every other held-out batch and the sums are combined, so two processes
     report the figures of the whole set, as one process does. 24 held-out records in batches of 10 are

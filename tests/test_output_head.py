@@ -175,6 +175,29 @@ def test_grouped_prompt_log_probs_equal_the_full_logits(pack):
     _assert_same(*_both(model, summed))
 
 
+def test_grouped_logits_takes_the_layout_the_processes_agree_on():
+    """``agree`` receives this process's choice (packed or not) and its answer decides: the two layouts make different
+    numbers of forwards through the model (so processes must take the same one), and give the same scores."""
+    model = _model()
+    ids = torch.tensor([[5, 6, 7, 30, 31, 0], [5, 6, 7, 32, 0, 0], [8, 9, 40, 41, 42, 43]])
+    mask, prompt_lengths = (ids != 0).long(), torch.tensor([3, 3, 2])
+    forwards, asked = [], []
+    hook = model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    try:
+        scores = {}
+        for agreed in (True, False):
+            forwards.clear()
+            scores[agreed] = rlhf.grouped_logits(model, ids, mask, prompt_lengths, pack=True,
+                                                 agree=lambda mine, agreed=agreed: asked.append(mine) or agreed)
+            scores[f"{agreed}-forwards"] = len(forwards)
+    finally:
+        hook.remove()
+    assert len(asked) == 2 and asked[0] == asked[1]  # this process's own choice, asked each time
+    assert scores["False-forwards"] == 2 and scores["True-forwards"] != 2  # prompts then completions; packed rows
+    completion = (torch.arange(5)[None] >= (prompt_lengths[:, None] - 1)) & mask[:, 1:].bool()
+    assert torch.allclose(scores[True][completion], scores[False][completion], atol=1e-5)
+
+
 def test_ppo_actor_critic_equals_the_full_logits():
     model = _model()
     critic = rlhf.ValueModel(model.config.hidden_size)
