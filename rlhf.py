@@ -1883,11 +1883,11 @@ class DeviceManager:
         is held here and applied only where a stage loads the model it is about to train (``zero3_init``)."""
         self._zero3_init_config = None
         if self.uses_deepspeed:
-            from transformers.integrations import deepspeed as hf_deepspeed
+            from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-            held = hf_deepspeed._hf_deepspeed_config_weak_ref  # no public getter for the object itself
-            self._zero3_init_config = held() if held is not None else None
-            hf_deepspeed.unset_hf_deepspeed_config()
+            # accelerate keeps the object alive on its (process-wide) plugin; a later DeviceManager finds it there
+            self._zero3_init_config = getattr(self.accelerator.state.deepspeed_plugin, "dschf", None)
+            unset_hf_deepspeed_config()
 
     @contextlib.contextmanager
     def zero3_init(self) -> Iterator[None]:
@@ -9292,7 +9292,11 @@ def _preference_datasets(config: BaseConfig, records: tuple, tokenizer: Any, for
 def _load_trained_policy(config: BaseConfig, devices: DeviceManager) -> PolicyModel:
     """The model a stage trains: built partitioned under DeepSpeed's zero3_init_flag (``DeviceManager.zero3_init``)."""
     with devices.zero3_init():
-        return _load_policy(config, devices.device)
+        policy = _load_policy(config, devices.device)
+    if weight_sharding(policy.model) == "zero3":
+        logger.info("%s: built partitioned across %d processes (DeepSpeed zero3_init_flag)", config.model_name_or_path,
+                    devices.num_processes)
+    return policy
 
 
 def _load_policy(config: BaseConfig, device: torch.device | str, model: str | None = None) -> PolicyModel:
@@ -9375,6 +9379,8 @@ def _start_stage(config: BaseConfig, devices: DeviceManager | None, records: tup
     """Output folder checks, logging, seed, records (validated before any model loads) and devices for one
     stage. ``records``: already read and split (a reward-model ensemble's members share one split)."""
     _prepare_output_dir(config)
+    if devices is not None:  # a pipeline's later stage: no process writes into the folder before all have checked it
+        devices.wait()
     setup_logging(log_file=Path(config.logging_dir or Path(config.output_dir) / "logs") / f"{config.stage}.log")
     set_seed(config.seed)
     if getattr(config, "precompute_ref_log_probs", "false") == "true" and config.streaming:

@@ -444,7 +444,8 @@ def vllm(model_dir: str, out_dir: str, mode: str, port: str, sharded: str = "1",
         config = rlhf.GRPOConfig(**dict(common, finetuning_type="lora", lora_rank=8, lora_target="all",
                                         learning_rate=1e-2), output_dir=str(out / "lora"), max_steps=2,
                                  vllm_sync_dir=str(out / f"sync-lora-{rank}"))
-        lora = (ShardedGRPOTrainer if sharded == "1" else rlhf.GRPOTrainer)(config, rlhf.PolicyModel.from_pretrained(model_dir), dataset, formatter=formatter,
+        lora_class = ShardedGRPOTrainer if sharded == "1" else rlhf.GRPOTrainer
+        lora = lora_class(config, rlhf.PolicyModel.from_pretrained(model_dir), dataset, formatter=formatter,
                                   devices=devices, reward_fn=DigitShare())
         rows = [row for row in lora.train().history if "loss" in row]
         report["lora_sharded"] = lora.sharded

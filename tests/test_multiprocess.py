@@ -99,6 +99,54 @@ def test_grpo_in_two_processes_takes_one_forward_layout_on_both(tmp_path, tiny_m
     assert len(losses) == 3
 
 
+PIPELINE = """stages: [sft, dpo, grpo]
+model_name_or_path: tiny
+dataset_dir: data/demo
+cutoff_len: 64
+seed: 0
+logging_steps: 1
+save_steps: 2
+report_to: none
+disable_progress_bar: true
+max_steps: 3
+finetuning_type: full
+per_device_train_batch_size: 4
+sft: {dataset: demo_sft_careless, max_samples: 64, learning_rate: 1.0e-3}
+dpo: {dataset: demo_rm_careless, max_samples: 64, learning_rate: 1.0e-4, precompute_ref_log_probs: false}
+grpo: {dataset: demo_rl, max_samples: 32, learning_rate: 1.0e-5, beta: 0.04, num_generations: 4,
+       max_completion_length: 16, reward_funcs: [exact_answer]}
+"""
+
+
+def run_pipeline(output_dir: Path, launch: list[str], env_extra: dict | None = None) -> dict[str, list[tuple]]:
+    """configs/-style pipeline (SFT, then full-parameter DPO and GRPO with a reference copy) launched on 2 CPU
+    processes; each stage's (loss, grad norm) per step, and the launch's output under "log"."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    config = output_dir / "pipeline.yaml"
+    config.write_text(PIPELINE + f"output_dir: {output_dir / 'run'}\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false",
+               **(env_extra or {}))
+    for name in ("ACCELERATE_USE_CPU", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        env.pop(name, None)
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", *launch, "--num_processes", "2",
+                           "--mixed_precision", "no", "--main_process_port", str(_free_port()), "rlhf.py",
+                           "pipeline", "--config", str(config)], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = {"log": proc.stdout + proc.stderr}
+    for stage in ("sft", "dpo", "grpo"):
+        rows = [json.loads(line) for line in (output_dir / "run" / stage / "metrics.jsonl").read_text().splitlines()]
+        steps[stage] = [(row["loss"], row["grad_norm"]) for row in rows if "loss" in row]
+    return steps
+
+
+def test_a_pipeline_runs_every_stage_in_two_processes(tmp_path, tiny_model_dir):
+    """A later stage's output folder is checked by every process before any writes into it: a process that wrote
+    first (its log, its config) made the other refuse the folder as someone else's."""
+    steps = run_pipeline(tmp_path, ["--multi_gpu"])
+    assert all(len(steps[stage]) == 3 for stage in ("sft", "dpo", "grpo"))
+
+
 def test_held_out_evaluation_is_split_across_processes(tmp_path, tiny_model_dir):
     """Each process evaluates every other held-out batch and the sums are combined, so two processes
     report the figures of the whole set, as one process does. 24 held-out records in batches of 10 are
