@@ -955,8 +955,8 @@ LLAMAFACTORY_IGNORED: dict[str, str] = {
     "save_strategy": "checkpoints are written every save_steps",
     "logging_strategy": "metrics are logged every logging_steps",
     "overwrite_cache": "tokenised data is cached by a hash of the data, tokenizer and settings, so it never goes stale",
-    "deepspeed": "the accelerate launch picks the engine; the trainers refuse DeepSpeed for now, so shard with "
-                 "`accelerate launch --config_file configs/accelerate/fsdp.yaml rlhf.py ...`",
+    "deepspeed": "the accelerate launch picks the engine: `accelerate launch --config_file "
+                 "configs/accelerate/deepspeed_zero3.yaml rlhf.py ...`",
     "fsdp": "launch with an accelerate FSDP config file instead",
     "upcast_layernorm": "norm layers already stay in fp32 under autocast",
     "pure_bf16": "use bf16=true (mixed precision) or model_dtype=bfloat16",
