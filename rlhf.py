@@ -22,8 +22,8 @@ says what a contributor adds there, and docs/architecture.md walks through each:
             LLaMA-Factory or TRL key in LLAMAFACTORY_RENAMES / TRL_OPENRLHF_RENAMES (a stage's own config lives in its
             section 9 slice)
   2. Infrastructure
-       rich_console, setup_logging, logging_restored, set_seed, weight_sharding, GatherMeter, gathered_named_tensors,
-       sharded_layout, DeviceManager, smoothed, plot_metrics,
+       rich_console, setup_logging, logging_restored, set_seed, parameter_numel, weight_sharding, GatherMeter,
+       gathered_named_tensors, sharded_layout, DeviceManager, smoothed, plot_metrics,
        PlainProgress, TrainingLogger, optimizer_state_to_safetensors, optimizer_state_from_safetensors,
        capture_rng_state, restore_rng_state, CheckpointManager, PreemptionGuard, CheckpointingMixin, create_optimizer,
        EarlyStopping, find_linear_module_names, find_expert_parameter_names, apply_lora, apply_freeze, compile_model,
