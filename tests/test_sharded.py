@@ -275,8 +275,8 @@ def test_a_deepspeed_config_that_sets_what_the_rlhf_config_decides_is_refused_in
     proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed",
                            "--deepspeed_config_file", str(config), "--num_processes", "2", "--mixed_precision", "no",
                            "--main_process_port", str(_free_port()), str(REPO / "rlhf.py"), "sft", "--config",
-                           "configs/sft.yaml", "model_name_or_path=tiny", "max_steps=1", "per_device_train_batch_size=2",
-                           f"output_dir={tmp_path / 'out'}", "report_to=none"],
+                           "configs/sft.yaml", "model_name_or_path=tiny", "max_steps=1",
+                           "per_device_train_batch_size=2", f"output_dir={tmp_path / 'out'}", "report_to=none"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0
