@@ -9379,8 +9379,6 @@ def _start_stage(config: BaseConfig, devices: DeviceManager | None, records: tup
     """Output folder checks, logging, seed, records (validated before any model loads) and devices for one
     stage. ``records``: already read and split (a reward-model ensemble's members share one split)."""
     _prepare_output_dir(config)
-    if devices is not None:  # a pipeline's later stage: no process writes into the folder before all have checked it
-        devices.wait()
     setup_logging(log_file=Path(config.logging_dir or Path(config.output_dir) / "logs") / f"{config.stage}.log")
     set_seed(config.seed)
     if getattr(config, "precompute_ref_log_probs", "false") == "true" and config.streaming:
@@ -13959,6 +13957,9 @@ class RLHFOrchestrator:
         if self.is_main_process:
             directory.mkdir(parents=True, exist_ok=True)
             _write_json_atomic(marker, {"fingerprint": fingerprint, "complete": False})
+        # and every process sees the marker before checking the folder: the atomic write's temporary file, seen
+        # alone, made another process refuse the folder as someone else's
+        self._wait_for_all(config)
         return config
 
     def _train(self, stage: str, config: BaseConfig, fingerprint: str) -> dict[str, Any]:

@@ -141,8 +141,9 @@ def run_pipeline(output_dir: Path, launch: list[str], env_extra: dict | None = N
 
 
 def test_a_pipeline_runs_every_stage_in_two_processes(tmp_path, tiny_model_dir):
-    """A later stage's output folder is checked by every process before any writes into it: a process that wrote
-    first (its log, its config) made the other refuse the folder as someone else's."""
+    """Every process sees a later stage's marker before checking its folder: the main process's atomic write of the
+    marker left a temporary file there for a moment, and another process that looked then refused the folder as
+    someone else's (intermittently)."""
     steps = run_pipeline(tmp_path, ["--multi_gpu"])
     assert all(len(steps[stage]) == 3 for stage in ("sft", "dpo", "grpo"))
 
