@@ -238,9 +238,11 @@ def test_trainers_under_deepspeed_zero3_train_checkpoint_resume_and_match_ddp(ze
         b = load_file(str(zero3_and_ddp["out"] / "ddp" / stage / name))
         # the gathered state names the tied LM head too (as FSDP2's does); the unsharded save leaves it to the tie
         assert set(a) ^ set(b) <= {"lm_head.weight"}
-        # within one step's learning rate (1e-3): Adam divides by the gradient's own scale, so a parameter whose
-        # gradient is about 0 (the reward head's bias) steps by up to the learning rate on float noise alone
-        assert max(float((a[k].float() - b[k].float()).abs().max()) for k in set(a) & set(b)) < 1e-3, name
+        # The reward head's output bias is left out: a pairwise loss's gradient for it is exactly 0 (chosen and
+        # rejected share it), so Adam, which divides by the gradient's own scale, steps it on float noise alone.
+        # The rest within the learning rate (1e-3), for the same reason on parameters whose gradient is about 0.
+        compared = (set(a) & set(b)) - ({"2.bias"} if name == "reward_head.safetensors" else set())
+        assert max(float((a[k].float() - b[k].float()).abs().max()) for k in compared) < 1e-3, name
 
 
 def test_a_zero3_pipeline_builds_the_trained_models_partitioned_and_matches_ddp(tmp_path, tiny_model_dir):
