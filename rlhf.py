@@ -1808,6 +1808,18 @@ def _set_deepspeed_partition(param: nn.Parameter, value: torch.Tensor, key: str 
     part.data[:mine.numel()].copy_(mine)
 
 
+def _link_zero12_fragments(zero: Any) -> None:
+    """ZeRO-1/2 let each parameter read its optimizer state through views linked once, after its first step; with
+    several param groups that link runs when only the first group has stepped, leaving the others' views empty
+    (DeepSpeed 0.19.8). Linked again here, from the state as it is (ZeRO-3 reads the state directly)."""
+    if not hasattr(zero, "single_partition_of_fp32_groups"):
+        return
+    from deepspeed.utils import lazy_init_hp_params_optimizer_state
+
+    for index, flat in enumerate(zero.single_partition_of_fp32_groups):
+        lazy_init_hp_params_optimizer_state(zero.bit16_groups[index], flat, zero.optimizer.state)
+
+
 class DeviceManager:
     """Device, mixed precision, gradient scaling, clipping and process layout, over ``accelerate``.
 
@@ -2148,8 +2160,10 @@ class DeviceManager:
         ZeRO-3 each parameter's moments are gathered from the processes in turn)."""
         from deepspeed.utils import safe_get_full_optimizer_state
 
-        base = self._engine().optimizer.optimizer  # the torch optimizer over DeepSpeed's flat float32 partitions
+        zero = self._engine().optimizer
+        base = zero.optimizer  # the torch optimizer over DeepSpeed's flat float32 partitions
         flat_state = next((entry for entry in base.state.values() if entry), {})  # empty before the first step
+        _link_zero12_fragments(zero)
         moments = [key for key, value in flat_state.items() if torch.is_tensor(value) and value.dim() > 0]
         state: dict[str, dict[str, Any]] = {}
         for name, param in module.named_parameters():
@@ -2192,6 +2206,7 @@ class DeviceManager:
                     base.state[flat][key] = (torch.as_tensor(value, dtype=torch.float32,
                                                              device=flat.device if on_device else "cpu").clone()
                                              if torch.is_tensor(value) else value)
+        _link_zero12_fragments(zero)
         params = dict(module.named_parameters())
         for name, entry in entries.items():
             if name in params and params[name].requires_grad:
