@@ -1790,7 +1790,8 @@ def _zero3_named_tensors(model: nn.Module, wanted: Callable[[str], bool],
 def _set_deepspeed_partition(param: nn.Parameter, value: torch.Tensor, key: str | None) -> None:
     """This process's part of DeepSpeed's float32 copy of ``param`` (``key`` None) or of its optimizer state ``key``,
     from the whole ``value``. ZeRO-3 pads a parameter to a multiple of the processes, and its own
-    ``safe_set_full_*`` slices past the end of a parameter smaller than that (a bias of 1): the slice is taken here."""
+    ``safe_set_full_*`` slices past the end of a parameter smaller than that (a bias of 1): the slice is taken here,
+    through two of ZeRO-3's private methods (tests/test_sharded.py checks them where DeepSpeed is installed)."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
     flat = value.flatten()
