@@ -1964,7 +1964,7 @@ class DeviceManager:
     def _engine(self) -> Any:
         return self.deepspeed_engine
 
-    def engine_step(self, model: nn.Module) -> float:
+    def engine_step(self) -> float:
         """DeepSpeed's optimizer step (clip, check, update, zero the gradients); the gradient norm before clipping,
         inf when it was not finite and DeepSpeed skipped the update."""
         engine = self._engine()
@@ -9002,7 +9002,7 @@ class BaseTrainer(CheckpointingMixin):
                                                                          self.config.max_grad_norm)
         problem = self._nonfinite_problem(losses, grad_norm)
         if not problem and engine_steps:
-            grad_norm = self.devices.engine_step(self.model)  # inf: DeepSpeed found it non-finite and did not update
+            grad_norm = self.devices.engine_step()  # inf: DeepSpeed found it non-finite and did not update
             if not math.isfinite(grad_norm) and self.config.mixed_precision != "fp16":
                 problem = "gradient norm"
         if problem:
