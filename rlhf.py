@@ -1961,13 +1961,10 @@ class DeviceManager:
         self.deepspeed_engine = model  # the engine training now (a pipeline's stages each make one)
         return model, optimizer
 
-    def _engine(self) -> Any:
-        return self.deepspeed_engine
-
     def engine_step(self) -> float:
         """DeepSpeed's optimizer step (clip, check, update, zero the gradients); the gradient norm before clipping,
         inf when it was not finite and DeepSpeed skipped the update."""
-        engine = self._engine()
+        engine = self.deepspeed_engine
         engine.step()
         norm = engine.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
@@ -1976,7 +1973,7 @@ class DeviceManager:
         """Drop the accumulated gradients: under DeepSpeed its partitioned ones (accelerate's wrapper makes the
         optimizer's own ``zero_grad`` a no-op there, since the engine zeroes them in its step)."""
         if self.uses_deepspeed:
-            self._engine().optimizer.zero_grad(set_to_none=True)
+            self.deepspeed_engine.optimizer.zero_grad(set_to_none=True)
         else:
             optimizer.zero_grad(set_to_none=True)
 
@@ -1988,7 +1985,7 @@ class DeviceManager:
 
     def backward(self, loss: torch.Tensor) -> None:
         if self.uses_deepspeed:  # accelerate's backward would also step DeepSpeed's optimizer: ours is engine_step
-            self._engine().backward(loss)
+            self.deepspeed_engine.backward(loss)
             return
         self.accelerator.backward(loss)  # applies the fp16 loss scale when active
 
@@ -2005,7 +2002,7 @@ class DeviceManager:
         """Skip the gradient all-reduce on micro-batches that are not the last of an accumulation (around the
         forward). DeepSpeed reduces its partitioned gradients itself and is told where the accumulation ends."""
         if self.uses_deepspeed:
-            self._engine().set_gradient_accumulation_boundary(not skip)
+            self.deepspeed_engine.set_gradient_accumulation_boundary(not skip)
             return contextlib.nullcontext()
         return self.accelerator.no_sync(model) if skip and self.num_processes > 1 else contextlib.nullcontext()
 
@@ -2100,8 +2097,8 @@ class DeviceManager:
                 first.setdefault(id(param), name)                                  # apart, as FSDP2 gives them
                 if self.is_main_process and name not in state:
                     state[name] = state[first[id(param)]].clone()
-            state.update({name: tensor for name, tensor in module.state_dict().items() if name not in first.values()
-                          and name not in state})
+            # and the buffers (the main process now holds every parameter name; the others' state is dropped below)
+            state.update({name: tensor for name, tensor in module.state_dict().items() if name not in state})
         else:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -2161,7 +2158,7 @@ class DeviceManager:
         ZeRO-3 each parameter's moments are gathered from the processes in turn)."""
         from deepspeed.utils import safe_get_full_optimizer_state
 
-        zero = self._engine().optimizer
+        zero = self.deepspeed_engine.optimizer
         base = zero.optimizer  # the torch optimizer over DeepSpeed's flat float32 partitions
         flat_state = next((entry for entry in base.state.values() if entry), {})  # empty before the first step
         _link_zero12_fragments(zero)
@@ -2187,7 +2184,7 @@ class DeviceManager:
     def _load_deepspeed_optimizer_state(self, module: nn.Module, state: dict[str, Any]) -> None:
         """Set DeepSpeed's moments (and step) from a state keyed by parameter name; each process keeps its
         partition. AdamW creates its state at its first step: before it, the state is created here as AdamW would."""
-        zero = self._engine().optimizer
+        zero = self.deepspeed_engine.optimizer
         base = zero.optimizer
         for group, saved in zip(base.param_groups, state["param_groups"]):  # lr, weight decay, betas
             group.update({key: value for key, value in saved.items() if key != "params"})

@@ -98,23 +98,30 @@ def test_trainers_on_a_sharded_model_train_checkpoint_and_resume(trainer_reports
     assert trainer_reports[0][stage]["eval"] == trainer_reports[1][stage]["eval"]  # both report the whole set
     for process in trainer_reports:
         report = process[stage]
-        assert report["sharded"] == [True, True]
-        assert report["resumed_from"] == [None, "checkpoint-2"]
         metric = "eval/accuracy" if stage == "rm" else "eval/mean_completion_tokens"  # pairwise / exact match
         assert report["eval_before"][0][metric] > 0 and report["eval"][1]
-        if process["rank"] == 0:  # the main process logs the history and writes
-            assert report["steps"][0] == [1, 2] and report["steps"][1][-2:] == [3, 4]
-            assert report["checkpoint_files"] == ["COMPLETE", "model_state.safetensors", "optimizer.json",
-                                                  "optimizer.safetensors", "rng_state.json", "rng_state.safetensors",
-                                                  "scheduler.json", "trainer_state.json"]
-            assert report["resumed_vs_checkpoint"] == 0.0
-            # the optimizer's moments were gathered whole into the checkpoint and sharded again on resume
-            assert report["resumed_vs_uninterrupted"] <= 1e-6
-            assert report["saved_vs_trained"] == 0.0
-            if stage in ("ppo", "rm"):  # the value head, the reward head
-                assert report["head_vs_trained"] == 0.0
-            if stage == "sft_lora":  # the adapter file holds every trained LoRA tensor
-                assert report["adapter_tensors"][0] == report["adapter_tensors"][1] > 0
+        _assert_trained_checkpointed_and_resumed(process, stage)
+
+
+def _assert_trained_checkpointed_and_resumed(process: dict, stage: str) -> None:
+    """One process's report of tests/_sharded_worker.py's ``train_twice`` for a sharded model: 2 steps with a
+    checkpoint of the gathered weights and optimizer state, a resume to step 4 ending where 4 uninterrupted steps end
+    (the optimizer's moments gathered whole into the checkpoint and sharded again), the final model as trained."""
+    report = process[stage]
+    assert report["sharded"] == [True, True]
+    assert report["resumed_from"] == [None, "checkpoint-2"]
+    if process["rank"] == 0:  # the main process logs the history and writes
+        assert report["steps"][0] == [1, 2] and report["steps"][1][-2:] == [3, 4]
+        assert report["checkpoint_files"] == ["COMPLETE", "model_state.safetensors", "optimizer.json",
+                                              "optimizer.safetensors", "rng_state.json", "rng_state.safetensors",
+                                              "scheduler.json", "trainer_state.json"]
+        assert report["resumed_vs_checkpoint"] == 0.0
+        assert report["resumed_vs_uninterrupted"] <= 1e-6
+        assert report["saved_vs_trained"] == 0.0
+        if stage in ("ppo", "rm"):  # the value head, the reward head
+            assert report["head_vs_trained"] == 0.0
+        if stage == "sft_lora":  # the adapter file holds every trained LoRA tensor
+            assert report["adapter_tensors"][0] == report["adapter_tensors"][1] > 0
 
 
 def test_zero3_weights_gather_a_module_at_a_time_for_the_weight_sync(tmp_path, tiny_model_dir):
@@ -208,23 +215,8 @@ def test_trainers_under_deepspeed_zero3_train_checkpoint_resume_and_match_ddp(ze
 
     zero3, ddp = zero3_and_ddp["zero3"], zero3_and_ddp["ddp"]
     assert zero3[0][stage]["eval"] == zero3[1][stage]["eval"]  # both processes report the whole held-out set
-    for process in zero3:
-        report = process[stage]
-        assert report["sharded"] == [True, True]
-        assert report["resumed_from"] == [None, "checkpoint-2"]
-        if process["rank"] == 0:
-            assert report["steps"][0] == [1, 2] and report["steps"][1][-2:] == [3, 4]
-            assert report["checkpoint_files"] == ["COMPLETE", "model_state.safetensors", "optimizer.json",
-                                                  "optimizer.safetensors", "rng_state.json", "rng_state.safetensors",
-                                                  "scheduler.json", "trainer_state.json"]
-            assert report["resumed_vs_checkpoint"] == 0.0
-            # DeepSpeed's float32 weights and moments were gathered into the checkpoint and partitioned again
-            assert report["resumed_vs_uninterrupted"] <= 1e-6
-            assert report["saved_vs_trained"] == 0.0
-            if stage in ("ppo", "rm"):
-                assert report["head_vs_trained"] == 0.0
-            if stage == "sft_lora":
-                assert report["adapter_tensors"][0] == report["adapter_tensors"][1] > 0
+    for process in zero3:  # DeepSpeed's float32 weights and moments gathered into the checkpoint, partitioned again
+        _assert_trained_checkpointed_and_resumed(process, stage)
     # ZeRO-3 trains as DDP does (the same samples: each process draws as it would under DDP)
     ours, theirs = zero3[0][stage], ddp[0][stage]
     assert theirs["sharded"] == [False, False]

@@ -609,25 +609,38 @@ def test_sharded_policies_sync_into_vllm_a_tensor_at_a_time(tmp_path, server, ti
             "colocate": _sharded_run(tmp_path / "colocate", tiny_model_dir, "colocate", port, 2, sharded=True)}
     assert one["engine_greedy"] == one["hf_greedy"] and one["trained_vs_start"] > 1e-3
     for name, run in runs.items():
-        assert run["engine_greedy"] == run["hf_greedy"], name
-        if name == "colocate":  # each process's own engine
-            assert run["all"][1]["engine_greedy"] == run["engine_greedy"]
-        assert [r["reward"] for r in run["rows"]] == [r["reward"] for r in one["rows"]], name
-        for row, single in zip(run["rows"], one["rows"]):
-            assert row["loss"] == pytest.approx(single["loss"], abs=1e-6)
-            assert row["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-4)
-            assert row["vllm/logprob_abs_diff_max"] < 1e-4
-        assert max(float((run["weights"][k] - one["weights"][k]).abs().max()) for k in one["weights"]) < 1e-4, name
+        _assert_matches_one_process(name, run, one)
         peaks = [report["sync_peak_bytes"] for report in run["all"]]
         bound = run["largest_layer_bytes"] if name == "colocate" else run["largest_tensor_bytes"]
         assert all(0 < peak <= bound for peak in peaks), (name, peaks, bound)
         assert all(row["perf/weight_sync_gathered_peak_mb"] * 2 ** 20 <= bound for row in run["rows"])
-    tensors = len([k for k in runs["server"]["weights"] if k != "lm_head.weight"])  # the tied LM head goes once
-    assert runs["server"]["files_per_sync"] == tensors  # a file per tensor
     sizes = runs["server"]
     assert sizes["largest_tensor_bytes"] < sizes["largest_layer_bytes"] < sizes["model_bytes"]
-    assert runs["server"]["lora_sharded"] and all(gap < 1e-4 for gap in runs["server"]["lora_logprob_gap"])
-    assert runs["server"]["lora_synced"] == {"weights": tensors, "adapters": 2}
+    _assert_a_file_per_tensor_and_lora_adapters_alone(runs["server"])
+
+
+def _assert_matches_one_process(name: str, run: dict, one: dict) -> None:
+    """A 2-process sharded run (``_sharded_run``) against one process with doubled accumulation: the engine's greedy
+    answers equal Hugging Face generate on the gathered weights (each colocated engine alike), and it sampled,
+    scored and trained alike (rewards equal; losses, grad norms and weights up to float rounding)."""
+    assert run["engine_greedy"] == run["hf_greedy"], name
+    if name == "colocate":  # each process's own engine
+        assert run["all"][1]["engine_greedy"] == run["engine_greedy"]
+    assert [r["reward"] for r in run["rows"]] == [r["reward"] for r in one["rows"]], name
+    for row, single in zip(run["rows"], one["rows"]):
+        assert row["loss"] == pytest.approx(single["loss"], abs=1e-6)
+        assert row["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-4)
+        assert row["vllm/logprob_abs_diff_max"] < 1e-4
+    assert max(float((run["weights"][k] - one["weights"][k]).abs().max()) for k in one["weights"]) < 1e-4, name
+
+
+def _assert_a_file_per_tensor_and_lora_adapters_alone(server_run: dict) -> None:
+    """The server sync through files wrote a file per tensor (the tied LM head once); the LoRA run sent its base
+    once, then the adapter alone."""
+    tensors = len([k for k in server_run["weights"] if k != "lm_head.weight"])
+    assert server_run["files_per_sync"] == tensors
+    assert server_run["lora_sharded"] and all(gap < 1e-4 for gap in server_run["lora_logprob_gap"])
+    assert server_run["lora_synced"] == {"weights": tensors, "adapters": 2}
 
 
 def test_zero3_policies_sync_into_vllm_a_module_at_a_time(tmp_path, server, tiny_model_dir):
@@ -648,21 +661,10 @@ def test_zero3_policies_sync_into_vllm_a_module_at_a_time(tmp_path, server, tiny
                                2, sharded=True, transfer="collective" if mode == "collective" else "files", zero3=True)
             for mode in ("server", "collective", "colocate")}
     for name, run in runs.items():
-        assert run["engine_greedy"] == run["hf_greedy"], name
-        if name == "colocate":
-            assert run["all"][1]["engine_greedy"] == run["engine_greedy"]
-        assert [r["reward"] for r in run["rows"]] == [r["reward"] for r in one["rows"]], name
-        for row, single in zip(run["rows"], one["rows"]):
-            assert row["loss"] == pytest.approx(single["loss"], abs=1e-6)
-            assert row["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-4)
-            assert row["vllm/logprob_abs_diff_max"] < 1e-4
-        assert max(float((run["weights"][k] - one["weights"][k]).abs().max()) for k in one["weights"]) < 1e-4, name
+        _assert_matches_one_process(name, run, one)
         peaks = [report["sync_peak_bytes"] for report in run["all"]]
         assert all(0 < peak <= run["largest_layer_bytes"] for peak in peaks), (name, peaks)
-    tensors = len([k for k in runs["server"]["weights"] if k != "lm_head.weight"])
-    assert runs["server"]["files_per_sync"] == tensors
-    assert runs["server"]["lora_sharded"] and all(gap < 1e-4 for gap in runs["server"]["lora_logprob_gap"])
-    assert runs["server"]["lora_synced"] == {"weights": tensors, "adapters": 2}
+    _assert_a_file_per_tensor_and_lora_adapters_alone(runs["server"])
 
 
 def test_async_rollouts_train_one_step_off_policy_and_are_corrected(tmp_path, server, tiny_model_dir, dataset):
