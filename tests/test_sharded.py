@@ -256,26 +256,34 @@ def test_a_zero3_pipeline_builds_the_trained_models_partitioned_and_matches_ddp(
             assert norm == pytest.approx(ddp_norm, rel=1e-3, abs=1e-6), stage
 
 
-def test_a_deepspeed_config_that_sets_what_the_rlhf_config_decides_is_refused_in_one_line(tmp_path):
+@pytest.mark.parametrize("case", ["micro_batch", "ewc"])
+def test_a_deepspeed_config_that_sets_what_the_rlhf_config_decides_is_refused_in_one_line(tmp_path, case,
+                                                                                          tiny_model_dir):
     """A DeepSpeed config file's micro-batch size that differs from per_device_train_batch_size (which the trainers
-    use) stops the launch at the first prepare with one line naming both keys; no traceback."""
+    use) stops the launch at the first prepare with one line naming both keys; EWC, which reads each parameter's
+    gradient, is refused under DeepSpeed in one line; no traceback."""
     _needs_deepspeed()
     config = tmp_path / "ds.json"
-    config.write_text(json.dumps({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 3,
+    config.write_text(json.dumps({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu":
+                                  3 if case == "micro_batch" else "auto",
                                   "train_batch_size": "auto", "gradient_accumulation_steps": "auto"}))
+    stage = (["dpo", "dataset=demo_preference", "dataset_dir=data/demo", "max_samples=16", "ewc_lambda=1.0",
+              "ewc_dataset=demo_sft"] if case == "ewc" else ["sft", "--config", "configs/sft.yaml"])
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", DS_ACCELERATOR="cpu")
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "ACCELERATE_USE_CPU"):
         env.pop(name, None)
     proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed",
                            "--deepspeed_config_file", str(config), "--num_processes", "2", "--mixed_precision", "no",
-                           "--main_process_port", str(_free_port()), str(REPO / "rlhf.py"), "sft", "--config",
-                           "configs/sft.yaml", "model_name_or_path=tiny", "max_steps=1",
-                           "per_device_train_batch_size=2", f"output_dir={tmp_path / 'out'}", "report_to=none"],
+                           "--main_process_port", str(_free_port()), str(REPO / "rlhf.py"), *stage,
+                           "model_name_or_path=tiny", "max_steps=1", "per_device_train_batch_size=2",
+                           f"output_dir={tmp_path / 'out'}", "report_to=none"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    assert output.count("error: DeepSpeed config key 'train_micro_batch_size_per_gpu' is 3, but the rlhf config's "
-                        "'per_device_train_batch_size' is 2") == 2, output[-3000:]
+    expected = ("error: DeepSpeed config key 'train_micro_batch_size_per_gpu' is 3, but the rlhf config's "
+                "'per_device_train_batch_size' is 2" if case == "micro_batch" else
+                "error: config field 'ewc_lambda' is not supported under DeepSpeed")
+    assert output.count(expected) == 2, output[-3000:]
     assert "[rank0]: Traceback" not in output
 
 
