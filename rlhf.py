@@ -12,7 +12,8 @@ Table of contents: every public name, by section (each opens with a ``# ==== N. 
 says what a contributor adds there, and docs/architecture.md walks through each:
   0. Notation and registries
        IGNORE_INDEX, RLHFInputError, TrainingInterrupted, TrainingPreempted, POLICY_LOSS_AGGREGATIONS, PolicyLoss,
-       POLICY_LOSSES, register_policy_loss, policy_loss, Stage, STAGES, register_stage
+       POLICY_LOSSES, register_policy_loss, policy_loss, Stage, STAGES, register_stage, EPISODE_SOURCES,
+       register_episode_source, ROLLOUT_SCHEDULERS, register_rollout_scheduler
        add: a constant or error type every section shares, a registry whose entries live in later sections
   1. Configs
        BaseConfig, OnlineRLConfig, parse_overrides, read_yaml, build_config, load_config, save_config, config_help,
@@ -20,7 +21,7 @@ says what a contributor adds there, and docs/architecture.md walks through each:
        count_lora_parameters, estimate_memory
        add: a field every stage shares (BaseConfig) or every sampling stage shares (OnlineRLConfig), a pipeline key, a
             LLaMA-Factory or TRL key in LLAMAFACTORY_RENAMES / TRL_OPENRLHF_RENAMES (a stage's own config lives in its
-            section 9 slice)
+            section 10 slice)
   2. Infrastructure
        rich_console, setup_logging, logging_restored, set_seed, parameter_numel, weight_sharding, GatherMeter,
        gathered_named_tensors, sharded_layout, DeviceManager, smoothed, plot_metrics,
@@ -37,11 +38,12 @@ says what a contributor adds there, and docs/architecture.md walks through each:
        StreamingPreferenceDataset, StreamingKTODataset, GRPODataset, DistillDataset, StreamingGRPODataset, pack_rows,
        pack_preference_pairs, PreferenceBatch, PreferenceCollator, KTOBatch, KTOCollator, split_steps,
        arithmetic_step_labels, arithmetic_response_labels, encode_steps, ProcessPreferenceDataset,
-       ProcessPreferenceCollator
+       ProcessPreferenceCollator, group_by_length, ResumableBatchSampler
        add: a dataset format (parse_record), a chat template (one register_template(ChatTemplate(...))), a dataset class
   4. Model loading and the output head
-       token_log_probs, OutputHead, head_logits, head_reduction, LogProbs, load_tokenizer, build_tiny_model,
-       resolve_model_path, gguf_metadata, gguf_to_hf, quantization_config, is_quantized, load_causal_lm
+       token_log_probs, token_entropy, OutputHead, head_logits, head_reduction, LogProbs, load_tokenizer,
+       build_tiny_model, resolve_model_path, gguf_metadata, gguf_to_hf, quantization_config, is_quantized,
+       load_causal_lm
        add: a model family's loading quirk, a model file format (GGUF's conversion is the example)
   5. Vision-language models
        text_config, is_vision_language, vision_kwargs, count_placeholders, open_image, fit_pixels, VisionInputs,
@@ -51,7 +53,8 @@ says what a contributor adds there, and docs/architecture.md walks through each:
        PolicyModel, state_under, load_weights_into, decoder_of, last_token_index, scalar_head, RewardScorer,
        RewardModel, RewardEnsemble, aggregate_step_scores, ProcessRewardModel, ValueModel, ActorCritic,
        select_informative_tokens, ContextCompressor, ReferenceModel, can_pack_pairs, tree_attention_mask,
-       shared_prefix_log_probs, grouped_packed_logits, grouped_logits, grouped_prefix_logits, create_reference_model
+       shared_prefix_log_probs, grouped_packed_logits, grouped_logits, grouped_prefix_logits, create_reference_model,
+       disable_dropout
        add: a model wrapper or head (with save_pretrained / from_pretrained), a way to run the policy's forward
   7. Losses and advantages
        router_load_balancing_loss, causal_lm_loss_sum, causal_lm_loss_with, sequence_log_probs, PREFERENCE_LOSSES,
@@ -66,45 +69,53 @@ says what a contributor adds there, and docs/architecture.md walks through each:
        exact_answer_reward, format_reward, length_penalty, no_reward, CompositeReward, LearnedReward, ProcessReward,
        RewardAPIError, HTTPReward, Principle, ConstitutionalRewardWrapper, RewardFunctionFactory,
        RunningRewardNormalizer, process_rewards, Environment, ToolCall, parse_tool_call, calculate, ToolEnvironment,
-       CalculatorEnvironment, EnvironmentFault, HTTPEnvironment, AgentCall, AgentEndpoint, concatenated_trajectory,
-       CallTimedOut, call_with_timeout, retried, RolloutHung, RolloutWatchdog, failed_groups, environment_factory
+       CalculatorEnvironment, EnvironmentFault, HTTPEnvironment, AgentCall, AgentEndpoint, openai_answer,
+       concatenated_trajectory, CallTimedOut, call_with_timeout, retried, guarded_call, RolloutHung, RolloutWatchdog,
+       failed_groups, environment_factory
        add: a rule reward (RewardFunctionFactory.RULES, or module:function from your own file), an environment
             (Environment subclass, environment_factory)
-  9. Trainers
-       group_by_length, ResumableBatchSampler, close_loss_scaler_step, TrainingDivergedError, TrainResult,
-       RouterAuxLoss, BaseTrainer, evaluate_exact_match, read_stage_records, check_model_paths, SFTConfig, SFTTrainer,
-       read_sft_records, build_sft_data, train_sft, RewardModelConfig, PairScores, RewardModelTrainer, train_rm,
-       ProcessRewardModelConfig, ProcessRewardModelTrainer, train_prm, PolicyLogProbs, precompute_ref_log_probs,
-       reference_cache_fingerprint, reference_cache_tensors, read_reference_cache, DPOConfig, SimPOConfig, ORPOConfig,
-       DPOTrainer, SimPOTrainer, train_dpo, KTOConfig, KTOTrainer, train_kto,
-       Rollout, ROLLOUT_ENGINES, register_rollout_engine, rollout_engine_name, MeasuredEngineChoice, token_entropy,
-       disable_dropout,
-       GRPOConfig, RLOOConfig, ReinforcePPConfig, GRPOTrainer, train_grpo, OnlineDPOConfig, OnlineDPOTrainer,
-       train_online_dpo, DistillConfig, DistillTrainer, check_same_vocabulary, train_distill, PPOConfig,
-       RolloutBuffer, PPOTrainer, train_ppo, TrainingStage
+  9. Rollouts
+       Rollout, Episodes, completion_metrics, episode_metrics, RolloutStopped, PromptBatch, PromptStream,
+       with_lookahead, rollout_seed, turn_seed, buffer_order_seed, rollout_sampling_params, PolicyWeightSource,
+       EngineContext, ROLLOUT_ENGINES, register_rollout_engine, rollout_engine_name, MeasuredEngineChoice, engine_label,
+       SyncedEngine, EpisodeSource, episode_source_name, SingleTurnSource, ToolEnvironmentSource, AgentRollout,
+       AgentProgramSource, RolloutScheduler, rollout_scheduler_name, SyncScheduler, BoundedStalenessScheduler, Scores,
+       RolloutScorer, rollout_rows, per_call_rows, engine_log_probs, engine_correction, rollout_file, save_rollouts,
+       load_rollout
+       add: an episode source (a class with EpisodeSource's members, @register_episode_source), a rollout scheduler
+            (RolloutScheduler's members, @register_rollout_scheduler), a rollout engine (a class with
+            inference_optimizations.RolloutEngine's members and a @register_rollout_engine builder of an EngineContext)
+  10. Trainers
+       close_loss_scaler_step, TrainingDivergedError, TrainResult, RouterAuxLoss, BaseTrainer, evaluate_exact_match,
+       read_stage_records, check_model_paths, SFTConfig, SFTTrainer, read_sft_records, build_sft_data, train_sft,
+       RewardModelConfig, PairScores, RewardModelTrainer, train_rm, ProcessRewardModelConfig, ProcessRewardModelTrainer,
+       train_prm, PolicyLogProbs, precompute_ref_log_probs, reference_cache_fingerprint, reference_cache_tensors,
+       read_reference_cache, DPOConfig, SimPOConfig, ORPOConfig, DPOTrainer, SimPOTrainer, train_dpo, KTOConfig,
+       KTOTrainer, train_kto, GRPOConfig, RLOOConfig, ReinforcePPConfig, GRPOTrainer, train_grpo, OnlineDPOConfig,
+       OnlineDPOTrainer, train_online_dpo, DistillConfig, DistillTrainer, check_same_vocabulary, train_distill,
+       PPOConfig, RolloutBuffer, PPOTrainer, train_ppo, TrainingStage
        add: a stage, as one slice: a reading map, its config (a dataclass on BaseConfig or OnlineRLConfig, every field
             _opt(default, help)), its trainer (BaseTrainer, or _OnlineRLTrainer when it samples), a train_<stage>
-            runner, and register_stage(Stage(...)) after it (docs/development.md shows one); a rollout engine: a
-            class with inference_optimizations.RolloutEngine's members and a @register_rollout_engine builder
-  10. Evaluation
+            runner, and register_stage(Stage(...)) after it (docs/development.md shows one)
+  11. Evaluation
        kl_estimates, distinct_n, self_similarity, win_rate, RLHFEvaluator
        add: a metric of RLHFEvaluator
-  11. Self-improvement and safety
+  12. Self-improvement and safety
        CapabilityReport, CapabilityTester, ElasticWeightConsolidation, repetition_rate, degeneration_rates,
        reward_hacking_flags, perturb_whitespace, perturb_case, perturb_prefix, PERTURBATIONS, answer_consistency,
        validation_score, ValidationReport, AdversarialValidator, default_critique, RefinementResult, refinement_pairs,
        write_preference_jsonl, IterativeRefiner
        add: a capability check, a perturbation (PERTURBATIONS), a reward-hacking rule (REWARD_HACKING_RULES)
-  12. Orchestrator
+  13. Orchestrator
        read_report, append_report, summary_table, data_fingerprint, pipeline_rows, pipeline_table,
        write_pipeline_report, RLHFOrchestrator, StageNotRun
        add: a pipeline step after training (FINAL_STAGES and FINAL_STAGE_OPTIONS), a summary-table column
-  13. Export, evaluation and chat
+  14. Export, evaluation and chat
        ExportConfig, load_merged_policy, export_model, GGUFArchitecture, GGUF_EXPORT_ARCHITECTURES,
        gguf_hyperparameters, permute_for_gguf, gguf_vocabulary, write_gguf, EvalConfig, evaluate_model, eval_table,
        ChatConfig, ChatSession, chat
        add: an export format (EXPORT_FORMATS), a GGUF architecture (GGUF_EXPORT_ARCHITECTURES)
-  14. CLI
+  15. CLI
        memory_plan_table, main
        add: a command (main's dispatch and its --help)
 
@@ -311,7 +322,7 @@ def policy_loss(name: str) -> PolicyLoss:
     return found[0]
 
 
-# A stage is one slice of section 9: a reading map, its config, trainer and runner, and one register_stage(Stage(...))
+# A stage is one slice of section 10: a reading map, its config, trainer and runner, and one register_stage(Stage(...))
 # after the runner. Every list of stages the pipeline reads is a view of STAGES, so adding a stage is that slice.
 @dataclass(frozen=True)
 class Stage:
@@ -395,8 +406,32 @@ POLICY_STAGES: Sequence[str] = _StagesWhere("makes_policy")  # the next stage st
 POLICY_OPTIMISATION_STAGES: Sequence[str] = _StagesWhere("optimises_policy")  # gates, EWC and merges apply
 
 
+# Rollouts (section 9): what one sample of a prompt is (an episode source) and when rollouts are sampled (a rollout
+# scheduler), each a class registered by name; the config values episode_source and rollout_scheduler pick them.
+EPISODE_SOURCES: dict[str, type] = {}  # section 9 registers single_turn, tool_environment and agent_program
+ROLLOUT_SCHEDULERS: dict[str, type] = {}  # section 9 registers sync and bounded_staleness
+
+
+def register_episode_source(name: str) -> Callable[[type], type]:
+    """Class decorator: ``cls(config, policy, formatter)``, an EpisodeSource (section 9), becomes the episode source
+    ``name``, which ``episode_source: name`` picks."""
+    def register(cls: type) -> type:
+        EPISODE_SOURCES[name] = cls
+        return cls
+    return register
+
+
+def register_rollout_scheduler(name: str) -> Callable[[type], type]:
+    """Class decorator: ``cls(config, source, engine, params_for, steps_per_rollout)``, a RolloutScheduler (section
+    9), becomes the rollout scheduler ``name``, which ``rollout_scheduler: name`` picks."""
+    def register(cls: type) -> type:
+        ROLLOUT_SCHEDULERS[name] = cls
+        return cls
+    return register
+
+
 class _StageName(str, enum.Enum):
-    """Base of TrainingStage (section 9 builds it from STAGES): a str that prints as the plain stage name."""
+    """Base of TrainingStage (section 10 builds it from STAGES): a str that prints as the plain stage name."""
 
     def __str__(self) -> str:
         return self.value
@@ -759,6 +794,10 @@ class OnlineRLConfig(BaseConfig):
                                  "the weights that sampled it, older ones are dropped and counted; 0: on-policy")
     async_rollouts: bool = _opt(False, "server mode: max_staleness: 1, the next rollout sampled while this one "
                                        "trains (one step off-policy; corrected by importance sampling)")
+    rollout_scheduler: str = _opt("auto", "When rollouts are sampled (ROLLOUT_SCHEDULERS): auto (sync, or "
+                                          "bounded_staleness when max_staleness > 0) | sync (on-policy) | "
+                                          "bounded_staleness (up to max_staleness steps ahead, in the background) | a "
+                                          "name registered with rlhf.register_rollout_scheduler")
     rollout_retries: int = _opt(2, "Retries of an environment or reward call that raises or times out; after them its "
                                    "episode is dropped (its group left out of the loss) and counted in "
                                    "rollout/failed_episodes")
@@ -798,6 +837,11 @@ class OnlineRLConfig(BaseConfig):
                f"must be >= 0 and below max_completion_length ({self.max_completion_length})")
         _check(self.overlong_penalty_factor >= 0, "overlong_penalty_factor", "must be >= 0")
         self._validate_sampling_engine()
+        _check_choice(self.rollout_scheduler, ("auto", *ROLLOUT_SCHEDULERS), "rollout_scheduler")
+        _check(not (self.rollout_scheduler == "sync" and self.max_staleness), "rollout_scheduler",
+               "sync samples on-policy: set max_staleness: 0 (and async_rollouts: false), or rollout_scheduler: auto")
+        _check(self.rollout_scheduler != "bounded_staleness" or self.max_staleness > 0, "rollout_scheduler",
+               "bounded_staleness samples up to max_staleness steps ahead: set max_staleness >= 1")
 
     def _validate_sampling_engine(self) -> None:
         _check(0 <= self.min_p < 1 and self.repetition_penalty > 0, "min_p/repetition_penalty",
@@ -5172,6 +5216,54 @@ class ProcessPreferenceCollator:
         return batch
 
 
+# ---- Batch order: seeded, resumable by position ----
+
+
+def group_by_length(indices: list[int], lengths: Sequence[int], batch_size: int, megabatch: int = 50) -> list[int]:
+    """Reorder a shuffled index list so each batch holds similar lengths: split it into chunks of
+    ``megabatch`` batches and sort each chunk longest first (Hugging Face's LengthGroupedSampler).
+    The order stays random at the chunk scale, and is a pure function of the input."""
+    size = batch_size * megabatch
+    chunks = [sorted(indices[i:i + size], key=lambda j: -lengths[j]) for i in range(0, len(indices), size)]
+    return [index for chunk in chunks for index in chunk]
+
+
+class ResumableBatchSampler:
+    """Index batches for an in-memory dataset, endless across epochs, addressable by position.
+
+    Epoch e uses the permutation seeded by ``seed + e``; each process takes every world_size-th index
+    (wrapping so all processes see the same number). Batch k of the stream is a pure function of k,
+    so resuming needs only the count of micro-batches already consumed.
+    """
+
+    def __init__(self, size: int, batch_size: int, seed: int, start: int = 0, rank: int = 0, world_size: int = 1,
+                 shuffle: bool = True, lengths: Sequence[int] | None = None) -> None:
+        self.size, self.batch_size, self.seed, self.start = size, batch_size, seed, start
+        self.rank, self.world_size, self.shuffle, self.lengths = rank, world_size, shuffle, lengths
+        self.per_process = math.ceil(size / world_size)
+        self.batches_per_epoch = math.ceil(self.per_process / batch_size)
+
+    def epoch_indices(self, epoch: int) -> list[int]:
+        if self.shuffle:
+            order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
+        else:
+            order = list(range(self.size))
+        order += order[: self.per_process * self.world_size - self.size]
+        mine = order[self.rank::self.world_size]
+        if self.lengths is not None:
+            mine = group_by_length(mine, self.lengths, self.batch_size)
+        return mine
+
+    def __iter__(self) -> Iterator[list[int]]:
+        position, cached_epoch, indices = self.start, -1, []
+        while True:
+            epoch, index = divmod(position, self.batches_per_epoch)
+            if epoch != cached_epoch:
+                cached_epoch, indices = epoch, self.epoch_indices(epoch)
+            yield indices[index * self.batch_size:(index + 1) * self.batch_size]
+            position += 1
+
+
 # ==== 4. Model loading and the output head ====
 
 
@@ -5200,6 +5292,13 @@ def token_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
 
 
 CHUNKED_HEAD_MIN_VOCAB = 32_000  # real vocabularies (Llama 2's 32k and up); a small one's logits cost nothing
+
+
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of each position's next-token distribution. Shapes: (B, T, V) -> (B, T)."""
+    logits = logits.float()
+    return torch.logsumexp(logits, -1) - (logits.softmax(-1) * logits).sum(-1)
+
 
 
 class OutputHead:
@@ -7012,6 +7111,19 @@ def create_reference_model(config: BaseConfig, policy: PolicyModel) -> Reference
     return ReferenceModel(frozen)
 
 
+def disable_dropout(model: nn.Module) -> None:
+    """Set every dropout probability to 0 (TRL's ``disable_dropout``): stored rollout log-probs, values and
+    reference log-probs must come from the same deterministic function as the loss. Besides dropout layers,
+    transformers' attention modules keep their probability as a float, ``attention_dropout``, that they pass to
+    the attention kernel in training mode (Llama, Qwen, Mistral, Gemma, Phi-3, GPT-NeoX)."""
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+
+
+
 def _prepare_backbone(model: nn.Module, config: BaseConfig) -> nn.Module:
     """Apply ``disable_dropout``, the finetuning type (LoRA / OFT / freeze / full) and gradient checkpointing.
     Dropout goes before the adapter is added, so that an explicit ``lora_dropout`` is kept."""
@@ -8397,21 +8509,24 @@ class AgentEndpoint:
     def base_url(self, episode: int) -> str:
         return f"http://127.0.0.1:{self.port}/episodes/{episode}/v1"
 
-    def take(self, running: Callable[[], int], linger: float = 0.0, poll: float = 0.01) -> list[AgentCall]:
-        """The pending calls, in episode order, once every running episode has one in (``running()`` counts the
-        episodes still playing), or, with ``linger`` > 0, that many seconds after the first arrived (an episode
-        busy with its tools does not hold the others up); an empty list once no episode runs. Waiting for every
-        episode makes the batches, and so the samples, the same in every run."""
+    def take(self, running: Callable[[], int], linger: float = 0.0, poll: float = 0.01,
+             episodes: range | None = None) -> list[AgentCall]:
+        """The pending calls (of ``episodes``: one rollout's, while others run too), in episode order, once every
+        running episode has one in (``running()`` counts the episodes still playing), or, with ``linger`` > 0, that
+        many seconds after the first arrived (an episode busy with its tools does not hold the others up); an empty
+        list once no episode runs. Waiting for every episode makes the batches, and so the samples, the same in
+        every run."""
         first = None
         with self.arrived:
             while True:
                 left = running()
-                if self.pending and first is None:
+                mine = [call for call in self.pending if episodes is None or call.episode in episodes]
+                if mine and first is None:
                     first = time.monotonic()
-                if (self.pending and (len(self.pending) >= left or (linger and time.monotonic() - first >= linger))
-                        or not left):
-                    calls, self.pending = self.pending, []
-                    return sorted(calls, key=lambda call: call.episode)
+                if mine and (len(mine) >= left or (linger and time.monotonic() - first >= linger)) or not left:
+                    taken = {id(call) for call in mine}
+                    self.pending = [call for call in self.pending if id(call) not in taken]
+                    return sorted(mine, key=lambda call: call.episode)
                 self.arrived.wait(poll)
 
     def close(self) -> None:
@@ -8419,12 +8534,48 @@ class AgentEndpoint:
         self.server.server_close()
 
 
+def openai_answer(call: AgentCall, body: dict[str, Any], kind: str, tokenizer: Any) -> dict[str, Any]:
+    """The OpenAI-format answer to a sampled request (AgentEndpoint's ``answer``; a request thread): a chat completion
+    or a text completion. With ``tools`` in a chat request, a JSON tool call in the answer (the Hermes / Qwen form) is
+    returned as ``tool_calls``, as vLLM's tool parser does."""
+    text = tokenizer.decode(call.token_ids, skip_special_tokens=True)
+    ends = sorted((text.find(stop), stop) for stop in call.stop if stop and stop in text)
+    if ends:  # OpenAI's (and vLLM's) answer leaves out the stop string it ended at; the trajectory keeps it
+        text = text[:ends[0][0]]
+    # vLLM's extension of the answer: which stop string (or stop token id) ended it, None at the length limit
+    stop_reason = ends[0][1] if ends else (call.token_ids[-1] if call.token_ids and call.finish_reason == "stop"
+                                            else None)
+    usage = {"prompt_tokens": len(call.prompt_ids), "completion_tokens": len(call.token_ids),
+             "total_tokens": len(call.prompt_ids) + len(call.token_ids)}
+    base = {"id": f"rlhf-{call.episode}-{uuid.uuid4().hex[:8]}", "created": int(time.time()),
+            "model": str(body.get("model") or "policy"), "usage": usage}
+    logprobs = None
+    if body.get("logprobs"):
+        logprobs = {"content": [{"token": tokenizer.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []}
+                                for t, lp in zip(call.token_ids, call.logprobs)]}
+    if kind != "chat":
+        return {**base, "object": "text_completion",
+                "choices": [{"index": 0, "text": text, "finish_reason": call.finish_reason, "logprobs": None,
+                             "stop_reason": stop_reason}]}
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    finish = call.finish_reason
+    tool = parse_tool_call(text, "chat_template") if body.get("tools") else None
+    if tool is not None:
+        message["content"] = text[:text.find("<tool_call>")].strip() if "<tool_call>" in text else None
+        message["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
+                                  "function": {"name": tool.name, "arguments": json.dumps(tool.arguments)}}]
+        finish = "tool_calls"
+    return {**base, "object": "chat.completion",
+            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs,
+                         "stop_reason": stop_reason}]}
+
+
 def concatenated_trajectory(calls: list[AgentCall]) -> tuple[list[int], list[int], list[float], list[bool]]:
     """One episode's calls as one trajectory: the first call's prompt, then every sampled token (trained) and the
     tokens the agent added between calls (tool results, user turns: observed, never trained). Each call's prompt
     ids must extend the last call's prompt and sampled ids, which the endpoint ensures whenever the request's text
-    extends the last one's (``_agent_prepare``). Returns (prompt ids, completion ids, their log-probs (0 where
-    observed), observed mask); ValueError naming the request that does not extend the last."""
+    extends the last one's (``AgentProgramSource.prepare``). Returns (prompt ids, completion ids, their log-probs (0
+    where observed), observed mask); ValueError naming the request that does not extend the last."""
     context, tokens, logps, observed = list(calls[0].prompt_ids), [], [], []
     for number, call in enumerate(calls, 1):
         if list(call.prompt_ids[:len(context)]) != context:
@@ -8482,6 +8633,20 @@ def retried(function: Callable[[], Any], attempts: int) -> Any:
             if attempt + 1 == attempts:
                 raise
     raise AssertionError("attempts must be >= 1")
+
+
+def guarded_call(function: Callable[[], Any], attempts: int,
+                 timeout: float | None = None) -> tuple[Any, Exception | None]:
+    """Retry, then drop: ``function()`` tried up to ``attempts`` times (each timed out after ``timeout`` seconds,
+    CallTimedOut), giving (its value, None), or (None, the last error) once every attempt failed, for the caller to
+    drop what it was for (an episode, a completion's reward). A user mistake (RLHFInputError) and a stop
+    (RolloutHung, an interrupt) propagate."""
+    try:
+        return retried(lambda: call_with_timeout(function, timeout=timeout), attempts), None
+    except RLHFInputError:
+        raise
+    except Exception as error:  # noqa: BLE001 (a user's environment, agent or reward: any error is a fault of its call)
+        return None, error
 
 
 class RolloutHung(BaseException):
@@ -8542,55 +8707,1496 @@ def environment_factory(config: Any) -> Callable[[], Environment]:
     return _import_callable(name, "environment", f"cannot load {name!r}", "give calculator, http or module:function")
 
 
-# ==== 9. Trainers ====
+# ==== 9. Rollouts ====
+# Where an online stage's samples come from, in the order data moves: prompts (PromptStream) -> a rollout scheduler
+# (sync, or sampling ahead of training) -> an episode source (one turn, a tool environment's turns, an agent program's
+# requests) -> a rollout engine (ours, a low-precision copy, vLLM in this process or on servers) -> scores
+# (RolloutScorer) -> rows (rollout_rows). Nothing here knows the trainer: each part takes what it needs as arguments
+# (prime-rl's "components don't reference the orchestrator"), and what a rollout measured travels on its Episodes
+# and Rollout records. A new episode source, scheduler or engine is one class here and one registry row.
+
+
+# ---- The records: Rollout (rows to train on), Episodes (what a source sampled) ----
+
+
+@dataclass
+class Rollout:
+    """One generation round of online RL, ready to train on: prompt + completion rows (right-padded,
+    labels IGNORE_INDEX on prompts) and what the loss compares against. Shapes: input_ids,
+    attention_mask, labels (N, T); per-token fields (N, T-1) aligned with the shifted labels;
+    GRPO's and RLOO's advantages are per sequence (N), REINFORCE++'s and PPO's per token. ``metrics``: what making
+    it measured (logged once, with its first optimizer step); ``skip_reason``: why every step trained on it skips its
+    update (non-finite rewards), '' when none."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    labels: torch.Tensor
+    advantages: torch.Tensor | None = None
+    old_logps: torch.Tensor | None = None
+    ref_logps: torch.Tensor | None = None
+    old_values: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+    prompt_lengths: torch.Tensor | None = None  # (N) prompt tokens at the start of each row
+    importance_weights: torch.Tensor | None = None  # (N, T-1) engine/trainer mismatch correction (use_vllm)
+    pair_weights: torch.Tensor | None = None  # (N) online DPO: 1 for a ranked pair's rows, 0 for a tie's
+    ref_summed: torch.Tensor | None = None  # (N) online DPO: each row's summed reference log-prob
+    skip_reason: str = ""
+    images: list[list[str]] | None = None  # (N) each row's image paths (a vision-language policy's image prompts)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def completion_mask(self) -> torch.Tensor:
+        return self.labels[:, 1:] != IGNORE_INDEX
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if isinstance(getattr(self, f.name), torch.Tensor)}
+
+    def micro_batches(self, size: int, order: torch.Tensor | None = None, vision: VisionInputs | None = None,
+                      chunks: int | None = None) -> list[dict[str, torch.Tensor]]:
+        """Consecutive micro-batches of ``size`` rows, in ``order`` (a permutation) if given; ``chunks``: exactly
+        that many micro-batches of near-equal size instead (a rollout whose row count is not the planned one, e.g.
+        an agent's calls as rows, still fills one optimizer step); with ``vision``, each also holds the pixel
+        inputs of its rows' images."""
+        fields = self.tensors()
+        rows = order if order is not None else torch.arange(self.input_ids.shape[0])
+        parts = rows.tensor_split(chunks) if chunks else [rows[i:i + size] for i in range(0, len(rows), size)]
+        batches = [{k: v[part] for k, v in fields.items()} for part in parts]
+        if vision is not None and self.images:
+            for part, batch in zip(parts, batches):
+                batch.update(vision.batch([self.images[int(r)] for r in part], batch["input_ids"]))
+        return batches
+
+
+SEQUENCE_KEYS = ("input_ids", "attention_mask", "labels")
+
+
+def _trim_columns(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop padding columns every row of a micro-batch shares (rows were padded to the whole rollout)."""
+    width = int(batch["attention_mask"].sum(-1).max())
+    return {k: v if v.dim() < 2 or k in ("pixel_values", "image_grid_thw") else v[:, :width]
+            if k in (*SEQUENCE_KEYS, "mm_token_type_ids") else v[:, :width - 1] for k, v in batch.items()}
+
+
+@dataclass
+class Episodes:
+    """What an episode source sampled for a rollout's prompts, one entry per completion (prompt-major: the n episodes
+    of prompt i are entries i*n .. i*n+n-1), as the scorer and the trainer read it (SkyRL's GeneratorOutput, verl's
+    AgentLoopOutput).
+
+    ``token_ids``: each completion (an environment's or an agent's added tokens included); ``logprobs``: the engine's
+    log-prob of each of its tokens (0 where observed); ``finish_reasons``: stop or length; ``records``: the record each
+    completion answers (an agent's: with the prompt ids its first request sent); ``observation_mask``: per token, True
+    where an environment or agent wrote it (never trained on), None for single turns; ``environment_rewards``: each
+    episode's summed environment (agent) reward, None without one; ``failed``: episodes whose environment or agent
+    failed after its retries; ``calls``: an agent's requests per episode, (prompt ids, token ids, log-probs, finish
+    reason) each, for agent_trajectory per_call; ``policy_version``: the optimizer step of the weights that sampled
+    them (an engine holding a copy; None: the policy itself); ``metrics``: what sampling them measured."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    finish_reasons: list[str]
+    records: list[dict[str, Any]]
+    observation_mask: list[list[bool]] | None = None
+    environment_rewards: torch.Tensor | None = None
+    failed: list[bool] = field(default_factory=list)
+    calls: list[list[tuple]] | None = None
+    policy_version: int | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.failed:
+            self.failed = [False] * len(self.token_ids)
+
+    @classmethod
+    def of(cls, output: GenerationOutput, prompts: list[dict[str, Any]]) -> Episodes:
+        """A rollout engine's single-turn output: completion k answers prompt ``output.prompt_index[k]``."""
+        return cls(output.token_ids, output.logprobs, output.finish_reasons,
+                   [prompts[i] for i in output.prompt_index], policy_version=output.policy_version)
+
+    def select(self, rows: Sequence[int]) -> Episodes:
+        """These completions, in this order (metrics kept)."""
+        def pick(values: Any) -> Any:
+            if values is None:
+                return None
+            return values[list(rows)] if isinstance(values, torch.Tensor) else [values[i] for i in rows]
+
+        return Episodes(pick(self.token_ids), pick(self.logprobs), pick(self.finish_reasons), pick(self.records),
+                        pick(self.observation_mask), pick(self.environment_rewards), pick(self.failed),
+                        pick(self.calls), self.policy_version, dict(self.metrics))
+
+
+def completion_metrics(episodes: Episodes) -> dict[str, float]:
+    """Lengths and the share cut off at the token budget (TRL's completions/* names)."""
+    lengths = torch.tensor([len(c) for c in episodes.token_ids], dtype=torch.float32)
+    truncated = torch.tensor([reason == "length" for reason in episodes.finish_reasons])
+    return {"completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
+            "completions/max_length": float(lengths.max()),
+            "completions/clipped_ratio": float(truncated.float().mean())}
+
+
+def episode_metrics(episodes: Episodes, calls: int) -> dict[str, float]:
+    """An environment's or agent's episodes: tool calls per episode, the share of tokens it wrote, its reward."""
+    observed = episodes.observation_mask or []
+    return {"tools/calls_per_episode": calls / max(len(episodes.token_ids), 1),
+            "tools/observed_token_frac": sum(map(sum, observed)) / max(sum(map(len, observed)), 1),
+            "tools/environment_reward": float(episodes.environment_rewards.mean())}
+
+
+class RolloutStopped(RLHFInputError):
+    """A rollout cannot go on (a hung call, every episode failed, a server down after its retries): the trainer
+    stops the run with this line and the way to resume."""
+
+
+# ---- Prompts: which prompts each rollout samples ----
+
+
+@dataclass
+class PromptBatch:
+    """The prompts of rollout ``index`` (``positions``: their places in the prompt set, None when streaming)."""
+
+    index: int
+    prompts: list[dict[str, Any]]
+    positions: list[int] | None = None
+
+
+class PromptStream:
+    """Every rollout's prompts, addressable by rollout index: an in-memory prompt set through a ResumableBatchSampler
+    (each process its own share, a fresh seeded order per epoch, so rollout k's prompts are a pure function of k and
+    a resumed run draws what the first one would have), or a streaming one read in order. ``per_rollout`` prompts per
+    rollout and process; an epoch's short last batch repeats its prompts, so every step stays whole."""
+
+    def __init__(self, dataset: Any, per_rollout: int, seed: int, rank: int = 0, world_size: int = 1) -> None:
+        self.dataset, self.per_rollout = dataset, per_rollout
+        self.streaming = isinstance(dataset, torch.utils.data.IterableDataset)
+        if not self.streaming and len(dataset) == 0:
+            raise RLHFInputError("the prompt set is empty after preprocessing")
+        self.sampler = None if self.streaming else ResumableBatchSampler(len(dataset), per_rollout, seed, rank=rank,
+                                                                          world_size=world_size)
+
+    @property
+    def batches_per_epoch(self) -> int | None:
+        return None if self.sampler is None else self.sampler.batches_per_epoch
+
+    def batches(self, first: int) -> Iterator[PromptBatch]:
+        """The rollouts' prompts from rollout ``first`` on (a streaming set: from where it stands)."""
+        if self.sampler is None:
+            items, index = self._streaming(), first
+            while True:
+                yield PromptBatch(index, [next(items) for _ in range(self.per_rollout)])
+                index += 1
+        self.sampler.start = first
+        for index, positions in enumerate(self.sampler, first):
+            if len(positions) < self.per_rollout:  # an epoch's short last batch: its prompts again, to fill it
+                positions = (positions * self.per_rollout)[:self.per_rollout]
+            yield PromptBatch(index, [self.dataset[i] for i in positions], list(positions))
+
+    def _streaming(self) -> Iterator[dict[str, Any]]:
+        while True:
+            yield from self.dataset
+            if self.dataset.stats["records"] == 0:
+                raise RLHFInputError("the streaming prompt set yielded no records")
+            self.dataset.set_epoch(self.dataset.epoch + 1)
+
+    def epoch(self, rollouts_done: float) -> float:
+        if self.sampler is None:
+            return float(getattr(self.dataset, "epoch", 0))
+        return rollouts_done / self.sampler.batches_per_epoch
+
+
+def with_lookahead(batches: Iterator[PromptBatch], ahead: int) -> Iterator[tuple[PromptBatch, list[PromptBatch]]]:
+    """Each batch with the ``ahead`` batches that follow it (what a scheduler sampling ahead sends off next)."""
+    if not ahead:
+        for batch in batches:
+            yield batch, []
+        return
+    window = collections.deque(itertools.islice(batches, ahead + 1))
+    while window:
+        current = window.popleft()
+        yield current, list(window)
+        following = next(batches, None)
+        if following is not None:
+            window.append(following)
+
+
+# ---- Seeds: every rollout's random draws are a pure function of the run's seed and the rollout's index ----
+
+
+def rollout_seed(seed: int, rollout_index: int, salt: int | None = None, process: int = 0) -> int:
+    """The seed of rollout ``rollout_index``'s draws; with ``salt`` (ROLLOUT_SEED_SALTS), of one kind of draw made
+    by one ``process``. A resumed run draws what the interrupted one did, whatever happened before."""
+    base = seed * 1_000_003 + rollout_index
+    return base if salt is None else base * salt + process
+
+
+ROLLOUT_SEED_SALTS = {"sampling": 1009, "extra_prompts": 7919}
+TURN_SEED_STRIDE = 7919  # a multi-turn episode's turn k (an agent's k-th batch of requests) samples at seed + k * this
+
+
+def turn_seed(seed: int | None, turn: int) -> int | None:
+    """The seed of a multi-turn rollout's ``turn``-th engine call, from the rollout's sampling seed."""
+    return None if seed is None else seed + TURN_SEED_STRIDE * turn
+
+
+def buffer_order_seed(seed: int, rollout_index: int) -> int:
+    """PPO's experience-buffer order of rollout ``rollout_index`` (each pass adds its epoch)."""
+    return seed * 1_000_003 + rollout_index * 101
+
+
+def rollout_sampling_params(config: OnlineRLConfig, n: int, rollout_index: int, *, rank: int, world_size: int,
+                            stop_token_ids: Sequence[int], suppress_token_ids: Sequence[int]) -> SamplingParams:
+    """How rollout ``rollout_index`` samples ``n`` completions per prompt on process ``rank`` of ``world_size``.
+
+    Processes share the global RNG state (one seed; a resume restores the main process's RNG on all), so they would
+    draw the same noise for different prompts: several sample from a seed of their own. vLLM always gets one, from
+    the rollout's index: its draws do not follow torch's RNG, and a resumed run must sample the interrupted rollout
+    again alike. vLLM seeds each prompt from its place in the rollout across processes instead (seed_index_*): the
+    interleaved sampler gives process r the places r, r + world_size, ... so any process count samples alike."""
+    own_seed = world_size > 1 or config.use_vllm is not False
+    by_place = config.use_vllm is True
+    seed = (rollout_seed(config.seed, rollout_index, ROLLOUT_SEED_SALTS["sampling"], 0 if by_place else rank)
+            if own_seed else None)
+    return SamplingParams(seed_index_start=rank if by_place else 0, seed_index_stride=world_size if by_place else 1,
+                          max_new_tokens=config.max_completion_length, temperature=config.temperature,
+                          top_p=config.top_p, top_k=config.top_k, min_p=config.min_p,
+                          repetition_penalty=config.repetition_penalty, n=n, seed=seed,
+                          stop_token_ids=tuple(stop_token_ids), suppress_token_ids=tuple(suppress_token_ids))
+
+
+# ---- Engines: what samples (inference_optimizations.RolloutEngine), the policy's weights it reads, its syncs ----
+
+
+class PolicyWeightSource:
+    """The training policy's weights as a rollout engine reads them, lazily, at each sync (PolicyWeights): full
+    weights under their Hugging Face names, a LoRA policy's frozen base and its adapter, and a sharded policy's
+    (FSDP2, ZeRO-3) gathered a tensor at a time by every process together (GatheredRead), with the gathered bytes
+    alive at once metered (``meter``). ``prepared``: the module as prepared for training (what shards); ``step``: the
+    optimizer step the weights are at."""
+
+    def __init__(self, policy: PolicyModel, prepared: Callable[[], nn.Module], devices: DeviceManager,
+                 step: Callable[[], int], sharded: bool = False) -> None:
+        self.policy, self.prepared, self.devices, self.step, self.sharded = policy, prepared, devices, step, sharded
+        self.meter: GatherMeter | None = None
+
+    def module(self) -> nn.Module:
+        model = self.devices.unwrap(self.policy.model)
+        return getattr(model, "_orig_mod", model)
+
+    def named(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The policy's weights under their Hugging Face names, one tensor at a time (tied ones once)."""
+        seen: set[int] = set()
+        for name, tensor in self.module().state_dict().items():
+            if tensor.data_ptr() in seen:
+                continue
+            seen.add(tensor.data_ptr())
+            yield name, tensor.detach()
+
+    def base(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """A LoRA policy's frozen base weights under the base model's own names."""
+        seen: set[int] = set()
+        for name, tensor in self.module().get_base_model().state_dict().items():
+            if "lora_" not in name and tensor.data_ptr() not in seen:  # tied weights once
+                seen.add(tensor.data_ptr())
+                yield name.replace(".base_layer.", "."), tensor.detach()
+
+    def reads(self) -> dict[str, GatheredRead]:
+        """A sharded policy's weights as an engine reads them (each a collective every process iterates alike):
+        ``named`` all of them, and for LoRA ``base`` (the frozen base under the base model's names) and ``adapter``
+        (the LoRA tensors under the PEFT model's names)."""
+        model, kind = self.module(), weight_sharding(self.prepared())
+
+        def read(module: nn.Module, wanted: Callable[[str], bool] | None = None,
+                 rename: Callable[[str], str] = str) -> GatheredRead:
+            def gathered() -> Iterator[tuple[str, torch.Tensor]]:
+                for name, tensor in gathered_named_tensors(module, kind, wanted, self.meter):
+                    yield rename(name), tensor
+                    del tensor  # not held while the next one is gathered
+
+            return GatheredRead(gathered, lambda: [(rename(name), dtype, shape)
+                                                   for name, dtype, shape in sharded_layout(module, kind, wanted)])
+
+        reads = {"named": read(model)}
+        if self.policy.is_peft:
+            reads["base"] = read(model.get_base_model(), lambda name: "lora_" not in name,
+                                 lambda name: name.replace(".base_layer.", "."))
+            reads["adapter"] = read(model, lambda name: "lora_" in name)
+        return reads
+
+    def weights(self, reads: dict[str, GatheredRead] | None = None) -> PolicyWeights:
+        """The policy's weights as of this optimizer step, read lazily by the engine's sync; a sharded policy's
+        through ``reads`` (default ``reads()``)."""
+        model, step = self.module(), self.step()
+        if self.sharded:
+            reads = reads or self.reads()
+            return PolicyWeights(step, reads["named"], base=reads.get("base"), save_adapter=(
+                (lambda directory: model.save_pretrained(directory, state_dict=dict(reads["adapter"]())))
+                if self.policy.is_peft else None))
+        if not self.policy.is_peft:
+            return PolicyWeights(step, self.named)
+        return PolicyWeights(step, self.named, base=self.base, save_adapter=model.save_pretrained)
+
+    def write_start(self, directory: Path) -> None:
+        """What a colocated engine loads first: the policy's weights, or for LoRA its base (adapters are synced on
+        their own), with the tokenizer. A sharded policy's are gathered a tensor at a time into a file each."""
+        model = self.module()
+        target = model.get_base_model() if self.policy.is_peft else model
+        if self.sharded:
+            target.config.save_pretrained(directory)
+            if getattr(target, "generation_config", None) is not None:
+                target.generation_config.save_pretrained(directory)
+            save_weight_shards(self.reads()["base" if self.policy.is_peft else "named"](), directory, shard_bytes=0)
+        elif self.policy.is_peft:
+            target.save_pretrained(directory, state_dict=dict(self.base()))
+        else:
+            model.save_pretrained(directory)
+        self.policy.tokenizer.save_pretrained(directory)
+
+    def sync_shared_from_shards(self, engine: RolloutEngine) -> None:
+        """A shared engine (a server) synced from a sharded policy: the main process sends, and each weight read it
+        makes (which ones depends on the engine, e.g. a LoRA base only once) is announced to the other processes
+        first, which gather alongside and drop what they gather. A read left unfinished (an error) is gathered to its
+        end before the processes part."""
+        reads = self.reads()
+        if not self.devices.is_main_process:
+            while (kind := self.devices.broadcast_object(None)) != "done":
+                collections.deque(reads[kind](), maxlen=0)  # each gathered tensor dropped before the next
+            return
+        opened: list[Iterator] = []
+
+        def announced(kind: str) -> GatheredRead:
+            def read() -> Iterator:
+                self.devices.broadcast_object(kind)
+                opened.append(reads[kind]())
+                return opened[-1]
+
+            return GatheredRead(read, reads[kind].layout)
+
+        try:
+            engine.sync_weights(self.weights({kind: announced(kind) for kind in reads}))
+        finally:  # a read left unfinished (or never started) is gathered to its end, as the others do
+            for generator in opened:
+                with contextlib.suppress(ValueError):  # still running in a sender thread: it finishes there
+                    collections.deque(generator, maxlen=0)
+            self.devices.broadcast_object("done")
+
+
+@dataclass
+class EngineContext:
+    """What a rollout engine's builder gets (ROLLOUT_ENGINES): the config, the policy and the devices it trains on,
+    whether its weights are sharded, its weights (PolicyWeightSource), the context our engine samples in (eval mode,
+    a sharded model's gathering) and the rollouts this run still plans (None where unknown), for ``auto``
+    compilation."""
+
+    config: OnlineRLConfig
+    policy: PolicyModel
+    devices: DeviceManager
+    weights: PolicyWeightSource
+    sampling_mode: Callable[[], contextlib.AbstractContextManager]
+    rollouts_left: Callable[[], int | None]
+    sharded: bool = False
+    one_shape_per_rollout: bool = True  # the episode source samples one batch shape per rollout (a single turn)
+
+    def expected_calls(self) -> int | None:
+        """``generation_engine: auto`` compiles the decode step once a timed rollout shows the rollouts still planned
+        would save more than the compilation costs (``inference_optimizations.compile_pays``). Episodes (an
+        environment's turns, an agent's requests) come in batches of every size: no plan, so each shape is compiled
+        only once its own past calls would have paid for it."""
+        planned = self.config.generation_engine == "auto" and self.one_shape_per_rollout
+        return self.rollouts_left() if planned else None
+
+
+# -- rollout engines: one builder per engine, picked from the config; the trainer samples, syncs and closes through
+# the protocol alone. Add an engine: its class in inference_optimizations.py, a builder here, and the config value
+# that picks it in rollout_engine_name.
+ROLLOUT_ENGINES: dict[str, Callable[[EngineContext], RolloutEngine]] = {}
+
+
+def register_rollout_engine(name: str) -> Callable:
+    """Decorator: ``builder(context: EngineContext) -> RolloutEngine`` becomes the engine ``name``, started at a
+    run's first rollout."""
+    def register(builder: Callable[[EngineContext], RolloutEngine]) -> Callable[[EngineContext], RolloutEngine]:
+        ROLLOUT_ENGINES[name] = builder
+        return builder
+    return register
+
+
+def rollout_engine_name(config: OnlineRLConfig) -> str:
+    """The engine a config samples with: vLLM in this process or on a server (``use_vllm``, ``vllm_mode``), else
+    ours, on the policy itself or a low-precision copy (``rollout_dtype``)."""
+    if config.use_vllm == "auto":
+        return "measured"
+    if config.use_vllm:
+        return f"vllm_{config.vllm_mode}"
+    return "ours" if config.rollout_dtype == "auto" else f"ours_{config.rollout_dtype}"
+
+
+@register_rollout_engine("ours")
+def _our_rollout_engine(context: EngineContext) -> LocalEngine:
+    """generate() on the policy being trained, with the run's generation_engine."""
+    policy = context.policy
+    return LocalEngine(lambda: context.devices.unwrap(policy.model), pad_token_id=policy.tokenizer.pad_token_id,
+                       tokenizer=policy.tokenizer, engine=context.config.generation_engine, synced=context.sharded,
+                       sampling_mode=context.sampling_mode, expected_calls=context.expected_calls,
+                       vision_for=policy.vision_for)
+
+
+def _our_quantized_rollout_engine(context: EngineContext) -> QuantizedEngine:
+    """generate() on a low-precision copy of the policy (QuantizedEngine), synced after every step."""
+    dtype, policy = context.config.rollout_dtype, context.policy
+    if context.sharded:
+        raise RLHFInputError(f"rollout_dtype {dtype}: the policy's weights are sharded across processes (FSDP / "
+                             f"ZeRO-3), and the copy is made from whole weights; train with DDP, or set rollout_dtype: "
+                             f"auto")
+    try:
+        return QuantizedEngine(context.devices.unwrap(policy.model), dtype=dtype, tokenizer=policy.tokenizer,
+                               pad_token_id=policy.tokenizer.pad_token_id, engine=context.config.generation_engine)
+    except ValueError as error:
+        raise RLHFInputError(f"config field 'rollout_dtype' {error}") from None
+
+
+for _dtype in QUANTIZED_ROLLOUT_DTYPES:
+    register_rollout_engine(f"ours_{_dtype}")(_our_quantized_rollout_engine)
+
+
+@register_rollout_engine("vllm_colocate")
+def _vllm_colocate_engine(context: EngineContext) -> VLLMEngine:
+    """vLLM in this process, started from the policy's weights (a LoRA policy's base) written to shared memory."""
+    config = context.config
+    start = Path(tempfile.mkdtemp(prefix="rlhf-vllm-", dir=shared_memory_dir()))
+    rank = getattr(config, "lora_rank", 8)
+    try:
+        context.weights.write_start(start)
+        engine = VLLMEngine(str(start), dtype=_model_dtype(config), seed=config.seed,
+                            max_model_len=config.vllm_max_model_len,
+                            gpu_memory_utilization=config.vllm_gpu_memory_utilization,
+                            tensor_parallel_size=config.vllm_tensor_parallel_size, enable_lora=context.policy.is_peft,
+                            max_lora_rank=max(8, 1 << (max(rank, 1) - 1).bit_length()),
+                            sleep_mode=config.vllm_enable_sleep_mode, owns_model=True)
+    except BaseException:
+        shutil.rmtree(start, ignore_errors=True)
+        raise
+    logger.info("vLLM engine (colocate) started in %.1f s", engine.start_seconds)
+    return engine
+
+
+@register_rollout_engine("vllm_server")
+def _vllm_server_engine(context: EngineContext) -> VLLMClient | VLLMServerPool:
+    """A client of ``rlhf.py vllm-serve`` (several: a VLLMServerPool); a server that is not there fails here, before
+    any rollout (of a pool, at least one must answer)."""
+    config = context.config
+    transfer = config.vllm_weight_transfer
+    if transfer == "auto":
+        transfer = "collective" if context.devices.device.type == "cuda" else "files"
+    addresses = ([str(entry).split("://")[-1].rstrip("/").rsplit(":", 1) for entry in config.vllm_servers]
+                 if config.vllm_servers else [(config.vllm_server_host, config.vllm_server_port)])
+    clients = [VLLMClient(host, int(port), timeout=config.vllm_server_timeout, retries=config.vllm_server_retries,
+                          sync_dir=(Path(config.vllm_sync_dir) / f"server-{i}" if config.vllm_sync_dir and
+                                    len(addresses) > 1 else config.vllm_sync_dir), weight_transfer=transfer)
+               for i, (host, port) in enumerate(addresses)]
+    if len(clients) == 1:
+        clients[0].health()
+        return clients[0]
+    pool = VLLMServerPool(clients)
+    pool.health()
+    return pool
+
+
+VLLM_START_SECONDS = 10.0  # a colocated vLLM's start (weights to shared memory, engine, KV cache): 2-10 s on a CPU
+EXPECTED_VLLM_GAIN = 0.4  # share of our engine's rollout time vLLM saves, until measured (1.6-2x at 23M-110M on a CPU)
+
+
+class MeasuredEngineChoice:
+    """``use_vllm: auto``: our engine or a colocated vLLM, whichever samples a rollout faster, by measurement.
+
+    The first rollout is sampled by ours and timed. If the rollouts still planned would save more than vLLM's start
+    (VLLM_START_SECONDS) at the expected gain (EXPECTED_VLLM_GAIN), vLLM is started, sent the current weights
+    (timed: every later rollout pays one sync) and samples the second rollout (a trial, timed); vLLM keeps sampling
+    when its rollout plus a sync took less than ours would have for as many tokens, else it is closed and ours
+    samples the rest. The choice is measured anew by a resumed run. Each rollout is marked with the engine that
+    sampled it (``holds_weights`` is the last sampler's), so a vLLM rollout gets the importance correction and one of
+    ours needs none. A RolloutEngine (inference_optimizations.RolloutEngine) whose members follow the engine in use."""
+
+    shared, takes_images = False, False
+
+    def __init__(self, ours: RolloutEngine, start_vllm: Callable[[], RolloutEngine],
+                 weights: Callable[[], PolicyWeights], rollouts_left: Callable[[], int | None]) -> None:
+        self.ours, self.start_vllm, self.weights, self.rollouts_left = ours, start_vllm, weights, rollouts_left
+        self.vllm: RolloutEngine | None = None
+        self.active: RolloutEngine = ours  # samples the next rollout
+        self.last: RolloutEngine = ours  # sampled the last one
+        self.ours_seconds_per_token: float | None = None
+        self.decided = False
+        self.figures: dict[str, float] = {}
+
+    @property
+    def holds_weights(self) -> bool:
+        return self.last.holds_weights
+
+    @property
+    def answers_evaluation(self) -> bool:
+        return self.decided and self.active is self.vllm and getattr(self.vllm, "answers_evaluation", False)
+
+    @property
+    def metric_prefix(self) -> str:
+        return getattr(self.last, "metric_prefix", "rollout")
+
+    @property
+    def logprobs_after_truncation(self) -> bool:
+        return getattr(self.last, "logprobs_after_truncation", False)
+
+    def sample(self, prompts: list[list[int]], params: SamplingParams,
+               images: list[list[str]] | None = None) -> GenerationOutput:
+        if self.decided or self.ours_seconds_per_token is None:
+            engine = self.active
+            started = time.perf_counter()
+            output = engine.sample(prompts, params, images)
+            if not self.decided:
+                self._after_ours(time.perf_counter() - started, _sampled_tokens(output))
+            self.last = engine
+            return output
+        return self._trial(prompts, params, images)
+
+    def _after_ours(self, seconds: float, tokens: int) -> None:
+        """Our first rollout is timed: is a vLLM trial worth its start?"""
+        self.ours_seconds_per_token = seconds / max(tokens, 1)
+        left = self.rollouts_left()
+        ahead = (left - 1) if left is not None else 0  # after this one
+        if ahead * seconds * EXPECTED_VLLM_GAIN <= VLLM_START_SECONDS:
+            self.decided = True
+            logger.info("use_vllm=auto: our engine samples every rollout (a rollout took %.2f s; the %d left would "
+                        "save about %.1f s with vLLM, less than its %.0f s start)", seconds, max(ahead, 0),
+                        ahead * seconds * EXPECTED_VLLM_GAIN, VLLM_START_SECONDS)
+
+    def _trial(self, prompts: list[list[int]], params: SamplingParams,
+               images: list[list[str]] | None) -> GenerationOutput:
+        """vLLM started and timed on one rollout and one weight sync; the faster engine samples from now on."""
+        started = time.perf_counter()
+        self.vllm = self.start_vllm()
+        start_seconds = time.perf_counter() - started
+        started = time.perf_counter()
+        self.vllm.sync_weights(self.weights())  # a LoRA policy's adapter; what every later rollout pays
+        sync_seconds = time.perf_counter() - started
+        started = time.perf_counter()
+        output = self.vllm.sample(prompts, params, images)
+        sample_seconds = time.perf_counter() - started
+        self.last, tokens = self.vllm, _sampled_tokens(output)
+        ours = self.ours_seconds_per_token * tokens
+        theirs = sample_seconds + sync_seconds
+        self.figures = {"ours_s": ours, "vllm_s": theirs, "vllm_sample_s": sample_seconds,
+                        "vllm_sync_s": sync_seconds, "vllm_start_s": start_seconds}
+        self.decided = True
+        keep = theirs < ours
+        logger.info("use_vllm=auto: a rollout of %d tokens takes %.2f s with our engine, %.2f s with vLLM (sampling "
+                    "%.2f s + weight sync %.2f s; it started in %.1f s): %s samples from now on", tokens, ours, theirs,
+                    sample_seconds, sync_seconds, start_seconds, "vLLM" if keep else "our engine")
+        if keep:
+            self.active = self.vllm
+        else:
+            self.vllm.close()
+        return output
+
+    def sync_weights(self, weights: PolicyWeights) -> None:
+        if self.active is self.vllm and self.vllm is not None:
+            self.vllm.sync_weights(weights)
+
+    def sleep(self) -> None:
+        self.active.sleep()
+
+    def close(self) -> None:
+        for engine in (self.ours, self.vllm):
+            if engine is not None:
+                engine.close()
+
+
+def _sampled_tokens(output: GenerationOutput) -> int:
+    return sum(len(ids) for ids in output.token_ids)
+
+
+@register_rollout_engine("measured")
+def _measured_rollout_engine(context: EngineContext) -> RolloutEngine:
+    """``use_vllm: auto``: ours, with a measured vLLM trial where vLLM can sample this run (MeasuredEngineChoice)."""
+    ours = _our_rollout_engine(context)
+    why_not = (vllm_missing() or ("the policy takes images" if context.policy.vision is not None else "")
+               or ("several training processes (each would start its own vLLM): set use_vllm: true"
+                   if context.devices.num_processes > 1 else "")
+               or ("the policy is sharded" if context.sharded else ""))
+    if why_not:
+        logger.info("use_vllm=auto: our engine samples (%s)", why_not.rstrip("."))
+        return ours
+    return MeasuredEngineChoice(ours, lambda: _vllm_colocate_engine(context), context.weights.weights,
+                                context.rollouts_left)
+
+
+def engine_label(engine: RolloutEngine | None) -> str:
+    """What samples, as the watchdog and error lines name it."""
+    url = getattr(engine, "url", None)
+    return f"the vLLM server {url}" if url else f"the rollout engine ({type(engine).__name__})"
+
+
+class SyncedEngine:
+    """The run's rollout engine, started at the first ``at(step)`` (ROLLOUT_ENGINES' pick, built by ``build``) and
+    holding the weights of optimizer step ``step`` whenever it is handed out: an engine holding a copy (vLLM, a
+    low-precision copy) is synced once per step, lazily, when a rollout or an evaluation first needs it. With several
+    processes the main one syncs a shared engine (a server) and each syncs its own otherwise; a sharded policy's
+    weights are gathered by every process together as the engine reads them. What the syncs measured waits in
+    ``pop_metrics`` for the next rollout."""
+
+    def __init__(self, build: Callable[[], RolloutEngine], weights: PolicyWeightSource, devices: DeviceManager) -> None:
+        self.build, self.weights, self.devices = build, weights, devices
+        self.engine: RolloutEngine | None = None
+        self.step = -1  # the optimizer step whose weights the engine holds
+        self.metrics: dict[str, float] = {}
+
+    def at(self, step: int) -> RolloutEngine:
+        if self.engine is None:
+            self.engine = self.build()
+        engine = self.engine
+        if not engine.holds_weights or self.step == step:
+            return engine
+        started = time.time()
+        weights = self.weights
+        weights.meter = GatherMeter() if weights.sharded else None
+        if weights.sharded and engine.shared and self.devices.num_processes > 1:
+            weights.sync_shared_from_shards(engine)
+        elif self.devices.is_main_process or not engine.shared:
+            engine.sync_weights(weights.weights())
+        if engine.shared:
+            self.devices.wait()
+        self.step = step
+        self.metrics["perf/weight_sync_s"] = time.time() - started
+        self.metrics.update(getattr(engine, "metrics", dict)())  # a server pool's live servers
+        if weights.meter is not None:
+            self.metrics["perf/weight_sync_gathered_peak_mb"] = weights.meter.peak / 2 ** 20
+        return engine
+
+    def pop_metrics(self) -> dict[str, float]:
+        metrics, self.metrics = self.metrics, {}
+        return metrics
+
+    @property
+    def holds_weights(self) -> bool:
+        return self.engine is not None and self.engine.holds_weights
+
+    @property
+    def metric_prefix(self) -> str:
+        """Where the engine/trainer gap is logged: vllm/ for vLLM, rollout/ for any other engine holding a copy."""
+        return getattr(self.engine, "metric_prefix", "rollout")
+
+    @property
+    def logprobs_after_truncation(self) -> bool:
+        """Whether the engine's log-probs are of the top-k / top-p narrowed distribution it sampled from (vLLM's)."""
+        return getattr(self.engine, "logprobs_after_truncation", False)
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+        self.engine, self.step = None, -1
+
+
+# ---- Episode sources: what one sample of a prompt is (a turn, a tool conversation, an agent program's run) ----
+
+
+@typing.runtime_checkable
+class EpisodeSource(typing.Protocol):
+    """What a rollout's samples are, given an engine to sample with (SkyRL's GeneratorInterface, verl's agent loops).
+
+    ``sample(prompts, params, engine, watch) -> Episodes``: ``params.n`` episodes per prompt record (its
+    ``prompt_ids``, ``messages``, ``answer``, ...), sampled with ``engine`` (a RolloutEngine already holding this
+    step's weights); ``watch(what)`` tells the rollout's watchdog what runs now. It may run in a background thread
+    (a scheduler sampling ahead) while the trainer's thread samples another rollout, so its per-rollout state is its
+    own call's. ``close()`` releases what it holds (an endpoint). ``takes_images``: it samples image prompts;
+    ``one_shape_per_rollout``: its engine calls have one batch shape per rollout (our engine may then plan compiling
+    the decode step)."""
+
+    takes_images: bool
+    one_shape_per_rollout: bool
+
+    def sample(self, prompts: list[dict[str, Any]], params: SamplingParams, engine: RolloutEngine,
+               watch: Callable[[str], None]) -> Episodes: ...
+
+    def close(self) -> None: ...
+
+
+# the episode sources by name (EPISODE_SOURCES, section 0): ``episode_source`` picks one (auto: from ``environment``).
+# A new source is one class under this banner, decorated @register_episode_source(name), built as
+# cls(config, policy, formatter)
+
+
+def episode_source_name(config: OnlineRLConfig) -> str:
+    """The source a config samples episodes with: ``episode_source``, or for auto, from ``environment`` (none: one
+    turn; agent: an agent program; any other: a tool environment)."""
+    chosen = getattr(config, "episode_source", "auto")
+    if chosen != "auto":
+        return chosen
+    environment = getattr(config, "environment", None)
+    return "single_turn" if not environment else "agent_program" if environment == "agent" else "tool_environment"
+
+
+@register_episode_source("single_turn")
+class SingleTurnSource:
+    """One engine call: each sample is the engine's completion of its prompt (image prompts included)."""
+
+    takes_images, one_shape_per_rollout = True, True
+
+    def __init__(self, config: OnlineRLConfig, policy: PolicyModel, formatter: ChatFormatter) -> None:
+        pass
+
+    def sample(self, prompts: list[dict[str, Any]], params: SamplingParams, engine: RolloutEngine,
+               watch: Callable[[str], None]) -> Episodes:
+        images = [p.get("images") or [] for p in prompts]  # a vision-language policy's image prompts
+        watch(engine_label(engine))
+        output = engine.sample([p["prompt_ids"] for p in prompts], params, images if any(images) else None)
+        return Episodes(output.token_ids, output.logprobs, output.finish_reasons,
+                        [p for p in prompts for _ in range(params.n)], policy_version=output.policy_version)
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class _OpenEpisodes:
+    """A tool environment's episodes while they play: per episode its environment, context, completion so far (with
+    the engine's log-probs, 0 for observed tokens, and which tokens were observed), conversation, summed reward and
+    finish reason."""
+
+    records: list[dict[str, Any]]
+    envs: list[Any]
+    context: list[list[int]]
+    conversations: list[list[dict[str, Any]]]
+    tokens: list[list[int]] = field(default_factory=list)
+    logps: list[list[float]] = field(default_factory=list)
+    observed: list[list[bool]] = field(default_factory=list)
+    rewards: torch.Tensor | None = None
+    reasons: list[str] = field(default_factory=list)
+    failed: list[bool] = field(default_factory=list)
+    faults: list[str] = field(default_factory=list)
+    calls: int = 0
+
+    def __post_init__(self) -> None:
+        count = len(self.records)
+        self.tokens, self.logps, self.observed = [[] for _ in range(count)], [[] for _ in range(count)], \
+            [[] for _ in range(count)]
+        self.rewards, self.reasons, self.failed = torch.zeros(count), ["stop"] * count, [False] * count
+
+
+@register_episode_source("tool_environment")
+class ToolEnvironmentSource:
+    """Multi-turn episodes with an environment (``environment``: calculator, http, or module:function returning an
+    Environment), batched turn by turn: every open episode generates a turn (at most max_turn_tokens, and what is
+    left of max_completion_length), its environment answers, and the answer's tokens join the completion marked as
+    observed, never trained on. An episode ends when its environment says so, after max_turns turns, or when the
+    completion's budget is spent (finish reason ``length``). An environment call that keeps failing
+    (rollout_retries, environment_timeout) drops its episode."""
+
+    takes_images, one_shape_per_rollout = False, False
+
+    def __init__(self, config: OnlineRLConfig, policy: PolicyModel, formatter: ChatFormatter) -> None:
+        self.config, self.policy, self.formatter = config, policy, formatter
+        self.make: Callable[[], Any] | None = None  # the environment factory, loaded at the first rollout
+
+    def sample(self, prompts: list[dict[str, Any]], params: SamplingParams, engine: RolloutEngine,
+               watch: Callable[[str], None]) -> Episodes:
+        config = self.config
+        self.make = self.make or environment_factory(config)
+        records = [p for p in prompts for _ in range(params.n)]
+        episodes = _OpenEpisodes(records, [self.make() for _ in records], [list(r["prompt_ids"]) for r in records],
+                                 [list(r["messages"]) for r in records])
+        active = self._reset_all(episodes, watch)
+        for turn in range(config.max_turns):
+            if not active:
+                break
+            active = self._play_turn(episodes, active, turn, params, engine, watch)
+        return self._finish(episodes, params)
+
+    def _call(self, episodes: _OpenEpisodes, i: int, what: str, call: Callable[[], Any],
+              watch: Callable[[str], None]) -> Any:
+        """An environment's reset or step, timed out and retried (an HTTP environment times and retries its own
+        requests); EnvironmentFault, with the episode marked failed, once it keeps failing."""
+        own = isinstance(episodes.envs[i], HTTPEnvironment)
+        watch(f"environment {self.config.environment!r} ({what}, episode {i})")
+        value, error = guarded_call(call, 1 if own else 1 + self.config.rollout_retries,
+                                    timeout=None if own else self.config.environment_timeout)
+        if error is not None:
+            episodes.failed[i] = True
+            episodes.faults.append(f"{what}: {type(error).__name__}: {error}")
+            raise EnvironmentFault(str(error))
+        return value
+
+    def _observe(self, episodes: _OpenEpisodes, i: int, ids: list[int]) -> None:
+        ids = ids[:self.config.max_completion_length - len(episodes.tokens[i])]
+        episodes.tokens[i] += ids
+        episodes.logps[i] += [0.0] * len(ids)
+        episodes.observed[i] += [True] * len(ids)
+        episodes.context[i] += ids
+
+    def _reset_all(self, episodes: _OpenEpisodes, watch: Callable[[str], None]) -> list[int]:
+        """Every episode's environment reset (a retried reset starts from a new environment); its first observation
+        joins the completion. Returns the episodes still open."""
+        for i, record in enumerate(episodes.records):
+            def fresh(i: int = i, record: dict[str, Any] = record) -> str | None:
+                episodes.envs[i] = self.make()
+                return episodes.envs[i].reset(record)
+
+            try:
+                first = self._call(episodes, i, "reset", fresh, watch)
+            except EnvironmentFault:
+                continue
+            if first:
+                self._observe(episodes, i, self.policy.tokenizer(first, add_special_tokens=False)["input_ids"])
+        return [i for i in range(len(episodes.records))
+                if len(episodes.tokens[i]) < self.config.max_completion_length and not episodes.failed[i]]
+
+    def _play_turn(self, episodes: _OpenEpisodes, active: list[int], turn: int, params: SamplingParams,
+                   engine: RolloutEngine, watch: Callable[[str], None]) -> list[int]:
+        """One turn of every open episode: sampled in one engine call, then each environment's answer. Returns the
+        episodes still open."""
+        config, budget = self.config, self.config.max_completion_length
+        room = {i: budget - len(episodes.tokens[i]) for i in active}
+        turn_params = dataclasses.replace(params, n=1, max_new_tokens=min(config.max_turn_tokens or budget,
+                                                                           max(room.values())),
+                                          stop_strings=(config.tool_tags[1],) if config.tool_format == "tag" else (),
+                                          seed=turn_seed(params.seed, turn))
+        watch(f"{engine_label(engine)} (turn {turn + 1})")
+        out = engine.sample([episodes.context[i] for i in active], turn_params)
+        still = []
+        for i, new, new_logps, reason in zip(active, out.token_ids, out.logprobs, out.finish_reasons):
+            new = new[:room[i]]
+            episodes.tokens[i] += new
+            episodes.logps[i] += new_logps[:len(new)]
+            episodes.observed[i] += [False] * len(new)
+            episodes.context[i] += new
+            try:
+                observation, reward, done = self._call(episodes, i, f"step {turn + 1}", functools.partial(
+                    episodes.envs[i].step, self.policy.decode(new)), watch)
+            except EnvironmentFault:
+                continue
+            episodes.rewards[i] += reward
+            spent = len(episodes.tokens[i]) >= budget
+            if done or observation is None or turn + 1 == config.max_turns or spent:
+                episodes.reasons[i] = "length" if spent or (reason == "length" and not done) else "stop"
+                continue
+            episodes.calls += 1
+            self._observe(episodes, i, self._observation_ids(episodes.records[i], episodes.conversations[i], new,
+                                                             observation))
+            if len(episodes.tokens[i]) >= budget:
+                episodes.reasons[i] = "length"
+                continue
+            still.append(i)
+        return still
+
+    def _finish(self, episodes: _OpenEpisodes, params: SamplingParams) -> Episodes:
+        if episodes.faults:
+            logger.warning("environment %r failed in %d of %d episodes after %d attempts per call (last: %s); they "
+                           "are dropped", self.config.environment, sum(episodes.failed), len(episodes.records),
+                           1 + self.config.rollout_retries, episodes.faults[-1])
+        out = Episodes(episodes.tokens, episodes.logps, episodes.reasons, episodes.records,
+                       observation_mask=episodes.observed, environment_rewards=episodes.rewards,
+                       failed=episodes.failed)
+        out.metrics = episode_metrics(out, episodes.calls)
+        return out
+
+    def _observation_ids(self, record: dict[str, Any], conversation: list[dict[str, Any]], turn_ids: list[int],
+                         observation: str) -> list[int]:
+        """The tokens an environment's answer adds. ``tag``: its text, inline in the assistant's turn.
+        ``chat_template``: what the chat template writes after this assistant turn's end-of-turn token for a
+        ``tool`` message, through the next assistant turn's header, so the next turn is generated as the model
+        was taught (the rest of the end-of-turn text, e.g. ChatML's newline, included)."""
+        encode = self.formatter.encode
+        if self.config.tool_format == "tag":
+            return encode(observation)
+        text = self.policy.decode(turn_ids)
+        ended = turn_ids[-1:] if turn_ids and turn_ids[-1] in self.formatter.stop_token_ids else []
+        generated = text + self.policy.tokenizer.decode(ended)
+        conversation += [{"role": "assistant", "content": text}, {"role": "tool", "content": observation}]
+        rendered = self.formatter.render(record.get("system"), conversation, True, "record", record.get("tools"))
+        where = rendered.rfind(generated, 0, rendered.rfind(observation))
+        if where < 0:
+            raise RLHFInputError("tool_format chat_template: this chat template does not write an assistant turn as "
+                                 "the model generated it, so tool messages cannot be appended token by token; use "
+                                 "tool_format: tag")
+        return encode(rendered[where + len(generated):])
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class AgentRollout:
+    """One rollout's agent episodes while they run: episode numbers ``first`` .. ``first + len(records) - 1`` on the
+    endpoint, each episode's record and prompt text as the run's template writes it, and its requests so far."""
+
+    first: int
+    records: list[dict[str, Any]]
+    texts: list[str]
+    calls: list[list[AgentCall]]
+    warned: set[str] = field(default_factory=set)
+
+    def owns(self, episode: int) -> bool:
+        return 0 <= episode - self.first < len(self.records)
+
+
+@register_episode_source("agent_program")
+class AgentProgramSource:
+    """Episodes played by the user's agent program (``agent``: module:function(client, record) -> reward), each run in
+    a thread of its own with an ``openai.OpenAI`` client on its episode's address of an OpenAI-compatible endpoint
+    (AgentEndpoint) it owns. The sampling thread samples the requests as they come, batched across episodes
+    (AgentEndpoint.take), with the rollout engine; an agent that raises is run again (rollout_retries), then its
+    episode is dropped. Each episode becomes one trajectory (concatenated_trajectory), or with agent_trajectory
+    per_call keeps its requests apart (``Episodes.calls``); its reward is the agent's."""
+
+    takes_images, one_shape_per_rollout = False, False
+
+    def __init__(self, config: OnlineRLConfig, policy: PolicyModel, formatter: ChatFormatter) -> None:
+        self.config, self.policy, self.formatter = config, policy, formatter
+        self.agent: Callable[..., float] | None = None
+        self.endpoint: AgentEndpoint | None = None
+        self.episodes_started = 0
+        self.running: dict[int, AgentRollout] = {}  # by first episode: rollouts whose agents run now
+
+    def sample(self, prompts: list[dict[str, Any]], params: SamplingParams, engine: RolloutEngine,
+               watch: Callable[[str], None]) -> Episodes:
+        try:
+            import openai
+        except ImportError:
+            raise RLHFInputError("environment: agent gives each agent an openai.OpenAI client, and the openai package "
+                                 "is not installed: pip install openai") from None
+        config = self.config
+        self.agent = self.agent or _import_callable(config.agent or "", "agent", f"cannot load {config.agent!r}",
+                                                    "give module:function(client, record) -> reward")
+        if self.endpoint is None:
+            self.endpoint = AgentEndpoint(self.prepare, functools.partial(openai_answer,
+                                                                          tokenizer=self.policy.tokenizer),
+                                          port=config.agent_port, timeout=config.rollout_timeout or 1e9)
+        records = [p for p in prompts for _ in range(params.n)]
+        texts = [self.policy.tokenizer.decode(r["prompt_ids"], skip_special_tokens=False) for r in records]
+        state = AgentRollout(self.episodes_started, records, texts, [[] for _ in records])
+        self.episodes_started += len(records)
+        self.running[state.first] = state
+        try:
+            rewards = self._run_agents(state, params, engine, watch, openai.OpenAI)
+        finally:
+            self.running.pop(state.first, None)
+        return self._trajectories(state, rewards)
+
+    def _run_agents(self, state: AgentRollout, params: SamplingParams, engine: RolloutEngine,
+                    watch: Callable[[str], None], client_class: type) -> list[tuple[float | None, str]]:
+        """Every episode's agent in a thread, its requests sampled here as they come; (reward, '') per episode, or
+        (None, why) for one whose agent kept failing."""
+        config, endpoint = self.config, self.endpoint
+        # what the agent gets: the record (messages, answer, ...) and prompt_text, the prompt as the run's chat
+        # template writes it, for agents that use the completions API
+        view = [{**{k: v for k, v in r.items() if k != "prompt_ids"}, "prompt_text": text}
+                for r, text in zip(state.records, state.texts)]
+
+        def attempt(i: int) -> float:
+            state.calls[i] = []
+            client = client_class(base_url=endpoint.base_url(state.first + i), api_key="rlhf", max_retries=2,
+                                  timeout=config.rollout_timeout or None)  # retries: connection errors only
+            reward = self.agent(client, copy.deepcopy(view[i]))
+            if not isinstance(reward, (int, float)) or isinstance(reward, bool) or not math.isfinite(reward):
+                raise RLHFInputError(f"agent {config.agent} returned {reward!r}; return the episode's reward as a "
+                                     f"finite number")
+            return float(reward)
+
+        def play(i: int) -> tuple[float | None, str]:
+            reward, error = guarded_call(functools.partial(attempt, i), 1 + config.rollout_retries)
+            return (reward, "") if error is None else (None, f"{type(error).__name__}: {error}")
+
+        batches, episodes = 0, range(state.first, state.first + len(state.records))
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(state.records), thread_name_prefix="rlhf-agent")
+        try:
+            futures = [pool.submit(play, i) for i in range(len(state.records))]
+            while True:
+                calls = endpoint.take(lambda: sum(not f.done() for f in futures), linger=config.agent_batch_wait,
+                                      episodes=episodes)
+                if not calls:
+                    break  # every episode is over
+                self._sample_calls(state, engine, calls, params, batches, watch)
+                batches += 1
+        except BaseException:  # the run stops (a hang, an interrupt): answer what waits, leave the agents behind
+            for call in endpoint.take(lambda: 0, episodes=episodes):
+                call.error = "the rollout stopped"
+                call.done.set()
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        pool.shutdown(wait=True)
+        return [future.result() for future in futures]
+
+    def _sample_calls(self, state: AgentRollout, engine: RolloutEngine, calls: list[AgentCall],
+                      params: SamplingParams, batch: int, watch: Callable[[str], None]) -> None:
+        """One batch of agents' requests sampled by the engine (one ``sample`` per distinct set of stop strings),
+        each cut to its own budget, recorded under its episode and answered."""
+        def record(call: AgentCall) -> None:
+            if state.owns(call.episode):
+                state.calls[call.episode - state.first].append(call)
+            call.done.set()
+
+        for call in [c for c in calls if c.max_new_tokens == 0]:
+            call.finish_reason = "length"
+            record(call)
+        calls = [c for c in calls if c.max_new_tokens > 0]
+        for stop in dict.fromkeys(c.stop for c in calls):
+            group = [c for c in calls if c.stop == stop]
+            watch(f"{engine_label(engine)} (agent requests, batch {batch + 1})")
+            call_params = dataclasses.replace(params, n=1, max_new_tokens=max(c.max_new_tokens for c in group),
+                                              stop_strings=tuple(params.stop_strings or ()) + stop,
+                                              seed=turn_seed(params.seed, batch + 1))
+            try:
+                out = engine.sample([c.prompt_ids for c in group], call_params)
+            except Exception as error:
+                for call in group:
+                    call.error = f"sampling failed: {error}"
+                    call.done.set()
+                raise
+            for call, ids, lps, reason in zip(group, out.token_ids, out.logprobs, out.finish_reasons):
+                call.token_ids, call.logprobs = list(ids[:call.max_new_tokens]), list(lps[:call.max_new_tokens])
+                call.finish_reason = "length" if len(ids) > call.max_new_tokens else reason
+                record(call)
+
+    def _trajectories(self, state: AgentRollout, results: list[tuple[float | None, str]]) -> Episodes:
+        """Each episode as one trajectory (or its requests apart, per_call), its reward the agent's; an episode whose
+        agent failed or made no request, or whose requests do not extend each other, is dropped."""
+        per_call = self.config.agent_trajectory == "per_call"
+        tokens, logps, observed, reasons, rewards, failed, kept, faults = [], [], [], [], [], [], [], []
+        for i, (reward, why) in enumerate(results):
+            calls = [c for c in state.calls[i] if not c.error]
+            try:
+                if why:
+                    raise EnvironmentFault(why)
+                if not calls:
+                    raise EnvironmentFault("the agent made no request")
+                if per_call:  # the rows come from the calls (per_call_rows); the episode's answers, joined, are what
+                    # reward functions and metrics read
+                    prompt, ids = calls[0].prompt_ids, [t for c in calls for t in c.token_ids]
+                    lps, seen = [lp for c in calls for lp in c.logprobs], [False] * len(ids)
+                else:
+                    prompt, ids, lps, seen = concatenated_trajectory(calls)
+            except (EnvironmentFault, ValueError) as error:
+                faults.append(f"episode {i}: {error}")
+                prompt, ids, lps, seen, reward = state.records[i]["prompt_ids"], [], [], [], 0.0
+                failed.append(True)
+            else:
+                failed.append(False)
+            kept.append({**state.records[i], "prompt_ids": list(prompt)})
+            tokens.append(ids)
+            logps.append(lps)
+            observed.append(seen)
+            reasons.append(calls[-1].finish_reason if calls and not failed[-1] else "stop")
+            rewards.append(reward)
+        if faults:
+            logger.warning("agent %s failed in %d of %d episodes (last: %s); they are dropped", self.config.agent,
+                           sum(failed), len(state.records), faults[-1])
+        episodes = Episodes(tokens, logps, reasons, kept, observation_mask=observed, failed=failed,
+                            environment_rewards=torch.tensor(rewards, dtype=torch.float32))
+        if per_call:
+            episodes.calls = [[] if failed[i] else [(c.prompt_ids, c.token_ids, c.logprobs, c.finish_reason)
+                                                   for c in state.calls[i] if not c.error]
+                              for i in range(len(state.records))]
+        episodes.metrics = episode_metrics(episodes, sum(len(c) for c in state.calls))
+        return episodes
+
+    def prepare(self, episode: int, body: dict[str, Any], kind: str) -> tuple[str, list[int], int, tuple[str, ...]]:
+        """A request's prompt text and ids, token budget and stop strings (AgentEndpoint's ``prepare``; a request
+        thread)."""
+        config = self.config
+        state = next((s for s in list(self.running.values()) if s.owns(episode)), None)
+        if state is None:
+            raise ValueError(f"episode {episode} is not running")
+        index = episode - state.first
+        calls = state.calls[index]
+        if kind == "chat":
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+                raise ValueError("messages must be a non-empty list of {role, content} objects")
+            try:
+                text = self.formatter.render("", messages, True, "agent request", body.get("tools"))
+            except RLHFInputError as error:
+                raise ValueError(str(error)) from None
+        else:
+            text = body.get("prompt")
+            if not isinstance(text, str):
+                raise ValueError("prompt must be one string")
+        prompt_ids = self.formatter.encode(text)
+        if (body.get("n") or 1) != 1:
+            raise ValueError("n must be 1: each request is one sample of the episode")
+        if not calls and text == state.texts[index]:  # the record's prompt as the run encoded it
+            prompt_ids = list(state.records[index]["prompt_ids"])
+        if calls:  # token in, token out: a request whose text extends the last request and its answer gets the
+            # sampled ids back as sampled, not re-encoded from their text (which need not give them back), so the
+            # model conditions on the trajectory it will be trained on
+            last = calls[-1]
+            before = last.prompt_text + self.policy.tokenizer.decode(last.token_ids, skip_special_tokens=False)
+            if text.startswith(before):
+                prompt_ids = list(last.prompt_ids) + list(last.token_ids) + self.formatter.encode(text[len(before):])
+        if len(calls) >= config.max_turns:
+            raise ValueError(f"this episode made its {config.max_turns} requests (max_turns)")
+        temperature = body.get("temperature")
+        if temperature is not None and abs(float(temperature) - config.temperature) > 1e-9 \
+                and "temperature" not in state.warned:
+            state.warned.add("temperature")
+            logger.warning("agent requests ask for temperature %s; the run samples at its own temperature %s, the one "
+                           "its loss assumes", temperature, config.temperature)
+        room = config.max_completion_length - (len(prompt_ids) - len(calls[0].prompt_ids) if calls else 0)
+        asked = body.get("max_completion_tokens") or body.get("max_tokens") or room
+        # an episode whose budget (max_completion_length, what the agent added included) is spent is answered with
+        # nothing and finish_reason length, as an OpenAI server answers max_tokens reached
+        budget = max(0, min(int(asked), config.max_turn_tokens or config.max_completion_length, room))
+        stop = body.get("stop") or ()
+        stop = (stop,) if isinstance(stop, str) else tuple(str(s) for s in stop)
+        return text, prompt_ids, budget, stop
+
+    def close(self) -> None:
+        if self.endpoint is not None:
+            self.endpoint.close()
+            self.endpoint = None
+
+
+# ---- Rollout schedulers: when each rollout is sampled, and with which weights ----
+
+
+@typing.runtime_checkable
+class RolloutScheduler(typing.Protocol):
+    """When a rollout's episodes are sampled relative to training (TRL's RolloutWorker, prime-rl's Dispatcher).
+
+    ``lookahead``: how many later rollouts' prompts it wants to know about; ``plan(upcoming)``: those rollouts'
+    PromptBatches, told before each rollout is sampled; ``sample(prompts, n, index, step, watch) -> Episodes``: rollout
+    ``index``'s episodes (``n`` per prompt) for the trainer at optimizer step ``step``, with what it measured in
+    ``Episodes.metrics``; ``close()``: stop what runs in the background (idempotent)."""
+
+    lookahead: int
+
+    def plan(self, upcoming: list[PromptBatch]) -> None: ...
+
+    def sample(self, prompts: list[dict[str, Any]], n: int, index: int, step: int,
+               watch: Callable[[str], None]) -> Episodes: ...
+
+    def close(self) -> None: ...
+
+
+# the schedulers by name (ROLLOUT_SCHEDULERS, section 0): ``rollout_scheduler`` picks one (auto: from max_staleness). A
+# new scheduler is one class under this banner, decorated @register_rollout_scheduler(name), built as
+# cls(config, source, engine, params_for, steps_per_rollout)
+
+
+def rollout_scheduler_name(config: OnlineRLConfig) -> str:
+    """The scheduler a config samples with: ``rollout_scheduler``, or for auto, sync when on-policy (max_staleness 0)
+    and bounded_staleness otherwise."""
+    chosen = getattr(config, "rollout_scheduler", "auto")
+    if chosen != "auto":
+        return chosen
+    return "bounded_staleness" if getattr(config, "max_staleness", 0) else "sync"
+
+
+@register_rollout_scheduler("sync")
+class SyncScheduler:
+    """On-policy: each rollout is sampled when training needs it, by the engine holding this step's weights."""
+
+    lookahead = 0
+
+    def __init__(self, config: OnlineRLConfig, source: EpisodeSource, engine: SyncedEngine,
+                 params_for: Callable[[int, int], SamplingParams], steps_per_rollout: int = 1) -> None:
+        self.source, self.engine, self.params_for = source, engine, params_for
+
+    def plan(self, upcoming: list[PromptBatch]) -> None:
+        pass
+
+    def sample(self, prompts: list[dict[str, Any]], n: int, index: int, step: int,
+               watch: Callable[[str], None]) -> Episodes:
+        engine = self.engine.at(step)
+        episodes = self.source.sample(prompts, self.params_for(n, index), engine, watch)
+        engine.sleep()
+        episodes.metrics.update(self.engine.pop_metrics())
+        return episodes
+
+    def close(self) -> None:
+        pass
+
+
+@register_rollout_scheduler("bounded_staleness")
+class BoundedStalenessScheduler:
+    """Fully async rollouts (``max_staleness`` k, a shared engine: a vLLM server): the rollouts of the next k
+    optimizer steps are sampled in a background thread while the policy trains, each sent off right after a weight
+    sync. Each sampled rollout carries the optimizer step of the weights that sampled it (``policy_version``); one
+    older than k steps when its turn comes is dropped and counted, and its prompts are sampled again then. The
+    trainer's importance correction compares the behaviour log-probs with the policy trained. With k = 1
+    (``async_rollouts``) the next rollout is sampled while this one trains (one step off-policy)."""
+
+    def __init__(self, config: OnlineRLConfig, source: EpisodeSource, engine: SyncedEngine,
+                 params_for: Callable[[int, int], SamplingParams], steps_per_rollout: int = 1) -> None:
+        self.source, self.engine, self.params_for = source, engine, params_for
+        self.max_staleness = config.max_staleness
+        # a rollout sent off k rollouts ahead is trained on k rollouts later, so its staleness at its first step is at
+        # most max_staleness (its later steps, with steps_per_rollout > 1, come after)
+        self.lookahead = config.max_staleness // steps_per_rollout
+        self.in_flight: collections.deque = collections.deque()  # (prompt ids, future), oldest first
+        self.upcoming: list[PromptBatch] = []
+        self.dropped = 0  # completions sampled ahead and dropped for being older than max_staleness
+        self.pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def plan(self, upcoming: list[PromptBatch]) -> None:
+        self.upcoming = upcoming
+
+    def sample(self, prompts: list[dict[str, Any]], n: int, index: int, step: int,
+               watch: Callable[[str], None]) -> Episodes:
+        waited = time.time()
+        ids, episodes = [p["prompt_ids"] for p in prompts], None
+        if self.in_flight and self.in_flight[0][0] == ids:  # else extra prompts (dynamic_sampling's)
+            watch(engine_label(self.engine.engine))
+            episodes = self.in_flight.popleft()[1].result()
+        metrics = {"perf/rollout_wait_s": time.time() - waited}
+        engine = self.engine.at(step)
+        staleness = step - episodes.policy_version if episodes is not None and episodes.policy_version is not None \
+            else 0
+        if episodes is not None and (episodes.policy_version is None or staleness > self.max_staleness):
+            self.dropped += len(episodes.token_ids)
+            logger.warning("rollout %d was sampled with the weights of step %s, more than max_staleness=%d steps "
+                           "before step %d: dropped (%d completions so far), its prompts sampled again", index,
+                           episodes.policy_version, self.max_staleness, step, self.dropped)
+            episodes = None
+        if episodes is None:  # the first rollout (or the first after a resume, or a stale one) samples now
+            watch(engine_label(engine))
+            episodes, staleness = self.source.sample(prompts, self.params_for(n, index), engine, watch), 0
+        metrics.update({"rollout/staleness": float(staleness), "rollout/stale_dropped": float(self.dropped)})
+        self._send_off(engine, n, index)
+        episodes.metrics.update({**metrics, **self.engine.pop_metrics()})
+        return episodes
+
+    def _send_off(self, engine: RolloutEngine, n: int, index: int) -> None:
+        """The next rollouts not yet in flight, sampled in the background with the weights the engine holds now."""
+        self.pool = self.pool or concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rlhf-rollouts")
+        for position, batch in enumerate(self.upcoming):
+            if position >= len(self.in_flight):
+                params = self.params_for(n, index + 1 + position)
+                self.in_flight.append(([p["prompt_ids"] for p in batch.prompts],
+                                       self.pool.submit(self.source.sample, batch.prompts, params, engine,
+                                                        lambda what: None)))
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool = None
+        self.in_flight.clear()
+
+
+# ---- Scores: rewards of sampled episodes, with the faults of reward functions and environments ----
+
+
+@dataclass
+class Scores:
+    """Rewards of a rollout's completions (what the advantages see: the reward functions' and an environment's or
+    agent's), which completions failed (their episode or their reward, after the retries), why the steps on this
+    rollout must skip their update ('' when none), and what scoring measured."""
+
+    rewards: torch.Tensor
+    failed: torch.Tensor
+    skip_reason: str = ""
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class RolloutScorer:
+    """The reward functions on sampled completions (``reward_fn(prompts, completions, answers, records)``): each
+    call retried ``rollout_retries`` times, then on each completion alone, so only the completions it cannot score
+    fail. A failed completion's reward is the mean of the others' (batch statistics and the normaliser keep their
+    mean); a stage that cannot leave completions out (``drops_failed``: GRPO's can) stops with one line. A
+    non-finite reward is zeroed and makes the steps on its rollout skip their update. DAPO's overlong shaping is
+    added, and each reward function's mean and std are logged."""
+
+    def __init__(self, config: OnlineRLConfig, reward_fn: RewardFn, decode: Callable[[list[int]], str], *,
+                 drops_failed: bool = False) -> None:
+        self.config, self.reward_fn, self.decode, self.drops_failed = config, reward_fn, decode, drops_failed
+
+    @property
+    def name(self) -> str:
+        return getattr(self.reward_fn, "__name__", type(self.reward_fn).__name__)
+
+    def score(self, episodes: Episodes, index: int, watch: Callable[[str], None]) -> Scores:
+        """Scores of a rollout's episodes (rollout ``index``): the reward functions, plus an environment's (an
+        agent's) rewards; an episode that failed in its environment counts as failed."""
+        episodes_failed = torch.tensor(episodes.failed, dtype=torch.bool)
+        if episodes_failed.numel() and episodes_failed.all():  # no fault of some episodes: nothing can train
+            raise RolloutStopped(f"every episode of rollout {index} failed in its environment "
+                                 f"({self.config.environment}; the warning above names the last error), so the run "
+                                 f"stops: fix it, or raise rollout_retries / environment_timeout.")
+        scores = self.score_completions(episodes.records, episodes.token_ids, watch, failed_already=episodes_failed)
+        scores.failed = episodes_failed | scores.failed
+        scores.metrics["rollout/failed_episodes"] = float(scores.failed.sum())
+        if episodes.environment_rewards is not None:
+            scores.rewards = scores.rewards + episodes.environment_rewards
+            kept = ~scores.failed
+            scores.metrics["reward"] = float(scores.rewards[kept].mean()) if kept.any() else 0.0
+        return scores
+
+    def score_completions(self, records: list[dict[str, Any]], completions: list[list[int]],
+                          watch: Callable[[str], None], failed_already: torch.Tensor | None = None) -> Scores:
+        """Raw rewards of the completions, logged per reward function. ``failed_already``: completions dropped before
+        scoring (a failed episode), left out of the reward metrics."""
+        config, metrics = self.config, {}
+        texts = [self.decode(ids) for ids in completions]
+        prompts = [r["messages"][-1]["content"] if r.get("messages") else "" for r in records]
+        rewards, failed = self._rewards_or_failures(prompts, texts, [r.get("answer") for r in records], records,
+                                                    watch)
+        if failed.any() and not self.drops_failed:
+            raise RLHFInputError(f"reward function {self.name} failed on {int(failed.sum())} completions after "
+                                 f"{1 + config.rollout_retries} attempts each, and the {config.stage} stage cannot "
+                                 f"leave completions out; fix it or raise rollout_retries")
+        lost = failed | (failed_already if failed_already is not None else torch.zeros_like(failed))
+        if lost.any():
+            rewards = torch.where(lost, rewards[~lost].mean() if (~lost).any() else torch.tensor(0.0), rewards)
+        if config.overlong_buffer_len:  # DAPO: long completions lose reward before they hit the limit
+            shaping = overlong_penalty(torch.tensor([len(c) for c in completions]), config.max_completion_length,
+                                       config.overlong_buffer_len, config.overlong_penalty_factor)
+            rewards = rewards.to(torch.float32) + shaping
+            metrics["rewards/overlong/mean"] = float(shaping.mean())
+        components = getattr(self.reward_fn, "last_components", {})
+        for name, values in components.items() if not failed.any() else ():  # one call's parts when none failed
+            metrics[f"rewards/{name}/mean"] = float(values.mean())
+            metrics[f"rewards/{name}/std"] = float(values.std()) if values.numel() > 1 else 0.0
+        bad, skip_reason = ~torch.isfinite(rewards), ""
+        if bad.any():
+            skip_reason = f"reward ({int(bad.sum())} of {bad.numel()} completions)"
+            rewards = torch.where(bad, torch.zeros_like(rewards), rewards)
+        metrics["reward"] = float(rewards[~lost].mean()) if (~lost).any() else 0.0
+        return Scores(rewards, failed, skip_reason, metrics)
+
+    def _rewards_or_failures(self, prompts: list[str], texts: list[str], answers: list[Any],
+                             records: list[dict[str, Any]],
+                             watch: Callable[[str], None]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reward function on the batch, retried; if it still fails, on each completion alone (retried too).
+        Returns the scores (0 where failed) and which failed; a reward function that fails on every completion
+        stops the run with its own error."""
+        attempts, n = 1 + self.config.rollout_retries, len(texts)
+        watch(f"reward function {self.name}")
+        scores, last = guarded_call(lambda: _call_reward(self.reward_fn, prompts, texts, answers, records), attempts)
+        if last is None:
+            return scores, torch.zeros(n, dtype=torch.bool)
+        scores, failed = torch.zeros(n), torch.zeros(n, dtype=torch.bool)
+        for i in range(n):
+            watch(f"reward function {self.name} (completion {i} alone)")
+            alone = slice(i, i + 1)
+            value, error = guarded_call(functools.partial(_call_reward, self.reward_fn, prompts[alone], texts[alone],
+                                                          answers[alone], records[alone]), attempts)
+            if error is None:
+                scores[i] = value[0]
+            else:
+                failed[i], last = True, error
+        if failed.all():  # a broken reward, not a fault of some calls: the run stops with its own error
+            raise last
+        if failed.any():
+            logger.warning("reward function %s failed on %d of %d completions after %d attempts each (last error: "
+                           "%s: %s); they are dropped", self.name, int(failed.sum()), n, attempts,
+                           type(last).__name__, last)
+        return scores, failed
+
+
+# ---- Rows: a rollout's episodes as prompt + completion rows, and the engine's log-probs beside the trainer's ----
+
+
+def rollout_rows(records: list[dict[str, Any]], completions: list[list[int]], pad_token_id: int,
+                 masked: list[bool] | None = None, observed: list[list[bool]] | None = None) -> Rollout:
+    """Prompt + completion rows; ``masked`` rows and ``observed`` completion tokens (an environment's) get no label,
+    so no loss, KL or advantage term ever covers them."""
+    rows = [_prompt_completion(r["prompt_ids"], c) for r, c in zip(records, completions)]
+    if observed is not None:
+        rows = [(ids, labels[:len(labels) - len(seen)] + [IGNORE_INDEX if o else t for t, o in
+                                                         zip(labels[len(labels) - len(seen):], seen)])
+                for (ids, labels), seen in zip(rows, observed)]
+    if masked is not None:
+        rows = [(ids, [IGNORE_INDEX] * len(ids)) if drop else (ids, labels)
+                for (ids, labels), drop in zip(rows, masked)]
+    batch = _pad_rows([r[0] for r in rows], [r[1] for r in rows], pad_token_id)
+    images = [r.get("images") or [] for r in records]
+    return Rollout(batch["input_ids"], batch["attention_mask"], batch["labels"],
+                   prompt_lengths=torch.tensor([len(r["prompt_ids"]) for r in records], dtype=torch.long),
+                   images=images if any(images) else None)
+
+
+def per_call_rows(episodes: Episodes, masked: list[bool] | None, advantages: torch.Tensor,
+                  pad_token_id: int) -> tuple[Rollout, Episodes]:
+    """``agent_trajectory: per_call``: every request of an agent's episode a row of its own (its prompt as the agent
+    sent it, its answer as sampled), each with its episode's advantage; a dropped episode keeps one masked row.
+    Returns the rollout of those rows and their Episodes (the recorded log-probs)."""
+    rows, completions, logps, reasons, dropped, row_advantages = [], [], [], [], [], []
+    for episode, (record, calls) in enumerate(zip(episodes.records, episodes.calls)):
+        for prompt_ids, ids, lps, reason in calls or [(record["prompt_ids"], [], [], "stop")]:
+            rows.append({**record, "prompt_ids": list(prompt_ids)})
+            completions.append(list(ids))
+            logps.append(list(lps))
+            reasons.append(reason)
+            dropped.append(bool(masked and masked[episode]) or not calls)
+            row_advantages.append(float(advantages[episode]))
+    rollout = rollout_rows(rows, completions, pad_token_id, dropped)
+    rollout.advantages = torch.tensor(row_advantages, dtype=torch.float32)
+    row_episodes = Episodes(completions, logps, reasons, rows, policy_version=episodes.policy_version,
+                            metrics={"tools/trained_rows": float(len(rows))})
+    return rollout, row_episodes
+
+
+def engine_log_probs(rollout: Rollout, episodes: Episodes) -> torch.Tensor:
+    """The engine's log-prob of each sampled token, aligned with the rollout's shifted labels. Shapes: -> (N, T-1)."""
+    logps = torch.zeros(rollout.labels.shape[0], rollout.labels.shape[1] - 1)
+    for row, (start, values) in enumerate(zip(rollout.prompt_lengths.tolist(), episodes.logprobs)):
+        logps[row, start - 1:start - 1 + len(values)] = torch.tensor(values, dtype=torch.float32)
+    return logps
+
+
+def engine_correction(config: OnlineRLConfig, rollout: Rollout, episodes: Episodes,
+                      trainer_sampled: torch.Tensor | None) -> dict[str, float]:
+    """An engine holding a copy of the policy (vLLM, a low-precision copy) sampled the rollout: its log-probs become
+    the old ones (vllm_old_logprobs: engine), or set the importance weights that correct the engine/trainer
+    mismatch (Yao et al. 2025; ``trainer_sampled``: the trainer's log-probs under the distribution the engine
+    sampled from, OutputHead.sampled_log_probs). Returns the mismatch's metrics."""
+    engine = engine_log_probs(rollout, episodes)
+    if config.vllm_old_logprobs == "engine":
+        rollout.old_logps = engine
+        return {}
+    weights, metrics = rollout_importance_weights(trainer_sampled, engine, rollout.completion_mask,
+                                                  cap=config.vllm_importance_sampling_cap,
+                                                  mode=config.vllm_importance_sampling_mode)
+    if config.vllm_importance_sampling_correction:
+        rollout.importance_weights = weights
+        return metrics
+    return {k: v for k, v in metrics.items() if not k.startswith("is_")}
+
+
+# ---- Rollouts in checkpoints: a checkpoint taken inside a rollout keeps it, so a resume trains on the same rows ----
+
+
+def rollout_file(process: int) -> str:
+    return "rollout.safetensors" if process == 0 else f"rollout-{process}.safetensors"
+
+
+def save_rollouts(directory: Path, rollouts: list[Rollout]) -> None:
+    """Every process's current rollout (process i's in rollout_file(i)), tensors and metadata in safetensors."""
+    for process, rollout in enumerate(rollouts):
+        save_file({k: v.contiguous() for k, v in rollout.tensors().items()}, str(directory / rollout_file(process)),
+                  metadata={"skip_reason": rollout.skip_reason, "processes": str(len(rollouts)),
+                            "images": json.dumps(rollout.images)})
+
+
+def load_rollout(directory: Path, process: int, processes: int) -> Rollout | None:
+    """This process's rollout from a checkpoint, or None (with a warning) when the checkpoint was written by another
+    number of processes (the interrupted rollout is then sampled again)."""
+    first = directory / rollout_file(0)
+    if not first.exists():
+        return None
+    with safe_open(str(first), framework="pt") as handle:
+        written = int((handle.metadata() or {}).get("processes", "1"))
+    if written != processes:  # every process reads the same file, so all agree
+        logger.warning("%s holds the rollouts of %d process(es) and this run has %d: the interrupted rollout is "
+                       "sampled again", directory, written, processes)
+        return None
+    with safe_open(str(directory / rollout_file(process)), framework="pt") as handle:
+        tensors = {k: handle.get_tensor(k) for k in handle.keys()}
+        metadata = handle.metadata() or {}
+    return Rollout(**tensors, skip_reason=metadata.get("skip_reason", metadata.get("problem", "")),
+                   images=json.loads(metadata.get("images", "null")))
+
+
+
+# ==== 10. Trainers ====
 
 
 # ---- The training loop every stage shares: BaseTrainer ----
-
-
-def group_by_length(indices: list[int], lengths: Sequence[int], batch_size: int, megabatch: int = 50) -> list[int]:
-    """Reorder a shuffled index list so each batch holds similar lengths: split it into chunks of
-    ``megabatch`` batches and sort each chunk longest first (Hugging Face's LengthGroupedSampler).
-    The order stays random at the chunk scale, and is a pure function of the input."""
-    size = batch_size * megabatch
-    chunks = [sorted(indices[i:i + size], key=lambda j: -lengths[j]) for i in range(0, len(indices), size)]
-    return [index for chunk in chunks for index in chunk]
-
-
-class ResumableBatchSampler:
-    """Index batches for an in-memory dataset, endless across epochs, addressable by position.
-
-    Epoch e uses the permutation seeded by ``seed + e``; each process takes every world_size-th index
-    (wrapping so all processes see the same number). Batch k of the stream is a pure function of k,
-    so resuming needs only the count of micro-batches already consumed.
-    """
-
-    def __init__(self, size: int, batch_size: int, seed: int, start: int = 0, rank: int = 0, world_size: int = 1,
-                 shuffle: bool = True, lengths: Sequence[int] | None = None) -> None:
-        self.size, self.batch_size, self.seed, self.start = size, batch_size, seed, start
-        self.rank, self.world_size, self.shuffle, self.lengths = rank, world_size, shuffle, lengths
-        self.per_process = math.ceil(size / world_size)
-        self.batches_per_epoch = math.ceil(self.per_process / batch_size)
-
-    def epoch_indices(self, epoch: int) -> list[int]:
-        if self.shuffle:
-            order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
-        else:
-            order = list(range(self.size))
-        order += order[: self.per_process * self.world_size - self.size]
-        mine = order[self.rank::self.world_size]
-        if self.lengths is not None:
-            mine = group_by_length(mine, self.lengths, self.batch_size)
-        return mine
-
-    def __iter__(self) -> Iterator[list[int]]:
-        position, cached_epoch, indices = self.start, -1, []
-        while True:
-            epoch, index = divmod(position, self.batches_per_epoch)
-            if epoch != cached_epoch:
-                cached_epoch, indices = epoch, self.epoch_indices(epoch)
-            yield indices[index * self.batch_size:(index + 1) * self.batch_size]
-            position += 1
 
 
 def close_loss_scaler_step(scaler: Any) -> None:
@@ -8715,6 +10321,7 @@ class BaseTrainer(CheckpointingMixin):
         self.micro_batches_done = 0
         self.nonfinite_in_a_row, self.skipped_steps = 0, 0
         self.pending_problem = ""  # set by a subclass (e.g. non-finite rewards) to skip the next update
+        self.step_metrics: dict[str, float] = {}  # set by make_batches (a rollout's metrics): logged with the next step
         self.last_problem = ""
         self.ewc: ElasticWeightConsolidation | None = None  # set up in train(), before resuming moves the weights
         self._setup_devices(devices)
@@ -8979,6 +10586,8 @@ class BaseTrainer(CheckpointingMixin):
                 self.router_loss.losses.clear()
             with self.devices.no_sync(self.model, skip=i < len(group) - 1), self.devices.autocast():
                 loss_sum, metrics = self.compute_loss(batch)
+            if i == 0 and self.step_metrics:
+                metrics, self.step_metrics = {**metrics, **self.step_metrics}, {}
             objective = loss_sum * scale
             if self.router_loss is not None and self.router_loss.losses:  # the step's mean, one share per micro-batch
                 aux = torch.stack(self.router_loss.losses).mean()
@@ -9188,6 +10797,22 @@ def evaluate_exact_match(policy: PolicyModel, formatter: ChatFormatter, records:
         correct, formatted, tokens = _exact_match_counts(policy, formatter, scored, max_new_tokens, batch_size)
     return {"eval/accuracy": correct / len(scored), "eval/format_rate": formatted / len(scored),
             "eval/mean_completion_tokens": tokens / len(scored)}
+
+
+def _generation_eval(trainer: BaseTrainer) -> dict[str, float]:
+    """A policy trainer's held-out exact match (its ``eval_records``), greedy, in eval mode; every process takes its
+    share (evaluate_exact_match)."""
+    if not trainer.eval_records:
+        return {}
+    trainer.model.eval()
+    try:
+        with trainer._generating():
+            return evaluate_exact_match(trainer.policy, trainer.formatter, trainer.eval_records,
+                                        max_new_tokens=trainer.config.eval_max_new_tokens,
+                                        batch_size=trainer.config.per_device_eval_batch_size, devices=trainer.devices,
+                                        synced=trainer.sharded)
+    finally:
+        trainer.model.train()
 
 
 # ---- Stage runners, shared steps ----
@@ -10081,17 +11706,7 @@ class _ReferenceTrainer(BaseTrainer):
         return _reference_logps(self.reference, batch, getattr(self.config, "ld_alpha", None)).float().chunk(2)
 
     def _generation_eval(self) -> dict[str, float]:
-        if not self.eval_records:
-            return {}
-        self.model.eval()
-        try:
-            with self._generating():
-                return evaluate_exact_match(self.policy, self.formatter, self.eval_records,
-                                            max_new_tokens=self.config.eval_max_new_tokens,
-                                            batch_size=self.config.per_device_eval_batch_size, devices=self.devices,
-                                            synced=self.sharded)
-        finally:
-            self.model.train()
+        return _generation_eval(self)
 
     @torch.no_grad()
     def _mean_over(self, dataset: Any,
@@ -10452,307 +12067,13 @@ register_stage(Stage("kto", KTOConfig, train_kto, KTOTrainer, record_kind="kto")
 # ---- Online RL, shared steps: rollouts, sampling, rewards (GRPO, RLOO, REINFORCE++, online DPO, distill, PPO) ----
 
 
-@dataclass
-class Rollout:
-    """One generation round of online RL, ready to train on: prompt + completion rows (right-padded,
-    labels IGNORE_INDEX on prompts) and what the loss compares against. Shapes: input_ids,
-    attention_mask, labels (N, T); per-token fields (N, T-1) aligned with the shifted labels;
-    GRPO's and RLOO's advantages are per sequence (N), REINFORCE++'s and PPO's per token."""
-
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    labels: torch.Tensor
-    advantages: torch.Tensor | None = None
-    old_logps: torch.Tensor | None = None
-    ref_logps: torch.Tensor | None = None
-    old_values: torch.Tensor | None = None
-    returns: torch.Tensor | None = None
-    prompt_lengths: torch.Tensor | None = None  # (N) prompt tokens at the start of each row
-    importance_weights: torch.Tensor | None = None  # (N, T-1) engine/trainer mismatch correction (use_vllm)
-    pair_weights: torch.Tensor | None = None  # (N) online DPO: 1 for a ranked pair's rows, 0 for a tie's
-    ref_summed: torch.Tensor | None = None  # (N) online DPO: each row's summed reference log-prob
-    problem: str = ""  # non-finite rewards: every step trained on this rollout skips its update
-    images: list[list[str]] | None = None  # (N) each row's image paths (a vision-language policy's image prompts)
-
-    @property
-    def completion_mask(self) -> torch.Tensor:
-        return self.labels[:, 1:] != IGNORE_INDEX
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if isinstance(getattr(self, f.name), torch.Tensor)}
-
-    def micro_batches(self, size: int, order: torch.Tensor | None = None, vision: VisionInputs | None = None,
-                      chunks: int | None = None) -> list[dict[str, torch.Tensor]]:
-        """Consecutive micro-batches of ``size`` rows, in ``order`` (a permutation) if given; ``chunks``: exactly
-        that many micro-batches of near-equal size instead (a rollout whose row count is not the planned one, e.g.
-        an agent's calls as rows, still fills one optimizer step); with ``vision``, each also holds the pixel
-        inputs of its rows' images."""
-        fields = self.tensors()
-        rows = order if order is not None else torch.arange(self.input_ids.shape[0])
-        parts = rows.tensor_split(chunks) if chunks else [rows[i:i + size] for i in range(0, len(rows), size)]
-        batches = [{k: v[part] for k, v in fields.items()} for part in parts]
-        if vision is not None and self.images:
-            for part, batch in zip(parts, batches):
-                batch.update(vision.batch([self.images[int(r)] for r in part], batch["input_ids"]))
-        return batches
-
-
-SEQUENCE_KEYS = ("input_ids", "attention_mask", "labels")
-
-
-def _trim_columns(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Drop padding columns every row of a micro-batch shares (rows were padded to the whole rollout)."""
-    width = int(batch["attention_mask"].sum(-1).max())
-    return {k: v if v.dim() < 2 or k in ("pixel_values", "image_grid_thw") else v[:, :width]
-            if k in (*SEQUENCE_KEYS, "mm_token_type_ids") else v[:, :width - 1] for k, v in batch.items()}
-
-
-def token_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of each position's next-token distribution. Shapes: (B, T, V) -> (B, T)."""
-    logits = logits.float()
-    return torch.logsumexp(logits, -1) - (logits.softmax(-1) * logits).sum(-1)
-
-
-def disable_dropout(model: nn.Module) -> None:
-    """Set every dropout probability to 0 (TRL's ``disable_dropout``): stored rollout log-probs, values and
-    reference log-probs must come from the same deterministic function as the loss. Besides dropout layers,
-    transformers' attention modules keep their probability as a float, ``attention_dropout``, that they pass to
-    the attention kernel in training mode (Llama, Qwen, Mistral, Gemma, Phi-3, GPT-NeoX)."""
-    for module in model.modules():
-        if isinstance(module, nn.modules.dropout._DropoutNd):
-            module.p = 0.0
-        if isinstance(getattr(module, "attention_dropout", None), float):
-            module.attention_dropout = 0.0
-
-
-# -- rollout engines (inference_optimizations.RolloutEngine): one builder per engine, picked from the config; the
-# online trainers sample, sync and close through the protocol alone. Add an engine: its class in
-# inference_optimizations.py, a builder here, and the config value that picks it in rollout_engine_name.
-ROLLOUT_ENGINES: dict[str, Callable[[Any], RolloutEngine]] = {}
-
-
-def register_rollout_engine(name: str) -> Callable:
-    """Decorator: ``builder(trainer) -> RolloutEngine`` becomes the engine ``name``, started at a run's first
-    rollout."""
-    def register(builder: Callable[[Any], RolloutEngine]) -> Callable[[Any], RolloutEngine]:
-        ROLLOUT_ENGINES[name] = builder
-        return builder
-    return register
-
-
-def rollout_engine_name(config: OnlineRLConfig) -> str:
-    """The engine a config samples with: vLLM in this process or on a server (``use_vllm``, ``vllm_mode``), else
-    ours, on the policy itself or a low-precision copy (``rollout_dtype``)."""
-    if config.use_vllm == "auto":
-        return "measured"
-    if config.use_vllm:
-        return f"vllm_{config.vllm_mode}"
-    return "ours" if config.rollout_dtype == "auto" else f"ours_{config.rollout_dtype}"
-
-
-@register_rollout_engine("ours")
-def _our_rollout_engine(trainer: Any) -> LocalEngine:
-    """generate() on the policy being trained, with the run's generation_engine."""
-    return LocalEngine(lambda: trainer.devices.unwrap(trainer.policy.model),
-                       pad_token_id=trainer.policy.tokenizer.pad_token_id, tokenizer=trainer.policy.tokenizer,
-                       engine=trainer.config.generation_engine, synced=trainer.sharded,
-                       sampling_mode=trainer._sampling_mode, expected_calls=lambda: trainer._rollout_engine()[1],
-                       vision_for=trainer.policy.vision_for)
-
-
-def _our_quantized_rollout_engine(trainer: Any) -> QuantizedEngine:
-    """generate() on a low-precision copy of the policy (QuantizedEngine), synced after every step."""
-    dtype = trainer.config.rollout_dtype
-    if trainer.sharded:
-        raise RLHFInputError(f"rollout_dtype {dtype}: the policy's weights are sharded across processes (FSDP / "
-                             f"ZeRO-3), and the copy is made from whole weights; train with DDP, or set rollout_dtype: "
-                             f"auto")
-    try:
-        return QuantizedEngine(trainer.devices.unwrap(trainer.policy.model), dtype=dtype,
-                               tokenizer=trainer.policy.tokenizer, pad_token_id=trainer.policy.tokenizer.pad_token_id,
-                               engine=trainer.config.generation_engine)
-    except ValueError as error:
-        raise RLHFInputError(f"config field 'rollout_dtype' {error}") from None
-
-
-for _dtype in QUANTIZED_ROLLOUT_DTYPES:
-    register_rollout_engine(f"ours_{_dtype}")(_our_quantized_rollout_engine)
-
-
-@register_rollout_engine("vllm_colocate")
-def _vllm_colocate_engine(trainer: Any) -> VLLMEngine:
-    """vLLM in this process, started from the policy's weights (a LoRA policy's base) written to shared memory."""
-    config = trainer.config
-    start = Path(tempfile.mkdtemp(prefix="rlhf-vllm-", dir=shared_memory_dir()))
-    rank = getattr(config, "lora_rank", 8)
-    try:
-        trainer._write_engine_start(start)
-        engine = VLLMEngine(str(start), dtype=_model_dtype(config), seed=config.seed,
-                            max_model_len=config.vllm_max_model_len,
-                            gpu_memory_utilization=config.vllm_gpu_memory_utilization,
-                            tensor_parallel_size=config.vllm_tensor_parallel_size, enable_lora=trainer.policy.is_peft,
-                            max_lora_rank=max(8, 1 << (max(rank, 1) - 1).bit_length()),
-                            sleep_mode=config.vllm_enable_sleep_mode, owns_model=True)
-    except BaseException:
-        shutil.rmtree(start, ignore_errors=True)
-        raise
-    logger.info("vLLM engine (colocate) started in %.1f s", engine.start_seconds)
-    return engine
-
-
-@register_rollout_engine("vllm_server")
-def _vllm_server_engine(trainer: Any) -> VLLMClient | VLLMServerPool:
-    """A client of ``rlhf.py vllm-serve`` (several: a VLLMServerPool); a server that is not there fails here, before
-    any rollout (of a pool, at least one must answer)."""
-    config = trainer.config
-    transfer = config.vllm_weight_transfer
-    if transfer == "auto":
-        transfer = "collective" if trainer.devices.device.type == "cuda" else "files"
-    addresses = ([str(entry).split("://")[-1].rstrip("/").rsplit(":", 1) for entry in config.vllm_servers]
-                 if config.vllm_servers else [(config.vllm_server_host, config.vllm_server_port)])
-    clients = [VLLMClient(host, int(port), timeout=config.vllm_server_timeout, retries=config.vllm_server_retries,
-                          sync_dir=(Path(config.vllm_sync_dir) / f"server-{i}" if config.vllm_sync_dir and
-                                    len(addresses) > 1 else config.vllm_sync_dir), weight_transfer=transfer)
-               for i, (host, port) in enumerate(addresses)]
-    if len(clients) == 1:
-        clients[0].health()
-        return clients[0]
-    pool = VLLMServerPool(clients)
-    pool.health()
-    return pool
-
-
-VLLM_START_SECONDS = 10.0  # a colocated vLLM's start (weights to shared memory, engine, KV cache): 2-10 s on a CPU
-EXPECTED_VLLM_GAIN = 0.4  # share of our engine's rollout time vLLM saves, until measured (1.6-2x at 23M-110M on a CPU)
-
-
-class MeasuredEngineChoice:
-    """``use_vllm: auto``: our engine or a colocated vLLM, whichever samples a rollout faster, by measurement.
-
-    The first rollout is sampled by ours and timed. If the rollouts still planned would save more than vLLM's start
-    (VLLM_START_SECONDS) at the expected gain (EXPECTED_VLLM_GAIN), vLLM is started, sent the current weights
-    (timed: every later rollout pays one sync) and samples the second rollout (a trial, timed); vLLM keeps sampling
-    when its rollout plus a sync took less than ours would have for as many tokens, else it is closed and ours
-    samples the rest. The choice is measured anew by a resumed run. Each rollout is marked with the engine that
-    sampled it (``holds_weights`` is the last sampler's), so a vLLM rollout gets the importance correction and one of
-    ours needs none. A RolloutEngine (inference_optimizations.RolloutEngine) whose members follow the engine in use."""
-
-    shared, takes_images = False, False
-
-    def __init__(self, ours: RolloutEngine, start_vllm: Callable[[], RolloutEngine],
-                 weights: Callable[[], PolicyWeights], rollouts_left: Callable[[], int | None]) -> None:
-        self.ours, self.start_vllm, self.weights, self.rollouts_left = ours, start_vllm, weights, rollouts_left
-        self.vllm: RolloutEngine | None = None
-        self.active: RolloutEngine = ours  # samples the next rollout
-        self.last: RolloutEngine = ours  # sampled the last one
-        self.ours_seconds_per_token: float | None = None
-        self.decided = False
-        self.figures: dict[str, float] = {}
-
-    @property
-    def holds_weights(self) -> bool:
-        return self.last.holds_weights
-
-    @property
-    def answers_evaluation(self) -> bool:
-        return self.decided and self.active is self.vllm and getattr(self.vllm, "answers_evaluation", False)
-
-    @property
-    def metric_prefix(self) -> str:
-        return getattr(self.last, "metric_prefix", "rollout")
-
-    @property
-    def logprobs_after_truncation(self) -> bool:
-        return getattr(self.last, "logprobs_after_truncation", False)
-
-    def sample(self, prompts: list[list[int]], params: SamplingParams,
-               images: list[list[str]] | None = None) -> GenerationOutput:
-        if self.decided or self.ours_seconds_per_token is None:
-            engine = self.active
-            started = time.perf_counter()
-            output = engine.sample(prompts, params, images)
-            if not self.decided:
-                self._after_ours(time.perf_counter() - started, _sampled_tokens(output))
-            self.last = engine
-            return output
-        return self._trial(prompts, params, images)
-
-    def _after_ours(self, seconds: float, tokens: int) -> None:
-        """Our first rollout is timed: is a vLLM trial worth its start?"""
-        self.ours_seconds_per_token = seconds / max(tokens, 1)
-        left = self.rollouts_left()
-        ahead = (left - 1) if left is not None else 0  # after this one
-        if ahead * seconds * EXPECTED_VLLM_GAIN <= VLLM_START_SECONDS:
-            self.decided = True
-            logger.info("use_vllm=auto: our engine samples every rollout (a rollout took %.2f s; the %d left would "
-                        "save about %.1f s with vLLM, less than its %.0f s start)", seconds, max(ahead, 0),
-                        ahead * seconds * EXPECTED_VLLM_GAIN, VLLM_START_SECONDS)
-
-    def _trial(self, prompts: list[list[int]], params: SamplingParams,
-               images: list[list[str]] | None) -> GenerationOutput:
-        """vLLM started and timed on one rollout and one weight sync; the faster engine samples from now on."""
-        started = time.perf_counter()
-        self.vllm = self.start_vllm()
-        start_seconds = time.perf_counter() - started
-        started = time.perf_counter()
-        self.vllm.sync_weights(self.weights())  # a LoRA policy's adapter; what every later rollout pays
-        sync_seconds = time.perf_counter() - started
-        started = time.perf_counter()
-        output = self.vllm.sample(prompts, params, images)
-        sample_seconds = time.perf_counter() - started
-        self.last, tokens = self.vllm, _sampled_tokens(output)
-        ours = self.ours_seconds_per_token * tokens
-        theirs = sample_seconds + sync_seconds
-        self.figures = {"ours_s": ours, "vllm_s": theirs, "vllm_sample_s": sample_seconds,
-                        "vllm_sync_s": sync_seconds, "vllm_start_s": start_seconds}
-        self.decided = True
-        keep = theirs < ours
-        logger.info("use_vllm=auto: a rollout of %d tokens takes %.2f s with our engine, %.2f s with vLLM (sampling "
-                    "%.2f s + weight sync %.2f s; it started in %.1f s): %s samples from now on", tokens, ours, theirs,
-                    sample_seconds, sync_seconds, start_seconds, "vLLM" if keep else "our engine")
-        if keep:
-            self.active = self.vllm
-        else:
-            self.vllm.close()
-        return output
-
-    def sync_weights(self, weights: PolicyWeights) -> None:
-        if self.active is self.vllm and self.vllm is not None:
-            self.vllm.sync_weights(weights)
-
-    def sleep(self) -> None:
-        self.active.sleep()
-
-    def close(self) -> None:
-        for engine in (self.ours, self.vllm):
-            if engine is not None:
-                engine.close()
-
-
-def _sampled_tokens(output: GenerationOutput) -> int:
-    return sum(len(ids) for ids in output.token_ids)
-
-
-@register_rollout_engine("measured")
-def _measured_rollout_engine(trainer: Any) -> RolloutEngine:
-    """``use_vllm: auto``: ours, with a measured vLLM trial where vLLM can sample this run (MeasuredEngineChoice)."""
-    ours = _our_rollout_engine(trainer)
-    why_not = (vllm_missing() or ("the policy takes images" if trainer.policy.vision is not None else "")
-               or ("several training processes (each would start its own vLLM): set use_vllm: true"
-                   if trainer.devices.num_processes > 1 else "")
-               or ("the policy is sharded" if trainer.sharded else ""))
-    if why_not:
-        logger.info("use_vllm=auto: our engine samples (%s)", why_not.rstrip("."))
-        return ours
-    return MeasuredEngineChoice(ours, lambda: _vllm_colocate_engine(trainer), trainer._policy_weights,
-                                trainer._rollouts_left)
-
-
-class _OnlineRLTrainer(_ReferenceTrainer):
-    """Shared by every online stage: prompts -> sampled completions -> rewards -> a :class:`Rollout` that
-    feeds ``steps_per_rollout`` optimizer steps. A resumed run samples the interrupted rollout again
-    from its prompts (with the restored RNG) and skips the steps it had already taken."""
+class _OnlineRLTrainer(BaseTrainer):
+    """Shared by every online stage: prompts -> sampled episodes -> rewards -> a :class:`Rollout` that feeds
+    ``steps_per_rollout`` optimizer steps. Sampling is section 9's: a PromptStream of prompts, a rollout scheduler
+    (ROLLOUT_SCHEDULERS), an episode source (EPISODE_SOURCES), the rollout engine (ROLLOUT_ENGINES, kept in step by a
+    SyncedEngine) and a RolloutScorer; a subclass's ``make_rollout`` turns episodes and scores into rows, advantages
+    and log-probs. A resumed run samples the interrupted rollout again from its prompts (with the restored RNG) and
+    skips the steps it had already taken."""
 
     def __init__(self, config: OnlineRLConfig, policy: PolicyModel, train_dataset: Any, *, reward_fn: RewardFn,
                  reference: ReferenceModel | None = None, eval_records: list[dict[str, Any]] | None = None,
@@ -10762,28 +12083,30 @@ class _OnlineRLTrainer(_ReferenceTrainer):
                                  + (", or set beta=0" if isinstance(config, GRPOConfig) else ""))
         self.eval_records = eval_records or []
         self.formatter = formatter or chat_formatter(policy.tokenizer, config, policy)
-        self.reward_fn = reward_fn
         self.normalizer = RunningRewardNormalizer() if self._normalise_rewards(config) else None
-        self.rollout_metrics: dict[str, float] = {}
         self.watchdog = RolloutWatchdog(0)  # armed while a rollout is made (rollout_timeout)
-        self.failed_completions: torch.Tensor | None = None  # the last scoring's completions without a reward
         self.rollout_index = 0
         self.current_rollout: Rollout | None = None
         self.resumed_rollout: Rollout | None = None  # the interrupted rollout, read back from a checkpoint
         self.rollouts_to_save: list[Rollout] = []  # every process's current rollout, for the checkpoint being written
-        self.engine: RolloutEngine | None = None  # ROLLOUT_ENGINES' pick for the config, started at the first rollout
-        self.engine_step = -1  # the optimizer step whose weights the engine holds
-        # max_staleness: the rollouts sampling ahead, oldest first, as (prompt ids, future), and the prompt batches
-        # coming after the current one
-        self.prefetched: collections.deque = collections.deque()
-        self.upcoming_prompts: list[list[dict[str, Any]]] = []
-        self.stale_dropped = 0  # completions sampled ahead and dropped for being older than max_staleness
+        self.source = EPISODE_SOURCES[episode_source_name(config)](config, policy, self.formatter)
         self._check_image_prompts(config, policy, train_dataset)
         super().__init__(config, policy, train_dataset, devices=devices, collator=list)
-        uses_reference = getattr(config, "uses_reference", True)
-        self.reference = reference.to(self.devices.device) if uses_reference and reference is not None else None
+        self.reference = (reference.to(self.devices.device) if getattr(config, "uses_reference", True)
+                          and reference is not None else None)
+        self.scorer = RolloutScorer(config, reward_fn, policy.decode, drops_failed=self.drops_failed_episodes)
+        weights = PolicyWeightSource(policy, lambda: self.model, self.devices, lambda: self.global_step, self.sharded)
+        context = EngineContext(config, policy, self.devices, weights, self._sampling_mode, self._rollouts_left,
+                                self.sharded, self.source.one_shape_per_rollout)
+        self.engine = SyncedEngine(lambda: ROLLOUT_ENGINES[rollout_engine_name(config)](context), weights,
+                                   self.devices)
+        self.rollout_scheduler = ROLLOUT_SCHEDULERS[rollout_scheduler_name(config)](
+            config, self.source, self.engine, self._sampling_params, self.steps_per_rollout)
 
     takes_images = False  # whether the stage trains on image prompts (a vision-language policy's)
+    # an online stage that can leave a failed episode's group out of the loss (GRPO and its estimators); the others
+    # stop with one line when a reward cannot be had after the retries
+    drops_failed_episodes = False
 
     def _check_image_prompts(self, config: OnlineRLConfig, policy: PolicyModel, train_dataset: Any) -> None:
         items = getattr(train_dataset, "items", [])
@@ -10798,7 +12121,7 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         if config.rollout_dtype != "auto":
             raise RLHFInputError(f"config field 'rollout_dtype': image prompts are sampled from the policy itself, "
                                  f"not a {config.rollout_dtype} copy: set rollout_dtype: auto")
-        if getattr(config, "environment", None):
+        if not self.source.takes_images:
             raise RLHFInputError("config field 'environment': episodes with tools run on text prompts; image prompts "
                                  "train without an environment")
 
@@ -10818,19 +12141,17 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         """Every micro-batch the rollout's steps_per_rollout optimizer steps train on, in order."""
         raise NotImplementedError
 
-    # -- schedule
+    # -- the plan: which prompts each rollout samples, and how many rollouts the run makes
     def _setup_schedule(self) -> None:
         config = self.config
-        if isinstance(self.train_dataset, torch.utils.data.IterableDataset):
-            self.sampler, self.total_steps = None, config.max_steps
-            logger.info("%s", self.rollout_plan())
-            return
-        if len(self.train_dataset) == 0:
-            raise RLHFInputError("the prompt set is empty after preprocessing")
-        self.sampler = ResumableBatchSampler(len(self.train_dataset), self.prompts_per_rollout, config.seed,
-                                             rank=self.devices.process_index, world_size=self.devices.num_processes)
-        rollouts = math.ceil(config.num_train_epochs * self.sampler.batches_per_epoch)
-        self.total_steps = config.max_steps if config.max_steps > 0 else max(1, rollouts * self.steps_per_rollout)
+        self.prompts = PromptStream(self.train_dataset, self.prompts_per_rollout, config.seed,
+                                    self.devices.process_index, self.devices.num_processes)
+        self.sampler = self.prompts.sampler  # the checkpoint keeps a streaming set's position when there is none
+        if self.sampler is None:
+            self.total_steps = config.max_steps
+        else:
+            rollouts = math.ceil(config.num_train_epochs * self.sampler.batches_per_epoch)
+            self.total_steps = config.max_steps if config.max_steps > 0 else max(1, rollouts * self.steps_per_rollout)
         logger.info("%s", self.rollout_plan())
 
     def rollout_plan(self) -> str:
@@ -10843,133 +12164,7 @@ class _OnlineRLTrainer(_ReferenceTrainer):
                 + ("once" if passes == 1 else f"{passes} times"))
 
     def _epoch(self) -> float:
-        if self.sampler is None:
-            return float(getattr(self.train_dataset, "epoch", 0))
-        return self.global_step / self.steps_per_rollout / self.sampler.batches_per_epoch
-
-    def _prompt_batches(self, first: int) -> Iterator[list[dict[str, Any]]]:
-        if self.sampler is None:
-            items = self._streaming_prompts()
-            while True:
-                yield [next(items) for _ in range(self.prompts_per_rollout)]
-        self.sampler.start = first
-        for indices in self.sampler:
-            if len(indices) < self.prompts_per_rollout:  # an epoch's short last batch: repeat its prompts to
-                indices = (indices * self.prompts_per_rollout)[:self.prompts_per_rollout]  # keep steps whole
-            yield [self.train_dataset[i] for i in indices]
-
-    def _streaming_prompts(self) -> Iterator[dict[str, Any]]:
-        while True:
-            yield from self.train_dataset
-            if self.train_dataset.stats["records"] == 0:
-                raise RLHFInputError("the streaming prompt set yielded no records")
-            self.train_dataset.set_epoch(self.train_dataset.epoch + 1)
-
-    def make_batches(self) -> Iterator[dict[str, torch.Tensor]]:
-        accumulation = self.config.gradient_accumulation_steps
-        index, steps_done = divmod(self.global_step, self.steps_per_rollout)
-        resumed = self.resumed_rollout if steps_done else None  # a checkpoint taken inside a rollout kept it
-        self.resumed_rollout = None
-        prompt_batches = self._prompt_batches(index + (resumed is not None))
-        if self._rollouts_ahead():
-            prompt_batches = self._looking_ahead(prompt_batches, self._rollouts_ahead())
-        while True:
-            self.rollout_index = index  # seeds the rollout's mini-batch order (PPO)
-            rollout = resumed or self._next_rollout(next(prompt_batches))
-            resumed, self.current_rollout = None, rollout
-            schedule = self.rollout_schedule(rollout)
-            for position in range(steps_done * accumulation, len(schedule)):
-                if position % accumulation == 0:
-                    self.pending_problem = rollout.problem  # each step on a bad rollout skips its update
-                yield schedule[position]
-            index, steps_done = index + 1, 0
-
-    def _rollouts_ahead(self) -> int:
-        """How many rollouts async sampling keeps in flight: max_staleness optimizer steps' worth. A rollout sampled
-        ahead is sent off right after a weight sync and trained on that many rollouts later, so its staleness at its
-        first step is at most max_staleness (its later steps, with steps_per_rollout > 1, come after)."""
-        return getattr(self.config, "max_staleness", 0) // self.steps_per_rollout
-
-    def _looking_ahead(self, batches: Iterator[list[dict[str, Any]]],
-                       ahead: int) -> Iterator[list[dict[str, Any]]]:
-        """The prompt batches, each yielded with the ``ahead`` following ones already in ``upcoming_prompts`` (async
-        rollouts sample them while the current one trains)."""
-        window = collections.deque(itertools.islice(batches, ahead + 1))
-        while window:
-            current = window.popleft()
-            self.upcoming_prompts = list(window)
-            yield current
-            following = next(batches, None)
-            if following is not None:
-                window.append(following)
-        self.upcoming_prompts = []
-
-    def _next_rollout(self, prompts: list[dict[str, Any]]) -> Rollout:
-        self.pending_problem = ""
-        try:
-            with RolloutWatchdog(self.config.rollout_timeout) as self.watchdog:
-                rollout = self.make_rollout(prompts)
-        except RolloutHung as hung:
-            raise RLHFInputError(f"rollout {self.rollout_index} stopped: {hung}; look at it, or raise "
-                                 f"rollout_timeout. {self._resume_advice()}") from None
-        finally:
-            self.watchdog = RolloutWatchdog(0)
-        rollout.problem = self.pending_problem
-        return rollout
-
-    def _engine_label(self) -> str:
-        """What samples, as the watchdog names it."""
-        url = getattr(self.engine, "url", None)
-        return f"the vLLM server {url}" if url else f"the rollout engine ({type(self.engine).__name__})"
-
-    def _save_checkpoint(self) -> None:
-        # each process trains on a rollout of its own prompts, and only the main process writes: a checkpoint
-        # taken inside a rollout collects every process's rollout first (all processes get here together)
-        inside = bool(self.global_step % self.steps_per_rollout) and self.current_rollout is not None
-        self.rollouts_to_save = self.devices.gather_object(self.current_rollout) if inside else []
-        super()._save_checkpoint()
-
-    @staticmethod
-    def _rollout_file(process: int) -> str:
-        return "rollout.safetensors" if process == 0 else f"rollout-{process}.safetensors"
-
-    def _write_checkpoint(self, directory: Path) -> None:
-        super()._write_checkpoint(directory)
-        # resuming inside a rollout must train on the same rollout
-
-        for process, rollout in enumerate(self.rollouts_to_save):
-            save_file({k: v.contiguous() for k, v in rollout.tensors().items()},
-                      str(directory / self._rollout_file(process)),
-                      metadata={"problem": rollout.problem, "processes": str(len(self.rollouts_to_save)),
-                                "images": json.dumps(rollout.images)})
-
-    def _load_checkpoint(self, path: Path) -> None:
-        super()._load_checkpoint(path)
-        first = path / self._rollout_file(0)
-        if self.global_step % self.steps_per_rollout and first.exists():
-            with safe_open(str(first), framework="pt") as handle:
-                processes = int((handle.metadata() or {}).get("processes", "1"))
-            if processes != self.devices.num_processes:  # every process reads the same file, so all agree
-                logger.warning("%s holds the rollouts of %d process(es) and this run has %d: the interrupted rollout "
-                               "is sampled again", path, processes, self.devices.num_processes)
-                return
-            with safe_open(str(path / self._rollout_file(self.devices.process_index)), framework="pt") as handle:
-                tensors = {k: handle.get_tensor(k) for k in handle.keys()}
-                metadata = handle.metadata() or {}
-            self.resumed_rollout = Rollout(**tensors, problem=metadata.get("problem", ""),
-                                           images=json.loads(metadata.get("images", "null")))
-
-    # -- sampling and scoring
-    def _rollout_engine(self) -> tuple[str, int | None]:
-        """``generation_engine`` and, for ``auto``, the rollouts this run still plans (this one included): the engine
-        compiles the decode step once a timed rollout shows that many would save more than the compilation costs
-        (``inference_optimizations.compile_pays``); None where the work ahead is unknown (streaming without
-        max_steps)."""
-        engine = self.config.generation_engine
-        # episodes (an environment's turns, an agent's requests) come in batches of every size, not one shape per
-        # rollout: no plan, so each shape is compiled only once its own past calls would have paid for it
-        planned = engine == "auto" and not getattr(self.config, "environment", None)
-        return engine, (self._rollouts_left() if planned else None)
+        return self.prompts.epoch(self.global_step / self.steps_per_rollout)
 
     def _rollouts_left(self) -> int | None:
         """The rollouts this run still plans, this one included; None where the work ahead is unknown."""
@@ -10978,52 +12173,57 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         done = getattr(self, "global_step", 0) // self.steps_per_rollout
         return max(1, math.ceil(self.total_steps / self.steps_per_rollout) - done)
 
-    def _sampling_params(self, n: int, rollout_index: int) -> Any:
-        config = self.config
-        # processes share the global RNG state (one seed; a resume restores the main process's RNG on all), so
-        # they would draw the same noise for different prompts: several sample from a seed of their own. vLLM
-        # always gets one, from the rollout's index: its draws do not follow torch's RNG, and a resumed run must
-        # sample the interrupted rollout again alike
-        # vLLM seeds each prompt from its place in the rollout across processes instead (seed_index_*): the
-        # interleaved sampler gives process r the places r, r + world_size, ... so any process count samples alike
-        own_seed = self.devices.num_processes > 1 or config.use_vllm is not False
-        rank, world = self.devices.process_index, self.devices.num_processes
-        by_place = config.use_vllm is True
-        seed = (config.seed * 1_000_003 + rollout_index) * 1009 + (0 if by_place else rank) if own_seed else None
-        return SamplingParams(seed_index_start=rank if by_place else 0, seed_index_stride=world if by_place else 1,
-                              max_new_tokens=config.max_completion_length, temperature=config.temperature,
-                              top_p=config.top_p, top_k=config.top_k, min_p=config.min_p,
-                              repetition_penalty=config.repetition_penalty, n=n, seed=seed,
-                              stop_token_ids=tuple(self.formatter.stop_token_ids),
-                              suppress_token_ids=self.policy.suppressed_tokens)
+    # -- the loop's batches: each rollout's micro-batches, a rollout made when the last one's steps are done
+    def make_batches(self) -> Iterator[dict[str, torch.Tensor]]:
+        accumulation = self.config.gradient_accumulation_steps
+        index, steps_done = divmod(self.global_step, self.steps_per_rollout)
+        resumed = self.resumed_rollout if steps_done else None  # a checkpoint taken inside a rollout kept it
+        self.resumed_rollout = None
+        batches = with_lookahead(self.prompts.batches(index + (resumed is not None)), self.rollout_scheduler.lookahead)
+        while True:
+            self.rollout_index = index  # seeds the rollout's draws (rollout_seed)
+            rollout = resumed or self._next_rollout(*next(batches))
+            resumed, self.current_rollout = None, rollout
+            schedule = self.rollout_schedule(rollout)
+            for position in range(steps_done * accumulation, len(schedule)):
+                if position % accumulation == 0:
+                    self.pending_problem = rollout.skip_reason  # each step on a bad rollout skips its update
+                    if position == steps_done * accumulation:
+                        self.step_metrics = rollout.metrics  # logged once, with the rollout's first step
+                yield schedule[position]
+            index, steps_done = index + 1, 0
 
-    def _sample(self, prompts: list[dict[str, Any]], n: int) -> Any:
-        """``n`` completions per prompt from the run's rollout engine: one turn each, or with an environment
-        multi-turn episodes."""
-        params = self._sampling_params(n, self.rollout_index)
+    def _next_rollout(self, batch: PromptBatch, upcoming: list[PromptBatch]) -> Rollout:
+        self.rollout_scheduler.plan(upcoming)
+        try:
+            with RolloutWatchdog(self.config.rollout_timeout) as self.watchdog:
+                return self.make_rollout(batch.prompts)
+        except RolloutHung as hung:
+            raise RLHFInputError(f"rollout {self.rollout_index} stopped: {hung}; look at it, or raise "
+                                 f"rollout_timeout. {self._resume_advice()}") from None
+        except RolloutStopped as stopped:
+            raise RLHFInputError(f"{stopped} {self._resume_advice()}") from None
+        finally:
+            self.watchdog = RolloutWatchdog(0)
+
+    def _sampling_params(self, n: int, rollout_index: int) -> SamplingParams:
+        return rollout_sampling_params(self.config, n, rollout_index, rank=self.devices.process_index,
+                                       world_size=self.devices.num_processes,
+                                       stop_token_ids=self.formatter.stop_token_ids,
+                                       suppress_token_ids=self.policy.suppressed_tokens)
+
+    def _sample(self, prompts: list[dict[str, Any]], n: int) -> Episodes:
+        """``n`` episodes per prompt of this rollout, from the scheduler (with completion lengths and sampling time in
+        their metrics)."""
         started = time.time()
         try:
-            if getattr(self.config, "environment", None):
-                output = self._sample_episodes(prompts, params)
-            else:
-                output = self._sample_turn(prompts, params)
+            episodes = self.rollout_scheduler.sample(prompts, n, self.rollout_index, self.global_step,
+                                             self.watchdog.progress)
         except VLLMServerError as error:  # the server stayed down through every retry
-            raise RLHFInputError(f"{error}. {self._resume_advice()}") from None
-        lengths = torch.tensor([len(c) for c in output.token_ids], dtype=torch.float32)
-        truncated = torch.tensor([reason == "length" for reason in output.finish_reasons])
-        self.rollout_metrics.update({
-            "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
-            "completions/max_length": float(lengths.max()),
-            "completions/clipped_ratio": float(truncated.float().mean()),
-            "perf/generation_s": time.time() - started})
-        return output
+            raise RolloutStopped(f"{error}.") from None
+        episodes.metrics.update({**completion_metrics(episodes), "perf/generation_s": time.time() - started})
+        return episodes
 
-    def _unwrapped_policy(self) -> PolicyModel:
-        """The policy around its unwrapped module (what generation runs on under DDP / FSDP)."""
-        return PolicyModel(self.devices.unwrap(self.policy.model), self.policy.tokenizer, vision=self.policy.vision)
-
-    # -- the rollout engine (ROLLOUT_ENGINES): ours samples from the policy itself; vLLM holds a copy, refreshed
-    # after each optimizer step
     def _sampling_mode(self) -> contextlib.AbstractContextManager:
         """Where our engine samples: eval mode (no dropout), and a sharded policy's gathering (``_generating``)."""
         stack = contextlib.ExitStack()
@@ -11032,215 +12232,25 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         stack.enter_context(self._generating())
         return stack
 
-    def _write_engine_start(self, directory: Path) -> None:
-        """What the colocated engine loads first: the policy's weights, or for LoRA its base (adapters are synced
-        on their own), with the tokenizer. A sharded policy's are gathered a tensor at a time into a file each."""
-        model = self._unwrapped_module()
-        target = model.get_base_model() if self.policy.is_peft else model
-        if self.sharded:
-            target.config.save_pretrained(directory)
-            if getattr(target, "generation_config", None) is not None:
-                target.generation_config.save_pretrained(directory)
-            reads = self._weight_reads()
-            save_weight_shards(reads["base" if self.policy.is_peft else "named"](), directory, shard_bytes=0)
-        elif self.policy.is_peft:
-            target.save_pretrained(directory, state_dict=dict(self._base_weights()))
-        else:
-            model.save_pretrained(directory)
-        self.policy.tokenizer.save_pretrained(directory)
+    # -- from episodes to rows: the engine's log-probs beside the trainer's, the reference's
+    def _rows(self, records: list[dict[str, Any]], completions: list[list[int]], masked: list[bool] | None = None,
+              observed: list[list[bool]] | None = None) -> Rollout:
+        return rollout_rows(records, completions, self.policy.tokenizer.pad_token_id, masked, observed)
 
-    def _unwrapped_module(self) -> nn.Module:
-        model = self.devices.unwrap(self.policy.model)
-        return getattr(model, "_orig_mod", model)
-
-    def _named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The policy's weights under their Hugging Face names, one tensor at a time (tied ones once)."""
-        seen: set[int] = set()
-        for name, tensor in self._unwrapped_module().state_dict().items():
-            if tensor.data_ptr() in seen:
-                continue
-            seen.add(tensor.data_ptr())
-            yield name, tensor.detach()
-
-    def _base_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """A LoRA policy's frozen base weights under the base model's own names."""
-        base = self._unwrapped_module().get_base_model()
-        seen: set[int] = set()
-        for name, tensor in base.state_dict().items():
-            if "lora_" not in name and tensor.data_ptr() not in seen:  # tied weights once
-                seen.add(tensor.data_ptr())
-                yield name.replace(".base_layer.", "."), tensor.detach()
-
-    def _weight_reads(self) -> dict[str, GatheredRead]:
-        """A sharded policy's weights as an engine reads them (each a collective every process iterates alike):
-        ``named`` all of them, and for LoRA ``base`` (the frozen base under the base model's names) and ``adapter``
-        (the LoRA tensors under the PEFT model's names). The gathered bytes alive at once are metered
-        (``sync_meter``)."""
-        model, kind = self._unwrapped_module(), weight_sharding(self.model)
-
-        def read(module: nn.Module, wanted: Callable[[str], bool] | None = None,
-                 rename: Callable[[str], str] = str) -> GatheredRead:
-            def gathered() -> Iterator[tuple[str, torch.Tensor]]:
-                for name, tensor in gathered_named_tensors(module, kind, wanted, self.sync_meter):
-                    yield rename(name), tensor
-                    del tensor  # not held while the next one is gathered
-
-            return GatheredRead(gathered, lambda: [(rename(name), dtype, shape)
-                                                   for name, dtype, shape in sharded_layout(module, kind, wanted)])
-
-        reads = {"named": read(model)}
-        if self.policy.is_peft:
-            reads["base"] = read(model.get_base_model(), lambda name: "lora_" not in name,
-                                 lambda name: name.replace(".base_layer.", "."))
-            reads["adapter"] = read(model, lambda name: "lora_" in name)
-        return reads
-
-    def _policy_weights(self, reads: dict[str, GatheredRead] | None = None) -> PolicyWeights:
-        """The policy's weights as of this optimizer step, read lazily by the engine's sync; a sharded policy's
-        through ``reads`` (default ``_weight_reads()``)."""
-        model = self._unwrapped_module()
-        if self.sharded:
-            reads = reads or self._weight_reads()
-            return PolicyWeights(self.global_step, reads["named"], base=reads.get("base"), save_adapter=(
-                (lambda directory: model.save_pretrained(directory, state_dict=dict(reads["adapter"]())))
-                if self.policy.is_peft else None))
-        if not self.policy.is_peft:
-            return PolicyWeights(self.global_step, self._named_weights)
-        return PolicyWeights(self.global_step, self._named_weights, base=self._base_weights,
-                             save_adapter=model.save_pretrained)
-
-    sync_meter: GatherMeter | None = None  # a sharded policy's sync: the gathered bytes alive at once
-
-    def _sync_engine(self) -> RolloutEngine:
-        """The run's engine, started at the first call, holding the weights of the current optimizer step (synced
-        once per step where it holds a copy: with several processes the main one syncs a shared engine, each its
-        own otherwise). A sharded policy's weights are gathered by every process together as the engine reads
-        them: for a shared engine the other processes follow the main one's reads (``_sync_shared_from_shards``)."""
-        if self.engine is None:
-            self.engine = ROLLOUT_ENGINES[rollout_engine_name(self.config)](self)
-        engine = self.engine
-        if not engine.holds_weights or self.engine_step == self.global_step:
-            return engine
-        started = time.time()
-        self.sync_meter = GatherMeter() if self.sharded else None
-        if self.sharded and engine.shared and self.devices.num_processes > 1:
-            self._sync_shared_from_shards(engine)
-        elif self.devices.is_main_process or not engine.shared:
-            engine.sync_weights(self._policy_weights())
-        if engine.shared:
-            self.devices.wait()
-        self.engine_step = self.global_step
-        self.rollout_metrics["perf/weight_sync_s"] = time.time() - started
-        self.rollout_metrics.update(getattr(engine, "metrics", dict)())  # a server pool's live servers
-        if self.sync_meter is not None:
-            self.rollout_metrics["perf/weight_sync_gathered_peak_mb"] = self.sync_meter.peak / 2 ** 20
-        return engine
-
-    def _sync_shared_from_shards(self, engine: RolloutEngine) -> None:
-        """A shared engine (a server) synced from a sharded policy: the main process sends, and each weight read it
-        makes (``_weight_reads``: which ones depends on the engine, e.g. a LoRA base only once) is announced to the
-        other processes first, which gather alongside and drop what they gather. A read left unfinished (an error)
-        is gathered to its end before the processes part."""
-        reads = self._weight_reads()
-        if not self.devices.is_main_process:
-            while (kind := self.devices.broadcast_object(None)) != "done":
-                collections.deque(reads[kind](), maxlen=0)  # each gathered tensor dropped before the next
-            return
-        opened: list[Iterator] = []
-
-        def announced(kind: str) -> GatheredRead:
-            def read() -> Iterator:
-                self.devices.broadcast_object(kind)
-                opened.append(reads[kind]())
-                return opened[-1]
-
-            return GatheredRead(read, reads[kind].layout)
-
-        try:
-            engine.sync_weights(self._policy_weights({kind: announced(kind) for kind in reads}))
-        finally:  # a read left unfinished (or never started) is gathered to its end, as the others do
-            for generator in opened:
-                with contextlib.suppress(ValueError):  # still running in a sender thread: it finishes there
-                    collections.deque(generator, maxlen=0)
-            self.devices.broadcast_object("done")
-
-    def _sample_turn(self, prompts: list[dict[str, Any]], params: SamplingParams) -> GenerationOutput:
-        prompt_ids = [p["prompt_ids"] for p in prompts]
-        images = [p.get("images") or [] for p in prompts]  # a vision-language policy's image prompts
-        images = images if any(images) else None
-        if not self._rollouts_ahead():
-            engine = self._sync_engine()
-            self.watchdog.progress(self._engine_label())
-            output = engine.sample(prompt_ids, params, images)
-            self.engine.sleep()
-            return output
-        return self._sample_ahead(prompt_ids, params)
-
-    def _sample_ahead(self, prompt_ids: list[list[int]], params: SamplingParams) -> GenerationOutput:
-        """Fully async rollouts (max_staleness k, a shared engine): this rollout was sent off up to k rollouts ago and
-        sampled in a background thread while the policy trained. Each sampled completion carries the optimizer step
-        of the weights that sampled it (``policy_version``); one older than k steps is dropped and counted, and its
-        prompts are sampled again now. Then this step's weights go to the engine and the rollouts k ahead are sent
-        off with them. The importance correction compares the behaviour log-probs with the policy trained."""
-        waited = time.time()
-        output = None
-        if self.prefetched and self.prefetched[0][0] == prompt_ids:  # else extra prompts (dynamic_sampling's)
-            self.watchdog.progress(self._engine_label())
-            output = self.prefetched.popleft()[1].result()
-        self.rollout_metrics["perf/rollout_wait_s"] = time.time() - waited
-        engine = self._sync_engine()
-        staleness = self.global_step - output.policy_version if output is not None else 0
-        if output is not None and (output.policy_version is None or staleness > self.config.max_staleness):
-            self.stale_dropped += len(output.token_ids)
-            logger.warning("rollout %d was sampled with the weights of step %s, more than max_staleness=%d steps "
-                           "before step %d: dropped (%d completions so far), its prompts sampled again",
-                           self.rollout_index, output.policy_version, self.config.max_staleness, self.global_step,
-                           self.stale_dropped)
-            output = None
-        if output is None:  # the first rollout (or the first after a resume, or a stale one) samples now
-            self.watchdog.progress(self._engine_label())
-            output, staleness = engine.sample(prompt_ids, params), 0
-        self.rollout_metrics.update({"rollout/staleness": float(staleness),
-                                     "rollout/stale_dropped": float(self.stale_dropped)})
-        self.prefetcher = getattr(self, "prefetcher", None) or concurrent.futures.ThreadPoolExecutor(1)
-        for position, upcoming in enumerate(self.upcoming_prompts):
-            if position >= len(self.prefetched):
-                ids = [p["prompt_ids"] for p in upcoming]
-                following = self._sampling_params(params.n, self.rollout_index + 1 + position)
-                self.prefetched.append((ids, self.prefetcher.submit(engine.sample, ids, following)))
-        return output
-
-    def _engine_logps(self, rollout: Rollout, output: Any) -> torch.Tensor:
-        """The engine's log-prob of each sampled token, aligned with the rollout's shifted labels.
-        Shapes: -> (N, T-1)."""
-        logps = torch.zeros(rollout.labels.shape[0], rollout.labels.shape[1] - 1)
-        for row, (start, values) in enumerate(zip(rollout.prompt_lengths.tolist(), output.logprobs)):
-            logps[row, start - 1:start - 1 + len(values)] = torch.tensor(values, dtype=torch.float32)
-        return logps
-
-    def _engine_correction(self, rollout: Rollout, output: Any, trainer_sampled: torch.Tensor | None) -> None:
-        """With vLLM: old log-probs from the engine (vllm_old_logprobs: engine), or the importance weights that
-        correct the engine/trainer mismatch, and the mismatch's metrics. ``trainer_sampled``: the trainer's
-        log-probs under the distribution the engine sampled from (OutputHead.sampled_log_probs)."""
+    def _trainer_sampled_logps(self, scores: torch.Tensor, input_ids: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+        """The trainer's log-probs under the distribution the engine reports its log-probs of: vLLM's are of the
+        narrowed distribution it sampled from, ours of the whole one (``full``, as when nothing narrows it)."""
         config = self.config
-        engine = self._engine_logps(rollout, output)
-        if config.vllm_old_logprobs == "engine":
-            rollout.old_logps = engine
-            return
-        weights, metrics = rollout_importance_weights(trainer_sampled, engine, rollout.completion_mask,
-                                                      cap=config.vllm_importance_sampling_cap,
-                                                      mode=config.vllm_importance_sampling_mode)
-        if config.vllm_importance_sampling_correction:
-            rollout.importance_weights = weights
-        else:
-            metrics = {k: v for k, v in metrics.items() if not k.startswith("is_")}
-        self.rollout_metrics.update({f"{self._gap_prefix()}/{k}": v for k, v in metrics.items()})
+        if not self.engine.logprobs_after_truncation or not (config.top_k or config.top_p < 1 or config.min_p > 0):
+            return full
+        return OutputHead.of(self.policy).sampled_log_probs(scores, input_ids[:, 1:], config.temperature,
+                                                            top_k=config.top_k, top_p=config.top_p, min_p=config.min_p)
 
-    def _gap_prefix(self) -> str:
-        """Where the engine/trainer gap is logged: vllm/ for vLLM, rollout/ for any other engine holding a copy."""
-        return getattr(self.engine, "metric_prefix", "rollout")
+    def _engine_correction(self, rollout: Rollout, episodes: Episodes, trainer_sampled: torch.Tensor | None) -> None:
+        metrics = engine_correction(self.config, rollout, episodes, trainer_sampled)
+        rollout.metrics.update({f"{self.engine.metric_prefix}/{k}": v for k, v in metrics.items()})
 
-    def _engine_gap(self, rollout: Rollout, output: Any) -> dict[str, float]:
+    def _engine_gap(self, rollout: Rollout, episodes: Episodes) -> dict[str, float]:
         """The engine/trainer log-prob mismatch on a rollout, for trainers whose loss takes no correction."""
         sampled = []
         with torch.no_grad(), self.devices.autocast():
@@ -11252,513 +12262,9 @@ class _OnlineRLTrainer(_ReferenceTrainer):
                                                             self.config.temperature)
                 trainer = self._trainer_sampled_logps(scores[:, :-1], batch["input_ids"], full)
                 sampled.append(F.pad(trainer.cpu(), (0, rollout.labels.shape[1] - 1 - trainer.shape[1])))
-        _, metrics = rollout_importance_weights(torch.cat(sampled), self._engine_logps(rollout, output),
+        _, metrics = rollout_importance_weights(torch.cat(sampled), engine_log_probs(rollout, episodes),
                                                 rollout.completion_mask)
-        return {k: v for k, v in metrics.items() if not k.startswith("is_")}
-
-    def _trainer_sampled_logps(self, scores: torch.Tensor, input_ids: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-        """The trainer's log-probs under the distribution the engine reports its log-probs of: vLLM's are of the
-        narrowed distribution it sampled from, ours of the whole one (``full``, as when nothing narrows it)."""
-        config = self.config
-        narrowed = getattr(self.engine, "logprobs_after_truncation", False)
-        if not narrowed or not (config.top_k or config.top_p < 1 or config.min_p > 0):
-            return full
-        return OutputHead.of(self.policy).sampled_log_probs(scores, input_ids[:, 1:], config.temperature,
-                                                            top_k=config.top_k, top_p=config.top_p, min_p=config.min_p)
-
-    def _close_engine(self) -> None:
-        if getattr(self, "prefetcher", None) is not None:
-            self.prefetcher.shutdown(wait=True, cancel_futures=True)
-            self.prefetcher = None
-        self.prefetched.clear()
-        self.policy.rollout_engine = None
-        if self.engine is not None:
-            self.engine.close()
-        self.engine, self.engine_step = None, -1
-        if getattr(self, "agent_endpoint", None) is not None:
-            self.agent_endpoint.close()
-            self.agent_endpoint = None
-
-    # -- environments (GRPO's environment): multi-turn episodes with tools
-    def _sample_episodes(self, prompts: list[dict[str, Any]], params: Any) -> Any:
-        """``params.n`` episodes per prompt, batched turn by turn: every open episode generates a turn (at most
-        max_turn_tokens, and what is left of max_completion_length), its environment answers, and the answer's tokens
-        join the completion marked as observed, never trained on. An episode ends when its environment says so,
-        after max_turns turns, or when the completion's budget is spent (finish reason ``length``). Returns a
-        GenerationOutput with two more attributes: ``observation_mask`` (per completion token, True where the
-        environment wrote it) and ``environment_rewards`` (each episode's summed step rewards)."""
-
-        config = self.config
-        if config.environment == "agent":
-            return self._sample_agent_episodes(prompts, params)
-        make = getattr(self, "environment_maker", None) or environment_factory(config)
-        self.environment_maker = make
-        records = [p for p in prompts for _ in range(params.n)]
-        envs = [make() for _ in records]
-        context = [list(r["prompt_ids"]) for r in records]
-        tokens: list[list[int]] = [[] for _ in records]
-        logps: list[list[float]] = [[] for _ in records]  # the engine's, of generated tokens; 0 for observed ones
-        observed: list[list[bool]] = [[] for _ in records]
-        conversations = [list(r["messages"]) for r in records]
-        rewards, reasons, calls = torch.zeros(len(records)), ["stop"] * len(records), 0
-        failed, faults = [False] * len(records), []  # episodes whose environment failed after the retries
-
-        def environment_call(i: int, what: str, call: Callable[[], Any]) -> Any:
-            """An environment's reset or step, timed out and retried; EnvironmentFault once it keeps failing. An HTTP
-            environment times and retries its own requests."""
-            own = isinstance(envs[i], HTTPEnvironment)
-            self.watchdog.progress(f"environment {config.environment!r} ({what}, episode {i})")
-            try:
-                return retried(lambda: call_with_timeout(call, timeout=None if own else config.environment_timeout),
-                               1 if own else 1 + config.rollout_retries)
-            except RLHFInputError:
-                raise
-            except Exception as error:  # noqa: BLE001 (a user's environment: any error is a fault of its episode)
-                failed[i] = True
-                faults.append(f"{what}: {type(error).__name__}: {error}")
-                raise EnvironmentFault(str(error)) from None
-
-        def reset(i: int, record: dict[str, Any]) -> str | None:
-            def fresh() -> str | None:  # a retried reset starts from a new environment
-                envs[i] = make()
-                return envs[i].reset(record)
-            return environment_call(i, "reset", fresh)
-
-        def observe(i: int, ids: list[int]) -> None:
-            ids = ids[:config.max_completion_length - len(tokens[i])]
-            tokens[i] += ids
-            logps[i] += [0.0] * len(ids)
-            observed[i] += [True] * len(ids)
-            context[i] += ids
-
-        for i, record in enumerate(records):
-            try:
-                first = reset(i, record)
-            except EnvironmentFault:
-                continue
-            if first:
-                observe(i, self.policy.tokenizer(first, add_special_tokens=False)["input_ids"])
-        active = [i for i in range(len(records)) if len(tokens[i]) < config.max_completion_length and not failed[i]]
-        per_turn = config.max_turn_tokens or config.max_completion_length
-        stop_strings = (config.tool_tags[1],) if config.tool_format == "tag" else ()
-        engine = self._sync_engine()
-        for turn in range(config.max_turns):
-            if not active:
-                break
-            room = {i: config.max_completion_length - len(tokens[i]) for i in active}
-            turn_params = dataclasses.replace(params, n=1, max_new_tokens=min(per_turn, max(room.values())),
-                                              stop_strings=stop_strings,
-                                              seed=None if params.seed is None else params.seed + 7919 * turn)
-            self.watchdog.progress(f"{self._engine_label()} (turn {turn + 1})")
-            out = engine.sample([context[i] for i in active], turn_params)
-            still = []
-            for i, new, new_logps, reason in zip(active, out.token_ids, out.logprobs, out.finish_reasons):
-                new = new[:room[i]]
-                tokens[i] += new
-                logps[i] += new_logps[:len(new)]
-                observed[i] += [False] * len(new)
-                context[i] += new
-                text = self.policy.decode(new)
-                try:
-                    observation, reward, done = environment_call(i, f"step {turn + 1}",
-                                                                 functools.partial(envs[i].step, text))
-                except EnvironmentFault:
-                    continue
-                rewards[i] += reward
-                spent = len(tokens[i]) >= config.max_completion_length
-                if done or observation is None or turn + 1 == config.max_turns or spent:
-                    reasons[i] = "length" if spent or (reason == "length" and not done) else "stop"
-                    continue
-                calls += 1
-                observe(i, self._observation_ids(records[i], conversations[i], new, observation))
-                if len(tokens[i]) >= config.max_completion_length:
-                    reasons[i] = "length"
-                    continue
-                still.append(i)
-            active = still
-        engine.sleep()
-        output = GenerationOutput(tokens, logps, reasons, [i // params.n for i in range(len(records))])
-        output.observation_mask, output.environment_rewards, output.failed = observed, rewards, failed
-        if faults:
-            logger.warning("environment %r failed in %d of %d episodes after %d attempts per call (last: %s); they "
-                           "are dropped", config.environment, sum(failed), len(records), 1 + config.rollout_retries,
-                           faults[-1])
-        self.rollout_metrics.update({"tools/calls_per_episode": calls / max(len(records), 1),
-                                     "tools/observed_token_frac": (sum(map(sum, observed))
-                                                                   / max(sum(map(len, observed)), 1)),
-                                     "tools/environment_reward": float(rewards.mean())})
-        return output
-
-    # -- agent programs (environment: agent): the OpenAI-compatible endpoint, AgentEndpoint
-    def _sample_agent_episodes(self, prompts: list[dict[str, Any]], params: Any) -> Any:
-        """``params.n`` episodes per prompt, each the user's agent (``agent``: module:function(client, record) ->
-        reward) run in a thread of its own with an ``openai.OpenAI`` client on this episode's address of the
-        endpoint. The main thread samples the requests as they come, batched across episodes (AgentEndpoint.take),
-        with the rollout engine; an agent that raises is run again (rollout_retries), then its episode is dropped.
-        Each episode becomes one trajectory (concatenated_trajectory): the output carries ``records`` (each
-        episode's record with the first request's prompt ids), ``observation_mask``, ``environment_rewards`` (the
-        agents' rewards) and ``failed``."""
-        config = self.config
-        try:
-            import openai
-        except ImportError:
-            raise RLHFInputError("environment: agent gives each agent an openai.OpenAI client, and the openai package "
-                                 "is not installed: pip install openai") from None
-        agent = getattr(self, "agent_function", None) or _import_callable(
-            config.agent or "", "agent", f"cannot load {config.agent!r}", "give module:function(client, record) -> "
-            "reward")
-        self.agent_function = agent
-        if getattr(self, "agent_endpoint", None) is None:
-            self.agent_endpoint = AgentEndpoint(self._agent_prepare, self._agent_answer, port=config.agent_port,
-                                                timeout=config.rollout_timeout or 1e9)
-        endpoint, records = self.agent_endpoint, [p for p in prompts for _ in range(params.n)]
-        first = getattr(self, "agent_episodes_started", 0)
-        self.agent_episodes_started = first + len(records)
-        texts = [self.policy.tokenizer.decode(r["prompt_ids"], skip_special_tokens=False) for r in records]
-        self.agent_rollout = {"first": first, "calls": [[] for _ in records], "params": params, "warned": set(),
-                              "records": records, "texts": texts}
-        # what the agent gets: the record (messages, answer, ...) and prompt_text, the prompt as the run's chat
-        # template writes it, for agents that use the completions API
-        view = [{**{k: v for k, v in r.items() if k != "prompt_ids"}, "prompt_text": text}
-                for r, text in zip(records, texts)]
-
-        def play(i: int) -> float:
-            last: Exception | None = None
-            for _ in range(1 + config.rollout_retries):
-                self.agent_rollout["calls"][i] = []
-                client = openai.OpenAI(base_url=endpoint.base_url(first + i), api_key="rlhf", max_retries=2,
-                                       timeout=config.rollout_timeout or None)  # retries: connection errors only
-                try:
-                    reward = agent(client, copy.deepcopy(view[i]))
-                    if not isinstance(reward, (int, float)) or isinstance(reward, bool) or not math.isfinite(reward):
-                        raise RLHFInputError(f"agent {config.agent} returned {reward!r}; return the episode's reward "
-                                             f"as a finite number")
-                    return float(reward)
-                except RLHFInputError:
-                    raise
-                except Exception as error:  # noqa: BLE001 (a user's agent: any error is a fault of its episode)
-                    last = error
-            raise EnvironmentFault(f"{type(last).__name__}: {last}")
-
-        engine = self._sync_engine()
-        batches = 0
-        pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(records), thread_name_prefix="rlhf-agent")
-        try:
-            futures = [pool.submit(play, i) for i in range(len(records))]
-            while True:
-                calls = endpoint.take(lambda: sum(not f.done() for f in futures), linger=config.agent_batch_wait)
-                if not calls:
-                    break  # every episode is over
-                self._sample_agent_calls(engine, calls, params, batches)
-                batches += 1
-        except BaseException:  # the run stops (a hang, an interrupt): answer what waits, leave the agents behind
-            for call in endpoint.take(lambda: 0):
-                call.error = "the rollout stopped"
-                call.done.set()
-            self.agent_rollout = None
-            pool.shutdown(wait=False, cancel_futures=True)
-            raise
-        pool.shutdown(wait=True)
-        engine.sleep()
-        tokens, logps, observed, reasons, rewards, failed, kept, faults = [], [], [], [], [], [], [], []
-        for i, future in enumerate(futures):
-            calls = [c for c in self.agent_rollout["calls"][i] if not c.error]
-            try:
-                reward = future.result()
-                if not calls:
-                    raise EnvironmentFault("the agent made no request")
-                if config.agent_trajectory == "per_call":  # the rows come from the calls (_per_call_rows); the
-                    # episode's answers, joined, are what reward functions and metrics read
-                    prompt, ids = calls[0].prompt_ids, [t for c in calls for t in c.token_ids]
-                    lps, seen = [lp for c in calls for lp in c.logprobs], [False] * len(ids)
-                else:
-                    prompt, ids, lps, seen = concatenated_trajectory(calls)
-            except (EnvironmentFault, ValueError) as error:
-                faults.append(f"episode {i}: {error}")
-                prompt, ids, lps, seen, reward = records[i]["prompt_ids"], [], [], [], 0.0
-                failed.append(True)
-            else:
-                failed.append(False)
-            kept.append({**records[i], "prompt_ids": list(prompt)})
-            tokens.append(ids)
-            logps.append(lps)
-            observed.append(seen)
-            reasons.append(calls[-1].finish_reason if calls and not failed[-1] else "stop")
-            rewards.append(reward)
-        if faults:
-            logger.warning("agent %s failed in %d of %d episodes (last: %s); they are dropped", config.agent,
-                           sum(failed), len(records), faults[-1])
-        output = GenerationOutput(tokens, logps, reasons, [i // params.n for i in range(len(records))])
-        output.observation_mask, output.failed, output.records = observed, failed, kept
-        output.environment_rewards = torch.tensor(rewards, dtype=torch.float32)
-        if config.agent_trajectory == "per_call":
-            output.calls = [[] if failed[i] else [(c.prompt_ids, c.token_ids, c.logprobs, c.finish_reason)
-                                                  for c in self.agent_rollout["calls"][i] if not c.error]
-                            for i in range(len(records))]
-        calls_made = sum(len(c) for c in self.agent_rollout["calls"])
-        self.rollout_metrics.update({"tools/calls_per_episode": calls_made / max(len(records), 1),
-                                     "tools/observed_token_frac": (sum(map(sum, observed))
-                                                                   / max(sum(map(len, observed)), 1)),
-                                     "tools/environment_reward": float(output.environment_rewards.mean())})
-        self.agent_rollout = None
-        return output
-
-    def _sample_agent_calls(self, engine: RolloutEngine, calls: list[AgentCall], params: Any, batch: int) -> None:
-        """One batch of agents' requests sampled by the engine (one ``sample`` per distinct set of stop strings),
-        each cut to its own budget, recorded under its episode and answered."""
-        state = self.agent_rollout
-
-        def record(call: AgentCall) -> None:
-            index = call.episode - state["first"]
-            if 0 <= index < len(state["calls"]):
-                state["calls"][index].append(call)
-            call.done.set()
-
-        for call in [c for c in calls if c.max_new_tokens == 0]:
-            call.finish_reason = "length"
-            record(call)
-        calls = [c for c in calls if c.max_new_tokens > 0]
-        for stop in dict.fromkeys(c.stop for c in calls):
-            group = [c for c in calls if c.stop == stop]
-            self.watchdog.progress(f"{self._engine_label()} (agent requests, batch {batch + 1})")
-            call_params = dataclasses.replace(
-                params, n=1, max_new_tokens=max(c.max_new_tokens for c in group),
-                stop_strings=tuple(params.stop_strings or ()) + stop,
-                seed=None if params.seed is None else params.seed + 7919 * (batch + 1))
-            try:
-                out = engine.sample([c.prompt_ids for c in group], call_params)
-            except Exception as error:
-                for call in group:
-                    call.error = f"sampling failed: {error}"
-                    call.done.set()
-                raise
-            for call, ids, lps, reason in zip(group, out.token_ids, out.logprobs, out.finish_reasons):
-                call.token_ids, call.logprobs = list(ids[:call.max_new_tokens]), list(lps[:call.max_new_tokens])
-                call.finish_reason = "length" if len(ids) > call.max_new_tokens else reason
-                record(call)
-
-    def _agent_prepare(self, episode: int, body: dict[str, Any],
-                       kind: str) -> tuple[str, list[int], int, tuple[str, ...]]:
-        """A request's prompt text and ids, token budget and stop strings (AgentEndpoint's ``prepare``; a request
-        thread)."""
-        config, state = self.config, self.agent_rollout
-        if state is None or not 0 <= episode - state["first"] < len(state["calls"]):
-            raise ValueError(f"episode {episode} is not running")
-        calls = state["calls"][episode - state["first"]]
-        if kind == "chat":
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-                raise ValueError("messages must be a non-empty list of {role, content} objects")
-            try:
-                text = self.formatter.render("", messages, True, "agent request", body.get("tools"))
-            except RLHFInputError as error:
-                raise ValueError(str(error)) from None
-            prompt_ids = self.formatter.encode(text)
-        else:
-            text = body.get("prompt")
-            if not isinstance(text, str):
-                raise ValueError("prompt must be one string")
-            prompt_ids = self.formatter.encode(text)
-        if (body.get("n") or 1) != 1:
-            raise ValueError("n must be 1: each request is one sample of the episode")
-        index = episode - state["first"]
-        if not calls and text == state["texts"][index]:  # the record's prompt as the run encoded it
-            prompt_ids = list(state["records"][index]["prompt_ids"])
-        if calls:  # token in, token out: a request whose text extends the last request and its answer gets the
-            # sampled ids back as sampled, not re-encoded from their text (which need not give them back), so the
-            # model conditions on the trajectory it will be trained on
-            last = calls[-1]
-            before = last.prompt_text + self.policy.tokenizer.decode(last.token_ids, skip_special_tokens=False)
-            if text.startswith(before):
-                prompt_ids = list(last.prompt_ids) + list(last.token_ids) + self.formatter.encode(text[len(before):])
-        if len(calls) >= config.max_turns:
-            raise ValueError(f"this episode made its {config.max_turns} requests (max_turns)")
-        temperature = body.get("temperature")
-        if temperature is not None and abs(float(temperature) - config.temperature) > 1e-9 \
-                and "temperature" not in state["warned"]:
-            state["warned"].add("temperature")
-            logger.warning("agent requests ask for temperature %s; the run samples at its own temperature %s, the one "
-                           "its loss assumes", temperature, config.temperature)
-        room = config.max_completion_length - (len(prompt_ids) - len(calls[0].prompt_ids) if calls else 0)
-        asked = body.get("max_completion_tokens") or body.get("max_tokens") or room
-        # an episode whose budget (max_completion_length, what the agent added included) is spent is answered with
-        # nothing and finish_reason length, as an OpenAI server answers max_tokens reached
-        budget = max(0, min(int(asked), config.max_turn_tokens or config.max_completion_length, room))
-        stop = body.get("stop") or ()
-        stop = (stop,) if isinstance(stop, str) else tuple(str(s) for s in stop)
-        return text, prompt_ids, budget, stop
-
-    def _agent_answer(self, call: AgentCall, body: dict[str, Any], kind: str) -> dict[str, Any]:
-        """The OpenAI-format answer to a sampled request (AgentEndpoint's ``answer``; a request thread). With
-        ``tools`` in a chat request, a JSON tool call in the answer (the Hermes / Qwen form) is returned as
-        ``tool_calls``, as vLLM's tool parser does."""
-        tokenizer = self.policy.tokenizer
-        text = tokenizer.decode(call.token_ids, skip_special_tokens=True)
-        ends = sorted((text.find(stop), stop) for stop in call.stop if stop and stop in text)
-        if ends:  # OpenAI's (and vLLM's) answer leaves out the stop string it ended at; the trajectory keeps it
-            text = text[:ends[0][0]]
-        # vLLM's extension of the answer: which stop string (or stop token id) ended it, None at the length limit
-        stop_reason = ends[0][1] if ends else (call.token_ids[-1] if call.token_ids and call.finish_reason == "stop"
-                                                else None)
-        usage = {"prompt_tokens": len(call.prompt_ids), "completion_tokens": len(call.token_ids),
-                 "total_tokens": len(call.prompt_ids) + len(call.token_ids)}
-        base = {"id": f"rlhf-{call.episode}-{uuid.uuid4().hex[:8]}", "created": int(time.time()),
-                "model": str(body.get("model") or "policy"), "usage": usage}
-        logprobs = None
-        if body.get("logprobs"):
-            logprobs = {"content": [{"token": tokenizer.decode([t]), "logprob": lp, "bytes": None, "top_logprobs": []}
-                                    for t, lp in zip(call.token_ids, call.logprobs)]}
-        if kind != "chat":
-            return {**base, "object": "text_completion",
-                    "choices": [{"index": 0, "text": text, "finish_reason": call.finish_reason, "logprobs": None,
-                                 "stop_reason": stop_reason}]}
-        message: dict[str, Any] = {"role": "assistant", "content": text}
-        finish = call.finish_reason
-        tool = parse_tool_call(text, "chat_template") if body.get("tools") else None
-        if tool is not None:
-            message["content"] = text[:text.find("<tool_call>")].strip() if "<tool_call>" in text else None
-            message["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
-                                      "function": {"name": tool.name, "arguments": json.dumps(tool.arguments)}}]
-            finish = "tool_calls"
-        return {**base, "object": "chat.completion",
-                "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs,
-                             "stop_reason": stop_reason}]}
-
-    def _observation_ids(self, record: dict[str, Any], conversation: list[dict[str, Any]], turn_ids: list[int],
-                         observation: str) -> list[int]:
-        """The tokens an environment's answer adds. ``tag``: its text, inline in the assistant's turn.
-        ``chat_template``: what the chat template writes after this assistant turn's end-of-turn token for a
-        ``tool`` message, through the next assistant turn's header, so the next turn is generated as the model
-        was taught (the rest of the end-of-turn text, e.g. ChatML's newline, included)."""
-        encode = self.formatter.encode
-        if self.config.tool_format == "tag":
-            return encode(observation)
-        text = self.policy.decode(turn_ids)
-        ended = turn_ids[-1:] if turn_ids and turn_ids[-1] in self.formatter.stop_token_ids else []
-        generated = text + self.policy.tokenizer.decode(ended)
-        conversation += [{"role": "assistant", "content": text}, {"role": "tool", "content": observation}]
-        rendered = self.formatter.render(record.get("system"), conversation, True, "record", record.get("tools"))
-        where = rendered.rfind(generated, 0, rendered.rfind(observation))
-        if where < 0:
-            raise RLHFInputError("tool_format chat_template: this chat template does not write an assistant turn as "
-                                 "the model generated it, so tool messages cannot be appended token by token; use "
-                                 "tool_format: tag")
-        return encode(rendered[where + len(generated):])
-
-    # an online stage that can leave a failed episode's group out of the loss (GRPO and its estimators); the others
-    # stop with one line when a reward cannot be had after the retries
-    drops_failed_episodes = False
-
-    def _score_output(self, records: list[dict[str, Any]], output: Any) -> torch.Tensor:
-        """Rewards of an output's completions: the reward functions, plus an environment's step rewards. Sets
-        ``output.failed`` (per completion: its episode or its reward failed after the retries) and counts them in
-        rollout/failed_episodes."""
-        episodes = torch.tensor(getattr(output, "failed", None) or [False] * len(output.token_ids), dtype=torch.bool)
-        if episodes.numel() and episodes.all():  # not a fault of some episodes: nothing of this rollout can train
-            raise RLHFInputError(f"every episode of rollout {self.rollout_index} failed in its environment "
-                                 f"({self.config.environment}; the warning above names the last error), so the run "
-                                 f"stops: fix it, or raise rollout_retries / environment_timeout. "
-                                 f"{self._resume_advice()}")
-        rewards = self._score(records, output.token_ids, failed_already=episodes)
-        failed = episodes | self.failed_completions
-        output.failed = failed.tolist()
-        self.rollout_metrics["rollout/failed_episodes"] = (self.rollout_metrics.get("rollout/failed_episodes", 0.0)
-                                                           + float(failed.sum()))
-        extra = getattr(output, "environment_rewards", None)
-        if extra is None:
-            return rewards
-        total = rewards + extra  # what the advantages see: the reward functions' and the environment's (an agent's)
-        kept = ~failed
-        self.rollout_metrics["reward"] = float(total[kept].mean()) if kept.any() else 0.0
-        return total
-
-    def _reward_name(self) -> str:
-        return getattr(self.reward_fn, "__name__", type(self.reward_fn).__name__)
-
-    def _rewards_or_failures(self, prompts: list[str], texts: list[str], answers: list[Any],
-                             records: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The reward function on the batch, retried ``rollout_retries`` times when it raises; if it still fails,
-        on each completion alone (retried too), so only the completions it cannot score fail. Returns the scores
-        (0 where failed) and which failed. A user mistake (RLHFInputError) stops the run as always."""
-        attempts, n = 1 + self.config.rollout_retries, len(texts)
-        self.watchdog.progress(f"reward function {self._reward_name()}")
-        try:
-            return (retried(lambda: _call_reward(self.reward_fn, prompts, texts, answers, records), attempts),
-                    torch.zeros(n, dtype=torch.bool))
-        except RLHFInputError:
-            raise
-        except Exception as error:  # noqa: BLE001 (a user's reward function: any error is a fault of its call)
-            last = error
-        scores, failed = torch.zeros(n), torch.zeros(n, dtype=torch.bool)
-        for i in range(n):
-            self.watchdog.progress(f"reward function {self._reward_name()} (completion {i} alone)")
-            try:
-                alone = slice(i, i + 1)
-                scores[i] = retried(functools.partial(_call_reward, self.reward_fn, prompts[alone], texts[alone],
-                                                      answers[alone], records[alone]), attempts)[0]
-            except RLHFInputError:
-                raise
-            except Exception as error:  # noqa: BLE001
-                failed[i], last = True, error
-        if failed.all():  # a broken reward, not a fault of some calls: the run stops with its own error
-            raise last
-        if failed.any():
-            logger.warning("reward function %s failed on %d of %d completions after %d attempts each (last error: "
-                           "%s: %s); they are dropped", self._reward_name(), int(failed.sum()), n, attempts,
-                           type(last).__name__, last)
-        return scores, failed
-
-    def _score(self, records: list[dict[str, Any]], completions: list[list[int]],
-               failed_already: torch.Tensor | None = None) -> torch.Tensor:
-        """Raw rewards of the completions, logged per reward function; a non-finite reward is zeroed and makes the
-        step skip its update. Completions whose reward failed after the retries are in ``self.failed_completions``;
-        their reward is the mean of the others' (so batch statistics and the normaliser keep their mean) and a
-        stage that cannot drop them stops with one line. ``failed_already``: completions dropped before scoring
-        (a failed episode), left out of the reward metrics."""
-        texts = [self.policy.decode(ids) for ids in completions]
-        prompts = [r["messages"][-1]["content"] if r.get("messages") else "" for r in records]
-        rewards, failed = self._rewards_or_failures(prompts, texts, [r.get("answer") for r in records], records)
-        self.failed_completions = failed
-        if failed.any() and not self.drops_failed_episodes:
-            raise RLHFInputError(f"reward function {self._reward_name()} failed on {int(failed.sum())} completions "
-                                 f"after {1 + self.config.rollout_retries} attempts each, and the {self.config.stage} "
-                                 f"stage cannot leave completions out; fix it or raise rollout_retries")
-        lost = failed | (failed_already if failed_already is not None else torch.zeros_like(failed))
-        if lost.any():
-            rewards = torch.where(lost, rewards[~lost].mean() if (~lost).any() else torch.tensor(0.0), rewards)
-        if self.config.overlong_buffer_len:  # DAPO: long completions lose reward before they hit the limit
-            shaping = overlong_penalty(torch.tensor([len(c) for c in completions]), self.config.max_completion_length,
-                                       self.config.overlong_buffer_len, self.config.overlong_penalty_factor)
-            rewards = rewards.to(torch.float32) + shaping
-            self.rollout_metrics["rewards/overlong/mean"] = float(shaping.mean())
-        components = getattr(self.reward_fn, "last_components", {})
-        for name, scores in components.items() if not failed.any() else ():  # one call's parts when none failed
-            self.rollout_metrics[f"rewards/{name}/mean"] = float(scores.mean())
-            self.rollout_metrics[f"rewards/{name}/std"] = float(scores.std()) if scores.numel() > 1 else 0.0
-        bad = ~torch.isfinite(rewards)
-        if bad.any():
-            self.pending_problem = f"reward ({int(bad.sum())} of {bad.numel()} completions)"
-            rewards = torch.where(bad, torch.zeros_like(rewards), rewards)
-        self.rollout_metrics["reward"] = float(rewards[~lost].mean()) if (~lost).any() else 0.0
-        return rewards
-
-    def _rows(self, records: list[dict[str, Any]], completions: list[list[int]], masked: list[bool] | None = None,
-              observed: list[list[bool]] | None = None) -> Rollout:
-        """Prompt + completion rows; ``masked`` rows and ``observed`` completion tokens (an environment's) get no
-        label, so no loss, KL or advantage term ever covers them."""
-        rows = [_prompt_completion(r["prompt_ids"], c) for r, c in zip(records, completions)]
-        if observed is not None:
-            rows = [(ids, labels[:len(labels) - len(seen)] + [IGNORE_INDEX if o else t for t, o in
-                                                             zip(labels[len(labels) - len(seen):], seen)])
-                    for (ids, labels), seen in zip(rows, observed)]
-        if masked is not None:
-            rows = [(ids, [IGNORE_INDEX] * len(ids)) if drop else (ids, labels)
-                    for (ids, labels), drop in zip(rows, masked)]
-        batch = _pad_rows([r[0] for r in rows], [r[1] for r in rows], self.policy.tokenizer.pad_token_id)
-        images = [r.get("images") or [] for r in records]
-        return Rollout(batch["input_ids"], batch["attention_mask"], batch["labels"],
-                       prompt_lengths=torch.tensor([len(r["prompt_ids"]) for r in records], dtype=torch.long),
-                       images=images if any(images) else None)
+        return {f"{self.engine.metric_prefix}/{k}": v for k, v in metrics.items() if not k.startswith("is_")}
 
     def _reference_logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         with self.reference._frozen():
@@ -11767,43 +12273,55 @@ class _OnlineRLTrainer(_ReferenceTrainer):
                                                     attention_mask=batch["attention_mask"])
             return OutputHead.of(model).log_probs(scores[:, :-1], batch["input_ids"][:, 1:], self.config.temperature)
 
-    def _pop_rollout_metrics(self) -> dict[str, float]:
-        metrics, self.rollout_metrics = self.rollout_metrics, {}  # rollout statistics count once per rollout
-        return metrics
+    # -- checkpoints: a checkpoint taken inside a rollout keeps every process's rollout
+    def _save_checkpoint(self) -> None:
+        # each process trains on a rollout of its own prompts, and only the main process writes: a checkpoint
+        # taken inside a rollout collects every process's rollout first (all processes get here together)
+        inside = bool(self.global_step % self.steps_per_rollout) and self.current_rollout is not None
+        self.rollouts_to_save = self.devices.gather_object(self.current_rollout) if inside else []
+        super()._save_checkpoint()
 
+    def _write_checkpoint(self, directory: Path) -> None:
+        super()._write_checkpoint(directory)
+        save_rollouts(directory, self.rollouts_to_save)
+
+    def _load_checkpoint(self, path: Path) -> None:
+        super()._load_checkpoint(path)
+        if self.global_step % self.steps_per_rollout:
+            self.resumed_rollout = load_rollout(path, self.devices.process_index, self.devices.num_processes)
+
+    # -- evaluation: held-out answers from the policy (or the engine, when it holds the policy at its precision)
     def evaluate(self) -> dict[str, float]:
-        engine = self._sync_engine() if self.eval_records else None
-        # vLLM: the held-out answers come from the engine too (a low-precision copy never does)
+        engine = self.engine.at(self.global_step) if self.eval_records else None
         if engine is not None and engine.holds_weights and getattr(engine, "answers_evaluation", False):
             self.policy.rollout_engine = engine
         try:
-            metrics = self._generation_eval()
+            metrics = _generation_eval(self)
         finally:
             self.policy.rollout_engine = None
-        if getattr(self.config, "environment", None) and metrics:
+        if not isinstance(self.source, SingleTurnSource) and metrics:
             metrics = {**{f"{name}_without_environment": value for name, value in metrics.items()},
                        **self._environment_eval()}
         return metrics
 
     @torch.no_grad()
     def _environment_eval(self) -> dict[str, float]:
-        """Held-out exact match when the policy answers through its environment (greedy episodes, tools
+        """Held-out exact match when the policy answers through its episode source (greedy episodes, tools
         answering), as it does in training; ``evaluate`` keeps the plain greedy answers as
         ``eval/accuracy_without_environment``. Every process plays every episode (greedy, so identically)."""
-
         scored = [r for r in self.eval_records if r.get("answer") is not None]
         params = SamplingParams(max_new_tokens=self.config.max_completion_length, temperature=0.0, n=1,
                                 stop_token_ids=tuple(self.formatter.stop_token_ids))
-        saved, size = dict(self.rollout_metrics), self.config.per_device_eval_batch_size
+        size, engine = self.config.per_device_eval_batch_size, self.engine.at(self.global_step)
         correct, formatted, tokens, calls = 0.0, 0.0, 0.0, 0.0
         for start in range(0, len(scored), size):
             chunk = scored[start:start + size]
             prompts = [_encode_prompt(self.formatter, record, self.config.cutoff_len)[0] for record in chunk]
-            output = self._sample_episodes(prompts, params)
-            counts = _exact_match_tally(self.policy, chunk, output.token_ids)
+            episodes = self.source.sample(prompts, params, engine, self.watchdog.progress)
+            engine.sleep()
+            counts = _exact_match_tally(self.policy, chunk, episodes.token_ids)
             correct, formatted, tokens = correct + counts[0], formatted + counts[1], tokens + counts[2]
-            calls += self.rollout_metrics["tools/calls_per_episode"] * len(chunk)
-        self.rollout_metrics = saved
+            calls += episodes.metrics["tools/calls_per_episode"] * len(chunk)
         count = max(len(scored), 1)
         return {"eval/accuracy": correct / count, "eval/format_rate": formatted / count,
                 "eval/mean_completion_tokens": tokens / count, "eval/tool_calls_per_episode": calls / count}
@@ -11812,7 +12330,14 @@ class _OnlineRLTrainer(_ReferenceTrainer):
         try:
             return super().train()
         finally:
-            self._close_engine()
+            self.close_rollouts()
+
+    def close_rollouts(self) -> None:
+        """Stop sampling ahead, close the engine and the episode source (idempotent)."""
+        self.rollout_scheduler.close()
+        self.policy.rollout_engine = None
+        self.engine.close()
+        self.source.close()
 
     def _extra_state(self) -> dict[str, Any]:
         return {"reward_normalizer": self.normalizer.state_dict() if self.normalizer else None}
@@ -11820,6 +12345,7 @@ class _OnlineRLTrainer(_ReferenceTrainer):
     def _load_extra_state(self, state: dict[str, Any]) -> None:
         if self.normalizer is not None and state.get("reward_normalizer"):
             self.normalizer.load_state_dict(state["reward_normalizer"])
+
 
 
 def _prompt_datasets(config: BaseConfig, records: tuple, tokenizer: Any, formatter: ChatFormatter,
@@ -12047,41 +12573,45 @@ class GRPOTrainer(_OnlineRLTrainer):
         """Sample G completions per prompt, score them, and attach advantages and log-probs."""
         config, group = self.config, self.config.num_generations
         if config.dynamic_sampling:
-            records, output, rewards, uninformative = self._sample_informative_groups(prompts)
+            episodes, failed, rewards, uninformative, metrics, skip_reason = self._sample_informative_groups(prompts)
         else:
-            output = self._sample(prompts, group)
-            records = getattr(output, "records", None) or [prompts[i // group] for i in range(len(output.token_ids))]
+            episodes = self._sample(prompts, group)
+            scores = self.scorer.score(episodes, self.rollout_index, self.watchdog.progress)
             # the reward normaliser and batch-scaled advantages see every process's rewards, as one process
             # with the whole batch would; each process keeps its own rows (a prompt's group is on one process)
-            rewards, uninformative = self.devices.gather(self._score_output(records, output)), None  # (P * B*G)
+            rewards, uninformative = self.devices.gather(scores.rewards), None  # (P * B*G)
+            failed, skip_reason, metrics = scores.failed.tolist(), scores.skip_reason, {**episodes.metrics,
+                                                                                        **scores.metrics}
         grouped_std = rewards.view(-1, group).std(-1)
-        self.rollout_metrics.update({"reward_std": float(grouped_std.mean()),
-                                     "frac_reward_zero_std": float((grouped_std < 1e-6).float().mean())})
+        metrics.update({"reward_std": float(grouped_std.mean()),
+                        "frac_reward_zero_std": float((grouped_std < 1e-6).float().mean())})
         rewards = process_rewards(rewards, normalizer=self.normalizer, clip=config.reward_clip)
         # DAPO: a completion cut off at the length limit says nothing reliable about its reward
-        masked = [r == "length" for r in output.finish_reasons] if config.mask_truncated_completions else None
+        masked = [r == "length" for r in episodes.finish_reasons] if config.mask_truncated_completions else None
         if uninformative is not None:  # dynamic sampling ran out of rounds: those groups stay out of the loss
             masked = [m or u for m, u in zip(masked or [False] * len(uninformative), uninformative)]
-        dropped = failed_groups(getattr(output, "failed", None) or [], group)
+        dropped = failed_groups(failed, group)
         if any(dropped):  # an episode without a reward: its group's advantages would be made up, so none trains
             masked = [m or d for m, d in zip(masked or [False] * len(dropped), dropped)]
-            self.rollout_metrics["rollout/dropped_groups"] = sum(dropped) / group
-        rollout = self._rows(records, output.token_ids, masked, observed=getattr(output, "observation_mask", None))
+            metrics["rollout/dropped_groups"] = sum(dropped) / group
+        rollout = self._rows(episodes.records, episodes.token_ids, masked, observed=episodes.observation_mask)
+        rollout.metrics, rollout.skip_reason = metrics, skip_reason
         token_level = config.advantage_estimator.startswith("reinforce_pp")
         if not token_level:
             advantages = (grpo_advantages(rewards, group, scale=config.scale_rewards)
                           if config.advantage_estimator == "grpo"
                           else _scaled(rloo_advantages(rewards, group), group, config.scale_rewards))
             rollout.advantages = advantages.view(self.devices.num_processes, -1)[self.devices.process_index]
-        if getattr(output, "calls", None) is not None:  # an agent's requests, each a row (agent_trajectory)
-            rollout, output = self._per_call_rows(records, output, masked, rollout.advantages)
+        if episodes.calls is not None:  # an agent's requests, each a row (agent_trajectory)
+            rollout, episodes = per_call_rows(episodes, masked, rollout.advantages, self.policy.tokenizer.pad_token_id)
+            rollout.metrics, rollout.skip_reason = {**metrics, **episodes.metrics}, skip_reason
         # the trainer's own log-probs are the old ones when a rollout trains several steps, when an engine holding a
         # copy (vLLM, int8) sampled it (one extra forward) unless the engine's are asked for, and for REINFORCE++'s KL
         copy = self.engine.holds_weights
         trainer_old = (config.num_iterations > 1 or (copy and config.vllm_old_logprobs == "trainer")
                        or (token_level and self.reference is not None))
         if trainer_old or self.reference is not None or copy:
-            self._attach_log_probs(rollout, output, trainer_old)
+            self._attach_log_probs(rollout, episodes, trainer_old)
         if token_level:  # REINFORCE++: the KL to the reference goes into the reward, not the loss
             kl = rollout.old_logps - rollout.ref_logps if rollout.ref_logps is not None else None
             rollout.advantages = reinforce_pp_advantages(
@@ -12094,35 +12624,37 @@ class GRPOTrainer(_OnlineRLTrainer):
                 rollout.old_logps = None  # on-policy: the loss needs no stored log-probs
         return rollout
 
-    def _sample_informative_groups(self, prompts: list[dict[str, Any]]) -> tuple[list, Any, torch.Tensor, list[bool]]:
+    def _sample_informative_groups(self, prompts: list[dict[str, Any]]
+                                   ) -> tuple[Episodes, list[bool], torch.Tensor, list[bool], dict[str, float], str]:
         """DAPO's dynamic sampling (Yu et al. 2025, sec. 3.2): a group whose completions all scored alike has zero
         advantage and teaches nothing, so it is dropped and more prompts are sampled, drawn at random from the prompt
         set with a generator seeded by the rollout (a resume draws the same), until this rollout holds as many
         informative groups as it has prompts or ``max_sampling_rounds`` rounds have run; processes decide together,
         since scoring gathers across them. Groups still missing are filled with dropped ones, marked to stay out of
-        the loss. Returns the kept records (one per completion), their GenerationOutput, every process's rewards and
-        which completions are such fillers."""
-
+        the loss. Returns the kept episodes, which of them failed (none: a group with a failed episode is never kept,
+        and fillers are masked anyway), every process's rewards, which completions are such fillers, and the
+        metrics (the last round's, the first round's reward: the policy's as sampled, comparable with a run without
+        dynamic sampling) and the skip reason of the last round that had one."""
         config, group, needed = self.config, self.config.num_generations, len(prompts)
-        draw = torch.Generator().manual_seed((config.seed * 1_000_003 + self.rollout_index) * 7919
-                                             + self.devices.process_index)
-        kept: list[tuple] = []  # (record, token_ids, logprobs, finish_reasons, rewards) per informative group
+        draw = torch.Generator().manual_seed(rollout_seed(config.seed, self.rollout_index,
+                                                          ROLLOUT_SEED_SALTS["extra_prompts"],
+                                                          self.devices.process_index))
+        kept: list[tuple] = []  # (episodes of the group, rewards) per informative group
         dropped: list[tuple] = []
-        candidates, rounds, sampled = prompts, 0, 0
+        candidates, rounds, sampled, metrics, failures, skip_reason = prompts, 0, 0, {}, 0.0, ""
         while True:
             rounds += 1
-            output = self._sample(candidates, group)
-            records = getattr(output, "records", None) or [candidates[i // group]
-                                                           for i in range(len(output.token_ids))]
-            rewards = self._score_output(records, output)  # raw: whether a group varies is decided before shaping
-            if rounds == 1:  # the policy's reward as sampled, comparable with a run without dynamic sampling
-                first_round_reward = self.rollout_metrics["reward"]
-            observed = getattr(output, "observation_mask", None)  # an environment's tokens, per completion
+            episodes = self._sample(candidates, group)
+            scores = self.scorer.score(episodes, self.rollout_index, self.watchdog.progress)
+            metrics.update({**episodes.metrics, **scores.metrics})
+            failures += scores.metrics["rollout/failed_episodes"]
+            skip_reason = scores.skip_reason or skip_reason
+            if rounds == 1:
+                first_round_reward = scores.metrics["reward"]
             for g in range(len(candidates)):
-                rows = slice(g * group, (g + 1) * group)
-                entry = (candidates[g], output.token_ids[rows], output.logprobs[rows], output.finish_reasons[rows],
-                         rewards[rows], observed[rows] if observed is not None else None)
-                informative = float(rewards[rows].std()) > 1e-6 and not any(output.failed[rows])
+                rows = range(g * group, (g + 1) * group)
+                entry = (episodes.select(rows), scores.rewards[g * group:(g + 1) * group])
+                informative = float(entry[1].std()) > 1e-6 and not bool(scores.failed[g * group:(g + 1) * group].any())
                 (kept if informative else dropped).append(entry)
             sampled += len(candidates)
             missing = max(0, needed - len(kept))
@@ -12132,23 +12664,20 @@ class GRPOTrainer(_OnlineRLTrainer):
             candidates = [self.train_dataset[i] for i in picks]
         chosen = kept[:needed] + dropped[:max(0, needed - len(kept))]
         fillers = [i >= len(kept) for i, _ in enumerate(chosen) for _ in range(group)]
-        self.rollout_metrics.update({"dynamic_sampling/rounds": float(rounds),
-                                     "dynamic_sampling/dropped_frac": 1.0 - len(kept) / max(sampled, 1),
-                                     "dynamic_sampling/filler_frac": sum(fillers) / max(len(fillers), 1)})
-        output = GenerationOutput([t for c in chosen for t in c[1]], [lp for c in chosen for lp in c[2]],
-                                  [r for c in chosen for r in c[3]],
-                                  [i for i, _ in enumerate(chosen) for _ in range(group)])
-        output.failed = [False] * len(output.token_ids)  # a group with a failed episode is never kept; fillers are
-        # masked anyway
-        if observed is not None:
-            output.observation_mask = [m for c in chosen for m in c[5]]
-        records = [c[0] for c in chosen for _ in range(group)]
-        rewards = self.devices.gather(torch.cat([c[4] for c in chosen]))
-        self.rollout_metrics.update({"reward": first_round_reward,
-                                     "dynamic_sampling/kept_reward": float(rewards.mean())})
-        return records, output, rewards, fillers
+        parts = [part for part, _ in chosen]
+        observed = [m for part in parts for m in part.observation_mask] if parts[0].observation_mask else None
+        episodes = Episodes([t for p in parts for t in p.token_ids], [lp for p in parts for lp in p.logprobs],
+                            [r for p in parts for r in p.finish_reasons], [r for p in parts for r in p.records],
+                            observation_mask=observed)
+        rewards = self.devices.gather(torch.cat([rewards for _, rewards in chosen]))
+        metrics.update({"dynamic_sampling/rounds": float(rounds),
+                        "dynamic_sampling/dropped_frac": 1.0 - len(kept) / max(sampled, 1),
+                        "dynamic_sampling/filler_frac": sum(fillers) / max(len(fillers), 1),
+                        "rollout/failed_episodes": failures, "reward": first_round_reward,
+                        "dynamic_sampling/kept_reward": float(rewards.mean())})
+        return episodes, episodes.failed, rewards, fillers, metrics, skip_reason
 
-    def _attach_log_probs(self, rollout: Rollout, output: Any, trainer_old: bool) -> None:
+    def _attach_log_probs(self, rollout: Rollout, episodes: Episodes, trainer_old: bool) -> None:
         """The rollout's old log-probs (a forward of the policy as it sampled), reference log-probs, and from an
         engine holding a copy (vLLM, fp16, int8) the engine/trainer correction."""
         config = self.config
@@ -12161,7 +12690,7 @@ class GRPOTrainer(_OnlineRLTrainer):
             if self.reference is not None:
                 rollout.ref_logps = torch.cat([self._reference_logps(b).cpu() for b in parts])
         if self.engine.holds_weights:
-            self._engine_correction(rollout, output, torch.cat(sampled) if sampled else None)
+            self._engine_correction(rollout, episodes, torch.cat(sampled) if sampled else None)
 
     def rollout_schedule(self, rollout: Rollout) -> list[dict[str, torch.Tensor]]:
         config = self.config
@@ -12169,26 +12698,6 @@ class GRPOTrainer(_OnlineRLTrainer):
         chunks = config.gradient_accumulation_steps if rollout.input_ids.shape[0] != planned else None  # per_call
         return (rollout.micro_batches(config.per_device_train_batch_size, vision=self.policy.vision, chunks=chunks)
                 * config.num_iterations)
-
-    def _per_call_rows(self, records: list[dict[str, Any]], output: Any, masked: list[bool] | None,
-                       advantages: torch.Tensor) -> tuple[Rollout, GenerationOutput]:
-        """``agent_trajectory: per_call``: every request of an episode a row of its own (its prompt as the agent
-        sent it, its answer as sampled), each with its episode's advantage; a dropped episode keeps one masked row.
-        Returns the rollout of those rows and their GenerationOutput (the recorded log-probs)."""
-        rows, completions, logps, reasons, dropped, row_advantages = [], [], [], [], [], []
-        for episode, (record, calls) in enumerate(zip(records, output.calls)):
-            for prompt_ids, ids, lps, reason in calls or [(record["prompt_ids"], [], [], "stop")]:
-                rows.append({**record, "prompt_ids": list(prompt_ids)})
-                completions.append(list(ids))
-                logps.append(list(lps))
-                reasons.append(reason)
-                dropped.append(bool(masked and masked[episode]) or not calls)
-                row_advantages.append(float(advantages[episode]))
-        self.rollout_metrics["tools/trained_rows"] = float(len(rows))
-        row_output = GenerationOutput(completions, logps, reasons, list(range(len(rows))))
-        rollout = self._rows(rows, completions, dropped)
-        rollout.advantages = torch.tensor(row_advantages, dtype=torch.float32)
-        return rollout, row_output
 
     @property
     def shares_prompts(self) -> bool:
@@ -12273,7 +12782,7 @@ class GRPOTrainer(_OnlineRLTrainer):
         # skipped rows add nothing to; bnpo's token mean is over the whole micro-batch: rescaled to that many tokens
         if LOSS_AGGREGATIONS[policy_loss(config.loss_type).aggregation].per_micro_batch:
             loss = loss * token_share
-        return loss * self.loss_units(batch), {**metrics, **self._pop_rollout_metrics()}
+        return loss * self.loss_units(batch), metrics
 
 
 @_leaves_logging_as_found
@@ -12353,28 +12862,27 @@ class OnlineDPOTrainer(_OnlineRLTrainer):
     def make_rollout(self, prompts: list[dict[str, Any]]) -> Rollout:
         """Rows ordered so that each micro-batch holds its pairs' chosen rows, then their rejected ones."""
         size = self.config.per_device_train_batch_size
-        output = self._sample(prompts, 2)
-        records = [prompts[i // 2] for i in range(len(output.token_ids))]
-        scores = self._score(records, output.token_ids).view(-1, 2)  # (B, 2)
+        episodes = self._sample(prompts, 2)
+        ranked = self.scorer.score_completions(episodes.records, episodes.token_ids, self.watchdog.progress)
+        scores = ranked.rewards.view(-1, 2)  # (B, 2)
         second = (scores[:, 1] > scores[:, 0]).long()
         chosen, rejected = torch.arange(len(prompts)) * 2 + second, torch.arange(len(prompts)) * 2 + 1 - second
         order = torch.cat([torch.cat([chosen[i:i + size], rejected[i:i + size]]) for i in range(0, len(prompts), size)])
-        output = dataclasses.replace(output, **{name: [getattr(output, name)[i] for i in order] for name in
-                                                ("token_ids", "logprobs", "finish_reasons", "prompt_index")})
-        rollout = self._rows([records[i] for i in order], output.token_ids)
+        episodes = episodes.select(order.tolist())
+        rollout = self._rows(episodes.records, episodes.token_ids)
         decided = (scores[:, 0] != scores[:, 1]).float()
         rollout.pair_weights = torch.cat([decided[i:i + size].repeat(2) for i in range(0, len(prompts), size)])
-        self.rollout_metrics.update({"online_dpo/ties_frac": 1.0 - float(decided.mean()),
-                                     "online_dpo/score_margin": float((scores.max(-1).values
-                                                                       - scores.min(-1).values).mean())})
+        rollout.skip_reason = ranked.skip_reason
+        rollout.metrics = {**episodes.metrics, **ranked.metrics,
+                           "online_dpo/ties_frac": 1.0 - float(decided.mean()),
+                           "online_dpo/score_margin": float((scores.max(-1).values - scores.min(-1).values).mean())}
         if self.reference is not None:
             with self.devices.autocast():
                 rollout.ref_summed = torch.cat([_reference_logps(self.reference,
                                                                  _trim_columns(self._to_device(b))).cpu()
                                                 for b in rollout.micro_batches(2 * size)])
         if self.engine.holds_weights:  # the correction has no place in a sequence-level loss: report the gap only
-            self.rollout_metrics.update({f"{self._gap_prefix()}/{k}": v
-                                         for k, v in self._engine_gap(rollout, output).items()})
+            rollout.metrics.update(self._engine_gap(rollout, episodes))
         return rollout
 
     def rollout_schedule(self, rollout: Rollout) -> list[dict[str, torch.Tensor]]:
@@ -12407,7 +12915,7 @@ class OnlineDPOTrainer(_OnlineRLTrainer):
                    if ranked.any() else 0.0,
                    "rewards/accuracies": float((chosen_rewards > rejected_rewards)[ranked].float().mean())
                    if ranked.any() else 0.0}
-        return (losses * weights).sum(), {**metrics, **self._pop_rollout_metrics()}
+        return (losses * weights).sum(), metrics
 
 
 @_leaves_logging_as_found
@@ -12480,21 +12988,24 @@ class DistillTrainer(_OnlineRLTrainer):
     @torch.no_grad()
     def make_rollout(self, prompts: list[dict[str, Any]]) -> Rollout:
         config = self.config
-        draw = torch.Generator().manual_seed(config.seed * 1_000_003 + self.rollout_index)  # a resume draws alike
+        draw = torch.Generator().manual_seed(rollout_seed(config.seed, self.rollout_index))  # a resume draws alike
         on_policy = float(torch.rand((), generator=draw)) < config.lmbda
+        metrics = {}
         if on_policy:
-            completions = self._sample(prompts, 1).token_ids
+            episodes = self._sample(prompts, 1)
+            completions, metrics = episodes.token_ids, episodes.metrics
         elif config.seq_kd:
             completions = self._teacher_samples(prompts)
         else:
             completions = [self.formatter.prompt_and_completion(p, p["response"])[1] for p in prompts]
-        self.rollout_metrics["distill/on_policy"] = float(on_policy)
-        return self._rows(prompts, completions)
+        rollout = self._rows(prompts, completions)
+        rollout.metrics = {**metrics, "distill/on_policy": float(on_policy)}
+        return rollout
 
     def _teacher_samples(self, prompts: list[dict[str, Any]]) -> list[list[int]]:
         params = self._sampling_params(1, self.rollout_index)  # seeded by the rollout: a resume samples alike
         params = dataclasses.replace(params, seed=params.seed if params.seed is not None else
-                                     self.config.seed * 1_000_003 + self.rollout_index)
+                                     rollout_seed(self.config.seed, self.rollout_index))
         return generate_tokens(self.teacher.model, [p["prompt_ids"] for p in prompts], params,
                                pad_token_id=self.policy.tokenizer.pad_token_id).token_ids
 
@@ -12516,7 +13027,7 @@ class DistillTrainer(_OnlineRLTrainer):
         per_token = generalized_jsd_loss(student[..., :vocab], teacher[..., :vocab], beta=config.beta,
                                          temperature=config.temperature)
         metrics = {"distill/divergence": float(_masked_mean(per_token.detach(), mask))}
-        return (per_token * mask).sum(), {**metrics, **self._pop_rollout_metrics()}
+        return (per_token * mask).sum(), metrics
 
 
 def check_same_vocabulary(teacher_tokenizer: Any, student_tokenizer: Any, field_name: str) -> None:
@@ -12679,12 +13190,14 @@ class PPOTrainer(_OnlineRLTrainer):
     @torch.no_grad()
     def make_rollout(self, prompts: list[dict[str, Any]]) -> Rollout:
         config = self.config
-        output = self._sample(prompts, 1)
-        scores = self._score(prompts, output.token_ids)
+        episodes = self._sample(prompts, 1)
+        scored = self.scorer.score_completions(prompts, episodes.token_ids, self.watchdog.progress)
+        scores = scored.rewards
         # the running normaliser sees every process's scores, so all processes normalise alike
         everyone = process_rewards(self.devices.gather(scores), normalizer=self.normalizer, clip=config.reward_clip)
         scores = everyone.view(self.devices.num_processes, -1)[self.devices.process_index]
-        rollout = self._rows(prompts, output.token_ids)
+        rollout = self._rows(prompts, episodes.token_ids)
+        rollout.metrics, rollout.skip_reason = {**episodes.metrics, **scored.metrics}, scored.skip_reason
         logps, values, ref_logps, sampled = [], [], [], []
         for batch in rollout.micro_batches(config.per_device_train_batch_size):
             batch = self._to_device(batch)
@@ -12698,7 +13211,7 @@ class PPOTrainer(_OnlineRLTrainer):
         rollout.old_logps, rollout.old_values, rollout.ref_logps = (torch.cat(logps), torch.cat(values),
                                                                     torch.cat(ref_logps))
         if self.engine.holds_weights:
-            self._engine_correction(rollout, output, torch.cat(sampled))
+            self._engine_correction(rollout, episodes, torch.cat(sampled))
         mask = rollout.completion_mask.float()
         kl = (rollout.old_logps - rollout.ref_logps) * mask  # k1 estimate per token (Ziegler et al. 2019 eq. 2)
         kl_coef = self.kl_controller.value
@@ -12714,7 +13227,7 @@ class PPOTrainer(_OnlineRLTrainer):
         else:
             rollout.advantages = advantages
         sequence_kl = kl.sum(-1)
-        self.rollout_metrics.update({
+        rollout.metrics.update({
             "objective/kl": float(sequence_kl.mean()), "objective/kl_coef": kl_coef,
             "objective/scores": float(scores.mean()),
             "objective/rlhf_reward": float((scores - kl_coef * sequence_kl).mean()),
@@ -12729,7 +13242,7 @@ class PPOTrainer(_OnlineRLTrainer):
         """ppo_epochs passes over the experience buffer, each in a fresh order seeded by the rollout's index."""
         config = self.config
         return RolloutBuffer(rollout, micro_batch_size=config.per_device_train_batch_size, epochs=config.ppo_epochs,
-                             seed=config.seed * 1_000_003 + self.rollout_index * 101).micro_batches()
+                             seed=buffer_order_seed(config.seed, self.rollout_index)).micro_batches()
 
     def loss_units(self, batch: dict[str, torch.Tensor]) -> int:
         return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
@@ -12752,7 +13265,7 @@ class PPOTrainer(_OnlineRLTrainer):
         metrics.update({"loss/policy": float(policy_loss.detach()), "loss/value": float(value_loss.detach()),
                         "entropy": float(entropy.detach()),
                         "value/clipfrac": float(_masked_mean(value_clipped.float(), mask.float()))})
-        return loss * self.loss_units(batch), {**metrics, **self._pop_rollout_metrics()}
+        return loss * self.loss_units(batch), metrics
 
     # -- checkpoints: the critic is saved beside the policy
     policy_prefix = "policy."  # ActorCritic's
@@ -12819,7 +13332,7 @@ register_stage(Stage("ppo", PPOConfig, train_ppo, PPOTrainer, record_kind="promp
 TrainingStage = _StageName("TrainingStage", [(name.upper(), name) for name in STAGES])
 
 
-# ==== 10. Evaluation ====
+# ==== 11. Evaluation ====
 
 
 def kl_estimates(policy_log_probs: torch.Tensor, reference_log_probs: torch.Tensor,
@@ -13012,7 +13525,7 @@ class RLHFEvaluator:
         return metrics
 
 
-# ==== 11. Self-improvement and safety ====
+# ==== 12. Self-improvement and safety ====
 
 
 @dataclass
@@ -13628,7 +14141,7 @@ class IterativeRefiner:
         return refinement_pairs(self.refine(prompts), min_margin)
 
 
-# ==== 12. Orchestrator ====
+# ==== 13. Orchestrator ====
 
 
 def read_report(output_dir: str | os.PathLike) -> dict[str, Any]:
@@ -14374,10 +14887,10 @@ class StageNotRun(Exception):
 
 
 
-# ==== 13. Export, evaluation and chat ====
+# ==== 14. Export, evaluation and chat ====
 # What a user does with a trained model: export it (an adapter merged into its base, as a Hugging Face folder or a
 # GGUF file for llama.cpp-family runtimes), measure it on a dataset, and talk to it. Each command has its config
-# right above the code that uses it; the CLI (section 14) only parses and dispatches.
+# right above the code that uses it; the CLI (section 15) only parses and dispatches.
 
 # ---- Export: LLaMA-Factory's `export` keys; GGUF written with the gguf package ----
 
@@ -15045,7 +15558,7 @@ def chat(config: ChatConfig, read: Callable[[str], str] | None = None,
     return ChatSession(policy, formatter, config).run(read, write)
 
 
-# ==== 14. CLI ====
+# ==== 15. CLI ====
 
 PIPELINE_HELP = """\
 The pipeline YAML holds keys shared by every stage at the top level, `stages: [sft, ...]`, and one

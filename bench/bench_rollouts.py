@@ -439,14 +439,15 @@ def run_grpo(args: argparse.Namespace) -> dict:
 
     trainer._optimizer_step, trainer._sample = timed_step, timed_sample
     if use_vllm:
-        inner_sync = trainer._sync_engine
+        inner_sync = trainer.engine.at
 
-        def timed_sync():
+        def timed_sync(step):
             started = time.perf_counter()
-            inner_sync()
+            engine = inner_sync(step)
             syncs.append(time.perf_counter() - started)
+            return engine
 
-        trainer._sync_engine = timed_sync
+        trainer.engine.at = timed_sync
     started = time.perf_counter()
     trainer.train()
     trained, extra = tokens_by_step(events, ends, "trained"), tokens_by_step(events, ends, "extra")
@@ -456,7 +457,7 @@ def run_grpo(args: argparse.Namespace) -> dict:
         raise RuntimeError(f"{len(steps)} steps and {len(generations)} generations, expected {args.grpo_steps}")
     return {"steps": steps, "gen": [g["seconds"] for g in generations], "tokens": [g["tokens"] for g in generations],
             "trained_tokens": trained, "extra_tokens": extra, "syncs": syncs,
-            "start": getattr(trainer.engine, "start_seconds", None)}
+            "start": getattr(trainer.engine.engine, "start_seconds", None)}
 
 
 def named_weights(model):

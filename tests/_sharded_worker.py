@@ -354,9 +354,9 @@ class DigitShare:
 class _KeepsEngine:
     """Leaves the rollout engine open after training, so the test can sync it once more and ask it."""
 
-    def _close_engine(self) -> None:
+    def close_rollouts(self) -> None:
         if getattr(self, "closing", False):
-            super()._close_engine()
+            super().close_rollouts()
 
 
 class PlainGRPOTrainer(_KeepsEngine, rlhf.GRPOTrainer):
@@ -400,15 +400,16 @@ def vllm(model_dir: str, out_dir: str, mode: str, port: str, sharded: str = "1",
     report["sharded"] = trainer.sharded
     report["rows"] = [{k: v for k, v in row.items() if k.startswith(("loss", "reward", "grad_norm", "vllm/", "perf/"))}
                       for row in result.history if "loss" in row]
-    trainer._sync_engine()  # the weights of step 2 (every process gathers alongside)
-    report["sync_peak_bytes"] = trainer.sync_meter.peak if trainer.sync_meter else None
+    trainer.engine.at(trainer.global_step)  # the weights of step 2 (every process gathers alongside)
+    meter = trainer.engine.weights.meter
+    report["sync_peak_bytes"] = meter.peak if meter else None
     gathered = (devices.full_state_dict(trainer.model) if trainer.sharded
                 else {k: v.detach().clone() for k, v in trainer.policy.model.state_dict().items()})
     stops = tuple(formatter.stop_token_ids)
     prompts = [formatter.prompt_ids(r) for r in records[:4]]
     params = io.SamplingParams(max_new_tokens=12, do_sample=False, stop_token_ids=stops)
     if devices.is_main_process or mode == "colocate":
-        report["engine_greedy"] = trainer.engine.generate(prompts, params).token_ids
+        report["engine_greedy"] = trainer.engine.engine.generate(prompts, params).token_ids
     if devices.is_main_process:
         from safetensors.torch import save_file
         from transformers import AutoModelForCausalLM
@@ -438,7 +439,7 @@ def vllm(model_dir: str, out_dir: str, mode: str, port: str, sharded: str = "1",
         if mode == "server" and transfer == "files":
             report["files_per_sync"] = len(list((out / f"sync-full-{rank}" / "weights").glob("*.safetensors")))
     trainer.closing = True
-    trainer._close_engine()
+    trainer.close_rollouts()
     if sharded in ("1", "zero3") and mode == "server" and transfer == "files":  # LoRA: the base, then adapters
         rlhf.set_seed(0)
         config = rlhf.GRPOConfig(**dict(common, finetuning_type="lora", lora_rank=8, lora_target="all",

@@ -267,3 +267,13 @@ def rlhf_log(caplog, level=logging.INFO):
     finally:
         log.removeHandler(caplog.handler)
         log.propagate = propagate
+
+
+def sample_episodes(trainer: rlhf._OnlineRLTrainer, prompts: list, params) -> rlhf.Episodes:
+    """An online trainer's episode source sampling ``prompts`` once with ``params``, on its engine at the trainer's
+    step (what a rollout's scheduler does, without the rollout)."""
+    engine = trainer.engine.at(trainer.global_step)
+    try:
+        return trainer.source.sample(prompts, params, engine, lambda what: None)
+    finally:
+        engine.sleep()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import sample_episodes
 
 import rlhf
 
@@ -87,12 +88,12 @@ def test_an_openai_agent_makes_one_trajectory_per_episode_with_the_policys_log_p
     CALLS.clear()
     trainer = _trainer(tmp_path, tiny_model_dir, prompts)
     try:
-        output = trainer._sample_episodes([prompts[0], prompts[1]], trainer._sampling_params(2, 0))
+        output = sample_episodes(trainer, [prompts[0], prompts[1]], trainer._sampling_params(2, 0))
     finally:
-        trainer._close_engine()
+        trainer.close_rollouts()
     assert len(CALLS) == 4 and output.failed == [False] * 4
     assert all(c["thread"].startswith("rlhf-agent") for c in CALLS)
-    assert trainer.rollout_metrics["tools/calls_per_episode"] == 2
+    assert output.metrics["tools/calls_per_episode"] == 2
     tokenizer = trainer.policy.tokenizer
     for i, (record, ids, logps, seen) in enumerate(zip(output.records, output.token_ids, output.logprobs,
                                                         output.observation_mask)):
@@ -119,7 +120,7 @@ def test_a_grpo_run_trains_on_agent_episodes(tmp_path, tiny_model_dir, prompts):
     trainer = _trainer(tmp_path, tiny_model_dir, prompts, agent="test_agents:calculator_agent", max_steps=2,
                        per_device_train_batch_size=8, num_generations=4)
     rollout = trainer.make_rollout([prompts[0], prompts[1]])
-    trainer._close_engine()
+    trainer.close_rollouts()
     assert rollout.input_ids.shape[0] == 8 and (rollout.labels != rlhf.IGNORE_INDEX).any()
     result = _trainer(tmp_path / "run", tiny_model_dir, prompts, agent="test_agents:calculator_agent", max_steps=2,
                       per_device_train_batch_size=8, num_generations=4).train()
@@ -134,22 +135,22 @@ def test_a_failing_agent_drops_its_episodes_and_the_run_goes_on(tmp_path, tiny_m
     try:
         rollout = trainer.make_rollout([prompts[failing], prompts[working]])
     finally:
-        trainer._close_engine()
+        trainer.close_rollouts()
     trained = (rollout.labels != rlhf.IGNORE_INDEX).any(-1).tolist()
-    assert trained == [False, False, True, True] and trainer.rollout_metrics["rollout/failed_episodes"] == 2
+    assert trained == [False, False, True, True] and rollout.metrics["rollout/failed_episodes"] == 2
 
 
 def test_the_completions_endpoint_and_the_models_list(tmp_path, tiny_model_dir, prompts):
     CALLS.clear()
     trainer = _trainer(tmp_path, tiny_model_dir, prompts, agent="test_agents:raw_completion_agent")
     try:
-        output = trainer._sample_episodes([prompts[0]], trainer._sampling_params(2, 0))
-        client = openai.OpenAI(base_url=trainer.agent_endpoint.base_url(0), api_key="x", max_retries=0)
+        output = sample_episodes(trainer, [prompts[0]], trainer._sampling_params(2, 0))
+        client = openai.OpenAI(base_url=trainer.source.endpoint.base_url(0), api_key="x", max_retries=0)
         assert [m.id for m in client.models.list()] == ["policy"]
         with pytest.raises(openai.BadRequestError, match="episode 0 is not running"):  # the rollout is over
             client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
     finally:
-        trainer._close_engine()
+        trainer.close_rollouts()
     assert output.failed == [False, False] and len(CALLS) == 2
     reply = CALLS[0]["completion"].choices[0]
     assert reply.finish_reason in ("stop", "length") and isinstance(reply.text, str)
@@ -190,9 +191,9 @@ def test_the_demo_agent_is_the_tool_demo_with_an_agent_program(tmp_path, tiny_mo
                       "logging_dir"}
     trainer = _trainer(tmp_path, tiny_model_dir, prompts, agent=agent.agent, max_completion_length=24)
     try:
-        output = trainer._sample_episodes([prompts[0], prompts[1]], trainer._sampling_params(2, 0))
+        output = sample_episodes(trainer, [prompts[0], prompts[1]], trainer._sampling_params(2, 0))
     finally:
-        trainer._close_engine()
+        trainer.close_rollouts()
     assert output.failed == [False] * 4 and all(ids for ids in output.token_ids)
 
 
@@ -204,8 +205,8 @@ def test_per_call_makes_each_request_a_row_with_its_episodes_advantage(tmp_path,
     try:
         rollout = trainer.make_rollout([prompts[0], prompts[1]])
     finally:
-        trainer._close_engine()
-    assert rollout.input_ids.shape[0] == 8 and trainer.rollout_metrics["tools/trained_rows"] == 8
+        trainer.close_rollouts()
+    assert rollout.input_ids.shape[0] == 8 and rollout.metrics["tools/trained_rows"] == 8
     assert torch.equal(rollout.advantages[0::2], rollout.advantages[1::2])  # an episode's two rows
     assert (rollout.labels != rlhf.IGNORE_INDEX).any(-1).all()
     second = rollout.input_ids[1][rollout.attention_mask[1].bool()].tolist()

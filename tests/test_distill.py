@@ -65,7 +65,7 @@ def test_each_step_trains_on_the_chosen_responses(tmp_path, tiny_model_dir, sft_
     trainer = _trainer(_config(tmp_path, tiny_model_dir, sft_model, demo_dir, lmbda=lmbda, seq_kd=seq_kd), demo_dir)
     prompts = [trainer.train_dataset[i] for i in range(4)]
     rollout = trainer.make_rollout(prompts)
-    assert trainer.rollout_metrics["distill/on_policy"] == float(source == "student")
+    assert rollout.metrics["distill/on_policy"] == float(source == "student")
     completions = [row[label != rlhf.IGNORE_INDEX].tolist() for row, label in zip(rollout.input_ids, rollout.labels)]
     if source == "dataset":
         want = [trainer.formatter.prompt_and_completion(p, p["response"])[1] for p in prompts]

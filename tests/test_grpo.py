@@ -773,17 +773,19 @@ def test_auto_engine_is_told_how_many_rollouts_the_run_still_plans():
     rollout shows they would pay for the compilation (inference_optimizations.compile_pays)."""
     from types import SimpleNamespace
 
-    def engine(setting: str, total_steps: int, done: int = 0, iterations: int = 1) -> tuple:
-        trainer = SimpleNamespace(config=SimpleNamespace(generation_engine=setting), total_steps=total_steps,
-                                  steps_per_rollout=iterations, global_step=done)
-        trainer._rollouts_left = lambda: rlhf._OnlineRLTrainer._rollouts_left(trainer)
-        return rlhf._OnlineRLTrainer._rollout_engine(trainer)
+    def engine(setting: str, total_steps: int, done: int = 0, iterations: int = 1, one_shape: bool = True) -> tuple:
+        trainer = SimpleNamespace(total_steps=total_steps, steps_per_rollout=iterations, global_step=done)
+        context = rlhf.EngineContext(SimpleNamespace(generation_engine=setting), None, None, None, None,
+                                     lambda: rlhf._OnlineRLTrainer._rollouts_left(trainer),
+                                     one_shape_per_rollout=one_shape)
+        return setting, context.expected_calls()
 
     assert engine("auto", 150) == ("auto", 150)  # the demo's GRPO: 150 rollouts ahead at the start
     assert engine("auto", 150, done=140) == ("auto", 10)
     assert engine("auto", 150, iterations=2) == ("auto", 75)  # num_iterations reuses each rollout
     assert engine("auto", -1) == ("auto", None)  # streaming prompts without max_steps: the work ahead is unknown
     assert engine("static", 10_000) == ("static", None) and engine("compiled", 10) == ("compiled", None)
+    assert engine("auto", 150, one_shape=False) == ("auto", None)  # episodes: batches of every shape, no plan
 
 
 # -- the 2025-26 family: RLOO, REINFORCE++, GSPO, CISPO, DAPO sampling -------------------------------------------------
@@ -809,8 +811,8 @@ def test_dynamic_sampling_never_trains_on_a_zero_variance_group(tmp_path, tiny_m
         if bool(trained[g].any()):
             assert float(advantages.abs().sum()) > 0, g  # every group in the loss varies
         else:
-            assert trainer.rollout_metrics["dynamic_sampling/filler_frac"] > 0
-    metrics = trainer.rollout_metrics
+            assert rollout.metrics["dynamic_sampling/filler_frac"] > 0
+    metrics = rollout.metrics
     assert metrics["dynamic_sampling/rounds"] >= 1 and 0 <= metrics["dynamic_sampling/dropped_frac"] < 1
     # the same rollout again (as a resume samples it) draws the same extra prompts
     again = _trainer(config, prompts, HalfConstant())

@@ -120,14 +120,13 @@ def test_rollout_rewards_and_gae_match_independent_formulas(tmp_path, tiny_model
     first = trainer.make_rollout(items)
     mask = first.completion_mask
     assert torch.equal(first.old_logps * mask, first.ref_logps * mask)
-    assert trainer.rollout_metrics["objective/kl"] == 0.0
-    assert trainer.rollout_metrics["objective/scores"] == pytest.approx(float(reward.scores[-1].mean()))
+    assert first.metrics["objective/kl"] == 0.0
+    assert first.metrics["objective/scores"] == pytest.approx(float(reward.scores[-1].mean()))
 
     # move the policy away from the reference: the KL term is now non-zero on every token
     with torch.no_grad():
         for p in trainer.policy.model.parameters():
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
-    trainer.rollout_metrics.clear()
     rollout = trainer.make_rollout(items)
     scores, mask = reward.scores[-1], rollout.completion_mask
     ids, attention = rollout.input_ids, rollout.attention_mask
@@ -144,7 +143,7 @@ def test_rollout_rewards_and_gae_match_independent_formulas(tmp_path, tiny_model
     torch.testing.assert_close(rollout.returns, returns, atol=1e-5, rtol=1e-5)
 
     sequence_kl = [float(((rollout.old_logps - rollout.ref_logps) * mask)[i].sum()) for i in range(4)]
-    metrics = trainer.rollout_metrics
+    metrics = rollout.metrics
     assert metrics["objective/kl"] == pytest.approx(sum(sequence_kl) / 4, abs=1e-5)
     assert metrics["objective/kl_coef"] == 0.3
     assert metrics["objective/rlhf_reward"] == pytest.approx(
@@ -326,7 +325,7 @@ def test_adaptive_kl_coefficient_updates_once_per_rollout(tmp_path, tiny_model_d
     def make_rollout(items):
         before = trainer.kl_controller.value
         rollout = original(items)
-        seen.append((before, trainer.rollout_metrics["objective/kl"], trainer.kl_controller.value, len(items)))
+        seen.append((before, rollout.metrics["objective/kl"], trainer.kl_controller.value, len(items)))
         return rollout
 
     trainer.make_rollout = make_rollout

@@ -43,9 +43,9 @@ class CopyEngine:
 
     holds_weights, shared, takes_images = True, False, False
 
-    def __init__(self, trainer) -> None:
-        self.model = copy.deepcopy(trainer.devices.unwrap(trainer.policy.model)).eval()
-        self.tokenizer, self.engine = trainer.policy.tokenizer, trainer.config.generation_engine
+    def __init__(self, context: rlhf.EngineContext) -> None:
+        self.model = copy.deepcopy(context.devices.unwrap(context.policy.model)).eval()
+        self.tokenizer, self.engine = context.policy.tokenizer, context.config.generation_engine
         self.versions: list[int] = []
         self.closed = False
 
@@ -95,12 +95,12 @@ def test_a_new_engine_is_one_class(tmp_path, tiny_model_dir, prompts, monkeypatc
     tools = dict(environment=environment, max_turns=3, max_turn_tokens=4) if environment else {}
     ours = _run(tmp_path / "ours", tiny_model_dir, prompts, **tools)
     engines: list[CopyEngine] = []
-    monkeypatch.setitem(rlhf.ROLLOUT_ENGINES, "copy", lambda trainer: engines.append(CopyEngine(trainer))
+    monkeypatch.setitem(rlhf.ROLLOUT_ENGINES, "copy", lambda context: engines.append(CopyEngine(context))
                         or engines[-1])
     monkeypatch.setattr(rlhf, "rollout_engine_name", lambda config: "copy")
     theirs = _run(tmp_path / "copy", tiny_model_dir, prompts, **tools)
     assert len(engines) == 1 and engines[0].versions == [0, 1, 2] and engines[0].closed
-    assert theirs.engine is None  # closed and dropped at the end of the run
+    assert theirs.engine.engine is None  # closed and dropped at the end of the run
     rows = [row for row in theirs.result.history if "loss" in row]
     assert len(rows) == 3 and all("perf/weight_sync_s" in row for row in rows)
     assert all(row["rollout/logprob_abs_diff_max"] < 1e-5 for row in rows)  # an exact copy: no gap to correct
@@ -231,10 +231,11 @@ def test_held_out_answers_are_the_policys_own_with_low_precision_rollouts(quanti
     quantized_run.eval_records = rlhf.load_records("demo_rl", demo_dir, "prompt", max_samples=8)
     try:
         metrics = quantized_run.evaluate()
-        assert isinstance(quantized_run.engine, io.QuantizedEngine) and quantized_run.policy.rollout_engine is None
+        assert isinstance(quantized_run.engine.engine, io.QuantizedEngine)
+        assert quantized_run.policy.rollout_engine is None
     finally:
-        quantized_run._close_engine()
-    assert metrics == quantized_run._generation_eval()
+        quantized_run.close_rollouts()
+    assert metrics == rlhf._generation_eval(quantized_run)
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "int8"])

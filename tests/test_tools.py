@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import sample_episodes
 
 import rlhf
 
@@ -133,7 +134,7 @@ def _trainer(tmp_path: Path, model_dir: Path, dataset, eval_records=None, **over
 def test_an_episode_alternates_turns_and_observations_within_its_budgets(tmp_path, tiny_model_dir, prompts):
     trainer = _trainer(tmp_path, tiny_model_dir, prompts, max_completion_length=64)  # three turns and two answers fit
     params = trainer._sampling_params(2, 0)
-    output = trainer._sample_episodes([prompts[0], prompts[1]], params)
+    output = sample_episodes(trainer, [prompts[0], prompts[1]], params)
     observation = trainer.formatter.encode(" [tool says 7] ")
     for tokens, seen in zip(output.token_ids, output.observation_mask):
         assert len(tokens) == len(seen) <= 64
@@ -143,7 +144,7 @@ def test_an_episode_alternates_turns_and_observations_within_its_budgets(tmp_pat
         assert observed == observation * 2  # two answers, untouched; the third step ends the episode
         assert len(_runs(seen, True)) == 2 and len(_runs(seen, False)) == 3
     assert torch.equal(output.environment_rewards, torch.full((4,), 1.5))  # three steps of 0.5 each
-    assert trainer.rollout_metrics["tools/calls_per_episode"] == pytest.approx(2.0)
+    assert output.metrics["tools/calls_per_episode"] == pytest.approx(2.0)
 
 
 def _runs(mask: list[bool], value: bool) -> list[list[int]]:
@@ -185,7 +186,7 @@ def test_a_grpo_run_with_the_calculator_and_the_chat_templates_tool_turns(tmp_pa
     trainer = _trainer(tmp_path / "ct", tiny_model_dir, prompts, tool_format="chat_template")
     record = prompts[0]
     turn = trainer.formatter.encode("Let me check.") + list(trainer.formatter.stop_token_ids[:1])
-    ids = trainer._observation_ids(record, list(record["messages"]), turn, "7")
+    ids = trainer.source._observation_ids(record, list(record["messages"]), turn, "7")
     assert trainer.policy.tokenizer.decode(ids) == "\n<|im_start|>tool\n7<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -228,7 +229,7 @@ def test_dynamic_sampling_keeps_the_tool_outputs_out_of_the_loss(tmp_path, tiny_
                        max_sampling_rounds=2, max_completion_length=64)  # three turns and two answers fit
     trainer.rollout_index = 0
     rollout = trainer.make_rollout([prompts[0], prompts[1]])
-    metrics = trainer.rollout_metrics
+    metrics = rollout.metrics
     assert metrics["dynamic_sampling/rounds"] == (1.0 if informative else 2.0)
     assert metrics["dynamic_sampling/filler_frac"] == (0.0 if informative else 1.0)
     for row in range(rollout.input_ids.shape[0]):
@@ -249,12 +250,12 @@ def test_held_out_accuracy_is_measured_through_the_environment(tmp_path, tiny_mo
     records = rlhf.load_records("demo_eval", demo_dir, "prompt", max_samples=5)
     trainer = _trainer(tmp_path, tiny_model_dir, prompts, eval_records=records, environment="test_tools:Answering",
                        max_completion_length=24, per_device_eval_batch_size=2)
-    trainer.rollout_metrics = {"kept": 1.0}
+    trainer.step_metrics = {"kept": 1.0}
     metrics = trainer.evaluate()
     assert metrics["eval/accuracy"] == 1.0 and metrics["eval/format_rate"] == 1.0
     assert metrics["eval/tool_calls_per_episode"] == 1.0
     assert metrics["eval/accuracy_without_environment"] == 0.0
-    assert trainer.rollout_metrics == {"kept": 1.0}  # the evaluation's episodes are not training statistics
+    assert trainer.step_metrics == {"kept": 1.0}  # the evaluation's episodes are not training statistics
 
 
 # -- the HTTP environment ----------------------------------------------------------------------------------------------
@@ -289,14 +290,14 @@ def test_http_environment_runs_episodes_and_a_dead_one_drops_them(tmp_path, tiny
     url = f"http://127.0.0.1:{server.server_address[1]}"
     try:
         trainer = _trainer(tmp_path, tiny_model_dir, prompts, environment="http", environment_url=url)
-        output = trainer._sample_episodes([prompts[0]], trainer._sampling_params(2, 0))
+        output = sample_episodes(trainer, [prompts[0]], trainer._sampling_params(2, 0))
         assert torch.equal(output.environment_rewards, torch.full((2,), 2.0))
     finally:
         server.shutdown()
         server.server_close()
     trainer = _trainer(tmp_path / "down", tiny_model_dir, prompts, environment="http", environment_url=url,
                        environment_retries=2, environment_timeout=1.0)
-    output = trainer._sample_episodes([prompts[0]], trainer._sampling_params(2, 0))  # the service is gone: dropped
+    output = sample_episodes(trainer, [prompts[0]], trainer._sampling_params(2, 0))  # the service is gone: dropped
     assert output.failed == [True, True] and output.token_ids == [[], []]
 
 
@@ -313,12 +314,12 @@ def test_bad_environment_settings_are_one_line(overrides, message):
 def test_an_unknown_environment_is_one_line(tmp_path, tiny_model_dir, prompts):
     trainer = _trainer(tmp_path, tiny_model_dir, prompts, environment="no_such_module:env")
     with pytest.raises(rlhf.RLHFInputError, match="cannot load 'no_such_module:env'"):
-        trainer._sample_episodes([prompts[0]], trainer._sampling_params(2, 0))
+        sample_episodes(trainer, [prompts[0]], trainer._sampling_params(2, 0))
 
 
 def test_the_completion_budget_cuts_an_episode(tmp_path, tiny_model_dir, prompts):
     trainer = _trainer(tmp_path, tiny_model_dir, prompts, max_completion_length=12)
-    output = trainer._sample_episodes([prompts[0]], trainer._sampling_params(2, 0))
+    output = sample_episodes(trainer, [prompts[0]], trainer._sampling_params(2, 0))
     assert all(len(t) == 12 for t in output.token_ids) and output.finish_reasons == ["length", "length"]
     assert all(seen[6:] == [True] * 6 for seen in output.observation_mask)  # the first answer, cut to fit
 
@@ -363,12 +364,12 @@ class Hangs(Scripted):
 def test_a_transient_environment_fault_is_retried(tmp_path, tiny_model_dir, prompts):
     FailsFirstStep.calls = 0
     trainer = _trainer(tmp_path, tiny_model_dir, prompts, environment="test_tools:FailsFirstStep", rollout_retries=1)
-    output = trainer._sample_episodes([prompts[0]], trainer._sampling_params(2, 0))
+    output = sample_episodes(trainer, [prompts[0]], trainer._sampling_params(2, 0))
     assert output.failed == [False, False] and all(any(seen) for seen in output.observation_mask)  # answered
     assert FailsFirstStep.calls >= 2 * 2  # each episode's first step twice
     once = _trainer(tmp_path / "none", tiny_model_dir, prompts, environment="test_tools:FailsFirstStep",
                     rollout_retries=0)
-    assert once._sample_episodes([prompts[0]], once._sampling_params(2, 0)).failed == [True, True]
+    assert sample_episodes(once, [prompts[0]], once._sampling_params(2, 0)).failed == [True, True]
 
 
 def test_a_failing_environment_drops_its_episodes_group_and_the_run_goes_on(tmp_path, tiny_model_dir, prompts):
@@ -380,8 +381,8 @@ def test_a_failing_environment_drops_its_episodes_group_and_the_run_goes_on(tmp_
     rollout = trainer.make_rollout([prompts[0], prompts[1]])
     trained = (rollout.labels != rlhf.IGNORE_INDEX).any(-1).tolist()
     assert trained[:2] == [False, False] and trained[2:] == [True, True]
-    assert trainer.rollout_metrics["rollout/failed_episodes"] == 2
-    assert trainer.rollout_metrics["rollout/dropped_groups"] == 1
+    assert rollout.metrics["rollout/failed_episodes"] == 2
+    assert rollout.metrics["rollout/dropped_groups"] == 1
     result = _trainer(tmp_path / "run", tiny_model_dir, prompts, environment="test_tools:BrokenForFirstPrompt",
                       rollout_retries=1, max_steps=2).train()
     rows = [row for row in result.history if "loss" in row]
@@ -392,7 +393,7 @@ def test_an_environment_call_that_times_out_is_a_fault(tmp_path, tiny_model_dir,
     Hangs.seconds = 3.0
     trainer = _trainer(tmp_path, tiny_model_dir, prompts, environment="test_tools:Hangs", environment_timeout=0.2,
                        rollout_retries=1)
-    output = trainer._sample_episodes([prompts[0]], trainer._sampling_params(2, 0))
+    output = sample_episodes(trainer, [prompts[0]], trainer._sampling_params(2, 0))
     assert output.failed == [True, True]
 
 
@@ -418,11 +419,11 @@ def _first_prompt_fails(first_prompt: str):
 
 def test_a_reward_that_fails_on_some_completions_drops_only_their_groups(tmp_path, tiny_model_dir, prompts):
     trainer = _trainer(tmp_path, tiny_model_dir, prompts, environment=None)
-    trainer.reward_fn = _first_prompt_fails(prompts[0]["messages"][-1]["content"])
+    trainer.scorer.reward_fn = _first_prompt_fails(prompts[0]["messages"][-1]["content"])
     rollout = trainer.make_rollout([prompts[0], prompts[1]])
     trained = (rollout.labels != rlhf.IGNORE_INDEX).any(-1).tolist()
-    assert trained == [False, False, True, True] and trainer.rollout_metrics["rollout/failed_episodes"] == 2
-    assert trainer.rollout_metrics["reward"] == 1.0  # the scored completions' mean, not a made-up zero
+    assert trained == [False, False, True, True] and rollout.metrics["rollout/failed_episodes"] == 2
+    assert rollout.metrics["reward"] == 1.0  # the scored completions' mean, not a made-up zero
 
 
 def test_a_reward_that_fails_on_every_completion_stops_the_run_with_its_own_error(tmp_path, tiny_model_dir,
@@ -430,7 +431,7 @@ def test_a_reward_that_fails_on_every_completion_stops_the_run_with_its_own_erro
     """Failing on every completion is a broken reward, not a fault of some calls: after the retries the run stops
     with the reward's own error (which a pipeline's rollback_on_error then handles)."""
     trainer = _trainer(tmp_path, tiny_model_dir, prompts, environment=None, rollout_retries=1)
-    trainer.reward_fn = lambda p, c, a: (_ for _ in ()).throw(TimeoutError("reward service timed out"))
+    trainer.scorer.reward_fn = lambda p, c, a: (_ for _ in ()).throw(TimeoutError("reward service timed out"))
     with pytest.raises(TimeoutError, match="reward service timed out"):
         trainer.train()
 
@@ -445,8 +446,8 @@ def test_an_environment_that_fails_every_episode_stops_the_run_with_one_line(tmp
 
 def test_a_stage_that_cannot_drop_completions_stops_with_one_line(tmp_path, tiny_model_dir, prompts, monkeypatch):
     trainer = _trainer(tmp_path, tiny_model_dir, prompts, environment=None, rollout_retries=0)
-    monkeypatch.setattr(type(trainer), "drops_failed_episodes", False)
-    trainer.reward_fn = _first_prompt_fails(prompts[0]["messages"][-1]["content"])
+    monkeypatch.setattr(trainer.scorer, "drops_failed", False)
+    trainer.scorer.reward_fn = _first_prompt_fails(prompts[0]["messages"][-1]["content"])
     with pytest.raises(rlhf.RLHFInputError, match="failed on 2 completions after 1 attempts each.*cannot leave"):
         trainer.make_rollout([prompts[0], prompts[1]])
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import sample_episodes
 
 import inference_optimizations as io
 import rlhf
@@ -194,22 +195,22 @@ def test_a_synced_step_gives_the_same_greedy_output(tmp_path, tiny_model_dir, ti
     stops = io.stop_token_ids(tiny_tokenizer)
     params = io.SamplingParams(max_new_tokens=20, do_sample=False, stop_token_ids=stops)
     try:
-        trainer._sync_engine()  # starts the engine from the policy as it is
+        trainer.engine.at(trainer.global_step)  # starts the engine from the policy as it is
         model = trainer.policy.model.eval()
         for step in (1, 2):
-            before = trainer.engine.generate(prompt_ids, params).token_ids
+            before = trainer.engine.engine.generate(prompt_ids, params).token_ids
             _train_one_step(trainer.policy, prompt_ids, lr=0.5 if finetuning_type == "full" else 5.0)
             trainer.global_step = step
-            trainer._sync_engine()
-            after = trainer.engine.generate(prompt_ids, params).token_ids
+            trainer.engine.at(trainer.global_step)
+            after = trainer.engine.engine.generate(prompt_ids, params).token_ids
             ours = io.generate(model, prompt_ids, params, pad_token_id=tiny_tokenizer.pad_token_id).token_ids
             assert after == ours == _hf_greedy(model, prompt_ids, 20, set(stops))
             assert after != before  # the step changed the policy's answers, and the engine followed
         if finetuning_type == "lora":
-            adapters = list(trainer.engine.sync_dir.glob("adapter-*"))
+            adapters = list(trainer.engine.engine.sync_dir.glob("adapter-*"))
             assert adapters and all((a / "adapter_model.safetensors").stat().st_size < 1 << 20 for a in adapters)
     finally:
-        trainer._close_engine()
+        trainer.close_rollouts()
 
 
 # -- GRPO and PPO with vLLM --------------------------------------------------------------------------------------------
@@ -290,7 +291,7 @@ def test_resume_of_a_vllm_run_equals_the_uninterrupted_run(tmp_path, tiny_model_
     interrupted = _grpo_trainer(tmp_path / "b", tiny_model_dir, dataset, max_steps=4, save_steps=2,
                                 resume_from_checkpoint="auto")
     killed_after_checkpoint(interrupted, 2)
-    interrupted._close_engine()
+    interrupted.close_rollouts()
     resumed = _grpo_trainer(tmp_path / "b", tiny_model_dir, dataset, max_steps=4, save_steps=2,
                             resume_from_checkpoint="auto")
     resumed.train()
@@ -304,15 +305,15 @@ def test_online_evaluation_answers_with_the_engine(tmp_path, tiny_model_dir, dat
     trainer.eval_records = records
     calls = []
     try:
-        trainer._sync_engine()
-        original = trainer.engine.generate
-        trainer.engine.generate = lambda *a, **k: calls.append(1) or original(*a, **k)
+        engine = trainer.engine.at(trainer.global_step)
+        original = engine.generate
+        engine.generate = lambda *a, **k: calls.append(1) or original(*a, **k)
         metrics = trainer.evaluate()
-        trainer.engine.generate = original
+        engine.generate = original
         assert calls and "eval/accuracy" in metrics
     finally:
-        trainer._close_engine()
-    assert trainer._generation_eval() == metrics  # our engine gives the same answers
+        trainer.close_rollouts()
+    assert rlhf._generation_eval(trainer) == metrics  # our engine gives the same answers
 
 
 def test_episodes_run_on_vllm_as_on_our_engine(tmp_path, tiny_model_dir, dataset):
@@ -325,13 +326,13 @@ def test_episodes_run_on_vllm_as_on_our_engine(tmp_path, tiny_model_dir, dataset
     prompts = [dataset[0], dataset[1]]
     greedy = dataclasses.replace(ours._sampling_params(1, 0), temperature=0.0)
     try:
-        expected = ours._sample_episodes(prompts, greedy)
-        sampled = engine._sample_episodes(prompts, greedy)
+        expected = sample_episodes(ours, prompts, greedy)
+        sampled = sample_episodes(engine, prompts, greedy)
         assert sampled.token_ids == expected.token_ids and sampled.observation_mask == expected.observation_mask
         assert any(any(mask) for mask in sampled.observation_mask)
         rows = _rows(engine.train())
     finally:
-        engine._close_engine()
+        engine.close_rollouts()
     assert rows and all(row["tools/calls_per_episode"] > 0 for row in rows)
     assert all(row["vllm/logprob_abs_diff_max"] < 1e-4 for row in rows)
 
@@ -779,20 +780,20 @@ def test_episodes_in_server_mode_keep_the_tool_out_and_agree_with_the_trainer(tm
     observation = trainer.formatter.encode(" [tool says 7] ")
     prompts = [dataset[0], dataset[1]]
     sampled = []
-    sample_episodes = trainer._sample_episodes
-    trainer._sample_episodes = lambda *args: sampled.append(sample_episodes(*args)) or sampled[-1]
+    sample = trainer.source.sample
+    trainer.source.sample = lambda *args: sampled.append(sample(*args)) or sampled[-1]
     try:
         trainer.rollout_index = 0
         rollout = trainer.make_rollout(prompts)
-        output, metrics = sampled[0], dict(trainer.rollout_metrics)
-        for index, tokens, logps, seen in zip(output.prompt_index, output.token_ids, output.logprobs,
-                                              output.observation_mask):
+        output, metrics = sampled[0], rollout.metrics
+        for record, tokens, logps, seen in zip(output.records, output.token_ids, output.logprobs,
+                                               output.observation_mask):
             assert len(tokens) == len(logps) == len(seen)
             assert [t for t, s in zip(tokens, seen) if s] == observation * 2  # two answers, the third step ends it
             generated = ~torch.tensor(seen)
             engine = torch.tensor(logps)
             assert torch.all(engine[~generated] == 0) and torch.all(engine[generated] < 0)
-            trainer_logps = _trainer_logps(trainer.policy.model, prompts[index]["prompt_ids"], tokens)
+            trainer_logps = _trainer_logps(trainer.policy.model, record["prompt_ids"], tokens)
             assert (trainer_logps[generated] - engine[generated]).abs().max() < 1e-4
         for group in (output.token_ids[:4], output.token_ids[4:]):
             assert len({tuple(tokens) for tokens in group}) == 4
@@ -806,7 +807,7 @@ def test_episodes_in_server_mode_keep_the_tool_out_and_agree_with_the_trainer(tm
         assert metrics["vllm/logprob_abs_diff_max"] < 1e-4 and abs(metrics["vllm/is_weight_mean"] - 1) < 1e-4
         rows = _rows(trainer.train())
     finally:
-        trainer._close_engine()
+        trainer.close_rollouts()
     assert len(rows) == 2 and all(row["tools/calls_per_episode"] == 2 for row in rows)
     assert all(row["vllm/logprob_abs_diff_max"] < 1e-4 for row in rows)
 
