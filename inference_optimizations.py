@@ -257,6 +257,9 @@ class GenerationOutput:
     # an engine holding a copy of the policy: the optimizer step of the weights that sampled it (the oldest, when
     # several engines shared the call); None where unknown (our engine samples from the policy itself)
     policy_version: int | None = None
+    # a server updating its weights while requests run (VLLMStepLoop): per completion, the optimizer step of the
+    # weights that sampled each of its tokens; None where one version sampled the whole call
+    token_versions: list[list[int | None]] | None = None
 
 
 def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
@@ -1614,6 +1617,18 @@ def vllm_sampling_params(params: SamplingParams):
         logit_bias={t: -100.0 for t in params.suppress_token_ids} or None)  # vLLM's strongest bias: e^-100
 
 
+def per_prompt_params(count: int, params: SamplingParams) -> list:
+    """vLLM's SamplingParams for each of ``count`` prompts: a seed per prompt, n apart. vLLM seeds a prompt's n samples
+    seed .. seed + n - 1, so one seed for the batch (or seeds one apart) would give identical prompts (an episode
+    group's turns) the same noise; mixing in the prompt's place in the whole rollout keeps neighbouring rollouts' and
+    processes' seeds apart too."""
+    if params.seed is None:
+        return [vllm_sampling_params(params)] * count
+    places = [params.seed_index_start + i * params.seed_index_stride for i in range(count)]
+    return [vllm_sampling_params(dataclasses.replace(params, seed=(params.seed * 1_000_003 + place) * params.n
+                                                     % 2 ** 63)) for place in places]
+
+
 def _vllm_output(results) -> GenerationOutput:
     """vLLM's RequestOutputs (one per prompt, n completions each) as a prompt-major GenerationOutput."""
     token_ids, logprobs, reasons, prompt_index = [], [], [], []
@@ -1814,15 +1829,8 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         self.wake_up()
-        # a seed per prompt, n apart: vLLM seeds a prompt's n samples seed .. seed + n - 1, so one seed for the batch
-        # (or seeds one apart) would give identical prompts (an episode group's turns) the same noise; mixing in the
-        # index keeps neighbouring rollouts' and processes' seeds apart too
-        places = [params.seed_index_start + i * params.seed_index_stride for i in range(len(prompts))]
-        per_prompt = ([vllm_sampling_params(dataclasses.replace(params, seed=(params.seed * 1_000_003 + place)
-                                                                * params.n % 2 ** 63))
-                       for place in places] if params.seed is not None else vllm_sampling_params(params))
-        results = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], per_prompt,
-                                    use_tqdm=False, lora_request=self.adapter)
+        results = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
+                                    per_prompt_params(len(prompts), params), use_tqdm=False, lora_request=self.adapter)
         return dataclasses.replace(_vllm_output(results), policy_version=self.policy_version)
 
     def load_weights(self, named_tensors) -> None:
@@ -1982,29 +1990,226 @@ class VLLMServerError(RuntimeError):
     """The vLLM server did not answer (down, unreachable or failing) within the client's retries."""
 
 
+class _Call:
+    """One ``generate`` call while its requests run in a VLLMStepLoop: per completion (prompt-major) its tokens,
+    log-probs and the weight version of each token so far, and its finish reason."""
+
+    def __init__(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        self.prompts, self.params, self.n = prompts, params, params.n
+        size = len(prompts) * params.n
+        self.token_ids: list[list[int]] = [[] for _ in range(size)]
+        self.logprobs: list[list[float]] = [[] for _ in range(size)]
+        self.versions: list[list[int | None]] = [[] for _ in range(size)]
+        self.reasons = ["stop"] * size
+        self.open = len(prompts)
+        self.started: int | None = None  # the weight version when its requests were added
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def output(self) -> GenerationOutput:
+        """Its completions; the policy version is the oldest that sampled any token (None: unknown weights)."""
+        versions = [self.started] + [v for row in self.versions for v in row]
+        return GenerationOutput(self.token_ids, self.logprobs, self.reasons,
+                                [i // self.n for i in range(len(self.token_ids))],
+                                policy_version=None if None in versions else min(versions),
+                                token_versions=self.versions)
+
+
+KV_AFTER_UPDATES = ("recompute", "keep")
+
+
+class VLLMStepLoop:
+    """A VLLMEngine driven one engine step at a time by a thread of its own (what ``vllm-serve`` serves with): the
+    requests of every caller share the running batch (continuous batching), and work on the engine itself (a weight
+    load, an adapter, a weight group) runs between two steps, never beside one.
+
+    An update marked ``in_flight`` (NeMo-RL's, SkyRL's, AReaL's and prime-rl's in-flight weight updates) runs at the
+    next step boundary while requests are running: they pause for it and go on with the new weights. With
+    ``kv_after_update`` ``recompute`` the running requests' KV cache is dropped and rebuilt under the new weights
+    (vLLM re-prefills each request's prompt and tokens so far at the next step), so every token after the update is
+    exactly what the new weights sample given the tokens before it; ``keep`` goes on with the old weights' KV cache
+    (PipelineRL's choice: no re-prefill, the attention over earlier tokens stays the old weights'). Any other update
+    waits for the running requests to finish, and holds new ones back until it is done (a sync between rollouts).
+    Every sampled token carries the version (``version()``, the trainer's optimizer step the server holds) of the
+    weights that sampled it (``GenerationOutput.token_versions``) beside its log-prob."""
+
+    def __init__(self, engine: VLLMEngine, version: Callable[[], int | None] = lambda: None,
+                 kv_after_update: str = "recompute") -> None:
+        import queue
+        import threading
+
+        if kv_after_update not in KV_AFTER_UPDATES:
+            raise ValueError(f"kv_after_update '{kv_after_update}' is not one of {', '.join(KV_AFTER_UPDATES)}")
+        self.engine, self.version, self.kv_after_update = engine, version, kv_after_update
+        self.inbox: queue.Queue = queue.Queue()
+        self.waiting: list[_Call] = []  # calls not yet added to the engine
+        self.updates: list[tuple[Callable[[], Any], bool, concurrent.futures.Future]] = []
+        self.running: dict[str, tuple[_Call, int]] = {}  # request id -> (its call, its prompt's place in it)
+        self.count = 0
+        self.updates_in_flight = 0  # applied while requests ran
+        self.stopped = False
+        self.thread = threading.Thread(target=self._loop, daemon=True, name="vllm-step-loop")
+        self.thread.start()
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> GenerationOutput:
+        """Sample ``params.n`` completions per token-id prompt (as VLLMEngine.generate, with per-token versions)."""
+        call = _Call([list(p) for p in prompts], params)
+        self.inbox.put(("generate", call))
+        return call.future.result()
+
+    def run(self, function: Callable[[], Any], *, in_flight: bool = False) -> Any:
+        """``function()`` on the engine between two steps (``in_flight``: while requests run; else once none runs)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self.inbox.put(("update", (function, in_flight, future)))
+        return future.result()
+
+    def close(self) -> None:
+        self.stopped = True
+        self.inbox.put(("stop", None))
+        self.thread.join(timeout=60)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running or self.waiting or self.updates)
+
+    def _loop(self) -> None:
+        import queue
+
+        while not self.stopped:
+            try:
+                kind, item = self.inbox.get(timeout=None if not self.busy else 0)
+            except queue.Empty:
+                kind = None
+            while kind is not None:  # everything that arrived, before the next step
+                if kind == "generate":
+                    self.waiting.append(item)
+                elif kind == "update":
+                    self.updates.append(item)
+                elif kind == "stop":
+                    return self._fail_all(RuntimeError("the vLLM step loop stopped"))
+                try:
+                    kind, item = self.inbox.get_nowait()
+                except queue.Empty:
+                    kind = None
+            self._update()
+            if not any(not in_flight for _, in_flight, _ in self.updates):  # a sync between rollouts holds them back
+                self._admit()
+            if self.running:
+                self._step()
+
+    def _update(self) -> None:
+        """The updates that may run now: in-flight ones at once, the others once no request runs."""
+        for update in list(self.updates):
+            function, in_flight, future = update
+            if not in_flight and self.running:
+                continue
+            self.updates.remove(update)
+            try:
+                future.set_result(function())
+            except BaseException as error:  # the caller gets it; the loop goes on
+                future.set_exception(error)
+                continue
+            if in_flight and self.running:
+                self.updates_in_flight += 1
+                if self.kv_after_update == "recompute":  # the running requests' KV rebuilt under the new weights
+                    self.engine.llm.reset_prefix_cache(reset_running_requests=True)
+
+    def _admit(self) -> None:
+        from vllm.inputs import tokens_input
+        from vllm.sampling_params import RequestOutputKind
+
+        engine = self.engine.llm.llm_engine
+        self.engine.wake_up()
+        for call in self.waiting:
+            # keep: requests started after an update must not reuse blocks the old weights computed
+            salt = str(self.version()) if self.kv_after_update == "keep" else None
+            call.started = self.version()
+            try:
+                for place, (prompt, options) in enumerate(zip(call.prompts, per_prompt_params(len(call.prompts),
+                                                                                               call.params))):
+                    options = copy.copy(options)
+                    options.output_kind = RequestOutputKind.DELTA
+                    request = f"{self.count}-{place}"
+                    self.running[request] = (call, place)
+                    engine.add_request(request, tokens_input(prompt, cache_salt=salt), options,
+                                       lora_request=self.engine.adapter)
+            except Exception as error:  # noqa: BLE001 (a bad request fails its caller only)
+                self._fail(call, error)
+            self.count += 1
+        self.waiting = []
+
+    def _step(self) -> None:
+        version = self.version()
+        try:
+            outputs = self.engine.llm.llm_engine.step()
+        except Exception as error:  # noqa: BLE001 (the engine failed: every running caller hears why)
+            self._fail_all(error)
+            return
+        for result in outputs:
+            if result.request_id not in self.running:
+                continue
+            call, place = self.running[result.request_id]
+            for completion in result.outputs:
+                row = place * call.n + completion.index
+                new = list(completion.token_ids)
+                call.token_ids[row] += new
+                call.logprobs[row] += [float(step[token].logprob)
+                                       for step, token in zip(completion.logprobs or [], new)]
+                call.versions[row] += [version] * len(new)
+                if completion.finish_reason is not None:
+                    call.reasons[row] = "length" if completion.finish_reason == "length" else "stop"
+            if result.finished:
+                del self.running[result.request_id]
+                call.open -= 1
+                if call.open == 0 and not call.future.done():
+                    call.future.set_result(call.output())
+
+    def _fail(self, call: _Call, error: BaseException) -> None:
+        ids = [request for request, (other, _) in self.running.items() if other is call]
+        for request in ids:
+            del self.running[request]
+        if ids:
+            self.engine.llm.llm_engine.abort_request(ids)
+        if not call.future.done():
+            call.future.set_exception(error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for call in {id(c): c for c, _ in self.running.values()}.values():
+            self._fail(call, error)
+        for call in self.waiting:
+            call.future.set_exception(error)
+        for _, _, future in self.updates:
+            future.set_exception(error)
+        self.waiting, self.updates = [], []
+
+
 class VLLMServer:
     """A generation server around a ``VLLMEngine`` (``python rlhf.py vllm-serve``), for ``vllm_mode: server``.
 
-    JSON over HTTP, one engine call at a time (any number of trainer processes may connect):
-    ``GET /health`` -> {status, weight_version, weight_group_size, server_id}; ``POST /generate`` {prompts: [[ids]],
-    params: {SamplingParams fields}} -> {token_ids, logprobs, finish_reasons, prompt_index}; ``POST /load_weights``
-    {path: a folder of safetensors files} or {collective: [[name, dtype, shape]], key, backend}: the tensors
-    arrive through trainer ``key``'s weight group, which ``POST /init_weight_group`` {key, host, port, backend,
-    timeout} joins and ``POST /leave_weight_group`` {key} leaves; ``POST /load_adapter`` {path: a PEFT adapter
-    folder}; ``POST /reset_prefix_cache``. A collective load that fails leaves the weights partly reloaded: the
-    server then answers as a restarted one (a new ``server_id``, weight_version 0), so clients send theirs again. A
-    folder must be one both processes read (/dev/shm on one machine); a weight group reaches across machines."""
+    JSON over HTTP (any number of trainer processes may connect): ``GET /health`` -> {status, weight_version,
+    weight_group_size, server_id, updates_in_flight}; ``POST /generate`` {prompts: [[ids]], params: {SamplingParams
+    fields}} -> {token_ids, logprobs, finish_reasons, prompt_index, policy_version, token_versions};
+    ``POST /load_weights`` {path: a folder of safetensors files} or {collective: [[name, dtype, shape]], key,
+    backend}: the tensors arrive through trainer ``key``'s weight group, which ``POST /init_weight_group`` {key,
+    host, port, backend, timeout} joins and ``POST /leave_weight_group`` {key} leaves; ``POST /load_adapter`` {path:
+    a PEFT adapter folder}; ``POST /reset_prefix_cache``. The engine runs in a VLLMStepLoop: concurrent /generate
+    calls share its batch, and a load runs between two engine steps, once the running requests are done, or at
+    once with ``in_flight: true`` (they pause, take the new weights and go on; each token's ``token_versions`` entry
+    is the ``policy_version`` of the load that sampled it). A collective load that fails leaves the weights partly
+    reloaded: the server then answers as a restarted one (a new ``server_id``, weight_version 0), so clients send
+    theirs again. A folder must be one both processes read (/dev/shm on one machine); a weight group reaches across
+    machines."""
 
-    def __init__(self, engine: VLLMEngine, host: str = "127.0.0.1", port: int = 8000) -> None:
-        import threading
+    def __init__(self, engine: VLLMEngine, host: str = "127.0.0.1", port: int = 8000,
+                 kv_after_update: str = "recompute") -> None:
         from http.server import ThreadingHTTPServer
 
-        self.engine, self.lock, self.weight_version = engine, threading.Lock(), 0
+        self.engine, self.weight_version = engine, 0
         self.policy_version: int | None = None  # the optimizer step of the trainer's weights it serves
         self.server_id = uuid.uuid4().hex  # a restarted server is a new one: its workers are in no weight group
         # NCCL cannot join two processes on one GPU: a trainer on one of these sends its weights through files
         self.gpus = [str(torch.cuda.get_device_properties(i).uuid)
                      for i in range(min(engine.tensor_parallel_size, torch.cuda.device_count()))]
+        self.loop = VLLMStepLoop(engine, lambda: self.policy_version, kv_after_update)
         self.httpd = ThreadingHTTPServer((host, port), self._handler())
 
     def _handler(self):
@@ -2028,15 +2233,15 @@ class VLLMServer:
                 if self.path == "/health":
                     self._reply(200, {"status": "ok", "weight_version": server.weight_version,
                                       "weight_group_size": 1 + server.engine.tensor_parallel_size,
-                                      "server_id": server.server_id, "gpus": server.gpus})
+                                      "server_id": server.server_id, "gpus": server.gpus,
+                                      "updates_in_flight": server.loop.updates_in_flight})
                 else:
                     self._reply(404, {"error": f"no endpoint GET {self.path}"})
 
             def do_POST(self) -> None:
                 try:
                     request = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-                    with server.lock:
-                        self._reply(200, server.handle(self.path, request))
+                    self._reply(200, server.handle(self.path, request))
                 except (KeyError, TypeError, ValueError) as error:
                     self._reply(400, {"error": f"{type(error).__name__}: {error}"})
                 except Exception as error:  # the engine failed: the client sees why instead of a dropped line
@@ -2045,13 +2250,19 @@ class VLLMServer:
         return Handler
 
     def handle(self, path: str, request: dict) -> dict:
-        engine = self.engine
+        """A request's answer (a handler thread): sampling through the step loop, everything else run by it between
+        two engine steps."""
         if path == "/generate":
-            output = engine.generate(request["prompts"], SamplingParams(**{
+            output = self.loop.generate(request["prompts"], SamplingParams(**{
                 k: tuple(v) if k in ("stop_token_ids", "stop_strings") else v for k, v in request["params"].items()}))
             return {"token_ids": output.token_ids, "logprobs": output.logprobs, "finish_reasons": output.finish_reasons,
                     "prompt_index": output.prompt_index, "weight_version": self.weight_version,
-                    "policy_version": self.policy_version}
+                    "policy_version": output.policy_version, "token_versions": output.token_versions}
+        return self.loop.run(functools.partial(self._update, path, request),
+                             in_flight=bool(request.get("in_flight")) and path in ("/load_weights", "/load_adapter"))
+
+    def _update(self, path: str, request: dict) -> dict:
+        engine = self.engine
         if path == "/load_weights" and "collective" in request:
             try:
                 engine.receive_weights(request["key"], request["collective"], request["backend"])
@@ -2082,7 +2293,10 @@ class VLLMServer:
         host, port = self.httpd.server_address[:2]
         logger.info("vLLM server on http://%s:%d (GET /health, POST /generate /load_weights /init_weight_group "
                     "/load_adapter /reset_prefix_cache)", host, port)
-        self.httpd.serve_forever()
+        try:
+            self.httpd.serve_forever()
+        finally:
+            self.loop.close()
 
 
 WEIGHT_TRANSFERS = ("files", "collective")
@@ -2107,7 +2321,7 @@ class VLLMClient:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 8000, *, timeout: float = 600.0, retries: int = 3,
                  backoff: float = 1.0, sync_dir: str | os.PathLike | None = None,
-                 weight_transfer: str = "files") -> None:
+                 weight_transfer: str = "files", in_flight: bool = False) -> None:
         if weight_transfer not in ("auto", *WEIGHT_TRANSFERS):
             raise ValueError(f"weight_transfer '{weight_transfer}' is not one of auto, {', '.join(WEIGHT_TRANSFERS)}")
         self.url, self.timeout, self.retries, self.backoff = f"http://{host}:{port}", timeout, retries, backoff
@@ -2119,6 +2333,7 @@ class VLLMClient:
         self.group: tuple | None = None  # collective: (store, process group, key, backend, server_id) once joined
         self.base_sent = False  # a LoRA policy's base weights have gone to the server
         self.policy_version: int | None = None  # the trainer's step of the weights being sent / last sent
+        self.in_flight = in_flight  # loads apply while requests run (VLLMStepLoop), not after them
 
     def sample(self, prompts: list[list[int]], params: SamplingParams,
                images: list[list[str]] | None = None) -> GenerationOutput:
@@ -2184,11 +2399,12 @@ class VLLMClient:
                 self._load(how, what)
             answer = self._request("/generate", body)
         return GenerationOutput(answer["token_ids"], answer["logprobs"], answer["finish_reasons"],
-                                answer["prompt_index"], policy_version=answer.get("policy_version"))
+                                answer["prompt_index"], policy_version=answer.get("policy_version"),
+                                token_versions=answer.get("token_versions"))
 
     def _load(self, endpoint: str, path: str) -> None:
-        self.weight_version = self._request(endpoint, {"path": path, "policy_version": self.policy_version}
-                                            )["weight_version"]
+        self.weight_version = self._request(endpoint, {"path": path, "policy_version": self.policy_version,
+                                                       "in_flight": self.in_flight})["weight_version"]
         self.last_load = (endpoint, path)
 
     def load_weights(self, named_tensors) -> None:
@@ -2263,7 +2479,8 @@ class VLLMClient:
         sender.start()
         try:
             answer = self._request("/load_weights", {"collective": metadata, "key": key, "backend": backend,
-                                                     "policy_version": self.policy_version}, attempts=1)
+                                                     "policy_version": self.policy_version,
+                                                     "in_flight": self.in_flight}, attempts=1)
             sender.join(self.timeout)
         except VLLMServerError:
             self._abandon_group()
@@ -2492,16 +2709,19 @@ def _shares(prompts: list[list[int]], parts: int) -> list[tuple[int, list[list[i
 def _joined(outputs: dict[int, GenerationOutput]) -> GenerationOutput:
     """Shares' outputs (keyed by the index of their first prompt) as one, in prompt order; the policy version is
     the oldest that sampled any of it."""
-    token_ids, logprobs, reasons, prompt_index = [], [], [], []
+    token_ids, logprobs, reasons, prompt_index, token_versions = [], [], [], [], []
     for start in sorted(outputs):
         output = outputs[start]
         token_ids += output.token_ids
         logprobs += output.logprobs
         reasons += output.finish_reasons
         prompt_index += [start + i for i in output.prompt_index]
+        token_versions = (token_versions + output.token_versions if token_versions is not None
+                          and output.token_versions is not None else None)
     versions = [output.policy_version for output in outputs.values()]
     version = None if None in versions else min(versions)
-    return GenerationOutput(token_ids, logprobs, reasons, prompt_index, policy_version=version)
+    return GenerationOutput(token_ids, logprobs, reasons, prompt_index, policy_version=version,
+                            token_versions=token_versions)
 
 
 def vllm_serve(argv: list[str] | None = None) -> int:
@@ -2523,6 +2743,9 @@ def vllm_serve(argv: list[str] | None = None) -> int:
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs to shard the model over")
     parser.add_argument("--enable-lora", action="store_true", help="Accept LoRA adapters (load_adapter)")
     parser.add_argument("--max-lora-rank", type=int, default=64, help="Largest LoRA rank accepted")
+    parser.add_argument("--kv-after-update", choices=KV_AFTER_UPDATES, default="recompute",
+                        help="In-flight weight updates (rollout_scheduler: in_flight): recompute the running requests' "
+                        "KV cache under the new weights (exact) or keep the old weights' (no re-prefill)")
     args = parser.parse_args(argv)
     if not Path(args.model).is_dir():
         print(f"error: --model {args.model} is not a model directory", file=sys.stderr)
@@ -2532,7 +2755,7 @@ def vllm_serve(argv: list[str] | None = None) -> int:
                             gpu_memory_utilization=args.gpu_memory_utilization,
                             tensor_parallel_size=args.tensor_parallel_size, enable_lora=args.enable_lora,
                             max_lora_rank=args.max_lora_rank)
-        server = VLLMServer(engine, args.host, args.port)
+        server = VLLMServer(engine, args.host, args.port, kv_after_update=args.kv_after_update)
     except (RuntimeError, ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

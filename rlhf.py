@@ -78,10 +78,10 @@ says what a contributor adds there, and docs/architecture.md walks through each:
        Rollout, Episodes, completion_metrics, episode_metrics, RolloutStopped, PromptBatch, PromptStream,
        with_lookahead, rollout_seed, turn_seed, buffer_order_seed, rollout_sampling_params, PolicyWeightSource,
        EngineContext, ROLLOUT_ENGINES, register_rollout_engine, rollout_engine_name, MeasuredEngineChoice, engine_label,
-       SyncedEngine, EpisodeSource, episode_source_name, SingleTurnSource, ToolEnvironmentSource, AgentRollout,
-       AgentProgramSource, RolloutScheduler, rollout_scheduler_name, SyncScheduler, BoundedStalenessScheduler, Scores,
-       RolloutScorer, rollout_rows, per_call_rows, engine_log_probs, engine_correction, rollout_file, save_rollouts,
-       load_rollout
+       SyncedEngine, EpisodeSource, implied_episode_source, episode_source_name, SingleTurnSource,
+       ToolEnvironmentSource, AgentRollout, AgentProgramSource, RolloutScheduler, rollout_scheduler_name, SyncScheduler,
+       BoundedStalenessScheduler, InFlightScheduler, token_version_metrics, Scores, RolloutScorer, rollout_rows,
+       per_call_rows, engine_log_probs, engine_correction, rollout_file, save_rollouts, load_rollout
        add: an episode source (a class with EpisodeSource's members, @register_episode_source), a rollout scheduler
             (RolloutScheduler's members, @register_rollout_scheduler), a rollout engine (a class with
             inference_optimizations.RolloutEngine's members and a @register_rollout_engine builder of an EngineContext)
@@ -409,7 +409,7 @@ POLICY_OPTIMISATION_STAGES: Sequence[str] = _StagesWhere("optimises_policy")  # 
 # Rollouts (section 9): what one sample of a prompt is (an episode source) and when rollouts are sampled (a rollout
 # scheduler), each a class registered by name; the config values episode_source and rollout_scheduler pick them.
 EPISODE_SOURCES: dict[str, type] = {}  # section 9 registers single_turn, tool_environment and agent_program
-ROLLOUT_SCHEDULERS: dict[str, type] = {}  # section 9 registers sync and bounded_staleness
+ROLLOUT_SCHEDULERS: dict[str, type] = {}  # section 9 registers sync, bounded_staleness and in_flight
 
 
 def register_episode_source(name: str) -> Callable[[type], type]:
@@ -796,8 +796,11 @@ class OnlineRLConfig(BaseConfig):
                                        "trains (one step off-policy; corrected by importance sampling)")
     rollout_scheduler: str = _opt("auto", "When rollouts are sampled (ROLLOUT_SCHEDULERS): auto (sync, or "
                                           "bounded_staleness when max_staleness > 0) | sync (on-policy) | "
-                                          "bounded_staleness (up to max_staleness steps ahead, in the background) | a "
-                                          "name registered with rlhf.register_rollout_scheduler")
+                                          "bounded_staleness (up to max_staleness steps ahead, in the background; a "
+                                          "weight sync waits for the server's running requests) | in_flight (the same, "
+                                          "and a sync updates the server's weights under its running requests, each "
+                                          "token tagged with the version that sampled it; server mode) | a name "
+                                          "registered with rlhf.register_rollout_scheduler")
     rollout_retries: int = _opt(2, "Retries of an environment or reward call that raises or times out; after them its "
                                    "episode is dropped (its group left out of the loss) and counted in "
                                    "rollout/failed_episodes")
@@ -840,8 +843,12 @@ class OnlineRLConfig(BaseConfig):
         _check_choice(self.rollout_scheduler, ("auto", *ROLLOUT_SCHEDULERS), "rollout_scheduler")
         _check(not (self.rollout_scheduler == "sync" and self.max_staleness), "rollout_scheduler",
                "sync samples on-policy: set max_staleness: 0 (and async_rollouts: false), or rollout_scheduler: auto")
-        _check(self.rollout_scheduler != "bounded_staleness" or self.max_staleness > 0, "rollout_scheduler",
-               "bounded_staleness samples up to max_staleness steps ahead: set max_staleness >= 1")
+        _check(self.rollout_scheduler not in ("bounded_staleness", "in_flight") or self.max_staleness > 0,
+               "rollout_scheduler", f"{self.rollout_scheduler} samples up to max_staleness steps ahead: set "
+               f"max_staleness >= 1")
+        _check(self.rollout_scheduler != "in_flight" or self.finetuning_type != "lora", "rollout_scheduler",
+               "in_flight cannot update a LoRA policy under running requests: vLLM fixes each request's LoRA adapter "
+               "when it starts; use rollout_scheduler: bounded_staleness with LoRA")
 
     def _validate_sampling_engine(self) -> None:
         _check(0 <= self.min_p < 1 and self.repetition_penalty > 0, "min_p/repetition_penalty",
@@ -8434,6 +8441,7 @@ class AgentCall:
     finish_reason: str = "stop"
     error: str = ""
     done: threading.Event = field(default_factory=threading.Event)
+    versions: list[int | None] = field(default_factory=list)  # per sampled token: the weights that sampled it
 
 
 class AgentEndpoint:
@@ -8791,7 +8799,9 @@ class Episodes:
     episode's summed environment (agent) reward, None without one; ``failed``: episodes whose environment or agent
     failed after its retries; ``calls``: an agent's requests per episode, (prompt ids, token ids, log-probs, finish
     reason) each, for agent_trajectory per_call; ``policy_version``: the optimizer step of the weights that sampled
-    them (an engine holding a copy; None: the policy itself); ``metrics``: what sampling them measured."""
+    them (an engine holding a copy; the oldest, when several did; None: the policy itself); ``metrics``: what sampling
+    them measured; ``token_versions``: per token, the optimizer step of the weights that sampled it (None for a token
+    an environment or agent wrote), where a server updated its weights while they were sampled."""
 
     token_ids: list[list[int]]
     logprobs: list[list[float]]
@@ -8803,16 +8813,11 @@ class Episodes:
     calls: list[list[tuple]] | None = None
     policy_version: int | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    token_versions: list[list[int | None]] | None = None  # per token, the step of the weights that sampled it
 
     def __post_init__(self) -> None:
         if not self.failed:
             self.failed = [False] * len(self.token_ids)
-
-    @classmethod
-    def of(cls, output: GenerationOutput, prompts: list[dict[str, Any]]) -> Episodes:
-        """A rollout engine's single-turn output: completion k answers prompt ``output.prompt_index[k]``."""
-        return cls(output.token_ids, output.logprobs, output.finish_reasons,
-                   [prompts[i] for i in output.prompt_index], policy_version=output.policy_version)
 
     def select(self, rows: Sequence[int]) -> Episodes:
         """These completions, in this order (metrics kept)."""
@@ -8823,7 +8828,7 @@ class Episodes:
 
         return Episodes(pick(self.token_ids), pick(self.logprobs), pick(self.finish_reasons), pick(self.records),
                         pick(self.observation_mask), pick(self.environment_rewards), pick(self.failed),
-                        pick(self.calls), self.policy_version, dict(self.metrics))
+                        pick(self.calls), self.policy_version, dict(self.metrics), pick(self.token_versions))
 
 
 def completion_metrics(episodes: Episodes) -> dict[str, float]:
@@ -9095,6 +9100,7 @@ class EngineContext:
     rollouts_left: Callable[[], int | None]
     sharded: bool = False
     one_shape_per_rollout: bool = True  # the episode source samples one batch shape per rollout (a single turn)
+    in_flight_updates: bool = False  # the scheduler has a server update its weights under running requests
 
     def expected_calls(self) -> int | None:
         """``generation_engine: auto`` compiles the decode step once a timed rollout shows the rollouts still planned
@@ -9191,7 +9197,8 @@ def _vllm_server_engine(context: EngineContext) -> VLLMClient | VLLMServerPool:
                  if config.vllm_servers else [(config.vllm_server_host, config.vllm_server_port)])
     clients = [VLLMClient(host, int(port), timeout=config.vllm_server_timeout, retries=config.vllm_server_retries,
                           sync_dir=(Path(config.vllm_sync_dir) / f"server-{i}" if config.vllm_sync_dir and
-                                    len(addresses) > 1 else config.vllm_sync_dir), weight_transfer=transfer)
+                                    len(addresses) > 1 else config.vllm_sync_dir), weight_transfer=transfer,
+                          in_flight=context.in_flight_updates)
                for i, (host, port) in enumerate(addresses)]
     if len(clients) == 1:
         clients[0].health()
@@ -9422,14 +9429,19 @@ class EpisodeSource(typing.Protocol):
 # cls(config, policy, formatter)
 
 
-def episode_source_name(config: OnlineRLConfig) -> str:
-    """The source a config samples episodes with: ``episode_source``, or for auto, from ``environment`` (none: one
-    turn; agent: an agent program; any other: a tool environment)."""
-    chosen = getattr(config, "episode_source", "auto")
-    if chosen != "auto":
-        return chosen
-    environment = getattr(config, "environment", None)
+BUILT_IN_EPISODE_SOURCES = ("single_turn", "tool_environment", "agent_program")  # picked by environment (auto)
+
+
+def implied_episode_source(environment: str | None) -> str:
+    """What ``environment`` samples: one turn without one, an agent program with ``agent``, else a tool environment."""
     return "single_turn" if not environment else "agent_program" if environment == "agent" else "tool_environment"
+
+
+def episode_source_name(config: OnlineRLConfig) -> str:
+    """The source a config samples episodes with: ``episode_source``, or for auto, the one its ``environment``
+    implies."""
+    chosen = getattr(config, "episode_source", "auto")
+    return chosen if chosen != "auto" else implied_episode_source(getattr(config, "environment", None))
 
 
 @register_episode_source("single_turn")
@@ -9447,7 +9459,8 @@ class SingleTurnSource:
         watch(engine_label(engine))
         output = engine.sample([p["prompt_ids"] for p in prompts], params, images if any(images) else None)
         return Episodes(output.token_ids, output.logprobs, output.finish_reasons,
-                        [p for p in prompts for _ in range(params.n)], policy_version=output.policy_version)
+                        [p for p in prompts for _ in range(params.n)], policy_version=output.policy_version,
+                        token_versions=output.token_versions)
 
     def close(self) -> None:
         pass
@@ -9471,11 +9484,12 @@ class _OpenEpisodes:
     failed: list[bool] = field(default_factory=list)
     faults: list[str] = field(default_factory=list)
     calls: int = 0
+    versions: list[list[int | None]] = field(default_factory=list)  # per token: the weights that sampled it
+    oldest: int | None = None  # the oldest weights any turn was sampled with
 
     def __post_init__(self) -> None:
         count = len(self.records)
-        self.tokens, self.logps, self.observed = [[] for _ in range(count)], [[] for _ in range(count)], \
-            [[] for _ in range(count)]
+        self.tokens, self.logps, self.observed, self.versions = ([[] for _ in range(count)] for _ in range(4))
         self.rewards, self.reasons, self.failed = torch.zeros(count), ["stop"] * count, [False] * count
 
 
@@ -9527,6 +9541,7 @@ class ToolEnvironmentSource:
         episodes.tokens[i] += ids
         episodes.logps[i] += [0.0] * len(ids)
         episodes.observed[i] += [True] * len(ids)
+        episodes.versions[i] += [None] * len(ids)
         episodes.context[i] += ids
 
     def _reset_all(self, episodes: _OpenEpisodes, watch: Callable[[str], None]) -> list[int]:
@@ -9558,12 +9573,17 @@ class ToolEnvironmentSource:
                                           seed=turn_seed(params.seed, turn))
         watch(f"{engine_label(engine)} (turn {turn + 1})")
         out = engine.sample([episodes.context[i] for i in active], turn_params)
+        versions = out.token_versions or [[out.policy_version] * len(ids) for ids in out.token_ids]
+        if out.policy_version is not None:
+            episodes.oldest = min(out.policy_version, episodes.oldest if episodes.oldest is not None else math.inf)
         still = []
-        for i, new, new_logps, reason in zip(active, out.token_ids, out.logprobs, out.finish_reasons):
+        for i, new, new_logps, reason, new_versions in zip(active, out.token_ids, out.logprobs, out.finish_reasons,
+                                                            versions):
             new = new[:room[i]]
             episodes.tokens[i] += new
             episodes.logps[i] += new_logps[:len(new)]
             episodes.observed[i] += [False] * len(new)
+            episodes.versions[i] += list(new_versions[:len(new)])
             episodes.context[i] += new
             try:
                 observation, reward, done = self._call(episodes, i, f"step {turn + 1}", functools.partial(
@@ -9591,7 +9611,7 @@ class ToolEnvironmentSource:
                            1 + self.config.rollout_retries, episodes.faults[-1])
         out = Episodes(episodes.tokens, episodes.logps, episodes.reasons, episodes.records,
                        observation_mask=episodes.observed, environment_rewards=episodes.rewards,
-                       failed=episodes.failed)
+                       failed=episodes.failed, policy_version=episodes.oldest, token_versions=episodes.versions)
         out.metrics = episode_metrics(out, episodes.calls)
         return out
 
@@ -9635,6 +9655,18 @@ class AgentRollout:
         return 0 <= episode - self.first < len(self.records)
 
 
+def _trajectory_versions(calls: list[AgentCall], per_call: bool) -> list[int | None]:
+    """The weight version of each token of an episode's trajectory (None where the agent wrote it), aligned as
+    concatenated_trajectory (or, per call, the calls' answers joined) lays the tokens out."""
+    if per_call:
+        return [v for call in calls for v in call.versions]
+    versions, context = [], len(calls[0].prompt_ids)
+    for call in calls:
+        versions += [None] * (len(call.prompt_ids) - context) + list(call.versions)
+        context = len(call.prompt_ids) + len(call.token_ids)
+    return versions
+
+
 @register_episode_source("agent_program")
 class AgentProgramSource:
     """Episodes played by the user's agent program (``agent``: module:function(client, record) -> reward), each run in
@@ -9652,6 +9684,7 @@ class AgentProgramSource:
         self.endpoint: AgentEndpoint | None = None
         self.episodes_started = 0
         self.running: dict[int, AgentRollout] = {}  # by first episode: rollouts whose agents run now
+        self.lock = threading.Lock()  # a scheduler sampling ahead runs a rollout beside the trainer thread's
 
     def sample(self, prompts: list[dict[str, Any]], params: SamplingParams, engine: RolloutEngine,
                watch: Callable[[str], None]) -> Episodes:
@@ -9661,21 +9694,23 @@ class AgentProgramSource:
             raise RLHFInputError("environment: agent gives each agent an openai.OpenAI client, and the openai package "
                                  "is not installed: pip install openai") from None
         config = self.config
-        self.agent = self.agent or _import_callable(config.agent or "", "agent", f"cannot load {config.agent!r}",
-                                                    "give module:function(client, record) -> reward")
-        if self.endpoint is None:
-            self.endpoint = AgentEndpoint(self.prepare, functools.partial(openai_answer,
-                                                                          tokenizer=self.policy.tokenizer),
-                                          port=config.agent_port, timeout=config.rollout_timeout or 1e9)
         records = [p for p in prompts for _ in range(params.n)]
         texts = [self.policy.tokenizer.decode(r["prompt_ids"], skip_special_tokens=False) for r in records]
-        state = AgentRollout(self.episodes_started, records, texts, [[] for _ in records])
-        self.episodes_started += len(records)
-        self.running[state.first] = state
+        with self.lock:
+            self.agent = self.agent or _import_callable(config.agent or "", "agent", f"cannot load {config.agent!r}",
+                                                        "give module:function(client, record) -> reward")
+            if self.endpoint is None:
+                self.endpoint = AgentEndpoint(self.prepare, functools.partial(openai_answer,
+                                                                              tokenizer=self.policy.tokenizer),
+                                              port=config.agent_port, timeout=config.rollout_timeout or 1e9)
+            state = AgentRollout(self.episodes_started, records, texts, [[] for _ in records])
+            self.episodes_started += len(records)
+            self.running[state.first] = state
         try:
             rewards = self._run_agents(state, params, engine, watch, openai.OpenAI)
         finally:
-            self.running.pop(state.first, None)
+            with self.lock:
+                self.running.pop(state.first, None)
         return self._trajectories(state, rewards)
 
     def _run_agents(self, state: AgentRollout, params: SamplingParams, engine: RolloutEngine,
@@ -9748,8 +9783,11 @@ class AgentProgramSource:
                     call.error = f"sampling failed: {error}"
                     call.done.set()
                 raise
-            for call, ids, lps, reason in zip(group, out.token_ids, out.logprobs, out.finish_reasons):
+            versions = out.token_versions or [[out.policy_version] * len(ids) for ids in out.token_ids]
+            for call, ids, lps, reason, sampled_by in zip(group, out.token_ids, out.logprobs, out.finish_reasons,
+                                                          versions):
                 call.token_ids, call.logprobs = list(ids[:call.max_new_tokens]), list(lps[:call.max_new_tokens])
+                call.versions = list(sampled_by[:call.max_new_tokens])
                 call.finish_reason = "length" if len(ids) > call.max_new_tokens else reason
                 record(call)
 
@@ -9758,6 +9796,7 @@ class AgentProgramSource:
         agent failed or made no request, or whose requests do not extend each other, is dropped."""
         per_call = self.config.agent_trajectory == "per_call"
         tokens, logps, observed, reasons, rewards, failed, kept, faults = [], [], [], [], [], [], [], []
+        versions: list[list[int | None]] = []
         for i, (reward, why) in enumerate(results):
             calls = [c for c in state.calls[i] if not c.error]
             try:
@@ -9781,13 +9820,16 @@ class AgentProgramSource:
             tokens.append(ids)
             logps.append(lps)
             observed.append(seen)
+            versions.append(_trajectory_versions(calls, per_call) if ids else [])
             reasons.append(calls[-1].finish_reason if calls and not failed[-1] else "stop")
             rewards.append(reward)
         if faults:
             logger.warning("agent %s failed in %d of %d episodes (last: %s); they are dropped", self.config.agent,
                            sum(failed), len(state.records), faults[-1])
+        sampled_by = [v for row in versions for v in row if v is not None]
         episodes = Episodes(tokens, logps, reasons, kept, observation_mask=observed, failed=failed,
-                            environment_rewards=torch.tensor(rewards, dtype=torch.float32))
+                            environment_rewards=torch.tensor(rewards, dtype=torch.float32), token_versions=versions,
+                            policy_version=min(sampled_by) if sampled_by else None)
         if per_call:
             episodes.calls = [[] if failed[i] else [(c.prompt_ids, c.token_ids, c.logprobs, c.finish_reason)
                                                    for c in state.calls[i] if not c.error]
@@ -9799,7 +9841,8 @@ class AgentProgramSource:
         """A request's prompt text and ids, token budget and stop strings (AgentEndpoint's ``prepare``; a request
         thread)."""
         config = self.config
-        state = next((s for s in list(self.running.values()) if s.owns(episode)), None)
+        with self.lock:
+            state = next((s for s in self.running.values() if s.owns(episode)), None)
         if state is None:
             raise ValueError(f"episode {episode} is not running")
         index = episode - state.first
@@ -9956,7 +9999,8 @@ class BoundedStalenessScheduler:
         if episodes is None:  # the first rollout (or the first after a resume, or a stale one) samples now
             watch(engine_label(engine))
             episodes, staleness = self.source.sample(prompts, self.params_for(n, index), engine, watch), 0
-        metrics.update({"rollout/staleness": float(staleness), "rollout/stale_dropped": float(self.dropped)})
+        metrics.update({"rollout/staleness": float(staleness), "rollout/stale_dropped": float(self.dropped),
+                        **token_version_metrics(episodes, step)})
         self._send_off(engine, n, index)
         episodes.metrics.update({**metrics, **self.engine.pop_metrics()})
         return episodes
@@ -9976,6 +10020,30 @@ class BoundedStalenessScheduler:
             self.pool.shutdown(wait=True, cancel_futures=True)
             self.pool = None
         self.in_flight.clear()
+
+
+@register_rollout_scheduler("in_flight")
+class InFlightScheduler(BoundedStalenessScheduler):
+    """Bounded staleness with in-flight weight updates (NeMo-RL, SkyRL, AReaL, prime-rl; vllm_mode: server): the
+    rollouts of the next max_staleness steps are sampled in the background as with bounded_staleness, but a weight
+    sync does not wait for the server's running requests: they pause between two engine steps, the new weights are
+    loaded, and they go on with them (VLLMStepLoop). A completion sampled across syncs holds tokens of several
+    versions; each token carries the version and the behaviour log-prob it was sampled with, so the trainer's
+    importance correction compares each token with the weights that actually sampled it. A rollout is dropped when
+    its oldest token is more than max_staleness steps old."""
+
+    updates_weights_in_flight = True
+
+
+def token_version_metrics(episodes: Episodes, step: int) -> dict[str, float]:
+    """Staleness per sampled token at training step ``step`` (where tokens carry the weights that sampled them), and
+    the share of completions sampled by more than one version of the weights (in-flight updates)."""
+    rows = [[v for v in row if v is not None] for row in episodes.token_versions or []]
+    stale = [step - v for row in rows for v in row]
+    if not stale:
+        return {}
+    return {"rollout/token_staleness_mean": sum(stale) / len(stale), "rollout/token_staleness_max": float(max(stale)),
+            "rollout/mixed_version_frac": sum(len(set(row)) > 1 for row in rows) / len(rows)}
 
 
 # ---- Scores: rewards of sampled episodes, with the faults of reward functions and environments ----
@@ -12096,12 +12164,14 @@ class _OnlineRLTrainer(BaseTrainer):
                           and reference is not None else None)
         self.scorer = RolloutScorer(config, reward_fn, policy.decode, drops_failed=self.drops_failed_episodes)
         weights = PolicyWeightSource(policy, lambda: self.model, self.devices, lambda: self.global_step, self.sharded)
+        scheduler = ROLLOUT_SCHEDULERS[rollout_scheduler_name(config)]
         context = EngineContext(config, policy, self.devices, weights, self._sampling_mode, self._rollouts_left,
-                                self.sharded, self.source.one_shape_per_rollout)
+                                self.sharded, self.source.one_shape_per_rollout,
+                                getattr(scheduler, "updates_weights_in_flight", False))
         self.engine = SyncedEngine(lambda: ROLLOUT_ENGINES[rollout_engine_name(config)](context), weights,
                                    self.devices)
-        self.rollout_scheduler = ROLLOUT_SCHEDULERS[rollout_scheduler_name(config)](
-            config, self.source, self.engine, self._sampling_params, self.steps_per_rollout)
+        self.rollout_scheduler = scheduler(config, self.source, self.engine, self._sampling_params,
+                                           self.steps_per_rollout)
 
     takes_images = False  # whether the stage trains on image prompts (a vision-language policy's)
     # an online stage that can leave a failed episode's group out of the loss (GRPO and its estimators); the others
@@ -12389,6 +12459,10 @@ class GRPOConfig(OnlineRLConfig):
                                             "reinforce_pp_baseline (group mean subtracted first)")
     importance_sampling_level: str = _opt("token", "token: a ratio per token | sequence: GSPO's length-normalised "
                                                    "sequence ratio (use epsilon_low ~3e-4, epsilon_high ~4e-4)")
+    episode_source: str = _opt("auto", "What one sample of a prompt is (EPISODE_SOURCES): auto (single_turn without an "
+                                       "environment, agent_program with environment: agent, tool_environment with "
+                                       "any other) | single_turn | tool_environment | agent_program | a name "
+                                       "registered with rlhf.register_episode_source")
     environment: str | None = _opt(None, "Multi-turn tool use: calculator | http (environment_url) | agent (your "
                                          "agent program through an OpenAI-compatible endpoint: agent) | "
                                          "module:function returning an Environment; tool outputs join the context "
@@ -12464,8 +12538,6 @@ class GRPOConfig(OnlineRLConfig):
                    "is required with environment: http (the service's base URL)")
             _check(self.environment != "agent" or bool(self.agent), "agent",
                    "is required with environment: agent (module:function(client, record) -> reward)")
-            _check(self.environment != "agent" or self.vllm_mode == "colocate" or self.use_vllm is False, "agent",
-                   "samples the agents' requests in the trainer's process; use vllm_mode: colocate")
             _check(0 <= self.agent_port < 65536, "agent_port", "must be a port number, or 0 for a free one")
             _check_choice(self.agent_trajectory, ("concatenated", "per_call"), "agent_trajectory")
             _check(self.agent_batch_wait >= 0, "agent_batch_wait", "must be >= 0 (0: wait for every episode)")
@@ -12478,9 +12550,11 @@ class GRPOConfig(OnlineRLConfig):
                    "dynamic_sampling: false with environment: agent")
             _check(self.environment_timeout > 0 and self.environment_retries >= 1,
                    "environment_timeout/environment_retries", "need a positive timeout and at least one attempt")
-            _check(not self.max_staleness, "max_staleness",
-                   "samples ahead of training, and episodes are sampled turn by turn with the environment's answers: "
-                   "set max_staleness: 0 (and async_rollouts: false) with an environment")
+        _check_choice(self.episode_source, ("auto", *EPISODE_SOURCES), "episode_source")
+        implied = implied_episode_source(self.environment)
+        _check(self.episode_source in ("auto", implied) or self.episode_source not in BUILT_IN_EPISODE_SOURCES,
+               "episode_source", f"{self.episode_source} does not go with environment {self.environment!r} (which "
+               f"samples {implied} episodes): set episode_source: auto")
         _check(not (self.dynamic_sampling and self.streaming), "dynamic_sampling",
                "draws extra prompts at random from the prompt set, which a streaming dataset cannot do: set streaming: "
                "false")

@@ -871,7 +871,10 @@ def test_a_server_that_stays_down_stops_the_run_with_one_line(tmp_path, tiny_mod
     ({"vllm_weight_transfer": "nccl"}, "vllm_weight_transfer"),
     ({"max_staleness": 1}, "needs vllm_mode: server"),
     ({"max_staleness": -1, "vllm_mode": "server"}, "must be >= 0"),
-    ({"max_staleness": 1, "vllm_mode": "server", "environment": "calculator"}, "set max_staleness: 0"),
+    ({"rollout_scheduler": "in_flight", "vllm_mode": "server"}, "set max_staleness >= 1"),
+    ({"rollout_scheduler": "in_flight", "max_staleness": 1}, "needs vllm_mode: server"),
+    ({"rollout_scheduler": "in_flight", "max_staleness": 1, "vllm_mode": "server", "finetuning_type": "lora"},
+     "fixes each request's LoRA adapter"),
     ({"vllm_servers": ["localhost"], "vllm_mode": "server"}, "is not host:port"),
     ({"vllm_servers": ["a:1", "b:2"]}, "vllm_servers' needs vllm_mode: server"),
 ])
