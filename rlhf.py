@@ -9979,15 +9979,18 @@ class BoundedStalenessScheduler:
     def plan(self, upcoming: list[PromptBatch]) -> None:
         self.upcoming = upcoming
 
+    sync_before_waiting = False  # whether this step's weights go to the engine before the rollout is waited for
+
     def sample(self, prompts: list[dict[str, Any]], n: int, index: int, step: int,
                watch: Callable[[str], None]) -> Episodes:
+        engine = self.engine.at(step) if self.sync_before_waiting else None
         waited = time.time()
         ids, episodes = [p["prompt_ids"] for p in prompts], None
         if self.in_flight and self.in_flight[0][0] == ids:  # else extra prompts (dynamic_sampling's)
             watch(engine_label(self.engine.engine))
             episodes = self.in_flight.popleft()[1].result()
         metrics = {"perf/rollout_wait_s": time.time() - waited}
-        engine = self.engine.at(step)
+        engine = engine or self.engine.at(step)
         staleness = step - episodes.policy_version if episodes is not None and episodes.policy_version is not None \
             else 0
         if episodes is not None and (episodes.policy_version is None or staleness > self.max_staleness):
@@ -10030,9 +10033,11 @@ class InFlightScheduler(BoundedStalenessScheduler):
     loaded, and they go on with them (VLLMStepLoop). A completion sampled across syncs holds tokens of several
     versions; each token carries the version and the behaviour log-prob it was sampled with, so the trainer's
     importance correction compares each token with the weights that actually sampled it. A rollout is dropped when
-    its oldest token is more than max_staleness steps old."""
+    its oldest token is more than max_staleness steps old. Each step's weights go to the server first, before the
+    trainer waits for the rollout it trains on next, so that rollout's remaining tokens are sampled with them."""
 
     updates_weights_in_flight = True
+    sync_before_waiting = True
 
 
 def token_version_metrics(episodes: Episodes, step: int) -> dict[str, float]:

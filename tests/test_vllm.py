@@ -8,6 +8,7 @@ vLLM step sets RLHF_REQUIRE_VLLM=1, so a missing or broken vLLM fails there inst
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import os
@@ -715,6 +716,104 @@ def test_max_staleness_samples_k_steps_ahead_and_drops_older_completions(tmp_pat
     assert len(rows) == 6 and rows[-1]["rollout/stale_dropped"] == 8  # one rollout: 2 prompts x 4 completions
     dropped_at = next(i for i, row in enumerate(rows) if row["rollout/stale_dropped"])
     assert rows[dropped_at]["rollout/staleness"] == 0  # sampled again with this step's weights
+
+
+def test_an_in_flight_update_changes_the_weights_under_running_requests(engine, tiny_model_dir, tiny_tokenizer,
+                                                                        prompt_ids):
+    """VLLMStepLoop (what vllm-serve runs): a weight load marked in_flight runs between two engine steps while four
+    requests are decoding; they go on with the new weights. Each completion then holds tokens of two versions, each
+    token's behaviour log-prob is that of the weights that sampled it (recompute: the KV cache rebuilt under the new
+    weights, so the tokens after the update are exactly the new weights' greedy continuation), and the importance
+    correction against the new policy is 1 on the new tokens and moves the old ones by their ratio."""
+    from transformers import AutoModelForCausalLM
+
+    old = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    new = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    with torch.no_grad():
+        for name, parameter in new.named_parameters():
+            if "layers.0." in name:
+                parameter.mul_(0.5)
+    tied = [(k, v) for k, v in new.state_dict().items() if k != "lm_head.weight"]
+    version = [0]
+    loop = io.VLLMStepLoop(engine, lambda: version[0], "recompute")
+    try:
+        pool = concurrent.futures.ThreadPoolExecutor(1)
+        future = pool.submit(loop.generate, prompt_ids, io.SamplingParams(max_new_tokens=120, do_sample=False))
+        deadline = time.time() + 60
+        while not any(len(row) >= 8 for call, _ in list(loop.running.values()) for row in call.token_ids):
+            assert time.time() < deadline and not future.done(), "the requests finished before the update"
+            time.sleep(0.002)
+        loop.run(lambda: (engine.load_weights(tied), version.__setitem__(0, 1)), in_flight=True)
+        output = future.result(timeout=120)
+        assert loop.updates_in_flight == 1
+    finally:
+        loop.close()
+        engine.load_weights([(k, v) for k, v in old.state_dict().items() if k != "lm_head.weight"])
+    for prompt, tokens, logps, versions in zip(prompt_ids, output.token_ids, output.logprobs, output.token_versions):
+        switch = versions.index(1)
+        assert 8 <= switch < len(tokens) == 120 and versions == [0] * switch + [1] * (len(tokens) - switch)
+        assert tokens[:switch] == _hf_greedy(old, [prompt], switch, set())[0]
+        assert tokens[switch:] == _hf_greedy(new, [prompt + tokens[:switch]], len(tokens) - switch, set())[0]
+        behaviour = torch.tensor(logps)
+        under_old, under_new = _trainer_logps(old, prompt, tokens), _trainer_logps(new, prompt, tokens)
+        assert (behaviour[:switch] - under_old[:switch]).abs().max() < 1e-4
+        assert (behaviour[switch:] - under_new[switch:]).abs().max() < 1e-4
+        weights, _ = rlhf.rollout_importance_weights(under_new[None], behaviour[None], torch.ones(1, len(tokens),
+                                                                                                  dtype=torch.bool),
+                                                     cap=1e9, mode="token_truncate")
+        assert (weights[0, switch:] - 1).abs().max() < 1e-3  # sampled by the policy it trains: nothing to correct
+        assert (weights[0, :switch] - torch.exp(under_new[:switch] - under_old[:switch])).abs().max() < 1e-3
+    assert output.policy_version == 0  # the oldest weights that sampled it: what staleness is counted from
+
+
+def test_without_in_flight_an_update_waits_for_the_running_requests(engine, prompt_ids):
+    """A load not marked in_flight (a sync between rollouts) runs once the running requests are done, and holds back
+    requests that arrive after it until it has run."""
+    version = [0]
+    loop = io.VLLMStepLoop(engine, lambda: version[0])
+    try:
+        pool = concurrent.futures.ThreadPoolExecutor(2)
+        first = pool.submit(loop.generate, prompt_ids, io.SamplingParams(max_new_tokens=80, do_sample=False))
+        while not loop.running:
+            time.sleep(0.002)
+        update = pool.submit(loop.run, lambda: version.__setitem__(0, 1))
+        while not loop.updates:
+            time.sleep(0.002)
+        second = loop.generate(prompt_ids[:1], io.SamplingParams(max_new_tokens=4, do_sample=False))
+        update.result(timeout=60)
+        assert all(v == [0] * 80 for v in first.result().token_versions) and second.token_versions == [[1] * 4]
+        assert loop.updates_in_flight == 0
+    finally:
+        loop.close()
+
+
+@pytest.mark.parametrize("name, settings", [
+    ("tool environment, k = 1", dict(environment="test_tools:scripted", max_staleness=1)),
+    ("agent program, k = 1", dict(environment="agent", agent="test_agents:two_call_agent", max_staleness=1)),
+    ("agent program on a server", dict(environment="agent", agent="test_agents:two_call_agent")),
+    ("agent program on a pool", dict(environment="agent", agent="test_agents:two_call_agent", pool=True)),
+    ("tool environment, in flight", dict(environment="test_tools:scripted", max_staleness=1,
+                                         rollout_scheduler="in_flight")),
+])
+def test_every_episode_source_runs_under_every_scheduler_on_servers(tmp_path, server, tiny_model_dir, dataset, name,
+                                                                    settings):
+    """The combinations the old trainer refused: async rollouts (k = 1, and with in-flight updates) with a tool
+    environment and with an agent program, and agent programs on a server and on a pool. Each trains; episodes carry
+    their tools' or agent's turns; a rollout sampled ahead is one step stale, an on-policy one agrees with the
+    trainer at fp32 noise."""
+    pytest.importorskip("openai", reason="agent programs need the openai package")
+    port, _ = server
+    settings = dict(settings)
+    where = ({"vllm_servers": [f"127.0.0.1:{port}", f"localhost:{port}"]} if settings.pop("pool", False)
+             else {"vllm_server_port": port})
+    rows = _rows(_grpo_trainer(tmp_path, tiny_model_dir, dataset, vllm_mode="server", max_steps=3, max_turns=3,
+                               max_turn_tokens=6, max_completion_length=24, **where, **settings).train())
+    assert len(rows) == 3 and all(row["tools/calls_per_episode"] > 0 for row in rows), rows
+    staleness = [row.get("rollout/staleness", 0.0) for row in rows]
+    assert staleness == ([0.0, 1.0, 1.0] if settings.get("max_staleness") else [0.0] * 3), staleness
+    assert all(row["vllm/logprob_abs_diff_max"] < 1e-4 for row, stale in zip(rows, staleness) if not stale)
+    if "vllm_servers" in where:
+        assert all(row["vllm/servers_live"] == 2 for row in rows)
 
 
 def test_a_pool_of_servers_samples_as_one_and_takes_a_dead_server_out_and_back(tmp_path, server, tiny_model_dir,
