@@ -81,7 +81,8 @@ says what a contributor adds there, and docs/architecture.md walks through each:
        SyncedEngine, EpisodeSource, implied_episode_source, episode_source_name, SingleTurnSource,
        ToolEnvironmentSource, AgentRollout, AgentProgramSource, RolloutScheduler, rollout_scheduler_name, SyncScheduler,
        BoundedStalenessScheduler, InFlightScheduler, token_version_metrics, Scores, RolloutScorer, rollout_rows,
-       per_call_rows, engine_log_probs, engine_correction, rollout_file, save_rollouts, load_rollout
+       per_call_rows, engine_log_probs, engine_correction, rollout_file, save_rollouts, episodes_to_json,
+       episodes_from_json, buffer_file, save_buffers, load_buffer, RolloutLedger, load_rollout
        add: an episode source (a class with EpisodeSource's members, @register_episode_source), a rollout scheduler
             (RolloutScheduler's members, @register_rollout_scheduler), a rollout engine (a class with
             inference_optimizations.RolloutEngine's members and a @register_rollout_engine builder of an EngineContext)
@@ -9904,7 +9905,9 @@ class RolloutScheduler(typing.Protocol):
     ``lookahead``: how many later rollouts' prompts it wants to know about; ``plan(upcoming)``: those rollouts'
     PromptBatches, told before each rollout is sampled; ``sample(prompts, n, index, step, watch) -> Episodes``: rollout
     ``index``'s episodes (``n`` per prompt) for the trainer at optimizer step ``step``, with what it measured in
-    ``Episodes.metrics``; ``close()``: stop what runs in the background (idempotent)."""
+    ``Episodes.metrics``; ``close()``: stop what runs in the background (idempotent). A scheduler that samples ahead
+    also has ``buffered()`` (its rollouts sampled ahead, once done: a checkpoint keeps them) and ``restore(buffer,
+    dropped)``, so that a resumed run trains on exactly what the interrupted one would have."""
 
     lookahead: int
 
@@ -10007,6 +10010,19 @@ class BoundedStalenessScheduler:
         self._send_off(engine, n, index)
         episodes.metrics.update({**metrics, **self.engine.pop_metrics()})
         return episodes
+
+    def buffered(self) -> list[tuple[list[list[int]], Episodes]]:
+        """The rollouts sampled ahead, oldest first, each once it is done (a checkpoint waits for them): what a
+        resumed run must train on next to repeat this one."""
+        return [(ids, future.result()) for ids, future in self.in_flight]
+
+    def restore(self, buffer: list[tuple[list[list[int]], Episodes]], dropped: int = 0) -> None:
+        """A checkpoint's rollouts sampled ahead, trained on next as if never interrupted."""
+        for ids, episodes in buffer:
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            done.set_result(episodes)
+            self.in_flight.append((ids, done))
+        self.dropped = dropped
 
     def _send_off(self, engine: RolloutEngine, n: int, index: int) -> None:
         """The next rollouts not yet in flight, sampled in the background with the weights the engine holds now."""
@@ -10244,6 +10260,78 @@ def save_rollouts(directory: Path, rollouts: list[Rollout]) -> None:
         save_file({k: v.contiguous() for k, v in rollout.tensors().items()}, str(directory / rollout_file(process)),
                   metadata={"skip_reason": rollout.skip_reason, "processes": str(len(rollouts)),
                             "images": json.dumps(rollout.images)})
+
+
+def episodes_to_json(episodes: Episodes) -> dict[str, Any]:
+    """Episodes as JSON (token ids, log-probs as floats written exactly, records, masks, versions): a checkpoint's
+    rollouts sampled ahead."""
+    rewards = episodes.environment_rewards
+    return {**{f.name: getattr(episodes, f.name) for f in dataclasses.fields(episodes)},
+            "environment_rewards": rewards.tolist() if rewards is not None else None}
+
+
+def episodes_from_json(data: dict[str, Any]) -> Episodes:
+    rewards = data.get("environment_rewards")
+    calls = data.get("calls")
+    return Episodes(**{**data, "environment_rewards": torch.tensor(rewards, dtype=torch.float32) if rewards is not None
+                       else None, "calls": [[tuple(call) for call in episode] for episode in calls]
+                       if calls is not None else None})
+
+
+def buffer_file(process: int) -> str:
+    return "rollout_buffer.json" if process == 0 else f"rollout_buffer-{process}.json"
+
+
+def save_buffers(directory: Path, buffers: list[dict[str, Any]]) -> None:
+    """Every process's rollouts sampled ahead (``buffers[i]``: {rollouts: [[prompt ids, episodes JSON]], dropped}),
+    process i's in buffer_file(i); nothing when no process holds any."""
+    if not any(buffer["rollouts"] for buffer in buffers):
+        return
+    for process, buffer in enumerate(buffers):
+        (directory / buffer_file(process)).write_text(json.dumps({**buffer, "processes": len(buffers)}),
+                                                      encoding="utf-8")
+
+
+def load_buffer(directory: Path, process: int, processes: int) -> tuple[list[tuple[list, Episodes]], int] | None:
+    """This process's rollouts sampled ahead from a checkpoint and the stale completions dropped so far, or None
+    when it holds none (or was written by another number of processes: they are sampled again, with a warning)."""
+    path = directory / buffer_file(process)
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if data.get("processes") != processes:
+        logger.warning("%s holds the rollouts sampled ahead by %s process(es) and this run has %d: they are sampled "
+                       "again", directory, data.get("processes"), processes)
+        return None
+    return [(ids, episodes_from_json(episodes)) for ids, episodes in data["rollouts"]], int(data.get("dropped", 0))
+
+
+class RolloutLedger:
+    """Which prompts every trained rollout sampled: ``rollouts.jsonl`` in output_dir, a line per rollout with its
+    index, the optimizer step that first trained on it and every process's prompt positions in the prompt set (None
+    when streaming). A resumed run drops the lines of the rollouts after its checkpoint before it goes on, so the
+    file of a finished run lists what it trained on, each prompt as often as an uninterrupted run would."""
+
+    FILE = "rollouts.jsonl"
+
+    def __init__(self, directory: Path, keep_below: int, write: bool = True) -> None:
+        self.path, self.write = directory / self.FILE, write
+        if not write:
+            return
+        directory.mkdir(parents=True, exist_ok=True)
+        kept = [line for line in (self.path.read_text(encoding="utf-8").splitlines() if self.path.exists() else [])
+                if line.strip() and json.loads(line)["rollout"] < keep_below]
+        self.path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+
+    def record(self, index: int, step: int, positions: list[list[int] | None]) -> None:
+        if self.write:
+            with self.path.open("a", encoding="utf-8") as handle:
+                handle.write(json.dumps({"rollout": index, "step": step, "prompts": positions}) + "\n")
+
+    @staticmethod
+    def read(directory: Path) -> list[dict[str, Any]]:
+        path = directory / RolloutLedger.FILE
+        return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 def load_rollout(directory: Path, process: int, processes: int) -> Rollout | None:
@@ -12254,10 +12342,17 @@ class _OnlineRLTrainer(BaseTrainer):
         index, steps_done = divmod(self.global_step, self.steps_per_rollout)
         resumed = self.resumed_rollout if steps_done else None  # a checkpoint taken inside a rollout kept it
         self.resumed_rollout = None
-        batches = with_lookahead(self.prompts.batches(index + (resumed is not None)), self.rollout_scheduler.lookahead)
+        first = index + (resumed is not None)
+        ledger = RolloutLedger(self.output_dir, first, write=self.devices.is_main_process)
+        batches = with_lookahead(self.prompts.batches(first), self.rollout_scheduler.lookahead)
         while True:
             self.rollout_index = index  # seeds the rollout's draws (rollout_seed)
-            rollout = resumed or self._next_rollout(*next(batches))
+            if resumed is None:
+                batch, upcoming = next(batches)
+                rollout = self._next_rollout(batch, upcoming)
+                ledger.record(index, self.global_step + 1, self.devices.gather_object(batch.positions))
+            else:
+                rollout = resumed
             resumed, self.current_rollout = None, rollout
             schedule = self.rollout_schedule(rollout)
             for position in range(steps_done * accumulation, len(schedule)):
@@ -12354,16 +12449,28 @@ class _OnlineRLTrainer(BaseTrainer):
         # taken inside a rollout collects every process's rollout first (all processes get here together)
         inside = bool(self.global_step % self.steps_per_rollout) and self.current_rollout is not None
         self.rollouts_to_save = self.devices.gather_object(self.current_rollout) if inside else []
+        # a scheduler sampling ahead: its rollouts, once done, so a resume trains on them as this run will
+        buffered = getattr(self.rollout_scheduler, "buffered", list)()
+        self.buffers_to_save = self.devices.gather_object({
+            "rollouts": [[ids, episodes_to_json(episodes)] for ids, episodes in buffered],
+            "dropped": getattr(self.rollout_scheduler, "dropped", 0)})
         super()._save_checkpoint()
 
     def _write_checkpoint(self, directory: Path) -> None:
         super()._write_checkpoint(directory)
         save_rollouts(directory, self.rollouts_to_save)
+        save_buffers(directory, self.buffers_to_save)
 
     def _load_checkpoint(self, path: Path) -> None:
         super()._load_checkpoint(path)
         if self.global_step % self.steps_per_rollout:
             self.resumed_rollout = load_rollout(path, self.devices.process_index, self.devices.num_processes)
+        buffer = load_buffer(path, self.devices.process_index, self.devices.num_processes)
+        if buffer is not None and hasattr(self.rollout_scheduler, "restore"):
+            self.rollout_scheduler.restore(*buffer)
+        elif buffer is not None:
+            logger.warning("%s holds rollouts sampled ahead, and rollout_scheduler %s samples none ahead: they are "
+                           "not used", path, rollout_scheduler_name(self.config))
 
     # -- evaluation: held-out answers from the policy (or the engine, when it holds the policy at its precision)
     def evaluate(self) -> dict[str, float]:

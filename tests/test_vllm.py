@@ -816,6 +816,49 @@ def test_every_episode_source_runs_under_every_scheduler_on_servers(tmp_path, se
         assert all(row["vllm/servers_live"] == 2 for row in rows)
 
 
+@pytest.mark.parametrize("tools", [False, True], ids=["single turn", "tool environment"])
+def test_an_async_run_killed_and_resumed_trains_each_prompt_once_as_the_uninterrupted_run(tmp_path, server,
+                                                                                         tiny_model_dir, tools):
+    """max_staleness 2 (and with a tool environment): a run killed with SIGKILL after its step-4 checkpoint and run
+    again trains on the prompts of the uninterrupted run, rollout for rollout: the 16 prompts of the epoch once each,
+    none skipped or repeated (rollouts.jsonl), with the same losses. The two rollouts sampled ahead at the
+    checkpoint are saved in it (they were sampled with weights the resumed run no longer has) and trained on next."""
+    import signal
+
+    port, _ = server
+    command = [sys.executable, str(REPO / "rlhf.py"), "grpo", f"model_name_or_path={tiny_model_dir}",
+               "dataset=demo_rl", f"dataset_dir={REPO / 'data' / 'demo'}", "max_samples=16", "finetuning_type=full",
+               "num_generations=4", "per_device_train_batch_size=8", "max_completion_length=8", "cutoff_len=64",
+               "max_steps=8", "beta=0", "reward_funcs=length", "length_target_chars=20", "learning_rate=1e-3",
+               "lr_scheduler_type=constant", "save_steps=2", "logging_steps=1", "report_to=none", "use_vllm=true",
+               "vllm_mode=server", f"vllm_server_port={port}", "max_staleness=2", "seed=0"]
+    if tools:
+        command += ["environment=test_tools:scripted", "max_turns=3", "max_turn_tokens=4", "max_completion_length=24"]
+    env = {**os.environ, "PYTHONPATH": f"{REPO / 'tests'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    subprocess.run(command + [f"output_dir={whole}", "resume_from_checkpoint=none"], check=True, env=env,
+                   capture_output=True, timeout=600)
+    killed = subprocess.Popen(command + [f"output_dir={resumed}"], env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    deadline = time.time() + 600
+    while not (resumed / "checkpoints" / "checkpoint-4" / "COMPLETE").exists():
+        assert killed.poll() is None and time.time() < deadline, "the run ended before its step-4 checkpoint"
+        time.sleep(0.05)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait(timeout=60)
+    buffer = json.loads((resumed / "checkpoints" / "checkpoint-4" / "rollout_buffer.json").read_text())
+    assert len(buffer["rollouts"]) == 2  # rollouts 4 and 5, sampled ahead with the weights of steps 2 and 3
+    subprocess.run(command + [f"output_dir={resumed}"], check=True, env=env, capture_output=True, timeout=600)
+    straight, again = rlhf.RolloutLedger.read(whole), rlhf.RolloutLedger.read(resumed)
+    assert [row["rollout"] for row in again] == list(range(8)) and again == straight
+    assert sorted(p for row in again for part in row["prompts"] for p in part) == list(range(16))  # each once
+
+    def losses(folder):
+        return [row["loss"] for row in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines())]
+
+    assert losses(resumed) == pytest.approx(losses(whole), rel=1e-5, abs=1e-7)
+
+
 def test_a_pool_of_servers_samples_as_one_and_takes_a_dead_server_out_and_back(tmp_path, server, tiny_model_dir,
                                                                                  tiny_tokenizer, prompt_ids, dataset):
     """vllm_servers: prompts are spread across the live servers and each keeps the seed of its place, so a pool
