@@ -1,7 +1,8 @@
-"""Fully async rollouts: GRPO steps per second and held-out accuracy at max_staleness k = 0, 1, 4, sampling on a pool
-of vllm-serve servers.
+"""Fully async rollouts: GRPO steps per second and held-out accuracy at max_staleness k = 0, 1, 4, and with in-flight
+weight updates, sampling on a pool of vllm-serve servers.
 
     python bench/bench_async_rollouts.py                        # k = 0, 1, 4; 2 servers; 200 steps; seed 0
+    python bench/bench_async_rollouts.py --ks 0,1,in_flight:1   # on-policy, bounded staleness 1, in flight at 1
     python bench/bench_async_rollouts.py --seeds 0,1            # two seeds per k: the spread between seeds is the noise
     python bench/bench_async_rollouts.py --quick                # 20 steps, k = 0, 1 (a check that it runs)
 
@@ -16,7 +17,9 @@ weight sync (through files in /dev/shm) goes to each.
 Each run: ``rlhf.GRPOTrainer`` from the SFT model, the demo's GRPO settings (8 prompts x 8 samples per step, at
 most 64 tokens, temperature 0.6, beta 0, lr 1e-4 with 10 warm-up steps, cosine), ``--steps`` steps, ``max_staleness``
 k (0: each rollout sampled after the last update, on-policy; k: up to k rollouts sample in a background thread while
-the policy trains). Columns: steps/s over the whole run (servers already up; the first step holds the first sync),
+the policy trains, each weight sync waiting for the server's running requests; ``in_flight:k``: the same with
+``rollout_scheduler: in_flight``, each sync applied under the running requests, which go on with the new weights).
+Columns: steps/s over the whole run (servers already up; the first step holds the first sync),
 the trainer's mean wait for a rollout ("wait s/step": sampling time not hidden behind training), the staleness of
 the rollouts trained on (mean, in optimizer steps), completions dropped as older than k, the training reward over
 the first and last 20 steps, and held-out exact match on the demo's 300 prompts (``rlhf.evaluate_exact_match``,
@@ -104,14 +107,18 @@ def held_out(model_dir: Path, records: list[dict]) -> float:
     return rlhf.evaluate_exact_match(policy, formatter, records, max_new_tokens=64, batch_size=100)["eval/accuracy"]
 
 
-def run(model: Path, servers: list[str], k: int, seed: int, steps: int, out: Path) -> dict:
+def run(model: Path, servers: list[str], mode: str, seed: int, steps: int, out: Path) -> dict:
+    """One GRPO run; ``mode``: k (bounded staleness, 0: on-policy) or in_flight:k."""
+    in_flight = mode.startswith("in_flight:")
+    k = int(mode.split(":")[-1])
     config = rlhf.GRPOConfig(
         model_name_or_path=str(model), output_dir=str(out), dataset="demo_rl", dataset_dir=str(REPO / "data/demo"),
         template="auto", cutoff_len=128, finetuning_type="full", reward_funcs=["exact_answer"], num_generations=8,
         per_device_train_batch_size=64, max_completion_length=64, temperature=0.6, beta=0.0, learning_rate=1e-4,
         warmup_steps=10, lr_scheduler_type="cosine", max_steps=steps, save_steps=0, logging_steps=1, seed=seed,
         report_to="none", disable_progress_bar=True, eval_dataset="", resume_from_checkpoint="none",
-        use_vllm=True, vllm_mode="server", vllm_servers=servers, max_staleness=k)
+        use_vllm=True, vllm_mode="server", vllm_servers=servers, max_staleness=k,
+        rollout_scheduler="in_flight" if in_flight else "auto")
     started = time.time()
     result = rlhf.train_grpo(config)
     seconds = time.time() - started
@@ -119,13 +126,15 @@ def run(model: Path, servers: list[str], k: int, seed: int, steps: int, out: Pat
     mean = lambda key, part=rows: statistics.fmean(row.get(key, 0.0) for row in part)  # noqa: E731
     return {"steps_per_s": steps / seconds, "seconds": seconds, "wait": mean("perf/rollout_wait_s"),
             "staleness": mean("rollout/staleness"), "dropped": rows[-1].get("rollout/stale_dropped", 0.0),
+            "token_staleness": mean("rollout/token_staleness_mean"), "mixed": mean("rollout/mixed_version_frac"),
             "first": mean("reward", rows[:20]), "last": mean("reward", rows[-20:]),
             "rewards": [row["reward"] for row in rows]}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ks", default="0,1,4", help="max_staleness values, comma-separated")
+    parser.add_argument("--ks", default="0,1,4", help="max_staleness values, comma-separated; in_flight:k for "
+                        "in-flight weight updates at max_staleness k")
     parser.add_argument("--seeds", default="0", help="seeds, comma-separated (several: the spread is the noise)")
     parser.add_argument("--steps", type=int, default=200, help="GRPO optimizer steps per run")
     parser.add_argument("--servers", type=int, default=2, help="vllm-serve processes in the pool")
@@ -141,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if args.quick:
         args.steps, args.ks = 20, "0,1"
-    ks, seeds = [int(k) for k in args.ks.split(",")], [int(s) for s in args.seeds.split(",")]
+    ks, seeds = args.ks.split(","), [int(s) for s in args.seeds.split(",")]
     model = sft_model(args.sft_dir)
     records = rlhf.load_records("demo_eval", REPO / "data/demo", "prompt")
     cores = sorted(os.sched_getaffinity(0))
@@ -156,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for seed in seeds:
             for k in ks:
-                out = args.out / f"k{k}-seed{seed}"
-                print(f"max_staleness {k}, seed {seed}: {args.steps} steps on {len(servers)} servers", flush=True)
+                out = args.out / f"k{k.replace(':', '')}-seed{seed}"
+                print(f"{k}, seed {seed}: {args.steps} steps on {len(servers)} servers", flush=True)
                 results[k, seed] = run(model, servers, k, seed, args.steps, out)
                 results[k, seed]["after"] = held_out(out, records)
     finally:
@@ -165,10 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     layout = (f"trainer on core(s) {','.join(map(str, cores[:len(cores) // 2]))}, servers on "
               f"{','.join(map(str, server_cores))}" if server_cores else "every process on every core")
     rows = [[str(k), str(seed), f"{r['steps_per_s']:.2f}", f"{r['wait']:.2f}", f"{r['staleness']:.2f}",
-             f"{r['dropped']:.0f}", f"{r['first']:.3f}", f"{r['last']:.3f}", f"{100 * before:.1f}%",
-             f"{100 * r['after']:.1f}%"] for (k, seed), r in sorted(results.items())]
-    print_table(["k", "seed", "steps/s", "wait s", "staleness", "dropped", "reward 1-20", "reward last 20",
-                 "held-out before", "after"], rows,
+             f"{r['token_staleness']:.2f}", f"{r['mixed']:.2f}", f"{r['dropped']:.0f}", f"{r['first']:.3f}",
+             f"{r['last']:.3f}", f"{100 * before:.1f}%", f"{100 * r['after']:.1f}%"]
+            for (k, seed), r in results.items()]
+    print_table(["k", "seed", "steps/s", "wait s", "staleness", "token staleness", "mixed versions", "dropped",
+                 "reward 1-20", "reward last 20", "held-out before", "after"], rows,
                 f"GRPO, careless demo, {args.steps} steps, {len(servers)} vllm-serve servers, {len(cores)} CPU cores "
                 f"({layout})", label_columns=2, min_width=160)
     for k in ks:  # the spread over seeds is the noise the k's are compared against

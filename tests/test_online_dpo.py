@@ -70,7 +70,7 @@ def test_the_loss_is_dpo_on_each_ranked_pair(tmp_path, tiny_model_dir, prompts):
     scores = digit_share(None, texts, None).chunk(2)
     assert (all(c > r for c, r, w in zip(*scores, weights) if w)
             and all(c == r for c, r, w in zip(*scores, weights) if not w))
-    assert 0 <= metrics["online_dpo/ties_frac"] <= 1
+    assert 0 <= rollout.metrics["online_dpo/ties_frac"] <= 1
 
 
 def test_ties_stay_out_of_the_loss(tmp_path, tiny_model_dir, prompts):
