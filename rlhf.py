@@ -31,14 +31,14 @@ says what a contributor adds there, and docs/architecture.md walks through each:
        compile_training_step
        add: a logging target (REPORT_TARGETS), something a checkpoint carries (CheckpointManager), an optimizer
   3. Data
-       DatasetSpec, resolve_dataset, iter_raw_records, parse_record, to_record, load_records, extract_answer,
-       ChatTemplate, TEMPLATES, register_template, CHAT_TEMPLATES, TEMPLATE_SPECIAL_TOKENS, ChatFormatter,
-       saved_as_trained, chat_formatter, truncate_example, pack_sequences, SFTDataset, StreamingRecordDataset,
-       StreamingSFTDataset, SFTCollator, split_budget, truncate_prompt_and_responses, PreferenceDataset, KTODataset,
-       StreamingPreferenceDataset, StreamingKTODataset, GRPODataset, DistillDataset, StreamingGRPODataset, pack_rows,
-       pack_preference_pairs, PreferenceBatch, PreferenceCollator, KTOBatch, KTOCollator, split_steps,
-       arithmetic_step_labels, arithmetic_response_labels, encode_steps, ProcessPreferenceDataset,
-       ProcessPreferenceCollator, group_by_length, ResumableBatchSampler
+       DatasetSpec, resolve_dataset, iter_raw_records, parse_record, count_placeholders, open_image, to_record,
+       load_records, extract_answer, ChatTemplate, TEMPLATES, register_template, CHAT_TEMPLATES,
+       TEMPLATE_SPECIAL_TOKENS, ChatFormatter, saved_as_trained, chat_formatter, truncate_example, pack_sequences,
+       SFTDataset, StreamingRecordDataset, StreamingSFTDataset, SFTCollator, split_budget,
+       truncate_prompt_and_responses, PreferenceDataset, KTODataset, StreamingPreferenceDataset, StreamingKTODataset,
+       GRPODataset, DistillDataset, StreamingGRPODataset, pack_rows, pack_preference_pairs, PreferenceBatch,
+       PreferenceCollator, KTOBatch, KTOCollator, split_steps, arithmetic_step_labels, arithmetic_response_labels,
+       encode_steps, ProcessPreferenceDataset, ProcessPreferenceCollator, group_by_length, ResumableBatchSampler
        add: a dataset format (parse_record), a chat template (one register_template(ChatTemplate(...))), a dataset class
   4. Model loading and the output head
        token_log_probs, token_entropy, OutputHead, head_logits, head_reduction, LogProbs, load_tokenizer,
@@ -46,8 +46,8 @@ says what a contributor adds there, and docs/architecture.md walks through each:
        load_causal_lm
        add: a model family's loading quirk, a model file format (GGUF's conversion is the example)
   5. Vision-language models
-       text_config, is_vision_language, vision_kwargs, count_placeholders, open_image, fit_pixels, VisionInputs,
-       load_vision_inputs, set_trainable_parts, lora_target_names, build_tiny_vl_model
+       text_config, is_vision_language, vision_kwargs, fit_pixels, VisionInputs, load_vision_inputs,
+       set_trainable_parts, lora_target_names, build_tiny_vl_model
        add: a vision-language family's image tokens and pixel inputs (VisionInputs), its trainable parts
   6. Policy, reward and value models
        PolicyModel, state_under, load_weights_into, decoder_of, last_token_index, scalar_head, RewardScorer,
@@ -225,6 +225,9 @@ logger = logging.getLogger("rlhf")
 IGNORE_INDEX = -100  # label value that cross-entropy skips (prompt and padding tokens)
 REPO_DIR = Path(__file__).resolve().parent
 DEMO_DATA_DIR = REPO_DIR / "data" / "demo"
+# module-name pieces of a vision-language model's language model (matched as substrings): section 1's memory plan
+# counts the parameters outside them, section 5 freezes them, section 6 encodes images once when nothing else trains
+LANGUAGE_MODEL_KEYS = ("language_model", "lm_head")
 
 
 def _checkout_path(relative: str) -> Path:
@@ -252,6 +255,12 @@ class TrainingPreempted(TrainingInterrupted):
     def __init__(self, message: str, signal_number: int) -> None:
         super().__init__(message)
         self.exit_code = 128 + signal_number
+
+
+def _one_line(err: BaseException) -> str:
+    """An error as one line of a user-facing message: its type and its first line (160 characters at most)."""
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0][:160]}" if text else type(err).__name__
 
 
 # An RL policy loss (the grpo stage's ``loss_type``; rloo and reinforce_pp use it too) is one registered function
@@ -2666,11 +2675,6 @@ def _checkpoint_read_errors() -> tuple[type[BaseException], ...]:
 CHECKPOINT_READ_ERRORS = _checkpoint_read_errors()  # what a damaged checkpoint file raises while it loads
 
 
-def _one_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0][:160]}" if text else type(err).__name__
-
-
 PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1")  # a scheduler's stop; SLURM's --signal=USR1@seconds sends USR1 ahead
 
 
@@ -3779,6 +3783,35 @@ def _image_paths(value: Any, spec: DatasetSpec, location: str, key: str) -> list
         candidate = Path(path).expanduser()
         paths.append(str(candidate if candidate.is_absolute() else base / candidate))
     return paths
+
+
+IMAGE_PLACEHOLDER = "<image>"  # where each of a record's images sits in its text (section 5 expands it)
+
+
+def count_placeholders(record: dict[str, Any]) -> int:
+    texts = [m.get("content") or "" for m in record.get("messages", [])]
+    texts += [record.get(key) or "" for key in ("response", "chosen", "rejected")]
+    return sum(text.count(IMAGE_PLACEHOLDER) for text in texts if isinstance(text, str))
+
+
+def open_image(path: str, location: str = "record", check_only: bool = False) -> Any:
+    """An image file as an RGB PIL image; a missing or unreadable file is one line naming the record.
+    ``check_only``: read the header and check the file's structure, decode nothing (loading data), return None."""
+    from PIL import Image, UnidentifiedImageError
+
+    if not Path(path).is_file():
+        raise RLHFInputError(f"{location}: image '{path}' does not exist (image paths are relative to dataset_dir, "
+                             f"or to media_dir when set)")
+    try:
+        with Image.open(path) as image:
+            if check_only:
+                image.verify()
+                return None
+            image.load()
+            return image.convert("RGB")
+    except (UnidentifiedImageError, OSError, SyntaxError) as err:
+        raise RLHFInputError(f"{location}: '{path}' is not a readable image ({_one_line(err)}); give a PNG, JPEG, "
+                             f"WebP or another format PIL opens") from None
 
 
 def _check_images(parsed: dict[str, Any], location: str) -> None:
@@ -5869,13 +5902,11 @@ def load_causal_lm(path: str, *, dtype: str | torch.dtype = "float32", attn_impl
 # pixel inputs the model's forward takes. The stock Qwen processors cannot be built without torchvision (their video
 # processor needs it), so the expansion is done here from the image processor, as LLaMA-Factory's mm_plugin does.
 
-IMAGE_PLACEHOLDER = "<image>"
 VISION_KEYS = ("pixel_values", "image_grid_thw", "mm_token_type_ids", "image_repeats")  # a vision-language batch's
 # module-name pieces of each part of a vision-language model (LLaMA-Factory's visual.py keys, matched as substrings)
 VISION_TOWER_KEYS = ("visual.patch_embed", "visual.pos_embed", "visual.blocks", "visual.deepstack_merger_list",
                      "vision_tower")
-PROJECTOR_KEYS = ("visual.merger", "multi_modal_projector")
-LANGUAGE_MODEL_KEYS = ("language_model", "lm_head")
+PROJECTOR_KEYS = ("visual.merger", "multi_modal_projector")  # LANGUAGE_MODEL_KEYS: in section 0, shared
 
 
 def text_config(model: nn.Module) -> Any:
@@ -5892,32 +5923,6 @@ def is_vision_language(model: nn.Module) -> bool:
 def vision_kwargs(batch: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The pixel inputs of a batch (none for a text batch)."""
     return {key: batch[key] for key in VISION_KEYS if key in batch}
-
-
-def count_placeholders(record: dict[str, Any]) -> int:
-    texts = [m.get("content") or "" for m in record.get("messages", [])]
-    texts += [record.get(key) or "" for key in ("response", "chosen", "rejected")]
-    return sum(text.count(IMAGE_PLACEHOLDER) for text in texts if isinstance(text, str))
-
-
-def open_image(path: str, location: str = "record", check_only: bool = False) -> Any:
-    """An image file as an RGB PIL image; a missing or unreadable file is one line naming the record.
-    ``check_only``: read the header and check the file's structure, decode nothing (loading data), return None."""
-    from PIL import Image, UnidentifiedImageError
-
-    if not Path(path).is_file():
-        raise RLHFInputError(f"{location}: image '{path}' does not exist (image paths are relative to dataset_dir, "
-                             f"or to media_dir when set)")
-    try:
-        with Image.open(path) as image:
-            if check_only:
-                image.verify()
-                return None
-            image.load()
-            return image.convert("RGB")
-    except (UnidentifiedImageError, OSError, SyntaxError) as err:
-        raise RLHFInputError(f"{location}: '{path}' is not a readable image ({_one_line(err)}); give a PNG, JPEG, "
-                             f"WebP or another format PIL opens") from None
 
 
 def fit_pixels(image: Any, max_pixels: int, min_pixels: int) -> Any:
