@@ -24,37 +24,37 @@ says what a contributor adds there, and docs/architecture.md walks through each:
             section 10 slice)
   2. Infrastructure
        rich_console, setup_logging, logging_restored, set_seed, parameter_numel, weight_sharding, GatherMeter,
-       gathered_named_tensors, sharded_layout, DeviceManager, smoothed, plot_metrics,
-       PlainProgress, TrainingLogger, optimizer_state_to_safetensors, optimizer_state_from_safetensors,
-       capture_rng_state, restore_rng_state, CheckpointManager, PreemptionGuard, CheckpointingMixin, create_optimizer,
-       EarlyStopping, find_linear_module_names, find_expert_parameter_names, apply_lora, apply_freeze, compile_model,
-       compile_training_step
+       gathered_named_tensors, sharded_layout, DeepSpeedSupport, DeviceManager, smoothed, plot_metrics, PlainProgress,
+       TrainingLogger, optimizer_state_to_safetensors, optimizer_state_from_safetensors, capture_rng_state,
+       restore_rng_state, CheckpointManager, PreemptionGuard, CheckpointingMixin, create_optimizer, EarlyStopping,
+       find_linear_module_names, find_expert_parameter_names, apply_freeze, compile_model, compile_training_step
        add: a logging target (REPORT_TARGETS), something a checkpoint carries (CheckpointManager), an optimizer
   3. Data
        DatasetSpec, resolve_dataset, iter_raw_records, parse_record, count_placeholders, open_image, to_record,
        load_records, extract_answer, ChatTemplate, TEMPLATES, register_template, CHAT_TEMPLATES,
-       TEMPLATE_SPECIAL_TOKENS, ChatFormatter, saved_as_trained, chat_formatter, truncate_example, pack_sequences,
-       SFTDataset, StreamingRecordDataset, StreamingSFTDataset, SFTCollator, split_budget,
-       truncate_prompt_and_responses, PreferenceDataset, KTODataset, StreamingPreferenceDataset, StreamingKTODataset,
-       GRPODataset, DistillDataset, StreamingGRPODataset, pack_rows, pack_preference_pairs, PreferenceBatch,
-       PreferenceCollator, KTOBatch, KTOCollator, split_steps, arithmetic_step_labels, arithmetic_response_labels,
-       encode_steps, ProcessPreferenceDataset, ProcessPreferenceCollator, group_by_length, ResumableBatchSampler
+       TEMPLATE_SPECIAL_TOKENS, ChatFormatter, saved_as_trained, truncate_example, pack_sequences, SFTDataset,
+       StreamingRecordDataset, StreamingSFTDataset, SFTCollator, split_budget, truncate_prompt_and_responses,
+       PreferenceDataset, KTODataset, StreamingPreferenceDataset, StreamingKTODataset, GRPODataset, DistillDataset,
+       StreamingGRPODataset, pack_rows, pack_preference_pairs, PreferenceBatch, PreferenceCollator, KTOBatch,
+       KTOCollator, split_steps, arithmetic_step_labels, arithmetic_response_labels, encode_steps,
+       ProcessPreferenceDataset, ProcessPreferenceCollator, group_by_length, ResumableBatchSampler
        add: a dataset format (parse_record), a chat template (one register_template(ChatTemplate(...))), a dataset class
   4. Model loading and the output head
        token_log_probs, token_entropy, OutputHead, head_logits, head_reduction, LogProbs, load_tokenizer,
-       build_tiny_model, resolve_model_path, gguf_metadata, gguf_to_hf, quantization_config, is_quantized,
-       load_causal_lm
-       add: a model family's loading quirk, a model file format (GGUF's conversion is the example)
+       build_tiny_model, EMBEDDED_MODELS, resolve_model_path, gguf_metadata, gguf_to_hf, quantization_config,
+       is_quantized, load_causal_lm
+       add: a model family's loading quirk, a model file format (GGUF's conversion is the example), an embedded model
+            (EMBEDDED_MODELS)
   5. Vision-language models
        text_config, is_vision_language, vision_kwargs, fit_pixels, VisionInputs, load_vision_inputs,
        set_trainable_parts, lora_target_names, build_tiny_vl_model
        add: a vision-language family's image tokens and pixel inputs (VisionInputs), its trainable parts
   6. Policy, reward and value models
-       PolicyModel, state_under, load_weights_into, decoder_of, last_token_index, scalar_head, RewardScorer,
-       RewardModel, RewardEnsemble, aggregate_step_scores, ProcessRewardModel, ValueModel, ActorCritic,
+       PolicyModel, chat_formatter, state_under, load_weights_into, decoder_of, last_token_index, scalar_head,
+       RewardScorer, RewardModel, RewardEnsemble, aggregate_step_scores, ProcessRewardModel, ValueModel, ActorCritic,
        select_informative_tokens, ContextCompressor, ReferenceModel, can_pack_pairs, tree_attention_mask,
        shared_prefix_log_probs, grouped_packed_logits, grouped_logits, grouped_prefix_logits, create_reference_model,
-       disable_dropout
+       disable_dropout, apply_lora
        add: a model wrapper or head (with save_pretrained / from_pretrained), a way to run the policy's forward
   7. Losses and advantages
        router_load_balancing_loss, causal_lm_loss_sum, causal_lm_loss_with, sequence_log_probs, PREFERENCE_LOSSES,
@@ -1874,6 +1874,173 @@ def _link_zero12_fragments(zero: Any) -> None:
         lazy_init_hp_params_optimizer_state(zero.bit16_groups[index], flat, zero.optimizer.state)
 
 
+class DeepSpeedSupport:
+    """DeepSpeed under a DeviceManager (its ``deepspeed``): the model and its optimizer made one engine, which steps,
+    clips and partitions them itself (``prepare_engine``); the model a stage trains built partitioned under ZeRO-3
+    (``zero3_init``); and DeepSpeed's state, whose optimizer keeps float32 weights and moments in flat partitions of
+    its own, read and written a parameter at a time through deepspeed.utils' safe_get/safe_set functions (ZeRO
+    stages 1 to 3). Only ``zero3_init`` and ``sync_master_weights`` may be called without DeepSpeed: they do
+    nothing then."""
+
+    def __init__(self, devices: DeviceManager) -> None:
+        self.devices = devices
+        self.engine: Any = None  # the engine training now (a pipeline's stages each make one: prepare_engine)
+        self._as_given: dict[str, Any] | None = None  # the keys KEYS_FROM_CONFIG fills, as the launch gave them
+        self._groups: list[list[int]] = []  # which parameters each optimizer group holds (ids)
+        # accelerate's ``zero3_init_flag`` (on by default at ZeRO stage 3) makes every later ``from_pretrained`` in
+        # the process build its model partitioned (DeepSpeed's zero.Init), through a reference transformers keeps.
+        # Such a model works only inside a DeepSpeed engine, and building it is a collective of every process: a
+        # reference copy, an evaluator, or a model the main process loads alone would break or hang. So the reference
+        # is held here and applied only where a stage loads the model it is about to train (``zero3_init``).
+        self._zero3_init_config = None
+        if self.devices.uses_deepspeed:
+            from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+            # accelerate keeps the object alive on its (process-wide) plugin; a later DeviceManager finds it there
+            self._zero3_init_config = getattr(self.devices.accelerator.state.deepspeed_plugin, "dschf", None)
+            unset_hf_deepspeed_config()
+
+    @contextlib.contextmanager
+    def zero3_init(self) -> Iterator[None]:
+        """Around loading the model a stage trains: under DeepSpeed with ``zero3_init_flag`` it is built partitioned
+        (a 70B model never sits whole in one process); otherwise nothing."""
+        if getattr(self, "_zero3_init_config", None) is None:
+            yield
+            return
+        from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
+
+        set_hf_deepspeed_config(self._zero3_init_config)
+        try:
+            yield
+        finally:
+            unset_hf_deepspeed_config()
+
+    # DeepSpeed config keys the trainers decide, from the rlhf config field beside each
+    KEYS_FROM_CONFIG = {"train_micro_batch_size_per_gpu": "per_device_train_batch_size",
+                        "gradient_accumulation_steps": "gradient_accumulation_steps",
+                        "gradient_clipping": "max_grad_norm"}
+
+    def prepare_engine(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: BaseConfig
+                       ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """``model`` and ``optimizer`` made one DeepSpeed engine by accelerate (its DeepSpeed ``prepare`` takes both in
+        one call). The trainers accumulate over micro-batches themselves and mark the last one (``no_sync``), so
+        DeepSpeed is told to accumulate 1 and steps once per optimizer step (``DeviceManager.deepspeed_step``); it
+        clips at ``max_grad_norm``. A DeepSpeed config that sets these otherwise, or brings its own optimizer or
+        schedule (the trainers build them from ``optim``, ``learning_rate`` and ``lr_scheduler_type``), is refused."""
+        ds_config = self.devices.accelerator.state.deepspeed_plugin.deepspeed_config
+        if self._as_given is None:  # as the launch gave it: a pipeline's stages each fill it in
+            self._as_given = {key: ds_config.get(key, "auto") for key in [*self.KEYS_FROM_CONFIG, "train_batch_size"]}
+        given = self._as_given
+        for key in ("optimizer", "scheduler"):
+            if key in ds_config:
+                raise RLHFInputError(f"DeepSpeed config: remove '{key}'; the trainers build the optimizer and its "
+                                     f"schedule from the rlhf config (optim, learning_rate, lr_scheduler_type)")
+        for key, config_field in self.KEYS_FROM_CONFIG.items():
+            ours, theirs = getattr(config, config_field), given[key]
+            # accelerate writes gradient_accumulation_steps: 1 into a config file that leaves it out
+            if theirs not in ("auto", ours) and not (key == "gradient_accumulation_steps" and theirs == 1):
+                raise RLHFInputError(f"DeepSpeed config key '{key}' is {theirs!r}, but the rlhf config's "
+                                     f"'{config_field}' is {ours!r}: the trainers take it from '{config_field}'; set "
+                                     f"'{key}' to \"auto\"")
+        micro_batch = config.per_device_train_batch_size
+        whole_batch = micro_batch * config.gradient_accumulation_steps * self.devices.num_processes
+        if given["train_batch_size"] not in ("auto", whole_batch):
+            raise RLHFInputError(f"DeepSpeed config key 'train_batch_size' is {given['train_batch_size']!r}, but "
+                                 f"per_device_train_batch_size x gradient_accumulation_steps x processes is "
+                                 f"{whole_batch}; set it to \"auto\"")
+        ds_config.update(train_micro_batch_size_per_gpu=micro_batch, gradient_accumulation_steps=1,
+                         train_batch_size=micro_batch * self.devices.num_processes,
+                         gradient_clipping=float(max(config.max_grad_norm, 0.0)))
+        # which parameters each group holds, for a checkpoint's optimizer state (DeepSpeed swaps them for flat ones)
+        self._groups = [[id(p) for p in group["params"]] for group in optimizer.param_groups]
+        accelerator = self.devices.accelerator
+        accelerator.deepspeed_engine_wrapped = None  # accelerate keeps the first engine it made: a later stage's
+        model, optimizer = accelerator.prepare(model, optimizer)
+        self.engine = model
+        return model, optimizer
+
+    def optimizer_state(self, module: nn.Module) -> dict[str, Any] | None:
+        """DeepSpeed's optimizer state keyed by parameter name, each parameter's moments whole, on the main process
+        (None on the others): the layout ``full_optimizer_state`` gives for FSDP2. Every process must call it (under
+        ZeRO-3 each parameter's moments are gathered from the processes in turn)."""
+        from deepspeed.utils import safe_get_full_optimizer_state
+
+        zero = self.engine.optimizer
+        base = zero.optimizer  # the torch optimizer over DeepSpeed's flat float32 partitions
+        flat_state = next((entry for entry in base.state.values() if entry), {})  # empty before the first step
+        _link_zero12_fragments(zero)
+        moments = [key for key, value in flat_state.items() if torch.is_tensor(value) and value.dim() > 0]
+        state: dict[str, dict[str, Any]] = {}
+        for name, param in module.named_parameters():
+            if not param.requires_grad or not moments:
+                continue
+            entry = {key: safe_get_full_optimizer_state(param, key) for key in moments}
+            if self.devices.is_main_process:
+                shape = tuple(getattr(param, "ds_shape", param.shape))
+                state[name] = {key: value.detach().reshape(shape).cpu() for key, value in entry.items()}
+                state[name].update({key: value.detach().cpu().clone() if torch.is_tensor(value) else value
+                                    for key, value in flat_state.items() if key not in moments})
+        if not self.devices.is_main_process:
+            return None
+        names = {id(param): name for name, param in module.named_parameters()}
+        groups = [{**{key: value for key, value in group.items() if key != "params"},  # lr as the schedule left it
+                   "params": [names[pid] for pid in self._groups[index] if pid in names]}
+                  for index, group in enumerate(base.param_groups)]
+        return {"state": state, "param_groups": groups}
+
+    def load_optimizer_state(self, module: nn.Module, state: dict[str, Any]) -> None:
+        """Set DeepSpeed's moments (and step) from a state keyed by parameter name; each process keeps its
+        partition. AdamW creates its state at its first step: before it, the state is created here as AdamW would."""
+        zero = self.engine.optimizer
+        base = zero.optimizer
+        for group, saved in zip(base.param_groups, state["param_groups"]):  # lr, weight decay, betas
+            group.update({key: value for key, value in saved.items() if key != "params"})
+        entries = state["state"]
+        if not entries:
+            return
+        first = next(iter(entries.values()))
+        moments = [key for key, value in first.items() if torch.is_tensor(value) and value.dim() > 0]
+        # the flat float32 partitions the moments belong to (ZeRO-3 lists them in the param groups only while it steps)
+        flats = getattr(zero, "fp32_partitioned_groups_flat", None) or zero.single_partition_of_fp32_groups
+        on_device = any(group.get("fused") or group.get("capturable") for group in base.param_groups)
+        for flat in flats:
+            if not base.state[flat]:
+                base.state[flat] = {key: torch.zeros_like(flat) for key in moments}
+            for key, value in first.items():
+                if key not in moments:  # the step count, one for every parameter
+                    base.state[flat][key] = (torch.as_tensor(value, dtype=torch.float32,
+                                                             device=flat.device if on_device else "cpu").clone()
+                                             if torch.is_tensor(value) else value)
+        _link_zero12_fragments(zero)
+        params = dict(module.named_parameters())
+        for name, entry in entries.items():
+            if name in params and params[name].requires_grad:
+                for key in moments:
+                    _set_deepspeed_partition(params[name], entry[key].to(self.devices.device), key)
+
+    def load_zero3_weights(self, module: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        """Whole weights into a ZeRO-3 model, a module's parameters at a time (the main process's copy is partitioned
+        to every process), and into DeepSpeed's float32 copy of them, which its optimizer steps from."""
+        import deepspeed
+
+        for params in _zero3_plan(module, lambda name: name in state):
+            with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=0):
+                if self.devices.is_main_process:
+                    for name, param in params:
+                        param.data.copy_(state[name].reshape(param.shape))
+        self.sync_master_weights(module, state)
+
+    def sync_master_weights(self, module: nn.Module, state: dict[str, torch.Tensor] | None = None) -> None:
+        """Under DeepSpeed: its float32 copy of the trainable weights set from ``state`` (the module's own weights
+        when None, for ZeRO-1/2, where every process holds them whole), after the weights were loaded."""
+        if not self.devices.uses_deepspeed:
+            return
+        for name, param in module.named_parameters():
+            if param.requires_grad:
+                value = state[name] if state is not None and name in state else param.data
+                _set_deepspeed_partition(param, value.to(self.devices.device, torch.float32), None)
+
+
 class DeviceManager:
     """Device, mixed precision, gradient scaling, clipping and process layout, over ``accelerate``.
 
@@ -1915,7 +2082,7 @@ class DeviceManager:
                 self.accelerator = Accelerator(**kwargs)
             else:
                 self.accelerator = Accelerator(cpu=True, **kwargs)
-        self._hold_zero3_init()
+        self.deepspeed = DeepSpeedSupport(self)  # holds zero3_init_flag's reference from here on
 
     @property
     def device(self) -> torch.device:
@@ -1941,83 +2108,21 @@ class DeviceManager:
     def uses_deepspeed(self) -> bool:
         return self.accelerator.distributed_type == "DEEPSPEED"
 
-    def _hold_zero3_init(self) -> None:
-        """accelerate's ``zero3_init_flag`` (on by default at ZeRO stage 3) makes every later ``from_pretrained`` in
-        the process build its model partitioned (DeepSpeed's zero.Init), through a reference transformers keeps.
-        Such a model works only inside a DeepSpeed engine, and building it is a collective of every process: a
-        reference copy, an evaluator, or a model the main process loads alone would break or hang. So the reference
-        is held here and applied only where a stage loads the model it is about to train (``zero3_init``)."""
-        self._zero3_init_config = None
-        if self.uses_deepspeed:
-            from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
-            # accelerate keeps the object alive on its (process-wide) plugin; a later DeviceManager finds it there
-            self._zero3_init_config = getattr(self.accelerator.state.deepspeed_plugin, "dschf", None)
-            unset_hf_deepspeed_config()
-
     @contextlib.contextmanager
     def zero3_init(self) -> Iterator[None]:
-        """Around loading the model a stage trains: under DeepSpeed with ``zero3_init_flag`` it is built partitioned
-        (a 70B model never sits whole in one process); otherwise nothing."""
-        if getattr(self, "_zero3_init_config", None) is None:
+        """Around loading the model a stage trains (``DeepSpeedSupport.zero3_init``)."""
+        with self.deepspeed.zero3_init():
             yield
-            return
-        from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
-
-        set_hf_deepspeed_config(self._zero3_init_config)
-        try:
-            yield
-        finally:
-            unset_hf_deepspeed_config()
-
-    # DeepSpeed config keys the trainers decide, from the rlhf config field beside each
-    DEEPSPEED_KEYS_FROM_CONFIG = {"train_micro_batch_size_per_gpu": "per_device_train_batch_size",
-                                  "gradient_accumulation_steps": "gradient_accumulation_steps",
-                                  "gradient_clipping": "max_grad_norm"}
 
     def prepare_engine(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: BaseConfig
                        ) -> tuple[nn.Module, torch.optim.Optimizer]:
-        """``model`` and ``optimizer`` made one DeepSpeed engine by accelerate (its DeepSpeed ``prepare`` takes both in
-        one call). The trainers accumulate over micro-batches themselves and mark the last one (``no_sync``), so
-        DeepSpeed is told to accumulate 1 and steps once per optimizer step (``engine_step``); it clips at
-        ``max_grad_norm``. A DeepSpeed config that sets these otherwise, or brings its own optimizer or schedule
-        (the trainers build them from ``optim``, ``learning_rate`` and ``lr_scheduler_type``), is refused."""
-        ds_config = self.accelerator.state.deepspeed_plugin.deepspeed_config
-        if not hasattr(self, "_deepspeed_as_given"):  # as the launch gave it: a pipeline's stages each fill it in
-            self._deepspeed_as_given = {key: ds_config.get(key, "auto")
-                                        for key in [*self.DEEPSPEED_KEYS_FROM_CONFIG, "train_batch_size"]}
-        given = self._deepspeed_as_given
-        for key in ("optimizer", "scheduler"):
-            if key in ds_config:
-                raise RLHFInputError(f"DeepSpeed config: remove '{key}'; the trainers build the optimizer and its "
-                                     f"schedule from the rlhf config (optim, learning_rate, lr_scheduler_type)")
-        for key, config_field in self.DEEPSPEED_KEYS_FROM_CONFIG.items():
-            ours, theirs = getattr(config, config_field), given[key]
-            # accelerate writes gradient_accumulation_steps: 1 into a config file that leaves it out
-            if theirs not in ("auto", ours) and not (key == "gradient_accumulation_steps" and theirs == 1):
-                raise RLHFInputError(f"DeepSpeed config key '{key}' is {theirs!r}, but the rlhf config's "
-                                     f"'{config_field}' is {ours!r}: the trainers take it from '{config_field}'; set "
-                                     f"'{key}' to \"auto\"")
-        micro_batch = config.per_device_train_batch_size
-        whole_batch = micro_batch * config.gradient_accumulation_steps * self.num_processes
-        if given["train_batch_size"] not in ("auto", whole_batch):
-            raise RLHFInputError(f"DeepSpeed config key 'train_batch_size' is {given['train_batch_size']!r}, but "
-                                 f"per_device_train_batch_size x gradient_accumulation_steps x processes is "
-                                 f"{whole_batch}; set it to \"auto\"")
-        ds_config.update(train_micro_batch_size_per_gpu=micro_batch, gradient_accumulation_steps=1,
-                         train_batch_size=micro_batch * self.num_processes,
-                         gradient_clipping=float(max(config.max_grad_norm, 0.0)))
-        # which parameters each group holds, for a checkpoint's optimizer state (DeepSpeed swaps them for flat ones)
-        self._deepspeed_groups = [[id(p) for p in group["params"]] for group in optimizer.param_groups]
-        self.accelerator.deepspeed_engine_wrapped = None  # accelerate keeps the first engine it made: a later stage's
-        model, optimizer = self.accelerator.prepare(model, optimizer)
-        self.deepspeed_engine = model  # the engine training now (a pipeline's stages each make one)
-        return model, optimizer
+        """``model`` and ``optimizer`` made one DeepSpeed engine (``DeepSpeedSupport.prepare_engine``)."""
+        return self.deepspeed.prepare_engine(model, optimizer, config)
 
-    def engine_step(self) -> float:
+    def deepspeed_step(self) -> float:
         """DeepSpeed's optimizer step (clip, check, update, zero the gradients); the gradient norm before clipping,
         inf when it was not finite and DeepSpeed skipped the update."""
-        engine = self.deepspeed_engine
+        engine = self.deepspeed.engine
         engine.step()
         norm = engine.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
@@ -2026,7 +2131,7 @@ class DeviceManager:
         """Drop the accumulated gradients: under DeepSpeed its partitioned ones (accelerate's wrapper makes the
         optimizer's own ``zero_grad`` a no-op there, since the engine zeroes them in its step)."""
         if self.uses_deepspeed:
-            self.deepspeed_engine.optimizer.zero_grad(set_to_none=True)
+            self.deepspeed.engine.optimizer.zero_grad(set_to_none=True)
         else:
             optimizer.zero_grad(set_to_none=True)
 
@@ -2037,8 +2142,8 @@ class DeviceManager:
         return self.accelerator.autocast()
 
     def backward(self, loss: torch.Tensor) -> None:
-        if self.uses_deepspeed:  # accelerate's backward would also step DeepSpeed's optimizer: ours is engine_step
-            self.deepspeed_engine.backward(loss)
+        if self.uses_deepspeed:  # accelerate's backward would also step DeepSpeed's optimizer: ours is deepspeed_step
+            self.deepspeed.engine.backward(loss)
             return
         self.accelerator.backward(loss)  # applies the fp16 loss scale when active
 
@@ -2055,7 +2160,7 @@ class DeviceManager:
         """Skip the gradient all-reduce on micro-batches that are not the last of an accumulation (around the
         forward). DeepSpeed reduces its partitioned gradients itself and is told where the accumulation ends."""
         if self.uses_deepspeed:
-            self.deepspeed_engine.set_gradient_accumulation_boundary(not skip)
+            self.deepspeed.engine.set_gradient_accumulation_boundary(not skip)
             return contextlib.nullcontext()
         return self.accelerator.no_sync(model) if skip and self.num_processes > 1 else contextlib.nullcontext()
 
@@ -2167,7 +2272,7 @@ class DeviceManager:
         Every process must call it: the gather is a collective. One file of the main process can then hold it,
         written and rolled like any checkpoint file, instead of a shard file per process."""
         if self.uses_deepspeed:
-            return self._deepspeed_optimizer_state(self.unwrap(prepared))
+            return self.deepspeed.optimizer_state(self.unwrap(prepared))
         if weight_sharding(prepared) != "fsdp2":
             return None
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
@@ -2182,7 +2287,7 @@ class DeviceManager:
         same file) into the optimizer: of an FSDP2-sharded model, each process keeps the shard of the moments its
         parameters hold; of an unsharded one, every process the whole moments."""
         if self.uses_deepspeed:
-            self._load_deepspeed_optimizer_state(self.unwrap(prepared), state)
+            self.deepspeed.load_optimizer_state(self.unwrap(prepared), state)
             return
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
@@ -2194,7 +2299,7 @@ class DeviceManager:
         its shard. Keys as in the unwrapped module."""
         kind = weight_sharding(prepared)
         if kind == "zero3":
-            self._load_zero3_weights(self.unwrap(prepared), state)
+            self.deepspeed.load_zero3_weights(self.unwrap(prepared), state)
         elif kind:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -2203,88 +2308,10 @@ class DeviceManager:
         else:
             self.unwrap(prepared).load_state_dict(state, strict=False)
 
-    # -- DeepSpeed's state: its optimizer keeps float32 weights and moments in flat partitions of its own, read and
-    # written a parameter at a time through deepspeed.utils' safe_get/safe_set functions (ZeRO stages 1 to 3)
-    def _deepspeed_optimizer_state(self, module: nn.Module) -> dict[str, Any] | None:
-        """DeepSpeed's optimizer state keyed by parameter name, each parameter's moments whole, on the main process
-        (None on the others): the layout ``full_optimizer_state`` gives for FSDP2. Every process must call it (under
-        ZeRO-3 each parameter's moments are gathered from the processes in turn)."""
-        from deepspeed.utils import safe_get_full_optimizer_state
-
-        zero = self.deepspeed_engine.optimizer
-        base = zero.optimizer  # the torch optimizer over DeepSpeed's flat float32 partitions
-        flat_state = next((entry for entry in base.state.values() if entry), {})  # empty before the first step
-        _link_zero12_fragments(zero)
-        moments = [key for key, value in flat_state.items() if torch.is_tensor(value) and value.dim() > 0]
-        state: dict[str, dict[str, Any]] = {}
-        for name, param in module.named_parameters():
-            if not param.requires_grad or not moments:
-                continue
-            entry = {key: safe_get_full_optimizer_state(param, key) for key in moments}
-            if self.is_main_process:
-                shape = tuple(getattr(param, "ds_shape", param.shape))
-                state[name] = {key: value.detach().reshape(shape).cpu() for key, value in entry.items()}
-                state[name].update({key: value.detach().cpu().clone() if torch.is_tensor(value) else value
-                                    for key, value in flat_state.items() if key not in moments})
-        if not self.is_main_process:
-            return None
-        names = {id(param): name for name, param in module.named_parameters()}
-        groups = [{**{key: value for key, value in group.items() if key != "params"},  # lr as the schedule left it
-                   "params": [names[pid] for pid in self._deepspeed_groups[index] if pid in names]}
-                  for index, group in enumerate(base.param_groups)]
-        return {"state": state, "param_groups": groups}
-
-    def _load_deepspeed_optimizer_state(self, module: nn.Module, state: dict[str, Any]) -> None:
-        """Set DeepSpeed's moments (and step) from a state keyed by parameter name; each process keeps its
-        partition. AdamW creates its state at its first step: before it, the state is created here as AdamW would."""
-        zero = self.deepspeed_engine.optimizer
-        base = zero.optimizer
-        for group, saved in zip(base.param_groups, state["param_groups"]):  # lr, weight decay, betas
-            group.update({key: value for key, value in saved.items() if key != "params"})
-        entries = state["state"]
-        if not entries:
-            return
-        first = next(iter(entries.values()))
-        moments = [key for key, value in first.items() if torch.is_tensor(value) and value.dim() > 0]
-        # the flat float32 partitions the moments belong to (ZeRO-3 lists them in the param groups only while it steps)
-        flats = getattr(zero, "fp32_partitioned_groups_flat", None) or zero.single_partition_of_fp32_groups
-        on_device = any(group.get("fused") or group.get("capturable") for group in base.param_groups)
-        for flat in flats:
-            if not base.state[flat]:
-                base.state[flat] = {key: torch.zeros_like(flat) for key in moments}
-            for key, value in first.items():
-                if key not in moments:  # the step count, one for every parameter
-                    base.state[flat][key] = (torch.as_tensor(value, dtype=torch.float32,
-                                                             device=flat.device if on_device else "cpu").clone()
-                                             if torch.is_tensor(value) else value)
-        _link_zero12_fragments(zero)
-        params = dict(module.named_parameters())
-        for name, entry in entries.items():
-            if name in params and params[name].requires_grad:
-                for key in moments:
-                    _set_deepspeed_partition(params[name], entry[key].to(self.device), key)
-
-    def _load_zero3_weights(self, module: nn.Module, state: dict[str, torch.Tensor]) -> None:
-        """Whole weights into a ZeRO-3 model, a module's parameters at a time (the main process's copy is partitioned
-        to every process), and into DeepSpeed's float32 copy of them, which its optimizer steps from."""
-        import deepspeed
-
-        for params in _zero3_plan(module, lambda name: name in state):
-            with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=0):
-                if self.is_main_process:
-                    for name, param in params:
-                        param.data.copy_(state[name].reshape(param.shape))
-        self.sync_master_weights(module, state)
-
     def sync_master_weights(self, module: nn.Module, state: dict[str, torch.Tensor] | None = None) -> None:
-        """Under DeepSpeed: its float32 copy of the trainable weights set from ``state`` (the module's own weights
-        when None, for ZeRO-1/2, where every process holds them whole), after the weights were loaded."""
-        if not self.uses_deepspeed:
-            return
-        for name, param in module.named_parameters():
-            if param.requires_grad:
-                value = state[name] if state is not None and name in state else param.data
-                _set_deepspeed_partition(param, value.to(self.device, torch.float32), None)
+        """Under DeepSpeed, its float32 copy of the trainable weights set from the weights just loaded
+        (``DeepSpeedSupport.sync_master_weights``); otherwise nothing."""
+        self.deepspeed.sync_master_weights(module, state)
 
     def lockstep_share(self, count: int) -> list[tuple[int, bool]]:
         """This process's share of ``count`` batches split round-robin across processes, as (batch index, keep)
@@ -2542,6 +2569,13 @@ def restore_rng_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) ->
     np.random.set_state((kind, tensors["numpy"].numpy().astype(np.uint32), pos, has_gauss, cached))
     version, py_state, gauss = meta["python"]
     random.setstate((version, tuple(py_state), gauss))
+
+
+def _write_json_atomic(path: Path, payload: dict[str, Any], indent: int = 1) -> None:
+    """Write to a temporary file beside ``path``, then rename: a reader never sees half a file."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
+    tmp.write_text(json.dumps(payload, indent=indent, default=float))
+    os.replace(tmp, path)
 
 
 def _fsync_tree(root: Path) -> None:
@@ -3044,14 +3078,6 @@ def find_expert_parameter_names(model: nn.Module) -> list[str]:
     return sorted(names)
 
 
-# PEFT refuses LoRA on Mamba's out_proj (its fused kernel reads the weight directly) and on conv1d.
-_PEFT_REFUSED_TARGETS = {"mamba": ("out_proj", "conv1d"), "mamba2": ("out_proj", "conv1d")}
-
-
-def _model_type(model: nn.Module) -> str:
-    return getattr(getattr(model, "config", None), "model_type", "")
-
-
 @contextlib.contextmanager
 def _peft_deprecation_quiet() -> Iterator[None]:
     """peft reads transformers' deprecated ``is_gradient_checkpointing``; the FutureWarning is about peft's code,
@@ -3059,54 +3085,6 @@ def _peft_deprecation_quiet() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
         yield
-
-
-def apply_lora(model: nn.Module, config: BaseConfig) -> nn.Module:
-    """Wrap the model with PEFT LoRA adapters on ``lora_target`` (``all`` = every linear layer)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers.pytorch_utils import Conv1D
-
-    available, experts = find_linear_module_names(model), find_expert_parameter_names(model)
-    if config.lora_target.strip() == "all" and is_vision_language(model):
-        targets, parameters = lora_target_names(model, config, available), experts
-    elif config.lora_target.strip() == "all":
-        targets = [t for t in available if t not in _PEFT_REFUSED_TARGETS.get(_model_type(model), ())]
-        parameters = experts
-    else:
-        named = [t.strip() for t in config.lora_target.split(",") if t.strip()]
-        expert_of = {e: e for e in experts} | {e.rsplit(".", 1)[-1]: e for e in experts
-                                               if e.rsplit(".", 1)[-1] not in available}
-        parameters = [expert_of[t] for t in named if t in expert_of]  # 'experts.down_proj' or plain 'down_proj'
-        targets = [t for t in named if t not in expert_of]
-        missing = [t for t in targets if t not in available]
-        if missing:
-            raise RLHFInputError(f"config field 'lora_target': {', '.join(missing)} not found in the model; "
-                                 f"linear layers are: {', '.join(available)}"
-                                 + (f"; expert weights: {', '.join(experts)}" if experts else "") + " (or use 'all')")
-    if parameters and config.finetuning_type == "oft":
-        raise RLHFInputError(f"config field 'finetuning_type': OFT cannot adapt the fused expert weights "
-                             f"({', '.join(parameters)}) of this mixture-of-experts model; use lora, or list the "
-                             f"linear layers in lora_target")
-    logger.info("%s targets: %s%s", config.finetuning_type.upper(),
-                ", ".join(sorted({t.rsplit(".", 1)[-1] for t in targets})) or "no linear layer",
-                f"; expert weights {', '.join(parameters)} (each expert its own low-rank update; the router stays "
-                f"frozen)" if parameters else "")
-    conv1d = any(isinstance(m, Conv1D) and n.rsplit(".", 1)[-1] in targets for n, m in model.named_modules())
-    extra = [t.strip() for t in (config.additional_target or "").split(",") if t.strip()] or None
-    if config.finetuning_type == "oft":  # orthogonal fine-tuning (Qiu et al. 2023): same targets, OFT blocks
-        from peft import OFTConfig
-
-        adapter = OFTConfig(r=config.lora_rank, oft_block_size=0, target_modules=targets, modules_to_save=extra,
-                            module_dropout=config.lora_dropout, task_type="CAUSAL_LM", fan_in_fan_out=conv1d)
-    else:
-        adapter = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
-                             target_modules=targets, target_parameters=parameters or None, modules_to_save=extra,
-                             task_type="CAUSAL_LM", fan_in_fan_out=conv1d)
-    try:
-        with _peft_deprecation_quiet():
-            return get_peft_model(model, adapter)
-    except ValueError as err:  # e.g. a module type PEFT cannot adapt on this architecture
-        raise RLHFInputError(f"config field 'lora_target' ({', '.join(targets)}): {err}") from None
 
 
 def _decoder_blocks(model: nn.Module) -> nn.ModuleList:
@@ -4434,16 +4412,6 @@ def _matched(text: str, expected: str) -> int:
     return shared if shared == len(expected) else expected.rfind("\n", 0, shared) + 1
 
 
-def chat_formatter(tokenizer: Any, config: BaseConfig, model: nn.Module | PolicyModel | None = None,
-                   template: str | None = None) -> ChatFormatter:
-    """The stage's ChatFormatter: its template and thinking switch, the model's generation stop tokens, and (for a
-    vision-language PolicyModel) how its images become tokens."""
-    vision = model.vision.configure(config) if isinstance(model, PolicyModel) and model.vision is not None else None
-    model = model.model if isinstance(model, PolicyModel) else model
-    return ChatFormatter(tokenizer, template or config.template, enable_thinking=config.enable_thinking,
-                         generation_config=getattr(model, "generation_config", None), vision=vision)
-
-
 def truncate_example(ids: list[int], labels: list[int], cutoff_len: int) -> tuple[list[int], list[int], str]:
     """Cut to ``cutoff_len``; status is ok | truncated | dropped (no target token survives)."""
     if len(ids) <= cutoff_len:
@@ -5333,6 +5301,21 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, -1) - (logits.softmax(-1) * logits).sum(-1)
 
 
+def _is_compiled(model: nn.Module) -> bool:
+    """Whether torch.compile wrapped ``model`` or a wrapper inside it (DDP, PEFT)."""
+    seen, inner = set(), model
+    while inner is not None and id(inner) not in seen:
+        if hasattr(inner, "_orig_mod"):
+            return True
+        seen.add(id(inner))
+        inner = getattr(inner, "module", None) or (inner.get_base_model() if hasattr(inner, "get_base_model") else None)
+    return False
+
+
+class _CausalLMWrapper(nn.Module):
+    """PolicyModel's base: a module that holds a causal LM as ``.model``, which OutputHead.of reads (this section
+    comes before PolicyModel's, section 6)."""
+
 
 class OutputHead:
     """How a causal LM's output becomes the log-probs, entropies and mean logits the losses use.
@@ -5364,7 +5347,7 @@ class OutputHead:
     @classmethod
     def of(cls, model: nn.Module) -> OutputHead:
         """The head for ``model`` (any wrapper: DDP, PEFT, torch.compile), decided and verified once per model."""
-        model = model.model if isinstance(model, PolicyModel) else model
+        model = model.model if isinstance(model, _CausalLMWrapper) else model
         inner = innermost_model(model)
         if inner not in cls._cache:
             cls._cache[inner] = cls._decide(model, inner)
@@ -5641,13 +5624,16 @@ def build_tiny_model(cache_dir: str | os.PathLike | None = None, corpus_dir: str
     return target
 
 
+# The embedded models, which a config names instead of a path (``model_name_or_path: tiny``): name -> a builder of
+# ``cache_dir`` returning the model's cached folder. Section 5 adds ``tiny-vl``.
+EMBEDDED_MODELS: dict[str, Callable[..., Path]] = {"tiny": build_tiny_model}
+
+
 def resolve_model_path(name_or_path: str, cache_dir: str | os.PathLike | None = None) -> str:
     """'tiny' / 'tiny-vl' -> the embedded models' cached directories; a ``.gguf`` file -> its dequantised Hugging Face
     folder (``gguf_to_hf``); anything else is passed to from_pretrained."""
-    if name_or_path == "tiny":
-        return str(build_tiny_model(cache_dir))
-    if name_or_path == "tiny-vl":
-        return str(build_tiny_vl_model(cache_dir))
+    if isinstance(name_or_path, str) and name_or_path in EMBEDDED_MODELS:
+        return str(EMBEDDED_MODELS[name_or_path](cache_dir))
     if str(name_or_path).startswith("~"):  # configs that name a model under the home folder (~/.cache/rlhf/models/...)
         name_or_path = str(Path(name_or_path).expanduser())
     if str(name_or_path).lower().endswith(".gguf"):
@@ -5736,10 +5722,31 @@ def gguf_to_hf(gguf_path: str | os.PathLike, cache_dir: str | os.PathLike | None
     target = root / f"{path.stem}-{digest[:16]}"
     if (target / "config.json").exists() and (target / "gguf_source.json").exists():
         return target
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    metadata = gguf_metadata(path)
+    architecture = _readable_gguf_architecture(path, metadata, field)
+    logger.info("converting %s (%s, %.0f MB) into a Hugging Face folder, once: %s", path.name, architecture,
+                path.stat().st_size / 2**20, target)
+    model, tokenizer = _dequantised_gguf_model(path, metadata, architecture, field)
+    tmp = target.with_name(f".tmp-{target.name}-{uuid.uuid4().hex[:8]}")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    _write_json_atomic(tmp / "gguf_source.json", {"file": str(path.resolve()), "sha256": digest,
+                                                  "architecture": architecture,
+                                                  "name": metadata.get("general.name"),
+                                                  "file_type": metadata.get("general.file_type"),
+                                                  "conversion": GGUF_CONVERSION_VERSION})
+    root.mkdir(parents=True, exist_ok=True)
+    try:
+        os.rename(tmp, target)  # atomic publish; a concurrent converter may have won the race
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _readable_gguf_architecture(path: Path, metadata: dict[str, Any], field: str) -> str:
+    """A GGUF file's architecture, when transformers can read it; else a one-line error naming it."""
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
-    metadata = gguf_metadata(path)
     architecture = str(metadata.get("general.architecture", "?"))
     spellings = {architecture, architecture.replace("-", "_"), architecture.replace("moe", "_moe")}
     if not spellings & set(GGUF_SUPPORTED_ARCHITECTURES):
@@ -5747,8 +5754,14 @@ def gguf_to_hf(gguf_path: str | os.PathLike, cache_dir: str | os.PathLike | None
                              "this transformers cannot read (it reads "
                              f"{', '.join(sorted(GGUF_SUPPORTED_ARCHITECTURES))}); convert the original checkpoint "
                              "instead, or upgrade transformers")
-    logger.info("converting %s (%s, %.0f MB) into a Hugging Face folder, once: %s", path.name, architecture,
-                path.stat().st_size / 2**20, target)
+    return architecture
+
+
+def _dequantised_gguf_model(path: Path, metadata: dict[str, Any], architecture: str, field: str) -> tuple[Any, Any]:
+    """(model, tokenizer) of a GGUF file, read by transformers: fp32 weights in a plain model of the same config, and
+    the file's tokenizer with its pre-tokenizer fixed (GGUF_PRE_TOKENIZER_FIXES)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     with _quiet_transformers():
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -5768,21 +5781,7 @@ def gguf_to_hf(gguf_path: str | os.PathLike, cache_dir: str | os.PathLike | None
     model.generation_config = loaded.generation_config
     if tokenizer.pad_token_id is not None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
-    del loaded
-    tmp = target.with_name(f".tmp-{target.name}-{uuid.uuid4().hex[:8]}")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    _write_json_atomic(tmp / "gguf_source.json", {"file": str(path.resolve()), "sha256": digest,
-                                                  "architecture": architecture,
-                                                  "name": metadata.get("general.name"),
-                                                  "file_type": metadata.get("general.file_type"),
-                                                  "conversion": GGUF_CONVERSION_VERSION})
-    root.mkdir(parents=True, exist_ok=True)
-    try:
-        os.rename(tmp, target)  # atomic publish; a concurrent converter may have won the race
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return model, tokenizer
 
 
 @contextlib.contextmanager
@@ -6157,10 +6156,13 @@ def build_tiny_vl_model(cache_dir: str | os.PathLike | None = None, seed: int = 
     return target
 
 
+EMBEDDED_MODELS["tiny-vl"] = build_tiny_vl_model
+
+
 # ==== 6. Policy, reward and value models ====
 
 
-class PolicyModel(nn.Module):
+class PolicyModel(_CausalLMWrapper):
     """A causal LM (any ``AutoModelForCausalLM`` architecture, optionally with a PEFT adapter) plus its
     tokenizer: what every stage trains, generates from and saves."""
 
@@ -6325,6 +6327,16 @@ class PolicyModel(nn.Module):
         self.tokenizer.save_pretrained(directory)
         if self.vision is not None:  # so that the output loads with AutoImageProcessor / AutoProcessor
             self.vision.save_pretrained(directory, self.tokenizer)
+
+
+def chat_formatter(tokenizer: Any, config: BaseConfig, model: nn.Module | PolicyModel | None = None,
+                   template: str | None = None) -> ChatFormatter:
+    """The stage's ChatFormatter: its template and thinking switch, the model's generation stop tokens, and (for a
+    vision-language PolicyModel) how its images become tokens."""
+    vision = model.vision.configure(config) if isinstance(model, PolicyModel) and model.vision is not None else None
+    model = model.model if isinstance(model, PolicyModel) else model
+    return ChatFormatter(tokenizer, template or config.template, enable_thinking=config.enable_thinking,
+                         generation_config=getattr(model, "generation_config", None), vision=vision)
 
 
 def state_under(state: dict[str, torch.Tensor] | None, prefix: str) -> dict[str, torch.Tensor] | None:
@@ -6810,17 +6822,6 @@ def _takes_logits_to_keep(model_class: type) -> bool:
     return "logits_to_keep" in inspect.signature(model_class.forward).parameters
 
 
-def _is_compiled(model: nn.Module) -> bool:
-    """Whether torch.compile wrapped ``model`` or a wrapper inside it (DDP, PEFT)."""
-    seen, inner = set(), model
-    while inner is not None and id(inner) not in seen:
-        if hasattr(inner, "_orig_mod"):
-            return True
-        seen.add(id(inner))
-        inner = getattr(inner, "module", None) or (inner.get_base_model() if hasattr(inner, "get_base_model") else None)
-    return False
-
-
 def can_pack_pairs(model: nn.Module) -> bool:
     """Whether the packed tree layout (pack_preference_pairs) gives this model's exact log-probs: its
     attention must take a custom 4D mask (sdpa, eager; flash-attention takes none) and apply no
@@ -7090,6 +7091,14 @@ def grouped_prefix_logits(model: nn.Module, input_ids: torch.Tensor, attention_m
     return logits.gather(1, back[..., None].expand(-1, -1, logits.shape[-1]))
 
 
+def _load_policy(config: BaseConfig, device: torch.device | str, model: str | None = None) -> PolicyModel:
+    """The stage's model (or ``model``, another directory) loaded with the stage's dtype and attention."""
+    return PolicyModel.from_pretrained(model or config.model_name_or_path, dtype=_model_dtype(config),
+                                       attn_implementation=config.attn_implementation,
+                                       trust_remote_code=config.trust_remote_code, device=device,
+                                       cache_dir=config.cache_dir, quantization=quantization_config(config))
+
+
 def create_reference_model(config: BaseConfig, policy: PolicyModel) -> ReferenceModel | None:
     """LLaMA-Factory's rules: no reference for reference-free losses (ORPO, SimPO); an explicit
     ``ref_model``; for adapter training the policy with its adapter disabled; otherwise a frozen
@@ -7127,6 +7136,63 @@ def disable_dropout(model: nn.Module) -> None:
         if isinstance(getattr(module, "attention_dropout", None), float):
             module.attention_dropout = 0.0
 
+
+# The finetuning type of a model: adapters here (LoRA or OFT, which on a vision-language model keep to the parts
+# that train, section 5), freezing in section 2 (apply_freeze), both applied by _prepare_backbone.
+# PEFT refuses LoRA on Mamba's out_proj (its fused kernel reads the weight directly) and on conv1d.
+_PEFT_REFUSED_TARGETS = {"mamba": ("out_proj", "conv1d"), "mamba2": ("out_proj", "conv1d")}
+
+
+def _model_type(model: nn.Module) -> str:
+    return getattr(getattr(model, "config", None), "model_type", "")
+
+
+def apply_lora(model: nn.Module, config: BaseConfig) -> nn.Module:
+    """Wrap the model with PEFT LoRA adapters on ``lora_target`` (``all`` = every linear layer)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers.pytorch_utils import Conv1D
+
+    available, experts = find_linear_module_names(model), find_expert_parameter_names(model)
+    if config.lora_target.strip() == "all" and is_vision_language(model):
+        targets, parameters = lora_target_names(model, config, available), experts
+    elif config.lora_target.strip() == "all":
+        targets = [t for t in available if t not in _PEFT_REFUSED_TARGETS.get(_model_type(model), ())]
+        parameters = experts
+    else:
+        named = [t.strip() for t in config.lora_target.split(",") if t.strip()]
+        expert_of = {e: e for e in experts} | {e.rsplit(".", 1)[-1]: e for e in experts
+                                               if e.rsplit(".", 1)[-1] not in available}
+        parameters = [expert_of[t] for t in named if t in expert_of]  # 'experts.down_proj' or plain 'down_proj'
+        targets = [t for t in named if t not in expert_of]
+        missing = [t for t in targets if t not in available]
+        if missing:
+            raise RLHFInputError(f"config field 'lora_target': {', '.join(missing)} not found in the model; "
+                                 f"linear layers are: {', '.join(available)}"
+                                 + (f"; expert weights: {', '.join(experts)}" if experts else "") + " (or use 'all')")
+    if parameters and config.finetuning_type == "oft":
+        raise RLHFInputError(f"config field 'finetuning_type': OFT cannot adapt the fused expert weights "
+                             f"({', '.join(parameters)}) of this mixture-of-experts model; use lora, or list the "
+                             f"linear layers in lora_target")
+    logger.info("%s targets: %s%s", config.finetuning_type.upper(),
+                ", ".join(sorted({t.rsplit(".", 1)[-1] for t in targets})) or "no linear layer",
+                f"; expert weights {', '.join(parameters)} (each expert its own low-rank update; the router stays "
+                f"frozen)" if parameters else "")
+    conv1d = any(isinstance(m, Conv1D) and n.rsplit(".", 1)[-1] in targets for n, m in model.named_modules())
+    extra = [t.strip() for t in (config.additional_target or "").split(",") if t.strip()] or None
+    if config.finetuning_type == "oft":  # orthogonal fine-tuning (Qiu et al. 2023): same targets, OFT blocks
+        from peft import OFTConfig
+
+        adapter = OFTConfig(r=config.lora_rank, oft_block_size=0, target_modules=targets, modules_to_save=extra,
+                            module_dropout=config.lora_dropout, task_type="CAUSAL_LM", fan_in_fan_out=conv1d)
+    else:
+        adapter = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+                             target_modules=targets, target_parameters=parameters or None, modules_to_save=extra,
+                             task_type="CAUSAL_LM", fan_in_fan_out=conv1d)
+    try:
+        with _peft_deprecation_quiet():
+            return get_peft_model(model, adapter)
+    except ValueError as err:  # e.g. a module type PEFT cannot adapt on this architecture
+        raise RLHFInputError(f"config field 'lora_target' ({', '.join(targets)}): {err}") from None
 
 
 def _prepare_backbone(model: nn.Module, config: BaseConfig) -> nn.Module:
@@ -8451,11 +8517,27 @@ class AgentEndpoint:
     def __init__(self, prepare: Callable[[int, dict[str, Any], str], tuple[str, list[int], int, tuple[str, ...]]],
                  answer: Callable[[AgentCall, dict[str, Any], str], dict[str, Any]], *, port: int = 0,
                  timeout: float = 1800.0) -> None:
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from http.server import ThreadingHTTPServer
 
         self.pending: list[AgentCall] = []
         self.lock = threading.Lock()
         self.arrived = threading.Condition(self.lock)
+
+        class Server(ThreadingHTTPServer):
+            request_queue_size = 1024  # every episode of a rollout may connect at once (socketserver's default: 5)
+            daemon_threads = True
+
+        self.server = Server(("127.0.0.1", port), self._handler(prepare, answer, timeout))
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True, name="rlhf-agent-endpoint")
+        self.thread.start()
+
+    def _handler(self, prepare: Callable[[int, dict[str, Any], str], tuple[str, list[int], int, tuple[str, ...]]],
+                 answer: Callable[[AgentCall, dict[str, Any], str], dict[str, Any]], timeout: float) -> type:
+        """The server's request handler class: a request thread turns a request into an AgentCall in ``pending``,
+        waits for the main thread to sample it, and sends the answer (or an OpenAI error)."""
+        from http.server import BaseHTTPRequestHandler
+
         endpoint = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -8502,14 +8584,7 @@ class AgentEndpoint:
                     return self._error(400, call.error)
                 self._send(200, answer(call, body, kind))
 
-        class Server(ThreadingHTTPServer):
-            request_queue_size = 1024  # every episode of a rollout may connect at once (socketserver's default: 5)
-            daemon_threads = True
-
-        self.server = Server(("127.0.0.1", port), Handler)
-        self.port = self.server.server_address[1]
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True, name="rlhf-agent-endpoint")
-        self.thread.start()
+        return Handler
 
     def base_url(self, episode: int) -> str:
         return f"http://127.0.0.1:{self.port}/episodes/{episode}/v1"
@@ -10608,12 +10683,12 @@ class BaseTrainer(CheckpointingMixin):
                                  else batch["input_ids"].numel())
             for key, value in metrics.items():
                 window["metrics"].setdefault(key, []).append(value)
-        engine_steps = self.devices.uses_deepspeed  # DeepSpeed clips (gradient_clipping) and steps in its own step
-        grad_norm = 0.0 if engine_steps else self.devices.clip_grad_norm(self.model.parameters(),
+        deepspeed_steps = self.devices.uses_deepspeed  # DeepSpeed clips (gradient_clipping) and steps in its own step
+        grad_norm = 0.0 if deepspeed_steps else self.devices.clip_grad_norm(self.model.parameters(),
                                                                          self.config.max_grad_norm)
         problem = self._nonfinite_problem(losses, grad_norm)
-        if not problem and engine_steps:
-            grad_norm = self.devices.engine_step()  # inf: DeepSpeed found it non-finite and did not update
+        if not problem and deepspeed_steps:
+            grad_norm = self.devices.deepspeed_step()  # inf: DeepSpeed found it non-finite and did not update
             if not math.isfinite(grad_norm) and self.config.mixed_precision != "fp16":
                 problem = "gradient norm"
         if problem:
@@ -10622,7 +10697,7 @@ class BaseTrainer(CheckpointingMixin):
         self.nonfinite_in_a_row = 0
         window["loss"] += sum(losses)
         window["units"] += units / self.devices.num_processes
-        if not engine_steps:
+        if not deepspeed_steps:
             self.optimizer.step()
         self.scheduler.step()
         self.devices.zero_grad(self.optimizer)
@@ -10940,14 +11015,6 @@ def _load_trained_policy(config: BaseConfig, devices: DeviceManager) -> PolicyMo
         logger.info("%s: built partitioned across %d processes (DeepSpeed zero3_init_flag)", config.model_name_or_path,
                     devices.num_processes)
     return policy
-
-
-def _load_policy(config: BaseConfig, device: torch.device | str, model: str | None = None) -> PolicyModel:
-    """The stage's model (or ``model``, another directory) loaded with the stage's dtype and attention."""
-    return PolicyModel.from_pretrained(model or config.model_name_or_path, dtype=_model_dtype(config),
-                                       attn_implementation=config.attn_implementation,
-                                       trust_remote_code=config.trust_remote_code, device=device,
-                                       cache_dir=config.cache_dir, quantization=quantization_config(config))
 
 
 def _refuse_other_stage_checkpoints(config: BaseConfig) -> None:
@@ -14155,13 +14222,6 @@ def read_report(output_dir: str | os.PathLike) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.exists() else {"stages": []}
 
 
-def _write_json_atomic(path: Path, payload: dict[str, Any], indent: int = 1) -> None:
-    """Write to a temporary file beside ``path``, then rename: a reader never sees half a file."""
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
-    tmp.write_text(json.dumps(payload, indent=indent, default=float))
-    os.replace(tmp, path)
-
-
 def append_report(output_dir: str | os.PathLike, entry: dict[str, Any]) -> Path:
     """Add one stage's entry to ``output_dir/report.json`` (written atomically)."""
     path = Path(output_dir) / "report.json"
@@ -15601,8 +15661,6 @@ def _first_sentence(doc: str) -> str:
 
 
 def _build_parser() -> Any:
-    import model_merging
-
     parser = argparse.ArgumentParser(prog="rlhf", description="Post-training for causal language models: "
                                      "SFT, reward and process-reward models, DPO/SimPO/ORPO/KTO, online RL (GRPO, "
                                      "RLOO, REINFORCE++, online DPO, distillation, PPO).",
@@ -15612,6 +15670,13 @@ def _build_parser() -> Any:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"rlhf {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add_commands in (_add_training_commands, _add_plan_command, _add_model_commands, _add_model_use_commands):
+        add_commands(sub)  # in this order: the order of --help's list of commands
+    return parser
+
+
+def _add_training_commands(sub: Any) -> None:
+    """One command per stage, ``pipeline`` and ``train`` (LLaMA-Factory's: the file names the stage)."""
     for stage, cls in STAGE_CONFIGS.items():
         command = sub.add_parser(stage, help=_first_sentence(cls.__doc__ or ""),
                                  description=f"Train the {stage} stage. Options come from --config (YAML, "
@@ -15637,6 +15702,10 @@ def _build_parser() -> Any:
     train.add_argument("--config", required=True, help="YAML config with a `stage:` key (or give FILE first, "
                        "without --config)")
     train.add_argument("overrides", nargs="*", metavar="key=value")
+
+
+def _add_plan_command(sub: Any) -> None:
+    """``plan``: per-GPU memory of a preset, before launching."""
     plan = sub.add_parser("plan", help="Estimate per-GPU memory of a 7B/70B preset before launching",
                           description="Per-GPU memory of one training step of a preset (weights, gradients, "
                           "optimizer states, activations, reference and reward models), by mixed-precision "
@@ -15651,6 +15720,13 @@ def _build_parser() -> Any:
                       help="one stage (default: every stage of the preset, plus ppo)")
     plan.add_argument("--no-sharding", action="store_true", help="plain DDP: every GPU holds everything")
     plan.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU to check against (default 80)")
+
+
+def _add_model_commands(sub: Any) -> None:
+    """Commands that make models from models without training: ``combine-rm``, ``merge`` (model_merging), and
+    ``vllm-serve``, which serves one."""
+    import model_merging
+
     combine = sub.add_parser("combine-rm", help="Write a reward-model ensemble from existing reward models",
                              description="Write DIR/ensemble.json listing every member of the given reward models "
                              "or ensembles (rm stage outputs) by relative path; nothing is copied. Reward, PPO, "
@@ -15670,6 +15746,10 @@ def _build_parser() -> Any:
     merge.add_argument("overrides", nargs="*", metavar="key=value", help="override a top-level key, e.g. density=0.3")
     merge.add_argument("--dry-run", action="store_true", help="check the config and inputs, write nothing")
     merge.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _add_model_use_commands(sub: Any) -> None:
+    """``export``, ``eval`` and ``chat``: a trained model written out, measured, talked to."""
     export = sub.add_parser("export",
                             help="Merge an adapter into its base and write a Hugging Face folder or a GGUF file",
                             description="Export a trained model: a LoRA adapter merged into its base, written as a "
@@ -15705,7 +15785,6 @@ def _build_parser() -> Any:
     talk.add_argument("--template", default=None, help="chat template (default: the model's own)")
     talk.add_argument("--config", help="YAML config")
     talk.add_argument("overrides", nargs="*", metavar="key=value", help="any option as key=value")
-    return parser
 
 
 def memory_plan_table(args: Any) -> Any:
@@ -15775,6 +15854,57 @@ def _export_config(args: Any) -> ExportConfig:
     return load_config(ExportConfig, args.config, [*args.overrides, *flags])
 
 
+def _print_memory_plan(args: Any, console: Any) -> None:
+    console.print(memory_plan_table(args))
+
+
+def _combine_reward_models(args: Any, console: Any) -> None:
+    names = RewardEnsemble.combine(args.out, args.sources)
+    console.print(f"{args.out}/{RewardEnsemble.MANIFEST}: {len(names)} members ({', '.join(names)})")
+
+
+def _export(args: Any, console: Any) -> None:
+    config = _export_config(args)
+    written = export_model(config)
+    console.print(f"exported {config.model_name_or_path}"
+                  f"{' + ' + config.adapter_name_or_path if config.adapter_name_or_path else ''} "
+                  f"to {written} ({config.export_format}"
+                  f"{', ' + config.gguf_type if config.export_format == 'gguf' else ''})")
+
+
+def _evaluate(args: Any, console: Any) -> None:
+    config = load_config(EvalConfig, args.config, args.overrides)
+    report = evaluate_model(config)
+    console.print(eval_table(report))
+    console.print(f"written: {Path(config.output_dir) / 'eval.json'}")
+
+
+def _chat(args: Any, console: Any) -> None:
+    chat(_chat_config(args))
+
+
+# the commands that train nothing: command -> fn(args, console), which prints its result
+_COMMANDS_WITHOUT_TRAINING: dict[str, Callable[[Any, Any], None]] = {
+    "plan": _print_memory_plan, "combine-rm": _combine_reward_models, "export": _export, "eval": _evaluate,
+    "chat": _chat}
+
+
+def _stage_to_train(args: Any) -> str:
+    """The stage a training command runs: its name, or for ``train`` the file's ``stage:`` key, or stage=X on the
+    command line (it wins)."""
+    stage = args.command
+    if stage == "train":
+        given = [o.split("=", 1)[1].strip() for o in args.overrides if o.split("=", 1)[0].strip() == "stage"]
+        stage = given[-1] if given else str(read_yaml(args.config).get("stage", ""))
+        if not stage:
+            raise RLHFInputError(f"{args.config} has no 'stage:' key, which picks the trainer; add a line "
+                                 f"stage: {' | '.join(STAGE_CONFIGS)}, or give stage=sft (or another) after the "
+                                 "file")
+        if stage not in STAGE_CONFIGS:
+            raise RLHFInputError(f"{args.config}: 'stage' is '{stage}'; valid: {', '.join(STAGE_CONFIGS)}")
+    return stage
+
+
 @_leaves_logging_as_found
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; user mistakes print one line and exit with status 2."""
@@ -15800,45 +15930,14 @@ def main(argv: list[str] | None = None) -> int:
                                    *(["--no-progress"] if args.no_progress else [])])
     finished = False
     try:
-        if args.command == "plan":
-            console.print(memory_plan_table(args))
-            return 0
-        if args.command == "combine-rm":
-            names = RewardEnsemble.combine(args.out, args.sources)
-            console.print(f"{args.out}/{RewardEnsemble.MANIFEST}: {len(names)} members ({', '.join(names)})")
-            return 0
-        if args.command == "export":
-            config = _export_config(args)
-            written = export_model(config)
-            console.print(f"exported {config.model_name_or_path}"
-                          f"{' + ' + config.adapter_name_or_path if config.adapter_name_or_path else ''} "
-                          f"to {written} ({config.export_format}"
-                          f"{', ' + config.gguf_type if config.export_format == 'gguf' else ''})")
-            return 0
-        if args.command == "eval":
-            config = load_config(EvalConfig, args.config, args.overrides)
-            report = evaluate_model(config)
-            console.print(eval_table(report))
-            console.print(f"written: {Path(config.output_dir) / 'eval.json'}")
-            return 0
-        if args.command == "chat":
-            chat(_chat_config(args))
+        if args.command in _COMMANDS_WITHOUT_TRAINING:
+            _COMMANDS_WITHOUT_TRAINING[args.command](args, console)
             return 0
         if args.command == "pipeline":
             RLHFOrchestrator(PipelineConfig.load(args.config, args.overrides, args.preset)).run_full_pipeline()
             finished = True
             return 0
-        stage = args.command
-        if stage == "train":  # the trainer is the file's stage key, or stage=X on the command line (it wins)
-            given = [o.split("=", 1)[1].strip() for o in args.overrides if o.split("=", 1)[0].strip() == "stage"]
-            stage = given[-1] if given else str(read_yaml(args.config).get("stage", ""))
-            if not stage:
-                raise RLHFInputError(f"{args.config} has no 'stage:' key, which picks the trainer; add a line "
-                                     f"stage: {' | '.join(STAGE_CONFIGS)}, or give stage=sft (or another) after the "
-                                     "file")
-            if stage not in STAGE_CONFIGS:
-                raise RLHFInputError(f"{args.config}: 'stage' is '{stage}'; valid: {', '.join(STAGE_CONFIGS)}")
-        entries = _run_single_stage(stage, args.config, args.overrides)
+        entries = _run_single_stage(_stage_to_train(args), args.config, args.overrides)
         finished = True
         if _launch_rank() == 0:  # other processes hold no metric history (only the main process logs)
             console.print(summary_table(entries))
