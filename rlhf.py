@@ -58,11 +58,11 @@ says what a contributor adds there, and docs/architecture.md walks through each:
        add: a model wrapper or head (with save_pretrained / from_pretrained), a way to run the policy's forward
   7. Losses and advantages
        router_load_balancing_loss, causal_lm_loss_sum, causal_lm_loss_with, sequence_log_probs, PREFERENCE_LOSSES,
-       dpo_loss, simpo_loss, orpo_loss, kto_loss, reward_model_loss, reward_boosting_weights, ewc_penalty, whiten,
-       grpo_advantages, rloo_advantages, overlong_penalty, reinforce_pp_advantages, generalized_jsd_loss,
-       rollout_importance_weights, PolicyLossInputs, token_log_ratio, sequence_log_ratio, IMPORTANCE_LOG_RATIOS,
-       LossAggregation, LOSS_AGGREGATIONS, clipped_surrogate_loss, cispo_loss, grpo_loss, compute_gae, ppo_policy_loss,
-       ppo_value_loss, AdaptiveKLController, FixedKLController
+       dpo_loss, simpo_loss, orpo_loss, kto_loss, reward_model_loss, reward_boosting_weights, ewc_penalty,
+       ElasticWeightConsolidation, whiten, grpo_advantages, rloo_advantages, overlong_penalty, reinforce_pp_advantages,
+       generalized_jsd_loss, rollout_importance_weights, PolicyLossInputs, token_log_ratio, sequence_log_ratio,
+       IMPORTANCE_LOG_RATIOS, LossAggregation, LOSS_AGGREGATIONS, clipped_surrogate_loss, cispo_loss, grpo_loss,
+       compute_gae, ppo_policy_loss, ppo_value_loss, AdaptiveKLController, FixedKLController
        add: a loss or advantage estimator as a pure function citing its paper and equation; a DPO variant is a
             PREFERENCE_LOSSES row, an RL policy loss a @register_policy_loss function of PolicyLossInputs
   8. Rewards
@@ -101,9 +101,9 @@ says what a contributor adds there, and docs/architecture.md walks through each:
        kl_estimates, distinct_n, self_similarity, win_rate, RLHFEvaluator
        add: a metric of RLHFEvaluator
   12. Self-improvement and safety
-       CapabilityReport, CapabilityTester, ElasticWeightConsolidation, repetition_rate, degeneration_rates,
-       reward_hacking_flags, perturb_whitespace, perturb_case, perturb_prefix, PERTURBATIONS, answer_consistency,
-       validation_score, ValidationReport, AdversarialValidator, default_critique, RefinementResult, refinement_pairs,
+       CapabilityReport, CapabilityTester, repetition_rate, degeneration_rates, reward_hacking_flags,
+       perturb_whitespace, perturb_case, perturb_prefix, PERTURBATIONS, answer_consistency, validation_score,
+       ValidationReport, AdversarialValidator, default_critique, RefinementResult, refinement_pairs,
        write_preference_jsonl, IterativeRefiner
        add: a capability check, a perturbation (PERTURBATIONS), a reward-hacking rule (REWARD_HACKING_RULES)
   13. Orchestrator
@@ -2838,6 +2838,21 @@ class CheckpointingMixin:
                 raise RLHFInputError(f"config field 'resume_from_checkpoint': {path} cannot be read ({problem}); "
                                      f"resume from another checkpoint or set resume_from_checkpoint=none")
         logger.info("resumed from %s at step %d", path, self.global_step)
+
+    def _resume_advice(self) -> str:
+        """What to run after an interrupt, true for this config: a config that starts over would delete the
+        checkpoints the usual advice promises to resume from."""
+        latest = self.checkpoints.latest()
+        if latest is None:
+            return "interrupted before the first checkpoint: running the same command again starts over"
+        where = f"the last checkpoint is {latest}"
+        if self.config.overwrite_output_dir:
+            return (f"interrupted: {where}, but this config sets overwrite_output_dir=true, which deletes it on the "
+                    f"next run; to resume, run the same command with overwrite_output_dir=false")
+        if self.config.resume_from_checkpoint == "none":
+            return (f"interrupted: {where}, but this config sets resume_from_checkpoint=none, which deletes it on the "
+                    f"next run; to resume, run the same command with resume_from_checkpoint=auto")
+        return f"interrupted: {where}; run the same command again to resume from it"
 
     def _load_readable_checkpoint(self, path: Path) -> str | None:
         """Load ``path``; what was wrong with its files when one is damaged (None when it loaded). Another
@@ -7479,6 +7494,122 @@ def ewc_penalty(parameters: dict[str, torch.Tensor], anchors: dict[str, torch.Te
     return 0.5 * ewc_lambda * total
 
 
+class ElasticWeightConsolidation:
+    """EWC (Kirkpatrick et al. 2017): remember which weights mattered for an earlier skill and pull
+    them back towards their old values while a later stage trains, so preference or RL optimisation
+    does not erase what SFT taught. ``from_data`` estimates the diagonal Fisher as the mean squared
+    per-example gradient of the example's log-likelihood log p(response | prompt) (the sum over its
+    target tokens; the empirical Fisher, one example at a time so each gradient is that example's
+    own); ``penalty`` is :func:`ewc_penalty` on the current weights. Only trainable parameters take
+    part (with LoRA: the adapter weights).
+
+    Scale: Fisher entries are small, so useful ``ewc_lambda`` values are large (1e4 is a start for a
+    small model); watch the logged ``ewc/penalty`` against the stage's loss."""
+
+    FILE = "ewc.safetensors"
+
+    def __init__(self, anchors: dict[str, torch.Tensor], fisher: dict[str, torch.Tensor], ewc_lambda: float,
+                 source: dict[str, str] | None = None) -> None:
+        if set(anchors) != set(fisher) or not anchors:
+            raise ValueError("EWC needs one anchor and one Fisher tensor for each of the same parameters")
+        self.anchors, self.fisher, self.ewc_lambda, self.source = anchors, fisher, ewc_lambda, source or {}
+
+    @classmethod
+    def from_data(cls, model: nn.Module, batches: Iterable[dict[str, torch.Tensor]], ewc_lambda: float, *,
+                  source: dict[str, str] | None = None) -> ElasticWeightConsolidation:
+        """Anchor = the model's trainable weights now; Fisher from ``batches`` (one example each)."""
+        params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+        fisher = {name: torch.zeros_like(p, dtype=torch.float32) for name, p in params.items()}
+        was_training, count = model.training, 0
+        model.eval()  # dropout off: the Fisher of the model as it is, not of a random sub-network
+        for batch in batches:
+            model.zero_grad(set_to_none=True)
+            head = OutputHead.of(model)
+            scores, _ = head.scores(model, input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"))
+            loss_sum, units = causal_lm_loss_with(head, scores, batch["labels"])
+            if not units:
+                continue
+            loss_sum.backward()  # the sequence's log-likelihood: the Fisher is of p(response | prompt)
+            for name, p in params.items():
+                if p.grad is not None:
+                    fisher[name] += p.grad.detach().float() ** 2
+            count += 1
+        model.zero_grad(set_to_none=True)
+        model.train(was_training)
+        if not count:
+            raise RLHFInputError("config field 'ewc_dataset': no example with a target token to estimate the Fisher "
+                                 "from")
+        anchors = {name: p.detach().float().clone() for name, p in params.items()}
+        return cls(anchors, {name: f / count for name, f in fisher.items()}, ewc_lambda, source)
+
+    def penalty(self, model: nn.Module) -> torch.Tensor:
+        params = {name: p for name, p in model.named_parameters() if name in self.fisher}
+        if len(params) != len(self.fisher):
+            raise RLHFInputError("EWC: the model's trainable parameters differ from the ones the Fisher was "
+                                 "computed for; delete ewc.safetensors in output_dir to recompute it")
+        device = next(iter(params.values())).device
+        if next(iter(self.fisher.values())).device != device:
+            self.anchors = {k: v.to(device) for k, v in self.anchors.items()}
+            self.fisher = {k: v.to(device) for k, v in self.fisher.items()}
+        return ewc_penalty(params, self.anchors, self.fisher, self.ewc_lambda)
+
+    @classmethod
+    def for_stage(cls, config: BaseConfig, policy: PolicyModel, model: nn.Module, devices: DeviceManager,
+                  output_dir: Path) -> ElasticWeightConsolidation | None:
+        """A stage's EWC (``ewc_lambda`` > 0; else None): the anchor and Fisher of the weights it starts from
+        (``model``, as prepared), computed once on ``ewc_dataset`` and kept in ``output_dir``, so a resumed run anchors
+        to the same weights."""
+        if not getattr(config, "ewc_lambda", 0.0):
+            return None
+        if devices.uses_deepspeed:  # the Fisher is read from each parameter's own gradient
+            raise RLHFInputError("config field 'ewc_lambda' is not supported under DeepSpeed, which partitions the "
+                                 "gradients EWC's Fisher is read from; launch with DDP or FSDP2 "
+                                 "(configs/accelerate/fsdp.yaml), or set ewc_lambda=0")
+        path = output_dir / cls.FILE
+        source = {"model": str(config.model_name_or_path), "dataset": config.ewc_dataset,
+                  "samples": str(config.ewc_samples)}
+        fresh_start = config.overwrite_output_dir or config.resume_from_checkpoint == "none"
+        if path.exists() and not fresh_start:
+            ewc = cls.load(path, config.ewc_lambda)
+            if ewc.source == source:
+                return ewc
+        started = time.time()
+        records = load_records(config.ewc_dataset, config.dataset_dir, "sft", max_samples=config.ewc_samples,
+                               skip_invalid=config.skip_invalid_records)
+        formatter = chat_formatter(policy.tokenizer, config, policy)
+        examples = SFTDataset(records, policy.tokenizer, formatter, cutoff_len=config.cutoff_len,
+                              cache_dir=config.cache_dir)
+        collate = SFTCollator(policy.tokenizer.pad_token_id, vision=policy.vision)
+        batches = ({k: v.to(devices.device) for k, v in collate([examples[i]]).items()} for i in range(len(examples)))
+        ewc = cls.from_data(devices.unwrap(model), batches, config.ewc_lambda, source=source)
+        if devices.is_main_process:
+            output_dir.mkdir(parents=True, exist_ok=True)
+            ewc.save(path)
+        devices.wait()
+        logger.info("EWC: diagonal Fisher from %d examples of %s in %.1fs (lambda %g)", len(examples),
+                    config.ewc_dataset, time.time() - started, config.ewc_lambda)
+        return ewc
+
+    def save(self, path: str | os.PathLike) -> None:
+        """anchor/<name> and fisher/<name> tensors in one safetensors file, written atomically."""
+
+        path = Path(path)
+        tensors = {**{f"anchor/{k}": v.contiguous() for k, v in self.anchors.items()},
+                   **{f"fisher/{k}": v.contiguous() for k, v in self.fisher.items()}}
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
+        save_file(tensors, str(tmp), metadata=self.source)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, ewc_lambda: float) -> ElasticWeightConsolidation:
+        with safe_open(str(path), framework="pt") as handle:
+            tensors = {key: handle.get_tensor(key) for key in handle.keys()}
+            source = handle.metadata() or {}
+        anchors = {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("anchor/")}
+        fisher = {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("fisher/")}
+        return cls(anchors, fisher, ewc_lambda, source)
+
+
 # -- online RL: advantages, policy and value losses (docs/architecture.md: pure functions, each citing its paper) ------
 
 
@@ -10380,6 +10511,40 @@ def _format_metrics(metrics: dict[str, float]) -> str:
     return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
 
 
+@dataclass
+class _LogWindow:
+    """What this process's optimizer steps measured since the last log line: the summed loss and its units, the
+    tokens, and each micro-batch's metrics."""
+
+    loss: float = 0.0
+    units: float = 0.0
+    tokens: int = 0
+    since: float = field(default_factory=time.time)
+    metrics: dict[str, list[float]] = field(default_factory=dict)
+
+    def add(self, batch: dict[str, torch.Tensor], metrics: dict[str, float]) -> None:
+        """One micro-batch's tokens and metrics (its loss comes with the step's, once the step updates)."""
+        self.tokens += (int(batch["attention_mask"].sum()) if "attention_mask" in batch
+                        else batch["input_ids"].numel())
+        for key, value in metrics.items():
+            self.metrics.setdefault(key, []).append(value)
+
+    def totals(self, devices: DeviceManager) -> tuple[float, float, dict[str, float]]:
+        """(loss, tokens per second, metrics) of all processes together, as one process would log them: the loss
+        summed over every process's micro-batches over the units of all of them, each metric averaged over every
+        micro-batch. A collective: every process calls it."""
+        elapsed = max(time.time() - self.since, 1e-9)
+        loss, units, tokens = devices.sum_list_across_processes([self.loss, self.units, self.tokens])
+        metrics: dict[str, list[float]] = {}
+        for part in devices.gather_object(self.metrics):
+            for key, values in part.items():
+                metrics.setdefault(key, []).extend(values)
+        return loss / max(units, 1.0), tokens / elapsed, {k: float(np.mean(v)) for k, v in metrics.items()}
+
+    def reset(self) -> None:
+        self.loss, self.units, self.tokens, self.since, self.metrics = 0.0, 0.0, 0, time.time(), {}
+
+
 class BaseTrainer(CheckpointingMixin):
     """One training loop for every stage: accumulation with the loss normalised over all accumulated
     micro-batches, clipping, scheduling, evaluation, atomic checkpoints, exact resume, early
@@ -10579,24 +10744,10 @@ class BaseTrainer(CheckpointingMixin):
                                 f"checkpoint: " + self._resume_advice().removeprefix("interrupted: "),
                                 int(received or signal.SIGTERM))
 
-    def _resume_advice(self) -> str:
-        """What to run after an interrupt, true for this config: a config that starts over would delete the
-        checkpoints the usual advice promises to resume from."""
-        latest = self.checkpoints.latest()
-        if latest is None:
-            return "interrupted before the first checkpoint: running the same command again starts over"
-        where = f"the last checkpoint is {latest}"
-        if self.config.overwrite_output_dir:
-            return (f"interrupted: {where}, but this config sets overwrite_output_dir=true, which deletes it on the "
-                    f"next run; to resume, run the same command with overwrite_output_dir=false")
-        if self.config.resume_from_checkpoint == "none":
-            return (f"interrupted: {where}, but this config sets resume_from_checkpoint=none, which deletes it on the "
-                    f"next run; to resume, run the same command with resume_from_checkpoint=auto")
-        return f"interrupted: {where}; run the same command again to resume from it"
-
     def _train(self) -> TrainResult:
         started = time.time()
-        self.ewc = self._setup_ewc()
+        self.ewc = ElasticWeightConsolidation.for_stage(self.config, self.policy, self.model, self.devices,
+                                                        self.output_dir)
         self._resume()
         config = self.config
         eval_before = None
@@ -10607,7 +10758,7 @@ class BaseTrainer(CheckpointingMixin):
                                               description=self.stage, start_step=self.global_step)
         batches = self.make_batches()
         resumed_at = self.global_step
-        window = {"loss": 0.0, "units": 0.0, "tokens": 0, "since": time.time(), "metrics": {}}
+        window = _LogWindow()
         stopped_early, last_eval = False, {}
         while self.global_step < self.total_steps:
             group = [next(batches) for _ in range(config.gradient_accumulation_steps)]
@@ -10651,7 +10802,7 @@ class BaseTrainer(CheckpointingMixin):
         return TrainResult(self.stage, self.output_dir, self.global_step, seconds, metrics, last_eval, eval_before,
                            history, stopped_early)
 
-    def _optimizer_step(self, group: list[dict[str, torch.Tensor]], window: dict[str, Any]) -> dict[str, float]:
+    def _optimizer_step(self, group: list[dict[str, torch.Tensor]], window: _LogWindow) -> dict[str, float]:
         """Accumulate gradients over ``group`` and take one optimizer step.
 
         Every micro-batch's summed loss is divided by the loss units of the whole group (across all
@@ -10679,10 +10830,7 @@ class BaseTrainer(CheckpointingMixin):
                 metrics = {**metrics, "ewc/penalty": float(penalty.detach())}
             self.devices.backward(objective)  # every process runs backward, so collectives stay in step
             losses.append(float(loss_sum.detach()))
-            window["tokens"] += (int(batch["attention_mask"].sum()) if "attention_mask" in batch
-                                 else batch["input_ids"].numel())
-            for key, value in metrics.items():
-                window["metrics"].setdefault(key, []).append(value)
+            window.add(batch, metrics)
         deepspeed_steps = self.devices.uses_deepspeed  # DeepSpeed clips (gradient_clipping) and steps in its own step
         grad_norm = 0.0 if deepspeed_steps else self.devices.clip_grad_norm(self.model.parameters(),
                                                                          self.config.max_grad_norm)
@@ -10695,8 +10843,8 @@ class BaseTrainer(CheckpointingMixin):
             self._skip_update(problem)
             return {"grad_norm": grad_norm, "stability/skipped_steps": 1.0}
         self.nonfinite_in_a_row = 0
-        window["loss"] += sum(losses)
-        window["units"] += units / self.devices.num_processes
+        window.loss += sum(losses)
+        window.units += units / self.devices.num_processes
         if not deepspeed_steps:
             self.optimizer.step()
         self.scheduler.step()
@@ -10744,22 +10892,12 @@ class BaseTrainer(CheckpointingMixin):
             f"{self.global_step}); stopped after saving {self.checkpoints.latest()}. Lower learning_rate, set "
             f"max_grad_norm, or check the reward functions, then run again to resume")
 
-    def _log_window(self, window: dict[str, Any], step_metrics: dict[str, float]) -> None:
-        elapsed = max(time.time() - window["since"], 1e-9)
-        # the figures of all processes together, as one process would log them: the loss summed over every
-        # process's micro-batches over the units of all of them, each metric averaged over every micro-batch
-        loss, units, tokens = self.devices.sum_list_across_processes([window["loss"], window["units"],
-                                                                      window["tokens"]])
-        metrics: dict[str, list[float]] = {}
-        for part in self.devices.gather_object(window["metrics"]):
-            for key, values in part.items():
-                metrics.setdefault(key, []).extend(values)
-        row = {"loss": loss / max(units, 1.0), **step_metrics,
-               "learning_rate": self.scheduler.get_last_lr()[0], "epoch": self._epoch(),
-               "perf/tokens_per_s": tokens / elapsed,
-               **{k: float(np.mean(v)) for k, v in metrics.items()}}
+    def _log_window(self, window: _LogWindow, step_metrics: dict[str, float]) -> None:
+        loss, tokens_per_s, metrics = window.totals(self.devices)
+        row = {"loss": loss, **step_metrics, "learning_rate": self.scheduler.get_last_lr()[0], "epoch": self._epoch(),
+               "perf/tokens_per_s": tokens_per_s, **metrics}
         self.training_logger.log(self.global_step, row)
-        window.update(loss=0.0, units=0.0, tokens=0, since=time.time(), metrics={})
+        window.reset()
 
     def _epoch(self) -> float:
         if self.sampler is None:
@@ -10777,42 +10915,6 @@ class BaseTrainer(CheckpointingMixin):
     def _data_stats(self) -> dict[str, float]:
         stats = getattr(self.train_dataset, "stats", {})
         return {f"data/{k}": v for k, v in stats.items()}
-
-    def _setup_ewc(self) -> ElasticWeightConsolidation | None:
-        """The EWC anchor and Fisher of the weights this stage starts from (``ewc_lambda`` > 0), computed
-        once on ``ewc_dataset`` and kept in output_dir, so a resumed run anchors to the same weights."""
-        config = self.config
-        if not getattr(config, "ewc_lambda", 0.0):
-            return None
-        if self.devices.uses_deepspeed:  # the Fisher is read from each parameter's own gradient
-            raise RLHFInputError("config field 'ewc_lambda' is not supported under DeepSpeed, which partitions the "
-                                 "gradients EWC's Fisher is read from; launch with DDP or FSDP2 "
-                                 "(configs/accelerate/fsdp.yaml), or set ewc_lambda=0")
-        path = self.output_dir / ElasticWeightConsolidation.FILE
-        source = {"model": str(config.model_name_or_path), "dataset": config.ewc_dataset,
-                  "samples": str(config.ewc_samples)}
-        fresh_start = config.overwrite_output_dir or config.resume_from_checkpoint == "none"
-        if path.exists() and not fresh_start:
-            ewc = ElasticWeightConsolidation.load(path, config.ewc_lambda)
-            if ewc.source == source:
-                return ewc
-        started = time.time()
-        records = load_records(config.ewc_dataset, config.dataset_dir, "sft", max_samples=config.ewc_samples,
-                               skip_invalid=config.skip_invalid_records)
-        formatter = chat_formatter(self.policy.tokenizer, config, self.policy)
-        examples = SFTDataset(records, self.policy.tokenizer, formatter, cutoff_len=config.cutoff_len,
-                              cache_dir=config.cache_dir)
-        collate = SFTCollator(self.policy.tokenizer.pad_token_id, vision=self.policy.vision)
-        batches = (self._to_device(collate([examples[i]])) for i in range(len(examples)))
-        ewc = ElasticWeightConsolidation.from_data(self.devices.unwrap(self.model), batches, config.ewc_lambda,
-                                                   source=source)
-        if self.devices.is_main_process:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-            ewc.save(path)
-        self.devices.wait()
-        logger.info("EWC: diagonal Fisher from %d examples of %s in %.1fs (lambda %g)", len(examples),
-                    config.ewc_dataset, time.time() - started, config.ewc_lambda)
-        return ewc
 
     # -- the model a checkpoint holds (saving and resuming it: CheckpointingMixin, section 2)
     policy_prefix = ""  # where the policy's weights sit in the prepared module's state dict
@@ -13663,85 +13765,6 @@ class CapabilityTester:
         deltas = {name: after[name] - before[name] for name in before if name in after}
         regressions = [name for name, delta in deltas.items() if delta < -self.threshold - 1e-12]
         return CapabilityReport(dict(before), dict(after), deltas, regressions, self.threshold)
-
-
-class ElasticWeightConsolidation:
-    """EWC (Kirkpatrick et al. 2017): remember which weights mattered for an earlier skill and pull
-    them back towards their old values while a later stage trains, so preference or RL optimisation
-    does not erase what SFT taught. ``from_data`` estimates the diagonal Fisher as the mean squared
-    per-example gradient of the example's log-likelihood log p(response | prompt) (the sum over its
-    target tokens; the empirical Fisher, one example at a time so each gradient is that example's
-    own); ``penalty`` is :func:`ewc_penalty` on the current weights. Only trainable parameters take
-    part (with LoRA: the adapter weights).
-
-    Scale: Fisher entries are small, so useful ``ewc_lambda`` values are large (1e4 is a start for a
-    small model); watch the logged ``ewc/penalty`` against the stage's loss."""
-
-    FILE = "ewc.safetensors"
-
-    def __init__(self, anchors: dict[str, torch.Tensor], fisher: dict[str, torch.Tensor], ewc_lambda: float,
-                 source: dict[str, str] | None = None) -> None:
-        if set(anchors) != set(fisher) or not anchors:
-            raise ValueError("EWC needs one anchor and one Fisher tensor for each of the same parameters")
-        self.anchors, self.fisher, self.ewc_lambda, self.source = anchors, fisher, ewc_lambda, source or {}
-
-    @classmethod
-    def from_data(cls, model: nn.Module, batches: Iterable[dict[str, torch.Tensor]], ewc_lambda: float, *,
-                  source: dict[str, str] | None = None) -> ElasticWeightConsolidation:
-        """Anchor = the model's trainable weights now; Fisher from ``batches`` (one example each)."""
-        params = {name: p for name, p in model.named_parameters() if p.requires_grad}
-        fisher = {name: torch.zeros_like(p, dtype=torch.float32) for name, p in params.items()}
-        was_training, count = model.training, 0
-        model.eval()  # dropout off: the Fisher of the model as it is, not of a random sub-network
-        for batch in batches:
-            model.zero_grad(set_to_none=True)
-            head = OutputHead.of(model)
-            scores, _ = head.scores(model, input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"))
-            loss_sum, units = causal_lm_loss_with(head, scores, batch["labels"])
-            if not units:
-                continue
-            loss_sum.backward()  # the sequence's log-likelihood: the Fisher is of p(response | prompt)
-            for name, p in params.items():
-                if p.grad is not None:
-                    fisher[name] += p.grad.detach().float() ** 2
-            count += 1
-        model.zero_grad(set_to_none=True)
-        model.train(was_training)
-        if not count:
-            raise RLHFInputError("config field 'ewc_dataset': no example with a target token to estimate the Fisher "
-                                 "from")
-        anchors = {name: p.detach().float().clone() for name, p in params.items()}
-        return cls(anchors, {name: f / count for name, f in fisher.items()}, ewc_lambda, source)
-
-    def penalty(self, model: nn.Module) -> torch.Tensor:
-        params = {name: p for name, p in model.named_parameters() if name in self.fisher}
-        if len(params) != len(self.fisher):
-            raise RLHFInputError("EWC: the model's trainable parameters differ from the ones the Fisher was "
-                                 "computed for; delete ewc.safetensors in output_dir to recompute it")
-        device = next(iter(params.values())).device
-        if next(iter(self.fisher.values())).device != device:
-            self.anchors = {k: v.to(device) for k, v in self.anchors.items()}
-            self.fisher = {k: v.to(device) for k, v in self.fisher.items()}
-        return ewc_penalty(params, self.anchors, self.fisher, self.ewc_lambda)
-
-    def save(self, path: str | os.PathLike) -> None:
-        """anchor/<name> and fisher/<name> tensors in one safetensors file, written atomically."""
-
-        path = Path(path)
-        tensors = {**{f"anchor/{k}": v.contiguous() for k, v in self.anchors.items()},
-                   **{f"fisher/{k}": v.contiguous() for k, v in self.fisher.items()}}
-        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
-        save_file(tensors, str(tmp), metadata=self.source)
-        os.replace(tmp, path)
-
-    @classmethod
-    def load(cls, path: str | os.PathLike, ewc_lambda: float) -> ElasticWeightConsolidation:
-        with safe_open(str(path), framework="pt") as handle:
-            tensors = {key: handle.get_tensor(key) for key in handle.keys()}
-            source = handle.metadata() or {}
-        anchors = {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("anchor/")}
-        fisher = {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("fisher/")}
-        return cls(anchors, fisher, ewc_lambda, source)
 
 
 # -- adversarial validation: degenerate outputs, reward hacking, robustness to harmless prompt changes ------------
