@@ -108,8 +108,9 @@ says what a contributor adds there, and docs/architecture.md walks through each:
        add: a capability check, a perturbation (PERTURBATIONS), a reward-hacking rule (REWARD_HACKING_RULES)
   13. Orchestrator
        read_report, append_report, summary_table, data_fingerprint, pipeline_rows, pipeline_table,
-       write_pipeline_report, RLHFOrchestrator, StageNotRun
-       add: a pipeline step after training (FINAL_STAGES and FINAL_STAGE_OPTIONS), a summary-table column
+       write_pipeline_report, StageNotRun, FinalStages, RLHFOrchestrator
+       add: a pipeline step after training (FINAL_STAGES and FINAL_STAGE_OPTIONS, a FinalStages method), a
+            summary-table column
   14. Export, evaluation and chat
        ExportConfig, load_merged_policy, export_model, GGUFArchitecture, GGUF_EXPORT_ARCHITECTURES,
        gguf_hyperparameters, permute_for_gguf, gguf_vocabulary, write_gguf, EvalConfig, evaluate_model, eval_table,
@@ -14445,6 +14446,278 @@ def _plot_pipeline(output_dir: Path, history: list[dict[str, Any]]) -> list[Path
     return [path]
 
 
+class StageNotRun(Exception):
+    """A final stage with nothing to do (e.g. every model it would merge was rolled back): recorded, not an error."""
+
+
+def _saved_policy(model: str, config: BaseConfig) -> PolicyModel:
+    """The policy saved in ``model``, loaded as ``config``'s stage would (dtype, attention), on a GPU if there is
+    one."""
+    return _load_policy(config, "cuda" if torch.cuda.is_available() else "cpu", model)
+
+
+class FinalStages:
+    """The pipeline steps after training (FINAL_STAGES: ``eval``, ``best_of_n``, ``merge``), run by the orchestrator
+    that holds them (``RLHFOrchestrator.final_stages``) on the models it adopted (its ``models`` and
+    ``current_model``), each skipped when already complete for the same models and options, and recorded in the
+    pipeline's history like a training stage."""
+
+    def __init__(self, pipeline: RLHFOrchestrator) -> None:
+        self.pipeline = pipeline
+        self._rewards: dict[str, LearnedReward] = {}  # reward-model directory -> loaded scorer (eval, best_of_n, merge)
+        self._vllm_policy: PolicyModel | None = None  # the policy whose generate() samples with a vLLM engine
+
+    @property
+    def config(self) -> PipelineConfig:
+        return self.pipeline.config
+
+    @property
+    def output_dir(self) -> Path:
+        return self.pipeline.output_dir
+
+    def load_policy(self, model: str, config: BaseConfig, *, use_vllm: bool = False) -> PolicyModel:
+        """The policy saved in ``model``; with ``use_vllm`` its generate() samples with a vLLM engine of its own
+        (the engine of the policy loaded before is shut down first: one holds the device at a time)."""
+        policy = _saved_policy(model, config)
+        if use_vllm:
+            self.close_vllm()  # one engine per process: the previous policy's goes first
+            policy.rollout_engine = vllm_engine_for(model, seed=config.seed)
+            self._vllm_policy = policy
+        return policy
+
+    def close_vllm(self) -> None:
+        policy = self._vllm_policy
+        if policy is not None and policy.rollout_engine is not None:
+            policy.rollout_engine.close()
+            policy.rollout_engine = None
+        self._vllm_policy = None
+
+    def _base_config(self) -> BaseConfig:
+        """Shared settings (template, eval_dataset, dataset_dir, ...) as the last training stage sees them."""
+        trained = [s for s in self.config.stages if s in STAGE_CONFIGS]
+        return self.config.stage_config(trained[-1] if trained else "sft")
+
+    def _resolve_model(self, name: str | None, option: str) -> str | None:
+        """A stage name of this pipeline ("sft", "rm", ...) or a directory; None stays None."""
+        if name is None:
+            return None
+        if name in self.pipeline.models:
+            return self.pipeline.models[name]
+        if name in STAGE_CONFIGS or name in FINAL_STAGES:
+            raise RLHFInputError(f"{self.config.source}: option '{option}' names stage '{name}', which has no adopted "
+                                 f"output in this run (not run, or rolled back)")
+        if not Path(name).exists():
+            raise RLHFInputError(f"{self.config.source}: option '{option}': '{name}' is neither a stage of this "
+                                 "pipeline nor a directory")
+        return name
+
+    def _eval_records(self, options: dict[str, Any]) -> list[dict[str, Any]]:
+        base = self._base_config()
+        dataset = options.get("prompts") or base.eval_dataset
+        if not dataset:
+            raise RLHFInputError(f"{self.config.source}: the eval / best_of_n stages need prompts with answers: set "
+                                 f"eval_dataset (shared) or the stage's 'prompts'")
+        return load_records(dataset, base.dataset_dir, "prompt")
+
+    def _reward_function(self, options: dict[str, Any]) -> Callable | None:
+        """The reward model as ``reward_fn(prompts, responses)``, or None if the pipeline has none."""
+        name = options.get("reward_model")
+        if not name or (name in STAGE_CONFIGS and name not in self.pipeline.models):
+            return None
+        path = self._resolve_model(name, "reward_model")
+        if path not in self._rewards:  # eval, best_of_n and merge score with the same model: load it once
+            base = self._base_config()
+            self._rewards[path] = LearnedReward.from_pretrained(path, template=base.template,
+                                                                enable_thinking=base.enable_thinking)
+        learned = self._rewards[path]
+        return lambda prompts, responses: learned(prompts, responses, [None] * len(prompts))
+
+    def _policy_metrics(self, model: str, records: list[dict[str, Any]], reward_fn: Callable | None,
+                        reference: PolicyModel | None, options: dict[str, Any], *, accuracy: bool) -> dict[str, float]:
+        """Mean reward of greedy answers and KL to the reference on samples (first max_prompts prompts),
+        and with ``accuracy`` the exact-match accuracy on every held-out prompt, as the trainers measure it."""
+        base = self._base_config()
+        policy = self.load_policy(model, base, use_vllm=options["use_vllm"])
+        max_new_tokens = options.get("max_new_tokens") or base.eval_max_new_tokens
+        evaluator = RLHFEvaluator(policy, reference, template=base.template, max_new_tokens=max_new_tokens,
+                                  batch_size=options["batch_size"], seed=base.seed,
+                                  enable_thinking=base.enable_thinking)
+        subset = records[:options["max_prompts"]]
+        metrics: dict[str, float] = {}
+        if accuracy:
+            metrics.update(evaluate_exact_match(policy, evaluator.formatter, records, max_new_tokens=max_new_tokens,
+                                                batch_size=options["batch_size"]))
+        if reward_fn is not None:
+            metrics.update(evaluator.mean_reward(subset, reward_fn))
+        if reference is not None:
+            metrics.update(evaluator.kl_to_reference(subset, options["samples_per_prompt"]))
+        return metrics
+
+    def evaluate(self, options: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Every adopted policy: reward and KL to the reference (accuracy comes from its stage); the
+        final policy also: diversity, win rate over the reference and, given ``pairs``, reward accuracy."""
+        options = {**FINAL_STAGE_OPTIONS["eval"], **(options or {})}
+        if self.pipeline.current_model is None:
+            raise RLHFInputError(f"{self.config.source}: the eval stage needs a trained policy; put it after a policy "
+                                 "stage")
+        records, reward_fn = self._eval_records(options), self._reward_function(options)
+        base = self._base_config()
+        name = options["reference"]  # a stage that did not run (or was rolled back) means: no KL, no win rate
+        reference_dir = (self.pipeline.models.get(name) if name in STAGE_CONFIGS
+                         else self._resolve_model(name, "eval.reference"))
+        reference = self.load_policy(reference_dir, base) if reference_dir else None
+        per_stage = {}
+        for stage, path in self.pipeline.models.items():
+            if stage in POLICY_STAGES:
+                logger.info("eval: %s", stage)
+                per_stage[stage] = self._policy_metrics(path, records, reward_fn,
+                                                        None if path == reference_dir else reference,
+                                                        options, accuracy=False)
+                if path == reference_dir:
+                    per_stage[stage].update({"kl/k1": 0.0, "kl/k3": 0.0})
+        policy_dir = self.pipeline.current_model
+        evaluator = RLHFEvaluator(self.load_policy(policy_dir, base, use_vllm=options["use_vllm"]), reference,
+                                  template=base.template,
+                                  max_new_tokens=options.get("max_new_tokens") or base.eval_max_new_tokens,
+                                  batch_size=options["batch_size"], seed=base.seed,
+                                  enable_thinking=base.enable_thinking)
+        subset = records[:options["max_prompts"]]
+        final = evaluator.diversity(subset, options["samples_per_prompt"])
+        if reference is not None and reward_fn is not None and policy_dir != reference_dir:
+            final.update(evaluator.win_rate(subset, reward_fn=reward_fn))
+        if options["pairs"] and reward_fn is not None:
+            pairs = load_records(options["pairs"], base.dataset_dir, "preference", max_samples=options["max_pairs"])
+            final.update(evaluator.reward_accuracy([{"prompt": p["messages"][-1]["content"], "chosen": p["chosen"],
+                                                     "rejected": p["rejected"]} for p in pairs], reward_fn))
+        return {"per_stage": per_stage, "final": final, "policy": policy_dir, "reference": reference_dir}
+
+    def best_of_n(self, options: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Best-of-N on the final policy (inference_optimizations.BestOfNSampler): n samples per held-out
+        prompt, one pool reranked by each scorer, accuracy against greedy decoding and the oracle."""
+
+        options = {**FINAL_STAGE_OPTIONS["best_of_n"], **(options or {})}
+        for scorer in options["scorers"]:
+            _check_choice(scorer, ("rm", "vote"), "best_of_n.scorers")
+        base = self._base_config()
+        records = self._eval_records(options)[:options["max_prompts"]]
+        policy = self.load_policy(self.pipeline.current_model, base, use_vllm=options["use_vllm"])
+        formatter = chat_formatter(policy.tokenizer, base, policy)
+        policy.tokenizer.chat_template = formatter.source  # the sampler renders prompts as the policy was trained
+        params = SamplingParams(max_new_tokens=options.get("max_new_tokens") or base.eval_max_new_tokens,
+                                temperature=options["temperature"], seed=options["seed"],
+                                stop_token_ids=tuple(formatter.stop_token_ids))
+        prompts = [r["messages"][-1]["content"] for r in records]
+        sampler = BestOfNSampler(policy.model, policy.tokenizer, None, n=options["n"], params=params,
+                                 engine=policy.rollout_engine or "auto")
+        candidates = sampler.candidates(prompts)
+        answers = [[extract_answer(c) for c in row] for row in candidates]
+        truth = [str(r["answer"]).strip() for r in records]
+        greedy = evaluate_exact_match(policy, formatter, records, max_new_tokens=params.max_new_tokens,
+                                      batch_size=base.per_device_eval_batch_size)
+        metrics: dict[str, Any] = {"n": options["n"], "prompts": len(records), "scorers": list(options["scorers"]),
+                                   "accuracy/greedy": greedy.get("eval/accuracy", 0.0),
+                                   "accuracy/oracle": float(np.mean([t in row for t, row in zip(truth, answers)]))}
+        for scorer in options["scorers"]:
+            if scorer == "vote":
+                chosen = [answer_agreement(row)[0] for row in answers]
+            else:
+                reward_fn = self._reward_function(options)
+                if reward_fn is None:
+                    raise RLHFInputError(f"{self.config.source}: best_of_n scorer 'rm' needs a reward model (an rm "
+                                         "stage or best_of_n.reward_model)")
+                scores = torch.as_tensor(reward_fn([p for p in prompts for _ in range(options["n"])],
+                                                   [c for row in candidates for c in row])).view(len(prompts), -1)
+                chosen = [row[i] for row, i in zip(answers, scores.argmax(-1).tolist())]
+            metrics[f"accuracy/{scorer}"] = float(np.mean([a is not None and a == t for a, t in zip(chosen, truth)]))
+        return metrics
+
+    def merge(self, options: dict[str, Any] | None = None,
+              output_dir: str | os.PathLike | None = None) -> dict[str, Any]:
+        """Merge trained policies (model_merging.ModelMerger; default TIES of every adopted
+        policy-optimisation stage over the SFT model), then evaluate the merged model like the others."""
+        import model_merging
+
+        options = {**FINAL_STAGE_OPTIONS["merge"], **(options or {})}
+        adopted = self.pipeline.models
+        entries = options["models"] or [s for s in adopted if s in POLICY_OPTIMISATION_STAGES]
+        entries = [dict(e) if isinstance(e, dict) else {"model": e} for e in entries]  # {model, weight?, base?}
+        dropped = [e["model"] for e in entries if e["model"] in STAGE_CONFIGS and e["model"] not in adopted]
+        entries = [e for e in entries if e["model"] not in dropped]  # a rolled-back stage has nothing to contribute
+        names = [str(e["model"]) for e in entries]
+        if not names:
+            raise StageNotRun(f"nothing to merge ({', '.join(dropped) or 'no policy-optimisation stage'} not adopted)")
+        if dropped:
+            logger.warning("merge: %s not adopted (rolled back or not run); merging %s", ", ".join(dropped),
+                           ", ".join(names))
+        raw = {k: v for k, v in options.items() if k != "evaluate"}
+        raw["models"] = [{**e, "model": self._resolve_model(e["model"], "merge.models"),
+                          **({"base": self._resolve_model(e["base"], "merge.models.base")} if e.get("base") else {})}
+                         for e in entries]
+        raw["base_model"] = self._resolve_model(options["base_model"], "merge.base_model")
+        raw["output_dir"] = str(output_dir or self.output_dir / "merge")
+        raw["overwrite"] = True
+        try:
+            result = model_merging.ModelMerger(model_merging.MergeConfig.from_dict(raw, source="merge")).merge()
+        except model_merging.MergeError as err:
+            raise RLHFInputError(f"{self.config.source}: {err}") from None
+        metrics: dict[str, Any] = {"method": result.method, "models": names, "output_dir": str(result.output_dir)}
+        if options["evaluate"]:
+            eval_options = {**FINAL_STAGE_OPTIONS["eval"], **self.config.final_stages.get("eval", {})}
+            reference = self._resolve_model("sft", "reference") if "sft" in self.pipeline.models else None
+            base = self._base_config()
+            metrics.update(self._policy_metrics(str(result.output_dir), self._eval_records(eval_options),
+                                                self._reward_function(eval_options),
+                                                self.load_policy(reference, base) if reference else None,
+                                                eval_options, accuracy=True))
+        return metrics
+
+    def run(self, stage: str) -> dict[str, Any]:
+        """Run (or skip, if already complete for these models and options) one final stage; its report entry."""
+        options = self.config.final_stage_options(stage)
+        output_dir = self.output_dir / stage
+        produced, policy_dir = self.pipeline.produced, self.pipeline.current_model
+        inputs = {name: produced.get(path, path) for name, path in self.pipeline.models.items()}
+        base = self._base_config()
+        prompts = options.get("prompts") or base.eval_dataset
+        prompt_files = [_file_fingerprint(f) for name in str(prompts or "").split(",") if name.strip()
+                        for f in resolve_dataset(name, base.dataset_dir).files]
+        fingerprint = _fingerprint(stage, options, inputs, policy_dir and produced.get(policy_dir), prompt_files)
+        entry = self.pipeline._completed_entry(stage, fingerprint, output_dir)
+        if entry is not None:
+            logger.info("stage %s: already complete for these models (report.json); skipped", stage)
+            self.pipeline._record(entry)
+            return entry
+        setup_logging(log_file=Path(base.logging_dir or self.output_dir / "logs") / f"{stage}.log")
+        output_dir.mkdir(parents=True, exist_ok=True)
+        started = time.time()
+        run = {"eval": self.evaluate, "best_of_n": self.best_of_n,
+               "merge": lambda o: self.merge(o, output_dir)}[stage]
+        try:
+            metrics = run(options)
+        except StageNotRun as reason:
+            logger.warning("stage %s not run: %s", stage, reason)
+            entry = _stage_entry(stage, "not_run", output_dir, fingerprint, reason=str(reason))
+            self.pipeline._record(entry)
+            return entry
+        except Exception as err:
+            if isinstance(err, RLHFInputError) or not self.config.rollback_on_error:
+                raise
+            logger.error("stage %s failed (%s: %s); recorded, continuing", stage, type(err).__name__, err)
+            entry = _stage_entry(stage, "failed", output_dir, fingerprint, time.time() - started, error=True,
+                                 reason=f"{type(err).__name__}: {err}")
+            self.pipeline._record(entry)
+            return entry
+        finally:
+            self.close_vllm()  # however the stage ended
+        evaluation = {"eval/accuracy": metrics["eval/accuracy"]} if "eval/accuracy" in metrics else {}
+        entry = _stage_entry(stage, "completed", output_dir, fingerprint, time.time() - started, metrics=metrics,
+                             eval=evaluation)
+        _write_json_atomic(output_dir / "metrics.json", metrics)
+        _write_json_atomic(output_dir / STAGE_MARKER, {"fingerprint": fingerprint, "complete": True})
+        self.pipeline._record(entry)
+        return entry
+
+
 class RLHFOrchestrator:
     """Runs the configured stages in order, each starting from the previous stage's model, and keeps
     the history in ``output_dir/report.json``. Default config: configs/demo.yaml.
@@ -14476,7 +14749,7 @@ class RLHFOrchestrator:
                 {task: {"dataset_dir": shared_dir, **spec} for task, spec in self.config.capability_tests.items()},
                 threshold=self.config.capability_threshold)
         self._capability_cache: dict[str, dict[str, float]] = {}
-        self._rewards: dict[str, LearnedReward] = {}  # reward-model directory -> loaded scorer (final stages)
+        self.final_stages = FinalStages(self)  # eval, best_of_n and merge
         self._sync: DeviceManager | None = None  # under a multi-process launch: barriers and the main process
         self._compressor_model: PolicyModel | None = None  # the policy ContextCompressor runs on, loaded once
         self._compressor_for: str | None = None
@@ -14508,7 +14781,7 @@ class RLHFOrchestrator:
     def run_stage(self, stage: str) -> dict[str, Any]:
         """Run (or skip, if already complete) one stage; returns its report entry."""
         if stage in FINAL_STAGES:
-            return self._run_final_stage(stage)
+            return self.final_stages.run(stage)
         config = self._with_sft_reference(self.config.stage_config(stage, model_name_or_path=self.current_model))
         fingerprint = self._stage_fingerprint(config)
         entry = self._completed_entry(stage, fingerprint, Path(config.output_dir))
@@ -14628,26 +14901,9 @@ class RLHFOrchestrator:
     def _capabilities(self, model: str, config: BaseConfig) -> dict[str, float]:
         """Capability-test accuracy of a model directory, measured once per run."""
         if model not in self._capability_cache:
-            self._capability_cache[model] = self.tester.run(self._load_policy(model, config), template=config.template,
+            self._capability_cache[model] = self.tester.run(_saved_policy(model, config), template=config.template,
                                                             enable_thinking=config.enable_thinking)
         return self._capability_cache[model]
-
-    def _load_policy(self, model: str, config: BaseConfig, *, use_vllm: bool = False) -> PolicyModel:
-        """The policy saved in ``model``; with ``use_vllm`` its generate() samples with a vLLM engine of its own
-        (the engine of the policy loaded before is shut down first: one holds the device at a time)."""
-        policy = _load_policy(config, "cuda" if torch.cuda.is_available() else "cpu", model)
-        if use_vllm:
-            self._close_vllm()  # one engine per process: the previous policy's goes first
-            policy.rollout_engine = vllm_engine_for(model, seed=config.seed)
-            self._vllm_policy = policy
-        return policy
-
-    def _close_vllm(self) -> None:
-        policy = getattr(self, "_vllm_policy", None)
-        if policy is not None and policy.rollout_engine is not None:
-            policy.rollout_engine.close()
-            policy.rollout_engine = None
-        self._vllm_policy = None
 
     def run_sft(self) -> dict[str, Any]:
         return self.run_stage("sft")
@@ -14663,227 +14919,19 @@ class RLHFOrchestrator:
         _check_choice(method, POLICY_OPTIMISATION_STAGES, "method")
         return self.run_stage(method)
 
-    # -- evaluation, Best-of-N and merging
-    def _base_config(self) -> BaseConfig:
-        """Shared settings (template, eval_dataset, dataset_dir, ...) as the last training stage sees them."""
-        trained = [s for s in self.config.stages if s in STAGE_CONFIGS]
-        return self.config.stage_config(trained[-1] if trained else "sft")
-
-    def _resolve_model(self, name: str | None, option: str) -> str | None:
-        """A stage name of this pipeline ("sft", "rm", ...) or a directory; None stays None."""
-        if name is None:
-            return None
-        if name in self.models:
-            return self.models[name]
-        if name in STAGE_CONFIGS or name in FINAL_STAGES:
-            raise RLHFInputError(f"{self.config.source}: option '{option}' names stage '{name}', which has no adopted "
-                                 f"output in this run (not run, or rolled back)")
-        if not Path(name).exists():
-            raise RLHFInputError(f"{self.config.source}: option '{option}': '{name}' is neither a stage of this "
-                                 "pipeline nor a directory")
-        return name
-
-    def _eval_records(self, options: dict[str, Any]) -> list[dict[str, Any]]:
-        base = self._base_config()
-        dataset = options.get("prompts") or base.eval_dataset
-        if not dataset:
-            raise RLHFInputError(f"{self.config.source}: the eval / best_of_n stages need prompts with answers: set "
-                                 f"eval_dataset (shared) or the stage's 'prompts'")
-        return load_records(dataset, base.dataset_dir, "prompt")
-
-    def _reward_function(self, options: dict[str, Any]) -> Callable | None:
-        """The reward model as ``reward_fn(prompts, responses)``, or None if the pipeline has none."""
-        name = options.get("reward_model")
-        if not name or (name in STAGE_CONFIGS and name not in self.models):
-            return None
-        path = self._resolve_model(name, "reward_model")
-        if path not in self._rewards:  # eval, best_of_n and merge score with the same model: load it once
-            base = self._base_config()
-            self._rewards[path] = LearnedReward.from_pretrained(path, template=base.template,
-                                                                enable_thinking=base.enable_thinking)
-        learned = self._rewards[path]
-        return lambda prompts, responses: learned(prompts, responses, [None] * len(prompts))
-
-    def _policy_metrics(self, model: str, records: list[dict[str, Any]], reward_fn: Callable | None,
-                        reference: PolicyModel | None, options: dict[str, Any], *, accuracy: bool) -> dict[str, float]:
-        """Mean reward of greedy answers and KL to the reference on samples (first max_prompts prompts),
-        and with ``accuracy`` the exact-match accuracy on every held-out prompt, as the trainers measure it."""
-        base = self._base_config()
-        policy = self._load_policy(model, base, use_vllm=options["use_vllm"])
-        max_new_tokens = options.get("max_new_tokens") or base.eval_max_new_tokens
-        evaluator = RLHFEvaluator(policy, reference, template=base.template, max_new_tokens=max_new_tokens,
-                                  batch_size=options["batch_size"], seed=base.seed,
-                                  enable_thinking=base.enable_thinking)
-        subset = records[:options["max_prompts"]]
-        metrics: dict[str, float] = {}
-        if accuracy:
-            metrics.update(evaluate_exact_match(policy, evaluator.formatter, records, max_new_tokens=max_new_tokens,
-                                                batch_size=options["batch_size"]))
-        if reward_fn is not None:
-            metrics.update(evaluator.mean_reward(subset, reward_fn))
-        if reference is not None:
-            metrics.update(evaluator.kl_to_reference(subset, options["samples_per_prompt"]))
-        return metrics
-
+    # -- after training: evaluation, Best-of-N and merging (FinalStages)
     def evaluate(self, options: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Every adopted policy: reward and KL to the reference (accuracy comes from its stage); the
-        final policy also: diversity, win rate over the reference and, given ``pairs``, reward accuracy."""
-        options = {**FINAL_STAGE_OPTIONS["eval"], **(options or {})}
-        if self.current_model is None:
-            raise RLHFInputError(f"{self.config.source}: the eval stage needs a trained policy; put it after a policy "
-                                 "stage")
-        records, reward_fn = self._eval_records(options), self._reward_function(options)
-        base = self._base_config()
-        name = options["reference"]  # a stage that did not run (or was rolled back) means: no KL, no win rate
-        reference_dir = self.models.get(name) if name in STAGE_CONFIGS else self._resolve_model(name, "eval.reference")
-        reference = self._load_policy(reference_dir, base) if reference_dir else None
-        per_stage = {}
-        for stage, path in self.models.items():
-            if stage in POLICY_STAGES:
-                logger.info("eval: %s", stage)
-                per_stage[stage] = self._policy_metrics(path, records, reward_fn,
-                                                        None if path == reference_dir else reference,
-                                                        options, accuracy=False)
-                if path == reference_dir:
-                    per_stage[stage].update({"kl/k1": 0.0, "kl/k3": 0.0})
-        evaluator = RLHFEvaluator(self._load_policy(self.current_model, base, use_vllm=options["use_vllm"]), reference,
-                                  template=base.template,
-                                  max_new_tokens=options.get("max_new_tokens") or base.eval_max_new_tokens,
-                                  batch_size=options["batch_size"], seed=base.seed,
-                                  enable_thinking=base.enable_thinking)
-        subset = records[:options["max_prompts"]]
-        final = evaluator.diversity(subset, options["samples_per_prompt"])
-        if reference is not None and reward_fn is not None and self.current_model != reference_dir:
-            final.update(evaluator.win_rate(subset, reward_fn=reward_fn))
-        if options["pairs"] and reward_fn is not None:
-            pairs = load_records(options["pairs"], base.dataset_dir, "preference", max_samples=options["max_pairs"])
-            final.update(evaluator.reward_accuracy([{"prompt": p["messages"][-1]["content"], "chosen": p["chosen"],
-                                                     "rejected": p["rejected"]} for p in pairs], reward_fn))
-        return {"per_stage": per_stage, "final": final, "policy": self.current_model, "reference": reference_dir}
+        """The ``eval`` stage's metrics (``FinalStages.evaluate``)."""
+        return self.final_stages.evaluate(options)
 
     def best_of_n(self, options: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Best-of-N on the final policy (inference_optimizations.BestOfNSampler): n samples per held-out
-        prompt, one pool reranked by each scorer, accuracy against greedy decoding and the oracle."""
-
-        options = {**FINAL_STAGE_OPTIONS["best_of_n"], **(options or {})}
-        for scorer in options["scorers"]:
-            _check_choice(scorer, ("rm", "vote"), "best_of_n.scorers")
-        base = self._base_config()
-        records = self._eval_records(options)[:options["max_prompts"]]
-        policy = self._load_policy(self.current_model, base, use_vllm=options["use_vllm"])
-        formatter = chat_formatter(policy.tokenizer, base, policy)
-        policy.tokenizer.chat_template = formatter.source  # the sampler renders prompts as the policy was trained
-        params = SamplingParams(max_new_tokens=options.get("max_new_tokens") or base.eval_max_new_tokens,
-                                temperature=options["temperature"], seed=options["seed"],
-                                stop_token_ids=tuple(formatter.stop_token_ids))
-        prompts = [r["messages"][-1]["content"] for r in records]
-        sampler = BestOfNSampler(policy.model, policy.tokenizer, None, n=options["n"], params=params,
-                                 engine=policy.rollout_engine or "auto")
-        candidates = sampler.candidates(prompts)
-        answers = [[extract_answer(c) for c in row] for row in candidates]
-        truth = [str(r["answer"]).strip() for r in records]
-        greedy = evaluate_exact_match(policy, formatter, records, max_new_tokens=params.max_new_tokens,
-                                      batch_size=base.per_device_eval_batch_size)
-        metrics: dict[str, Any] = {"n": options["n"], "prompts": len(records), "scorers": list(options["scorers"]),
-                                   "accuracy/greedy": greedy.get("eval/accuracy", 0.0),
-                                   "accuracy/oracle": float(np.mean([t in row for t, row in zip(truth, answers)]))}
-        for scorer in options["scorers"]:
-            if scorer == "vote":
-                chosen = [answer_agreement(row)[0] for row in answers]
-            else:
-                reward_fn = self._reward_function(options)
-                if reward_fn is None:
-                    raise RLHFInputError(f"{self.config.source}: best_of_n scorer 'rm' needs a reward model (an rm "
-                                         "stage or best_of_n.reward_model)")
-                scores = torch.as_tensor(reward_fn([p for p in prompts for _ in range(options["n"])],
-                                                   [c for row in candidates for c in row])).view(len(prompts), -1)
-                chosen = [row[i] for row, i in zip(answers, scores.argmax(-1).tolist())]
-            metrics[f"accuracy/{scorer}"] = float(np.mean([a is not None and a == t for a, t in zip(chosen, truth)]))
-        return metrics
+        """The ``best_of_n`` stage's metrics (``FinalStages.best_of_n``)."""
+        return self.final_stages.best_of_n(options)
 
     def merge(self, options: dict[str, Any] | None = None,
               output_dir: str | os.PathLike | None = None) -> dict[str, Any]:
-        """Merge trained policies (model_merging.ModelMerger; default TIES of every adopted
-        policy-optimisation stage over the SFT model), then evaluate the merged model like the others."""
-        import model_merging
-
-        options = {**FINAL_STAGE_OPTIONS["merge"], **(options or {})}
-        entries = options["models"] or [s for s in self.models if s in POLICY_OPTIMISATION_STAGES]
-        entries = [dict(e) if isinstance(e, dict) else {"model": e} for e in entries]  # {model, weight?, base?}
-        dropped = [e["model"] for e in entries if e["model"] in STAGE_CONFIGS and e["model"] not in self.models]
-        entries = [e for e in entries if e["model"] not in dropped]  # a rolled-back stage has nothing to contribute
-        names = [str(e["model"]) for e in entries]
-        if not names:
-            raise StageNotRun(f"nothing to merge ({', '.join(dropped) or 'no policy-optimisation stage'} not adopted)")
-        if dropped:
-            logger.warning("merge: %s not adopted (rolled back or not run); merging %s", ", ".join(dropped),
-                           ", ".join(names))
-        raw = {k: v for k, v in options.items() if k != "evaluate"}
-        raw["models"] = [{**e, "model": self._resolve_model(e["model"], "merge.models"),
-                          **({"base": self._resolve_model(e["base"], "merge.models.base")} if e.get("base") else {})}
-                         for e in entries]
-        raw["base_model"] = self._resolve_model(options["base_model"], "merge.base_model")
-        raw["output_dir"] = str(output_dir or self.output_dir / "merge")
-        raw["overwrite"] = True
-        try:
-            result = model_merging.ModelMerger(model_merging.MergeConfig.from_dict(raw, source="merge")).merge()
-        except model_merging.MergeError as err:
-            raise RLHFInputError(f"{self.config.source}: {err}") from None
-        metrics: dict[str, Any] = {"method": result.method, "models": names, "output_dir": str(result.output_dir)}
-        if options["evaluate"]:
-            eval_options = {**FINAL_STAGE_OPTIONS["eval"], **self.config.final_stages.get("eval", {})}
-            reference = self._resolve_model("sft", "reference") if "sft" in self.models else None
-            base = self._base_config()
-            metrics.update(self._policy_metrics(str(result.output_dir), self._eval_records(eval_options),
-                                                self._reward_function(eval_options),
-                                                self._load_policy(reference, base) if reference else None,
-                                                eval_options, accuracy=True))
-        return metrics
-
-    def _run_final_stage(self, stage: str) -> dict[str, Any]:
-        options = self.config.final_stage_options(stage)
-        output_dir = self.output_dir / stage
-        inputs = {name: self.produced.get(path, path) for name, path in self.models.items()}
-        base = self._base_config()
-        prompts = options.get("prompts") or base.eval_dataset
-        prompt_files = [_file_fingerprint(f) for name in str(prompts or "").split(",") if name.strip()
-                        for f in resolve_dataset(name, base.dataset_dir).files]
-        fingerprint = _fingerprint(stage, options, inputs, self.current_model and self.produced.get(self.current_model),
-                                   prompt_files)
-        entry = self._completed_entry(stage, fingerprint, output_dir)
-        if entry is not None:
-            logger.info("stage %s: already complete for these models (report.json); skipped", stage)
-            self._record(entry)
-            return entry
-        setup_logging(log_file=Path(base.logging_dir or self.output_dir / "logs") / f"{stage}.log")
-        output_dir.mkdir(parents=True, exist_ok=True)
-        started = time.time()
-        run = {"eval": self.evaluate, "best_of_n": self.best_of_n,
-               "merge": lambda o: self.merge(o, output_dir)}[stage]
-        try:
-            metrics = run(options)
-        except StageNotRun as reason:
-            logger.warning("stage %s not run: %s", stage, reason)
-            entry = _stage_entry(stage, "not_run", output_dir, fingerprint, reason=str(reason))
-            self._record(entry)
-            return entry
-        except Exception as err:
-            if isinstance(err, RLHFInputError) or not self.config.rollback_on_error:
-                raise
-            logger.error("stage %s failed (%s: %s); recorded, continuing", stage, type(err).__name__, err)
-            entry = _stage_entry(stage, "failed", output_dir, fingerprint, time.time() - started, error=True,
-                                 reason=f"{type(err).__name__}: {err}")
-            self._record(entry)
-            return entry
-        finally:
-            self._close_vllm()  # however the stage ended
-        evaluation = {"eval/accuracy": metrics["eval/accuracy"]} if "eval/accuracy" in metrics else {}
-        entry = _stage_entry(stage, "completed", output_dir, fingerprint, time.time() - started, metrics=metrics,
-                             eval=evaluation)
-        _write_json_atomic(output_dir / "metrics.json", metrics)
-        _write_json_atomic(output_dir / STAGE_MARKER, {"fingerprint": fingerprint, "complete": True})
-        self._record(entry)
-        return entry
+        """The ``merge`` stage: the merged model written and evaluated (``FinalStages.merge``)."""
+        return self.final_stages.merge(options, output_dir)
 
     # -- models on disk
     ROLES = ("policy", "reward_model", "process_reward_model")
@@ -14968,11 +15016,6 @@ class RLHFOrchestrator:
                                             title=f"pipeline summary ({self.output_dir}, {seconds:.0f}s)"))
         logger.info("report: %s", ", ".join(str(p) for p in [self.output_dir / "report.json", *written]))
         return self.history
-
-
-class StageNotRun(Exception):
-    """A final stage with nothing to do (e.g. every model it would merge was rolled back): recorded, not an error."""
-
 
 
 # ==== 14. Export, evaluation and chat ====
