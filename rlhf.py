@@ -2109,11 +2109,9 @@ class DeviceManager:
     def uses_deepspeed(self) -> bool:
         return self.accelerator.distributed_type == "DEEPSPEED"
 
-    @contextlib.contextmanager
-    def zero3_init(self) -> Iterator[None]:
+    def zero3_init(self) -> contextlib.AbstractContextManager:
         """Around loading the model a stage trains (``DeepSpeedSupport.zero3_init``)."""
-        with self.deepspeed.zero3_init():
-            yield
+        return self.deepspeed.zero3_init()
 
     def prepare_engine(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: BaseConfig
                        ) -> tuple[nn.Module, torch.optim.Optimizer]:
