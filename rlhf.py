@@ -24,45 +24,45 @@ says what a contributor adds there, and docs/architecture.md walks through each:
             section 10 slice)
   2. Infrastructure
        rich_console, setup_logging, logging_restored, set_seed, parameter_numel, weight_sharding, GatherMeter,
-       gathered_named_tensors, sharded_layout, DeviceManager, smoothed, plot_metrics,
-       PlainProgress, TrainingLogger, optimizer_state_to_safetensors, optimizer_state_from_safetensors,
-       capture_rng_state, restore_rng_state, CheckpointManager, PreemptionGuard, CheckpointingMixin, create_optimizer,
-       EarlyStopping, find_linear_module_names, find_expert_parameter_names, apply_lora, apply_freeze, compile_model,
-       compile_training_step
+       gathered_named_tensors, sharded_layout, DeepSpeedSupport, DeviceManager, smoothed, plot_metrics, PlainProgress,
+       TrainingLogger, optimizer_state_to_safetensors, optimizer_state_from_safetensors, capture_rng_state,
+       restore_rng_state, CheckpointManager, PreemptionGuard, CheckpointingMixin, create_optimizer, EarlyStopping,
+       find_linear_module_names, find_expert_parameter_names, apply_freeze, compile_model, compile_training_step
        add: a logging target (REPORT_TARGETS), something a checkpoint carries (CheckpointManager), an optimizer
   3. Data
-       DatasetSpec, resolve_dataset, iter_raw_records, parse_record, to_record, load_records, extract_answer,
-       ChatTemplate, TEMPLATES, register_template, CHAT_TEMPLATES, TEMPLATE_SPECIAL_TOKENS, ChatFormatter,
-       saved_as_trained, chat_formatter, truncate_example, pack_sequences, SFTDataset, StreamingRecordDataset,
-       StreamingSFTDataset, SFTCollator, split_budget, truncate_prompt_and_responses, PreferenceDataset, KTODataset,
-       StreamingPreferenceDataset, StreamingKTODataset, GRPODataset, DistillDataset, StreamingGRPODataset, pack_rows,
-       pack_preference_pairs, PreferenceBatch, PreferenceCollator, KTOBatch, KTOCollator, split_steps,
-       arithmetic_step_labels, arithmetic_response_labels, encode_steps, ProcessPreferenceDataset,
-       ProcessPreferenceCollator, group_by_length, ResumableBatchSampler
+       DatasetSpec, resolve_dataset, iter_raw_records, parse_record, count_placeholders, open_image, to_record,
+       load_records, extract_answer, ChatTemplate, TEMPLATES, register_template, CHAT_TEMPLATES,
+       TEMPLATE_SPECIAL_TOKENS, ChatFormatter, saved_as_trained, truncate_example, pack_sequences, SFTDataset,
+       StreamingRecordDataset, StreamingSFTDataset, SFTCollator, split_budget, truncate_prompt_and_responses,
+       PreferenceDataset, KTODataset, StreamingPreferenceDataset, StreamingKTODataset, GRPODataset, DistillDataset,
+       StreamingGRPODataset, pack_rows, pack_preference_pairs, PreferenceBatch, PreferenceCollator, KTOBatch,
+       KTOCollator, split_steps, arithmetic_step_labels, arithmetic_response_labels, encode_steps,
+       ProcessPreferenceDataset, ProcessPreferenceCollator, group_by_length, ResumableBatchSampler
        add: a dataset format (parse_record), a chat template (one register_template(ChatTemplate(...))), a dataset class
   4. Model loading and the output head
        token_log_probs, token_entropy, OutputHead, head_logits, head_reduction, LogProbs, load_tokenizer,
-       build_tiny_model, resolve_model_path, gguf_metadata, gguf_to_hf, quantization_config, is_quantized,
-       load_causal_lm
-       add: a model family's loading quirk, a model file format (GGUF's conversion is the example)
+       build_tiny_model, EMBEDDED_MODELS, resolve_model_path, gguf_metadata, gguf_to_hf, quantization_config,
+       is_quantized, load_causal_lm
+       add: a model family's loading quirk, a model file format (GGUF's conversion is the example), an embedded model
+            (EMBEDDED_MODELS)
   5. Vision-language models
-       text_config, is_vision_language, vision_kwargs, count_placeholders, open_image, fit_pixels, VisionInputs,
-       load_vision_inputs, set_trainable_parts, lora_target_names, build_tiny_vl_model
+       text_config, is_vision_language, vision_kwargs, fit_pixels, VisionInputs, load_vision_inputs,
+       set_trainable_parts, lora_target_names, build_tiny_vl_model
        add: a vision-language family's image tokens and pixel inputs (VisionInputs), its trainable parts
   6. Policy, reward and value models
-       PolicyModel, state_under, load_weights_into, decoder_of, last_token_index, scalar_head, RewardScorer,
-       RewardModel, RewardEnsemble, aggregate_step_scores, ProcessRewardModel, ValueModel, ActorCritic,
+       PolicyModel, chat_formatter, state_under, load_weights_into, decoder_of, last_token_index, scalar_head,
+       RewardScorer, RewardModel, RewardEnsemble, aggregate_step_scores, ProcessRewardModel, ValueModel, ActorCritic,
        select_informative_tokens, ContextCompressor, ReferenceModel, can_pack_pairs, tree_attention_mask,
        shared_prefix_log_probs, grouped_packed_logits, grouped_logits, grouped_prefix_logits, create_reference_model,
-       disable_dropout
+       disable_dropout, apply_lora
        add: a model wrapper or head (with save_pretrained / from_pretrained), a way to run the policy's forward
   7. Losses and advantages
        router_load_balancing_loss, causal_lm_loss_sum, causal_lm_loss_with, sequence_log_probs, PREFERENCE_LOSSES,
-       dpo_loss, simpo_loss, orpo_loss, kto_loss, reward_model_loss, reward_boosting_weights, ewc_penalty, whiten,
-       grpo_advantages, rloo_advantages, overlong_penalty, reinforce_pp_advantages, generalized_jsd_loss,
-       rollout_importance_weights, PolicyLossInputs, token_log_ratio, sequence_log_ratio, IMPORTANCE_LOG_RATIOS,
-       LossAggregation, LOSS_AGGREGATIONS, clipped_surrogate_loss, cispo_loss, grpo_loss, compute_gae, ppo_policy_loss,
-       ppo_value_loss, AdaptiveKLController, FixedKLController
+       dpo_loss, simpo_loss, orpo_loss, kto_loss, reward_model_loss, reward_boosting_weights, ewc_penalty,
+       ElasticWeightConsolidation, whiten, grpo_advantages, rloo_advantages, overlong_penalty, reinforce_pp_advantages,
+       generalized_jsd_loss, rollout_importance_weights, PolicyLossInputs, token_log_ratio, sequence_log_ratio,
+       IMPORTANCE_LOG_RATIOS, LossAggregation, LOSS_AGGREGATIONS, clipped_surrogate_loss, cispo_loss, grpo_loss,
+       compute_gae, ppo_policy_loss, ppo_value_loss, AdaptiveKLController, FixedKLController
        add: a loss or advantage estimator as a pure function citing its paper and equation; a DPO variant is a
             PREFERENCE_LOSSES row, an RL policy loss a @register_policy_loss function of PolicyLossInputs
   8. Rewards
@@ -102,15 +102,16 @@ says what a contributor adds there, and docs/architecture.md walks through each:
        kl_estimates, distinct_n, self_similarity, win_rate, RLHFEvaluator
        add: a metric of RLHFEvaluator
   12. Self-improvement and safety
-       CapabilityReport, CapabilityTester, ElasticWeightConsolidation, repetition_rate, degeneration_rates,
-       reward_hacking_flags, perturb_whitespace, perturb_case, perturb_prefix, PERTURBATIONS, answer_consistency,
-       validation_score, ValidationReport, AdversarialValidator, default_critique, RefinementResult, refinement_pairs,
+       CapabilityReport, CapabilityTester, repetition_rate, degeneration_rates, reward_hacking_flags,
+       perturb_whitespace, perturb_case, perturb_prefix, PERTURBATIONS, answer_consistency, validation_score,
+       ValidationReport, AdversarialValidator, default_critique, RefinementResult, refinement_pairs,
        write_preference_jsonl, IterativeRefiner
        add: a capability check, a perturbation (PERTURBATIONS), a reward-hacking rule (REWARD_HACKING_RULES)
   13. Orchestrator
        read_report, append_report, summary_table, data_fingerprint, pipeline_rows, pipeline_table,
-       write_pipeline_report, RLHFOrchestrator, StageNotRun
-       add: a pipeline step after training (FINAL_STAGES and FINAL_STAGE_OPTIONS), a summary-table column
+       write_pipeline_report, StageNotRun, FinalStages, RLHFOrchestrator
+       add: a pipeline step after training (FINAL_STAGES and FINAL_STAGE_OPTIONS, a FinalStages method), a
+            summary-table column
   14. Export, evaluation and chat
        ExportConfig, load_merged_policy, export_model, GGUFArchitecture, GGUF_EXPORT_ARCHITECTURES,
        gguf_hyperparameters, permute_for_gguf, gguf_vocabulary, write_gguf, EvalConfig, evaluate_model, eval_table,
@@ -226,6 +227,9 @@ logger = logging.getLogger("rlhf")
 IGNORE_INDEX = -100  # label value that cross-entropy skips (prompt and padding tokens)
 REPO_DIR = Path(__file__).resolve().parent
 DEMO_DATA_DIR = REPO_DIR / "data" / "demo"
+# module-name pieces of a vision-language model's language model (matched as substrings): section 1's memory plan
+# counts the parameters outside them, section 5 freezes them, section 6 encodes images once when nothing else trains
+LANGUAGE_MODEL_KEYS = ("language_model", "lm_head")
 
 
 def _checkout_path(relative: str) -> Path:
@@ -253,6 +257,12 @@ class TrainingPreempted(TrainingInterrupted):
     def __init__(self, message: str, signal_number: int) -> None:
         super().__init__(message)
         self.exit_code = 128 + signal_number
+
+
+def _one_line(err: BaseException) -> str:
+    """An error as one line of a user-facing message: its type and its first line (160 characters at most)."""
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0][:160]}" if text else type(err).__name__
 
 
 # An RL policy loss (the grpo stage's ``loss_type``; rloo and reinforce_pp use it too) is one registered function
@@ -1873,6 +1883,173 @@ def _link_zero12_fragments(zero: Any) -> None:
         lazy_init_hp_params_optimizer_state(zero.bit16_groups[index], flat, zero.optimizer.state)
 
 
+class DeepSpeedSupport:
+    """DeepSpeed under a DeviceManager (its ``deepspeed``): the model and its optimizer made one engine, which steps,
+    clips and partitions them itself (``prepare_engine``); the model a stage trains built partitioned under ZeRO-3
+    (``zero3_init``); and DeepSpeed's state, whose optimizer keeps float32 weights and moments in flat partitions of
+    its own, read and written a parameter at a time through deepspeed.utils' safe_get/safe_set functions (ZeRO
+    stages 1 to 3). Only ``zero3_init`` and ``sync_master_weights`` may be called without DeepSpeed: they do
+    nothing then."""
+
+    def __init__(self, devices: DeviceManager) -> None:
+        self.devices = devices
+        self.engine: Any = None  # the engine training now (a pipeline's stages each make one: prepare_engine)
+        self._as_given: dict[str, Any] | None = None  # the keys KEYS_FROM_CONFIG fills, as the launch gave them
+        self._groups: list[list[int]] = []  # which parameters each optimizer group holds (ids)
+        # accelerate's ``zero3_init_flag`` (on by default at ZeRO stage 3) makes every later ``from_pretrained`` in
+        # the process build its model partitioned (DeepSpeed's zero.Init), through a reference transformers keeps.
+        # Such a model works only inside a DeepSpeed engine, and building it is a collective of every process: a
+        # reference copy, an evaluator, or a model the main process loads alone would break or hang. So the reference
+        # is held here and applied only where a stage loads the model it is about to train (``zero3_init``).
+        self._zero3_init_config = None
+        if self.devices.uses_deepspeed:
+            from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+            # accelerate keeps the object alive on its (process-wide) plugin; a later DeviceManager finds it there
+            self._zero3_init_config = getattr(self.devices.accelerator.state.deepspeed_plugin, "dschf", None)
+            unset_hf_deepspeed_config()
+
+    @contextlib.contextmanager
+    def zero3_init(self) -> Iterator[None]:
+        """Around loading the model a stage trains: under DeepSpeed with ``zero3_init_flag`` it is built partitioned
+        (a 70B model never sits whole in one process); otherwise nothing."""
+        if getattr(self, "_zero3_init_config", None) is None:
+            yield
+            return
+        from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
+
+        set_hf_deepspeed_config(self._zero3_init_config)
+        try:
+            yield
+        finally:
+            unset_hf_deepspeed_config()
+
+    # DeepSpeed config keys the trainers decide, from the rlhf config field beside each
+    KEYS_FROM_CONFIG = {"train_micro_batch_size_per_gpu": "per_device_train_batch_size",
+                        "gradient_accumulation_steps": "gradient_accumulation_steps",
+                        "gradient_clipping": "max_grad_norm"}
+
+    def prepare_engine(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: BaseConfig
+                       ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """``model`` and ``optimizer`` made one DeepSpeed engine by accelerate (its DeepSpeed ``prepare`` takes both in
+        one call). The trainers accumulate over micro-batches themselves and mark the last one (``no_sync``), so
+        DeepSpeed is told to accumulate 1 and steps once per optimizer step (``DeviceManager.deepspeed_step``); it
+        clips at ``max_grad_norm``. A DeepSpeed config that sets these otherwise, or brings its own optimizer or
+        schedule (the trainers build them from ``optim``, ``learning_rate`` and ``lr_scheduler_type``), is refused."""
+        ds_config = self.devices.accelerator.state.deepspeed_plugin.deepspeed_config
+        if self._as_given is None:  # as the launch gave it: a pipeline's stages each fill it in
+            self._as_given = {key: ds_config.get(key, "auto") for key in [*self.KEYS_FROM_CONFIG, "train_batch_size"]}
+        given = self._as_given
+        for key in ("optimizer", "scheduler"):
+            if key in ds_config:
+                raise RLHFInputError(f"DeepSpeed config: remove '{key}'; the trainers build the optimizer and its "
+                                     f"schedule from the rlhf config (optim, learning_rate, lr_scheduler_type)")
+        for key, config_field in self.KEYS_FROM_CONFIG.items():
+            ours, theirs = getattr(config, config_field), given[key]
+            # accelerate writes gradient_accumulation_steps: 1 into a config file that leaves it out
+            if theirs not in ("auto", ours) and not (key == "gradient_accumulation_steps" and theirs == 1):
+                raise RLHFInputError(f"DeepSpeed config key '{key}' is {theirs!r}, but the rlhf config's "
+                                     f"'{config_field}' is {ours!r}: the trainers take it from '{config_field}'; set "
+                                     f"'{key}' to \"auto\"")
+        micro_batch = config.per_device_train_batch_size
+        whole_batch = micro_batch * config.gradient_accumulation_steps * self.devices.num_processes
+        if given["train_batch_size"] not in ("auto", whole_batch):
+            raise RLHFInputError(f"DeepSpeed config key 'train_batch_size' is {given['train_batch_size']!r}, but "
+                                 f"per_device_train_batch_size x gradient_accumulation_steps x processes is "
+                                 f"{whole_batch}; set it to \"auto\"")
+        ds_config.update(train_micro_batch_size_per_gpu=micro_batch, gradient_accumulation_steps=1,
+                         train_batch_size=micro_batch * self.devices.num_processes,
+                         gradient_clipping=float(max(config.max_grad_norm, 0.0)))
+        # which parameters each group holds, for a checkpoint's optimizer state (DeepSpeed swaps them for flat ones)
+        self._groups = [[id(p) for p in group["params"]] for group in optimizer.param_groups]
+        accelerator = self.devices.accelerator
+        accelerator.deepspeed_engine_wrapped = None  # accelerate keeps the first engine it made: a later stage's
+        model, optimizer = accelerator.prepare(model, optimizer)
+        self.engine = model
+        return model, optimizer
+
+    def optimizer_state(self, module: nn.Module) -> dict[str, Any] | None:
+        """DeepSpeed's optimizer state keyed by parameter name, each parameter's moments whole, on the main process
+        (None on the others): the layout ``full_optimizer_state`` gives for FSDP2. Every process must call it (under
+        ZeRO-3 each parameter's moments are gathered from the processes in turn)."""
+        from deepspeed.utils import safe_get_full_optimizer_state
+
+        zero = self.engine.optimizer
+        base = zero.optimizer  # the torch optimizer over DeepSpeed's flat float32 partitions
+        flat_state = next((entry for entry in base.state.values() if entry), {})  # empty before the first step
+        _link_zero12_fragments(zero)
+        moments = [key for key, value in flat_state.items() if torch.is_tensor(value) and value.dim() > 0]
+        state: dict[str, dict[str, Any]] = {}
+        for name, param in module.named_parameters():
+            if not param.requires_grad or not moments:
+                continue
+            entry = {key: safe_get_full_optimizer_state(param, key) for key in moments}
+            if self.devices.is_main_process:
+                shape = tuple(getattr(param, "ds_shape", param.shape))
+                state[name] = {key: value.detach().reshape(shape).cpu() for key, value in entry.items()}
+                state[name].update({key: value.detach().cpu().clone() if torch.is_tensor(value) else value
+                                    for key, value in flat_state.items() if key not in moments})
+        if not self.devices.is_main_process:
+            return None
+        names = {id(param): name for name, param in module.named_parameters()}
+        groups = [{**{key: value for key, value in group.items() if key != "params"},  # lr as the schedule left it
+                   "params": [names[pid] for pid in self._groups[index] if pid in names]}
+                  for index, group in enumerate(base.param_groups)]
+        return {"state": state, "param_groups": groups}
+
+    def load_optimizer_state(self, module: nn.Module, state: dict[str, Any]) -> None:
+        """Set DeepSpeed's moments (and step) from a state keyed by parameter name; each process keeps its
+        partition. AdamW creates its state at its first step: before it, the state is created here as AdamW would."""
+        zero = self.engine.optimizer
+        base = zero.optimizer
+        for group, saved in zip(base.param_groups, state["param_groups"]):  # lr, weight decay, betas
+            group.update({key: value for key, value in saved.items() if key != "params"})
+        entries = state["state"]
+        if not entries:
+            return
+        first = next(iter(entries.values()))
+        moments = [key for key, value in first.items() if torch.is_tensor(value) and value.dim() > 0]
+        # the flat float32 partitions the moments belong to (ZeRO-3 lists them in the param groups only while it steps)
+        flats = getattr(zero, "fp32_partitioned_groups_flat", None) or zero.single_partition_of_fp32_groups
+        on_device = any(group.get("fused") or group.get("capturable") for group in base.param_groups)
+        for flat in flats:
+            if not base.state[flat]:
+                base.state[flat] = {key: torch.zeros_like(flat) for key in moments}
+            for key, value in first.items():
+                if key not in moments:  # the step count, one for every parameter
+                    base.state[flat][key] = (torch.as_tensor(value, dtype=torch.float32,
+                                                             device=flat.device if on_device else "cpu").clone()
+                                             if torch.is_tensor(value) else value)
+        _link_zero12_fragments(zero)
+        params = dict(module.named_parameters())
+        for name, entry in entries.items():
+            if name in params and params[name].requires_grad:
+                for key in moments:
+                    _set_deepspeed_partition(params[name], entry[key].to(self.devices.device), key)
+
+    def load_zero3_weights(self, module: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        """Whole weights into a ZeRO-3 model, a module's parameters at a time (the main process's copy is partitioned
+        to every process), and into DeepSpeed's float32 copy of them, which its optimizer steps from."""
+        import deepspeed
+
+        for params in _zero3_plan(module, lambda name: name in state):
+            with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=0):
+                if self.devices.is_main_process:
+                    for name, param in params:
+                        param.data.copy_(state[name].reshape(param.shape))
+        self.sync_master_weights(module, state)
+
+    def sync_master_weights(self, module: nn.Module, state: dict[str, torch.Tensor] | None = None) -> None:
+        """Under DeepSpeed: its float32 copy of the trainable weights set from ``state`` (the module's own weights
+        when None, for ZeRO-1/2, where every process holds them whole), after the weights were loaded."""
+        if not self.devices.uses_deepspeed:
+            return
+        for name, param in module.named_parameters():
+            if param.requires_grad:
+                value = state[name] if state is not None and name in state else param.data
+                _set_deepspeed_partition(param, value.to(self.devices.device, torch.float32), None)
+
+
 class DeviceManager:
     """Device, mixed precision, gradient scaling, clipping and process layout, over ``accelerate``.
 
@@ -1914,7 +2091,7 @@ class DeviceManager:
                 self.accelerator = Accelerator(**kwargs)
             else:
                 self.accelerator = Accelerator(cpu=True, **kwargs)
-        self._hold_zero3_init()
+        self.deepspeed = DeepSpeedSupport(self)  # holds zero3_init_flag's reference from here on
 
     @property
     def device(self) -> torch.device:
@@ -1940,83 +2117,19 @@ class DeviceManager:
     def uses_deepspeed(self) -> bool:
         return self.accelerator.distributed_type == "DEEPSPEED"
 
-    def _hold_zero3_init(self) -> None:
-        """accelerate's ``zero3_init_flag`` (on by default at ZeRO stage 3) makes every later ``from_pretrained`` in
-        the process build its model partitioned (DeepSpeed's zero.Init), through a reference transformers keeps.
-        Such a model works only inside a DeepSpeed engine, and building it is a collective of every process: a
-        reference copy, an evaluator, or a model the main process loads alone would break or hang. So the reference
-        is held here and applied only where a stage loads the model it is about to train (``zero3_init``)."""
-        self._zero3_init_config = None
-        if self.uses_deepspeed:
-            from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
-            # accelerate keeps the object alive on its (process-wide) plugin; a later DeviceManager finds it there
-            self._zero3_init_config = getattr(self.accelerator.state.deepspeed_plugin, "dschf", None)
-            unset_hf_deepspeed_config()
-
-    @contextlib.contextmanager
-    def zero3_init(self) -> Iterator[None]:
-        """Around loading the model a stage trains: under DeepSpeed with ``zero3_init_flag`` it is built partitioned
-        (a 70B model never sits whole in one process); otherwise nothing."""
-        if getattr(self, "_zero3_init_config", None) is None:
-            yield
-            return
-        from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
-
-        set_hf_deepspeed_config(self._zero3_init_config)
-        try:
-            yield
-        finally:
-            unset_hf_deepspeed_config()
-
-    # DeepSpeed config keys the trainers decide, from the rlhf config field beside each
-    DEEPSPEED_KEYS_FROM_CONFIG = {"train_micro_batch_size_per_gpu": "per_device_train_batch_size",
-                                  "gradient_accumulation_steps": "gradient_accumulation_steps",
-                                  "gradient_clipping": "max_grad_norm"}
+    def zero3_init(self) -> contextlib.AbstractContextManager:
+        """Around loading the model a stage trains (``DeepSpeedSupport.zero3_init``)."""
+        return self.deepspeed.zero3_init()
 
     def prepare_engine(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: BaseConfig
                        ) -> tuple[nn.Module, torch.optim.Optimizer]:
-        """``model`` and ``optimizer`` made one DeepSpeed engine by accelerate (its DeepSpeed ``prepare`` takes both in
-        one call). The trainers accumulate over micro-batches themselves and mark the last one (``no_sync``), so
-        DeepSpeed is told to accumulate 1 and steps once per optimizer step (``engine_step``); it clips at
-        ``max_grad_norm``. A DeepSpeed config that sets these otherwise, or brings its own optimizer or schedule
-        (the trainers build them from ``optim``, ``learning_rate`` and ``lr_scheduler_type``), is refused."""
-        ds_config = self.accelerator.state.deepspeed_plugin.deepspeed_config
-        if not hasattr(self, "_deepspeed_as_given"):  # as the launch gave it: a pipeline's stages each fill it in
-            self._deepspeed_as_given = {key: ds_config.get(key, "auto")
-                                        for key in [*self.DEEPSPEED_KEYS_FROM_CONFIG, "train_batch_size"]}
-        given = self._deepspeed_as_given
-        for key in ("optimizer", "scheduler"):
-            if key in ds_config:
-                raise RLHFInputError(f"DeepSpeed config: remove '{key}'; the trainers build the optimizer and its "
-                                     f"schedule from the rlhf config (optim, learning_rate, lr_scheduler_type)")
-        for key, config_field in self.DEEPSPEED_KEYS_FROM_CONFIG.items():
-            ours, theirs = getattr(config, config_field), given[key]
-            # accelerate writes gradient_accumulation_steps: 1 into a config file that leaves it out
-            if theirs not in ("auto", ours) and not (key == "gradient_accumulation_steps" and theirs == 1):
-                raise RLHFInputError(f"DeepSpeed config key '{key}' is {theirs!r}, but the rlhf config's "
-                                     f"'{config_field}' is {ours!r}: the trainers take it from '{config_field}'; set "
-                                     f"'{key}' to \"auto\"")
-        micro_batch = config.per_device_train_batch_size
-        whole_batch = micro_batch * config.gradient_accumulation_steps * self.num_processes
-        if given["train_batch_size"] not in ("auto", whole_batch):
-            raise RLHFInputError(f"DeepSpeed config key 'train_batch_size' is {given['train_batch_size']!r}, but "
-                                 f"per_device_train_batch_size x gradient_accumulation_steps x processes is "
-                                 f"{whole_batch}; set it to \"auto\"")
-        ds_config.update(train_micro_batch_size_per_gpu=micro_batch, gradient_accumulation_steps=1,
-                         train_batch_size=micro_batch * self.num_processes,
-                         gradient_clipping=float(max(config.max_grad_norm, 0.0)))
-        # which parameters each group holds, for a checkpoint's optimizer state (DeepSpeed swaps them for flat ones)
-        self._deepspeed_groups = [[id(p) for p in group["params"]] for group in optimizer.param_groups]
-        self.accelerator.deepspeed_engine_wrapped = None  # accelerate keeps the first engine it made: a later stage's
-        model, optimizer = self.accelerator.prepare(model, optimizer)
-        self.deepspeed_engine = model  # the engine training now (a pipeline's stages each make one)
-        return model, optimizer
+        """``model`` and ``optimizer`` made one DeepSpeed engine (``DeepSpeedSupport.prepare_engine``)."""
+        return self.deepspeed.prepare_engine(model, optimizer, config)
 
-    def engine_step(self) -> float:
+    def deepspeed_step(self) -> float:
         """DeepSpeed's optimizer step (clip, check, update, zero the gradients); the gradient norm before clipping,
         inf when it was not finite and DeepSpeed skipped the update."""
-        engine = self.deepspeed_engine
+        engine = self.deepspeed.engine
         engine.step()
         norm = engine.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
@@ -2025,7 +2138,7 @@ class DeviceManager:
         """Drop the accumulated gradients: under DeepSpeed its partitioned ones (accelerate's wrapper makes the
         optimizer's own ``zero_grad`` a no-op there, since the engine zeroes them in its step)."""
         if self.uses_deepspeed:
-            self.deepspeed_engine.optimizer.zero_grad(set_to_none=True)
+            self.deepspeed.engine.optimizer.zero_grad(set_to_none=True)
         else:
             optimizer.zero_grad(set_to_none=True)
 
@@ -2036,8 +2149,8 @@ class DeviceManager:
         return self.accelerator.autocast()
 
     def backward(self, loss: torch.Tensor) -> None:
-        if self.uses_deepspeed:  # accelerate's backward would also step DeepSpeed's optimizer: ours is engine_step
-            self.deepspeed_engine.backward(loss)
+        if self.uses_deepspeed:  # accelerate's backward would also step DeepSpeed's optimizer: ours is deepspeed_step
+            self.deepspeed.engine.backward(loss)
             return
         self.accelerator.backward(loss)  # applies the fp16 loss scale when active
 
@@ -2054,7 +2167,7 @@ class DeviceManager:
         """Skip the gradient all-reduce on micro-batches that are not the last of an accumulation (around the
         forward). DeepSpeed reduces its partitioned gradients itself and is told where the accumulation ends."""
         if self.uses_deepspeed:
-            self.deepspeed_engine.set_gradient_accumulation_boundary(not skip)
+            self.deepspeed.engine.set_gradient_accumulation_boundary(not skip)
             return contextlib.nullcontext()
         return self.accelerator.no_sync(model) if skip and self.num_processes > 1 else contextlib.nullcontext()
 
@@ -2166,7 +2279,7 @@ class DeviceManager:
         Every process must call it: the gather is a collective. One file of the main process can then hold it,
         written and rolled like any checkpoint file, instead of a shard file per process."""
         if self.uses_deepspeed:
-            return self._deepspeed_optimizer_state(self.unwrap(prepared))
+            return self.deepspeed.optimizer_state(self.unwrap(prepared))
         if weight_sharding(prepared) != "fsdp2":
             return None
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
@@ -2181,7 +2294,7 @@ class DeviceManager:
         same file) into the optimizer: of an FSDP2-sharded model, each process keeps the shard of the moments its
         parameters hold; of an unsharded one, every process the whole moments."""
         if self.uses_deepspeed:
-            self._load_deepspeed_optimizer_state(self.unwrap(prepared), state)
+            self.deepspeed.load_optimizer_state(self.unwrap(prepared), state)
             return
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
@@ -2193,7 +2306,7 @@ class DeviceManager:
         its shard. Keys as in the unwrapped module."""
         kind = weight_sharding(prepared)
         if kind == "zero3":
-            self._load_zero3_weights(self.unwrap(prepared), state)
+            self.deepspeed.load_zero3_weights(self.unwrap(prepared), state)
         elif kind:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -2202,88 +2315,10 @@ class DeviceManager:
         else:
             self.unwrap(prepared).load_state_dict(state, strict=False)
 
-    # -- DeepSpeed's state: its optimizer keeps float32 weights and moments in flat partitions of its own, read and
-    # written a parameter at a time through deepspeed.utils' safe_get/safe_set functions (ZeRO stages 1 to 3)
-    def _deepspeed_optimizer_state(self, module: nn.Module) -> dict[str, Any] | None:
-        """DeepSpeed's optimizer state keyed by parameter name, each parameter's moments whole, on the main process
-        (None on the others): the layout ``full_optimizer_state`` gives for FSDP2. Every process must call it (under
-        ZeRO-3 each parameter's moments are gathered from the processes in turn)."""
-        from deepspeed.utils import safe_get_full_optimizer_state
-
-        zero = self.deepspeed_engine.optimizer
-        base = zero.optimizer  # the torch optimizer over DeepSpeed's flat float32 partitions
-        flat_state = next((entry for entry in base.state.values() if entry), {})  # empty before the first step
-        _link_zero12_fragments(zero)
-        moments = [key for key, value in flat_state.items() if torch.is_tensor(value) and value.dim() > 0]
-        state: dict[str, dict[str, Any]] = {}
-        for name, param in module.named_parameters():
-            if not param.requires_grad or not moments:
-                continue
-            entry = {key: safe_get_full_optimizer_state(param, key) for key in moments}
-            if self.is_main_process:
-                shape = tuple(getattr(param, "ds_shape", param.shape))
-                state[name] = {key: value.detach().reshape(shape).cpu() for key, value in entry.items()}
-                state[name].update({key: value.detach().cpu().clone() if torch.is_tensor(value) else value
-                                    for key, value in flat_state.items() if key not in moments})
-        if not self.is_main_process:
-            return None
-        names = {id(param): name for name, param in module.named_parameters()}
-        groups = [{**{key: value for key, value in group.items() if key != "params"},  # lr as the schedule left it
-                   "params": [names[pid] for pid in self._deepspeed_groups[index] if pid in names]}
-                  for index, group in enumerate(base.param_groups)]
-        return {"state": state, "param_groups": groups}
-
-    def _load_deepspeed_optimizer_state(self, module: nn.Module, state: dict[str, Any]) -> None:
-        """Set DeepSpeed's moments (and step) from a state keyed by parameter name; each process keeps its
-        partition. AdamW creates its state at its first step: before it, the state is created here as AdamW would."""
-        zero = self.deepspeed_engine.optimizer
-        base = zero.optimizer
-        for group, saved in zip(base.param_groups, state["param_groups"]):  # lr, weight decay, betas
-            group.update({key: value for key, value in saved.items() if key != "params"})
-        entries = state["state"]
-        if not entries:
-            return
-        first = next(iter(entries.values()))
-        moments = [key for key, value in first.items() if torch.is_tensor(value) and value.dim() > 0]
-        # the flat float32 partitions the moments belong to (ZeRO-3 lists them in the param groups only while it steps)
-        flats = getattr(zero, "fp32_partitioned_groups_flat", None) or zero.single_partition_of_fp32_groups
-        on_device = any(group.get("fused") or group.get("capturable") for group in base.param_groups)
-        for flat in flats:
-            if not base.state[flat]:
-                base.state[flat] = {key: torch.zeros_like(flat) for key in moments}
-            for key, value in first.items():
-                if key not in moments:  # the step count, one for every parameter
-                    base.state[flat][key] = (torch.as_tensor(value, dtype=torch.float32,
-                                                             device=flat.device if on_device else "cpu").clone()
-                                             if torch.is_tensor(value) else value)
-        _link_zero12_fragments(zero)
-        params = dict(module.named_parameters())
-        for name, entry in entries.items():
-            if name in params and params[name].requires_grad:
-                for key in moments:
-                    _set_deepspeed_partition(params[name], entry[key].to(self.device), key)
-
-    def _load_zero3_weights(self, module: nn.Module, state: dict[str, torch.Tensor]) -> None:
-        """Whole weights into a ZeRO-3 model, a module's parameters at a time (the main process's copy is partitioned
-        to every process), and into DeepSpeed's float32 copy of them, which its optimizer steps from."""
-        import deepspeed
-
-        for params in _zero3_plan(module, lambda name: name in state):
-            with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=0):
-                if self.is_main_process:
-                    for name, param in params:
-                        param.data.copy_(state[name].reshape(param.shape))
-        self.sync_master_weights(module, state)
-
     def sync_master_weights(self, module: nn.Module, state: dict[str, torch.Tensor] | None = None) -> None:
-        """Under DeepSpeed: its float32 copy of the trainable weights set from ``state`` (the module's own weights
-        when None, for ZeRO-1/2, where every process holds them whole), after the weights were loaded."""
-        if not self.uses_deepspeed:
-            return
-        for name, param in module.named_parameters():
-            if param.requires_grad:
-                value = state[name] if state is not None and name in state else param.data
-                _set_deepspeed_partition(param, value.to(self.device, torch.float32), None)
+        """Under DeepSpeed, its float32 copy of the trainable weights set from the weights just loaded
+        (``DeepSpeedSupport.sync_master_weights``); otherwise nothing."""
+        self.deepspeed.sync_master_weights(module, state)
 
     def lockstep_share(self, count: int) -> list[tuple[int, bool]]:
         """This process's share of ``count`` batches split round-robin across processes, as (batch index, keep)
@@ -2543,6 +2578,13 @@ def restore_rng_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) ->
     random.setstate((version, tuple(py_state), gauss))
 
 
+def _write_json_atomic(path: Path, payload: dict[str, Any], indent: int = 1) -> None:
+    """Write to a temporary file beside ``path``, then rename: a reader never sees half a file."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
+    tmp.write_text(json.dumps(payload, indent=indent, default=float))
+    os.replace(tmp, path)
+
+
 def _fsync_tree(root: Path) -> None:
     """Flush file contents to disk before the rename that publishes them."""
     for path in root.rglob("*"):
@@ -2674,11 +2716,6 @@ def _checkpoint_read_errors() -> tuple[type[BaseException], ...]:
 CHECKPOINT_READ_ERRORS = _checkpoint_read_errors()  # what a damaged checkpoint file raises while it loads
 
 
-def _one_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0][:160]}" if text else type(err).__name__
-
-
 PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1")  # a scheduler's stop; SLURM's --signal=USR1@seconds sends USR1 ahead
 
 
@@ -2808,6 +2845,21 @@ class CheckpointingMixin:
                 raise RLHFInputError(f"config field 'resume_from_checkpoint': {path} cannot be read ({problem}); "
                                      f"resume from another checkpoint or set resume_from_checkpoint=none")
         logger.info("resumed from %s at step %d", path, self.global_step)
+
+    def _resume_advice(self) -> str:
+        """What to run after an interrupt, true for this config: a config that starts over would delete the
+        checkpoints the usual advice promises to resume from."""
+        latest = self.checkpoints.latest()
+        if latest is None:
+            return "interrupted before the first checkpoint: running the same command again starts over"
+        where = f"the last checkpoint is {latest}"
+        if self.config.overwrite_output_dir:
+            return (f"interrupted: {where}, but this config sets overwrite_output_dir=true, which deletes it on the "
+                    f"next run; to resume, run the same command with overwrite_output_dir=false")
+        if self.config.resume_from_checkpoint == "none":
+            return (f"interrupted: {where}, but this config sets resume_from_checkpoint=none, which deletes it on the "
+                    f"next run; to resume, run the same command with resume_from_checkpoint=auto")
+        return f"interrupted: {where}; run the same command again to resume from it"
 
     def _load_readable_checkpoint(self, path: Path) -> str | None:
         """Load ``path``; what was wrong with its files when one is damaged (None when it loaded). Another
@@ -3048,14 +3100,6 @@ def find_expert_parameter_names(model: nn.Module) -> list[str]:
     return sorted(names)
 
 
-# PEFT refuses LoRA on Mamba's out_proj (its fused kernel reads the weight directly) and on conv1d.
-_PEFT_REFUSED_TARGETS = {"mamba": ("out_proj", "conv1d"), "mamba2": ("out_proj", "conv1d")}
-
-
-def _model_type(model: nn.Module) -> str:
-    return getattr(getattr(model, "config", None), "model_type", "")
-
-
 @contextlib.contextmanager
 def _peft_deprecation_quiet() -> Iterator[None]:
     """peft reads transformers' deprecated ``is_gradient_checkpointing``; the FutureWarning is about peft's code,
@@ -3063,54 +3107,6 @@ def _peft_deprecation_quiet() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
         yield
-
-
-def apply_lora(model: nn.Module, config: BaseConfig) -> nn.Module:
-    """Wrap the model with PEFT LoRA adapters on ``lora_target`` (``all`` = every linear layer)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers.pytorch_utils import Conv1D
-
-    available, experts = find_linear_module_names(model), find_expert_parameter_names(model)
-    if config.lora_target.strip() == "all" and is_vision_language(model):
-        targets, parameters = lora_target_names(model, config, available), experts
-    elif config.lora_target.strip() == "all":
-        targets = [t for t in available if t not in _PEFT_REFUSED_TARGETS.get(_model_type(model), ())]
-        parameters = experts
-    else:
-        named = [t.strip() for t in config.lora_target.split(",") if t.strip()]
-        expert_of = {e: e for e in experts} | {e.rsplit(".", 1)[-1]: e for e in experts
-                                               if e.rsplit(".", 1)[-1] not in available}
-        parameters = [expert_of[t] for t in named if t in expert_of]  # 'experts.down_proj' or plain 'down_proj'
-        targets = [t for t in named if t not in expert_of]
-        missing = [t for t in targets if t not in available]
-        if missing:
-            raise RLHFInputError(f"config field 'lora_target': {', '.join(missing)} not found in the model; "
-                                 f"linear layers are: {', '.join(available)}"
-                                 + (f"; expert weights: {', '.join(experts)}" if experts else "") + " (or use 'all')")
-    if parameters and config.finetuning_type == "oft":
-        raise RLHFInputError(f"config field 'finetuning_type': OFT cannot adapt the fused expert weights "
-                             f"({', '.join(parameters)}) of this mixture-of-experts model; use lora, or list the "
-                             f"linear layers in lora_target")
-    logger.info("%s targets: %s%s", config.finetuning_type.upper(),
-                ", ".join(sorted({t.rsplit(".", 1)[-1] for t in targets})) or "no linear layer",
-                f"; expert weights {', '.join(parameters)} (each expert its own low-rank update; the router stays "
-                f"frozen)" if parameters else "")
-    conv1d = any(isinstance(m, Conv1D) and n.rsplit(".", 1)[-1] in targets for n, m in model.named_modules())
-    extra = [t.strip() for t in (config.additional_target or "").split(",") if t.strip()] or None
-    if config.finetuning_type == "oft":  # orthogonal fine-tuning (Qiu et al. 2023): same targets, OFT blocks
-        from peft import OFTConfig
-
-        adapter = OFTConfig(r=config.lora_rank, oft_block_size=0, target_modules=targets, modules_to_save=extra,
-                            module_dropout=config.lora_dropout, task_type="CAUSAL_LM", fan_in_fan_out=conv1d)
-    else:
-        adapter = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
-                             target_modules=targets, target_parameters=parameters or None, modules_to_save=extra,
-                             task_type="CAUSAL_LM", fan_in_fan_out=conv1d)
-    try:
-        with _peft_deprecation_quiet():
-            return get_peft_model(model, adapter)
-    except ValueError as err:  # e.g. a module type PEFT cannot adapt on this architecture
-        raise RLHFInputError(f"config field 'lora_target' ({', '.join(targets)}): {err}") from None
 
 
 def _decoder_blocks(model: nn.Module) -> nn.ModuleList:
@@ -3789,6 +3785,35 @@ def _image_paths(value: Any, spec: DatasetSpec, location: str, key: str) -> list
     return paths
 
 
+IMAGE_PLACEHOLDER = "<image>"  # where each of a record's images sits in its text (section 5 expands it)
+
+
+def count_placeholders(record: dict[str, Any]) -> int:
+    texts = [m.get("content") or "" for m in record.get("messages", [])]
+    texts += [record.get(key) or "" for key in ("response", "chosen", "rejected")]
+    return sum(text.count(IMAGE_PLACEHOLDER) for text in texts if isinstance(text, str))
+
+
+def open_image(path: str, location: str = "record", check_only: bool = False) -> Any:
+    """An image file as an RGB PIL image; a missing or unreadable file is one line naming the record.
+    ``check_only``: read the header and check the file's structure, decode nothing (loading data), return None."""
+    from PIL import Image, UnidentifiedImageError
+
+    if not Path(path).is_file():
+        raise RLHFInputError(f"{location}: image '{path}' does not exist (image paths are relative to dataset_dir, "
+                             f"or to media_dir when set)")
+    try:
+        with Image.open(path) as image:
+            if check_only:
+                image.verify()
+                return None
+            image.load()
+            return image.convert("RGB")
+    except (UnidentifiedImageError, OSError, SyntaxError) as err:
+        raise RLHFInputError(f"{location}: '{path}' is not a readable image ({_one_line(err)}); give a PNG, JPEG, "
+                             f"WebP or another format PIL opens") from None
+
+
 def _check_images(parsed: dict[str, Any], location: str) -> None:
     """One image per <image> placeholder, each a readable image file (LLaMA-Factory's rule)."""
     images, placeholders = parsed.get("images") or [], count_placeholders(parsed)
@@ -4407,16 +4432,6 @@ def _matched(text: str, expected: str) -> int:
     partial match never ends inside a marker ('<' of '<|im_end|>' against '<think>')."""
     shared = len(os.path.commonprefix([text, expected]))
     return shared if shared == len(expected) else expected.rfind("\n", 0, shared) + 1
-
-
-def chat_formatter(tokenizer: Any, config: BaseConfig, model: nn.Module | PolicyModel | None = None,
-                   template: str | None = None) -> ChatFormatter:
-    """The stage's ChatFormatter: its template and thinking switch, the model's generation stop tokens, and (for a
-    vision-language PolicyModel) how its images become tokens."""
-    vision = model.vision.configure(config) if isinstance(model, PolicyModel) and model.vision is not None else None
-    model = model.model if isinstance(model, PolicyModel) else model
-    return ChatFormatter(tokenizer, template or config.template, enable_thinking=config.enable_thinking,
-                         generation_config=getattr(model, "generation_config", None), vision=vision)
 
 
 def truncate_example(ids: list[int], labels: list[int], cutoff_len: int) -> tuple[list[int], list[int], str]:
@@ -5308,6 +5323,21 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, -1) - (logits.softmax(-1) * logits).sum(-1)
 
 
+def _is_compiled(model: nn.Module) -> bool:
+    """Whether torch.compile wrapped ``model`` or a wrapper inside it (DDP, PEFT)."""
+    seen, inner = set(), model
+    while inner is not None and id(inner) not in seen:
+        if hasattr(inner, "_orig_mod"):
+            return True
+        seen.add(id(inner))
+        inner = getattr(inner, "module", None) or (inner.get_base_model() if hasattr(inner, "get_base_model") else None)
+    return False
+
+
+class _CausalLMWrapper(nn.Module):
+    """PolicyModel's base: a module that holds a causal LM as ``.model``, which OutputHead.of reads (this section
+    comes before PolicyModel's, section 6)."""
+
 
 class OutputHead:
     """How a causal LM's output becomes the log-probs, entropies and mean logits the losses use.
@@ -5339,7 +5369,7 @@ class OutputHead:
     @classmethod
     def of(cls, model: nn.Module) -> OutputHead:
         """The head for ``model`` (any wrapper: DDP, PEFT, torch.compile), decided and verified once per model."""
-        model = model.model if isinstance(model, PolicyModel) else model
+        model = model.model if isinstance(model, _CausalLMWrapper) else model
         inner = innermost_model(model)
         if inner not in cls._cache:
             cls._cache[inner] = cls._decide(model, inner)
@@ -5616,13 +5646,16 @@ def build_tiny_model(cache_dir: str | os.PathLike | None = None, corpus_dir: str
     return target
 
 
+# The embedded models, which a config names instead of a path (``model_name_or_path: tiny``): name -> a builder of
+# ``cache_dir`` returning the model's cached folder. Section 5 adds ``tiny-vl``.
+EMBEDDED_MODELS: dict[str, Callable[..., Path]] = {"tiny": build_tiny_model}
+
+
 def resolve_model_path(name_or_path: str, cache_dir: str | os.PathLike | None = None) -> str:
     """'tiny' / 'tiny-vl' -> the embedded models' cached directories; a ``.gguf`` file -> its dequantised Hugging Face
     folder (``gguf_to_hf``); anything else is passed to from_pretrained."""
-    if name_or_path == "tiny":
-        return str(build_tiny_model(cache_dir))
-    if name_or_path == "tiny-vl":
-        return str(build_tiny_vl_model(cache_dir))
+    if isinstance(name_or_path, str) and name_or_path in EMBEDDED_MODELS:
+        return str(EMBEDDED_MODELS[name_or_path](cache_dir))
     if str(name_or_path).startswith("~"):  # configs that name a model under the home folder (~/.cache/rlhf/models/...)
         name_or_path = str(Path(name_or_path).expanduser())
     if str(name_or_path).lower().endswith(".gguf"):
@@ -5711,10 +5744,31 @@ def gguf_to_hf(gguf_path: str | os.PathLike, cache_dir: str | os.PathLike | None
     target = root / f"{path.stem}-{digest[:16]}"
     if (target / "config.json").exists() and (target / "gguf_source.json").exists():
         return target
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    metadata = gguf_metadata(path)
+    architecture = _readable_gguf_architecture(path, metadata, field)
+    logger.info("converting %s (%s, %.0f MB) into a Hugging Face folder, once: %s", path.name, architecture,
+                path.stat().st_size / 2**20, target)
+    model, tokenizer = _dequantised_gguf_model(path, metadata, architecture, field)
+    tmp = target.with_name(f".tmp-{target.name}-{uuid.uuid4().hex[:8]}")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    _write_json_atomic(tmp / "gguf_source.json", {"file": str(path.resolve()), "sha256": digest,
+                                                  "architecture": architecture,
+                                                  "name": metadata.get("general.name"),
+                                                  "file_type": metadata.get("general.file_type"),
+                                                  "conversion": GGUF_CONVERSION_VERSION})
+    root.mkdir(parents=True, exist_ok=True)
+    try:
+        os.rename(tmp, target)  # atomic publish; a concurrent converter may have won the race
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _readable_gguf_architecture(path: Path, metadata: dict[str, Any], field: str) -> str:
+    """A GGUF file's architecture, when transformers can read it; else a one-line error naming it."""
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
-    metadata = gguf_metadata(path)
     architecture = str(metadata.get("general.architecture", "?"))
     spellings = {architecture, architecture.replace("-", "_"), architecture.replace("moe", "_moe")}
     if not spellings & set(GGUF_SUPPORTED_ARCHITECTURES):
@@ -5722,8 +5776,14 @@ def gguf_to_hf(gguf_path: str | os.PathLike, cache_dir: str | os.PathLike | None
                              "this transformers cannot read (it reads "
                              f"{', '.join(sorted(GGUF_SUPPORTED_ARCHITECTURES))}); convert the original checkpoint "
                              "instead, or upgrade transformers")
-    logger.info("converting %s (%s, %.0f MB) into a Hugging Face folder, once: %s", path.name, architecture,
-                path.stat().st_size / 2**20, target)
+    return architecture
+
+
+def _dequantised_gguf_model(path: Path, metadata: dict[str, Any], architecture: str, field: str) -> tuple[Any, Any]:
+    """(model, tokenizer) of a GGUF file, read by transformers: fp32 weights in a plain model of the same config, and
+    the file's tokenizer with its pre-tokenizer fixed (GGUF_PRE_TOKENIZER_FIXES)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     with _quiet_transformers():
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -5743,21 +5803,7 @@ def gguf_to_hf(gguf_path: str | os.PathLike, cache_dir: str | os.PathLike | None
     model.generation_config = loaded.generation_config
     if tokenizer.pad_token_id is not None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
-    del loaded
-    tmp = target.with_name(f".tmp-{target.name}-{uuid.uuid4().hex[:8]}")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    _write_json_atomic(tmp / "gguf_source.json", {"file": str(path.resolve()), "sha256": digest,
-                                                  "architecture": architecture,
-                                                  "name": metadata.get("general.name"),
-                                                  "file_type": metadata.get("general.file_type"),
-                                                  "conversion": GGUF_CONVERSION_VERSION})
-    root.mkdir(parents=True, exist_ok=True)
-    try:
-        os.rename(tmp, target)  # atomic publish; a concurrent converter may have won the race
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return model, tokenizer
 
 
 @contextlib.contextmanager
@@ -5877,13 +5923,11 @@ def load_causal_lm(path: str, *, dtype: str | torch.dtype = "float32", attn_impl
 # pixel inputs the model's forward takes. The stock Qwen processors cannot be built without torchvision (their video
 # processor needs it), so the expansion is done here from the image processor, as LLaMA-Factory's mm_plugin does.
 
-IMAGE_PLACEHOLDER = "<image>"
 VISION_KEYS = ("pixel_values", "image_grid_thw", "mm_token_type_ids", "image_repeats")  # a vision-language batch's
 # module-name pieces of each part of a vision-language model (LLaMA-Factory's visual.py keys, matched as substrings)
 VISION_TOWER_KEYS = ("visual.patch_embed", "visual.pos_embed", "visual.blocks", "visual.deepstack_merger_list",
                      "vision_tower")
-PROJECTOR_KEYS = ("visual.merger", "multi_modal_projector")
-LANGUAGE_MODEL_KEYS = ("language_model", "lm_head")
+PROJECTOR_KEYS = ("visual.merger", "multi_modal_projector")  # LANGUAGE_MODEL_KEYS: in section 0, shared
 
 
 def text_config(model: nn.Module) -> Any:
@@ -5900,32 +5944,6 @@ def is_vision_language(model: nn.Module) -> bool:
 def vision_kwargs(batch: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The pixel inputs of a batch (none for a text batch)."""
     return {key: batch[key] for key in VISION_KEYS if key in batch}
-
-
-def count_placeholders(record: dict[str, Any]) -> int:
-    texts = [m.get("content") or "" for m in record.get("messages", [])]
-    texts += [record.get(key) or "" for key in ("response", "chosen", "rejected")]
-    return sum(text.count(IMAGE_PLACEHOLDER) for text in texts if isinstance(text, str))
-
-
-def open_image(path: str, location: str = "record", check_only: bool = False) -> Any:
-    """An image file as an RGB PIL image; a missing or unreadable file is one line naming the record.
-    ``check_only``: read the header and check the file's structure, decode nothing (loading data), return None."""
-    from PIL import Image, UnidentifiedImageError
-
-    if not Path(path).is_file():
-        raise RLHFInputError(f"{location}: image '{path}' does not exist (image paths are relative to dataset_dir, "
-                             f"or to media_dir when set)")
-    try:
-        with Image.open(path) as image:
-            if check_only:
-                image.verify()
-                return None
-            image.load()
-            return image.convert("RGB")
-    except (UnidentifiedImageError, OSError, SyntaxError) as err:
-        raise RLHFInputError(f"{location}: '{path}' is not a readable image ({_one_line(err)}); give a PNG, JPEG, "
-                             f"WebP or another format PIL opens") from None
 
 
 def fit_pixels(image: Any, max_pixels: int, min_pixels: int) -> Any:
@@ -6160,10 +6178,13 @@ def build_tiny_vl_model(cache_dir: str | os.PathLike | None = None, seed: int = 
     return target
 
 
+EMBEDDED_MODELS["tiny-vl"] = build_tiny_vl_model
+
+
 # ==== 6. Policy, reward and value models ====
 
 
-class PolicyModel(nn.Module):
+class PolicyModel(_CausalLMWrapper):
     """A causal LM (any ``AutoModelForCausalLM`` architecture, optionally with a PEFT adapter) plus its
     tokenizer: what every stage trains, generates from and saves."""
 
@@ -6328,6 +6349,16 @@ class PolicyModel(nn.Module):
         self.tokenizer.save_pretrained(directory)
         if self.vision is not None:  # so that the output loads with AutoImageProcessor / AutoProcessor
             self.vision.save_pretrained(directory, self.tokenizer)
+
+
+def chat_formatter(tokenizer: Any, config: BaseConfig, model: nn.Module | PolicyModel | None = None,
+                   template: str | None = None) -> ChatFormatter:
+    """The stage's ChatFormatter: its template and thinking switch, the model's generation stop tokens, and (for a
+    vision-language PolicyModel) how its images become tokens."""
+    vision = model.vision.configure(config) if isinstance(model, PolicyModel) and model.vision is not None else None
+    model = model.model if isinstance(model, PolicyModel) else model
+    return ChatFormatter(tokenizer, template or config.template, enable_thinking=config.enable_thinking,
+                         generation_config=getattr(model, "generation_config", None), vision=vision)
 
 
 def state_under(state: dict[str, torch.Tensor] | None, prefix: str) -> dict[str, torch.Tensor] | None:
@@ -6813,17 +6844,6 @@ def _takes_logits_to_keep(model_class: type) -> bool:
     return "logits_to_keep" in inspect.signature(model_class.forward).parameters
 
 
-def _is_compiled(model: nn.Module) -> bool:
-    """Whether torch.compile wrapped ``model`` or a wrapper inside it (DDP, PEFT)."""
-    seen, inner = set(), model
-    while inner is not None and id(inner) not in seen:
-        if hasattr(inner, "_orig_mod"):
-            return True
-        seen.add(id(inner))
-        inner = getattr(inner, "module", None) or (inner.get_base_model() if hasattr(inner, "get_base_model") else None)
-    return False
-
-
 def can_pack_pairs(model: nn.Module) -> bool:
     """Whether the packed tree layout (pack_preference_pairs) gives this model's exact log-probs: its
     attention must take a custom 4D mask (sdpa, eager; flash-attention takes none) and apply no
@@ -7093,6 +7113,14 @@ def grouped_prefix_logits(model: nn.Module, input_ids: torch.Tensor, attention_m
     return logits.gather(1, back[..., None].expand(-1, -1, logits.shape[-1]))
 
 
+def _load_policy(config: BaseConfig, device: torch.device | str, model: str | None = None) -> PolicyModel:
+    """The stage's model (or ``model``, another directory) loaded with the stage's dtype and attention."""
+    return PolicyModel.from_pretrained(model or config.model_name_or_path, dtype=_model_dtype(config),
+                                       attn_implementation=config.attn_implementation,
+                                       trust_remote_code=config.trust_remote_code, device=device,
+                                       cache_dir=config.cache_dir, quantization=quantization_config(config))
+
+
 def create_reference_model(config: BaseConfig, policy: PolicyModel) -> ReferenceModel | None:
     """LLaMA-Factory's rules: no reference for reference-free losses (ORPO, SimPO); an explicit
     ``ref_model``; for adapter training the policy with its adapter disabled; otherwise a frozen
@@ -7130,6 +7158,63 @@ def disable_dropout(model: nn.Module) -> None:
         if isinstance(getattr(module, "attention_dropout", None), float):
             module.attention_dropout = 0.0
 
+
+# The finetuning type of a model: adapters here (LoRA or OFT, which on a vision-language model keep to the parts
+# that train, section 5), freezing in section 2 (apply_freeze), both applied by _prepare_backbone.
+# PEFT refuses LoRA on Mamba's out_proj (its fused kernel reads the weight directly) and on conv1d.
+_PEFT_REFUSED_TARGETS = {"mamba": ("out_proj", "conv1d"), "mamba2": ("out_proj", "conv1d")}
+
+
+def _model_type(model: nn.Module) -> str:
+    return getattr(getattr(model, "config", None), "model_type", "")
+
+
+def apply_lora(model: nn.Module, config: BaseConfig) -> nn.Module:
+    """Wrap the model with PEFT LoRA adapters on ``lora_target`` (``all`` = every linear layer)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers.pytorch_utils import Conv1D
+
+    available, experts = find_linear_module_names(model), find_expert_parameter_names(model)
+    if config.lora_target.strip() == "all" and is_vision_language(model):
+        targets, parameters = lora_target_names(model, config, available), experts
+    elif config.lora_target.strip() == "all":
+        targets = [t for t in available if t not in _PEFT_REFUSED_TARGETS.get(_model_type(model), ())]
+        parameters = experts
+    else:
+        named = [t.strip() for t in config.lora_target.split(",") if t.strip()]
+        expert_of = {e: e for e in experts} | {e.rsplit(".", 1)[-1]: e for e in experts
+                                               if e.rsplit(".", 1)[-1] not in available}
+        parameters = [expert_of[t] for t in named if t in expert_of]  # 'experts.down_proj' or plain 'down_proj'
+        targets = [t for t in named if t not in expert_of]
+        missing = [t for t in targets if t not in available]
+        if missing:
+            raise RLHFInputError(f"config field 'lora_target': {', '.join(missing)} not found in the model; "
+                                 f"linear layers are: {', '.join(available)}"
+                                 + (f"; expert weights: {', '.join(experts)}" if experts else "") + " (or use 'all')")
+    if parameters and config.finetuning_type == "oft":
+        raise RLHFInputError(f"config field 'finetuning_type': OFT cannot adapt the fused expert weights "
+                             f"({', '.join(parameters)}) of this mixture-of-experts model; use lora, or list the "
+                             f"linear layers in lora_target")
+    logger.info("%s targets: %s%s", config.finetuning_type.upper(),
+                ", ".join(sorted({t.rsplit(".", 1)[-1] for t in targets})) or "no linear layer",
+                f"; expert weights {', '.join(parameters)} (each expert its own low-rank update; the router stays "
+                f"frozen)" if parameters else "")
+    conv1d = any(isinstance(m, Conv1D) and n.rsplit(".", 1)[-1] in targets for n, m in model.named_modules())
+    extra = [t.strip() for t in (config.additional_target or "").split(",") if t.strip()] or None
+    if config.finetuning_type == "oft":  # orthogonal fine-tuning (Qiu et al. 2023): same targets, OFT blocks
+        from peft import OFTConfig
+
+        adapter = OFTConfig(r=config.lora_rank, oft_block_size=0, target_modules=targets, modules_to_save=extra,
+                            module_dropout=config.lora_dropout, task_type="CAUSAL_LM", fan_in_fan_out=conv1d)
+    else:
+        adapter = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+                             target_modules=targets, target_parameters=parameters or None, modules_to_save=extra,
+                             task_type="CAUSAL_LM", fan_in_fan_out=conv1d)
+    try:
+        with _peft_deprecation_quiet():
+            return get_peft_model(model, adapter)
+    except ValueError as err:  # e.g. a module type PEFT cannot adapt on this architecture
+        raise RLHFInputError(f"config field 'lora_target' ({', '.join(targets)}): {err}") from None
 
 
 def _prepare_backbone(model: nn.Module, config: BaseConfig) -> nn.Module:
@@ -7414,6 +7499,122 @@ def ewc_penalty(parameters: dict[str, torch.Tensor], anchors: dict[str, torch.Te
     for name, value in parameters.items():
         total = total + (fisher[name] * (value.float() - anchors[name]) ** 2).sum()
     return 0.5 * ewc_lambda * total
+
+
+class ElasticWeightConsolidation:
+    """EWC (Kirkpatrick et al. 2017): remember which weights mattered for an earlier skill and pull
+    them back towards their old values while a later stage trains, so preference or RL optimisation
+    does not erase what SFT taught. ``from_data`` estimates the diagonal Fisher as the mean squared
+    per-example gradient of the example's log-likelihood log p(response | prompt) (the sum over its
+    target tokens; the empirical Fisher, one example at a time so each gradient is that example's
+    own); ``penalty`` is :func:`ewc_penalty` on the current weights. Only trainable parameters take
+    part (with LoRA: the adapter weights).
+
+    Scale: Fisher entries are small, so useful ``ewc_lambda`` values are large (1e4 is a start for a
+    small model); watch the logged ``ewc/penalty`` against the stage's loss."""
+
+    FILE = "ewc.safetensors"
+
+    def __init__(self, anchors: dict[str, torch.Tensor], fisher: dict[str, torch.Tensor], ewc_lambda: float,
+                 source: dict[str, str] | None = None) -> None:
+        if set(anchors) != set(fisher) or not anchors:
+            raise ValueError("EWC needs one anchor and one Fisher tensor for each of the same parameters")
+        self.anchors, self.fisher, self.ewc_lambda, self.source = anchors, fisher, ewc_lambda, source or {}
+
+    @classmethod
+    def from_data(cls, model: nn.Module, batches: Iterable[dict[str, torch.Tensor]], ewc_lambda: float, *,
+                  source: dict[str, str] | None = None) -> ElasticWeightConsolidation:
+        """Anchor = the model's trainable weights now; Fisher from ``batches`` (one example each)."""
+        params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+        fisher = {name: torch.zeros_like(p, dtype=torch.float32) for name, p in params.items()}
+        was_training, count = model.training, 0
+        model.eval()  # dropout off: the Fisher of the model as it is, not of a random sub-network
+        for batch in batches:
+            model.zero_grad(set_to_none=True)
+            head = OutputHead.of(model)
+            scores, _ = head.scores(model, input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"))
+            loss_sum, units = causal_lm_loss_with(head, scores, batch["labels"])
+            if not units:
+                continue
+            loss_sum.backward()  # the sequence's log-likelihood: the Fisher is of p(response | prompt)
+            for name, p in params.items():
+                if p.grad is not None:
+                    fisher[name] += p.grad.detach().float() ** 2
+            count += 1
+        model.zero_grad(set_to_none=True)
+        model.train(was_training)
+        if not count:
+            raise RLHFInputError("config field 'ewc_dataset': no example with a target token to estimate the Fisher "
+                                 "from")
+        anchors = {name: p.detach().float().clone() for name, p in params.items()}
+        return cls(anchors, {name: f / count for name, f in fisher.items()}, ewc_lambda, source)
+
+    def penalty(self, model: nn.Module) -> torch.Tensor:
+        params = {name: p for name, p in model.named_parameters() if name in self.fisher}
+        if len(params) != len(self.fisher):
+            raise RLHFInputError("EWC: the model's trainable parameters differ from the ones the Fisher was "
+                                 "computed for; delete ewc.safetensors in output_dir to recompute it")
+        device = next(iter(params.values())).device
+        if next(iter(self.fisher.values())).device != device:
+            self.anchors = {k: v.to(device) for k, v in self.anchors.items()}
+            self.fisher = {k: v.to(device) for k, v in self.fisher.items()}
+        return ewc_penalty(params, self.anchors, self.fisher, self.ewc_lambda)
+
+    @classmethod
+    def for_stage(cls, config: BaseConfig, policy: PolicyModel, model: nn.Module, devices: DeviceManager,
+                  output_dir: Path) -> ElasticWeightConsolidation | None:
+        """A stage's EWC (``ewc_lambda`` > 0; else None): the anchor and Fisher of the weights it starts from
+        (``model``, as prepared), computed once on ``ewc_dataset`` and kept in ``output_dir``, so a resumed run anchors
+        to the same weights."""
+        if not getattr(config, "ewc_lambda", 0.0):
+            return None
+        if devices.uses_deepspeed:  # the Fisher is read from each parameter's own gradient
+            raise RLHFInputError("config field 'ewc_lambda' is not supported under DeepSpeed, which partitions the "
+                                 "gradients EWC's Fisher is read from; launch with DDP or FSDP2 "
+                                 "(configs/accelerate/fsdp.yaml), or set ewc_lambda=0")
+        path = output_dir / cls.FILE
+        source = {"model": str(config.model_name_or_path), "dataset": config.ewc_dataset,
+                  "samples": str(config.ewc_samples)}
+        fresh_start = config.overwrite_output_dir or config.resume_from_checkpoint == "none"
+        if path.exists() and not fresh_start:
+            ewc = cls.load(path, config.ewc_lambda)
+            if ewc.source == source:
+                return ewc
+        started = time.time()
+        records = load_records(config.ewc_dataset, config.dataset_dir, "sft", max_samples=config.ewc_samples,
+                               skip_invalid=config.skip_invalid_records)
+        formatter = chat_formatter(policy.tokenizer, config, policy)
+        examples = SFTDataset(records, policy.tokenizer, formatter, cutoff_len=config.cutoff_len,
+                              cache_dir=config.cache_dir)
+        collate = SFTCollator(policy.tokenizer.pad_token_id, vision=policy.vision)
+        batches = ({k: v.to(devices.device) for k, v in collate([examples[i]]).items()} for i in range(len(examples)))
+        ewc = cls.from_data(devices.unwrap(model), batches, config.ewc_lambda, source=source)
+        if devices.is_main_process:
+            output_dir.mkdir(parents=True, exist_ok=True)
+            ewc.save(path)
+        devices.wait()
+        logger.info("EWC: diagonal Fisher from %d examples of %s in %.1fs (lambda %g)", len(examples),
+                    config.ewc_dataset, time.time() - started, config.ewc_lambda)
+        return ewc
+
+    def save(self, path: str | os.PathLike) -> None:
+        """anchor/<name> and fisher/<name> tensors in one safetensors file, written atomically."""
+
+        path = Path(path)
+        tensors = {**{f"anchor/{k}": v.contiguous() for k, v in self.anchors.items()},
+                   **{f"fisher/{k}": v.contiguous() for k, v in self.fisher.items()}}
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
+        save_file(tensors, str(tmp), metadata=self.source)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, ewc_lambda: float) -> ElasticWeightConsolidation:
+        with safe_open(str(path), framework="pt") as handle:
+            tensors = {key: handle.get_tensor(key) for key in handle.keys()}
+            source = handle.metadata() or {}
+        anchors = {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("anchor/")}
+        fisher = {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("fisher/")}
+        return cls(anchors, fisher, ewc_lambda, source)
 
 
 # -- online RL: advantages, policy and value losses (docs/architecture.md: pure functions, each citing its paper) ------
@@ -8455,11 +8656,27 @@ class AgentEndpoint:
     def __init__(self, prepare: Callable[[int, dict[str, Any], str], tuple[str, list[int], int, tuple[str, ...]]],
                  answer: Callable[[AgentCall, dict[str, Any], str], dict[str, Any]], *, port: int = 0,
                  timeout: float = 1800.0) -> None:
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from http.server import ThreadingHTTPServer
 
         self.pending: list[AgentCall] = []
         self.lock = threading.Lock()
         self.arrived = threading.Condition(self.lock)
+
+        class Server(ThreadingHTTPServer):
+            request_queue_size = 1024  # every episode of a rollout may connect at once (socketserver's default: 5)
+            daemon_threads = True
+
+        self.server = Server(("127.0.0.1", port), self._handler(prepare, answer, timeout))
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True, name="rlhf-agent-endpoint")
+        self.thread.start()
+
+    def _handler(self, prepare: Callable[[int, dict[str, Any], str], tuple[str, list[int], int, tuple[str, ...]]],
+                 answer: Callable[[AgentCall, dict[str, Any], str], dict[str, Any]], timeout: float) -> type:
+        """The server's request handler class: a request thread turns a request into an AgentCall in ``pending``,
+        waits for the main thread to sample it, and sends the answer (or an OpenAI error)."""
+        from http.server import BaseHTTPRequestHandler
+
         endpoint = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -8506,14 +8723,7 @@ class AgentEndpoint:
                     return self._error(400, call.error)
                 self._send(200, answer(call, body, kind))
 
-        class Server(ThreadingHTTPServer):
-            request_queue_size = 1024  # every episode of a rollout may connect at once (socketserver's default: 5)
-            daemon_threads = True
-
-        self.server = Server(("127.0.0.1", port), Handler)
-        self.port = self.server.server_address[1]
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True, name="rlhf-agent-endpoint")
-        self.thread.start()
+        return Handler
 
     def base_url(self, episode: int) -> str:
         return f"http://127.0.0.1:{self.port}/episodes/{episode}/v1"
@@ -10461,6 +10671,40 @@ def _format_metrics(metrics: dict[str, float]) -> str:
     return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
 
 
+@dataclass
+class _LogWindow:
+    """What this process's optimizer steps measured since the last log line: the summed loss and its units, the
+    tokens, and each micro-batch's metrics."""
+
+    loss: float = 0.0
+    units: float = 0.0
+    tokens: int = 0
+    since: float = field(default_factory=time.time)
+    metrics: dict[str, list[float]] = field(default_factory=dict)
+
+    def add(self, batch: dict[str, torch.Tensor], metrics: dict[str, float]) -> None:
+        """One micro-batch's tokens and metrics (its loss comes with the step's, once the step updates)."""
+        self.tokens += (int(batch["attention_mask"].sum()) if "attention_mask" in batch
+                        else batch["input_ids"].numel())
+        for key, value in metrics.items():
+            self.metrics.setdefault(key, []).append(value)
+
+    def totals(self, devices: DeviceManager) -> tuple[float, float, dict[str, float]]:
+        """(loss, tokens per second, metrics) of all processes together, as one process would log them: the loss
+        summed over every process's micro-batches over the units of all of them, each metric averaged over every
+        micro-batch. A collective: every process calls it."""
+        elapsed = max(time.time() - self.since, 1e-9)
+        loss, units, tokens = devices.sum_list_across_processes([self.loss, self.units, self.tokens])
+        metrics: dict[str, list[float]] = {}
+        for part in devices.gather_object(self.metrics):
+            for key, values in part.items():
+                metrics.setdefault(key, []).extend(values)
+        return loss / max(units, 1.0), tokens / elapsed, {k: float(np.mean(v)) for k, v in metrics.items()}
+
+    def reset(self) -> None:
+        self.loss, self.units, self.tokens, self.since, self.metrics = 0.0, 0.0, 0, time.time(), {}
+
+
 class BaseTrainer(CheckpointingMixin):
     """One training loop for every stage: accumulation with the loss normalised over all accumulated
     micro-batches, clipping, scheduling, evaluation, atomic checkpoints, exact resume, early
@@ -10660,24 +10904,10 @@ class BaseTrainer(CheckpointingMixin):
                                 f"checkpoint: " + self._resume_advice().removeprefix("interrupted: "),
                                 int(received or signal.SIGTERM))
 
-    def _resume_advice(self) -> str:
-        """What to run after an interrupt, true for this config: a config that starts over would delete the
-        checkpoints the usual advice promises to resume from."""
-        latest = self.checkpoints.latest()
-        if latest is None:
-            return "interrupted before the first checkpoint: running the same command again starts over"
-        where = f"the last checkpoint is {latest}"
-        if self.config.overwrite_output_dir:
-            return (f"interrupted: {where}, but this config sets overwrite_output_dir=true, which deletes it on the "
-                    f"next run; to resume, run the same command with overwrite_output_dir=false")
-        if self.config.resume_from_checkpoint == "none":
-            return (f"interrupted: {where}, but this config sets resume_from_checkpoint=none, which deletes it on the "
-                    f"next run; to resume, run the same command with resume_from_checkpoint=auto")
-        return f"interrupted: {where}; run the same command again to resume from it"
-
     def _train(self) -> TrainResult:
         started = time.time()
-        self.ewc = self._setup_ewc()
+        self.ewc = ElasticWeightConsolidation.for_stage(self.config, self.policy, self.model, self.devices,
+                                                        self.output_dir)
         self._resume()
         config = self.config
         eval_before = None
@@ -10688,7 +10918,7 @@ class BaseTrainer(CheckpointingMixin):
                                               description=self.stage, start_step=self.global_step)
         batches = self.make_batches()
         resumed_at = self.global_step
-        window = {"loss": 0.0, "units": 0.0, "tokens": 0, "since": time.time(), "metrics": {}}
+        window = _LogWindow()
         stopped_early, last_eval = False, {}
         while self.global_step < self.total_steps:
             group = [next(batches) for _ in range(config.gradient_accumulation_steps)]
@@ -10732,7 +10962,7 @@ class BaseTrainer(CheckpointingMixin):
         return TrainResult(self.stage, self.output_dir, self.global_step, seconds, metrics, last_eval, eval_before,
                            history, stopped_early)
 
-    def _optimizer_step(self, group: list[dict[str, torch.Tensor]], window: dict[str, Any]) -> dict[str, float]:
+    def _optimizer_step(self, group: list[dict[str, torch.Tensor]], window: _LogWindow) -> dict[str, float]:
         """Accumulate gradients over ``group`` and take one optimizer step.
 
         Every micro-batch's summed loss is divided by the loss units of the whole group (across all
@@ -10760,25 +10990,22 @@ class BaseTrainer(CheckpointingMixin):
                 metrics = {**metrics, "ewc/penalty": float(penalty.detach())}
             self.devices.backward(objective)  # every process runs backward, so collectives stay in step
             losses.append(float(loss_sum.detach()))
-            window["tokens"] += (int(batch["attention_mask"].sum()) if "attention_mask" in batch
-                                 else batch["input_ids"].numel())
-            for key, value in metrics.items():
-                window["metrics"].setdefault(key, []).append(value)
-        engine_steps = self.devices.uses_deepspeed  # DeepSpeed clips (gradient_clipping) and steps in its own step
-        grad_norm = 0.0 if engine_steps else self.devices.clip_grad_norm(self.model.parameters(),
+            window.add(batch, metrics)
+        deepspeed_steps = self.devices.uses_deepspeed  # DeepSpeed clips (gradient_clipping) and steps in its own step
+        grad_norm = 0.0 if deepspeed_steps else self.devices.clip_grad_norm(self.model.parameters(),
                                                                          self.config.max_grad_norm)
         problem = self._nonfinite_problem(losses, grad_norm)
-        if not problem and engine_steps:
-            grad_norm = self.devices.engine_step()  # inf: DeepSpeed found it non-finite and did not update
+        if not problem and deepspeed_steps:
+            grad_norm = self.devices.deepspeed_step()  # inf: DeepSpeed found it non-finite and did not update
             if not math.isfinite(grad_norm) and self.config.mixed_precision != "fp16":
                 problem = "gradient norm"
         if problem:
             self._skip_update(problem)
             return {"grad_norm": grad_norm, "stability/skipped_steps": 1.0}
         self.nonfinite_in_a_row = 0
-        window["loss"] += sum(losses)
-        window["units"] += units / self.devices.num_processes
-        if not engine_steps:
+        window.loss += sum(losses)
+        window.units += units / self.devices.num_processes
+        if not deepspeed_steps:
             self.optimizer.step()
         self.scheduler.step()
         self.devices.zero_grad(self.optimizer)
@@ -10825,22 +11052,12 @@ class BaseTrainer(CheckpointingMixin):
             f"{self.global_step}); stopped after saving {self.checkpoints.latest()}. Lower learning_rate, set "
             f"max_grad_norm, or check the reward functions, then run again to resume")
 
-    def _log_window(self, window: dict[str, Any], step_metrics: dict[str, float]) -> None:
-        elapsed = max(time.time() - window["since"], 1e-9)
-        # the figures of all processes together, as one process would log them: the loss summed over every
-        # process's micro-batches over the units of all of them, each metric averaged over every micro-batch
-        loss, units, tokens = self.devices.sum_list_across_processes([window["loss"], window["units"],
-                                                                      window["tokens"]])
-        metrics: dict[str, list[float]] = {}
-        for part in self.devices.gather_object(window["metrics"]):
-            for key, values in part.items():
-                metrics.setdefault(key, []).extend(values)
-        row = {"loss": loss / max(units, 1.0), **step_metrics,
-               "learning_rate": self.scheduler.get_last_lr()[0], "epoch": self._epoch(),
-               "perf/tokens_per_s": tokens / elapsed,
-               **{k: float(np.mean(v)) for k, v in metrics.items()}}
+    def _log_window(self, window: _LogWindow, step_metrics: dict[str, float]) -> None:
+        loss, tokens_per_s, metrics = window.totals(self.devices)
+        row = {"loss": loss, **step_metrics, "learning_rate": self.scheduler.get_last_lr()[0], "epoch": self._epoch(),
+               "perf/tokens_per_s": tokens_per_s, **metrics}
         self.training_logger.log(self.global_step, row)
-        window.update(loss=0.0, units=0.0, tokens=0, since=time.time(), metrics={})
+        window.reset()
 
     def _epoch(self) -> float:
         if self.sampler is None:
@@ -10858,42 +11075,6 @@ class BaseTrainer(CheckpointingMixin):
     def _data_stats(self) -> dict[str, float]:
         stats = getattr(self.train_dataset, "stats", {})
         return {f"data/{k}": v for k, v in stats.items()}
-
-    def _setup_ewc(self) -> ElasticWeightConsolidation | None:
-        """The EWC anchor and Fisher of the weights this stage starts from (``ewc_lambda`` > 0), computed
-        once on ``ewc_dataset`` and kept in output_dir, so a resumed run anchors to the same weights."""
-        config = self.config
-        if not getattr(config, "ewc_lambda", 0.0):
-            return None
-        if self.devices.uses_deepspeed:  # the Fisher is read from each parameter's own gradient
-            raise RLHFInputError("config field 'ewc_lambda' is not supported under DeepSpeed, which partitions the "
-                                 "gradients EWC's Fisher is read from; launch with DDP or FSDP2 "
-                                 "(configs/accelerate/fsdp.yaml), or set ewc_lambda=0")
-        path = self.output_dir / ElasticWeightConsolidation.FILE
-        source = {"model": str(config.model_name_or_path), "dataset": config.ewc_dataset,
-                  "samples": str(config.ewc_samples)}
-        fresh_start = config.overwrite_output_dir or config.resume_from_checkpoint == "none"
-        if path.exists() and not fresh_start:
-            ewc = ElasticWeightConsolidation.load(path, config.ewc_lambda)
-            if ewc.source == source:
-                return ewc
-        started = time.time()
-        records = load_records(config.ewc_dataset, config.dataset_dir, "sft", max_samples=config.ewc_samples,
-                               skip_invalid=config.skip_invalid_records)
-        formatter = chat_formatter(self.policy.tokenizer, config, self.policy)
-        examples = SFTDataset(records, self.policy.tokenizer, formatter, cutoff_len=config.cutoff_len,
-                              cache_dir=config.cache_dir)
-        collate = SFTCollator(self.policy.tokenizer.pad_token_id, vision=self.policy.vision)
-        batches = (self._to_device(collate([examples[i]])) for i in range(len(examples)))
-        ewc = ElasticWeightConsolidation.from_data(self.devices.unwrap(self.model), batches, config.ewc_lambda,
-                                                   source=source)
-        if self.devices.is_main_process:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-            ewc.save(path)
-        self.devices.wait()
-        logger.info("EWC: diagonal Fisher from %d examples of %s in %.1fs (lambda %g)", len(examples),
-                    config.ewc_dataset, time.time() - started, config.ewc_lambda)
-        return ewc
 
     # -- the model a checkpoint holds (saving and resuming it: CheckpointingMixin, section 2)
     policy_prefix = ""  # where the policy's weights sit in the prepared module's state dict
@@ -11096,14 +11277,6 @@ def _load_trained_policy(config: BaseConfig, devices: DeviceManager) -> PolicyMo
         logger.info("%s: built partitioned across %d processes (DeepSpeed zero3_init_flag)", config.model_name_or_path,
                     devices.num_processes)
     return policy
-
-
-def _load_policy(config: BaseConfig, device: torch.device | str, model: str | None = None) -> PolicyModel:
-    """The stage's model (or ``model``, another directory) loaded with the stage's dtype and attention."""
-    return PolicyModel.from_pretrained(model or config.model_name_or_path, dtype=_model_dtype(config),
-                                       attn_implementation=config.attn_implementation,
-                                       trust_remote_code=config.trust_remote_code, device=device,
-                                       cache_dir=config.cache_dir, quantization=quantization_config(config))
 
 
 def _refuse_other_stage_checkpoints(config: BaseConfig) -> None:
@@ -13779,85 +13952,6 @@ class CapabilityTester:
         return CapabilityReport(dict(before), dict(after), deltas, regressions, self.threshold)
 
 
-class ElasticWeightConsolidation:
-    """EWC (Kirkpatrick et al. 2017): remember which weights mattered for an earlier skill and pull
-    them back towards their old values while a later stage trains, so preference or RL optimisation
-    does not erase what SFT taught. ``from_data`` estimates the diagonal Fisher as the mean squared
-    per-example gradient of the example's log-likelihood log p(response | prompt) (the sum over its
-    target tokens; the empirical Fisher, one example at a time so each gradient is that example's
-    own); ``penalty`` is :func:`ewc_penalty` on the current weights. Only trainable parameters take
-    part (with LoRA: the adapter weights).
-
-    Scale: Fisher entries are small, so useful ``ewc_lambda`` values are large (1e4 is a start for a
-    small model); watch the logged ``ewc/penalty`` against the stage's loss."""
-
-    FILE = "ewc.safetensors"
-
-    def __init__(self, anchors: dict[str, torch.Tensor], fisher: dict[str, torch.Tensor], ewc_lambda: float,
-                 source: dict[str, str] | None = None) -> None:
-        if set(anchors) != set(fisher) or not anchors:
-            raise ValueError("EWC needs one anchor and one Fisher tensor for each of the same parameters")
-        self.anchors, self.fisher, self.ewc_lambda, self.source = anchors, fisher, ewc_lambda, source or {}
-
-    @classmethod
-    def from_data(cls, model: nn.Module, batches: Iterable[dict[str, torch.Tensor]], ewc_lambda: float, *,
-                  source: dict[str, str] | None = None) -> ElasticWeightConsolidation:
-        """Anchor = the model's trainable weights now; Fisher from ``batches`` (one example each)."""
-        params = {name: p for name, p in model.named_parameters() if p.requires_grad}
-        fisher = {name: torch.zeros_like(p, dtype=torch.float32) for name, p in params.items()}
-        was_training, count = model.training, 0
-        model.eval()  # dropout off: the Fisher of the model as it is, not of a random sub-network
-        for batch in batches:
-            model.zero_grad(set_to_none=True)
-            head = OutputHead.of(model)
-            scores, _ = head.scores(model, input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"))
-            loss_sum, units = causal_lm_loss_with(head, scores, batch["labels"])
-            if not units:
-                continue
-            loss_sum.backward()  # the sequence's log-likelihood: the Fisher is of p(response | prompt)
-            for name, p in params.items():
-                if p.grad is not None:
-                    fisher[name] += p.grad.detach().float() ** 2
-            count += 1
-        model.zero_grad(set_to_none=True)
-        model.train(was_training)
-        if not count:
-            raise RLHFInputError("config field 'ewc_dataset': no example with a target token to estimate the Fisher "
-                                 "from")
-        anchors = {name: p.detach().float().clone() for name, p in params.items()}
-        return cls(anchors, {name: f / count for name, f in fisher.items()}, ewc_lambda, source)
-
-    def penalty(self, model: nn.Module) -> torch.Tensor:
-        params = {name: p for name, p in model.named_parameters() if name in self.fisher}
-        if len(params) != len(self.fisher):
-            raise RLHFInputError("EWC: the model's trainable parameters differ from the ones the Fisher was "
-                                 "computed for; delete ewc.safetensors in output_dir to recompute it")
-        device = next(iter(params.values())).device
-        if next(iter(self.fisher.values())).device != device:
-            self.anchors = {k: v.to(device) for k, v in self.anchors.items()}
-            self.fisher = {k: v.to(device) for k, v in self.fisher.items()}
-        return ewc_penalty(params, self.anchors, self.fisher, self.ewc_lambda)
-
-    def save(self, path: str | os.PathLike) -> None:
-        """anchor/<name> and fisher/<name> tensors in one safetensors file, written atomically."""
-
-        path = Path(path)
-        tensors = {**{f"anchor/{k}": v.contiguous() for k, v in self.anchors.items()},
-                   **{f"fisher/{k}": v.contiguous() for k, v in self.fisher.items()}}
-        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
-        save_file(tensors, str(tmp), metadata=self.source)
-        os.replace(tmp, path)
-
-    @classmethod
-    def load(cls, path: str | os.PathLike, ewc_lambda: float) -> ElasticWeightConsolidation:
-        with safe_open(str(path), framework="pt") as handle:
-            tensors = {key: handle.get_tensor(key) for key in handle.keys()}
-            source = handle.metadata() or {}
-        anchors = {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("anchor/")}
-        fisher = {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("fisher/")}
-        return cls(anchors, fisher, ewc_lambda, source)
-
-
 # -- adversarial validation: degenerate outputs, reward hacking, robustness to harmless prompt changes ------------
 
 
@@ -14336,13 +14430,6 @@ def read_report(output_dir: str | os.PathLike) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.exists() else {"stages": []}
 
 
-def _write_json_atomic(path: Path, payload: dict[str, Any], indent: int = 1) -> None:
-    """Write to a temporary file beside ``path``, then rename: a reader never sees half a file."""
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
-    tmp.write_text(json.dumps(payload, indent=indent, default=float))
-    os.replace(tmp, path)
-
-
 def append_report(output_dir: str | os.PathLike, entry: dict[str, Any]) -> Path:
     """Add one stage's entry to ``output_dir/report.json`` (written atomically)."""
     path = Path(output_dir) / "report.json"
@@ -14543,6 +14630,278 @@ def _plot_pipeline(output_dir: Path, history: list[dict[str, Any]]) -> list[Path
     return [path]
 
 
+class StageNotRun(Exception):
+    """A final stage with nothing to do (e.g. every model it would merge was rolled back): recorded, not an error."""
+
+
+def _saved_policy(model: str, config: BaseConfig) -> PolicyModel:
+    """The policy saved in ``model``, loaded as ``config``'s stage would (dtype, attention), on a GPU if there is
+    one."""
+    return _load_policy(config, "cuda" if torch.cuda.is_available() else "cpu", model)
+
+
+class FinalStages:
+    """The pipeline steps after training (FINAL_STAGES: ``eval``, ``best_of_n``, ``merge``), run by the orchestrator
+    that holds them (``RLHFOrchestrator.final_stages``) on the models it adopted (its ``models`` and
+    ``current_model``), each skipped when already complete for the same models and options, and recorded in the
+    pipeline's history like a training stage."""
+
+    def __init__(self, pipeline: RLHFOrchestrator) -> None:
+        self.pipeline = pipeline
+        self._rewards: dict[str, LearnedReward] = {}  # reward-model directory -> loaded scorer (eval, best_of_n, merge)
+        self._vllm_policy: PolicyModel | None = None  # the policy whose generate() samples with a vLLM engine
+
+    @property
+    def config(self) -> PipelineConfig:
+        return self.pipeline.config
+
+    @property
+    def output_dir(self) -> Path:
+        return self.pipeline.output_dir
+
+    def load_policy(self, model: str, config: BaseConfig, *, use_vllm: bool = False) -> PolicyModel:
+        """The policy saved in ``model``; with ``use_vllm`` its generate() samples with a vLLM engine of its own
+        (the engine of the policy loaded before is shut down first: one holds the device at a time)."""
+        policy = _saved_policy(model, config)
+        if use_vllm:
+            self.close_vllm()  # one engine per process: the previous policy's goes first
+            policy.rollout_engine = vllm_engine_for(model, seed=config.seed)
+            self._vllm_policy = policy
+        return policy
+
+    def close_vllm(self) -> None:
+        policy = self._vllm_policy
+        if policy is not None and policy.rollout_engine is not None:
+            policy.rollout_engine.close()
+            policy.rollout_engine = None
+        self._vllm_policy = None
+
+    def _base_config(self) -> BaseConfig:
+        """Shared settings (template, eval_dataset, dataset_dir, ...) as the last training stage sees them."""
+        trained = [s for s in self.config.stages if s in STAGE_CONFIGS]
+        return self.config.stage_config(trained[-1] if trained else "sft")
+
+    def _resolve_model(self, name: str | None, option: str) -> str | None:
+        """A stage name of this pipeline ("sft", "rm", ...) or a directory; None stays None."""
+        if name is None:
+            return None
+        if name in self.pipeline.models:
+            return self.pipeline.models[name]
+        if name in STAGE_CONFIGS or name in FINAL_STAGES:
+            raise RLHFInputError(f"{self.config.source}: option '{option}' names stage '{name}', which has no adopted "
+                                 f"output in this run (not run, or rolled back)")
+        if not Path(name).exists():
+            raise RLHFInputError(f"{self.config.source}: option '{option}': '{name}' is neither a stage of this "
+                                 "pipeline nor a directory")
+        return name
+
+    def _eval_records(self, options: dict[str, Any]) -> list[dict[str, Any]]:
+        base = self._base_config()
+        dataset = options.get("prompts") or base.eval_dataset
+        if not dataset:
+            raise RLHFInputError(f"{self.config.source}: the eval / best_of_n stages need prompts with answers: set "
+                                 f"eval_dataset (shared) or the stage's 'prompts'")
+        return load_records(dataset, base.dataset_dir, "prompt")
+
+    def _reward_function(self, options: dict[str, Any]) -> Callable | None:
+        """The reward model as ``reward_fn(prompts, responses)``, or None if the pipeline has none."""
+        name = options.get("reward_model")
+        if not name or (name in STAGE_CONFIGS and name not in self.pipeline.models):
+            return None
+        path = self._resolve_model(name, "reward_model")
+        if path not in self._rewards:  # eval, best_of_n and merge score with the same model: load it once
+            base = self._base_config()
+            self._rewards[path] = LearnedReward.from_pretrained(path, template=base.template,
+                                                                enable_thinking=base.enable_thinking)
+        learned = self._rewards[path]
+        return lambda prompts, responses: learned(prompts, responses, [None] * len(prompts))
+
+    def _policy_metrics(self, model: str, records: list[dict[str, Any]], reward_fn: Callable | None,
+                        reference: PolicyModel | None, options: dict[str, Any], *, accuracy: bool) -> dict[str, float]:
+        """Mean reward of greedy answers and KL to the reference on samples (first max_prompts prompts),
+        and with ``accuracy`` the exact-match accuracy on every held-out prompt, as the trainers measure it."""
+        base = self._base_config()
+        policy = self.load_policy(model, base, use_vllm=options["use_vllm"])
+        max_new_tokens = options.get("max_new_tokens") or base.eval_max_new_tokens
+        evaluator = RLHFEvaluator(policy, reference, template=base.template, max_new_tokens=max_new_tokens,
+                                  batch_size=options["batch_size"], seed=base.seed,
+                                  enable_thinking=base.enable_thinking)
+        subset = records[:options["max_prompts"]]
+        metrics: dict[str, float] = {}
+        if accuracy:
+            metrics.update(evaluate_exact_match(policy, evaluator.formatter, records, max_new_tokens=max_new_tokens,
+                                                batch_size=options["batch_size"]))
+        if reward_fn is not None:
+            metrics.update(evaluator.mean_reward(subset, reward_fn))
+        if reference is not None:
+            metrics.update(evaluator.kl_to_reference(subset, options["samples_per_prompt"]))
+        return metrics
+
+    def evaluate(self, options: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Every adopted policy: reward and KL to the reference (accuracy comes from its stage); the
+        final policy also: diversity, win rate over the reference and, given ``pairs``, reward accuracy."""
+        options = {**FINAL_STAGE_OPTIONS["eval"], **(options or {})}
+        if self.pipeline.current_model is None:
+            raise RLHFInputError(f"{self.config.source}: the eval stage needs a trained policy; put it after a policy "
+                                 "stage")
+        records, reward_fn = self._eval_records(options), self._reward_function(options)
+        base = self._base_config()
+        name = options["reference"]  # a stage that did not run (or was rolled back) means: no KL, no win rate
+        reference_dir = (self.pipeline.models.get(name) if name in STAGE_CONFIGS
+                         else self._resolve_model(name, "eval.reference"))
+        reference = self.load_policy(reference_dir, base) if reference_dir else None
+        per_stage = {}
+        for stage, path in self.pipeline.models.items():
+            if stage in POLICY_STAGES:
+                logger.info("eval: %s", stage)
+                per_stage[stage] = self._policy_metrics(path, records, reward_fn,
+                                                        None if path == reference_dir else reference,
+                                                        options, accuracy=False)
+                if path == reference_dir:
+                    per_stage[stage].update({"kl/k1": 0.0, "kl/k3": 0.0})
+        policy_dir = self.pipeline.current_model
+        evaluator = RLHFEvaluator(self.load_policy(policy_dir, base, use_vllm=options["use_vllm"]), reference,
+                                  template=base.template,
+                                  max_new_tokens=options.get("max_new_tokens") or base.eval_max_new_tokens,
+                                  batch_size=options["batch_size"], seed=base.seed,
+                                  enable_thinking=base.enable_thinking)
+        subset = records[:options["max_prompts"]]
+        final = evaluator.diversity(subset, options["samples_per_prompt"])
+        if reference is not None and reward_fn is not None and policy_dir != reference_dir:
+            final.update(evaluator.win_rate(subset, reward_fn=reward_fn))
+        if options["pairs"] and reward_fn is not None:
+            pairs = load_records(options["pairs"], base.dataset_dir, "preference", max_samples=options["max_pairs"])
+            final.update(evaluator.reward_accuracy([{"prompt": p["messages"][-1]["content"], "chosen": p["chosen"],
+                                                     "rejected": p["rejected"]} for p in pairs], reward_fn))
+        return {"per_stage": per_stage, "final": final, "policy": policy_dir, "reference": reference_dir}
+
+    def best_of_n(self, options: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Best-of-N on the final policy (inference_optimizations.BestOfNSampler): n samples per held-out
+        prompt, one pool reranked by each scorer, accuracy against greedy decoding and the oracle."""
+
+        options = {**FINAL_STAGE_OPTIONS["best_of_n"], **(options or {})}
+        for scorer in options["scorers"]:
+            _check_choice(scorer, ("rm", "vote"), "best_of_n.scorers")
+        base = self._base_config()
+        records = self._eval_records(options)[:options["max_prompts"]]
+        policy = self.load_policy(self.pipeline.current_model, base, use_vllm=options["use_vllm"])
+        formatter = chat_formatter(policy.tokenizer, base, policy)
+        policy.tokenizer.chat_template = formatter.source  # the sampler renders prompts as the policy was trained
+        params = SamplingParams(max_new_tokens=options.get("max_new_tokens") or base.eval_max_new_tokens,
+                                temperature=options["temperature"], seed=options["seed"],
+                                stop_token_ids=tuple(formatter.stop_token_ids))
+        prompts = [r["messages"][-1]["content"] for r in records]
+        sampler = BestOfNSampler(policy.model, policy.tokenizer, None, n=options["n"], params=params,
+                                 engine=policy.rollout_engine or "auto")
+        candidates = sampler.candidates(prompts)
+        answers = [[extract_answer(c) for c in row] for row in candidates]
+        truth = [str(r["answer"]).strip() for r in records]
+        greedy = evaluate_exact_match(policy, formatter, records, max_new_tokens=params.max_new_tokens,
+                                      batch_size=base.per_device_eval_batch_size)
+        metrics: dict[str, Any] = {"n": options["n"], "prompts": len(records), "scorers": list(options["scorers"]),
+                                   "accuracy/greedy": greedy.get("eval/accuracy", 0.0),
+                                   "accuracy/oracle": float(np.mean([t in row for t, row in zip(truth, answers)]))}
+        for scorer in options["scorers"]:
+            if scorer == "vote":
+                chosen = [answer_agreement(row)[0] for row in answers]
+            else:
+                reward_fn = self._reward_function(options)
+                if reward_fn is None:
+                    raise RLHFInputError(f"{self.config.source}: best_of_n scorer 'rm' needs a reward model (an rm "
+                                         "stage or best_of_n.reward_model)")
+                scores = torch.as_tensor(reward_fn([p for p in prompts for _ in range(options["n"])],
+                                                   [c for row in candidates for c in row])).view(len(prompts), -1)
+                chosen = [row[i] for row, i in zip(answers, scores.argmax(-1).tolist())]
+            metrics[f"accuracy/{scorer}"] = float(np.mean([a is not None and a == t for a, t in zip(chosen, truth)]))
+        return metrics
+
+    def merge(self, options: dict[str, Any] | None = None,
+              output_dir: str | os.PathLike | None = None) -> dict[str, Any]:
+        """Merge trained policies (model_merging.ModelMerger; default TIES of every adopted
+        policy-optimisation stage over the SFT model), then evaluate the merged model like the others."""
+        import model_merging
+
+        options = {**FINAL_STAGE_OPTIONS["merge"], **(options or {})}
+        adopted = self.pipeline.models
+        entries = options["models"] or [s for s in adopted if s in POLICY_OPTIMISATION_STAGES]
+        entries = [dict(e) if isinstance(e, dict) else {"model": e} for e in entries]  # {model, weight?, base?}
+        dropped = [e["model"] for e in entries if e["model"] in STAGE_CONFIGS and e["model"] not in adopted]
+        entries = [e for e in entries if e["model"] not in dropped]  # a rolled-back stage has nothing to contribute
+        names = [str(e["model"]) for e in entries]
+        if not names:
+            raise StageNotRun(f"nothing to merge ({', '.join(dropped) or 'no policy-optimisation stage'} not adopted)")
+        if dropped:
+            logger.warning("merge: %s not adopted (rolled back or not run); merging %s", ", ".join(dropped),
+                           ", ".join(names))
+        raw = {k: v for k, v in options.items() if k != "evaluate"}
+        raw["models"] = [{**e, "model": self._resolve_model(e["model"], "merge.models"),
+                          **({"base": self._resolve_model(e["base"], "merge.models.base")} if e.get("base") else {})}
+                         for e in entries]
+        raw["base_model"] = self._resolve_model(options["base_model"], "merge.base_model")
+        raw["output_dir"] = str(output_dir or self.output_dir / "merge")
+        raw["overwrite"] = True
+        try:
+            result = model_merging.ModelMerger(model_merging.MergeConfig.from_dict(raw, source="merge")).merge()
+        except model_merging.MergeError as err:
+            raise RLHFInputError(f"{self.config.source}: {err}") from None
+        metrics: dict[str, Any] = {"method": result.method, "models": names, "output_dir": str(result.output_dir)}
+        if options["evaluate"]:
+            eval_options = {**FINAL_STAGE_OPTIONS["eval"], **self.config.final_stages.get("eval", {})}
+            reference = self._resolve_model("sft", "reference") if "sft" in self.pipeline.models else None
+            base = self._base_config()
+            metrics.update(self._policy_metrics(str(result.output_dir), self._eval_records(eval_options),
+                                                self._reward_function(eval_options),
+                                                self.load_policy(reference, base) if reference else None,
+                                                eval_options, accuracy=True))
+        return metrics
+
+    def run(self, stage: str) -> dict[str, Any]:
+        """Run (or skip, if already complete for these models and options) one final stage; its report entry."""
+        options = self.config.final_stage_options(stage)
+        output_dir = self.output_dir / stage
+        produced, policy_dir = self.pipeline.produced, self.pipeline.current_model
+        inputs = {name: produced.get(path, path) for name, path in self.pipeline.models.items()}
+        base = self._base_config()
+        prompts = options.get("prompts") or base.eval_dataset
+        prompt_files = [_file_fingerprint(f) for name in str(prompts or "").split(",") if name.strip()
+                        for f in resolve_dataset(name, base.dataset_dir).files]
+        fingerprint = _fingerprint(stage, options, inputs, policy_dir and produced.get(policy_dir), prompt_files)
+        entry = self.pipeline._completed_entry(stage, fingerprint, output_dir)
+        if entry is not None:
+            logger.info("stage %s: already complete for these models (report.json); skipped", stage)
+            self.pipeline._record(entry)
+            return entry
+        setup_logging(log_file=Path(base.logging_dir or self.output_dir / "logs") / f"{stage}.log")
+        output_dir.mkdir(parents=True, exist_ok=True)
+        started = time.time()
+        run = {"eval": self.evaluate, "best_of_n": self.best_of_n,
+               "merge": lambda o: self.merge(o, output_dir)}[stage]
+        try:
+            metrics = run(options)
+        except StageNotRun as reason:
+            logger.warning("stage %s not run: %s", stage, reason)
+            entry = _stage_entry(stage, "not_run", output_dir, fingerprint, reason=str(reason))
+            self.pipeline._record(entry)
+            return entry
+        except Exception as err:
+            if isinstance(err, RLHFInputError) or not self.config.rollback_on_error:
+                raise
+            logger.error("stage %s failed (%s: %s); recorded, continuing", stage, type(err).__name__, err)
+            entry = _stage_entry(stage, "failed", output_dir, fingerprint, time.time() - started, error=True,
+                                 reason=f"{type(err).__name__}: {err}")
+            self.pipeline._record(entry)
+            return entry
+        finally:
+            self.close_vllm()  # however the stage ended
+        evaluation = {"eval/accuracy": metrics["eval/accuracy"]} if "eval/accuracy" in metrics else {}
+        entry = _stage_entry(stage, "completed", output_dir, fingerprint, time.time() - started, metrics=metrics,
+                             eval=evaluation)
+        _write_json_atomic(output_dir / "metrics.json", metrics)
+        _write_json_atomic(output_dir / STAGE_MARKER, {"fingerprint": fingerprint, "complete": True})
+        self.pipeline._record(entry)
+        return entry
+
+
 class RLHFOrchestrator:
     """Runs the configured stages in order, each starting from the previous stage's model, and keeps
     the history in ``output_dir/report.json``. Default config: configs/demo.yaml.
@@ -14574,7 +14933,7 @@ class RLHFOrchestrator:
                 {task: {"dataset_dir": shared_dir, **spec} for task, spec in self.config.capability_tests.items()},
                 threshold=self.config.capability_threshold)
         self._capability_cache: dict[str, dict[str, float]] = {}
-        self._rewards: dict[str, LearnedReward] = {}  # reward-model directory -> loaded scorer (final stages)
+        self.final_stages = FinalStages(self)  # eval, best_of_n and merge
         self._sync: DeviceManager | None = None  # under a multi-process launch: barriers and the main process
         self._compressor_model: PolicyModel | None = None  # the policy ContextCompressor runs on, loaded once
         self._compressor_for: str | None = None
@@ -14606,7 +14965,7 @@ class RLHFOrchestrator:
     def run_stage(self, stage: str) -> dict[str, Any]:
         """Run (or skip, if already complete) one stage; returns its report entry."""
         if stage in FINAL_STAGES:
-            return self._run_final_stage(stage)
+            return self.final_stages.run(stage)
         config = self._with_sft_reference(self.config.stage_config(stage, model_name_or_path=self.current_model))
         fingerprint = self._stage_fingerprint(config)
         entry = self._completed_entry(stage, fingerprint, Path(config.output_dir))
@@ -14726,26 +15085,9 @@ class RLHFOrchestrator:
     def _capabilities(self, model: str, config: BaseConfig) -> dict[str, float]:
         """Capability-test accuracy of a model directory, measured once per run."""
         if model not in self._capability_cache:
-            self._capability_cache[model] = self.tester.run(self._load_policy(model, config), template=config.template,
+            self._capability_cache[model] = self.tester.run(_saved_policy(model, config), template=config.template,
                                                             enable_thinking=config.enable_thinking)
         return self._capability_cache[model]
-
-    def _load_policy(self, model: str, config: BaseConfig, *, use_vllm: bool = False) -> PolicyModel:
-        """The policy saved in ``model``; with ``use_vllm`` its generate() samples with a vLLM engine of its own
-        (the engine of the policy loaded before is shut down first: one holds the device at a time)."""
-        policy = _load_policy(config, "cuda" if torch.cuda.is_available() else "cpu", model)
-        if use_vllm:
-            self._close_vllm()  # one engine per process: the previous policy's goes first
-            policy.rollout_engine = vllm_engine_for(model, seed=config.seed)
-            self._vllm_policy = policy
-        return policy
-
-    def _close_vllm(self) -> None:
-        policy = getattr(self, "_vllm_policy", None)
-        if policy is not None and policy.rollout_engine is not None:
-            policy.rollout_engine.close()
-            policy.rollout_engine = None
-        self._vllm_policy = None
 
     def run_sft(self) -> dict[str, Any]:
         return self.run_stage("sft")
@@ -14761,227 +15103,19 @@ class RLHFOrchestrator:
         _check_choice(method, POLICY_OPTIMISATION_STAGES, "method")
         return self.run_stage(method)
 
-    # -- evaluation, Best-of-N and merging
-    def _base_config(self) -> BaseConfig:
-        """Shared settings (template, eval_dataset, dataset_dir, ...) as the last training stage sees them."""
-        trained = [s for s in self.config.stages if s in STAGE_CONFIGS]
-        return self.config.stage_config(trained[-1] if trained else "sft")
-
-    def _resolve_model(self, name: str | None, option: str) -> str | None:
-        """A stage name of this pipeline ("sft", "rm", ...) or a directory; None stays None."""
-        if name is None:
-            return None
-        if name in self.models:
-            return self.models[name]
-        if name in STAGE_CONFIGS or name in FINAL_STAGES:
-            raise RLHFInputError(f"{self.config.source}: option '{option}' names stage '{name}', which has no adopted "
-                                 f"output in this run (not run, or rolled back)")
-        if not Path(name).exists():
-            raise RLHFInputError(f"{self.config.source}: option '{option}': '{name}' is neither a stage of this "
-                                 "pipeline nor a directory")
-        return name
-
-    def _eval_records(self, options: dict[str, Any]) -> list[dict[str, Any]]:
-        base = self._base_config()
-        dataset = options.get("prompts") or base.eval_dataset
-        if not dataset:
-            raise RLHFInputError(f"{self.config.source}: the eval / best_of_n stages need prompts with answers: set "
-                                 f"eval_dataset (shared) or the stage's 'prompts'")
-        return load_records(dataset, base.dataset_dir, "prompt")
-
-    def _reward_function(self, options: dict[str, Any]) -> Callable | None:
-        """The reward model as ``reward_fn(prompts, responses)``, or None if the pipeline has none."""
-        name = options.get("reward_model")
-        if not name or (name in STAGE_CONFIGS and name not in self.models):
-            return None
-        path = self._resolve_model(name, "reward_model")
-        if path not in self._rewards:  # eval, best_of_n and merge score with the same model: load it once
-            base = self._base_config()
-            self._rewards[path] = LearnedReward.from_pretrained(path, template=base.template,
-                                                                enable_thinking=base.enable_thinking)
-        learned = self._rewards[path]
-        return lambda prompts, responses: learned(prompts, responses, [None] * len(prompts))
-
-    def _policy_metrics(self, model: str, records: list[dict[str, Any]], reward_fn: Callable | None,
-                        reference: PolicyModel | None, options: dict[str, Any], *, accuracy: bool) -> dict[str, float]:
-        """Mean reward of greedy answers and KL to the reference on samples (first max_prompts prompts),
-        and with ``accuracy`` the exact-match accuracy on every held-out prompt, as the trainers measure it."""
-        base = self._base_config()
-        policy = self._load_policy(model, base, use_vllm=options["use_vllm"])
-        max_new_tokens = options.get("max_new_tokens") or base.eval_max_new_tokens
-        evaluator = RLHFEvaluator(policy, reference, template=base.template, max_new_tokens=max_new_tokens,
-                                  batch_size=options["batch_size"], seed=base.seed,
-                                  enable_thinking=base.enable_thinking)
-        subset = records[:options["max_prompts"]]
-        metrics: dict[str, float] = {}
-        if accuracy:
-            metrics.update(evaluate_exact_match(policy, evaluator.formatter, records, max_new_tokens=max_new_tokens,
-                                                batch_size=options["batch_size"]))
-        if reward_fn is not None:
-            metrics.update(evaluator.mean_reward(subset, reward_fn))
-        if reference is not None:
-            metrics.update(evaluator.kl_to_reference(subset, options["samples_per_prompt"]))
-        return metrics
-
+    # -- after training: evaluation, Best-of-N and merging (FinalStages)
     def evaluate(self, options: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Every adopted policy: reward and KL to the reference (accuracy comes from its stage); the
-        final policy also: diversity, win rate over the reference and, given ``pairs``, reward accuracy."""
-        options = {**FINAL_STAGE_OPTIONS["eval"], **(options or {})}
-        if self.current_model is None:
-            raise RLHFInputError(f"{self.config.source}: the eval stage needs a trained policy; put it after a policy "
-                                 "stage")
-        records, reward_fn = self._eval_records(options), self._reward_function(options)
-        base = self._base_config()
-        name = options["reference"]  # a stage that did not run (or was rolled back) means: no KL, no win rate
-        reference_dir = self.models.get(name) if name in STAGE_CONFIGS else self._resolve_model(name, "eval.reference")
-        reference = self._load_policy(reference_dir, base) if reference_dir else None
-        per_stage = {}
-        for stage, path in self.models.items():
-            if stage in POLICY_STAGES:
-                logger.info("eval: %s", stage)
-                per_stage[stage] = self._policy_metrics(path, records, reward_fn,
-                                                        None if path == reference_dir else reference,
-                                                        options, accuracy=False)
-                if path == reference_dir:
-                    per_stage[stage].update({"kl/k1": 0.0, "kl/k3": 0.0})
-        evaluator = RLHFEvaluator(self._load_policy(self.current_model, base, use_vllm=options["use_vllm"]), reference,
-                                  template=base.template,
-                                  max_new_tokens=options.get("max_new_tokens") or base.eval_max_new_tokens,
-                                  batch_size=options["batch_size"], seed=base.seed,
-                                  enable_thinking=base.enable_thinking)
-        subset = records[:options["max_prompts"]]
-        final = evaluator.diversity(subset, options["samples_per_prompt"])
-        if reference is not None and reward_fn is not None and self.current_model != reference_dir:
-            final.update(evaluator.win_rate(subset, reward_fn=reward_fn))
-        if options["pairs"] and reward_fn is not None:
-            pairs = load_records(options["pairs"], base.dataset_dir, "preference", max_samples=options["max_pairs"])
-            final.update(evaluator.reward_accuracy([{"prompt": p["messages"][-1]["content"], "chosen": p["chosen"],
-                                                     "rejected": p["rejected"]} for p in pairs], reward_fn))
-        return {"per_stage": per_stage, "final": final, "policy": self.current_model, "reference": reference_dir}
+        """The ``eval`` stage's metrics (``FinalStages.evaluate``)."""
+        return self.final_stages.evaluate(options)
 
     def best_of_n(self, options: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Best-of-N on the final policy (inference_optimizations.BestOfNSampler): n samples per held-out
-        prompt, one pool reranked by each scorer, accuracy against greedy decoding and the oracle."""
-
-        options = {**FINAL_STAGE_OPTIONS["best_of_n"], **(options or {})}
-        for scorer in options["scorers"]:
-            _check_choice(scorer, ("rm", "vote"), "best_of_n.scorers")
-        base = self._base_config()
-        records = self._eval_records(options)[:options["max_prompts"]]
-        policy = self._load_policy(self.current_model, base, use_vllm=options["use_vllm"])
-        formatter = chat_formatter(policy.tokenizer, base, policy)
-        policy.tokenizer.chat_template = formatter.source  # the sampler renders prompts as the policy was trained
-        params = SamplingParams(max_new_tokens=options.get("max_new_tokens") or base.eval_max_new_tokens,
-                                temperature=options["temperature"], seed=options["seed"],
-                                stop_token_ids=tuple(formatter.stop_token_ids))
-        prompts = [r["messages"][-1]["content"] for r in records]
-        sampler = BestOfNSampler(policy.model, policy.tokenizer, None, n=options["n"], params=params,
-                                 engine=policy.rollout_engine or "auto")
-        candidates = sampler.candidates(prompts)
-        answers = [[extract_answer(c) for c in row] for row in candidates]
-        truth = [str(r["answer"]).strip() for r in records]
-        greedy = evaluate_exact_match(policy, formatter, records, max_new_tokens=params.max_new_tokens,
-                                      batch_size=base.per_device_eval_batch_size)
-        metrics: dict[str, Any] = {"n": options["n"], "prompts": len(records), "scorers": list(options["scorers"]),
-                                   "accuracy/greedy": greedy.get("eval/accuracy", 0.0),
-                                   "accuracy/oracle": float(np.mean([t in row for t, row in zip(truth, answers)]))}
-        for scorer in options["scorers"]:
-            if scorer == "vote":
-                chosen = [answer_agreement(row)[0] for row in answers]
-            else:
-                reward_fn = self._reward_function(options)
-                if reward_fn is None:
-                    raise RLHFInputError(f"{self.config.source}: best_of_n scorer 'rm' needs a reward model (an rm "
-                                         "stage or best_of_n.reward_model)")
-                scores = torch.as_tensor(reward_fn([p for p in prompts for _ in range(options["n"])],
-                                                   [c for row in candidates for c in row])).view(len(prompts), -1)
-                chosen = [row[i] for row, i in zip(answers, scores.argmax(-1).tolist())]
-            metrics[f"accuracy/{scorer}"] = float(np.mean([a is not None and a == t for a, t in zip(chosen, truth)]))
-        return metrics
+        """The ``best_of_n`` stage's metrics (``FinalStages.best_of_n``)."""
+        return self.final_stages.best_of_n(options)
 
     def merge(self, options: dict[str, Any] | None = None,
               output_dir: str | os.PathLike | None = None) -> dict[str, Any]:
-        """Merge trained policies (model_merging.ModelMerger; default TIES of every adopted
-        policy-optimisation stage over the SFT model), then evaluate the merged model like the others."""
-        import model_merging
-
-        options = {**FINAL_STAGE_OPTIONS["merge"], **(options or {})}
-        entries = options["models"] or [s for s in self.models if s in POLICY_OPTIMISATION_STAGES]
-        entries = [dict(e) if isinstance(e, dict) else {"model": e} for e in entries]  # {model, weight?, base?}
-        dropped = [e["model"] for e in entries if e["model"] in STAGE_CONFIGS and e["model"] not in self.models]
-        entries = [e for e in entries if e["model"] not in dropped]  # a rolled-back stage has nothing to contribute
-        names = [str(e["model"]) for e in entries]
-        if not names:
-            raise StageNotRun(f"nothing to merge ({', '.join(dropped) or 'no policy-optimisation stage'} not adopted)")
-        if dropped:
-            logger.warning("merge: %s not adopted (rolled back or not run); merging %s", ", ".join(dropped),
-                           ", ".join(names))
-        raw = {k: v for k, v in options.items() if k != "evaluate"}
-        raw["models"] = [{**e, "model": self._resolve_model(e["model"], "merge.models"),
-                          **({"base": self._resolve_model(e["base"], "merge.models.base")} if e.get("base") else {})}
-                         for e in entries]
-        raw["base_model"] = self._resolve_model(options["base_model"], "merge.base_model")
-        raw["output_dir"] = str(output_dir or self.output_dir / "merge")
-        raw["overwrite"] = True
-        try:
-            result = model_merging.ModelMerger(model_merging.MergeConfig.from_dict(raw, source="merge")).merge()
-        except model_merging.MergeError as err:
-            raise RLHFInputError(f"{self.config.source}: {err}") from None
-        metrics: dict[str, Any] = {"method": result.method, "models": names, "output_dir": str(result.output_dir)}
-        if options["evaluate"]:
-            eval_options = {**FINAL_STAGE_OPTIONS["eval"], **self.config.final_stages.get("eval", {})}
-            reference = self._resolve_model("sft", "reference") if "sft" in self.models else None
-            base = self._base_config()
-            metrics.update(self._policy_metrics(str(result.output_dir), self._eval_records(eval_options),
-                                                self._reward_function(eval_options),
-                                                self._load_policy(reference, base) if reference else None,
-                                                eval_options, accuracy=True))
-        return metrics
-
-    def _run_final_stage(self, stage: str) -> dict[str, Any]:
-        options = self.config.final_stage_options(stage)
-        output_dir = self.output_dir / stage
-        inputs = {name: self.produced.get(path, path) for name, path in self.models.items()}
-        base = self._base_config()
-        prompts = options.get("prompts") or base.eval_dataset
-        prompt_files = [_file_fingerprint(f) for name in str(prompts or "").split(",") if name.strip()
-                        for f in resolve_dataset(name, base.dataset_dir).files]
-        fingerprint = _fingerprint(stage, options, inputs, self.current_model and self.produced.get(self.current_model),
-                                   prompt_files)
-        entry = self._completed_entry(stage, fingerprint, output_dir)
-        if entry is not None:
-            logger.info("stage %s: already complete for these models (report.json); skipped", stage)
-            self._record(entry)
-            return entry
-        setup_logging(log_file=Path(base.logging_dir or self.output_dir / "logs") / f"{stage}.log")
-        output_dir.mkdir(parents=True, exist_ok=True)
-        started = time.time()
-        run = {"eval": self.evaluate, "best_of_n": self.best_of_n,
-               "merge": lambda o: self.merge(o, output_dir)}[stage]
-        try:
-            metrics = run(options)
-        except StageNotRun as reason:
-            logger.warning("stage %s not run: %s", stage, reason)
-            entry = _stage_entry(stage, "not_run", output_dir, fingerprint, reason=str(reason))
-            self._record(entry)
-            return entry
-        except Exception as err:
-            if isinstance(err, RLHFInputError) or not self.config.rollback_on_error:
-                raise
-            logger.error("stage %s failed (%s: %s); recorded, continuing", stage, type(err).__name__, err)
-            entry = _stage_entry(stage, "failed", output_dir, fingerprint, time.time() - started, error=True,
-                                 reason=f"{type(err).__name__}: {err}")
-            self._record(entry)
-            return entry
-        finally:
-            self._close_vllm()  # however the stage ended
-        evaluation = {"eval/accuracy": metrics["eval/accuracy"]} if "eval/accuracy" in metrics else {}
-        entry = _stage_entry(stage, "completed", output_dir, fingerprint, time.time() - started, metrics=metrics,
-                             eval=evaluation)
-        _write_json_atomic(output_dir / "metrics.json", metrics)
-        _write_json_atomic(output_dir / STAGE_MARKER, {"fingerprint": fingerprint, "complete": True})
-        self._record(entry)
-        return entry
+        """The ``merge`` stage: the merged model written and evaluated (``FinalStages.merge``)."""
+        return self.final_stages.merge(options, output_dir)
 
     # -- models on disk
     ROLES = ("policy", "reward_model", "process_reward_model")
@@ -15066,11 +15200,6 @@ class RLHFOrchestrator:
                                             title=f"pipeline summary ({self.output_dir}, {seconds:.0f}s)"))
         logger.info("report: %s", ", ".join(str(p) for p in [self.output_dir / "report.json", *written]))
         return self.history
-
-
-class StageNotRun(Exception):
-    """A final stage with nothing to do (e.g. every model it would merge was rolled back): recorded, not an error."""
-
 
 
 # ==== 14. Export, evaluation and chat ====
@@ -15782,8 +15911,6 @@ def _first_sentence(doc: str) -> str:
 
 
 def _build_parser() -> Any:
-    import model_merging
-
     parser = argparse.ArgumentParser(prog="rlhf", description="Post-training for causal language models: "
                                      "SFT, reward and process-reward models, DPO/SimPO/ORPO/KTO, online RL (GRPO, "
                                      "RLOO, REINFORCE++, online DPO, distillation, PPO).",
@@ -15793,6 +15920,13 @@ def _build_parser() -> Any:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"rlhf {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add_commands in (_add_training_commands, _add_plan_command, _add_model_commands, _add_model_use_commands):
+        add_commands(sub)  # in this order: the order of --help's list of commands
+    return parser
+
+
+def _add_training_commands(sub: Any) -> None:
+    """One command per stage, ``pipeline`` and ``train`` (LLaMA-Factory's: the file names the stage)."""
     for stage, cls in STAGE_CONFIGS.items():
         command = sub.add_parser(stage, help=_first_sentence(cls.__doc__ or ""),
                                  description=f"Train the {stage} stage. Options come from --config (YAML, "
@@ -15818,6 +15952,10 @@ def _build_parser() -> Any:
     train.add_argument("--config", required=True, help="YAML config with a `stage:` key (or give FILE first, "
                        "without --config)")
     train.add_argument("overrides", nargs="*", metavar="key=value")
+
+
+def _add_plan_command(sub: Any) -> None:
+    """``plan``: per-GPU memory of a preset, before launching."""
     plan = sub.add_parser("plan", help="Estimate per-GPU memory of a 7B/70B preset before launching",
                           description="Per-GPU memory of one training step of a preset (weights, gradients, "
                           "optimizer states, activations, reference and reward models), by mixed-precision "
@@ -15832,6 +15970,13 @@ def _build_parser() -> Any:
                       help="one stage (default: every stage of the preset, plus ppo)")
     plan.add_argument("--no-sharding", action="store_true", help="plain DDP: every GPU holds everything")
     plan.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU to check against (default 80)")
+
+
+def _add_model_commands(sub: Any) -> None:
+    """Commands that make models from models without training: ``combine-rm``, ``merge`` (model_merging), and
+    ``vllm-serve``, which serves one."""
+    import model_merging
+
     combine = sub.add_parser("combine-rm", help="Write a reward-model ensemble from existing reward models",
                              description="Write DIR/ensemble.json listing every member of the given reward models "
                              "or ensembles (rm stage outputs) by relative path; nothing is copied. Reward, PPO, "
@@ -15851,6 +15996,10 @@ def _build_parser() -> Any:
     merge.add_argument("overrides", nargs="*", metavar="key=value", help="override a top-level key, e.g. density=0.3")
     merge.add_argument("--dry-run", action="store_true", help="check the config and inputs, write nothing")
     merge.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _add_model_use_commands(sub: Any) -> None:
+    """``export``, ``eval`` and ``chat``: a trained model written out, measured, talked to."""
     export = sub.add_parser("export",
                             help="Merge an adapter into its base and write a Hugging Face folder or a GGUF file",
                             description="Export a trained model: a LoRA adapter merged into its base, written as a "
@@ -15886,7 +16035,6 @@ def _build_parser() -> Any:
     talk.add_argument("--template", default=None, help="chat template (default: the model's own)")
     talk.add_argument("--config", help="YAML config")
     talk.add_argument("overrides", nargs="*", metavar="key=value", help="any option as key=value")
-    return parser
 
 
 def memory_plan_table(args: Any) -> Any:
@@ -15956,6 +16104,57 @@ def _export_config(args: Any) -> ExportConfig:
     return load_config(ExportConfig, args.config, [*args.overrides, *flags])
 
 
+def _print_memory_plan(args: Any, console: Any) -> None:
+    console.print(memory_plan_table(args))
+
+
+def _combine_reward_models(args: Any, console: Any) -> None:
+    names = RewardEnsemble.combine(args.out, args.sources)
+    console.print(f"{args.out}/{RewardEnsemble.MANIFEST}: {len(names)} members ({', '.join(names)})")
+
+
+def _export(args: Any, console: Any) -> None:
+    config = _export_config(args)
+    written = export_model(config)
+    console.print(f"exported {config.model_name_or_path}"
+                  f"{' + ' + config.adapter_name_or_path if config.adapter_name_or_path else ''} "
+                  f"to {written} ({config.export_format}"
+                  f"{', ' + config.gguf_type if config.export_format == 'gguf' else ''})")
+
+
+def _evaluate(args: Any, console: Any) -> None:
+    config = load_config(EvalConfig, args.config, args.overrides)
+    report = evaluate_model(config)
+    console.print(eval_table(report))
+    console.print(f"written: {Path(config.output_dir) / 'eval.json'}")
+
+
+def _chat(args: Any, console: Any) -> None:
+    chat(_chat_config(args))
+
+
+# the commands that train nothing: command -> fn(args, console), which prints its result
+_COMMANDS_WITHOUT_TRAINING: dict[str, Callable[[Any, Any], None]] = {
+    "plan": _print_memory_plan, "combine-rm": _combine_reward_models, "export": _export, "eval": _evaluate,
+    "chat": _chat}
+
+
+def _stage_to_train(args: Any) -> str:
+    """The stage a training command runs: its name, or for ``train`` the file's ``stage:`` key, or stage=X on the
+    command line (it wins)."""
+    stage = args.command
+    if stage == "train":
+        given = [o.split("=", 1)[1].strip() for o in args.overrides if o.split("=", 1)[0].strip() == "stage"]
+        stage = given[-1] if given else str(read_yaml(args.config).get("stage", ""))
+        if not stage:
+            raise RLHFInputError(f"{args.config} has no 'stage:' key, which picks the trainer; add a line "
+                                 f"stage: {' | '.join(STAGE_CONFIGS)}, or give stage=sft (or another) after the "
+                                 "file")
+        if stage not in STAGE_CONFIGS:
+            raise RLHFInputError(f"{args.config}: 'stage' is '{stage}'; valid: {', '.join(STAGE_CONFIGS)}")
+    return stage
+
+
 @_leaves_logging_as_found
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; user mistakes print one line and exit with status 2."""
@@ -15981,45 +16180,14 @@ def main(argv: list[str] | None = None) -> int:
                                    *(["--no-progress"] if args.no_progress else [])])
     finished = False
     try:
-        if args.command == "plan":
-            console.print(memory_plan_table(args))
-            return 0
-        if args.command == "combine-rm":
-            names = RewardEnsemble.combine(args.out, args.sources)
-            console.print(f"{args.out}/{RewardEnsemble.MANIFEST}: {len(names)} members ({', '.join(names)})")
-            return 0
-        if args.command == "export":
-            config = _export_config(args)
-            written = export_model(config)
-            console.print(f"exported {config.model_name_or_path}"
-                          f"{' + ' + config.adapter_name_or_path if config.adapter_name_or_path else ''} "
-                          f"to {written} ({config.export_format}"
-                          f"{', ' + config.gguf_type if config.export_format == 'gguf' else ''})")
-            return 0
-        if args.command == "eval":
-            config = load_config(EvalConfig, args.config, args.overrides)
-            report = evaluate_model(config)
-            console.print(eval_table(report))
-            console.print(f"written: {Path(config.output_dir) / 'eval.json'}")
-            return 0
-        if args.command == "chat":
-            chat(_chat_config(args))
+        if args.command in _COMMANDS_WITHOUT_TRAINING:
+            _COMMANDS_WITHOUT_TRAINING[args.command](args, console)
             return 0
         if args.command == "pipeline":
             RLHFOrchestrator(PipelineConfig.load(args.config, args.overrides, args.preset)).run_full_pipeline()
             finished = True
             return 0
-        stage = args.command
-        if stage == "train":  # the trainer is the file's stage key, or stage=X on the command line (it wins)
-            given = [o.split("=", 1)[1].strip() for o in args.overrides if o.split("=", 1)[0].strip() == "stage"]
-            stage = given[-1] if given else str(read_yaml(args.config).get("stage", ""))
-            if not stage:
-                raise RLHFInputError(f"{args.config} has no 'stage:' key, which picks the trainer; add a line "
-                                     f"stage: {' | '.join(STAGE_CONFIGS)}, or give stage=sft (or another) after the "
-                                     "file")
-            if stage not in STAGE_CONFIGS:
-                raise RLHFInputError(f"{args.config}: 'stage' is '{stage}'; valid: {', '.join(STAGE_CONFIGS)}")
-        entries = _run_single_stage(stage, args.config, args.overrides)
+        entries = _run_single_stage(_stage_to_train(args), args.config, args.overrides)
         finished = True
         if _launch_rank() == 0:  # other processes hold no metric history (only the main process logs)
             console.print(summary_table(entries))

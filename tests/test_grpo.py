@@ -10,7 +10,6 @@ Every run is a handful of steps of 8 completions of at most 8-12 tokens (about 0
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -111,8 +110,8 @@ def _hand_logps(policy: rlhf.PolicyModel, input_ids, attention_mask, temperature
     return torch.log_softmax(logits, -1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
 
 
-def _window() -> dict:
-    return {"loss": 0.0, "units": 0.0, "tokens": 0, "since": time.time(), "metrics": {}}
+def _window() -> rlhf._LogWindow:
+    return rlhf._LogWindow()
 
 
 # -- a. no signal, no change ---------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ conventions hold."""
 from __future__ import annotations
 
 import ast
+import bisect
 import dataclasses
 import functools
 import inspect
@@ -299,3 +300,89 @@ def test_templates_are_records_and_their_end_markers_are_the_engines():
         assert template.end_marker is None or template.end_marker in template.jinja
         assert set(template.tools) <= {"tools", "tool calls", "tool results"}
         assert template.thinking == ("enable_thinking" in template.jinja)
+
+
+# ---------------------------------------------------------------- size and direction (issue 54)
+
+MAX_CLASS_LINES = 400
+MAX_FUNCTION_LINES = 60
+
+
+def _length(node: ast.AST) -> int:
+    return node.end_lineno - node.lineno + 1
+
+
+def test_no_class_is_longer_than_400_lines():
+    """A class that outgrows a screenful of screens is several classes: split it at a seam (a helper object it holds,
+    as DeviceManager holds DeepSpeedSupport and RLHFOrchestrator FinalStages)."""
+    long = [(node.name, node.lineno, _length(node)) for node in ast.walk(_parsed(rlhf.__file__))
+            if isinstance(node, ast.ClassDef) and _length(node) > MAX_CLASS_LINES]
+    assert not long, f"classes over {MAX_CLASS_LINES} lines (name, line, length): {long}"
+
+
+def test_no_function_is_longer_than_60_lines():
+    long = [(node.name, node.lineno, _length(node)) for node in ast.walk(_parsed(rlhf.__file__))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _length(node) > MAX_FUNCTION_LINES]
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines (name, line, length): {long}"
+
+
+class _RuntimeNames(ast.NodeVisitor):
+    """The names a module-level definition reads when it runs: function bodies, default values and decorators, class
+    bases and bodies, assigned values. Annotations are left out: ``from __future__ import annotations`` keeps them as
+    strings that nothing evaluates."""
+
+    def __init__(self) -> None:
+        self.names: list[tuple[str, int]] = []
+
+    def visit_Name(self, node: ast.Name) -> None:  # noqa: N802 (ast's name)
+        self.names.append((node.id, node.lineno))
+
+    def visit_arg(self, node: ast.arg) -> None:  # an argument's annotation
+        pass
+
+    def visit_FunctionDef(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> None:  # noqa: N802
+        for part in [*node.decorator_list, *node.args.defaults, *(d for d in node.args.kw_defaults if d), *node.body]:
+            self.visit(part)
+
+    visit_AsyncFunctionDef = visit_FunctionDef  # noqa: N815
+
+    def visit_AnnAssign(self, node: ast.AnnAssign) -> None:  # noqa: N802
+        if node.value is not None:
+            self.visit(node.value)
+
+
+def forward_references(source: str, tree: ast.Module) -> list[tuple[int, str, str, int, int]]:
+    """(section, definition, name, the name's section, line) for each module-level definition that reads, at run
+    time, a module-level name defined in a later section. Section 0's registries are filled from later sections
+    the other way round (a later section names the registry), which this does not count."""
+    starts = [start for _, _, start in banners(source)]
+    numbers = [number for number, _, _ in banners(source)]
+
+    def section(line: int) -> int | None:  # ``line``: 0-based
+        index = bisect.bisect_right(starts, line) - 1
+        return numbers[index] if index >= 0 else None
+
+    defined = {name: section(line) for name, line in top_level_definitions(tree).items()}
+    found = {}
+    for node in tree.body:
+        here = section(node.lineno - 1)
+        visitor = _RuntimeNames()
+        visitor.visit(node)
+        for name, line in visitor.names:
+            there = defined.get(name)
+            if here is not None and there is not None and there > here:
+                found.setdefault((here, getattr(node, "name", "?"), name), (there, line))
+    return [(here, definition, name, there, line) for (here, definition, name), (there, line) in found.items()]
+
+
+def test_no_section_refers_to_a_later_one(source):
+    """docs/architecture.md: no section uses a name from a later one (but through section 0's registries, which
+    later sections fill); a helper two sections need lives in the earlier one."""
+    assert not forward_references(source, _parsed(rlhf.__file__))
+
+
+def test_forward_references_are_found():
+    source = "\n".join(["# ==== 0. First ====", "def early():", "    return LATER", "def fine(x: Later = None):",
+                        "    pass", "# ==== 1. Second ====", "LATER = 1", "class Later:", "    pass"])
+    assert [(s, d, n, t) for s, d, n, t, _ in forward_references(source, ast.parse(source))] == [
+        (0, "early", "LATER", 1)]
