@@ -2186,8 +2186,9 @@ class VLLMServer:
     """A generation server around a ``VLLMEngine`` (``python rlhf.py vllm-serve``), for ``vllm_mode: server``.
 
     JSON over HTTP (any number of trainer processes may connect): ``GET /health`` -> {status, weight_version,
-    weight_group_size, server_id, updates_in_flight}; ``POST /generate`` {prompts: [[ids]], params: {SamplingParams
-    fields}} -> {token_ids, logprobs, finish_reasons, prompt_index, policy_version, token_versions};
+    weight_group_size, server_id, updates_in_flight, requests (running or waiting)}; ``POST /generate`` {prompts:
+    [[ids]], params: {SamplingParams fields}} -> {token_ids, logprobs, finish_reasons, prompt_index, policy_version,
+    token_versions};
     ``POST /load_weights`` {path: a folder of safetensors files} or {collective: [[name, dtype, shape]], key,
     backend}: the tensors arrive through trainer ``key``'s weight group, which ``POST /init_weight_group`` {key,
     host, port, backend, timeout} joins and ``POST /leave_weight_group`` {key} leaves; ``POST /load_adapter`` {path:
@@ -2234,7 +2235,8 @@ class VLLMServer:
                     self._reply(200, {"status": "ok", "weight_version": server.weight_version,
                                       "weight_group_size": 1 + server.engine.tensor_parallel_size,
                                       "server_id": server.server_id, "gpus": server.gpus,
-                                      "updates_in_flight": server.loop.updates_in_flight})
+                                      "updates_in_flight": server.loop.updates_in_flight,
+                                      "requests": len(server.loop.running) + len(server.loop.waiting)})
                 else:
                     self._reply(404, {"error": f"no endpoint GET {self.path}"})
 

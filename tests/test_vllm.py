@@ -821,8 +821,9 @@ def test_an_async_run_killed_and_resumed_trains_each_prompt_once_as_the_uninterr
                                                                                          tiny_model_dir, tools):
     """max_staleness 2 (and with a tool environment): a run killed with SIGKILL after its step-4 checkpoint and run
     again trains on the prompts of the uninterrupted run, rollout for rollout: the 16 prompts of the epoch once each,
-    none skipped or repeated (rollouts.jsonl), with the same losses. The two rollouts sampled ahead at the
-    checkpoint are saved in it (they were sampled with weights the resumed run no longer has) and trained on next."""
+    none skipped or repeated (rollouts.jsonl), and single-turn with the same losses. The two rollouts sampled ahead
+    at the checkpoint are saved in it (they were sampled with weights the resumed run no longer has) and trained on
+    next."""
     import signal
 
     port, _ = server
@@ -836,8 +837,7 @@ def test_an_async_run_killed_and_resumed_trains_each_prompt_once_as_the_uninterr
         command += ["environment=test_tools:scripted", "max_turns=3", "max_turn_tokens=4", "max_completion_length=24"]
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'tests'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    subprocess.run(command + [f"output_dir={whole}", "resume_from_checkpoint=none"], check=True, env=env,
-                   capture_output=True, timeout=600)
+    assert rlhf.main(command[2:] + [f"output_dir={whole}", "resume_from_checkpoint=none"]) == 0  # in this process
     killed = subprocess.Popen(command + [f"output_dir={resumed}"], env=env, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
     deadline = time.time() + 600
@@ -846,9 +846,12 @@ def test_an_async_run_killed_and_resumed_trains_each_prompt_once_as_the_uninterr
         time.sleep(0.05)
     killed.send_signal(signal.SIGKILL)
     killed.wait(timeout=60)
+    client = io.VLLMClient("127.0.0.1", port)
+    while client.health()["requests"]:  # the dead run's last requests, which would share the resumed run's batches
+        time.sleep(0.05)
     buffer = json.loads((resumed / "checkpoints" / "checkpoint-4" / "rollout_buffer.json").read_text())
     assert len(buffer["rollouts"]) == 2  # rollouts 4 and 5, sampled ahead with the weights of steps 2 and 3
-    subprocess.run(command + [f"output_dir={resumed}"], check=True, env=env, capture_output=True, timeout=600)
+    assert rlhf.main(command[2:] + [f"output_dir={resumed}"]) == 0
     straight, again = rlhf.RolloutLedger.read(whole), rlhf.RolloutLedger.read(resumed)
     assert [row["rollout"] for row in again] == list(range(8)) and again == straight
     assert sorted(p for row in again for part in row["prompts"] for p in part) == list(range(16))  # each once
@@ -856,7 +859,11 @@ def test_an_async_run_killed_and_resumed_trains_each_prompt_once_as_the_uninterr
     def losses(folder):
         return [row["loss"] for row in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines())]
 
-    assert losses(resumed) == pytest.approx(losses(whole), rel=1e-5, abs=1e-7)
+    assert len(losses(resumed)) == len(losses(whole)) == 8
+    if not tools:  # single requests: the same samples, so the same losses, to the last digit
+        assert losses(resumed) == losses(whole)
+    # (an environment's episodes sampled ahead are one request per turn, and a weight sync waits for the running
+    # requests, not for the rest of an episode: which turn a sync lands before depends on timing, in any run)
 
 
 def test_a_pool_of_servers_samples_as_one_and_takes_a_dead_server_out_and_back(tmp_path, server, tiny_model_dir,
