@@ -2017,6 +2017,15 @@ class _Call:
 KV_AFTER_UPDATES = ("recompute", "keep")
 
 
+def _token_versions(spans, count: int) -> list[int | None]:
+    """Each of ``count`` tokens' weight version, from vLLM's spans (``[start, end)`` sampled by ``version``)."""
+    versions: list[int | None] = [None] * count
+    for span in spans or []:
+        label = None if span.version in ("None", "") else int(span.version)
+        versions[span.start:span.end] = [label] * (min(span.end, count) - span.start)
+    return versions
+
+
 class VLLMStepLoop:
     """A VLLMEngine driven one engine step at a time by a thread of its own (what ``vllm-serve`` serves with): the
     requests of every caller share the running batch (continuous batching), and work on the engine itself (a weight
@@ -2046,6 +2055,8 @@ class VLLMStepLoop:
         self.running: dict[str, tuple[_Call, int]] = {}  # request id -> (its call, its prompt's place in it)
         self.count = 0
         self.updates_in_flight = 0  # applied while requests ran
+        self.steps = 0  # engine steps taken
+        self.labelled: object = object()  # the version vLLM tags the tokens of its next step with (none yet)
         self.stopped = False
         self.thread = threading.Thread(target=self._loop, daemon=True, name="vllm-step-loop")
         self.thread.start()
@@ -2094,7 +2105,16 @@ class VLLMStepLoop:
             if not any(not in_flight for _, in_flight, _ in self.updates):  # a sync between rollouts holds them back
                 self._admit()
             if self.running:
+                self._label()
                 self._step()
+
+    def _label(self) -> None:
+        """vLLM tags every step's tokens with its engine's weight version and reports each completion's spans of
+        versions when it finishes (WeightVersionSpan): it is told ours whenever it changes."""
+        version = self.version()
+        if version != self.labelled:
+            self.engine.llm.llm_engine.set_weight_version(str(version))
+            self.labelled = version
 
     def _update(self) -> None:
         """The updates that may run now: in-flight ones at once, the others once no request runs."""
@@ -2127,7 +2147,7 @@ class VLLMStepLoop:
                 for place, (prompt, options) in enumerate(zip(call.prompts, per_prompt_params(len(call.prompts),
                                                                                                call.params))):
                     options = copy.copy(options)
-                    options.output_kind = RequestOutputKind.DELTA
+                    options.output_kind = RequestOutputKind.FINAL_ONLY  # each token's version from vLLM's spans
                     request = f"{self.count}-{place}"
                     self.running[request] = (call, place)
                     engine.add_request(request, tokens_input(prompt, cache_salt=salt), options,
@@ -2138,30 +2158,26 @@ class VLLMStepLoop:
         self.waiting = []
 
     def _step(self) -> None:
-        version = self.version()
+        self.steps += 1
         try:
             outputs = self.engine.llm.llm_engine.step()
         except Exception as error:  # noqa: BLE001 (the engine failed: every running caller hears why)
             self._fail_all(error)
             return
         for result in outputs:
-            if result.request_id not in self.running:
+            if not result.finished or result.request_id not in self.running:
                 continue
-            call, place = self.running[result.request_id]
+            call, place = self.running.pop(result.request_id)
             for completion in result.outputs:
                 row = place * call.n + completion.index
-                new = list(completion.token_ids)
-                call.token_ids[row] += new
-                call.logprobs[row] += [float(step[token].logprob)
-                                       for step, token in zip(completion.logprobs or [], new)]
-                call.versions[row] += [version] * len(new)
-                if completion.finish_reason is not None:
-                    call.reasons[row] = "length" if completion.finish_reason == "length" else "stop"
-            if result.finished:
-                del self.running[result.request_id]
-                call.open -= 1
-                if call.open == 0 and not call.future.done():
-                    call.future.set_result(call.output())
+                call.token_ids[row] = list(completion.token_ids)
+                call.logprobs[row] = [float(step[token].logprob)
+                                      for step, token in zip(completion.logprobs or [], call.token_ids[row])]
+                call.versions[row] = _token_versions(completion.weight_versions, len(call.token_ids[row]))
+                call.reasons[row] = "length" if completion.finish_reason == "length" else "stop"
+            call.open -= 1
+            if call.open == 0 and not call.future.done():
+                call.future.set_result(call.output())
 
     def _fail(self, call: _Call, error: BaseException) -> None:
         ids = [request for request, (other, _) in self.running.items() if other is call]
