@@ -1751,7 +1751,8 @@ class VLLMEngine:
     adapter, which each sync ships alone (``load_adapter``), never merged into the base. ``sleep_mode``: on a
     GPU, ``sleep()`` frees the engine's weights and KV cache between rollouts so training gets the memory back.
     On a CPU the engine runs in fp32 for exact log-probs (bf16 drifts by ~1e-2 against the trainer).
-    ``owns_model``: ``model`` is a folder written only to start this engine, removed on ``close()``.
+    ``owns_model``: ``model`` is a folder written only to start this engine, removed on ``close()``. ``stepwise``: it
+    will be driven one step at a time (VLLMStepLoop), so on a GPU vLLM's async scheduling is off.
     A RolloutEngine: synced adapters are written to ``sync_dir`` (a temporary folder in shared memory)."""
 
     holds_weights, shared, takes_images = True, False, False
@@ -1761,7 +1762,7 @@ class VLLMEngine:
     def __init__(self, model: str, *, dtype: str = "auto", seed: int = 0, max_model_len: int | None = None,
                  gpu_memory_utilization: float = 0.3, tensor_parallel_size: int = 1, enable_lora: bool = False,
                  max_lora_rank: int = 64, sleep_mode: bool = False, enable_prefix_caching: bool = True,
-                 owns_model: bool = False) -> None:
+                 owns_model: bool = False, stepwise: bool = False) -> None:
         missing = vllm_missing()
         if missing:
             raise RuntimeError(missing)
@@ -1779,6 +1780,8 @@ class VLLMEngine:
             options["enable_chunked_prefill"] = False
         else:
             options.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=sleep_mode)
+            if stepwise:  # driven step by step (VLLMStepLoop): vLLM's async scheduling keeps a batch running past
+                options["async_scheduling"] = False  # step(), which an update between two steps would race
         if enable_lora:
             options.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1)
         # inside a multi-process trainer (torchrun / accelerate launch): vLLM joins the trainer's process group, as
@@ -2772,7 +2775,7 @@ def vllm_serve(argv: list[str] | None = None) -> int:
         engine = VLLMEngine(args.model, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len,
                             gpu_memory_utilization=args.gpu_memory_utilization,
                             tensor_parallel_size=args.tensor_parallel_size, enable_lora=args.enable_lora,
-                            max_lora_rank=args.max_lora_rank)
+                            max_lora_rank=args.max_lora_rank, stepwise=True)
         server = VLLMServer(engine, args.host, args.port, kv_after_update=args.kv_after_update)
     except (RuntimeError, ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
