@@ -1810,7 +1810,7 @@ class VLLMEngine:
         self.adapter = None  # the LoRARequest every generate uses once an adapter is loaded
         self.adapter_version = 0
         self.policy_version: int | None = None  # the trainer's step of the weights it holds (None: the start's)
-        self.sync_dir = Path(tempfile.mkdtemp(prefix="rlhf-vllm-sync-", dir=shared_memory_dir()))
+        self.sync_dir = run_folder("vllm-sync")
         self.owned = [self.sync_dir] + ([Path(model)] if owns_model else [])
 
     def sample(self, prompts: list[list[int]], params: SamplingParams,
@@ -1953,6 +1953,28 @@ def shared_memory_dir() -> str | None:
     system's temporary folder)."""
     shm = Path("/dev/shm")
     return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
+
+
+def run_folder(kind: str) -> Path:
+    """A new folder for this process's ``kind`` of files in shared memory (weights for an engine to load), named
+    rlhf-KIND-PID-..., so that the folders of a process that died without cleaning up (killed, out of memory) are
+    found and removed by the next one that makes a folder of the kind: a full model's weights in /dev/shm hold RAM."""
+    root = shared_memory_dir() or tempfile.gettempdir()
+    for folder in Path(root).glob(f"rlhf-{kind}-*-*"):
+        pid = folder.name[len(f"rlhf-{kind}-"):].split("-", 1)[0]
+        if pid.isdigit() and not _process_alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"rlhf-{kind}-{os.getpid()}-", dir=root))
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        return True
+    return True
 
 
 def iter_safetensors(directory: str | os.PathLike):
@@ -2347,8 +2369,8 @@ class VLLMClient:
             raise ValueError(f"weight_transfer '{weight_transfer}' is not one of auto, {', '.join(WEIGHT_TRANSFERS)}")
         self.url, self.timeout, self.retries, self.backoff = f"http://{host}:{port}", timeout, retries, backoff
         self.host, self.port, self.weight_transfer = host, port, weight_transfer
-        self.sync_dir = Path(sync_dir) if sync_dir else Path(tempfile.mkdtemp(prefix="rlhf-vllm-sync-",
-                                                                               dir=shared_memory_dir()))
+        self.owned_sync_dir = not sync_dir  # made here, so removed by close()
+        self.sync_dir = Path(sync_dir) if sync_dir else run_folder("vllm-sync")
         self.last_load: tuple[str, Any] | None = None  # how the last weights went, and what can send them again
         self.weight_version = 0  # the server's count of loads once it had ours
         self.group: tuple | None = None  # collective: (store, process group, key, backend, server_id) once joined
@@ -2579,7 +2601,8 @@ class VLLMClient:
             self.group = None  # the next sync forms a new one
 
     def close(self) -> None:
-        """The server goes on serving; a weight group this client formed is left (its workers drop their end)."""
+        """The server goes on serving; a weight group this client formed is left (its workers drop their end), and
+        the sync folder this client made is removed (a folder the user gave, ``vllm_sync_dir``, is left)."""
         if self.group is not None:
             key = self.group[2]
             self._abandon_group()
@@ -2587,6 +2610,8 @@ class VLLMClient:
                 self._request("/leave_weight_group", {"key": key}, attempts=1)
             except VLLMServerError:  # a server that is gone holds no group
                 pass
+        if self.owned_sync_dir:
+            shutil.rmtree(self.sync_dir, ignore_errors=True)
 
     def wake_up(self) -> None:
         pass

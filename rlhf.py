@@ -23,8 +23,9 @@ says what a contributor adds there, and docs/architecture.md walks through each:
             LLaMA-Factory or TRL key in LLAMAFACTORY_RENAMES / TRL_OPENRLHF_RENAMES (a stage's own config lives in its
             section 10 slice)
   2. Infrastructure
-       rich_console, setup_logging, logging_restored, set_seed, parameter_numel, weight_sharding, GatherMeter,
-       gathered_named_tensors, sharded_layout, DeepSpeedSupport, DeviceManager, smoothed, plot_metrics, PlainProgress,
+       rich_console, setup_logging, logging_restored, write_text_atomic, stale_model_files, set_seed, parameter_numel,
+       weight_sharding, GatherMeter, gathered_named_tensors, sharded_layout, DeepSpeedSupport, DeviceManager, smoothed,
+       plot_metrics, PlainProgress,
        TrainingLogger, optimizer_state_to_safetensors, optimizer_state_from_safetensors, capture_rng_state,
        restore_rng_state, CheckpointManager, PreemptionGuard, CheckpointingMixin, create_optimizer, EarlyStopping,
        find_linear_module_names, find_expert_parameter_names, apply_freeze, compile_model, compile_training_step
@@ -67,7 +68,7 @@ says what a contributor adds there, and docs/architecture.md walks through each:
             PREFERENCE_LOSSES row, an RL policy loss a @register_policy_loss function of PolicyLossInputs
   8. Rewards
        exact_answer_reward, format_reward, length_penalty, no_reward, CompositeReward, LearnedReward, ProcessReward,
-       RewardAPIError, HTTPReward, Principle, ConstitutionalRewardWrapper, RewardFunctionFactory,
+       post_json, RewardAPIError, HTTPReward, Principle, ConstitutionalRewardWrapper, RewardFunctionFactory,
        RunningRewardNormalizer, process_rewards, Environment, ToolCall, parse_tool_call, calculate, ToolEnvironment,
        CalculatorEnvironment, EnvironmentFault, HTTPEnvironment, AgentCall, AgentEndpoint, openai_answer,
        concatenated_trajectory, CallTimedOut, call_with_timeout, retried, guarded_call, RolloutHung, RolloutWatchdog,
@@ -158,7 +159,6 @@ import re
 import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 import types
@@ -206,9 +206,9 @@ from inference_optimizations import (
     innermost_model,
     pin_cpu_kernels,
     returned_cache,
+    run_folder,
     save_weight_shards,
     select_attention_implementation,
-    shared_memory_dir,
     stop_token_ids,
     use_persistent_compile_cache,
     vllm_engine_for,
@@ -2469,7 +2469,7 @@ class TrainingLogger:
                 if row.get("step", 0) <= start_step:
                     kept.append(row)
         self.history = kept if start_step > 0 else []
-        self.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in self.history), encoding="utf-8")
+        write_text_atomic(self.metrics_path, "".join(json.dumps(r) + "\n" for r in self.history))
 
     def _start_progress(self, total: int, start: int, description: str) -> None:
         """rich's bar on a terminal; elsewhere (a pipe, a CI log, a file) rich draws nothing until the end, so a
@@ -2579,10 +2579,43 @@ def restore_rng_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) ->
 
 
 def _write_json_atomic(path: Path, payload: dict[str, Any], indent: int = 1) -> None:
-    """Write to a temporary file beside ``path``, then rename: a reader never sees half a file."""
+    """``path`` written whole or not at all: JSON written to a temporary file beside it, flushed to disk, renamed."""
+    write_text_atomic(path, json.dumps(payload, indent=indent, default=float))
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` so that a kill, a full disk or a power loss leaves the old file or the new one,
+    never half of either: a temporary file beside it, fsynced, renamed over it, and the folder fsynced."""
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
-    tmp.write_text(json.dumps(payload, indent=indent, default=float))
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):  # a folder cannot be opened for fsync on every platform
+        folder = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(folder)
+        finally:
+            os.close(folder)
+
+
+# what a model loader reads from a model folder (transformers, PEFT, vLLM, this project's heads): a final save deletes
+# the ones an earlier model left that it does not write itself
+MODEL_FILE_PATTERNS = ("config.json", "generation_config.json", "model.safetensors", "model-*-of-*.safetensors",
+                       "model.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json",
+                       "adapter_config.json", "adapter_model.safetensors", "adapter_model.bin",
+                       "reward_head.safetensors", "reward_config.json", "prm_config.json", "value_head.safetensors",
+                       "critic")
+
+
+def stale_model_files(folder: Path, written: set[str]) -> list[Path]:
+    """The model files in ``folder`` (MODEL_FILE_PATTERNS) that a new save writing ``written`` would leave behind."""
+    return sorted({path for pattern in MODEL_FILE_PATTERNS for path in folder.glob(pattern)
+                   if path.name not in written})
 
 
 def _fsync_tree(root: Path) -> None:
@@ -2975,18 +3008,28 @@ class CheckpointingMixin:
                            f" (and {len(changed) - 6} more)" if len(changed) > 6 else "")
 
     def _save_final_model(self) -> None:
-        """The trained model in Hugging Face layout at output_dir, published file by file with renames."""
+        """The trained model in Hugging Face layout at output_dir, replacing the folder's model as a set: written to a
+        temporary folder (removed whatever happens; one a killed save left is swept first), then every model file of
+        an earlier model that the new save does not write is deleted (a LoRA run's adapter beside a later full
+        model's weights would otherwise be loaded on top of them), then the new files are renamed into place. A kill
+        in the middle leaves the final checkpoint, and the rerun that resumes from it saves the model again."""
         with self._weights_gathered():
             if self.devices.is_main_process:
+                for leftover in self.output_dir.glob(".tmp-final-*"):
+                    shutil.rmtree(leftover, ignore_errors=True)
                 tmp = self.output_dir / f".tmp-final-{uuid.uuid4().hex[:8]}"
-                self._save_model(tmp)
-                _fsync_tree(tmp)
-                for item in tmp.iterdir():
-                    target = self.output_dir / item.name
-                    if item.is_dir() and target.is_dir():  # os.replace cannot overwrite a non-empty directory
-                        shutil.rmtree(target)
-                    os.replace(item, target)
-                tmp.rmdir()
+                try:
+                    self._save_model(tmp)
+                    _fsync_tree(tmp)
+                    for stale in stale_model_files(self.output_dir, {item.name for item in tmp.iterdir()}):
+                        shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
+                    for item in tmp.iterdir():
+                        target = self.output_dir / item.name
+                        if item.is_dir() and target.is_dir():  # os.replace cannot overwrite a non-empty directory
+                            shutil.rmtree(target)
+                        os.replace(item, target)
+                finally:
+                    shutil.rmtree(tmp, ignore_errors=True)
         self.devices.wait()
 
 
@@ -8172,6 +8215,33 @@ class ProcessReward:
         return torch.cat(scores)
 
 
+HTTP_ANSWER_LIMIT = 64 << 20  # bytes a reward or environment service may answer with
+
+
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """A redirect is an error (an HTTPError with its 3xx code): urllib would follow it to another host with the
+    request's Authorization header (and turn a POST into a GET), so a credential could reach a host it was not for."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+def post_json(url: str, payload: bytes, *, timeout: float, api_key: str | None = None,
+              limit: int = HTTP_ANSWER_LIMIT) -> Any:
+    """POST JSON to a reward or environment service and read its JSON answer: no redirect followed, at most ``limit``
+    bytes read (a larger answer is a ValueError), ``api_key`` (from the environment, never a config) as a bearer
+    token."""
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    request = urllib.request.Request(url, data=payload, headers=headers, method="POST")
+    with urllib.request.build_opener(_NoRedirects).open(request, timeout=timeout) as response:
+        data = response.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"the answer is larger than {limit} bytes")
+    return json.loads(data.decode("utf-8"))
+
+
 class RewardAPIError(RLHFInputError):
     """The reward service stayed down or answered something that is not one reward per response."""
 
@@ -8188,12 +8258,7 @@ class HTTPReward:
         self.url, self.timeout, self.retries, self.backoff = url, timeout, retries, backoff
 
     def _request(self, payload: bytes) -> Any:
-        headers = {"Content-Type": "application/json"}
-        if os.environ.get("RLHF_REWARD_API_KEY"):
-            headers["Authorization"] = f"Bearer {os.environ['RLHF_REWARD_API_KEY']}"
-        request = urllib.request.Request(self.url, data=payload, headers=headers, method="POST")
-        with urllib.request.urlopen(request, timeout=self.timeout) as response:
-            return json.loads(response.read().decode("utf-8"))
+        return post_json(self.url, payload, timeout=self.timeout, api_key=os.environ.get("RLHF_REWARD_API_KEY"))
 
     def __call__(self, prompts: list[str], completions: list[str], answers: list[str | None]) -> torch.Tensor:
         payload = json.dumps({"prompts": prompts, "responses": completions, "answers": answers}).encode("utf-8")
@@ -8513,9 +8578,9 @@ def calculate(expression: str) -> str:
             return node.value
         if isinstance(node, ast.BinOp) and type(node.op) in _CALCULATOR_OPERATORS:
             left, right = value(node.left), value(node.right)
-            if isinstance(node.op, ast.Pow) and abs(right) > 64:
-                raise ValueError("exponent too large")
-            return _CALCULATOR_OPERATORS[type(node.op)](left, right)
+            if isinstance(node.op, ast.Pow) and (abs(right) > 64 or _bits(left) * abs(right) > CALCULATOR_BITS):
+                raise ValueError("result too large")  # checked before the power is computed
+            return _bounded(_CALCULATOR_OPERATORS[type(node.op)](left, right))
         if isinstance(node, ast.UnaryOp) and type(node.op) in _CALCULATOR_OPERATORS:
             return _CALCULATOR_OPERATORS[type(node.op)](value(node.operand))
         raise ValueError(f"unsupported: {type(node).__name__}")
@@ -8524,12 +8589,27 @@ def calculate(expression: str) -> str:
         with warnings.catch_warnings():  # a policy's "2x" is an error answered to it, not a warning to the user
             warnings.simplefilter("ignore", SyntaxWarning)
             tree = ast.parse(expression.strip(), mode="eval")
-        result = value(tree.body)
-    except (SyntaxError, ValueError, ZeroDivisionError, OverflowError) as error:
+        result = _bounded(value(tree.body))
+        if isinstance(result, float) and result.is_integer():
+            result = int(result)
+        return str(round(result, 6) if isinstance(result, float) else result)
+    except (SyntaxError, ValueError, ZeroDivisionError, OverflowError, RecursionError, MemoryError) as error:
         return f"error: {error}"
-    if isinstance(result, float) and result.is_integer():
-        result = int(result)
-    return str(round(result, 6) if isinstance(result, float) else result)
+
+
+CALCULATOR_BITS = 4096  # the largest operand or result (in bits) the calculator computes: a tool call stays cheap
+
+
+def _bits(number: float) -> int:
+    return int(abs(number)).bit_length() if math.isfinite(number) else CALCULATOR_BITS + 1
+
+
+def _bounded(number: float) -> float:
+    """``number``, or ValueError when it has more than CALCULATOR_BITS bits (a policy's ((10**64)**64)**64 would
+    otherwise hold the interpreter, and so the watchdog, for hours)."""
+    if _bits(number) > CALCULATOR_BITS:
+        raise ValueError("result too large")
+    return number
 
 
 class ToolEnvironment:
@@ -8575,7 +8655,9 @@ class EnvironmentFault(RuntimeError):
 class HTTPEnvironment:
     """An environment served over HTTP (like the API reward: timeouts, retries with backoff, one clear error).
     POST ``{url}/reset`` ``{"record": ...}`` -> ``{"episode_id", "observation"}``; POST ``{url}/step``
-    ``{"episode_id", "completion"}`` -> ``{"observation", "reward", "done"}``."""
+    ``{"episode_id", "completion"}`` -> ``{"observation", "reward", "done"}``. A bearer token, if the service needs
+    one, comes from ``RLHF_ENVIRONMENT_API_KEY`` (never a config file); no redirect is followed and an answer is at
+    most HTTP_ANSWER_LIMIT bytes."""
 
     def __init__(self, url: str, *, timeout: float = 30.0, retries: int = 3, backoff: float = 0.5) -> None:
         if not url or not url.startswith(("http://", "https://")):
@@ -8588,11 +8670,9 @@ class HTTPEnvironment:
         for attempt in range(self.retries):
             if attempt:
                 time.sleep(self.backoff * 2 ** (attempt - 1))
-            request = urllib.request.Request(self.url + path, data=payload, method="POST",
-                                             headers={"Content-Type": "application/json"})
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                    answer = json.loads(response.read().decode("utf-8"))
+                answer = post_json(self.url + path, payload, timeout=self.timeout,
+                                   api_key=os.environ.get("RLHF_ENVIRONMENT_API_KEY"))
             except urllib.error.HTTPError as error:
                 if error.code != 429 and error.code < 500:
                     raise RLHFInputError(f"environment {self.url}{path} refused the request: HTTP {error.code} "
@@ -9379,7 +9459,7 @@ for _dtype in QUANTIZED_ROLLOUT_DTYPES:
 def _vllm_colocate_engine(context: EngineContext) -> VLLMEngine:
     """vLLM in this process, started from the policy's weights (a LoRA policy's base) written to shared memory."""
     config = context.config
-    start = Path(tempfile.mkdtemp(prefix="rlhf-vllm-", dir=shared_memory_dir()))
+    start = run_folder("vllm-start")
     rank = getattr(config, "lora_rank", 8)
     try:
         context.weights.write_start(start)
