@@ -39,6 +39,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import typing
 import uuid
@@ -1659,20 +1660,45 @@ def _reload_from_folder(worker, directory: str) -> None:
 
 
 def weight_store(host: str, port: int, world_size: int, *, is_master: bool, timeout: float):
-    """The rendezvous of a weight group: the trainer hosts it (``port`` 0: any free port, read back from
-    ``store.port``), the server's workers connect to it."""
+    """The rendezvous of a weight group: the trainer hosts it (``is_master``; ``port`` 0: any free port, read back
+    from ``store.port``) listening on ``host`` only (torch's own store would listen on every interface), the
+    server's workers connect to it."""
     import datetime
+    import socket
 
     from torch.distributed import TCPStore
 
-    return TCPStore(host, port, world_size, is_master=is_master, timeout=datetime.timedelta(seconds=timeout),
-                    wait_for_workers=False)
+    wait = datetime.timedelta(seconds=timeout)
+    if not is_master:
+        return TCPStore(host, port, world_size, is_master=False, timeout=wait, wait_for_workers=False)
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind((host, port))
+        listener.listen(128)
+        port = listener.getsockname()[1]
+    except OSError:
+        listener.close()
+        raise
+    # the store takes the socket over (and closes it with itself)
+    return TCPStore(host, port, world_size, is_master=True, timeout=wait, wait_for_workers=False,
+                    master_listen_fd=listener.detach())
 
 
-def weight_group(store, rank: int, world_size: int, backend: str, timeout: float):
+def route_address(host: str, port: int) -> str:
+    """This machine's address as ``host`` reaches it: the interface the route to it leaves by (UDP: sends
+    nothing); OSError when there is no route."""
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, port))
+        return probe.getsockname()[0]
+
+
+def weight_group(store, rank: int, world_size: int, backend: str, timeout: float, address: str | None = None):
     """A process group of a trainer (rank 0) and a vLLM server's workers (ranks 1..), outside torch.distributed's
     default group (the trainer's own training group, vLLM's own), through which each weight sync is broadcast:
-    NCCL between GPUs, gloo between CPUs. Blocks until every rank has joined; ``store`` must outlive the group."""
+    NCCL between GPUs, gloo between CPUs (listening on ``address``, this side's interface toward the other, when
+    given). Blocks until every rank has joined; ``store`` must outlive the group."""
     import datetime
 
     wait = datetime.timedelta(seconds=timeout)
@@ -1680,7 +1706,12 @@ def weight_group(store, rank: int, world_size: int, backend: str, timeout: float
         options = torch.distributed.ProcessGroupNCCL.Options()
         options._timeout = wait
         return torch.distributed.ProcessGroupNCCL(store, rank, world_size, options)
-    return torch.distributed.ProcessGroupGloo(store, rank, world_size, wait)
+    if address is None:
+        return torch.distributed.ProcessGroupGloo(store, rank, world_size, wait)
+    options = torch.distributed.ProcessGroupGloo._Options()
+    options._timeout = wait
+    options._devices = [torch.distributed.ProcessGroupGloo.create_device(hostname=address)]
+    return torch.distributed.ProcessGroupGloo(store, rank, world_size, options)
 
 
 def _broadcast_from_trainer(group, tensor: torch.Tensor) -> None:
@@ -1697,7 +1728,7 @@ def _join_weight_group(worker, key: str, host: str, port: int, world_size: int, 
     if backend == "nccl":
         torch.cuda.set_device(worker.device)
     store = weight_store(host, port, world_size, is_master=False, timeout=timeout)
-    group = weight_group(store, 1 + worker.rank, world_size, backend, timeout)
+    group = weight_group(store, 1 + worker.rank, world_size, backend, timeout, address=route_address(host, port))
     _broadcast_from_trainer(group, torch.zeros(1, device=worker.device if backend == "nccl" else "cpu"))
     groups[key] = (store, group)
 
@@ -1721,6 +1752,8 @@ def _receive_weights(worker, key: str, metadata: list, backend: str) -> None:
     """Runs inside each vLLM worker: receive the tensors ``metadata`` lists ([name, dtype, shape], in the order the
     trainer broadcasts them) one at a time and reload each as it arrives, so a sync holds a layer's worth of
     tensors, not a second copy of the model."""
+    check_announced_weights(worker.model_runner.get_model(), metadata,
+                            shards=getattr(getattr(worker, "parallel_config", None), "tensor_parallel_size", 1))
     group = worker.rlhf_weight_groups[key][1]
     device = worker.device if backend == "nccl" else torch.device("cpu")
 
@@ -1735,6 +1768,27 @@ def _receive_weights(worker, key: str, metadata: list, backend: str) -> None:
     except BaseException:
         _leave_weight_group(worker, key)
         raise
+
+
+ANNOUNCED_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int8", "uint8")
+
+
+def check_announced_weights(model: torch.nn.Module, metadata: list, shards: int = 1) -> None:
+    """ValueError unless the tensors a trainer announces ([name, dtype, shape] each) could be this model's weights:
+    known dtypes, no tensor larger than the model's largest parameter (vLLM fuses q/k/v and gate/up, so a trainer's
+    tensor is never larger) and at most twice its parameters in all, so that a request cannot make a worker allocate
+    memory the model does not need. ``shards``: tensor-parallel workers each hold one shard of a full tensor."""
+    sizes = [p.numel() * shards for p in model.parameters()]
+    largest, total, announced = max(sizes, default=0), sum(sizes), 0
+    for entry in metadata if isinstance(metadata, list) else [metadata]:
+        if not (isinstance(entry, (list, tuple)) and len(entry) == 3 and isinstance(entry[0], str)
+                and entry[1] in ANNOUNCED_DTYPES and isinstance(entry[2], (list, tuple))
+                and all(isinstance(n, int) and 0 <= n for n in entry[2])):
+            raise ValueError(f"a weight is announced as {str(entry)[:200]}; give [name, dtype, shape]")
+        numel = math.prod(entry[2])
+        announced += numel
+        if numel > largest or announced > 2 * total:
+            raise ValueError(f"weight {entry[0]} {entry[2]} is larger than this model's weights allow")
 
 
 _OPEN_ENGINE: weakref.ref | None = None  # vLLM keeps one set of distributed state per process: one engine at a time
@@ -2069,7 +2123,6 @@ class VLLMStepLoop:
     def __init__(self, engine: VLLMEngine, version: Callable[[], int | None] = lambda: None,
                  kv_after_update: str = "recompute") -> None:
         import queue
-        import threading
 
         if kv_after_update not in KV_AFTER_UPDATES:
             raise ValueError(f"kv_after_update '{kv_after_update}' is not one of {', '.join(KV_AFTER_UPDATES)}")
@@ -2082,6 +2135,7 @@ class VLLMStepLoop:
         self.updates_in_flight = 0  # applied while requests ran
         self.steps = 0  # engine steps taken
         self.labelled: object = object()  # the version vLLM tags the tokens of its next step with (none yet)
+        self.engine_call_since: float | None = None  # when the engine call running now began (a step, an update)
         self.stopped = False
         self.thread = threading.Thread(target=self._loop, daemon=True, name="vllm-step-loop")
         self.thread.start()
@@ -2106,6 +2160,11 @@ class VLLMStepLoop:
     @property
     def busy(self) -> bool:
         return bool(self.running or self.waiting or self.updates)
+
+    def engine_call_seconds(self) -> float:
+        """How long the engine call running now has run (0 between calls): what /health calls a wedged engine."""
+        since = self.engine_call_since
+        return time.monotonic() - since if since is not None else 0.0
 
     def _loop(self) -> None:
         import queue
@@ -2148,11 +2207,14 @@ class VLLMStepLoop:
             if not in_flight and self.running:
                 continue
             self.updates.remove(update)
+            self.engine_call_since = time.monotonic()
             try:
                 future.set_result(function())
             except BaseException as error:  # the caller gets it; the loop goes on
                 future.set_exception(error)
                 continue
+            finally:
+                self.engine_call_since = None
             if in_flight and self.running:
                 self.updates_in_flight += 1
                 if self.kv_after_update == "recompute":  # the running requests' KV rebuilt under the new weights
@@ -2184,11 +2246,14 @@ class VLLMStepLoop:
 
     def _step(self) -> None:
         self.steps += 1
+        self.engine_call_since = time.monotonic()
         try:
             outputs = self.engine.llm.llm_engine.step()
         except Exception as error:  # noqa: BLE001 (the engine failed: every running caller hears why)
             self._fail_all(error)
             return
+        finally:
+            self.engine_call_since = None
         for result in outputs:
             if not result.finished or result.request_id not in self.running:
                 continue
@@ -2223,86 +2288,290 @@ class VLLMStepLoop:
         self.waiting, self.updates = [], []
 
 
+# -- JSON over HTTP, bounded: what both of the project's servers (vllm-serve, the agent endpoint) answer with ----------
+
+HTTP_BODY_LIMIT = 64 << 20  # bytes a request body may have (413 past it): a weight list or a rollout's prompts fit
+HTTP_IDLE_SECONDS = 30.0  # a connection that sends nothing for this long is closed (no thread parked for good)
+
+
+class HTTPRefusal(Exception):
+    """A request answered with ``status`` and ``message`` (4xx), raised anywhere below a BoundedJSONHandler route."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+def bearer_matches(header: str | None, key: str) -> bool:
+    """Whether an ``Authorization`` header carries ``Bearer <key>``, compared in constant time (hmac)."""
+    import hmac
+
+    scheme, _, given = (header or "").partition(" ")
+    return hmac.compare_digest(given.strip().encode(), key.encode()) and scheme.lower() == "bearer"
+
+
+def require_bearer(headers: Any, key: str | None, what: str) -> None:
+    """HTTPRefusal 401 unless the request's ``Authorization`` carries ``key`` (no key: every caller passes)."""
+    if key is not None and not bearer_matches(headers.get("Authorization"), key):
+        raise HTTPRefusal(401, f"{what} needs its API key (Authorization: Bearer ...)")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether an address to listen on reaches this machine only (127.0.0.0/8, ::1, localhost)."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        return False
+
+
+class BoundedJSONServer:
+    """A threaded HTTP server of JSON requests that cannot be held or crashed by one client: each connection is
+    closed after HTTP_IDLE_SECONDS without a byte, a body past HTTP_BODY_LIMIT (or a negative or missing length on a
+    POST with a body) is answered 413 / 411 unread, every malformed request gets a JSON 4xx and every failure a
+    JSON 500, and nothing reaches stderr. ``authorize(method, path, headers)`` runs first, before any byte of the
+    body is read (it raises HTTPRefusal 401 for a caller without the key); ``route(method, path, headers, body) ->
+    (status, answer)`` (a request thread) does the work; it raises HTTPRefusal, or KeyError / TypeError /
+    ValueError for a request that does not make sense (400). ``error_body(status, message)`` shapes the error
+    answers (OpenAI's form for the agent endpoint)."""
+
+    def __init__(self, route: Callable[[str, str, Any, dict], tuple[int, dict]], host: str, port: int, *,
+                 authorize: Callable[[str, str, Any], None] = lambda method, path, headers: None,
+                 error_body: Callable[[int, str], dict] = lambda status, message: {"error": message},
+                 idle_seconds: float = HTTP_IDLE_SECONDS, body_limit: int = HTTP_BODY_LIMIT, name: str = "server"):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        class Server(ThreadingHTTPServer):
+            request_queue_size = 1024  # every episode of a rollout may connect at once (socketserver's default: 5)
+            daemon_threads = True
+
+            def handle_error(self, request, client_address) -> None:  # a dropped client: one debug line, no traceback
+                logger.debug("%s: a request from %s failed: %s", name, client_address[0], sys.exc_info()[1])
+
+        class Handler(BaseHTTPRequestHandler):
+            timeout = idle_seconds  # per read / write on the connection
+
+            def log_message(self, *args: Any) -> None:  # the caller's log is ours: not a line per request
+                pass
+
+            def _send(self, status: int, answer: dict) -> None:
+                data = json.dumps(answer).encode("utf-8")
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                if status >= 400:
+                    self.send_header("Connection", "close")
+                    self.close_connection = True
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _body(self) -> dict:
+                length = self.headers.get("Content-Length")
+                if length is None:
+                    if self.command == "POST" and self.headers.get("Transfer-Encoding"):
+                        raise HTTPRefusal(411, "send the body with a Content-Length")
+                    return {}
+                try:
+                    size = int(length)
+                except ValueError:
+                    raise HTTPRefusal(400, f"Content-Length {length[:40]!r} is not a number") from None
+                if size < 0 or size > body_limit:
+                    raise HTTPRefusal(413, f"a body of {size} bytes; at most {body_limit} are read")
+                try:
+                    raw = self.rfile.read(size) if size else b""
+                except TimeoutError:
+                    raise HTTPRefusal(408, f"the body did not arrive within {idle_seconds:g} s") from None
+                if len(raw) < size:
+                    raise HTTPRefusal(400, f"the body ended after {len(raw)} of {size} bytes")
+                try:
+                    body = json.loads(raw or b"{}", parse_constant=_refuse_constant)
+                except (ValueError, RecursionError) as error:
+                    raise HTTPRefusal(400, f"the body is not JSON ({str(error)[:200]})") from None
+                if not isinstance(body, dict):
+                    raise HTTPRefusal(400, f"the body must be a JSON object, not {type(body).__name__}")
+                return body
+
+            def _serve(self) -> None:
+                try:
+                    authorize(self.command, self.path, self.headers)
+                    status, answer = route(self.command, self.path, self.headers, self._body())
+                except HTTPRefusal as refusal:
+                    status, answer = refusal.status, error_body(refusal.status, refusal.message)
+                except (KeyError, TypeError, ValueError, OverflowError) as error:
+                    status, answer = 400, error_body(400, f"{type(error).__name__}: {str(error)[:500]}")
+                except Exception as error:  # noqa: BLE001 (the work failed: the client hears why, in JSON)
+                    status, answer = 500, error_body(500, f"{type(error).__name__}: {str(error)[:500]}")
+                try:
+                    self._send(status, answer)
+                except OSError:  # the client left before its answer
+                    self.close_connection = True
+
+            do_GET = do_POST = _serve  # noqa: N815 (http.server's names)
+
+        self.httpd = Server((host, port), Handler)
+        self.host, self.port = self.httpd.server_address[:2]
+
+    def serve_in_thread(self, name: str) -> None:
+
+        threading.Thread(target=self.httpd.serve_forever, daemon=True, name=name).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+SERVER_API_KEY_VARIABLE = "RLHF_VLLM_API_KEY"  # vllm-serve's key, and the one VLLMClient sends
+GROUP_CHECK_SECONDS = 10.0  # a weight group's host must answer this fast before the engine is asked to join it
+
+
+@dataclass
+class ServerRun:
+    """The trainer run a shared vllm-serve serves: its id (every process of one run sends the same), what to call it
+    in an error, and when it was last heard from."""
+
+    run: str
+    label: str
+    since: float
+    seen: float
+
+
 class VLLMServer:
     """A generation server around a ``VLLMEngine`` (``python rlhf.py vllm-serve``), for ``vllm_mode: server``.
 
-    JSON over HTTP (any number of trainer processes may connect): ``GET /health`` -> {status, weight_version,
-    weight_group_size, server_id, updates_in_flight, requests (running or waiting)}; ``POST /generate`` {prompts:
-    [[ids]], params: {SamplingParams fields}} -> {token_ids, logprobs, finish_reasons, prompt_index, policy_version,
-    token_versions};
+    JSON over HTTP (any number of processes of one trainer run may connect; every route needs ``api_key`` when
+    one is set): ``GET /health`` -> {status, weight_version, weights_id, weight_group_size, server_id,
+    updates_in_flight, requests (running or waiting), run}; ``POST /generate`` {prompts: [[ids]], params:
+    {SamplingParams fields}, run} -> {token_ids, logprobs, finish_reasons, prompt_index, policy_version,
+    token_versions, weight_version, weights_id, weights_run};
     ``POST /load_weights`` {path: a folder of safetensors files} or {collective: [[name, dtype, shape]], key,
     backend}: the tensors arrive through trainer ``key``'s weight group, which ``POST /init_weight_group`` {key,
     host, port, backend, timeout} joins and ``POST /leave_weight_group`` {key} leaves; ``POST /load_adapter`` {path:
-    a PEFT adapter folder}; ``POST /reset_prefix_cache``. The engine runs in a VLLMStepLoop: concurrent /generate
-    calls share its batch, and a load runs between two engine steps, once the running requests are done, or at
-    once with ``in_flight: true`` (they pause, take the new weights and go on; each token's ``token_versions`` entry
-    is the ``policy_version`` of the load that sampled it). A collective load that fails leaves the weights partly
-    reloaded: the server then answers as a restarted one (a new ``server_id``, weight_version 0), so clients send
-    theirs again. A folder must be one both processes read (/dev/shm on one machine); a weight group reaches across
-    machines."""
+    a PEFT adapter folder}; ``POST /reset_prefix_cache``; ``POST /release`` {run}: that run has ended.
+
+    The engine runs in a VLLMStepLoop: concurrent /generate calls share its batch, and a load runs between two
+    engine steps, once the running requests are done, or at once with ``in_flight: true`` (they pause, take the new
+    weights and go on; each token's ``token_versions`` entry is the ``policy_version`` of the load that sampled
+    it). A collective load that fails leaves the weights partly reloaded: the server then answers as a restarted
+    one (a new ``server_id``, weight_version 0), so clients send theirs again. A folder must be one both processes
+    read (/dev/shm on one machine); a weight group reaches across machines.
+
+    One run at a time: the named run (``run`` in each request; rlhf's trainers name theirs) that loads weights
+    holds the server until it sends /release or is silent for ``owner_timeout`` seconds; any other caller's
+    requests are refused (409) meanwhile. Every load gets a new ``weights_id`` and is tagged with its run
+    (``weights_run``), which clients check on each sample. A weight group's host must answer
+    within GROUP_CHECK_SECONDS before the engine joins it, and a join or broadcast waits at most ``sync_timeout``
+    seconds; /health answers 503 ``wedged`` while one engine call has run longer than ``wedged_after``."""
 
     def __init__(self, engine: VLLMEngine, host: str = "127.0.0.1", port: int = 8000,
-                 kv_after_update: str = "recompute") -> None:
-        from http.server import ThreadingHTTPServer
-
+                 kv_after_update: str = "recompute", *, api_key: str | None = None, sync_timeout: float = 300.0,
+                 wedged_after: float = 600.0, owner_timeout: float = 900.0,
+                 idle_seconds: float = HTTP_IDLE_SECONDS) -> None:
         self.engine, self.weight_version = engine, 0
         self.policy_version: int | None = None  # the optimizer step of the trainer's weights it serves
         self.server_id = uuid.uuid4().hex  # a restarted server is a new one: its workers are in no weight group
+        self.weights_id: str | None = None  # one per load: a client checks its samples come from its own load
+        # the run whose load the weights are (None: the model it started with; "": a client that named no run)
+        self.weights_run: str | None = None
+        self.owner: ServerRun | None = None
+        self.api_key, self.sync_timeout = api_key, sync_timeout
+        self.wedged_after, self.owner_timeout = wedged_after, owner_timeout
+        self.owner_lock = threading.Lock()
         # NCCL cannot join two processes on one GPU: a trainer on one of these sends its weights through files
         self.gpus = [str(torch.cuda.get_device_properties(i).uuid)
                      for i in range(min(engine.tensor_parallel_size, torch.cuda.device_count()))]
         self.loop = VLLMStepLoop(engine, lambda: self.policy_version, kv_after_update)
-        self.httpd = ThreadingHTTPServer((host, port), self._handler())
+        self.http = BoundedJSONServer(self.route, host, port, idle_seconds=idle_seconds, name="vllm-serve",
+                                      authorize=lambda method, path, headers: require_bearer(headers, api_key,
+                                                                                             "this vLLM server"))
+        self.httpd = self.http.httpd
 
-    def _handler(self):
-        from http.server import BaseHTTPRequestHandler
-
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args) -> None:  # requests are not worth a line each
-                pass
-
-            def _reply(self, status: int, body: dict) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self) -> None:
-                if self.path == "/health":
-                    self._reply(200, {"status": "ok", "weight_version": server.weight_version,
-                                      "weight_group_size": 1 + server.engine.tensor_parallel_size,
-                                      "server_id": server.server_id, "gpus": server.gpus,
-                                      "updates_in_flight": server.loop.updates_in_flight,
-                                      "requests": len(server.loop.running) + len(server.loop.waiting)})
-                else:
-                    self._reply(404, {"error": f"no endpoint GET {self.path}"})
-
-            def do_POST(self) -> None:
-                try:
-                    request = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-                    self._reply(200, server.handle(self.path, request))
-                except (KeyError, TypeError, ValueError) as error:
-                    self._reply(400, {"error": f"{type(error).__name__}: {error}"})
-                except Exception as error:  # the engine failed: the client sees why instead of a dropped line
-                    self._reply(500, {"error": f"{type(error).__name__}: {error}"})
-
-        return Handler
-
-    def handle(self, path: str, request: dict) -> dict:
-        """A request's answer (a handler thread): sampling through the step loop, everything else run by it between
-        two engine steps."""
+    def route(self, method: str, path: str, headers: Any, request: dict) -> tuple[int, dict]:
+        """A request's status and answer (a handler thread of BoundedJSONServer, once the caller's key is checked)."""
+        if method == "GET":
+            if path != "/health":
+                raise HTTPRefusal(404, f"no endpoint GET {path}")
+            return self.health()
+        if path == "/release":
+            with self.owner_lock:
+                if self.owner is not None and self.owner.run == request.get("run"):
+                    self.owner = None
+            return 200, {"status": "ok"}
+        self._admit_run(path, request)
         if path == "/generate":
-            output = self.loop.generate(request["prompts"], SamplingParams(**{
-                k: tuple(v) if k in ("stop_token_ids", "stop_strings") else v for k, v in request["params"].items()}))
-            return {"token_ids": output.token_ids, "logprobs": output.logprobs, "finish_reasons": output.finish_reasons,
-                    "prompt_index": output.prompt_index, "weight_version": self.weight_version,
-                    "policy_version": output.policy_version, "token_versions": output.token_versions}
-        return self.loop.run(functools.partial(self._update, path, request),
-                             in_flight=bool(request.get("in_flight")) and path in ("/load_weights", "/load_adapter"))
+            return 200, self.generate(request)
+        if path == "/init_weight_group":
+            self._check_group_host(request)
+        return 200, self.loop.run(functools.partial(self._update, path, request),
+                                  in_flight=bool(request.get("in_flight")) and path in ("/load_weights",
+                                                                                         "/load_adapter"))
+
+    def health(self) -> tuple[int, dict]:
+        busy = self.loop.engine_call_seconds()
+        wedged = busy > self.wedged_after
+        owner = self.owner
+        return (503 if wedged else 200), {
+            "status": "wedged" if wedged else "ok", "engine_call_seconds": round(busy, 1),
+            "weight_version": self.weight_version, "weights_id": self.weights_id,
+            "weight_group_size": 1 + self.engine.tensor_parallel_size, "server_id": self.server_id,
+            "gpus": self.gpus, "updates_in_flight": self.loop.updates_in_flight,
+            "requests": len(self.loop.running) + len(self.loop.waiting),
+            "run": owner.label if owner is not None else None}
+
+    def _admit_run(self, path: str, request: dict) -> None:
+        """409 unless the request's run may use the server now (see the class); a load makes its run the holder."""
+        run, label = request.get("run"), str(request.get("run_label") or request.get("run") or "an unnamed run")
+        if run is not None and not isinstance(run, str):
+            raise HTTPRefusal(400, "run must be a string")
+        now = time.monotonic()
+        with self.owner_lock:
+            owner = self.owner
+            if owner is not None and owner.run != run:
+                if now - owner.seen <= self.owner_timeout:
+                    raise HTTPRefusal(409, f"this vLLM server serves run {owner.label} (for {now - owner.since:.0f} s);"
+                                      f" a server serves one run at a time: start another vllm-serve (--port) for "
+                                      f"this run, or wait for that one to end")
+                logger.warning("vllm-serve: run %s was silent for %.0f s; %s takes the server over", owner.label,
+                               now - owner.seen, label)
+                owner = self.owner = None
+            if owner is not None:
+                owner.seen = now
+            elif run is not None and path in ("/load_weights", "/load_adapter", "/init_weight_group"):
+                self.owner = ServerRun(run, label, now, now)
+
+    def generate(self, request: dict) -> dict:
+        prompts, params = request["prompts"], request["params"]
+        if not (isinstance(prompts, list) and prompts and all(
+                isinstance(p, list) and p and all(isinstance(t, int) and t >= 0 for t in p) for p in prompts)):
+            raise HTTPRefusal(400, "prompts must be a non-empty list of non-empty lists of token ids")
+        if not isinstance(params, dict):
+            raise HTTPRefusal(400, "params must be an object of SamplingParams fields")
+        output = self.loop.generate(prompts, SamplingParams(**{
+            k: tuple(v) if k in ("stop_token_ids", "stop_strings") else v for k, v in params.items()}))
+        return {"token_ids": output.token_ids, "logprobs": output.logprobs, "finish_reasons": output.finish_reasons,
+                "prompt_index": output.prompt_index, "weight_version": self.weight_version,
+                "weights_id": self.weights_id, "weights_run": self.weights_run,
+                "policy_version": output.policy_version, "token_versions": output.token_versions}
+
+    def _check_group_host(self, request: dict) -> None:
+        """A weight group's host must be there, and be the caller's (it holds ``key`` under rlhf-weight-group),
+        before the engine is asked to join: a join waits inside the engine, and a host that never answers would
+        hold it."""
+        key, host, port = str(request["key"]), str(request["host"]), int(request["port"])
+        try:
+            store = weight_store(host, port, 2, is_master=False, timeout=GROUP_CHECK_SECONDS)
+            held = store.get("rlhf-weight-group").decode("utf-8", "replace")
+        except Exception as error:  # noqa: BLE001 (torch's store errors have no common class)
+            raise HTTPRefusal(400, f"the weight group's host {host}:{port} did not answer within "
+                              f"{GROUP_CHECK_SECONDS:g} s ({str(error).splitlines()[0][:200]})") from None
+        if not bearer_matches(f"Bearer {held}", key):
+            raise HTTPRefusal(400, f"the weight group's host {host}:{port} does not hold key {key}")
 
     def _update(self, path: str, request: dict) -> dict:
         engine = self.engine
@@ -2312,6 +2581,7 @@ class VLLMServer:
             except Exception:
                 # partly reloaded weights: serve as a restarted server would, so every client sends its weights again
                 self.server_id, self.weight_version, self.policy_version = uuid.uuid4().hex, 0, None
+                self.weights_id = self.weights_run = None
                 raise
         elif path == "/leave_weight_group":
             engine.leave_weight_group(request["key"])
@@ -2320,26 +2590,27 @@ class VLLMServer:
             engine.load_folder(request["path"])
         elif path == "/init_weight_group":
             engine.join_weight_group(request["key"], request["host"], int(request["port"]), request["backend"],
-                                     float(request["timeout"]))
+                                     min(float(request["timeout"]), self.sync_timeout))
         elif path == "/load_adapter":
             engine.load_adapter(request["path"])
         elif path == "/reset_prefix_cache":
             engine.reset_cache()
         else:
-            raise ValueError(f"no endpoint POST {path}")
+            raise HTTPRefusal(404, f"no endpoint POST {path}")
         if path in ("/load_weights", "/load_adapter"):
             self.weight_version += 1
+            self.weights_id, self.weights_run = uuid.uuid4().hex, request.get("run") or ""  # "": no named run's
             self.policy_version = request.get("policy_version")  # the trainer's step, returned with each sample
-        return {"status": "ok", "weight_version": self.weight_version}
+        return {"status": "ok", "weight_version": self.weight_version, "weights_id": self.weights_id}
 
     def serve_forever(self) -> None:
-        host, port = self.httpd.server_address[:2]
         logger.info("vLLM server on http://%s:%d (GET /health, POST /generate /load_weights /init_weight_group "
-                    "/load_adapter /reset_prefix_cache)", host, port)
+                    "/load_adapter /reset_prefix_cache /release)", self.http.host, self.http.port)
         try:
             self.httpd.serve_forever()
         finally:
             self.loop.close()
+            self.httpd.server_close()
 
 
 WEIGHT_TRANSFERS = ("files", "collective")
@@ -2356,7 +2627,13 @@ class VLLMClient:
     from a GPU, gloo from a CPU; TRL's and OpenRLHF's way), which reaches a server on another machine and writes
     nothing; NCCL cannot join two processes on one GPU, so a trainer on one of the server's GPUs is refused.
     ``auto``: collective from a GPU the server does not use, else files. LoRA adapters always travel as a folder
-    (megabytes). A RolloutEngine shared by every training process: the main one syncs it."""
+    (megabytes). A RolloutEngine shared by every training process: the main one syncs it.
+
+    ``api_key`` (default: the RLHF_VLLM_API_KEY environment variable) is sent with every request. ``run`` names
+    this trainer run to the server (every process of one run gives the same; ``run_label`` is what an error calls
+    it): the server serves one named run at a time, and each sample is checked to come from this run's own weights
+    (a client of no named run, a script's, holds the server for nothing and is refused while a run holds it).
+    A load, a weight group's join and a broadcast wait at most ``sync_timeout`` seconds, once."""
 
     holds_weights, shared, takes_images = True, True, False
     metric_prefix, logprobs_after_truncation = "vllm", True  # vLLM's processed_logprobs
@@ -2364,7 +2641,10 @@ class VLLMClient:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 8000, *, timeout: float = 600.0, retries: int = 3,
                  backoff: float = 1.0, sync_dir: str | os.PathLike | None = None,
-                 weight_transfer: str = "files", in_flight: bool = False) -> None:
+                 weight_transfer: str = "files", in_flight: bool = False, api_key: str | None = None,
+                 run: str | None = None, run_label: str | None = None, sync_timeout: float | None = None) -> None:
+        import socket
+
         if weight_transfer not in ("auto", *WEIGHT_TRANSFERS):
             raise ValueError(f"weight_transfer '{weight_transfer}' is not one of auto, {', '.join(WEIGHT_TRANSFERS)}")
         self.url, self.timeout, self.retries, self.backoff = f"http://{host}:{port}", timeout, retries, backoff
@@ -2377,6 +2657,11 @@ class VLLMClient:
         self.base_sent = False  # a LoRA policy's base weights have gone to the server
         self.policy_version: int | None = None  # the trainer's step of the weights being sent / last sent
         self.in_flight = in_flight  # loads apply while requests run (VLLMStepLoop), not after them
+        self.api_key = api_key if api_key is not None else os.environ.get(SERVER_API_KEY_VARIABLE) or None
+        self.run, self.run_named = run or uuid.uuid4().hex, run is not None
+        self.run_label = run_label or f"pid {os.getpid()} on {socket.gethostname()}"
+        self.sync_timeout = sync_timeout or timeout
+        self.weights_id: str | None = None  # the id the server gave our last load
 
     def sample(self, prompts: list[list[int]], params: SamplingParams,
                images: list[list[str]] | None = None) -> GenerationOutput:
@@ -2395,27 +2680,45 @@ class VLLMClient:
             self.base_sent = True
         _ship_adapter(self, weights, self.sync_dir)
 
-    def _request(self, path: str, body: dict | None = None, attempts: int | None = None) -> dict:
+    def _request(self, path: str, body: dict | None = None, attempts: int | None = None,
+                 timeout: float | None = None) -> dict:
         import urllib.error
         import urllib.request
 
+        if body is not None and self.run_named:
+            body = {**body, "run": self.run, "run_label": self.run_label}
         data = json.dumps(body).encode() if body is not None else None
-        last = ""
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        last, stalled = "", False
         attempts = attempts or self.retries
         for attempt in range(attempts):
-            request = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
+            request = urllib.request.Request(self.url + path, data=data, headers=headers)
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                with urllib.request.urlopen(request, timeout=timeout or self.timeout) as response:
                     return json.loads(response.read())
             except urllib.error.HTTPError as error:  # the server answered: its reason, no retry for a bad request
-                reason = json.loads(error.read() or b"{}").get("error", error.reason)
+                try:
+                    reason = json.loads(error.read() or b"{}").get("error", error.reason)
+                except (ValueError, AttributeError, OSError):
+                    reason = error.reason
+                if error.code == 401:
+                    raise VLLMServerError(f"vLLM server {self.url} refused this trainer's API key: set "
+                                          f"{SERVER_API_KEY_VARIABLE} to the key vllm-serve was started with") from None
                 if error.code < 500:
                     raise VLLMServerError(f"vLLM server {self.url}{path}: {reason}") from None
-                last = f"HTTP {error.code}: {reason}"
+                last, stalled = f"HTTP {error.code}: {reason}", False
             except (urllib.error.URLError, OSError, TimeoutError) as error:
                 last = str(getattr(error, "reason", error))
+                stalled = isinstance(getattr(error, "reason", error), TimeoutError)
             if attempt + 1 < attempts:
                 time.sleep(self.backoff * 2 ** attempt)
+        if stalled:  # it took the request and never answered: a stalled sync or a wedged engine, not a dead server
+            raise VLLMServerError(f"vLLM server {self.url} took {path} and did not answer within "
+                                  f"{timeout or self.timeout:g} s ({attempts} attempt(s)); look at the server (GET "
+                                  f"/health says whether its engine is wedged), or raise sync_timeout / "
+                                  f"vllm_server_timeout")
         raise VLLMServerError(f"vLLM server {self.url} did not answer {path} after {attempts} attempt(s) ({last}); "
                               f"start it with `python rlhf.py vllm-serve --model DIR --port "
                               f"{self.url.rsplit(':', 1)[1]}` or check vllm_server_host / vllm_server_port")
@@ -2428,6 +2731,7 @@ class VLLMClient:
         them again from the sync folder first, so no rollout comes from the weights it started with."""
         body = {"prompts": [list(p) for p in prompts], "params": dataclasses.asdict(params)}
         answer = self._request("/generate", body)
+        self._check_weights(answer)
         if self.last_load is not None and answer.get("weight_version", 0) < self.weight_version:
             logger.warning("vLLM server %s restarted: sending it the current weights again", self.url)
             how, what = self.last_load
@@ -2441,13 +2745,23 @@ class VLLMClient:
             else:
                 self._load(how, what)
             answer = self._request("/generate", body)
+            self._check_weights(answer)
         return GenerationOutput(answer["token_ids"], answer["logprobs"], answer["finish_reasons"],
                                 answer["prompt_index"], policy_version=answer.get("policy_version"),
                                 token_versions=answer.get("token_versions"))
 
+    def _check_weights(self, answer: dict) -> None:
+        """VLLMServerError unless a sample came from this run's weights (or the model the server started with):
+        every load is tagged with the run that made it, and another run's load since ours (a server that does
+        not keep runs apart) would otherwise go unnoticed. A client of no named run (a script's) checks nothing."""
+        if self.run_named and answer.get("weights_run") not in (None, self.run):
+            raise VLLMServerError(f"vLLM server {self.url} sampled with weights another run loaded (the server is "
+                                  f"shared): give each run its own vllm-serve")
+
     def _load(self, endpoint: str, path: str) -> None:
-        self.weight_version = self._request(endpoint, {"path": path, "policy_version": self.policy_version,
-                                                       "in_flight": self.in_flight})["weight_version"]
+        answer = self._request(endpoint, {"path": path, "policy_version": self.policy_version,
+                                          "in_flight": self.in_flight}, attempts=1, timeout=self.sync_timeout)
+        self.weight_version, self.weights_id = answer["weight_version"], answer.get("weights_id")
         self.last_load = (endpoint, path)
 
     def load_weights(self, named_tensors) -> None:
@@ -2488,7 +2802,6 @@ class VLLMClient:
         and reload them one at a time. The tensors are the trainer's own (no copy); one attempt, since a retry
         after a partial broadcast would leave the two sides out of step. A failure abandons the group (an NCCL
         broadcast still pending would hang the trainer's next kernel) and the next sync forms a new one."""
-        import threading
 
         gathered = isinstance(source, GatheredRead)
         if gathered:  # announced from the layout; each tensor gathered as the broadcast reaches it
@@ -2523,8 +2836,9 @@ class VLLMClient:
         try:
             answer = self._request("/load_weights", {"collective": metadata, "key": key, "backend": backend,
                                                      "policy_version": self.policy_version,
-                                                     "in_flight": self.in_flight}, attempts=1)
-            sender.join(self.timeout)
+                                                     "in_flight": self.in_flight}, attempts=1,
+                                   timeout=self.sync_timeout)
+            sender.join(self.sync_timeout)
         except VLLMServerError:
             self._abandon_group()
             raise
@@ -2532,26 +2846,26 @@ class VLLMClient:
             self._abandon_group()
             raise VLLMServerError(f"vLLM server {self.url}: the weight broadcast failed "
                                   f"({failures[0] if failures else 'timed out'})")
-        self.weight_version = answer["weight_version"]
+        self.weight_version, self.weights_id = answer["weight_version"], answer.get("weights_id")
         self.last_load = ("collective", source)
 
     def _join_weight_group(self, backend: str, device: torch.device, server: dict) -> None:
         """Host a weight group's store on a free port and have the server's workers join it (both sides block
         until all have joined, so this side joins in a thread while the request waits for the server's).
         ``server``: its /health answer."""
-        import threading
 
         world_size = int(server.get("weight_group_size", 2))
         host = self._own_address()
-        store = weight_store(host, 0, world_size, is_master=True, timeout=self.timeout)
-        key = f"{host}:{store.port}"
+        store = weight_store(host, 0, world_size, is_master=True, timeout=self.sync_timeout)
+        key = f"{host}:{store.port}:{uuid.uuid4().hex}"
+        store.set("rlhf-weight-group", key)  # the server checks we host the group before its engine joins it
         joined: dict[str, Any] = {}
 
         def join() -> None:
             try:
                 if backend == "nccl":
                     torch.cuda.set_device(device)
-                group = weight_group(store, 0, world_size, backend, self.timeout)
+                group = weight_group(store, 0, world_size, backend, self.sync_timeout, address=host)
                 _broadcast_from_trainer(group, torch.zeros(1, device=device))  # connects NCCL now (see the worker's)
                 if backend == "nccl":
                     torch.cuda.synchronize(device)
@@ -2563,8 +2877,8 @@ class VLLMClient:
         joiner.start()
         # a failed request raises at once: the joining thread gives up at the group's timeout (a daemon)
         self._request("/init_weight_group", {"key": key, "host": host, "port": store.port, "backend": backend,
-                                             "timeout": self.timeout}, attempts=1)
-        joiner.join(self.timeout)
+                                             "timeout": self.sync_timeout}, attempts=1, timeout=self.sync_timeout)
+        joiner.join(self.sync_timeout)
         if "group" not in joined:
             raise VLLMServerError(f"vLLM server {self.url}: could not form the weight group "
                                   f"({joined.get('error', 'timed out')})")
@@ -2572,12 +2886,8 @@ class VLLMClient:
 
     def _own_address(self) -> str:
         """This machine's address as the server reaches it (the interface the route to the server leaves by)."""
-        import socket
-
         try:
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-                probe.connect((self.host, self.port))  # UDP: picks the route, sends nothing
-                return probe.getsockname()[0]
+            return route_address(self.host, self.port)
         except OSError as error:
             raise VLLMServerError(f"vLLM server {self.url}: no IPv4 route to it for the weight group ({error}); "
                                   f"set vllm_weight_transfer: files") from None
@@ -2610,6 +2920,10 @@ class VLLMClient:
                 self._request("/leave_weight_group", {"key": key}, attempts=1)
             except VLLMServerError:  # a server that is gone holds no group
                 pass
+        try:  # the server may serve another run now
+            self._request("/release", {}, attempts=1, timeout=min(self.timeout, 30.0))
+        except VLLMServerError:
+            pass
         if self.owned_sync_dir:
             shutil.rmtree(self.sync_dir, ignore_errors=True)
 
@@ -2630,7 +2944,6 @@ class VLLMServerPool:
     answers_evaluation = True
 
     def __init__(self, clients: list[VLLMClient]) -> None:
-        import threading
 
         if not clients:
             raise ValueError("a server pool needs at least one server")
@@ -2779,7 +3092,11 @@ def vllm_serve(argv: list[str] | None = None) -> int:
         "weights arrive after every optimizer step through a folder both processes read."))
     parser.add_argument("--model", required=True, help="Hugging Face model directory the trainer starts from "
                         "(for a LoRA run: its base model)")
-    parser.add_argument("--host", default="127.0.0.1", help="Address to listen on (127.0.0.1: this machine only)")
+    parser.add_argument("--host", default="127.0.0.1", help="Address to listen on (127.0.0.1: this machine only; any "
+                        "other needs an API key)")
+    parser.add_argument("--api-key", default=None, help=f"Key every request must carry (Authorization: Bearer KEY); "
+                        f"default: the {SERVER_API_KEY_VARIABLE} environment variable, which trainers send too (and "
+                        f"which, unlike this option, other users of the machine cannot read in the process list)")
     parser.add_argument("--port", type=int, default=8000, help="Port to listen on")
     parser.add_argument("--dtype", default="auto", help="Weights' dtype on a GPU (auto, bfloat16, float16, float32); "
                         "always float32 on a CPU")
@@ -2792,16 +3109,33 @@ def vllm_serve(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-after-update", choices=KV_AFTER_UPDATES, default="recompute",
                         help="In-flight weight updates (rollout_scheduler: in_flight): recompute the running requests' "
                         "KV cache under the new weights (exact) or keep the old weights' (no re-prefill)")
+    parser.add_argument("--sync-timeout", type=float, default=300.0, help="Seconds a weight group's join or a weight "
+                        "broadcast may wait for the trainer before it fails")
+    parser.add_argument("--wedged-after", type=float, default=600.0, help="Seconds one engine call (a step, a load) "
+                        "may run before GET /health answers 503 wedged")
+    parser.add_argument("--owner-timeout", type=float, default=900.0, help="Seconds a run that holds the server may "
+                        "stay silent before another run may take the server over")
     args = parser.parse_args(argv)
     if not Path(args.model).is_dir():
         print(f"error: --model {args.model} is not a model directory", file=sys.stderr)
+        return 2
+    api_key = args.api_key or os.environ.get(SERVER_API_KEY_VARIABLE) or None
+    if not is_loopback(args.host) and not api_key:
+        print(f"error: --host {args.host} lets other machines drive this server (load weights from any folder, join "
+              f"it to a weight group); set {SERVER_API_KEY_VARIABLE} (or --api-key) here and for the trainer, and "
+              f"keep the network isolated (docs/security.md)", file=sys.stderr)
+        return 2
+    if min(args.sync_timeout, args.wedged_after, args.owner_timeout) <= 0:
+        print("error: --sync-timeout, --wedged-after and --owner-timeout must be positive", file=sys.stderr)
         return 2
     try:
         engine = VLLMEngine(args.model, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len,
                             gpu_memory_utilization=args.gpu_memory_utilization,
                             tensor_parallel_size=args.tensor_parallel_size, enable_lora=args.enable_lora,
                             max_lora_rank=args.max_lora_rank, stepwise=True)
-        server = VLLMServer(engine, args.host, args.port, kv_after_update=args.kv_after_update)
+        server = VLLMServer(engine, args.host, args.port, kv_after_update=args.kv_after_update, api_key=api_key,
+                            sync_timeout=args.sync_timeout, wedged_after=args.wedged_after,
+                            owner_timeout=args.owner_timeout)
     except (RuntimeError, ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -27,8 +27,9 @@ says what a contributor adds there, and docs/architecture.md walks through each:
        weight_sharding, GatherMeter, gathered_named_tensors, sharded_layout, DeepSpeedSupport, DeviceManager, smoothed,
        plot_metrics, PlainProgress,
        TrainingLogger, optimizer_state_to_safetensors, optimizer_state_from_safetensors, capture_rng_state,
-       restore_rng_state, CheckpointManager, PreemptionGuard, CheckpointingMixin, create_optimizer, EarlyStopping,
-       find_linear_module_names, find_expert_parameter_names, apply_freeze, compile_model, compile_training_step
+       restore_rng_state, RunFolderLock, CheckpointManager, PreemptionGuard, CheckpointingMixin, create_optimizer,
+       EarlyStopping, find_linear_module_names, find_expert_parameter_names, apply_freeze, compile_model,
+       compile_training_step
        add: a logging target (REPORT_TARGETS), something a checkpoint carries (CheckpointManager), an optimizer
   3. Data
        DatasetSpec, resolve_dataset, iter_raw_records, parse_record, count_placeholders, open_image, to_record,
@@ -78,12 +79,13 @@ says what a contributor adds there, and docs/architecture.md walks through each:
   9. Rollouts
        Rollout, Episodes, completion_metrics, episode_metrics, RolloutStopped, PromptBatch, PromptStream,
        with_lookahead, rollout_seed, turn_seed, buffer_order_seed, rollout_sampling_params, PolicyWeightSource,
-       EngineContext, ROLLOUT_ENGINES, register_rollout_engine, rollout_engine_name, MeasuredEngineChoice, engine_label,
-       SyncedEngine, EpisodeSource, implied_episode_source, episode_source_name, SingleTurnSource,
-       ToolEnvironmentSource, AgentRollout, AgentProgramSource, RolloutScheduler, rollout_scheduler_name, SyncScheduler,
-       BoundedStalenessScheduler, InFlightScheduler, token_version_metrics, Scores, RolloutScorer, rollout_rows,
-       per_call_rows, engine_log_probs, engine_correction, rollout_file, save_rollouts, episodes_to_json,
-       episodes_from_json, buffer_file, save_buffers, load_buffer, RolloutLedger, load_rollout
+       EngineContext, ROLLOUT_ENGINES, register_rollout_engine, rollout_engine_name, server_run_identity,
+       MeasuredEngineChoice, engine_label, SyncedEngine, EpisodeSource, implied_episode_source, episode_source_name,
+       SingleTurnSource, ToolEnvironmentSource, AgentRollout, AgentProgramSource, RolloutScheduler,
+       rollout_scheduler_name, SyncScheduler, BoundedStalenessScheduler, InFlightScheduler, token_version_metrics,
+       Scores, RolloutScorer, rollout_rows, per_call_rows, engine_log_probs, engine_correction, rollout_file,
+       save_rollouts, episodes_to_json, episodes_from_json, buffer_file, save_buffers, load_buffer, RolloutLedger,
+       load_rollout
        add: an episode source (a class with EpisodeSource's members, @register_episode_source), a rollout scheduler
             (RolloutScheduler's members, @register_rollout_scheduler), a rollout engine (a class with
             inference_optimizations.RolloutEngine's members and a @register_rollout_engine builder of an EngineContext)
@@ -156,6 +158,7 @@ import operator
 import os
 import random
 import re
+import secrets
 import shutil
 import signal
 import sys
@@ -184,12 +187,15 @@ from torch import nn
 
 from inference_optimizations import (
     END_MARKERS,
+    HTTP_IDLE_SECONDS,
     QUANTIZED_ROLLOUT_DTYPES,
     VLLM_MODES,
     WEIGHT_TRANSFERS,
     BestOfNSampler,
+    BoundedJSONServer,
     GatheredRead,
     GenerationOutput,
+    HTTPRefusal,
     LocalEngine,
     PolicyWeights,
     QuantizedEngine,
@@ -205,6 +211,7 @@ from inference_optimizations import (
     encode_at_boundaries,
     innermost_model,
     pin_cpu_kernels,
+    require_bearer,
     returned_cache,
     run_folder,
     save_weight_shards,
@@ -779,6 +786,8 @@ class OnlineRLConfig(BaseConfig):
     vllm_server_port: int = _opt(8000, "server mode: its port")
     vllm_server_timeout: float = _opt(600.0, "server mode: seconds one request may take before it is retried")
     vllm_server_retries: int = _opt(3, "server mode: attempts per request (exponential backoff between them)")
+    sync_timeout: float = _opt(300.0, "server mode: seconds a weight sync (a load, a weight group's join, a broadcast) "
+                                      "may stall before the run stops, with one line saying how to resume")
     vllm_weight_transfer: str = _opt("auto", "server mode: how full weights reach the server: files (safetensors "
                                              "shards in vllm_sync_dir, which both read) | collective (broadcast "
                                              "through a process group of trainer and server: NCCL from a GPU, gloo "
@@ -874,7 +883,7 @@ class OnlineRLConfig(BaseConfig):
                    "auto measures a colocated vLLM against our engine; with a server set use_vllm: true")
             if self.use_vllm is False:
                 return
-        else:
+        elif self.vllm_mode != "server":  # a server's trainer speaks HTTP and torch.distributed: no vLLM of its own
             missing = vllm_missing()
             _check(not missing, "use_vllm", missing)
         _check_choice(self.vllm_mode, VLLM_MODES, "vllm_mode")
@@ -887,6 +896,7 @@ class OnlineRLConfig(BaseConfig):
         _check(1 <= self.vllm_server_port < 65536, "vllm_server_port", "must be a port number (1-65535)")
         _check(self.vllm_server_timeout > 0 and self.vllm_server_retries >= 1,
                "vllm_server_timeout/vllm_server_retries", "need a positive timeout and at least one attempt")
+        _check(self.sync_timeout > 0, "sync_timeout", "must be a positive number of seconds")
         _check(self.max_staleness >= 0, "max_staleness", "must be >= 0 (0: on-policy)")
         if self.async_rollouts and not self.max_staleness:
             self.max_staleness = 1
@@ -2612,6 +2622,9 @@ MODEL_FILE_PATTERNS = ("config.json", "generation_config.json", "model.safetenso
                        "critic")
 
 
+FINAL_SAVE_MARKER = ".final-save-incomplete"  # in a folder whose model a final save was replacing when it was killed
+
+
 def stale_model_files(folder: Path, written: set[str]) -> list[Path]:
     """The model files in ``folder`` (MODEL_FILE_PATTERNS) that a new save writing ``written`` would leave behind."""
     return sorted({path for pattern in MODEL_FILE_PATTERNS for path in folder.glob(pattern)
@@ -2666,6 +2679,71 @@ def _changed_structure_error(path: Path, changes: list[str], explicit: bool) -> 
                           "them)")
 
 
+class RunFolderLock:
+    """One run per output_dir: an exclusive ``flock`` on ``output_dir/.rlhf.lock`` for the run's life, the holder's
+    pid, host and start time written inside, so that a second run into the folder (which would sweep the first's
+    checkpoint in the making, roll its checkpoints away and resume from them) is refused in one line naming the
+    holder. The kernel drops the lock with its process: a killed run's lock is taken over by the next run.
+    ``hold(folder)`` is the one this process holds for a folder (taken at most once per folder); ``release``."""
+
+    name = ".rlhf.lock"
+    held: dict[str, RunFolderLock] = {}  # folder (real path) -> this process's lock of it
+
+    def __init__(self, folder: str | os.PathLike) -> None:
+        self.folder, self.fd = Path(folder), None
+
+    @classmethod
+    def hold(cls, folder: str | os.PathLike) -> RunFolderLock:
+        key = os.path.realpath(folder)
+        if key not in cls.held:
+            cls.held[key] = cls(folder)._acquire()
+        return cls.held[key]
+
+    def _acquire(self) -> RunFolderLock:
+        import fcntl
+        import socket
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.folder / self.name, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _lock_holder(os.pread(fd, 4096, 0))
+            os.close(fd)
+            raise RLHFInputError(f"output_dir {self.folder} is in use by another run ({holder}); wait for it to end, "
+                                 f"or give this run another output_dir") from None
+        previous = _lock_holder(os.pread(fd, 4096, 0))
+        if previous != "unknown":
+            logger.info("%s: the lock of an earlier run (%s) was left by a process that ended; taken over",
+                        self.folder, previous)
+        mine = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                           "started": time.strftime("%Y-%m-%d %H:%M:%S")}).encode()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, mine, 0)
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        """Unlock (the file stays, empty: removing it would race a run that just opened it)."""
+        import fcntl
+
+        RunFolderLock.held.pop(os.path.realpath(self.folder), None)
+        if self.fd is not None:
+            os.ftruncate(self.fd, 0)
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
+
+
+def _lock_holder(raw: bytes) -> str:
+    """A RunFolderLock file's holder in words ('unknown' for an empty or unreadable one)."""
+    try:
+        holder = json.loads(raw)
+        return f"pid {holder['pid']} on {holder['host']}, started {holder['started']}"
+    except (ValueError, KeyError, TypeError):
+        return "unknown"
+
+
 class CheckpointManager:
     """Atomic, rolling checkpoints under ``output_dir/checkpoints``.
 
@@ -2676,10 +2754,15 @@ class CheckpointManager:
 
     prefix = "checkpoint-"
 
-    def __init__(self, output_dir: str | os.PathLike, save_total_limit: int = 3) -> None:
+    def __init__(self, output_dir: str | os.PathLike, save_total_limit: int = 3, *, sweep: bool = True) -> None:
         self.root = Path(output_dir) / "checkpoints"
         self.save_total_limit = save_total_limit
         self.root.mkdir(parents=True, exist_ok=True)
+        if sweep:
+            self.sweep()
+
+    def sweep(self) -> None:
+        """Remove what a killed run left half-written (only while holding the folder: RunFolderLock)."""
         for stale in self.root.glob(".tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
 
@@ -3012,7 +3095,8 @@ class CheckpointingMixin:
         temporary folder (removed whatever happens; one a killed save left is swept first), then every model file of
         an earlier model that the new save does not write is deleted (a LoRA run's adapter beside a later full
         model's weights would otherwise be loaded on top of them), then the new files are renamed into place. A kill
-        in the middle leaves the final checkpoint, and the rerun that resumes from it saves the model again."""
+        in the middle leaves FINAL_SAVE_MARKER (every loader refuses the half-replaced folder in one line) and the
+        final checkpoint, and the rerun that resumes from it saves the model again."""
         with self._weights_gathered():
             if self.devices.is_main_process:
                 for leftover in self.output_dir.glob(".tmp-final-*"):
@@ -3021,6 +3105,7 @@ class CheckpointingMixin:
                 try:
                     self._save_model(tmp)
                     _fsync_tree(tmp)
+                    write_text_atomic(self.output_dir / FINAL_SAVE_MARKER, "a final save is replacing this model\n")
                     for stale in stale_model_files(self.output_dir, {item.name for item in tmp.iterdir()}):
                         shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
                     for item in tmp.iterdir():
@@ -3028,6 +3113,8 @@ class CheckpointingMixin:
                         if item.is_dir() and target.is_dir():  # os.replace cannot overwrite a non-empty directory
                             shutil.rmtree(target)
                         os.replace(item, target)
+                    _fsync_directory(self.output_dir)
+                    (self.output_dir / FINAL_SAVE_MARKER).unlink()
                 finally:
                     shutil.rmtree(tmp, ignore_errors=True)
         self.devices.wait()
@@ -5703,6 +5790,9 @@ def resolve_model_path(name_or_path: str, cache_dir: str | os.PathLike | None = 
         name_or_path = str(Path(name_or_path).expanduser())
     if str(name_or_path).lower().endswith(".gguf"):
         return str(gguf_to_hf(name_or_path, cache_dir))
+    if (Path(name_or_path) / FINAL_SAVE_MARKER).exists():
+        raise RLHFInputError(f"{name_or_path} holds a half-replaced model (its final save was killed); run the "
+                             f"training command again, which resumes from its last checkpoint and saves it whole")
     return name_or_path
 
 
@@ -8727,83 +8817,72 @@ class AgentCall:
 
 
 class AgentEndpoint:
-    """``/episodes/<id>/v1/chat/completions``, ``/episodes/<id>/v1/completions`` and ``/v1/models`` on 127.0.0.1
-    (AReaL's way: each episode's client gets its own base_url). A request becomes an AgentCall in ``pending``, which
-    the trainer's main thread samples (batched) and answers; ``prepare(episode, body, kind)`` turns a request's
-    body into (prompt text, prompt ids, budget, stop strings) or raises ValueError, which the agent receives as an
-    OpenAI error (HTTP 400). Request threads wait for their answer at most ``timeout`` seconds."""
+    """``/episodes/<id>/v1/chat/completions``, ``/episodes/<id>/v1/completions`` and ``/episodes/<id>/v1/models`` on
+    127.0.0.1 (AReaL's way: each episode's client gets its own base_url), each episode's routes open to its own key
+    only (``key_for(episode)``: its client's ``api_key``, None once it is not running), on a BoundedJSONServer (no
+    request can hold or crash it). A request becomes an AgentCall in ``pending``, which the trainer's main thread
+    samples (batched) and answers; ``prepare(episode, body, kind)`` turns a request's body into (prompt text, prompt
+    ids, budget, stop strings) or raises ValueError, which the agent receives as an OpenAI error (HTTP 400). Request
+    threads wait for their answer at most ``timeout`` seconds."""
 
     def __init__(self, prepare: Callable[[int, dict[str, Any], str], tuple[str, list[int], int, tuple[str, ...]]],
-                 answer: Callable[[AgentCall, dict[str, Any], str], dict[str, Any]], *, port: int = 0,
-                 timeout: float = 1800.0) -> None:
-        from http.server import ThreadingHTTPServer
-
+                 answer: Callable[[AgentCall, dict[str, Any], str], dict[str, Any]],
+                 key_for: Callable[[int], str | None], *, port: int = 0, timeout: float = 1800.0,
+                 idle_seconds: float = HTTP_IDLE_SECONDS) -> None:
         self.pending: list[AgentCall] = []
         self.lock = threading.Lock()
         self.arrived = threading.Condition(self.lock)
+        self.prepare, self.answer, self.key_for, self.timeout = prepare, answer, key_for, timeout
+        self.http = BoundedJSONServer(self.route, "127.0.0.1", port, authorize=self.authorize,
+                                      error_body=self.error_body, idle_seconds=idle_seconds, name="agent endpoint")
+        self.port = self.http.port
+        self.http.serve_in_thread("rlhf-agent-endpoint")
 
-        class Server(ThreadingHTTPServer):
-            request_queue_size = 1024  # every episode of a rollout may connect at once (socketserver's default: 5)
-            daemon_threads = True
+    @staticmethod
+    def error_body(status: int, message: str) -> dict[str, Any]:
+        """OpenAI's error form, so an agent's client raises its own error classes."""
+        kind = {401: "authentication_error", 404: "not_found_error"}.get(status, "invalid_request_error")
+        return {"error": {"message": message, "type": kind, "code": status}}
 
-        self.server = Server(("127.0.0.1", port), self._handler(prepare, answer, timeout))
-        self.port = self.server.server_address[1]
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True, name="rlhf-agent-endpoint")
-        self.thread.start()
+    @staticmethod
+    def _parse(path: str) -> tuple[int, str]:
+        match = re.fullmatch(r"/episodes/(\d{1,12})/v1/(models|chat/completions|completions)/?", path)
+        if not match:
+            raise HTTPRefusal(404, f"no such path: {path[:200]}; use this episode's base_url")
+        return int(match.group(1)), match.group(2)
 
-    def _handler(self, prepare: Callable[[int, dict[str, Any], str], tuple[str, list[int], int, tuple[str, ...]]],
-                 answer: Callable[[AgentCall, dict[str, Any], str], dict[str, Any]], timeout: float) -> type:
-        """The server's request handler class: a request thread turns a request into an AgentCall in ``pending``,
-        waits for the main thread to sample it, and sends the answer (or an OpenAI error)."""
-        from http.server import BaseHTTPRequestHandler
+    def authorize(self, method: str, path: str, headers: Any) -> None:
+        """Only the client of a running episode, holding that episode's key, reaches its routes."""
+        episode, _ = self._parse(path)
+        key = self.key_for(episode)
+        if key is None:
+            raise HTTPRefusal(401, f"episode {episode} is not running")
+        require_bearer(headers, key, f"episode {episode}")
 
-        endpoint = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: Any) -> None:  # the trainer's log is ours
-                pass
-
-            def _send(self, status: int, body: dict[str, Any]) -> None:
-                data = json.dumps(body).encode("utf-8")
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def _error(self, status: int, message: str) -> None:
-                self._send(status, {"error": {"message": message, "type": "invalid_request_error", "code": status}})
-
-            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-                if self.path.rstrip("/").endswith("/v1/models"):
-                    self._send(200, {"object": "list", "data": [{"id": "policy", "object": "model",
-                                                                 "owned_by": "rlhf"}]})
-                else:
-                    self._error(404, f"no such path: {self.path}")
-
-            def do_POST(self) -> None:  # noqa: N802
-                match = re.fullmatch(r"/episodes/(\d+)/v1/(chat/completions|completions)/?", self.path)
-                if not match:
-                    return self._error(404, f"no such path: {self.path}; use this episode's base_url")
-                kind = "chat" if match.group(2) == "chat/completions" else "completion"
-                try:
-                    body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-                    if body.get("stream"):
-                        raise ValueError("stream: true is not served; ask for the whole answer")
-                    text, prompt_ids, budget, stop = prepare(int(match.group(1)), body, kind)
-                except ValueError as error:
-                    return self._error(400, str(error))
-                call = AgentCall(int(match.group(1)), prompt_ids, budget, stop, text)
-                with endpoint.arrived:
-                    endpoint.pending.append(call)
-                    endpoint.arrived.notify_all()
-                if not call.done.wait(timeout):
-                    return self._error(504, f"not sampled within {timeout:g} s")
-                if call.error:
-                    return self._error(400, call.error)
-                self._send(200, answer(call, body, kind))
-
-        return Handler
+    def route(self, method: str, path: str, headers: Any, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """A request's status and answer (a request thread, once ``authorize`` let it in): a completion request
+        waits for the main thread to sample it."""
+        episode, what = self._parse(path)
+        if what == "models" or method != "POST":
+            if what != "models" or method != "GET":
+                raise HTTPRefusal(404, f"no endpoint {method} {path[:200]}")
+            return 200, {"object": "list", "data": [{"id": "policy", "object": "model", "owned_by": "rlhf"}]}
+        kind = "chat" if what == "chat/completions" else "completion"
+        if body.get("stream"):
+            raise ValueError("stream: true is not served; ask for the whole answer")
+        try:
+            text, prompt_ids, budget, stop = self.prepare(episode, body, kind)
+        except ValueError as error:  # the agent's mistake, in its own words
+            raise HTTPRefusal(400, str(error)) from None
+        call = AgentCall(episode, prompt_ids, budget, stop, text)
+        with self.arrived:
+            self.pending.append(call)
+            self.arrived.notify_all()
+        if not call.done.wait(self.timeout):
+            raise HTTPRefusal(504, f"not sampled within {self.timeout:g} s")
+        if call.error:
+            raise HTTPRefusal(400, call.error)
+        return 200, self.answer(call, body, kind)
 
     def base_url(self, episode: int) -> str:
         return f"http://127.0.0.1:{self.port}/episodes/{episode}/v1"
@@ -8829,8 +8908,7 @@ class AgentEndpoint:
                 self.arrived.wait(poll)
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.http.close()
 
 
 def openai_answer(call: AgentCall, body: dict[str, Any], kind: str, tokenizer: Any) -> dict[str, Any]:
@@ -9476,6 +9554,17 @@ def _vllm_colocate_engine(context: EngineContext) -> VLLMEngine:
     return engine
 
 
+def server_run_identity(output_dir: str | os.PathLike) -> tuple[str, str]:
+    """(id, label) of this run to a vllm-serve it shares: the same in every process of the run (and in a resumed run),
+    different for any run that could run beside it, since an output_dir holds one run at a time (RunFolderLock)."""
+    import socket
+
+    master = os.environ.get("MASTER_ADDR", "")
+    host = master if master and master not in ("127.0.0.1", "localhost", "::1") else socket.gethostname()
+    folder = os.path.realpath(output_dir)
+    return hashlib.sha256(f"{host}\0{folder}".encode()).hexdigest()[:32], f"{folder} on {host}"
+
+
 @register_rollout_engine("vllm_server")
 def _vllm_server_engine(context: EngineContext) -> VLLMClient | VLLMServerPool:
     """A client of ``rlhf.py vllm-serve`` (several: a VLLMServerPool); a server that is not there fails here, before
@@ -9486,10 +9575,12 @@ def _vllm_server_engine(context: EngineContext) -> VLLMClient | VLLMServerPool:
         transfer = "collective" if context.devices.device.type == "cuda" else "files"
     addresses = ([str(entry).split("://")[-1].rstrip("/").rsplit(":", 1) for entry in config.vllm_servers]
                  if config.vllm_servers else [(config.vllm_server_host, config.vllm_server_port)])
+    run, label = server_run_identity(config.output_dir)
     clients = [VLLMClient(host, int(port), timeout=config.vllm_server_timeout, retries=config.vllm_server_retries,
                           sync_dir=(Path(config.vllm_sync_dir) / f"server-{i}" if config.vllm_sync_dir and
                                     len(addresses) > 1 else config.vllm_sync_dir), weight_transfer=transfer,
-                          in_flight=context.in_flight_updates)
+                          in_flight=context.in_flight_updates, run=run, run_label=label,
+                          sync_timeout=config.sync_timeout)
                for i, (host, port) in enumerate(addresses)]
     if len(clients) == 1:
         clients[0].health()
@@ -9941,6 +10032,15 @@ class AgentRollout:
     texts: list[str]
     calls: list[list[AgentCall]]
     warned: set[str] = field(default_factory=set)
+    # each episode's own API key (its client's; no other episode's client, or other local process, can post into
+    # its trajectory) and its requests admitted so far (counted when admitted, so concurrent ones cannot pass
+    # max_turns)
+    keys: list[str] = field(default_factory=list)
+    admitted: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.keys = self.keys or [secrets.token_urlsafe(24) for _ in self.records]
+        self.admitted = self.admitted or [0] * len(self.records)
 
     def owns(self, episode: int) -> bool:
         return 0 <= episode - self.first < len(self.records)
@@ -9993,7 +10093,8 @@ class AgentProgramSource:
             if self.endpoint is None:
                 self.endpoint = AgentEndpoint(self.prepare, functools.partial(openai_answer,
                                                                               tokenizer=self.policy.tokenizer),
-                                              port=config.agent_port, timeout=config.rollout_timeout or 1e9)
+                                              self.key_for, port=config.agent_port,
+                                              timeout=config.rollout_timeout or 1e9)
             state = AgentRollout(self.episodes_started, records, texts, [[] for _ in records])
             self.episodes_started += len(records)
             self.running[state.first] = state
@@ -10015,8 +10116,9 @@ class AgentProgramSource:
                 for r, text in zip(state.records, state.texts)]
 
         def attempt(i: int) -> float:
-            state.calls[i] = []
-            client = client_class(base_url=endpoint.base_url(state.first + i), api_key="rlhf", max_retries=2,
+            with self.lock:
+                state.calls[i], state.admitted[i] = [], 0
+            client = client_class(base_url=endpoint.base_url(state.first + i), api_key=state.keys[i], max_retries=2,
                                   timeout=config.rollout_timeout or None)  # retries: connection errors only
             reward = self.agent(client, copy.deepcopy(view[i]))
             if not isinstance(reward, (int, float)) or isinstance(reward, bool) or not math.isfinite(reward):
@@ -10073,6 +10175,10 @@ class AgentProgramSource:
                 for call in group:
                     call.error = f"sampling failed: {error}"
                     call.done.set()
+                if isinstance(error, (ValueError, torch.OutOfMemoryError)):  # these requests', not the engine's
+                    logger.warning("agent requests of %d episodes failed to sample (%s); those episodes fail",
+                                   len(group), error)
+                    continue
                 raise
             versions = out.token_versions or [[out.policy_version] * len(ids) for ids in out.token_ids]
             for call, ids, lps, reason, sampled_by in zip(group, out.token_ids, out.logprobs, out.finish_reasons,
@@ -10132,12 +10238,12 @@ class AgentProgramSource:
         """A request's prompt text and ids, token budget and stop strings (AgentEndpoint's ``prepare``; a request
         thread)."""
         config = self.config
-        with self.lock:
-            state = next((s for s in self.running.values() if s.owns(episode)), None)
+        state = self._state_of(episode)
         if state is None:
             raise ValueError(f"episode {episode} is not running")
         index = episode - state.first
-        calls = state.calls[index]
+        with self.lock:
+            calls = list(state.calls[index])
         if kind == "chat":
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
@@ -10162,8 +10268,9 @@ class AgentProgramSource:
             before = last.prompt_text + self.policy.tokenizer.decode(last.token_ids, skip_special_tokens=False)
             if text.startswith(before):
                 prompt_ids = list(last.prompt_ids) + list(last.token_ids) + self.formatter.encode(text[len(before):])
-        if len(calls) >= config.max_turns:
-            raise ValueError(f"this episode made its {config.max_turns} requests (max_turns)")
+        context = getattr(getattr(self.policy.model, "config", None), "max_position_embeddings", None)
+        if isinstance(context, int) and len(prompt_ids) >= context:  # it would fail the batch it is sampled in
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens, and the model's context holds {context}")
         temperature = body.get("temperature")
         if temperature is not None and abs(float(temperature) - config.temperature) > 1e-9 \
                 and "temperature" not in state.warned:
@@ -10177,7 +10284,20 @@ class AgentProgramSource:
         budget = max(0, min(int(asked), config.max_turn_tokens or config.max_completion_length, room))
         stop = body.get("stop") or ()
         stop = (stop,) if isinstance(stop, str) else tuple(str(s) for s in stop)
+        with self.lock:  # counted as admitted, so that concurrent requests of one episode cannot pass max_turns
+            if state.admitted[index] >= config.max_turns:
+                raise ValueError(f"this episode made its {config.max_turns} requests (max_turns)")
+            state.admitted[index] += 1
         return text, prompt_ids, budget, stop
+
+    def _state_of(self, episode: int) -> AgentRollout | None:
+        with self.lock:
+            return next((s for s in self.running.values() if s.owns(episode)), None)
+
+    def key_for(self, episode: int) -> str | None:
+        """Episode ``episode``'s API key while it runs (AgentEndpoint's ``key_for``)."""
+        state = self._state_of(episode)
+        return state.keys[episode - state.first] if state is not None else None
 
     def close(self) -> None:
         if self.endpoint is not None:
@@ -10815,7 +10935,7 @@ class BaseTrainer(CheckpointingMixin):
         self._setup_schedule()
         self._setup_optimizer()
         self._after_prepare()
-        self.checkpoints = CheckpointManager(self.output_dir, config.save_total_limit)
+        self.checkpoints = CheckpointManager(self.output_dir, config.save_total_limit, sweep=False)  # train() sweeps
         self.early_stopping = None
         if config.early_stopping_patience:
             mode = "max" if "accuracy" in config.metric_for_best_model else "min"
@@ -10956,7 +11076,10 @@ class BaseTrainer(CheckpointingMixin):
     # -- the loop
     def train(self) -> TrainResult:
         self.preemption = PreemptionGuard()
+        lock = RunFolderLock.hold(self.output_dir) if self.devices.is_main_process else None
         try:
+            if lock is not None:
+                self.checkpoints.sweep()
             with self.preemption:
                 return self._train()
         except TrainingPreempted:
@@ -10966,6 +11089,9 @@ class BaseTrainer(CheckpointingMixin):
             if progress is not None:
                 progress.stop()
             raise TrainingInterrupted(self._resume_advice()) from interrupt
+        finally:
+            if lock is not None:
+                lock.release()
 
     def _preempted(self) -> bool:
         """Whether a stop signal reached any process (all of them then stop after the same step, so their
@@ -11375,7 +11501,8 @@ def _refuse_other_stage_checkpoints(config: BaseConfig) -> None:
             raise _other_stage_checkpoint_error(found[-1], saved, config.stage, explicit=False)
 
 
-RUN_MARKERS = ("checkpoints", "logs", "runs", "report.json", "pipeline_config.yaml", "pipeline_stage.json")
+RUN_MARKERS = ("checkpoints", "logs", "runs", "report.json", "pipeline_config.yaml", "pipeline_stage.json",
+               RunFolderLock.name)
 
 
 def _holds_a_run(directory: Path) -> bool:
@@ -11431,6 +11558,8 @@ def _start_stage(config: BaseConfig, devices: DeviceManager | None, records: tup
     """Output folder checks, logging, seed, records (validated before any model loads) and devices for one
     stage. ``records``: already read and split (a reward-model ensemble's members share one split)."""
     _prepare_output_dir(config)
+    if _launch_rank() == 0:  # held from before the run writes anything there until its trainer's train() ends
+        RunFolderLock.hold(config.output_dir)
     setup_logging(log_file=Path(config.logging_dir or Path(config.output_dir) / "logs") / f"{config.stage}.log")
     set_seed(config.seed)
     if getattr(config, "precompute_ref_log_probs", "false") == "true" and config.streaming:
@@ -12642,8 +12771,8 @@ class _OnlineRLTrainer(BaseTrainer):
         try:
             episodes = self.rollout_scheduler.sample(prompts, n, self.rollout_index, self.global_step,
                                              self.watchdog.progress)
-        except VLLMServerError as error:  # the server stayed down through every retry
-            raise RolloutStopped(f"{error}.") from None
+        except VLLMServerError as error:  # the server stayed down through every retry, or a sync stalled
+            raise RolloutStopped(f"stage {self.stage}, step {self.global_step}: {error}.") from None
         episodes.metrics.update({**completion_metrics(episodes), "perf/generation_s": time.time() - started})
         return episodes
 
@@ -15066,8 +15195,11 @@ class RLHFOrchestrator:
             return dataclasses.replace(config, ref_model=sft)
         return config
 
-    def _stage_fingerprint(self, config: BaseConfig) -> str:
-        settings = {k: v for k, v in config.to_dict().items() if k not in _COSMETIC_FIELDS}
+    def _stage_fingerprint(self, config: BaseConfig, leave_out: Iterable[str] = ()) -> str:
+        """What identifies a stage's run: its settings but cosmetic ones (and ``leave_out``), its data, and the
+        pipeline stage that made each input model."""
+        left_out = set(_COSMETIC_FIELDS) | set(leave_out)
+        settings = {k: v for k, v in config.to_dict().items() if k not in left_out}
         for name in _MODEL_FIELDS:  # a model this pipeline trained is identified by what produced it
             if settings.get(name) in self.produced:
                 settings[name] = {"trained_by": self.produced[settings[name]]}
@@ -15075,7 +15207,8 @@ class RLHFOrchestrator:
 
     def _completed_entry(self, stage: str, fingerprint: str, output_dir: Path) -> dict[str, Any] | None:
         marker = output_dir / STAGE_MARKER
-        if not marker.exists() or json.loads(marker.read_text()) != {"fingerprint": fingerprint, "complete": True}:
+        written = json.loads(marker.read_text()) if marker.exists() else {}
+        if written.get("fingerprint") != fingerprint or written.get("complete") is not True:
             return None
         for entry in reversed(read_report(self.output_dir)["stages"]):
             if entry.get("stage") == stage and entry.get("fingerprint") == fingerprint and not entry.get("error"):
@@ -15096,18 +15229,24 @@ class RLHFOrchestrator:
         self._sync.wait()
 
     def _prepare_output_dir(self, config: BaseConfig, fingerprint: str) -> BaseConfig:
-        """Mark the stage as started with this fingerprint; checkpoints of another config are not resumed.
-        Every process reads the old marker before the main process replaces it, so all decide alike."""
+        """Mark the stage as started with this fingerprint; checkpoints of another config are not resumed, but a
+        change that a standalone run resumes through (BaseTrainer.RESUME_NEUTRAL_FIELDS: a longer max_steps, other
+        logging or save steps) keeps them. Every process reads the old marker before the main process replaces it,
+        so all decide alike."""
         directory = Path(config.output_dir)
         marker = directory / STAGE_MARKER
-        if marker.exists() and json.loads(marker.read_text()).get("fingerprint") != fingerprint:
+        resume_key = self._stage_fingerprint(config, BaseTrainer.RESUME_NEUTRAL_FIELDS)
+        written = json.loads(marker.read_text()) if marker.exists() else None
+        if written is not None and fingerprint != written.get("fingerprint") \
+                and resume_key != written.get("resume_fingerprint"):
             logger.warning("stage %s: config, data or input model changed since %s was written; starting it afresh",
                            config.stage, directory)
             config = dataclasses.replace(config, resume_from_checkpoint="none")
         self._wait_for_all(config)
         if self.is_main_process:
             directory.mkdir(parents=True, exist_ok=True)
-            _write_json_atomic(marker, {"fingerprint": fingerprint, "complete": False})
+            _write_json_atomic(marker, {"fingerprint": fingerprint, "resume_fingerprint": resume_key,
+                                        "complete": False})
         # and every process sees the marker before checking the folder: the atomic write's temporary file, seen
         # alone, made another process refuse the folder as someone else's
         self._wait_for_all(config)
@@ -15142,7 +15281,9 @@ class RLHFOrchestrator:
                 logger.warning("stage %s rolled back (%s); the next stage starts from %s", stage, entry["reason"],
                                config.model_name_or_path)
         if self.is_main_process:
-            _write_json_atomic(Path(config.output_dir) / STAGE_MARKER, {"fingerprint": fingerprint, "complete": True})
+            _write_json_atomic(Path(config.output_dir) / STAGE_MARKER, {
+                "fingerprint": fingerprint, "complete": True,
+                "resume_fingerprint": self._stage_fingerprint(config, BaseTrainer.RESUME_NEUTRAL_FIELDS)})
         return entry
 
     def _record(self, entry: dict[str, Any]) -> None:
@@ -15264,6 +15405,14 @@ class RLHFOrchestrator:
         and pipeline_summary.png. Returns this run's entries."""
         started = time.time()
         self.check_inputs()
+        lock = RunFolderLock.hold(self.output_dir) if self.is_main_process else None  # one pipeline per folder
+        try:
+            return self._run_stages(started)
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _run_stages(self, started: float) -> list[dict[str, Any]]:
         if self.is_main_process:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             save_config(self.config, self.output_dir / "pipeline_config.yaml")
@@ -16272,8 +16421,9 @@ def main(argv: list[str] | None = None) -> int:
         if _launch_rank() == 0:  # other processes hold no metric history (only the main process logs)
             console.print(summary_table(entries))
         return 0
-    except RLHFInputError as err:
-        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(err))}", markup=True, highlight=False,
+    except (RLHFInputError, VLLMServerError) as err:  # a server that stays down or stalls: its one line, no traceback
+        advice = "; the same command resumes from the last checkpoint" if isinstance(err, VLLMServerError) else ""
+        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(err))}{advice}", markup=True, highlight=False,
                                    soft_wrap=True)
         return 2
     except KeyboardInterrupt as interrupt:

@@ -5,6 +5,7 @@ agent's reward, the behaviour log-probs are the policy's own, and faults drop ep
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 from pathlib import Path
@@ -56,7 +57,7 @@ def failing_agent(client, record):
 
 def raw_completion_agent(client, record):
     reply = client.completions.create(model="policy", prompt="Q: 2 + 2 =", max_tokens=4)
-    CALLS.append({"completion": reply})
+    CALLS.append({"completion": reply, "models": [m.id for m in client.models.list()]})
     return 0.5
 
 
@@ -146,12 +147,14 @@ def test_the_completions_endpoint_and_the_models_list(tmp_path, tiny_model_dir, 
     try:
         output = sample_episodes(trainer, [prompts[0]], trainer._sampling_params(2, 0))
         client = openai.OpenAI(base_url=trainer.source.endpoint.base_url(0), api_key="x", max_retries=0)
-        assert [m.id for m in client.models.list()] == ["policy"]
-        with pytest.raises(openai.BadRequestError, match="episode 0 is not running"):  # the rollout is over
-            client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+        for request in (client.models.list, functools.partial(client.chat.completions.create, model="policy",
+                                                              messages=[{"role": "user", "content": "hi"}])):
+            with pytest.raises(openai.AuthenticationError, match="episode 0 is not running"):  # the rollout is over
+                request()
     finally:
         trainer.close_rollouts()
     assert output.failed == [False, False] and len(CALLS) == 2
+    assert CALLS[0]["models"] == ["policy"]
     reply = CALLS[0]["completion"].choices[0]
     assert reply.finish_reason in ("stop", "length") and isinstance(reply.text, str)
     assert trainer.policy.tokenizer.decode(output.records[0]["prompt_ids"]) == "Q: 2 + 2 ="

