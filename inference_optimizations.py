@@ -1752,8 +1752,7 @@ def _receive_weights(worker, key: str, metadata: list, backend: str) -> None:
     """Runs inside each vLLM worker: receive the tensors ``metadata`` lists ([name, dtype, shape], in the order the
     trainer broadcasts them) one at a time and reload each as it arrives, so a sync holds a layer's worth of
     tensors, not a second copy of the model."""
-    check_announced_weights(worker.model_runner.get_model(), metadata,
-                            shards=getattr(getattr(worker, "parallel_config", None), "tensor_parallel_size", 1))
+    check_announced_weights(checkpoint_shapes(str(worker.model_config.model)), metadata)
     group = worker.rlhf_weight_groups[key][1]
     device = worker.device if backend == "nccl" else torch.device("cpu")
 
@@ -1773,22 +1772,41 @@ def _receive_weights(worker, key: str, metadata: list, backend: str) -> None:
 ANNOUNCED_DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int8", "uint8")
 
 
-def check_announced_weights(model: torch.nn.Module, metadata: list, shards: int = 1) -> None:
-    """ValueError unless the tensors a trainer announces ([name, dtype, shape] each) could be this model's weights:
-    known dtypes, no tensor larger than the model's largest parameter (vLLM fuses q/k/v and gate/up, so a trainer's
-    tensor is never larger) and at most twice its parameters in all, so that a request cannot make a worker allocate
-    memory the model does not need. ``shards``: tensor-parallel workers each hold one shard of a full tensor."""
-    sizes = [p.numel() * shards for p in model.parameters()]
-    largest, total, announced = max(sizes, default=0), sum(sizes), 0
-    for entry in metadata if isinstance(metadata, list) else [metadata]:
+@functools.cache
+def checkpoint_shapes(folder: str) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape in a model folder's safetensors files (their headers only), by name; {} when the folder
+    holds none (a hub id vLLM resolved itself)."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in sorted(Path(folder).glob("*.safetensors")) if Path(folder).is_dir() else []:
+        with safe_open(str(path), "pt") as handle:
+            for name in handle.keys():
+                shapes[name] = tuple(handle.get_slice(name).get_shape())
+    return shapes
+
+
+def check_announced_weights(shapes: dict[str, tuple[int, ...]], metadata: list) -> None:
+    """ValueError unless the tensors a trainer announces ([name, dtype, shape] each) could be the weights of the
+    model the server started from (``shapes``: its checkpoint's): a known dtype, each tensor the shape of the
+    checkpoint's tensor of its name (or, for a name the checkpoint lacks, such as a tied output layer, of one of its
+    tensors), and not many more tensors than it has; so that a request cannot make a worker allocate memory the
+    model does not need. No check without a checkpoint to compare with."""
+    if not shapes:
+        return
+    known = set(shapes.values())
+    entries = metadata if isinstance(metadata, list) else [metadata]
+    if len(entries) > 2 * len(shapes) + 8:
+        raise ValueError(f"{len(entries)} weights announced; the model has {len(shapes)}")
+    for entry in entries:
         if not (isinstance(entry, (list, tuple)) and len(entry) == 3 and isinstance(entry[0], str)
                 and entry[1] in ANNOUNCED_DTYPES and isinstance(entry[2], (list, tuple))
                 and all(isinstance(n, int) and 0 <= n for n in entry[2])):
             raise ValueError(f"a weight is announced as {str(entry)[:200]}; give [name, dtype, shape]")
-        numel = math.prod(entry[2])
-        announced += numel
-        if numel > largest or announced > 2 * total:
-            raise ValueError(f"weight {entry[0]} {entry[2]} is larger than this model's weights allow")
+        name, shape = entry[0], tuple(entry[2])
+        if shapes.get(name, shape if shape in known else None) != shape:
+            raise ValueError(f"weight {name[:200]} {list(shape)} is not one of this model's weights "
+                             f"({list(shapes[name]) if name in shapes else 'no tensor of that shape'})")
 
 
 _OPEN_ENGINE: weakref.ref | None = None  # vLLM keeps one set of distributed state per process: one engine at a time
@@ -2564,13 +2582,22 @@ class VLLMServer:
         before the engine is asked to join: a join waits inside the engine, and a host that never answers would
         hold it."""
         key, host, port = str(request["key"]), str(request["host"]), int(request["port"])
-        try:
-            store = weight_store(host, port, 2, is_master=False, timeout=GROUP_CHECK_SECONDS)
-            held = store.get("rlhf-weight-group").decode("utf-8", "replace")
-        except Exception as error:  # noqa: BLE001 (torch's store errors have no common class)
+        answer: dict[str, Any] = {}
+
+        def ask() -> None:  # torch's store client can wait past its own timeout on a peer that never answers
+            try:
+                store = weight_store(host, port, 2, is_master=False, timeout=GROUP_CHECK_SECONDS)
+                answer["held"] = store.get("rlhf-weight-group").decode("utf-8", "replace")
+            except Exception as error:  # noqa: BLE001 (torch's store errors have no common class)
+                answer["error"] = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+
+        asking = threading.Thread(target=ask, daemon=True, name="weight-group-check")
+        asking.start()
+        asking.join(GROUP_CHECK_SECONDS)
+        if "held" not in answer:
             raise HTTPRefusal(400, f"the weight group's host {host}:{port} did not answer within "
-                              f"{GROUP_CHECK_SECONDS:g} s ({str(error).splitlines()[0][:200]})") from None
-        if not bearer_matches(f"Bearer {held}", key):
+                              f"{GROUP_CHECK_SECONDS:g} s ({answer.get('error', 'no answer')})")
+        if not bearer_matches(f"Bearer {answer['held']}", key):
             raise HTTPRefusal(400, f"the weight group's host {host}:{port} does not hold key {key}")
 
     def _update(self, path: str, request: dict) -> dict:
@@ -2681,7 +2708,9 @@ class VLLMClient:
         _ship_adapter(self, weights, self.sync_dir)
 
     def _request(self, path: str, body: dict | None = None, attempts: int | None = None,
-                 timeout: float | None = None) -> dict:
+                 timeout: float | None = None, retry_stalls: bool = True) -> dict:
+        """One request, retried with backoff while the server cannot be reached (and, with ``retry_stalls``, after
+        a timeout: a sync that stalled is not sent again, so it stops the run within ``timeout``)."""
         import urllib.error
         import urllib.request
 
@@ -2712,6 +2741,9 @@ class VLLMClient:
             except (urllib.error.URLError, OSError, TimeoutError) as error:
                 last = str(getattr(error, "reason", error))
                 stalled = isinstance(getattr(error, "reason", error), TimeoutError)
+                if stalled and not retry_stalls:
+                    attempts = attempt + 1
+                    break
             if attempt + 1 < attempts:
                 time.sleep(self.backoff * 2 ** attempt)
         if stalled:  # it took the request and never answered: a stalled sync or a wedged engine, not a dead server
@@ -2760,7 +2792,7 @@ class VLLMClient:
 
     def _load(self, endpoint: str, path: str) -> None:
         answer = self._request(endpoint, {"path": path, "policy_version": self.policy_version,
-                                          "in_flight": self.in_flight}, attempts=1, timeout=self.sync_timeout)
+                                          "in_flight": self.in_flight}, timeout=self.sync_timeout, retry_stalls=False)
         self.weight_version, self.weights_id = answer["weight_version"], answer.get("weights_id")
         self.last_load = (endpoint, path)
 

@@ -786,8 +786,9 @@ class OnlineRLConfig(BaseConfig):
     vllm_server_port: int = _opt(8000, "server mode: its port")
     vllm_server_timeout: float = _opt(600.0, "server mode: seconds one request may take before it is retried")
     vllm_server_retries: int = _opt(3, "server mode: attempts per request (exponential backoff between them)")
-    sync_timeout: float = _opt(300.0, "server mode: seconds a weight sync (a load, a weight group's join, a broadcast) "
-                                      "may stall before the run stops, with one line saying how to resume")
+    sync_timeout: float = _opt(600.0, "server mode: seconds a weight sync (a load, with its wait for the running "
+                                      "requests; a weight group's join; a broadcast) may take before the run stops, "
+                                      "with one line saying how to resume")
     vllm_weight_transfer: str = _opt("auto", "server mode: how full weights reach the server: files (safetensors "
                                              "shards in vllm_sync_dir, which both read) | collective (broadcast "
                                              "through a process group of trainer and server: NCCL from a GPU, gloo "

@@ -277,3 +277,42 @@ def sample_episodes(trainer: rlhf._OnlineRLTrainer, prompts: list, params) -> rl
         return trainer.source.sample(prompts, params, engine, lambda what: None)
     finally:
         engine.sleep()
+
+
+@pytest.fixture(scope="module")
+def gguf_parsed_once():
+    """transformers parses a GGUF's metadata (the whole vocabulary, a Python object per token) once for the config,
+    once for the tokenizer's class and once more with the tensors: 20-30 s each for a 262k vocabulary. Reading one
+    file, each parse gives the same answer, so the reader and the metadata parse are kept per file (by size and
+    modification time) for the module that asks for it; what is read is still transformers' own reading of our file."""
+    import copy
+    import functools
+
+    import gguf
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    reader, parse = gguf.GGUFReader, gguf_utils.load_gguf_checkpoint
+
+    def stamp(path) -> tuple:
+        status = Path(path).stat()
+        return str(path), status.st_size, status.st_mtime_ns
+
+    @functools.cache
+    def read(key: tuple, mode: str):
+        return reader(key[0], mode)
+
+    @functools.cache
+    def metadata(key: tuple) -> dict:
+        return parse(key[0], return_tensors=False)
+
+    def reading(path, mode="r"):
+        return read(stamp(path), mode)
+
+    def parsing(path, return_tensors=False, **options):
+        if return_tensors or options:
+            return parse(path, return_tensors=return_tensors, **options)
+        return copy.deepcopy(metadata(stamp(path)))
+
+    gguf.GGUFReader, gguf_utils.load_gguf_checkpoint = reading, parsing
+    yield
+    gguf.GGUFReader, gguf_utils.load_gguf_checkpoint = reader, parse

@@ -28,6 +28,9 @@ def sources():
     real_models.sources_or_skip()
 
 
+pytestmark = pytest.mark.usefixtures("gguf_parsed_once")
+
+
 def family_model(name: str, directory: Path, *, default_rope: bool = False) -> tuple[torch.nn.Module, object]:
     """A random-weight model of the family's real config class with its real tokenizer (Llama 3's rope scaling
     dropped when ``default_rope``: GGUF readers do not take it from the file, and the writer refuses it)."""

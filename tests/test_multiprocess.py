@@ -38,7 +38,26 @@ DPO = ["model_name_or_path=tiny", "finetuning_type=full", "dataset=demo_preferen
 
 
 def _train(output_dir: Path, processes: int, accumulation: int, stage: str = "sft",
-           args: list[str] = SFT) -> list[float]:
+           args: list[str] = SFT, here: bool = False) -> list[float]:
+    """The run's logged losses: launched with ``processes`` (one: a plain ``python rlhf.py``), or with ``here`` the
+    one-process run in this process (its reference, as the launched one computes it on one thread; no launch.log)."""
+    if here:
+        import contextlib
+
+        import torch
+
+        import rlhf
+
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            with contextlib.chdir(REPO):
+                assert rlhf.main([stage, *args, f"gradient_accumulation_steps={accumulation}",
+                                  f"output_dir={output_dir}"]) == 0
+        finally:
+            torch.set_num_threads(threads)
+        rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+        return [row["loss"] for row in rows if "loss" in row]
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
                 "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                 "--main_process_port", str(_free_port())] if processes > 1 else [sys.executable]
@@ -54,7 +73,7 @@ def _train(output_dir: Path, processes: int, accumulation: int, stage: str = "sf
 
 
 def test_two_processes_match_one_process_with_doubled_accumulation(tmp_path, tiny_model_dir):
-    one = _train(tmp_path / "one", processes=1, accumulation=2)
+    one = _train(tmp_path / "one", processes=1, accumulation=2, here=True)
     two = _train(tmp_path / "two", processes=2, accumulation=1)
     assert len(one) == len(two) == 4
     for step, (a, b) in enumerate(zip(one, two), start=1):
@@ -166,7 +185,7 @@ def test_held_out_evaluation_is_split_across_processes(tmp_path, tiny_model_dir)
         # 2e-4 relative; a far smaller lr leaves the DPO rewards at rounding level, where accuracy is a coin toss
         args = ([a for a in args if a not in ("val_size=0", "learning_rate=1e-3")]
                 + ["val_size=24", "learning_rate=1e-5"])
-        one = _train(tmp_path / f"{stage}-one", processes=1, accumulation=2, stage=stage, args=args)
+        one = _train(tmp_path / f"{stage}-one", processes=1, accumulation=2, stage=stage, args=args, here=True)
         two = _train(tmp_path / f"{stage}-two", processes=2, accumulation=1, stage=stage, args=args)
         assert len(one) == len(two) == 3
         if stage != "kto":  # KTO's training z0 is each micro-batch's alone on one process, the processes' mean on two
@@ -194,7 +213,7 @@ VL_SFT = ["model_name_or_path=tiny-vl", "finetuning_type=full", "dataset=demo_vl
 def test_vision_language_model_trains_in_two_processes_like_one(tmp_path, tiny_model_dir):
     """tiny-vl with a trainable vision tower: each process encodes its own rows' images and DDP averages the
     gradients of the tower too, so the losses are one process's with doubled accumulation."""
-    one = _train(tmp_path / "one", processes=1, accumulation=2, args=VL_SFT)
+    one = _train(tmp_path / "one", processes=1, accumulation=2, args=VL_SFT, here=True)
     two = _train(tmp_path / "two", processes=2, accumulation=1, args=VL_SFT)
     assert len(one) == len(two) == 3
     for step, (a, b) in enumerate(zip(one, two), start=1):

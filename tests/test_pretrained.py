@@ -69,6 +69,7 @@ def _greedy(model, ids: torch.Tensor) -> torch.Tensor:
         return model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=2)
 
 
+@pytest.mark.usefixtures("gguf_parsed_once")
 def test_smoke_sft_grpo_export_and_reload(smollm2, demo_dir, tmp_path, capsys):
     sft, grpo, export = tmp_path / "sft", tmp_path / "grpo", tmp_path / "export"
     common = [f"dataset_dir={demo_dir}", "save_steps=0", "disable_progress_bar=true", "finetuning_type=full",

@@ -604,3 +604,24 @@ def test_a_weight_sync_that_stalls_stops_the_run_within_sync_timeout_in_one_line
     assert f"stage grpo, step 0: vLLM server http://127.0.0.1:{stalling.port} took /load_weights and did not answer " \
            f"within 2 s" in " ".join(error.split())
     assert "the same command again" in error or "run the same command" in " ".join(error.split())
+
+
+def test_announced_weights_must_be_the_models_own(tmp_path):
+    """The review's M6: a collective load allocated whatever shapes the request announced. Now each announced tensor
+    must have its checkpoint tensor's shape (a name the checkpoint lacks, such as a tied output layer, one of its
+    shapes), with a known dtype, and not many more of them than the checkpoint has."""
+    from safetensors.torch import save_file
+
+    save_file({"embed.weight": torch.zeros(10, 4), "norm.weight": torch.zeros(4)}, str(tmp_path / "model.safetensors"))
+    shapes = io.checkpoint_shapes(str(tmp_path))
+    assert shapes == {"embed.weight": (10, 4), "norm.weight": (4,)}
+    io.check_announced_weights(shapes, [["embed.weight", "bfloat16", [10, 4]], ["lm_head.weight", "float32", [10, 4]]])
+    for announced, why in [([["embed.weight", "float32", [10, 5]]], "not one of this model's weights"),
+                           ([["huge", "float32", [10 ** 12]]], "no tensor of that shape"),
+                           ([["embed.weight", "complex128", [10, 4]]], "give \\[name, dtype, shape\\]"),
+                           ([["embed.weight", "float32", [-1, 4]]], "give \\[name, dtype, shape\\]"),
+                           ([["norm.weight", "float32", [4]]] * 13, "13 weights announced; the model has 2"),
+                           (["embed.weight"], "give \\[name, dtype, shape\\]")]:
+        with pytest.raises(ValueError, match=why):
+            io.check_announced_weights(shapes, announced)
+    io.check_announced_weights(io.checkpoint_shapes(str(tmp_path / "hub-id")), [["anything", "float32", [1]]])
