@@ -25,7 +25,7 @@ says what a contributor adds there, and docs/architecture.md walks through each:
   2. Infrastructure
        rich_console, setup_logging, logging_restored, write_text_atomic, stale_model_files, set_seed, parameter_numel,
        weight_sharding, GatherMeter, gathered_named_tensors, sharded_layout, DeepSpeedSupport, DeviceManager, smoothed,
-       plot_metrics, PlainProgress,
+       plot_metrics, PlainProgress, ModelShape, gpu_peak_flops, measured_cpu_peak_flops, device_peak_flops,
        TrainingLogger, optimizer_state_to_safetensors, optimizer_state_from_safetensors, capture_rng_state,
        restore_rng_state, RunFolderLock, CheckpointManager, PreemptionGuard, CheckpointingMixin, create_optimizer,
        EarlyStopping, find_linear_module_names, find_expert_parameter_names, apply_freeze, compile_model,
@@ -614,6 +614,9 @@ class BaseConfig:
     ddp_timeout: int = _opt(1800, "Seconds before a distributed collective times out")
     # -- logging, evaluation, checkpoints
     logging_steps: int = _opt(10, "Log metrics every N optimizer steps")
+    mfu_peak_flops: float | None = _opt(None, "The device's peak FLOP/s that perf/mfu is measured against (default: "
+                                              "a known GPU's bf16 peak, half of it in float32; a CPU's matmul rate, "
+                                              "measured once and cached)")
     eval_steps: int = _opt(0, "Evaluate every N optimizer steps (0: only at the end)")
     eval_max_new_tokens: int = _opt(64, "Token budget per answer when evaluating accuracy by generation")
     eval_before_training: bool = _opt(False, "Also evaluate the model before training, for a before/after table")
@@ -2410,10 +2413,10 @@ class PlainProgress:
     def __init__(self, description: str, total: int, start: int, interval: float) -> None:
         self.description, self.total, self.start, self.done, self.interval = description, total, start, start, interval
         self.began = self.last_line = time.monotonic()
-        self.loss = "-"
+        self.loss, self.speed = "-", ""
 
     def update(self, _task: Any = None, *, loss: str = "-", speed: str = "") -> None:
-        self.loss = loss
+        self.loss, self.speed = loss, speed
 
     def advance(self, _task: Any = None, steps: int = 1) -> None:
         self.done += steps
@@ -2423,13 +2426,13 @@ class PlainProgress:
             logger.info("%s", self.line(now))
 
     def line(self, now: float) -> str:
-        """'sft: step 120/600 (20%), 1.52 steps/s, eta 5m16s, loss 0.4123'."""
+        """'sft: step 120/600 (20%), 1.52 steps/s, eta 5m16s, loss 0.4123 (812 tok/s, MFU 3.1%)'."""
         elapsed, finished = now - self.began, self.done - self.start
         rate = finished / elapsed if elapsed > 0 else 0.0
         eta = f"{_duration((self.total - self.done) / rate)}" if rate > 0 else "?"
         speed = f"{rate:.2f} steps/s" if rate >= 0.1 else f"{1 / rate:.1f} s/step" if rate > 0 else "- steps/s"
         return (f"{self.description}: step {self.done}/{self.total} ({100 * self.done / max(1, self.total):.0f}%), "
-                f"{speed}, eta {eta}, loss {self.loss}")
+                f"{speed}, eta {eta}, loss {self.loss}" + (f" ({self.speed})" if self.speed else ""))
 
     def stop(self) -> None:
         pass
@@ -2439,6 +2442,111 @@ def _duration(seconds: float) -> str:
     seconds = int(round(seconds))
     hours, rest = divmod(seconds, 3600)
     return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s" if rest >= 60 else f"{rest}s"
+
+
+# ---- Throughput: the model FLOPs a step does and the device's peak, for model FLOP utilisation (MFU) ----
+
+# dense bf16 / fp16 tensor-core peaks in FLOP/s of known accelerators, matched against torch.cuda.get_device_name()
+# (the first key the name contains: the more specific names come first); a float32 run is measured against half of
+# it (TF32). An accelerator not listed gets no MFU unless mfu_peak_flops names its peak.
+GPU_PEAK_FLOPS = {"GB200": 2.5e15, "B200": 2.25e15, "H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12,
+                  "H800": 989e12, "H20": 148e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12, "L40": 181e12,
+                  "L4": 121e12, "A10": 125e12, "RTX 4090": 165e12, "RTX 3090": 71e12, "V100": 125e12, "T4": 65e12,
+                  "MI300X": 1307e12, "MI250X": 383e12}
+CPU_PEAK_FILE = "cpu_peak_flops.json"  # in the rlhf cache: a CPU's float32 matmul rate, measured once per thread count
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What a transformer's FLOPs per token depend on: its matmul parameters (the input embedding is a lookup, not a
+    matmul; a tied output layer is one), layers and width."""
+
+    matmul_params: int
+    layers: int
+    width: int
+
+    @classmethod
+    def of(cls, model: nn.Module) -> ModelShape:
+        text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        total = sum(parameter_numel(p) for p in model.parameters())
+        lookup = parameter_numel(embedding.weight) if embedding is not None else 0
+        tied = output is not None and embedding is not None and output.weight is embedding.weight
+        return cls(total - lookup + (lookup if tied else 0), int(getattr(text, "num_hidden_layers", 0) or 0),
+                   int(getattr(text, "hidden_size", 0) or 0))
+
+    def training_flops(self, lengths: Iterable[int]) -> float:
+        """A forward and backward pass over sequences of ``lengths`` tokens: 6 FLOPs per matmul parameter and token,
+        plus attention's 12 x layers x width x sequence length per token (PaLM's appendix B, as torchtitan and
+        prime-rl count MFU)."""
+        return float(sum(n * (6 * self.matmul_params + 12 * self.layers * self.width * n) for n in lengths))
+
+
+def gpu_peak_flops(name: str, dtype: torch.dtype) -> float | None:
+    """GPU_PEAK_FLOPS' entry for a device name (half of it for float32), or None for a device not listed."""
+    peak = next((value for key, value in GPU_PEAK_FLOPS.items() if key in name), None)
+    return None if peak is None else peak if dtype in (torch.bfloat16, torch.float16) else peak / 2
+
+
+def measured_cpu_peak_flops(cache: Path, threads: int | None = None, size: int = 1024) -> float:
+    """This CPU's float32 matmul rate at ``threads`` threads (the best of a few timed runs of size x size matmuls),
+    measured once and kept in ``cache``/CPU_PEAK_FILE, keyed by the processor and the thread count."""
+    import platform
+
+    threads = threads or torch.get_num_threads()
+    key = f"{platform.machine()} {_cpu_model()} x{threads}"
+    path = cache / CPU_PEAK_FILE
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key in known:
+        return float(known[key])
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        numbers = torch.Generator().manual_seed(0)  # not the run's generator: measuring must not move its samples
+        a, b = torch.randn(size, size, generator=numbers), torch.randn(size, size, generator=numbers)
+        torch.mm(a, b)  # warm-up
+        best = 0.0
+        for _ in range(3):
+            started, count = time.perf_counter(), 0
+            while count < 2 or time.perf_counter() - started < 0.1:
+                torch.mm(a, b)
+                count += 1
+            best = max(best, 2 * size ** 3 * count / (time.perf_counter() - started))
+    finally:
+        torch.set_num_threads(previous)
+    known[key] = best
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, json.dumps(known, indent=1))
+    except OSError:  # a read-only cache: measured again next time
+        pass
+    return best
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "cpu"
+
+
+def device_peak_flops(device: torch.device, dtype: torch.dtype, cache: Path) -> float | None:
+    """The peak an MFU of ``device`` is measured against: a known GPU's tensor-core peak, a CPU's measured matmul
+    rate; None for anything else."""
+    if device.type == "cuda":
+        return gpu_peak_flops(torch.cuda.get_device_name(device), dtype)
+    if device.type == "cpu":
+        return measured_cpu_peak_flops(cache)
+    return None
 
 
 class TrainingLogger:
@@ -2517,6 +2625,8 @@ class TrainingLogger:
             self.devices.accelerator.log(numeric, step=step)
         if self._progress is not None and "loss" in row:
             speed = f"{row['perf/tokens_per_s']:.0f} tok/s" if "perf/tokens_per_s" in row else ""
+            if "perf/mfu" in row:
+                speed += f", MFU {100 * row['perf/mfu']:.1f}%"
             self._progress.update(self._task, loss=f"{row['loss']:.4f}", speed=speed)
         elif self._progress is None:
             shown = ", ".join(f"{k}={v:.4g}" for k, v in row.items() if isinstance(v, float))
@@ -10512,6 +10622,7 @@ class RolloutScorer:
     def score(self, episodes: Episodes, index: int, watch: Callable[[str], None]) -> Scores:
         """Scores of a rollout's episodes (rollout ``index``): the reward functions, plus an environment's (an
         agent's) rewards; an episode that failed in its environment counts as failed."""
+        started = time.time()
         episodes_failed = torch.tensor(episodes.failed, dtype=torch.bool)
         if episodes_failed.numel() and episodes_failed.all():  # no fault of some episodes: nothing can train
             raise RolloutStopped(f"every episode of rollout {index} failed in its environment "
@@ -10524,6 +10635,7 @@ class RolloutScorer:
             scores.rewards = scores.rewards + episodes.environment_rewards
             kept = ~scores.failed
             scores.metrics["reward"] = float(scores.rewards[kept].mean()) if kept.any() else 0.0
+        scores.metrics["perf/scoring_s"] = time.time() - started
         return scores
 
     def score_completions(self, records: list[dict[str, Any]], completions: list[list[int]],
@@ -10879,31 +10991,73 @@ class _LogWindow:
 
     loss: float = 0.0
     units: float = 0.0
-    tokens: int = 0
+    tokens: int = 0  # processed: every token of every sequence, padding left out
+    trained: int = 0  # with a label (the loss's tokens)
+    flops: float = 0.0  # the model FLOPs of the forward and backward passes (ModelShape.training_flops)
+    steps: int = 0
+    batch_s: float = 0.0  # waiting for batches (an online stage's rollouts: sampling, scoring, reference passes)
+    train_s: float = 0.0  # the optimizer steps' forward, backward and update
     since: float = field(default_factory=time.time)
     metrics: dict[str, list[float]] = field(default_factory=dict)
+    shape: ModelShape | None = None  # the policy's, for its FLOPs
+    peak: float | None = None  # the FLOP/s of one process's device that perf/mfu is measured against
+
+    @classmethod
+    def for_model(cls, model: nn.Module, config: BaseConfig, device: torch.device) -> _LogWindow:
+        """A window that counts ``model``'s FLOPs against the peak: mfu_peak_flops, a known GPU's, or this CPU's
+        measured rate."""
+        try:
+            shape = ModelShape.of(model)
+        except (AttributeError, TypeError):  # a model without a transformers config: no FLOP count
+            shape = None
+        compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.mixed_precision,
+                                                                       next(model.parameters()).dtype)
+        return cls(shape=shape, peak=config.mfu_peak_flops or device_peak_flops(
+            device, compute, Path(config.cache_dir or _default_cache_dir())))
+
+    @contextlib.contextmanager
+    def timed(self, part: str) -> Iterator[None]:
+        """Add the seconds of the block to ``part`` (batch_s: waiting for a step's batches; train_s: the step)."""
+        started = time.perf_counter()
+        yield
+        setattr(self, part, getattr(self, part) + time.perf_counter() - started)
+        self.steps += part == "train_s"
 
     def add(self, batch: dict[str, torch.Tensor], metrics: dict[str, float]) -> None:
-        """One micro-batch's tokens and metrics (its loss comes with the step's, once the step updates)."""
-        self.tokens += (int(batch["attention_mask"].sum()) if "attention_mask" in batch
-                        else batch["input_ids"].numel())
+        """One micro-batch's tokens, FLOPs and metrics (its loss comes with the step's, once the step updates)."""
+        lengths = (batch["attention_mask"].reshape(-1, batch["attention_mask"].shape[-1]).sum(-1).tolist()
+                   if "attention_mask" in batch else [batch["input_ids"].shape[-1]] * (batch["input_ids"].numel()
+                                                                                     // batch["input_ids"].shape[-1]))
+        self.tokens += int(sum(lengths))
+        labels = batch.get("labels")
+        self.trained += int((labels != IGNORE_INDEX).sum()) if isinstance(labels, torch.Tensor) else int(sum(lengths))
+        if self.shape is not None:
+            self.flops += self.shape.training_flops(int(n) for n in lengths)
         for key, value in metrics.items():
             self.metrics.setdefault(key, []).append(value)
 
-    def totals(self, devices: DeviceManager) -> tuple[float, float, dict[str, float]]:
-        """(loss, tokens per second, metrics) of all processes together, as one process would log them: the loss
-        summed over every process's micro-batches over the units of all of them, each metric averaged over every
-        micro-batch. A collective: every process calls it."""
+    def totals(self, devices: DeviceManager) -> tuple[float, dict[str, float]]:
+        """(loss, metrics) of all processes together, as one process would log them: the loss summed over every
+        process's micro-batches over the units of all of them, each metric averaged over every micro-batch, and the
+        throughput (processed and trained tokens per second, MFU against ``peak`` per process, seconds per step
+        waiting for batches and training). A collective: every process calls it."""
         elapsed = max(time.time() - self.since, 1e-9)
-        loss, units, tokens = devices.sum_list_across_processes([self.loss, self.units, self.tokens])
+        loss, units, tokens, trained, flops = devices.sum_list_across_processes(
+            [self.loss, self.units, self.tokens, self.trained, self.flops])
         metrics: dict[str, list[float]] = {}
         for part in devices.gather_object(self.metrics):
             for key, values in part.items():
                 metrics.setdefault(key, []).extend(values)
-        return loss / max(units, 1.0), tokens / elapsed, {k: float(np.mean(v)) for k, v in metrics.items()}
+        perf = {"perf/tokens_per_s": tokens / elapsed, "perf/trained_tokens_per_s": trained / elapsed}
+        if self.steps:
+            perf.update({"perf/batch_s": self.batch_s / self.steps, "perf/training_s": self.train_s / self.steps})
+        if self.peak and flops:
+            perf["perf/mfu"] = flops / elapsed / (self.peak * devices.num_processes)
+        return loss / max(units, 1.0), {**{k: float(np.mean(v)) for k, v in metrics.items()}, **perf}
 
     def reset(self) -> None:
-        self.loss, self.units, self.tokens, self.since, self.metrics = 0.0, 0.0, 0, time.time(), {}
+        self.loss, self.units, self.tokens, self.trained, self.flops = 0.0, 0.0, 0, 0, 0.0
+        self.steps, self.batch_s, self.train_s, self.since, self.metrics = 0, 0.0, 0.0, time.time(), {}
 
 
 class BaseTrainer(CheckpointingMixin):
@@ -11125,11 +11279,13 @@ class BaseTrainer(CheckpointingMixin):
                                               description=self.stage, start_step=self.global_step)
         batches = self.make_batches()
         resumed_at = self.global_step
-        window = _LogWindow()
+        window = _LogWindow.for_model(getattr(self.policy, "model", self.model), config, self.devices.device)
         stopped_early, last_eval = False, {}
         while self.global_step < self.total_steps:
-            group = [next(batches) for _ in range(config.gradient_accumulation_steps)]
-            step_metrics = self._optimizer_step(group, window)
+            with window.timed("batch_s"):
+                group = [next(batches) for _ in range(config.gradient_accumulation_steps)]
+            with window.timed("train_s"):
+                step_metrics = self._optimizer_step(group, window)
             self.global_step += 1
             self.micro_batches_done += len(group)
             self._stop_if_diverged()
@@ -11260,9 +11416,9 @@ class BaseTrainer(CheckpointingMixin):
             f"max_grad_norm, or check the reward functions, then run again to resume")
 
     def _log_window(self, window: _LogWindow, step_metrics: dict[str, float]) -> None:
-        loss, tokens_per_s, metrics = window.totals(self.devices)
+        loss, metrics = window.totals(self.devices)
         row = {"loss": loss, **step_metrics, "learning_rate": self.scheduler.get_last_lr()[0], "epoch": self._epoch(),
-               "perf/tokens_per_s": tokens_per_s, **metrics}
+               **metrics}
         self.training_logger.log(self.global_step, row)
         window.reset()
 

@@ -1,8 +1,10 @@
-"""Issue 55, the parts built so far: a run folder holds one model (the final save replaces the folder's model as a
-set, a failed save leaves no temporary folder, metrics.jsonl and JSON reports are rewritten atomically), weight-sync
-folders in shared memory do not outlive their process, the calculator bounds its numbers, and reward and environment
-services get no credential through a redirect and cannot answer without bound (docs/security-review findings H3, L3,
-L4, L5, M7, M8, L1, L2)."""
+"""Issue 55's abuse suite (docs/security.md): a run folder holds one run and one model (a lock; the final save
+replaces the folder's model as a set, a killed one is refused by every loader; atomic rewrites), weight-sync folders
+in shared memory do not outlive their process, the calculator bounds its numbers, reward and environment services
+get no credential through a redirect and cannot answer without bound, and the servers are authenticated and bounded:
+hostile requests at the agent endpoint each get their expected answer, a GRPO run under them ends with an
+undisturbed run's weights, a stalled weight sync stops the run in one line. vllm-serve's part runs against a real
+server in tests/test_vllm.py."""
 
 from __future__ import annotations
 
@@ -139,6 +141,20 @@ def test_the_calculator_refuses_numbers_too_large_to_compute_cheaply(expression)
     assert rlhf.calculate("2**64") == "18446744073709551616" and rlhf.calculate("3 * (4 + 5)") == "27"
 
 
+class _JSONHandler(BaseHTTPRequestHandler):
+    """A test peer's handler: quiet, answering JSON."""
+
+    def log_message(self, *args):
+        pass
+
+    def _answer(self, body):
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
 class _Services:
     """A redirecting endpoint and the host it redirects to, which records what reaches it."""
 
@@ -146,22 +162,12 @@ class _Services:
         self.reached: list[dict] = []
         services = self
 
-        class Target(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
+        class Target(_JSONHandler):
             def do_GET(self):  # noqa: N802
                 services.reached.append(dict(self.headers))
                 self._answer({"rewards": [42.0]})
 
             do_POST = do_GET  # noqa: N815
-
-            def _answer(self, body):
-                data = json.dumps(body).encode()
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
 
         self.target = ThreadingHTTPServer(("127.0.0.1", 0), Target)
         location = f"http://localhost:{self.target.server_address[1]}/elsewhere"
@@ -558,17 +564,7 @@ class _StallingServer:
     sync that stalls (a wedged server, a rank that never joins)."""
 
     def __init__(self) -> None:
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _answer(self, body):
-                data = json.dumps(body).encode()
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
+        class Handler(_JSONHandler):
             def do_GET(self):  # noqa: N802
                 self._answer({"status": "ok", "weight_version": 0, "weight_group_size": 2, "server_id": "s",
                               "gpus": []})
