@@ -27,9 +27,9 @@ says what a contributor adds there, and docs/architecture.md walks through each:
        weight_sharding, GatherMeter, gathered_named_tensors, sharded_layout, DeepSpeedSupport, DeviceManager, smoothed,
        plot_metrics, PlainProgress, ModelShape, gpu_peak_flops, measured_cpu_peak_flops, device_peak_flops,
        TrainingLogger, optimizer_state_to_safetensors, optimizer_state_from_safetensors, capture_rng_state,
-       restore_rng_state, RunFolderLock, CheckpointManager, PreemptionGuard, CheckpointingMixin, create_optimizer,
-       EarlyStopping, find_linear_module_names, find_expert_parameter_names, apply_freeze, compile_model,
-       compile_training_step
+       restore_rng_state, RunFolderLock, releases_output_dir, CheckpointManager, PreemptionGuard, CheckpointingMixin,
+       create_optimizer, EarlyStopping, find_linear_module_names, find_expert_parameter_names, apply_freeze,
+       compile_model, compile_training_step
        add: a logging target (REPORT_TARGETS), something a checkpoint carries (CheckpointManager), an optimizer
   3. Data
        DatasetSpec, resolve_dataset, iter_raw_records, parse_record, count_placeholders, open_image, to_record,
@@ -2844,6 +2844,24 @@ class RunFolderLock:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
             self.fd = None
+
+
+def releases_output_dir(runner: Callable[..., Any]) -> Callable[..., Any]:
+    """A stage runner (``runner(config, ...)``) that lets go of the output_dir lock its run took (``_start_stage``),
+    however it ends: a run that fails before it trains would otherwise keep the folder locked for the rest of its
+    process's life (a notebook's, a test session's)."""
+    @functools.wraps(runner)
+    def run(config: Any, *args: Any, **kwargs: Any) -> Any:
+        folder = os.path.realpath(config.output_dir)
+        held_before = folder in RunFolderLock.held
+        try:
+            return runner(config, *args, **kwargs)
+        finally:
+            lock = RunFolderLock.held.get(folder)
+            if lock is not None and not held_before:
+                lock.release()
+
+    return run
 
 
 def _lock_holder(raw: bytes) -> str:
@@ -11231,10 +11249,12 @@ class BaseTrainer(CheckpointingMixin):
     # -- the loop
     def train(self) -> TrainResult:
         self.preemption = PreemptionGuard()
-        lock = RunFolderLock.hold(self.output_dir) if self.devices.is_main_process else None
+        lock = None  # taken here unless the stage's runner holds it already (then it lets go)
+        if self.devices.is_main_process:
+            if os.path.realpath(self.output_dir) not in RunFolderLock.held:
+                lock = RunFolderLock.hold(self.output_dir)
+            self.checkpoints.sweep()
         try:
-            if lock is not None:
-                self.checkpoints.sweep()
             with self.preemption:
                 return self._train()
         except TrainingPreempted:
@@ -11715,8 +11735,8 @@ def _start_stage(config: BaseConfig, devices: DeviceManager | None, records: tup
     """Output folder checks, logging, seed, records (validated before any model loads) and devices for one
     stage. ``records``: already read and split (a reward-model ensemble's members share one split)."""
     _prepare_output_dir(config)
-    if _launch_rank() == 0:  # held from before the run writes anything there until its trainer's train() ends
-        RunFolderLock.hold(config.output_dir)
+    if _launch_rank() == 0:  # held from before the run writes anything there until its runner ends
+        RunFolderLock.hold(config.output_dir)  # (releases_output_dir)
     setup_logging(log_file=Path(config.logging_dir or Path(config.output_dir) / "logs") / f"{config.stage}.log")
     set_seed(config.seed)
     if getattr(config, "precompute_ref_log_probs", "false") == "true" and config.streaming:
@@ -11843,6 +11863,7 @@ def train_sft(config: SFTConfig, devices: DeviceManager | None = None) -> TrainR
     return _train_sft_stage(config, devices, SFTTrainer)
 
 
+@releases_output_dir
 def _train_sft_stage(config: SFTConfig, devices: DeviceManager | None, trainer_class: type[SFTTrainer]) -> TrainResult:
     """What a stage that trains on SFT records runs: the policy, its datasets, the trainer (SFTTrainer or a
     subclass)."""
@@ -11968,6 +11989,7 @@ class RewardModelTrainer(BaseTrainer):
         RewardModel(self.devices.unwrap(self.policy.model), self.policy.tokenizer).load_weights(directory)
 
 
+@releases_output_dir
 def _train_reward_model(config: RewardModelConfig, devices: DeviceManager | None, records: tuple | None = None
                         ) -> TrainResult:
     records, devices = _start_stage(config, devices, records)
@@ -12168,6 +12190,7 @@ class ProcessRewardModelTrainer(RewardModelTrainer):
 
 
 @_leaves_logging_as_found
+@releases_output_dir
 def train_prm(config: ProcessRewardModelConfig, devices: DeviceManager | None = None) -> TrainResult:
     """Run the process-reward-model stage on preference pairs (step labels from the data or a labeler)."""
     records, devices = _start_stage(config, devices)
@@ -12428,6 +12451,7 @@ class _ReferenceTrainer(BaseTrainer):
                 for k in keys}
 
 
+@releases_output_dir
 def _train_policy_stage(config: BaseConfig, devices: DeviceManager | None, trainer_class: type[BaseTrainer]
                         ) -> TrainResult:
     records, devices = _start_stage(config, devices)
@@ -13523,6 +13547,7 @@ register_stage(Stage("rloo", RLOOConfig, train_grpo, GRPOTrainer, record_kind="p
 register_stage(Stage("reinforce_pp", ReinforcePPConfig, train_grpo, GRPOTrainer, record_kind="prompt"))
 
 
+@releases_output_dir
 def _train_online_stage(config: OnlineRLConfig, devices: DeviceManager | None, trainer_class: type) -> TrainResult:
     """What an online stage scored by reward functions runs: records, the rewards (a bad reward spec fails before
     the policy loads), the policy, its prompts, a reference when the config uses one, the trainer."""
@@ -13766,6 +13791,7 @@ def check_same_vocabulary(teacher_tokenizer: Any, student_tokenizer: Any, field_
 
 
 @_leaves_logging_as_found
+@releases_output_dir
 def train_distill(config: DistillConfig, devices: DeviceManager | None = None) -> TrainResult:
     """Run the distill stage: the student (model_name_or_path) learns the teacher's distributions."""
     (train_records, _, eval_records), devices = _start_stage(config, devices)
@@ -14023,6 +14049,7 @@ class PPOTrainer(_OnlineRLTrainer):
 
 
 @_leaves_logging_as_found
+@releases_output_dir
 def train_ppo(config: PPOConfig, devices: DeviceManager | None = None) -> TrainResult:
     """Run the PPO stage: reward functions, a critic (value head on the policy, or value_model), a reference."""
     records, devices = _start_stage(config, devices)

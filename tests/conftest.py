@@ -82,6 +82,7 @@ def _global_state() -> dict[str, object]:
         "torch._dynamo.config": _torch_config_values("torch._dynamo.config"),
         "torch._inductor.config": _torch_config_values("torch._inductor.config"),
         "environment variables": {k: v for k, v in os.environ.items() if not k.startswith(_SET_BY_OTHERS)},
+        "run folders locked": sorted(rlhf.RunFolderLock.held),  # a run that ended, however, lets go of its folder
         "'rlhf' logger": (rlhf_logger.level, rlhf_logger.propagate,  # pytest's own handlers come and go per phase
                           [h for h in rlhf_logger.handlers if not type(h).__module__.startswith("_pytest")]),
     }

@@ -229,7 +229,8 @@ def test_plain_progress_lines_when_output_is_not_a_terminal(tmp_path, demo_dir):
         rlhf.train_sft(config)
     lines = [r.getMessage() for r in records if r.getMessage().startswith("sft: step")]
     assert len(lines) == 3, lines
-    assert re.fullmatch(r"sft: step 3/3 \(100%\), [\d.]+ (steps/s|s/step), eta 0s, loss \d+\.\d{4}", lines[-1]), lines
+    assert re.fullmatch(r"sft: step 3/3 \(100%\), [\d.]+ (steps/s|s/step), eta 0s, loss \d+\.\d{4} "
+                        r"\(\d+ tok/s, MFU [\d.]+%\)", lines[-1]), lines
 
 
 def test_plain_progress_waits_for_its_interval():
