@@ -147,7 +147,7 @@ def test_resumed_run_keeps_the_original_anchor(sft_model, demo_dir, tmp_path):
     config = _dpo(sft_model, demo_dir, tmp_path, ewc_lambda=1000.0, max_steps=6, save_steps=3,
                   resume_from_checkpoint="auto")
     with rlhf.logging_restored():  # _start_stage sets up the stage's logging, as a stage runner's body would
-        _resume_keeps_anchor(config, tmp_path, sft_model)
+        rlhf.releases_output_dir(_resume_keeps_anchor)(config, tmp_path, sft_model)  # as a stage runner lets go
 
 
 def _resume_keeps_anchor(config: rlhf.DPOConfig, tmp_path: Path, sft_model: Path) -> None:
