@@ -2039,6 +2039,21 @@ def run_folder(kind: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=f"rlhf-{kind}-{os.getpid()}-", dir=root))
 
 
+def private_folder(given: Path) -> tuple[Path, bool]:
+    """Where to write weights for a server in a folder the user named: the folder itself when it is the user's own
+    and nobody else may write in it; a new private folder inside it (and True: remove it when done) when others
+    may write there (/dev/shm, /tmp: another local user could read the weights or swap a shard between the write
+    and the load); ValueError for a folder another user owns."""
+    given.mkdir(parents=True, exist_ok=True)
+    status = given.stat()
+    if hasattr(os, "getuid") and status.st_uid != os.getuid():
+        raise ValueError(f"vllm_sync_dir {given} belongs to another user (uid {status.st_uid}); give a folder of your "
+                         f"own")
+    if status.st_mode & 0o022:  # group or others may write: a folder of our own inside it (mkdtemp: mode 0700)
+        return Path(tempfile.mkdtemp(prefix=f"rlhf-vllm-sync-{os.getpid()}-", dir=given)), True
+    return given, False
+
+
 def _process_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -2676,8 +2691,9 @@ class VLLMClient:
             raise ValueError(f"weight_transfer '{weight_transfer}' is not one of auto, {', '.join(WEIGHT_TRANSFERS)}")
         self.url, self.timeout, self.retries, self.backoff = f"http://{host}:{port}", timeout, retries, backoff
         self.host, self.port, self.weight_transfer = host, port, weight_transfer
-        self.owned_sync_dir = not sync_dir  # made here, so removed by close()
-        self.sync_dir = Path(sync_dir) if sync_dir else run_folder("vllm-sync")
+        # made here (or a private one inside a shared folder the user gave), so removed by close()
+        self.sync_dir, self.owned_sync_dir = private_folder(Path(sync_dir)) if sync_dir else (run_folder("vllm-sync"),
+                                                                                              True)
         self.last_load: tuple[str, Any] | None = None  # how the last weights went, and what can send them again
         self.weight_version = 0  # the server's count of loads once it had ours
         self.group: tuple | None = None  # collective: (store, process group, key, backend, server_id) once joined

@@ -9705,18 +9705,26 @@ def _vllm_server_engine(context: EngineContext) -> VLLMClient | VLLMServerPool:
     addresses = ([str(entry).split("://")[-1].rstrip("/").rsplit(":", 1) for entry in config.vllm_servers]
                  if config.vllm_servers else [(config.vllm_server_host, config.vllm_server_port)])
     run, label = server_run_identity(config.output_dir)
-    clients = [VLLMClient(host, int(port), timeout=config.vllm_server_timeout, retries=config.vllm_server_retries,
-                          sync_dir=(Path(config.vllm_sync_dir) / f"server-{i}" if config.vllm_sync_dir and
-                                    len(addresses) > 1 else config.vllm_sync_dir), weight_transfer=transfer,
-                          in_flight=context.in_flight_updates, run=run, run_label=label,
-                          sync_timeout=config.sync_timeout)
-               for i, (host, port) in enumerate(addresses)]
+    try:
+        clients = _vllm_clients(config, addresses, transfer, context.in_flight_updates, run, label)
+    except ValueError as error:  # a sync folder another user owns
+        raise RLHFInputError(f"config field 'vllm_sync_dir': {error}") from None
     if len(clients) == 1:
         clients[0].health()
         return clients[0]
     pool = VLLMServerPool(clients)
     pool.health()
     return pool
+
+
+def _vllm_clients(config: OnlineRLConfig, addresses: list, transfer: str, in_flight: bool, run: str,
+                  label: str) -> list[VLLMClient]:
+    """One client per server address, each writing its syncs to a folder of its own."""
+    return [VLLMClient(host, int(port), timeout=config.vllm_server_timeout, retries=config.vllm_server_retries,
+                       sync_dir=(Path(config.vllm_sync_dir) / f"server-{i}" if config.vllm_sync_dir and
+                                 len(addresses) > 1 else config.vllm_sync_dir), weight_transfer=transfer,
+                       in_flight=in_flight, run=run, run_label=label, sync_timeout=config.sync_timeout)
+            for i, (host, port) in enumerate(addresses)]
 
 
 VLLM_START_SECONDS = 10.0  # a colocated vLLM's start (weights to shared memory, engine, KV cache): 2-10 s on a CPU

@@ -621,3 +621,22 @@ def test_announced_weights_must_be_the_models_own(tmp_path):
         with pytest.raises(ValueError, match=why):
             io.check_announced_weights(shapes, announced)
     io.check_announced_weights(io.checkpoint_shapes(str(tmp_path / "hub-id")), [["anything", "float32", [1]]])
+
+
+def test_a_sync_folder_others_may_write_in_gets_a_private_folder_and_another_users_is_refused(tmp_path):
+    """The review's L7: a vllm_sync_dir in a shared folder was used as found, so another local user could read the
+    weights or swap a shard between the write and the load."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)  # as /dev/shm and /tmp are
+    client = io.VLLMClient("127.0.0.1", 9, sync_dir=shared)
+    assert client.sync_dir.parent == shared and client.sync_dir.stat().st_mode & 0o777 == 0o700
+    client.close()
+    assert not client.sync_dir.exists() and shared.exists()
+    own = tmp_path / "own"
+    own.mkdir(mode=0o755)
+    assert io.private_folder(own) == (own, False)  # the user's own folder is used as given
+    if os.getuid() == 0:  # only root can give a folder away
+        os.chown(own, 12345, -1)
+        with pytest.raises(ValueError, match="belongs to another user \\(uid 12345\\)"):
+            io.private_folder(own)
