@@ -88,12 +88,12 @@ def test_precomputed_reference_log_probs_are_split_across_processes(tmp_path, ti
     """Each process computes every other batch of reference log-probs and both receive all of them:
     the DPO losses equal one process's (which computes every batch itself). 48 pairs in batches of 10
     are 5 batches: the main process computes 3, the other 2 (and repeats one, in step)."""
-    one = _train(tmp_path / "one", processes=1, accumulation=2, stage="dpo", args=DPO)
+    one = _train(tmp_path / "one", processes=1, accumulation=2, stage="dpo", args=DPO, here=True)
     two = _train(tmp_path / "two", processes=2, accumulation=1, stage="dpo", args=DPO)
     assert len(one) == len(two) == 3
     for step, (a, b) in enumerate(zip(one, two), start=1):
         assert abs(a - b) <= 1e-5 * abs(a), f"step {step}: one process {a!r}, two processes {b!r}"
-    assert "(5 batches by this process of 1)" in " ".join((tmp_path / "one" / "launch.log").read_text().split())
+    assert "(5 batches by this process of 1)" in " ".join((tmp_path / "one" / "logs" / "dpo.log").read_text().split())
     assert "(3 batches by this process of 2)" in " ".join((tmp_path / "two" / "launch.log").read_text().split())
 
 
