@@ -424,10 +424,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+STARTED_SERVERS: list[subprocess.Popen] = []  # every vllm-serve this module started: none outlives it
+
+
 def _start_server(model_dir: Path, port: int, *extra: str) -> subprocess.Popen:
     process = subprocess.Popen([sys.executable, str(REPO / "rlhf.py"), "vllm-serve", "--model", str(model_dir),
                                 "--port", str(port), *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True)
+    STARTED_SERVERS.append(process)
     client = io.VLLMClient("127.0.0.1", port, retries=1)
     deadline = time.time() + 180
     while time.time() < deadline:
@@ -446,6 +450,16 @@ def _stop(process: subprocess.Popen) -> None:
     process.kill()
     process.wait(timeout=30)
     process.stdout.close()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_server_left_behind():
+    """A test that fails between starting a server and stopping it (a restarted one, in a thread) would leave a
+    vllm-serve process holding its memory after the suite: stopped here, whatever the tests did."""
+    yield
+    for process in STARTED_SERVERS:
+        if process.poll() is None:
+            _stop(process)
 
 
 @pytest.fixture(scope="module", autouse=True)
