@@ -30,6 +30,7 @@ import copy
 import dataclasses
 import functools
 import gc
+import hmac
 import importlib.util
 import inspect
 import json
@@ -1671,7 +1672,7 @@ def weight_store(host: str, port: int, world_size: int, *, is_master: bool, time
     wait = datetime.timedelta(seconds=timeout)
     if not is_master:
         return TCPStore(host, port, world_size, is_master=False, timeout=wait, wait_for_workers=False)
-    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    listener = socket.socket(_address_family(host), socket.SOCK_STREAM)
     try:
         listener.bind((host, port))
         listener.listen(128)
@@ -1689,9 +1690,15 @@ def route_address(host: str, port: int) -> str:
     nothing); OSError when there is no route."""
     import socket
 
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as probe:
+    with socket.socket(_address_family(host), socket.SOCK_DGRAM) as probe:
         probe.connect((host, port))
         return probe.getsockname()[0]
+
+
+def _address_family(host: str) -> int:
+    import socket
+
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
 def weight_group(store, rank: int, world_size: int, backend: str, timeout: float, address: str | None = None):
@@ -2337,8 +2344,6 @@ class HTTPRefusal(Exception):
 
 def bearer_matches(header: str | None, key: str) -> bool:
     """Whether an ``Authorization`` header carries ``Bearer <key>``, compared in constant time (hmac)."""
-    import hmac
-
     scheme, _, given = (header or "").partition(" ")
     return hmac.compare_digest(given.strip().encode(), key.encode()) and scheme.lower() == "bearer"
 
@@ -2523,7 +2528,6 @@ class VLLMServer:
         self.http = BoundedJSONServer(self.route, host, port, idle_seconds=idle_seconds, name="vllm-serve",
                                       authorize=lambda method, path, headers: require_bearer(headers, api_key,
                                                                                              "this vLLM server"))
-        self.httpd = self.http.httpd
 
     def route(self, method: str, path: str, headers: Any, request: dict) -> tuple[int, dict]:
         """A request's status and answer (a handler thread of BoundedJSONServer, once the caller's key is checked)."""
@@ -2612,7 +2616,7 @@ class VLLMServer:
         if "held" not in answer:
             raise HTTPRefusal(400, f"the weight group's host {host}:{port} did not answer within "
                               f"{GROUP_CHECK_SECONDS:g} s ({answer.get('error', 'no answer')})")
-        if not bearer_matches(f"Bearer {answer['held']}", key):
+        if not hmac.compare_digest(answer["held"].encode(), key.encode()):
             raise HTTPRefusal(400, f"the weight group's host {host}:{port} does not hold key {key}")
 
     def _update(self, path: str, request: dict) -> dict:
@@ -2649,10 +2653,10 @@ class VLLMServer:
         logger.info("vLLM server on http://%s:%d (GET /health, POST /generate /load_weights /init_weight_group "
                     "/load_adapter /reset_prefix_cache /release)", self.http.host, self.http.port)
         try:
-            self.httpd.serve_forever()
+            self.http.httpd.serve_forever()
         finally:
             self.loop.close()
-            self.httpd.server_close()
+            self.http.httpd.server_close()
 
 
 WEIGHT_TRANSFERS = ("files", "collective")

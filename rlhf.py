@@ -210,6 +210,7 @@ from inference_optimizations import (
     cache_argument,
     encode_at_boundaries,
     innermost_model,
+    is_loopback,
     pin_cpu_kernels,
     require_bearer,
     returned_cache,
@@ -2716,12 +2717,8 @@ def write_text_atomic(path: Path, text: str) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    with contextlib.suppress(OSError):  # a folder cannot be opened for fsync on every platform
-        folder = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(folder)
-        finally:
-            os.close(folder)
+    with contextlib.suppress(OSError):  # a folder cannot be opened for fsync on every file system
+        _fsync_directory(path.parent)
 
 
 # what a model loader reads from a model folder (transformers, PEFT, vLLM, this project's heads): a final save deletes
@@ -2795,7 +2792,8 @@ class RunFolderLock:
     pid, host and start time written inside, so that a second run into the folder (which would sweep the first's
     checkpoint in the making, roll its checkpoints away and resume from them) is refused in one line naming the
     holder. The kernel drops the lock with its process: a killed run's lock is taken over by the next run.
-    ``hold(folder)`` is the one this process holds for a folder (taken at most once per folder); ``release``."""
+    ``hold(folder)`` is the one this process holds for a folder (taken at most once per folder); ``release``;
+    ``for_run(folder)`` holds it for a block."""
 
     name = ".rlhf.lock"
     held: dict[str, RunFolderLock] = {}  # folder (real path) -> this process's lock of it
@@ -2809,6 +2807,22 @@ class RunFolderLock:
         if key not in cls.held:
             cls.held[key] = cls(folder)._acquire()
         return cls.held[key]
+
+    @classmethod
+    @contextlib.contextmanager
+    def for_run(cls, folder: str | os.PathLike, *, take: bool = True) -> Iterator[None]:
+        """The folder held through the block (``take``: taken now; else only a lock the block takes, as a stage runner's
+        ``_start_stage`` does) and let go of after it, however it ends, unless this process held it before."""
+        key = os.path.realpath(folder)
+        held_before = key in cls.held
+        if take:
+            cls.hold(folder)
+        try:
+            yield
+        finally:
+            lock = cls.held.get(key)
+            if lock is not None and not held_before:
+                lock.release()
 
     def _acquire(self) -> RunFolderLock:
         import fcntl
@@ -2852,14 +2866,8 @@ def releases_output_dir(runner: Callable[..., Any]) -> Callable[..., Any]:
     process's life (a notebook's, a test session's)."""
     @functools.wraps(runner)
     def run(config: Any, *args: Any, **kwargs: Any) -> Any:
-        folder = os.path.realpath(config.output_dir)
-        held_before = folder in RunFolderLock.held
-        try:
+        with RunFolderLock.for_run(config.output_dir, take=False):
             return runner(config, *args, **kwargs)
-        finally:
-            lock = RunFolderLock.held.get(folder)
-            if lock is not None and not held_before:
-                lock.release()
 
     return run
 
@@ -9689,7 +9697,7 @@ def server_run_identity(output_dir: str | os.PathLike) -> tuple[str, str]:
     import socket
 
     master = os.environ.get("MASTER_ADDR", "")
-    host = master if master and master not in ("127.0.0.1", "localhost", "::1") else socket.gethostname()
+    host = master if master and not is_loopback(master) else socket.gethostname()
     folder = os.path.realpath(output_dir)
     return hashlib.sha256(f"{host}\0{folder}".encode()).hexdigest()[:32], f"{folder} on {host}"
 
@@ -11051,9 +11059,9 @@ class _LogWindow:
 
     def add(self, batch: dict[str, torch.Tensor], metrics: dict[str, float]) -> None:
         """One micro-batch's tokens, FLOPs and metrics (its loss comes with the step's, once the step updates)."""
-        lengths = (batch["attention_mask"].reshape(-1, batch["attention_mask"].shape[-1]).sum(-1).tolist()
-                   if "attention_mask" in batch else [batch["input_ids"].shape[-1]] * (batch["input_ids"].numel()
-                                                                                     // batch["input_ids"].shape[-1]))
+        rows = batch.get("attention_mask", batch["input_ids"])
+        rows = rows.reshape(-1, rows.shape[-1])
+        lengths = rows.sum(-1).tolist() if "attention_mask" in batch else [rows.shape[-1]] * rows.shape[0]
         self.tokens += int(sum(lengths))
         labels = batch.get("labels")
         self.trained += int((labels != IGNORE_INDEX).sum()) if isinstance(labels, torch.Tensor) else int(sum(lengths))
@@ -11257,24 +11265,20 @@ class BaseTrainer(CheckpointingMixin):
     # -- the loop
     def train(self) -> TrainResult:
         self.preemption = PreemptionGuard()
-        lock = None  # taken here unless the stage's runner holds it already (then it lets go)
-        if self.devices.is_main_process:
-            if os.path.realpath(self.output_dir) not in RunFolderLock.held:
-                lock = RunFolderLock.hold(self.output_dir)
-            self.checkpoints.sweep()
-        try:
-            with self.preemption:
-                return self._train()
-        except TrainingPreempted:
-            raise
-        except KeyboardInterrupt as interrupt:
-            progress = getattr(getattr(self, "training_logger", None), "_progress", None)
-            if progress is not None:
-                progress.stop()
-            raise TrainingInterrupted(self._resume_advice()) from interrupt
-        finally:
-            if lock is not None:
-                lock.release()
+        # the main process holds the folder (its stage runner may hold it already, and then lets go of it itself)
+        with RunFolderLock.for_run(self.output_dir, take=self.devices.is_main_process):
+            if self.devices.is_main_process:
+                self.checkpoints.sweep()
+            try:
+                with self.preemption:
+                    return self._train()
+            except TrainingPreempted:
+                raise
+            except KeyboardInterrupt as interrupt:
+                progress = getattr(getattr(self, "training_logger", None), "_progress", None)
+                if progress is not None:
+                    progress.stop()
+                raise TrainingInterrupted(self._resume_advice()) from interrupt
 
     def _preempted(self) -> bool:
         """Whether a stop signal reached any process (all of them then stop after the same step, so their
@@ -15473,9 +15477,8 @@ class RLHFOrchestrator:
                 logger.warning("stage %s rolled back (%s); the next stage starts from %s", stage, entry["reason"],
                                config.model_name_or_path)
         if self.is_main_process:
-            _write_json_atomic(Path(config.output_dir) / STAGE_MARKER, {
-                "fingerprint": fingerprint, "complete": True,
-                "resume_fingerprint": self._stage_fingerprint(config, BaseTrainer.RESUME_NEUTRAL_FIELDS)})
+            marker = Path(config.output_dir) / STAGE_MARKER  # written as started by _prepare_output_dir
+            _write_json_atomic(marker, {**json.loads(marker.read_text()), "complete": True})
         return entry
 
     def _record(self, entry: dict[str, Any]) -> None:
@@ -15597,12 +15600,8 @@ class RLHFOrchestrator:
         and pipeline_summary.png. Returns this run's entries."""
         started = time.time()
         self.check_inputs()
-        lock = RunFolderLock.hold(self.output_dir) if self.is_main_process else None  # one pipeline per folder
-        try:
+        with RunFolderLock.for_run(self.output_dir, take=self.is_main_process):  # one pipeline per folder
             return self._run_stages(started)
-        finally:
-            if lock is not None:
-                lock.release()
 
     def _run_stages(self, started: float) -> list[dict[str, Any]]:
         if self.is_main_process:
