@@ -677,6 +677,8 @@ class BaseConfig:
                     "save_total_limit", "eval_max_new_tokens", "max_nonfinite_steps")
         for name in positive:
             _check(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
+        _check(self.mfu_peak_flops is None or self.mfu_peak_flops > 0, "mfu_peak_flops",
+               f"must be the device's peak FLOP/s (> 0), got {self.mfu_peak_flops}")
         for name in ("weight_decay", "max_grad_norm", "warmup_steps", "save_steps", "eval_steps",
                      "buffer_size", "dataloader_num_workers", "num_train_epochs", "val_size"):
             _check(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}")

@@ -49,6 +49,8 @@ def test_the_peak_is_a_known_gpus_or_this_cpus_measured_rate(tmp_path, monkeypat
 
     monkeypatch.setattr(torch, "mm", no_matmul)
     assert rlhf.measured_cpu_peak_flops(tmp_path, threads=1, size=128) == measured  # once per machine
+    with pytest.raises(rlhf.RLHFInputError, match="'mfu_peak_flops' must be the device's peak FLOP/s"):
+        rlhf.SFTConfig(mfu_peak_flops=0)
     progress = rlhf.PlainProgress("sft", 10, 0, 60.0)
     progress.update(loss="0.5", speed="812 tok/s, MFU 3.1%")
     assert progress.line(progress.began + 1).endswith("loss 0.5 (812 tok/s, MFU 3.1%)")
